@@ -1,0 +1,240 @@
+"""GPT-J as plain math.
+
+Parameter names match HF's GPTJForCausalLM (`transformer.h.0.attn.q_proj.weight`,
+...) so loading a checkpoint is a copy with every shape asserted. The math follows
+EleutherAI's mesh-transformer-jax and HF's port of it:
+
+    h = wte(ids)
+    for each layer:  x = ln_1(h);  h = h + attn(x) + mlp(x)      # attn and mlp in parallel
+    logits = lm_head(ln_f(h))                                    # untied, with bias; float32
+
+Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim, E n_embd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptj.config import GPTJConfig
+
+ROPE_BASE = 10000.0
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GELU, written as HF's NewGELUActivation so results match bit for bit."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def rope_table(n_positions: int, rope_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """(n_positions, rope_dim) float32: [sin | cos] of position * 10000^(-2i/rope_dim)."""
+    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, rope_dim, 2, dtype=torch.int64, device=device) / rope_dim))
+    angles = torch.arange(n_positions, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+    return torch.cat((torch.sin(angles), torch.cos(angles)), dim=1)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's interleaved rotation: pairs (x0, x1), (x2, x3), ... become (-x1, x0), (-x3, x2), ..."""
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, R); sin, cos: (B, T, R/2), each angle used for one pair of dims."""
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, dim=3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, dim=3)
+    return x * cos + rotate_every_two(x) * sin
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for `max_len` positions.
+
+    k[layer], v[layer]: (B, H, max_len, D). Positions [0, length) are filled; a forward
+    pass writes its T new positions after them and attends over [0, length + T).
+    """
+
+    def __init__(self, config: GPTJConfig, batch_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, T, D) after the filled positions; return all keys and values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b becomes old row index[b] (beam search keeps the beams it selected)."""
+        n = self.length
+        for cache in (self.k, self.v):
+            for layer, t in enumerate(cache):
+                if t.shape[0] == index.shape[0]:
+                    t[:, :, :n] = t[:, :, :n].index_select(0, index)
+                else:  # batch size changes: allocate anew
+                    cache[layer] = t.index_select(0, index)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTJConfig) -> None:
+        super().__init__()
+        E = config.n_embd
+        self.n_head, self.head_dim, self.rope_dim = config.n_head, config.head_dim, config.rope_dim
+        self.q_proj = nn.Linear(E, E, bias=False)
+        self.k_proj = nn.Linear(E, E, bias=False)
+        self.v_proj = nn.Linear(E, E, bias=False)
+        self.out_proj = nn.Linear(E, E, bias=False)
+
+    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+
+        # Rotary on the first rope_dim dims of each head only.
+        R = self.rope_dim
+        q = torch.cat([apply_rotary(q[..., :R], sin, cos), q[..., R:]], dim=-1).transpose(1, 2)
+        k = torch.cat([apply_rotary(k[..., :R], sin, cos), k[..., R:]], dim=-1).transpose(1, 2)
+
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, H, S, D)
+
+        # Scores and softmax in float32, scaled by sqrt(D), as HF GPTJAttention._attn.
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + mask, dim=-1).to(v.dtype)  # (B, H, T, S)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, E)
+        return self.out_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTJConfig) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(config.n_embd, config.inner_dim)
+        self.fc_out = nn.Linear(config.inner_dim, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(gelu_new(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTJConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = Attention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = self.ln_1(h)
+        # Same summation order as HF: attn + mlp + residual.
+        return self.attn(x, sin, cos, mask, cache, layer) + self.mlp(x) + h
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: GPTJConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+
+def causal_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Additive float32 mask (B, 1, T, S) from a (B, S) padding mask whose last T entries are the queries.
+
+    Query i (absolute position S - T + i) sees key j if j <= S - T + i and key j is not padding.
+    Masked entries get float32's most negative value (not -inf), so a row that sees nothing
+    (a padding query) stays finite, as in HF.
+    """
+    B, S = attention_mask.shape
+    q_pos = torch.arange(S - T, S, device=attention_mask.device)[:, None]  # (T, 1)
+    k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
+    allowed = (k_pos <= q_pos)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    zero = torch.zeros((), dtype=torch.float32, device=attention_mask.device)
+    return torch.where(allowed, zero, torch.finfo(torch.float32).min)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Position of each of the last T tokens: count of real tokens before it (HF generate's rule)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    pos = pos.masked_fill(attention_mask == 0, 1)
+    return pos[:, -T:]
+
+
+class GPTJForCausalLM(nn.Module):
+    def __init__(self, config: GPTJConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = Transformer(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
+        # [sin | cos] per position, float32; not saved (rebuilt after loading on the meta device).
+        self.register_buffer("rope", rope_table(config.n_positions, config.rope_dim), persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Rebuild non-persistent buffers (after `load_state_dict(assign=True)` from the meta device)."""
+        device = device if device is not None else self.lm_head.weight.device
+        self.rope = rope_table(self.config.n_positions, self.config.rope_dim, device=torch.device(device))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits (B, T', vocab) in float32 for the T new tokens (the last `logits_to_keep` if > 0).
+
+        input_ids: (B, T) new tokens. attention_mask: (B, past + T), 1 for tokens, 0 for padding;
+        None means no padding. position_ids: (B, T); by default derived from the mask.
+        cache: filled with this call's keys/values and advanced by T.
+        """
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, past + T):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, T)
+        if int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
+
+        h = self.transformer.wte(input_ids)  # (B, T, E)
+        sincos = self.rope[position_ids].to(h.dtype)  # (B, T, R); cast as HF casts to the key dtype
+        sin, cos = sincos.chunk(2, dim=-1)
+        mask = causal_mask(attention_mask, T)
+        for i, block in enumerate(self.transformer.h):
+            h = block(h, sin, cos, mask, cache, i)
+        if cache is not None:
+            cache.length += T
+        if logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        return self.lm_head(self.transformer.ln_f(h)).float()
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        w = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device)
+
+
+def build_model(config: GPTJConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> GPTJForCausalLM:
+    """A model of `dtype` on `device`; on 'meta' it has shapes only (for loading with assign=True)."""
+    with torch.device(device):
+        model = GPTJForCausalLM(config)
+    model.to(dtype)
+    model.init_buffers(device)  # the rotary table stays float32 whatever the weights' dtype
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
