@@ -1,0 +1,234 @@
+"""The `gptj` command: subcommands map flags onto the typed configs.
+
+User errors (GptjError) print one line and exit 1; --debug shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from gptj.errors import GptjError
+
+EXIT_USER_ERROR = 1
+
+
+def _ids(text: str) -> list[int]:
+    """'1,2, 3' or '1 2 3' -> [1, 2, 3]."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+# --- subcommands -------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from gptj.config import get_preset
+    from gptj.runtime import parse_dtype
+    from gptj.weights.io import random_state_dict, save_checkpoint
+
+    config = get_preset(args.preset)
+    sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype))
+    out = save_checkpoint(sd, config, args.out, overwrite=args.force)
+    print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from gptj.runtime import parse_dtype
+    from gptj.weights.io import convert
+
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    out = convert(args.src, args.out, fmt=args.fmt, dtype=dtype, config=args.config,
+                  overwrite=args.force, progress=not args.quiet)
+    print(f"wrote {out}")
+    return 0
+
+
+def _load_tokenizer_for(model_dir: str | None):
+    from gptj.tokenizer import load_tokenizer
+
+    if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
+        return load_tokenizer(model_dir)
+    return load_tokenizer()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from gptj.decode import GenerationConfig, generate
+    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.weights.io import load_model
+
+    if not args.prompt and not args.prompt_ids:
+        raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    gen = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    )
+    tok = _load_tokenizer_for(args.model)
+    prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise GptjError(f"prompt {i + 1} is empty")
+    device = resolve_device(args.device)
+    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
+    with torch.inference_mode():
+        outputs = generate(model, prompts, gen)
+    for prompt, new in zip(prompts, outputs):
+        text = tok.decode(new)
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt, "token_ids": new, "text": text}, ensure_ascii=False))
+        else:
+            print(text)
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    tok = _load_tokenizer_for(args.tokenizer)
+    texts = args.text if args.text else [sys.stdin.read()]
+    for text in texts:
+        ids = tok.encode(text)
+        print(json.dumps(ids) if args.json else ",".join(map(str, ids)))
+    return 0
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    tok = _load_tokenizer_for(args.tokenizer)
+    if args.ids:
+        rows = args.ids
+    else:  # one sequence per line on stdin, as FasterTransformer's token converter reads a CSV
+        rows = []
+        for n, line in enumerate(sys.stdin, 1):
+            if line.strip():
+                try:
+                    rows.append(_ids(line.strip().strip("[]")))
+                except argparse.ArgumentTypeError as e:
+                    raise GptjError(f"stdin line {n}: {e}") from None
+    for ids in rows:
+        text = tok.decode(ids)
+        print(json.dumps(text, ensure_ascii=False) if args.json else text)
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gptj import __version__
+    from gptj.config import PRESETS
+    from gptj.runtime import DTYPE_NAMES
+
+    parser = argparse.ArgumentParser(prog="gptj", description="An exact, fast GPT-J 6B.")
+    parser.add_argument("--version", action="version", version=f"gptj {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("init", help="write a model with deterministic random weights",
+                       description="Write a model with deterministic random weights in the canonical format.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=_nonnegative, default=0)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to gptj's canonical (HF-compatible) format",
+                       description="Convert an HF GPT-J directory or a mesh-transformer-jax slim checkpoint "
+                                   "(step_383500/) to the canonical HF-compatible directory.")
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("--from", dest="fmt", choices=("auto", "hf", "mtj"), default="auto", help="source format")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="convert weights to this dtype (default: as stored)")
+    p.add_argument("--config", help="for slim checkpoints: a preset name or config.json (default gptj-6b)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text from prompts",
+                       description="Generate from one or more prompts (together they form one batch).")
+    p.add_argument("--model", required=True, help="model directory (HF / gptj format)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="1,2,3",
+                   help="a prompt as token ids (repeatable)")
+    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--min-new-tokens", type=_nonnegative, default=0)
+    p.add_argument("--num-beams", type=_positive, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=_nonnegative, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
+    p.add_argument("text", nargs="*", help="texts (default: all of stdin as one text)")
+    p.add_argument("--tokenizer", help="a directory with tokenizer.json (default: GPT-J's)")
+    p.add_argument("--json", action="store_true", help="print JSON lists")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("detokenize", help="token ids to text",
+                       description="Token ids to text; ids as arguments, or one comma-separated row per stdin line.")
+    p.add_argument("ids", nargs="*", type=_ids, help="comma-separated ids, one sequence per argument")
+    p.add_argument("--tokenizer", help="a directory with tokenizer.json (default: GPT-J's)")
+    p.add_argument("--json", action="store_true", help="print each text as a JSON string")
+    p.set_defaults(func=cmd_detokenize)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except GptjError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"gptj {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"gptj {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"gptj {args.command}: error: out of memory (try --dtype bfloat16)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as e:  # noqa: BLE001 - a bug, not user input: one line unless --debug
+        if args.debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"gptj {args.command}: internal error: {type(e).__name__}: {msg} (rerun with --debug for details)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Generation with HF transformers' semantics: greedy, sampling and beam search.
+
+Small free functions around `GPTJForCausalLM.forward` and its `KVCache`, meant to give the
+same tokens as `transformers.GPTJForCausalLM.generate` (transformers 5.x) for the same
+settings. The tests check this against HF itself.
+
+Conventions:
+  * Prompts are lists of token ids. Several prompts form one LEFT-padded batch (pad id
+    `pad_token_id`, attention mask 0 on pads); positions count real tokens only, as HF does.
+  * The result of each prompt is its NEW tokens, up to and including the first EOS if one
+    was generated. This is HF's output with the prompt removed and cut after the first EOS
+    (HF pads the rest of the row with `pad_token_id`, which for GPT-J is EOS itself).
+
+Shapes: B prompts, T padded prompt length, V vocabulary, K beams, L = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gptj.errors import GptjError
+from gptj.model import GPTJForCausalLM
+
+EOS_TOKEN_ID = 50256  # <|endoftext|>; GPT-J has no pad token and pads with EOS
+# MLPerf inference gptj-99: inputs are truncated to 1919 tokens (the tokenizer's model_max_length
+# with truncation=True, which keeps the first 1919), so 1919 + 128 new tokens fit in 2048 positions.
+MAX_INPUT_TOKENS = 1919
+
+# HF marks impossible beams with this score instead of -inf, so sums stay finite.
+_NEG = -1.0e9
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode. Field names and meanings are HF's `GenerationConfig` ones.
+
+    Decoding: greedy by default; `do_sample=True` samples (temperature → top_k → top_p, in HF's
+    order; temperature 0 means greedy); `num_beams > 1` is beam search (sampling with beams is
+    not supported). `min_new_tokens` forbids EOS before that many new tokens.
+    `top_k` None or 0 and `top_p` 1.0 disable those filters (note HF's own default top_k is 50).
+    `seed` makes sampling reproducible (a private torch.Generator); None uses torch's global RNG,
+    so `torch.manual_seed(s)` then sampling gives the same tokens as HF's generate after it.
+    Beam search: a hypothesis scores sum(log p) / new_len ** length_penalty; `early_stopping`
+    True stops a prompt once it has num_beams finished hypotheses, False/"never" as in HF.
+    `eos_token_id` None never stops early.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = True
+    eos_token_id: int | None = EOS_TOKEN_ID
+    pad_token_id: int = EOS_TOKEN_ID
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        _check_int("num_beams", self.num_beams, minimum=1)
+        if not isinstance(self.do_sample, bool):
+            raise GptjError(f"do_sample must be true or false, got {self.do_sample!r}")
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise GptjError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, minimum=0)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise GptjError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        _check_float("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise GptjError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if self.eos_token_id is not None:
+            _check_int("eos_token_id", self.eos_token_id, minimum=0)
+        _check_int("pad_token_id", self.pad_token_id, minimum=0)
+        if self.do_sample and self.num_beams > 1:
+            raise GptjError(f"sampling with beam search (do_sample=True, num_beams={self.num_beams}) is not "
+                            "supported; use num_beams=1 to sample or do_sample=False for beam search")
+
+    @classmethod
+    def mlperf(cls, **overrides: Any) -> GenerationConfig:
+        """MLPerf inference gptj-99 (CNN/DailyMail summarization): beam search, 4 beams,
+        30 to 128 new tokens, early stopping. Inputs are truncated to MAX_INPUT_TOKENS."""
+        settings: dict[str, Any] = dict(num_beams=4, min_new_tokens=30, max_new_tokens=128, early_stopping=True)
+        settings.update(overrides)
+        return cls(**settings)
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def sampling(self) -> bool:
+        """True when tokens are drawn at random (temperature 0 is greedy, the limit it tends to)."""
+        return self.do_sample and self.temperature > 0
+
+    @property
+    def method(self) -> str:
+        return "beam" if self.num_beams > 1 else "sample" if self.sampling else "greedy"
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise GptjError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise GptjError(f"{name} must be a finite number, got {value!r}")
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+
+def check_prompts(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> None:
+    """GptjError unless `prompts` is a non-empty list of non-empty lists of in-vocabulary ids
+    whose longest one leaves room for max_new_tokens within n_positions."""
+    config = model.config
+    V = config.vocab_size
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise GptjError("prompts must be a non-empty list of token id lists")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise GptjError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise GptjError(f"prompt {i} is empty; every prompt needs at least one token")
+        for t in prompt:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < V:
+                raise GptjError(f"prompt {i} has token id {t!r} outside the vocabulary [0, {V})")
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(gen, name)
+        if value is not None and value >= V:
+            raise GptjError(f"{name} {value} is outside the vocabulary [0, {V})")
+    longest = max(len(p) for p in prompts)
+    if longest + gen.max_new_tokens > config.n_positions:
+        raise GptjError(f"prompt of {longest} tokens + max_new_tokens {gen.max_new_tokens} exceeds the model's "
+                        f"{config.n_positions} positions; shorten the prompt (MLPerf truncates to "
+                        f"{MAX_INPUT_TOKENS}) or lower max_new_tokens")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (B, T) and attention_mask (B, T) int64, prompts right-aligned, pads masked with 0."""
+    T = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, T - len(prompt):] = torch.tensor([int(t) for t in prompt], dtype=torch.long)
+        attention_mask[b, T - len(prompt):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _cut_at_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
+    if eos_token_id is not None and eos_token_id in tokens:
+        return tokens[: tokens.index(eos_token_id) + 1]
+    return tokens
+
+
+# --- logits processors (HF's, in HF's order) ----------------------------------------------
+
+
+def block_eos(scores: torch.Tensor, n_new: int, gen: GenerationConfig) -> torch.Tensor:
+    """HF's MinNewTokensLengthLogitsProcessor: EOS gets -inf while fewer than min_new_tokens
+    tokens have been generated (`n_new` so far). scores: (N, V)."""
+    if gen.eos_token_id is not None and n_new < gen.min_new_tokens:
+        scores = scores.clone()
+        scores[:, gen.eos_token_id] = -math.inf
+    return scores
+
+
+def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """HF's TopKLogitsWarper: -inf below the k-th largest score (ties with it are kept)."""
+    k = min(k, scores.shape[-1])
+    kth = torch.topk(scores, k).values[..., -1:]  # (N, 1)
+    return scores.masked_fill(scores < kth, -math.inf)
+
+
+def top_p_filter(scores: torch.Tensor, p: float) -> torch.Tensor:
+    """HF's TopPLogitsWarper: keep the smallest set of top tokens whose probability reaches p.
+
+    Sorted ascending, a token is dropped when the cumulative probability up to and including it
+    is <= 1 - p; the most likely token is always kept.
+    """
+    sorted_scores, order = torch.sort(scores, descending=False)  # (N, V)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1 - p)
+    drop_sorted[..., -1:] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
+
+
+def warp(scores: torch.Tensor, gen: GenerationConfig) -> torch.Tensor:
+    """Sampling warpers in HF's order: temperature → top_k → top_p. scores: (N, V) float32."""
+    if gen.temperature != 1.0:
+        scores = scores / gen.temperature
+    if gen.top_k:
+        scores = top_k_filter(scores, gen.top_k)
+    if gen.top_p < 1.0:
+        scores = top_p_filter(scores, gen.top_p)
+    return scores
+
+
+def _make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None  # torch's global RNG, as HF
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+
+def generate(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]],
+             gen: GenerationConfig | None = None) -> list[list[int]]:
+    """New tokens for each prompt (up to and including the first EOS), decoded as one batch."""
+    gen = gen if gen is not None else GenerationConfig()
+    check_prompts(model, prompts, gen)
+    device = model.lm_head.weight.device
+    input_ids, attention_mask = left_pad(prompts, gen.pad_token_id, device)
+    if gen.num_beams > 1:
+        return beam_search(model, input_ids, attention_mask, gen)[0]
+    return greedy_or_sample(model, input_ids, attention_mask, gen)
+
+
+@torch.inference_mode()
+def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     gen: GenerationConfig) -> list[list[int]]:
+    """HF's `_sample`: one token per step for every row; rows that have emitted EOS keep emitting
+    pad (and keep being computed, so sampling draws the same random numbers as HF)."""
+    B, T = input_ids.shape
+    L = gen.max_new_tokens
+    sampling = gen.sampling
+    generator = _make_generator(gen.seed, input_ids.device) if sampling else None
+    cache = model.new_cache(B, T + L)
+
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
+    out = torch.full((B, L), gen.pad_token_id, dtype=torch.long, device=input_ids.device)
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    n = 0
+    for step in range(L):
+        scores = block_eos(logits, step, gen)  # min_new_tokens acts before the warpers, on raw logits
+        if sampling:
+            probs = torch.softmax(warp(scores, gen), dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)  # first index on ties, as HF
+        if gen.eos_token_id is not None:
+            next_tokens = torch.where(unfinished, next_tokens, gen.pad_token_id)
+            unfinished &= next_tokens != gen.eos_token_id
+        out[:, step] = next_tokens
+        n = step + 1
+        if n == L or not bool(unfinished.any()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+        logits = model(next_tokens[:, None], attention_mask=attention_mask, cache=cache)[:, -1]
+    return [_cut_at_eos(row, gen.eos_token_id) for row in out[:, :n].tolist()]
+
+
+@torch.inference_mode()
+def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                gen: GenerationConfig) -> tuple[list[list[int]], list[float]]:
+    """HF's `_beam_search` (transformers >= 4.50, vectorized version), without sampling.
+
+    Returns the best hypothesis's new tokens per prompt and its score,
+    sum(log p of its new tokens) / len(new tokens) ** length_penalty (HF's `sequences_scores`).
+
+    Per step and prompt, HF's semantics:
+      1. log_softmax the logits of each running beam, THEN apply min_new_tokens (EOS -> -inf; the
+         other tokens are not renormalized), add the beam's running score.
+      2. Take the top 2K candidates over all K beams x V tokens (sorted, best first).
+      3. A candidate "ends" if its token is EOS or it reaches max_new_tokens. Ending candidates
+         among the top K (by rank among the 2K, not by beam) become finished hypotheses, scored
+         with the length penalty where the length counts the new tokens including EOS, unless
+         the prompt is already done (see 5). Finished hypotheses keep the best K.
+      4. The K best non-ending candidates are the next running beams (the KV cache is
+         reordered to follow them).
+      5. A prompt is done when early_stopping is True and it has K finished hypotheses, or when
+         it has K and HF's heuristic says no running beam can beat the worst of them:
+         best running score / n ** length_penalty <= worst finished score, where n is the new
+         length so far (max_new_tokens with early_stopping="never" and length_penalty > 0).
+      Decoding stops when every prompt is done or at max_new_tokens, when the top K candidates
+      all end and so become hypotheses.
+    """
+    B, T = input_ids.shape
+    K, L = gen.num_beams, gen.max_new_tokens
+    V = model.config.vocab_size
+    dev = input_ids.device
+    eos = gen.eos_token_id
+
+    # Prefill each prompt once, then copy its cache rows to its K beams: row b * K + k.
+    cache = model.new_cache(B, T + L)
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
+    rows = torch.arange(B, device=dev).repeat_interleave(K)  # (B*K,)
+    cache.reorder(rows)
+    logits = logits[rows]  # (B*K, V)
+    attention_mask = attention_mask[rows]  # (B*K, T); beams never change prompt, so never reordered
+
+    # Running beams. All K start as the prompt; only beam 0 is live at first (the others score
+    # -1e9) so the first step does not pick the same token K times.
+    run_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+    run_scores = torch.zeros((B, K), dtype=torch.float32, device=dev)
+    run_scores[:, 1:] = _NEG
+    # Finished hypotheses, best first; `fin_valid` False marks an empty slot (score -inf).
+    fin_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+    fin_scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=dev)
+    fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
+    fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
+    improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
+    in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
+    beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
+
+    for step in range(L):
+        n_new = step + 1  # new tokens of each candidate, this one included
+        log_probs = block_eos(F.log_softmax(logits, dim=-1), step, gen)  # (B*K, V)
+        scores = (log_probs.view(B, K, V) + run_scores[:, :, None]).view(B, K * V)
+
+        cand_scores, flat = torch.topk(scores, 2 * K, dim=1)  # (B, 2K), best first
+        cand_beam = flat // V  # (B, 2K) which running beam it extends
+        cand_token = flat % V
+        cand_tokens = torch.take_along_dim(run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
+        cand_tokens[:, :, step] = cand_token
+        ends = cand_token == eos if eos is not None else torch.zeros_like(cand_token, dtype=torch.bool)
+        if n_new == L:
+            ends = torch.ones_like(ends)
+
+        # Finished hypotheses: merge the accepted candidates into the K best so far. Ties keep the
+        # older hypothesis first (same layout as HF's merge: old slots, then candidates).
+        full = fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
+        accept = ends & in_top_k[None, :] & (improvable & ~full)[:, None]  # (B, 2K)
+        normalized = cand_scores / (n_new ** gen.length_penalty)  # float32, as HF
+        merged_scores = torch.cat([fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
+        best = torch.topk(merged_scores, K, dim=1).indices  # (B, K)
+        fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
+        fin_tokens = torch.take_along_dim(torch.cat([fin_tokens, cand_tokens], dim=1), best[:, :, None], dim=1)
+        fin_lens = torch.take_along_dim(torch.cat([fin_lens, torch.full_like(cand_beam, n_new)], dim=1), best, dim=1)
+        fin_valid = torch.take_along_dim(torch.cat([fin_valid, accept], dim=1), best, dim=1)
+
+        # Next running beams: the K best candidates that did not end (HF: ended ones get -1e9).
+        keep = torch.topk(cand_scores + ends.float() * _NEG, K, dim=1).indices  # (B, K)
+        run_scores = torch.take_along_dim(cand_scores + ends.float() * _NEG, keep, dim=1)
+        run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
+        source_rows = (torch.take_along_dim(cand_beam, keep, dim=1) + beam_offset).view(-1)  # (B*K,)
+
+        # Can a running beam still beat the worst finished hypothesis? (HF's heuristic; it only
+        # matters once all K slots are full.)
+        if gen.early_stopping == "never" and gen.length_penalty > 0.0:
+            best_len = L
+        else:
+            best_len = n_new
+        best_possible = run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
+        worst_finished = fin_scores.min(dim=1).values
+        improvable &= ~fin_valid.all(dim=1) | (best_possible > worst_finished)
+
+        done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True))
+        if n_new == L or bool(done.all()):
+            break
+        cache.reorder(source_rows)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B * K, 1)], dim=1)
+        logits = model(run_tokens[:, :, step].reshape(B * K, 1), attention_mask=attention_mask,
+                       cache=cache)[:, -1]
+
+    lens = fin_lens[:, 0].tolist()
+    tokens = [row[:n] for row, n in zip(fin_tokens[:, 0].tolist(), lens)]
+    return tokens, fin_scores[:, 0].tolist()

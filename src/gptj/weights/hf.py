@@ -1,0 +1,106 @@
+"""Reading HF GPT-J directories: safetensors (single or sharded) and pytorch_model.bin (single or sharded).
+
+Tensors are yielded one at a time so the caller can convert and place each before the
+next is read: weights are never held twice. `.bin` files are read only through
+`torch.load(weights_only=True)`; a pickle that tries to run code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gptj.errors import CheckpointError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+# Buffers that old HF GPT-J checkpoints saved (causal mask and its fill value); gptj computes them.
+LEGACY_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def is_legacy_buffer(name: str) -> bool:
+    return name.endswith(LEGACY_SUFFIXES)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of an HF directory, preferring safetensors over .bin."""
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (BIN, BIN_INDEX)):
+        if (path / index).is_file():
+            idx_path = path / index
+            try:
+                weight_map = json.loads(idx_path.read_text(encoding="utf-8"))["weight_map"]
+                names = sorted(set(weight_map.values()), key=str)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{idx_path}: not a valid weight index ({e})") from None
+            for n in names:
+                if not isinstance(n, str) or Path(n).name != n:  # no paths out of the directory
+                    raise CheckpointError(f"{idx_path}: shard name {n!r} must be a plain file name")
+                if not (path / n).is_file():
+                    raise CheckpointError(f"{idx_path}: shard {n} is missing")
+            files = [path / n for n in names]
+            return files
+        if (path / single).is_file():
+            return [path / single]
+    raise CheckpointError(f"{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or {BIN_INDEX}")
+
+
+def _iter_safetensors(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+        keys = list(handle.keys())
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    for name in keys:
+        try:
+            shape = tuple(handle.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: tensor {name}: {e}") from None
+
+        def read(name: str = name) -> torch.Tensor:
+            try:
+                return handle.get_tensor(name)
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: tensor {name}: {e}") from None
+
+        yield name, shape, read
+
+
+def load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """torch.load with weights_only=True (never unpickle code); mmap where the zip format allows."""
+    try:
+        try:
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # legacy (non-zip) format can't be mmapped: read it plainly
+                raise
+            sd = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle safely is the same user error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{file}: refusing to load: not a plain tensor checkpoint (weights_only=True failed: {first})"
+        ) from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise CheckpointError(f"{file}: expected a dict of name -> tensor")
+    return sd
+
+
+def _iter_bin(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    sd = load_bin(file)
+    for name in list(sd):
+        tensor = sd.pop(name)  # drop our reference as we go
+        yield name, tuple(tensor.shape), (lambda t=tensor: t)
+
+
+def iter_hf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], callable, Path]]:
+    """(name, shape, read(), file) for every tensor of an HF directory, legacy buffers included."""
+    for file in weight_files(path):
+        reader = _iter_safetensors if file.suffix == ".safetensors" else _iter_bin
+        for name, shape, read in reader(file):
+            yield name, shape, read, file

@@ -1,0 +1,244 @@
+"""Loading models and writing the canonical checkpoint.
+
+The canonical on-disk format is an HF-compatible directory: config.json, safetensors
+(one file, or shards with model.safetensors.index.json), generation_config.json and the
+tokenizer files, so HF transformers loads what gptj writes.
+
+Loading builds the model on the meta device and assigns each tensor as it is read
+and converted (`load_state_dict(assign=True)`), so weights are never held twice.
+Every tensor is checked for name, shape and finiteness; errors name the tensor and file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from gptj.config import GPTJConfig, get_preset
+from gptj.errors import CheckpointError, GptjError
+from gptj.model import GPTJForCausalLM, build_model
+from gptj.runtime import dtype_name
+from gptj.weights import hf, mtj
+
+CONFIG = "config.json"
+MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
+
+# (name, shape, read, source file) — the stream every reader produces.
+TensorItem = tuple[str, tuple[int, ...], Callable[[], torch.Tensor], Path]
+
+
+def expected_shapes(config: GPTJConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a GPT-J checkpoint with `config` must hold."""
+    meta = build_model(config, device="meta")
+    return {name: tuple(t.shape) for name, t in meta.state_dict().items()}
+
+
+def detect_format(path: Path) -> str:
+    """'hf' (a directory with config.json) or 'mtj' (a slim checkpoint with shard_0/)."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected an HF GPT-J directory or a slim checkpoint)")
+    if (path / CONFIG).is_file():
+        return "hf"
+    if mtj.is_mtj_slim(path):
+        return "mtj"
+    raise CheckpointError(f"{path}: neither an HF GPT-J directory (no {CONFIG}) nor a slim checkpoint (no shard_0/)")
+
+
+def resolve_config(spec: str | os.PathLike | GPTJConfig | None) -> GPTJConfig:
+    """A config from a preset name, a config.json path (or its directory), or a GPTJConfig."""
+    if spec is None:
+        return get_preset("gptj-6b")
+    if isinstance(spec, GPTJConfig):
+        return spec
+    p = Path(spec)
+    if p.is_dir():
+        p = p / CONFIG
+    if p.suffix == ".json" or p.exists():
+        return GPTJConfig.from_json_file(p)
+    return get_preset(str(spec))
+
+
+def _mtj_items(path: Path, config: GPTJConfig, progress: bool) -> Iterator[TensorItem]:
+    for name, tensor in mtj.iter_mtj_slim(path, config.n_layer, progress=progress):
+        yield name, tuple(tensor.shape), (lambda t=tensor: t), path
+
+
+def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJConfig | None = None,
+                    fmt: str = "auto", progress: bool = False) -> tuple[GPTJConfig, Iterator[TensorItem]]:
+    """The config and a stream of tensors of an HF directory or a slim checkpoint.
+
+    For a slim checkpoint (which carries no config) `config` names it: a preset or a
+    config.json; by default gptj-6b.
+    """
+    path = Path(path)
+    found = detect_format(path)
+    if fmt not in ("auto", found):
+        raise CheckpointError(f"{path}: expected a {fmt} checkpoint but found a {found} one")
+    if found == "hf":
+        cfg = GPTJConfig.from_json_file(path / CONFIG)
+        if config is not None and resolve_config(config) != cfg:
+            raise CheckpointError(f"{path}: its config.json differs from the config given")
+        return cfg, hf.iter_hf_tensors(path)
+    cfg = resolve_config(config)
+    return cfg, _mtj_items(path, cfg, progress)
+
+
+def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
+                       device: torch.device | str = "cpu", progress: bool = False,
+                       desc: str = "loading") -> dict[str, torch.Tensor]:
+    """Read every tensor once, check name/shape/finiteness, convert to dtype and device."""
+    expected = expected_shapes(config)
+    out: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(expected), desc=desc, unit="tensor", disable=not progress)
+    for name, shape, read, file in items:
+        if hf.is_legacy_buffer(name):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {name} (not a GPT-J weight of this config)")
+        if name in out:
+            raise CheckpointError(f"{file}: tensor {name} appears twice")
+        if shape != expected[name]:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(expected[name])}")
+        tensor = read()
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, expected floating point")
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
+        out[name] = tensor
+        bar.update()
+    bar.close()
+    missing = [n for n in expected if n not in out]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    return out
+
+
+def model_from_state_dict(config: GPTJConfig, state_dict: Mapping[str, torch.Tensor],
+                          device: torch.device | str = "cpu") -> GPTJForCausalLM:
+    model = build_model(config, device="meta")
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.init_buffers(device)
+    return model.eval()
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               config: str | os.PathLike | GPTJConfig | None = None, progress: bool = False) -> GPTJForCausalLM:
+    """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint."""
+    cfg, items = read_checkpoint(path, config, progress=progress)
+    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress)
+    return model_from_state_dict(cfg, sd, device)
+
+
+def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Deterministic random weights (HF's init: normal(0, std) matrices, zero biases, unit LayerNorms).
+
+    Generated one tensor at a time in float32 and cast, so a big preset fits in memory.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(expected_shapes(config).items()):
+        if ".ln_" in name or name.startswith("transformer.ln_f"):
+            t = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        elif name.endswith("bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.empty(shape).normal_(0.0, std, generator=gen)
+        out[name] = t.to(dtype)
+    return out
+
+
+def _shard_groups(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, out: str | os.PathLike,
+                    dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False,
+                    max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True) -> Path:
+    """Write the canonical directory atomically: into a temporary sibling, renamed when complete.
+
+    The state dict is checked (names, shapes, finiteness) before anything is written.
+    """
+    items = ((n, tuple(t.shape), (lambda t=t: t), Path("<memory>")) for n, t in state_dict.items())
+    sd = checked_state_dict(config, items, dtype=dtype)
+    return _write_checkpoint(sd, config, Path(out), overwrite, progress, max_shard_bytes, with_tokenizer)
+
+
+def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: Path, overwrite: bool,
+                      progress: bool, max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True) -> Path:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary directory
+        first_dtype = next(iter(sd.values())).dtype
+        cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(first_dtype)}
+        _write_json(tmp / CONFIG, cfg)
+        _write_json(tmp / "generation_config.json",
+                    {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+        groups = _shard_groups(sd, max_shard_bytes)
+        bar = tqdm(total=len(sd), desc="writing", unit="tensor", disable=not progress)
+        weight_map = {}
+        for i, names in enumerate(groups):
+            fname = hf.SAFETENSORS if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file({n: sd[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in names})
+            bar.update(len(names))
+        bar.close()
+        if len(groups) > 1:
+            total = sum(t.numel() * t.element_size() for t in sd.values())
+            _write_json(tmp / hf.SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if with_tokenizer:
+            from gptj.tokenizer import load_tokenizer
+
+            load_tokenizer().save(tmp)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        if out.exists():
+            backup = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, backup)
+            os.replace(tmp, out)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", dtype: torch.dtype | None = None,
+            config: str | os.PathLike | GPTJConfig | None = None, overwrite: bool = False,
+            progress: bool = False) -> Path:
+    """Any supported checkpoint -> the canonical directory (nothing is left behind on failure)."""
+    cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress)
+    sd = checked_state_dict(cfg, items, dtype=dtype, progress=progress and fmt != "mtj", desc="reading")
+    return _write_checkpoint(sd, cfg, Path(out), overwrite, progress)
