@@ -23,7 +23,11 @@ _HF_ONLY = ("attn.bias", "attn.masked_bias")
 
 
 def hf_config(cfg: GPTJConfig) -> transformers.GPTJConfig:
-    return transformers.GPTJConfig(**cfg.to_hf_dict())
+    d = cfg.to_hf_dict()
+    # transformers 5.x rejects rotary_dim=None (and its None code path rotates over n_embd, which
+    # only works with one head); gptj's None means "the whole head", i.e. rotary_dim = head_dim.
+    d["rotary_dim"] = cfg.rope_dim
+    return transformers.GPTJConfig(**d)
 
 
 @torch.no_grad()
@@ -68,12 +72,13 @@ def cut_at_eos(tokens: list[int], eos_id: int | None = EOS) -> list[int]:
 def hf_generate(hf: transformers.GPTJForCausalLM, prompts: list[list[int]], **kwargs) -> list[list[int]]:
     """HF generate on the left-padded batch; new tokens per prompt, cut after the first EOS.
 
-    kwargs go to `generate` (pad_token_id and eos_token_id default to 50256; top_k to 0, since
-    HF's own default is 50).
+    kwargs go to `generate` (pad_token_id and eos_token_id default to 50256; when sampling,
+    top_k defaults to 0, since HF's own default is 50).
     """
     kwargs.setdefault("pad_token_id", EOS)
     kwargs.setdefault("eos_token_id", EOS)
-    kwargs.setdefault("top_k", 0)
+    if kwargs.get("do_sample"):
+        kwargs.setdefault("top_k", 0)
     ids, mask = left_pad(prompts, kwargs["pad_token_id"])
     out = hf.generate(ids, attention_mask=mask, **kwargs)
     new = out[:, ids.shape[1]:].tolist()

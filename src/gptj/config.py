@@ -86,6 +86,7 @@ class GPTJConfig:
             if f.name == "quantization" and value is None:
                 continue
             d[f.name] = value
+        d["rotary_dim"] = self.rope_dim  # HF 5 wants an int; rotary over the whole head is rotary_dim = head_dim
         return dict(sorted(d.items()))
 
     @classmethod

@@ -189,6 +189,13 @@ class GPTJForCausalLM(nn.Module):
         device = device if device is not None else self.lm_head.weight.device
         self.rope = rope_table(self.config.n_positions, self.config.rope_dim, device=torch.device(device))
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
+        # .to(dtype) / .cuda() would cast the rotary table with the weights; rebuild it in float32
+        # on the weights' device instead, so precision changes never degrade positions.
+        super()._apply(fn, recurse)
+        self.init_buffers(self.lm_head.weight.device)
+        return self
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 logits_to_keep: int = 0) -> torch.Tensor:
@@ -231,9 +238,7 @@ def build_model(config: GPTJConfig, device: torch.device | str = "cpu",
     """A model of `dtype` on `device`; on 'meta' it has shapes only (for loading with assign=True)."""
     with torch.device(device):
         model = GPTJForCausalLM(config)
-    model.to(dtype)
-    model.init_buffers(device)  # the rotary table stays float32 whatever the weights' dtype
-    return model
+    return model.to(dtype)  # the rotary table stays float32 (see _apply)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,0 +1,119 @@
+"""The model against HF transformers' GPTJForCausalLM: logits, KV cache, left padding."""
+
+import pytest
+import torch
+import transformers
+
+from gptj.config import GPTJConfig, get_preset
+from gptj.model import build_model, count_parameters, position_ids_from_mask
+
+CONFIGS = [
+    GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128),
+    GPTJConfig(n_layer=3, n_embd=96, n_head=3, rotary_dim=16),  # n_inner None -> 4 * n_embd
+    GPTJConfig(n_layer=1, n_embd=128, n_head=8, rotary_dim=None, n_inner=256),  # rotary over the whole head
+    GPTJConfig(n_layer=4, n_embd=64, n_head=2, rotary_dim=32, n_inner=64, layer_norm_epsilon=1e-6),
+]
+
+
+def hf_pair(cfg: GPTJConfig, seed: int = 0, std: float = 0.3):
+    """The same random weights in HF's model and gptj's (float32)."""
+    torch.manual_seed(seed)
+    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf_dict())).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, std)
+    sd = {k: v for k, v in hf.state_dict().items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+    ours = build_model(cfg)
+    ours.load_state_dict(sd, strict=True)
+    return ours.eval(), hf
+
+
+def test_gptj_6b_parameter_count_on_meta():
+    model = build_model(get_preset("gptj-6b"), device="meta")
+    assert count_parameters(model) == 6_050_882_784
+    assert model.lm_head.weight.is_meta
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_layer}E{c.n_embd}H{c.n_head}R{c.rotary_dim}")
+def test_logits_match_hf(cfg):
+    ours, hf = hf_pair(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_kv_cache_matches_full_forward():
+    cfg = CONFIGS[0]
+    ours, _ = hf_pair(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 12))
+    with torch.no_grad():
+        full = ours(ids)
+        cache = ours.new_cache(3, 16)
+        parts = [ours(ids[:, :5], cache=cache)]
+        for t in range(5, 12):  # token by token, as decoding does
+            parts.append(ours(ids[:, t:t + 1], cache=cache))
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_batch_matches_each_prompt_alone_and_hf():
+    cfg = CONFIGS[1]
+    ours, hf = hf_pair(cfg)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 302], [40000, 7]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[50256] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        batch = ours(ids, attention_mask=mask)
+        pos = position_ids_from_mask(mask, width)
+        hf_batch = hf(ids, attention_mask=mask, position_ids=pos).logits
+        for i, p in enumerate(prompts):
+            alone = ours(torch.tensor([p]))
+            torch.testing.assert_close(batch[i, width - len(p):], alone[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(batch[i, width - len(p):], hf_batch[i, width - len(p):], rtol=1e-4, atol=1e-4)
+
+
+def test_position_ids_follow_the_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask, 5).tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert position_ids_from_mask(mask, 2).tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_runs_and_stays_close(dtype):
+    cfg = CONFIGS[0]
+    ours, _ = hf_pair(cfg, std=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    with torch.no_grad():
+        ref = ours(ids)
+        low = ours.to(dtype)(ids)
+    assert low.dtype == torch.float32  # logits are always float32
+    assert ours.rope.dtype == torch.float32  # the rotary table is not cast with the weights
+    assert (low - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_logits_to_keep_and_position_limit():
+    cfg = CONFIGS[0].replace(n_positions=8)
+    model = build_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, logits_to_keep=1), model(ids)[:, -1:])
+        with pytest.raises(ValueError, match="n_positions"):
+            model(torch.randint(0, cfg.vocab_size, (1, 9)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_cpu(dtype):
+    cfg = CONFIGS[0]
+    ours, _ = hf_pair(cfg, std=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    with torch.no_grad():
+        ref = ours(ids)
+        ours = ours.to("cuda", dtype)
+        got = ours(ids.cuda()).cpu()
+    assert (got - ref).abs().max() < (1e-4 if dtype == torch.float32 else 0.05) * ref.abs().max()
