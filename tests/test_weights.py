@@ -1,0 +1,211 @@
+"""Checkpoint loading and writing: every HF layout, the canonical writer, and bad inputs."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from gptj.config import GPTJConfig
+from gptj.errors import CheckpointError, ConfigError, GptjError
+from gptj.weights.io import convert, expected_shapes, load_model, random_state_dict, save_checkpoint
+
+CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**CFG.to_hf_dict())).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def hf_state_dict(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("attn.bias", "masked_bias"))}
+
+
+def write_config(d: Path, cfg: GPTJConfig = CFG) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(cfg.to_json_string())
+
+
+def write_sharded(d: Path, sd: dict, n: int, fmt: str) -> None:
+    names = list(sd)
+    weight_map = {}
+    for i in range(n):
+        part = {k: sd[k].contiguous() for k in names[i::n]}
+        fname = f"model-{i + 1:05d}-of-{n:05d}.{fmt}"
+        if fmt == "safetensors":
+            save_file(part, str(d / fname))
+        else:
+            torch.save(part, d / fname)
+        weight_map.update(dict.fromkeys(part, fname))
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (d / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+IDS = torch.tensor([[15496, 995, 11, 428, 318, 257]])
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded-safetensors", "bin", "sharded-bin", "bin-with-legacy"])
+def test_every_hf_layout_loads_with_hf_logits(tmp_path, hf_model, layout):
+    sd = hf_state_dict(hf_model)
+    write_config(tmp_path)
+    if layout == "safetensors":
+        save_file(sd, str(tmp_path / "model.safetensors"))
+    elif layout == "bin":
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    elif layout == "bin-with-legacy":  # old HF checkpoints saved the causal mask buffers
+        legacy = {f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 8, 8, dtype=torch.bool) for i in range(2)}
+        legacy |= {f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e9) for i in range(2)}
+        torch.save(sd | legacy, tmp_path / "pytorch_model.bin")
+    else:
+        write_sharded(tmp_path, sd, 3, layout.split("-")[1])
+    model = load_model(tmp_path)
+    torch.testing.assert_close(logits(model, IDS), logits(hf_model, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_saved_directory_loads(tmp_path, hf_model):
+    hf_model.save_pretrained(tmp_path)
+    torch.testing.assert_close(logits(load_model(tmp_path), IDS), logits(hf_model, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_loads_what_gptj_writes(tmp_path, hf_model):
+    out = save_checkpoint(hf_state_dict(hf_model), CFG, tmp_path / "ckpt", max_shard_bytes=4 * 1024**2)
+    assert (out / "model.safetensors.index.json").exists()  # small shards: the sharded form is written
+    reloaded = transformers.GPTJForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(logits(reloaded, IDS), logits(hf_model, IDS), rtol=1e-6, atol=1e-6)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.encode("Hello world") == [15496, 995]
+
+
+def test_convert_hf_to_bfloat16(tmp_path, hf_model):
+    src = tmp_path / "src"
+    hf_model.save_pretrained(src)
+    out = convert(src, tmp_path / "out", dtype=torch.bfloat16)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["model_type"] == "gptj"
+    model = load_model(out, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.lm_head.weight, hf_model.lm_head.weight.to(torch.bfloat16))
+
+
+def test_random_init_is_deterministic():
+    a, b = random_state_dict(CFG, seed=3), random_state_dict(CFG, seed=3)
+    c = random_state_dict(CFG, seed=4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert set(a) == set(expected_shapes(CFG))
+
+
+# --- bad inputs: a clear error naming the problem, and nothing half-written ---------
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+def broken_checkpoint(tmp_path, hf_model, how):
+    src = tmp_path / "src"
+    write_config(src)
+    sd = hf_state_dict(hf_model)
+    if how == "missing":
+        del sd["transformer.h.1.mlp.fc_out.bias"]
+    elif how == "shape":
+        sd["transformer.h.0.attn.q_proj.weight"] = torch.zeros(64, 32)
+    elif how == "nan":
+        sd["transformer.h.1.ln_1.weight"][3] = float("nan")
+    elif how == "unexpected":
+        sd["transformer.h.0.attn.rotary.weight"] = torch.zeros(2)
+    save_file(sd, str(src / "model.safetensors"))
+    if how == "truncated":
+        data = (src / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return src
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing", "missing tensor transformer.h.1.mlp.fc_out.bias"),
+    ("shape", r"transformer.h.0.attn.q_proj.weight has shape \[64, 32\], expected \[64, 64\]"),
+    ("nan", "transformer.h.1.ln_1.weight has NaN"),
+    ("unexpected", "unexpected tensor transformer.h.0.attn.rotary.weight"),
+    ("truncated", "model.safetensors: not a readable safetensors file"),
+])
+def test_bad_checkpoint_is_refused_and_nothing_written(tmp_path, hf_model, how, message):
+    src = broken_checkpoint(tmp_path, hf_model, how)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(src)
+    with pytest.raises(CheckpointError, match=message):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert leftovers(tmp_path) == []
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_config(tmp_path / "ckpt")
+    with open(tmp_path / "ckpt" / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"lm_head.weight": Exploit()}, f)
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: refusing to load"):
+        load_model(tmp_path / "ckpt")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "gpt2", "n_embd": 64}, "not a GPT-J config"),
+    ({"model_type": "gptj", "n_embd": 64, "n_head": 5}, "divisible"),
+    ({"model_type": "gptj", "activation_function": "relu"}, "activation_function"),
+    ("{not json", "invalid JSON"),
+])
+def test_bad_config_is_refused(tmp_path, config, message):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_model(d)
+
+
+def test_missing_paths_and_formats(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="neither an HF GPT-J directory"):
+        load_model(tmp_path)
+    write_config(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_model(tmp_path / "empty")
+
+
+def test_index_cannot_point_outside_the_directory(tmp_path, hf_model):
+    d = tmp_path / "ckpt"
+    write_config(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "../x.safetensors"}}))
+    with pytest.raises(CheckpointError, match="plain file name"):
+        load_model(d)
+
+
+def test_save_refuses_to_overwrite_without_force(tmp_path):
+    sd = random_state_dict(CFG)
+    save_checkpoint(sd, CFG, tmp_path / "m")
+    with pytest.raises(GptjError, match="already exists"):
+        save_checkpoint(sd, CFG, tmp_path / "m")
+    save_checkpoint(random_state_dict(CFG, seed=1), CFG, tmp_path / "m", overwrite=True)
+    assert not torch.equal(load_model(tmp_path / "m").lm_head.weight, sd["lm_head.weight"])
+    assert leftovers(tmp_path) == []
