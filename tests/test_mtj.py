@@ -173,7 +173,7 @@ def test_round_trip_bf16(tmp_path, sd_small):
     _assert_same(loaded32, {k: v.float() for k, v in sd.items()})
 
 
-@pytest.mark.parametrize(("n_shards", "files", "step"), [(8, 5, None), (4, 16, 7), (1, 3, 0), (2, 200, 3)])
+@pytest.mark.parametrize(("n_shards", "files", "step"), [(8, 5, None), (4, 16, 7), (1, 3, 0), (2, 130, 3)])
 def test_round_trip_other_layouts(tmp_path, sd_small, n_shards, files, step):
     write_mtj_slim(sd_small, tmp_path / "ckpt", n_shards=n_shards, files=files, bf16=False, step=step)
     names = []
@@ -187,9 +187,10 @@ def test_layer_norm_taken_from_shard_0(ckpt_copy, sd_small):
     index = [leaf.name for leaf in mtj_leaves(N_LAYER)].index(
         "causal_transformer_shard/~/projection_shard/~/replicated_layer_norm/scale"
     )
-    path, key = _locate(ckpt_copy / "shard_1", index)
-    i = int(key.removeprefix("arr_"))
-    _rewrite(path, lambda arrays: arrays[:i] + [arrays[i] * 3] + arrays[i + 1 :])
+    for s in range(1, 8):  # change every copy but shard 0's
+        path, key = _locate(ckpt_copy / f"shard_{s}", index)
+        i = int(key.removeprefix("arr_"))
+        _rewrite(path, lambda arrays: arrays[:i] + [arrays[i] * 3] + arrays[i + 1 :])
     loaded = load_mtj_slim(ckpt_copy, N_LAYER)
     assert torch.equal(loaded["transformer.ln_f.weight"], sd_small["transformer.ln_f.weight"])
 
@@ -289,3 +290,15 @@ def test_nan_in_bf16_void_array(tmp_path, sd_small):
     _rewrite(path, poison)
     with pytest.raises(CheckpointError, match=r"shard_6/.*transformer\.h\.0\.mlp\.fc_out\.bias\): non-finite"):
         load_mtj_slim(tmp_path / "bf16", N_LAYER)
+
+
+def test_corrupt_npz_file(ckpt_copy):
+    (ckpt_copy / "shard_1" / "3.npz").write_bytes(b"not a zip archive")
+    with pytest.raises(CheckpointError, match=r"shard_1/3\.npz: cannot read npz file"):
+        load_mtj_slim(ckpt_copy, N_LAYER)
+
+
+def test_object_arrays_are_never_unpickled(ckpt_copy):
+    _rewrite(ckpt_copy / "shard_0" / "2.npz", lambda arrays: [np.array([{"x": 1}], dtype=object)] + arrays[1:])
+    with pytest.raises(CheckpointError, match=r"shard_0/2\.npz arr_0 .*cannot read array"):
+        load_mtj_slim(ckpt_copy, N_LAYER)

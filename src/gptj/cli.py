@@ -91,7 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        do_sample=args.temperature > 0, temperature=args.temperature if args.temperature > 0 else 1.0,
+        top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
     )
     tok = _load_tokenizer_for(args.model)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]

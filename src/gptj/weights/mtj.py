@@ -32,31 +32,37 @@ the inverse writer tests/mtj_writer.py):
 Module mapping (haiku names are ``causal_transformer_shard/~/<module>``), with
 per-shard shapes (E = n_embd, I = n_inner = 4 E, V = padded vocab, S = shards;
 for GPT-J 6B: E = 4096, I = 16384, V = 50400, S = 8). Haiku's ``hk.Linear``
-stores ``w`` as [in, out], which is transposed to torch's [out, in]:
+stores ``w`` as [in, out], which is transposed to torch's [out, in]::
 
-=============================================  ==========  =================================
-haiku module / param                           per shard   HF tensor (how shards combine)
-=============================================  ==========  =================================
-embedding_shard/~/linear        w              [V/S, E]    transformer.wte.weight (cat rows)
-embedding_shard/~/linear        b              [E]         summed, added to every wte row
-layer_{i}/~/linear              w              [E, E/S]    h.{i}.attn.q_proj.weight (cat out)
-layer_{i}/~/linear_1            w              [E, E/S]    h.{i}.attn.v_proj.weight (cat out)
-layer_{i}/~/linear_2            w              [E, E/S]    h.{i}.attn.k_proj.weight (cat out)
-layer_{i}/~/linear_3            w              [E/S, E]    h.{i}.attn.out_proj.weight (cat in)
-layer_{i}/~/linear_4            w, b           [E, I/S]    h.{i}.mlp.fc_in.{weight,bias} (cat out)
-layer_{i}/~/linear_5            w              [I/S, E]    h.{i}.mlp.fc_out.weight (cat in)
-layer_{i}/~/linear_5            b              [E]         h.{i}.mlp.fc_out.bias (summed)
-layer_{i}/~/replicated_layer_norm offset,scale [E]         h.{i}.ln_1.{bias,weight} (shard 0)
-projection_shard/~/replicated_layer_norm       [E]         transformer.ln_f.{bias,weight} (shard 0)
-projection_shard/~/linear       w, b           [E, V/S]    lm_head.{weight,bias} (cat out)
-=============================================  ==========  =================================
+    haiku module / param            per shard  HF tensor                      shards combine by
+    embedding_shard/~/linear w      [V/S, E]   transformer.wte.weight         cat along vocab rows
+    embedding_shard/~/linear b      [E]        (added to every wte row)       sum
+    layer_{i}/~/linear w            [E, E/S]   h.{i}.attn.q_proj.weight       cat along out
+    layer_{i}/~/linear_1 w          [E, E/S]   h.{i}.attn.v_proj.weight       cat along out
+    layer_{i}/~/linear_2 w          [E, E/S]   h.{i}.attn.k_proj.weight       cat along out
+    layer_{i}/~/linear_3 w          [E/S, E]   h.{i}.attn.out_proj.weight     cat along in
+    layer_{i}/~/linear_4 w          [E, I/S]   h.{i}.mlp.fc_in.weight         cat along out
+    layer_{i}/~/linear_4 b          [I/S]      h.{i}.mlp.fc_in.bias           cat
+    layer_{i}/~/linear_5 w          [I/S, E]   h.{i}.mlp.fc_out.weight        cat along in
+    layer_{i}/~/linear_5 b          [E]        h.{i}.mlp.fc_out.bias          sum
+    layer_{i}/~/replicated_layer_norm
+                   scale, offset    [E]        h.{i}.ln_1.weight, .bias       shard 0's copy
+    projection_shard/~/replicated_layer_norm
+                   scale, offset    [E]        transformer.ln_f.weight, .bias shard 0's copy
+    projection_shard/~/linear w     [E, V/S]   lm_head.weight                 cat along out
+    projection_shard/~/linear b     [V/S]      lm_head.bias                   cat
+
+(``h.{i}`` is ``transformer.h.{i}``; the layer modules are named in creation
+order in MTJ's TransformerLayerShard: q, v, k, o, dense_proj, dense_proj_o.)
 
 Why the sums: the embedding and ``linear_5`` (fc_out) outputs are partial sums
 that MTJ all-reduces (``psum``) across shards, and every shard adds its own
 bias before that reduction, so the effective bias is the sum of the shards'
 biases. HF GPT-J's embedding has no bias; since an input is one-hot, adding the
-bias to the output equals adding it to every row of wte. The sums are
-accumulated in float32 and rounded once to the output dtype.
+bias to the output equals adding it to every row of wte. The sums (and wte +
+bias) are computed in float32 and rounded once to the output dtype. (MTJ's own
+to_hf_weights.py sums the bf16 parts in bf16, so a conversion made with it may
+differ from this one in the last bit of those tensors.)
 
 Layer norms are replicated: every shard holds a copy; shard 0's is used.
 """
@@ -220,12 +226,13 @@ def _numbered(paths: Sequence[Path], pattern: str, fmt: str, where: Path) -> lis
 def _npz_keys(path: Path, where: str) -> list[str]:
     """Array names of an npz file (reads only the zip directory), in numeric order."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            if not isinstance(npz, np.lib.npyio.NpzFile):
-                raise CheckpointError(f"{where}: not an .npz archive")
-            names = list(npz.files)
+        npz = np.load(path, allow_pickle=False)  # never unpickle
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise CheckpointError(f"{where}: cannot read npz file: {e}") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise CheckpointError(f"{where}: not an .npz archive")
+    with npz:
+        names = list(npz.files)
     index: dict[int, str] = {}
     for name in names:
         m = re.fullmatch(r"arr_(\d+)", name)
@@ -436,7 +443,9 @@ def iter_mtj_slim(
 
                     tensor = tensor.to(dtype or stored_dtype).contiguous()
                     if not bool(torch.isfinite(tensor).all()):
-                        raise CheckpointError(f"{leaf.hf_name}: non-finite values after combining shards")
+                        raise CheckpointError(
+                            f"{leaf.hf_name}: non-finite values after combining shards and converting to {tensor.dtype}"
+                        )
                     if expected_shapes is not None:
                         want = expected_shapes.get(leaf.hf_name)
                         if want is None:

@@ -1,0 +1,97 @@
+"""The gptj command: each subcommand, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gptj.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    assert main(["init", "--preset", "tiny", "--out", str(out), "--seed", "1"]) == 0
+    return out
+
+
+def run(args, capsys):
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_and_text(tiny, capsys):
+    code, out, err = run(["generate", "--model", str(tiny), "--prompt", "Hello world", "--prompt-ids", "464,2068",
+                          "--max-new-tokens", "5", "--json"], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_ids"] for r in rows] == [[15496, 995], [464, 2068]]
+    assert all(len(r["token_ids"]) == 5 or r["token_ids"][-1] == 50256 for r in rows)
+    code, text, _ = run(["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "5"], capsys)
+    assert code == 0 and text.rstrip("\n") == rows[0]["text"]
+
+
+def test_generate_is_deterministic_and_beams_run(tiny, capsys):
+    args = ["generate", "--model", str(tiny), "--prompt", "A B C", "--max-new-tokens", "6", "--json"]
+    greedy = [run(args, capsys)[1] for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    code, beams, err = run(args + ["--num-beams", "3", "--min-new-tokens", "6"], capsys)
+    assert code == 0, err
+    assert len(json.loads(beams)["token_ids"]) == 6
+    sampled = [run(args + ["--temperature", "1.0", "--seed", str(s)], capsys)[1] for s in (1, 1)]
+    assert sampled[0] == sampled[1]
+
+
+def test_tokenize_detokenize(capsys, monkeypatch):
+    code, out, _ = run(["tokenize", "Hello world"], capsys)
+    assert code == 0 and out.strip() == "15496,995"
+    code, out, _ = run(["detokenize", "15496,995", "50257"], capsys)
+    assert out.splitlines() == ["Hello world", "<|extratoken_1|>"]
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("15496, 995\n[464,2068]\n"))
+    code, out, _ = run(["detokenize", "--json"], capsys)
+    assert [json.loads(x) for x in out.splitlines()] == ["Hello world", "The quick"]
+
+
+def test_convert_round_trip(tiny, tmp_path, capsys):
+    code, _, err = run(["convert", str(tiny), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--quiet"],
+                       capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--model", "/nonexistent", "--prompt", "x"], "/nonexistent: no such file or directory"),
+    (["generate", "--model", "{tiny}"], "give at least one --prompt"),
+    (["generate", "--model", "{tiny}", "--prompt-ids", "1,99999999"], "99999999"),
+    (["generate", "--model", "{tiny}", "--prompt", "x", "--max-new-tokens", "5000"], "2048"),
+    (["generate", "--model", "{tiny}", "--prompt", "x", "--device", "cuda:0"], "CUDA is not available"),
+    (["detokenize", "50400"], "50400"),
+    (["init", "--out", "{tiny}"], "already exists"),
+    (["convert", "{tiny}", "--from", "mtj", "--out", "{tmp}/x"], "expected a mtj checkpoint"),
+])
+def test_user_errors_are_one_line(tiny, tmp_path, capsys, args, message):
+    if "cuda" in args[-1] and __import__("torch").cuda.is_available():
+        pytest.skip("CUDA present")
+    args = [a.format(tiny=tiny, tmp=tmp_path) for a in args]
+    code, out, err = run(args, capsys)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err and "Traceback" not in err
+
+
+def test_console_script_bad_flag_and_help(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--num-beams", "zero"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "expected a positive integer" in bad.stderr
+    cfg = tmp_path / "m"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--model", str(cfg), "--prompt", "x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "not a GPT-J config" in bad.stderr
+    for cmd in ("init", "convert", "generate", "tokenize", "detokenize"):
+        ok = subprocess.run([sys.executable, "-m", "gptj.cli", cmd, "--help"], capture_output=True, text=True)
+        assert ok.returncode == 0 and "usage: gptj" in ok.stdout
