@@ -323,6 +323,7 @@ def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask:
     improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
     in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
     beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
+    identity = torch.arange(B * K, device=dev)
 
     for step in range(L):
         n_new = step + 1  # new tokens of each candidate, this one included
@@ -369,7 +370,8 @@ def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask:
         done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True))
         if n_new == L or bool(done.all()):
             break
-        cache.reorder(source_rows)
+        if not torch.equal(source_rows, identity):  # reordering copies the whole cache; skip a no-op
+            cache.reorder(source_rows)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B * K, 1)], dim=1)
         logits = model(run_tokens[:, :, step].reshape(B * K, 1), attention_mask=attention_mask,
                        cache=cache)[:, -1]
