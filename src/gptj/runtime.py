@@ -1,26 +1,30 @@
-"""Small runtime helpers shared by the CLI and the library: dtype and device names."""
+"""Small runtime helpers shared by the CLI and the library: dtype and device names.
+
+torch is imported inside the functions so that `gptj --help` starts without it.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from gptj.errors import GptjError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise GptjError(f"unknown dtype {name!r} (choose from {', '.join(DTYPE_NAMES)})") from None
+    canonical = _ALIASES.get(name, name)
+    if canonical not in DTYPE_NAMES:
+        raise GptjError(f"unknown dtype {name!r} (choose from {', '.join(DTYPE_NAMES)})")
+    return getattr(torch, canonical)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,14 +33,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_device(name: str) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when present); an unavailable device is a user error."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise GptjError(f"unknown device {name!r} (use cpu, cuda, cuda:N or auto)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GptjError(f"device {name!r} requested but CUDA is not available on this machine")
     if device.type not in ("cpu", "cuda"):
         raise GptjError(f"unsupported device {name!r} (use cpu, cuda, cuda:N or auto)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GptjError(f"device {name!r} requested but CUDA is not available on this machine")
     return device
