@@ -85,7 +85,7 @@ def test_console_script_bad_flag_and_help(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--num-beams", "zero"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "expected a positive integer" in bad.stderr
+    assert bad.stderr.count("\n") == 1 and "expected a positive integer" in bad.stderr
     cfg = tmp_path / "m"
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps({"model_type": "llama"}))

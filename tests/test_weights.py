@@ -159,11 +159,16 @@ class Exploit:
         return (os.system, ("touch pwned",))
 
 
-def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("container", ["zip", "legacy-pickle"])
+def test_malicious_pickle_is_refused(tmp_path, monkeypatch, container):
     monkeypatch.chdir(tmp_path)
     write_config(tmp_path / "ckpt")
-    with open(tmp_path / "ckpt" / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"lm_head.weight": Exploit()}, f)
+    payload = {"lm_head.weight": Exploit()}
+    if container == "zip":  # torch.save's format, as real pytorch_model.bin files are
+        torch.save(payload, tmp_path / "ckpt" / "pytorch_model.bin")
+    else:
+        with open(tmp_path / "ckpt" / "pytorch_model.bin", "wb") as f:
+            pickle.dump(payload, f)
     with pytest.raises(CheckpointError, match="pytorch_model.bin: refusing to load"):
         load_model(tmp_path / "ckpt")
     assert not (tmp_path / "pwned").exists()

@@ -17,6 +17,13 @@ from gptj.errors import GptjError
 EXIT_USER_ERROR = 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _ids(text: str) -> list[int]:
     """'1,2, 3' or '1 2 3' -> [1, 2, 3]."""
     parts = [p for p in text.replace(",", " ").split() if p]
@@ -147,10 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gptj.config import PRESETS
     from gptj.runtime import DTYPE_NAMES
 
-    parser = argparse.ArgumentParser(prog="gptj", description="An exact, fast GPT-J 6B.")
+    parser = _Parser(prog="gptj", description="An exact, fast GPT-J 6B.")
     parser.add_argument("--version", action="version", version=f"gptj {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     p = sub.add_parser("init", help="write a model with deterministic random weights",
                        description="Write a model with deterministic random weights in the canonical format.")
