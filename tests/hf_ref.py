@@ -23,11 +23,9 @@ _HF_ONLY = ("attn.bias", "attn.masked_bias")
 
 
 def hf_config(cfg: GPTJConfig) -> transformers.GPTJConfig:
-    d = cfg.to_hf_dict()
-    # transformers 5.x rejects rotary_dim=None (and its None code path rotates over n_embd, which
-    # only works with one head); gptj's None means "the whole head", i.e. rotary_dim = head_dim.
-    d["rotary_dim"] = cfg.rope_dim
-    return transformers.GPTJConfig(**d)
+    # to_hf_dict writes rotary_dim = head_dim for gptj's None ("the whole head"): transformers 5
+    # rejects None, and its None code path rotates over n_embd, which only works with one head.
+    return transformers.GPTJConfig(**cfg.to_hf_dict())
 
 
 @torch.no_grad()

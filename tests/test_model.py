@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-import transformers
 
 from gptj.config import GPTJConfig, get_preset
 from gptj.model import build_model, count_parameters, position_ids_from_mask
+from hf_ref import make_pair
 
 CONFIGS = [
     GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128),
@@ -13,19 +13,6 @@ CONFIGS = [
     GPTJConfig(n_layer=1, n_embd=128, n_head=8, rotary_dim=None, n_inner=256),  # rotary over the whole head
     GPTJConfig(n_layer=4, n_embd=64, n_head=2, rotary_dim=32, n_inner=64, layer_norm_epsilon=1e-6),
 ]
-
-
-def hf_pair(cfg: GPTJConfig, seed: int = 0, std: float = 0.3):
-    """The same random weights in HF's model and gptj's (float32)."""
-    torch.manual_seed(seed)
-    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**cfg.to_hf_dict())).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, std)
-    sd = {k: v for k, v in hf.state_dict().items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
-    ours = build_model(cfg)
-    ours.load_state_dict(sd, strict=True)
-    return ours.eval(), hf
 
 
 def test_gptj_6b_parameter_count_on_meta():
@@ -36,7 +23,7 @@ def test_gptj_6b_parameter_count_on_meta():
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_layer}E{c.n_embd}H{c.n_head}R{c.rotary_dim}")
 def test_logits_match_hf(cfg):
-    ours, hf = hf_pair(cfg)
+    ours, hf = make_pair(cfg, std=0.3)
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -48,7 +35,7 @@ def test_logits_match_hf(cfg):
 
 def test_kv_cache_matches_full_forward():
     cfg = CONFIGS[0]
-    ours, _ = hf_pair(cfg)
+    ours, _ = make_pair(cfg, std=0.3)
     ids = torch.randint(0, cfg.vocab_size, (3, 12))
     with torch.no_grad():
         full = ours(ids)
@@ -62,7 +49,7 @@ def test_kv_cache_matches_full_forward():
 
 def test_left_padded_batch_matches_each_prompt_alone_and_hf():
     cfg = CONFIGS[1]
-    ours, hf = hf_pair(cfg)
+    ours, hf = make_pair(cfg, std=0.3)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 302], [40000, 7]]
     width = max(map(len, prompts))
     ids = torch.tensor([[50256] * (width - len(p)) + p for p in prompts])
@@ -86,7 +73,7 @@ def test_position_ids_follow_the_mask():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_runs_and_stays_close(dtype):
     cfg = CONFIGS[0]
-    ours, _ = hf_pair(cfg, std=0.1)
+    ours, _ = make_pair(cfg, std=0.1)
     ids = torch.randint(0, cfg.vocab_size, (2, 6))
     with torch.no_grad():
         ref = ours(ids)
@@ -110,7 +97,7 @@ def test_logits_to_keep_and_position_limit():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_cpu(dtype):
     cfg = CONFIGS[0]
-    ours, _ = hf_pair(cfg, std=0.1)
+    ours, _ = make_pair(cfg, std=0.1)
     ids = torch.randint(0, cfg.vocab_size, (2, 6))
     with torch.no_grad():
         ref = ours(ids)

@@ -240,5 +240,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
             progress: bool = False) -> Path:
     """Any supported checkpoint -> the canonical directory (nothing is left behind on failure)."""
     cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress)
-    sd = checked_state_dict(cfg, items, dtype=dtype, progress=progress and fmt != "mtj", desc="reading")
+    # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
+    own_bar = progress and detect_format(Path(src)) == "hf"
+    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading")
     return _write_checkpoint(sd, cfg, Path(out), overwrite, progress)
