@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,20 +226,26 @@ def _make_generator(seed: int | None, device: torch.device) -> torch.Generator |
 
 
 def generate(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]],
-             gen: GenerationConfig | None = None) -> list[list[int]]:
-    """New tokens for each prompt (up to and including the first EOS), decoded as one batch."""
+             gen: GenerationConfig | None = None,
+             on_first_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
+    """New tokens for each prompt (up to and including the first EOS), decoded as one batch.
+
+    on_first_token: called once with each prompt's first new token as soon as it is final
+    (greedy and sampling only: a beam's first token is final only when the search ends).
+    """
     gen = gen if gen is not None else GenerationConfig()
     check_prompts(model, prompts, gen)
     device = model.lm_head.weight.device
     input_ids, attention_mask = left_pad(prompts, gen.pad_token_id, device)
     if gen.num_beams > 1:
         return beam_search(model, input_ids, attention_mask, gen)[0]
-    return greedy_or_sample(model, input_ids, attention_mask, gen)
+    return greedy_or_sample(model, input_ids, attention_mask, gen, on_first_token)
 
 
 @torch.inference_mode()
 def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     gen: GenerationConfig) -> list[list[int]]:
+                     gen: GenerationConfig,
+                     on_first_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
     """HF's `_sample`: one token per step for every row; rows that have emitted EOS keep emitting
     pad (and keep being computed, so sampling draws the same random numbers as HF)."""
     B, T = input_ids.shape
@@ -263,6 +269,8 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
             next_tokens = torch.where(unfinished, next_tokens, gen.pad_token_id)
             unfinished &= next_tokens != gen.eos_token_id
         out[:, step] = next_tokens
+        if step == 0 and on_first_token is not None:
+            on_first_token(next_tokens.tolist())
         n = step + 1
         if n == L or not bool(unfinished.any()):
             break
