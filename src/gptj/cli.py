@@ -146,6 +146,64 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def cmd_mlperf(args: argparse.Namespace) -> int:
+    from gptj.decode import GenerationConfig
+    from gptj.mlperf.evaluate import format_report
+    from gptj.mlperf.run import MLPerfConfig, run
+
+    gen = GenerationConfig.mlperf(num_beams=args.num_beams, min_new_tokens=args.min_new_tokens,
+                                  max_new_tokens=args.max_new_tokens)
+    cfg = MLPerfConfig(
+        model=Path(args.model), scenario=args.scenario, mode=args.mode,
+        dataset=Path(args.dataset) if args.dataset else None, max_examples=args.max_examples,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
+        target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
+        min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+        gen=gen, dtype=args.dtype, device=args.device, progress=not args.quiet,
+        argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
+    )
+    result = run(cfg)
+    if result.accuracy is not None:
+        print(format_report(result.accuracy).rstrip())
+    if result.result_line:
+        print(result.result_line + (f" ({result.metric})" if result.metric else ""))
+    st = result.stats
+    print(f"SUT: {st.samples} samples in {st.batches} batches (largest {st.max_batch})")
+    print(f"logs and summary: {result.log_dir}/summary.md")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from gptj.mlperf.dataset import Dataset
+    from gptj.mlperf.evaluate import evaluate_log, format_report
+
+    references = Dataset.load(Path(args.dataset) if args.dataset else None).references
+    result = evaluate_log(Path(args.log_dir), references)
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
+    return 0
+
+
 # --- parser ------------------------------------------------------------------------
 
 
@@ -197,6 +255,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("mlperf", help="run the MLPerf gptj-99 benchmark with LoadGen",
+                       description="Run MLPerf Inference gptj-99 (CNN-DailyMail summarization) with the real "
+                                   "LoadGen. Accuracy runs score themselves; every run writes a results folder.")
+    p.add_argument("--model", required=True, help="model directory (HF / gptj format)")
+    p.add_argument("--scenario", choices=("Offline", "Server", "SingleStream"), default="Offline")
+    p.add_argument("--mode", choices=("performance", "accuracy"), default="accuracy")
+    p.add_argument("--dataset", help="cnn_eval.json (default: gptj's bundled sample set)")
+    p.add_argument("--max-examples", type=_positive, help="use only the first N examples")
+    p.add_argument("--log-dir", help="results folder (default: mlperf-logs/<time>-<scenario>-<mode>)")
+    p.add_argument("--user-conf", help="LoadGen user.conf (applied over the built-in mlperf.conf)")
+    p.add_argument("--target-qps", type=_positive_float, help="Offline expected / Server target QPS")
+    p.add_argument("--target-latency-ms", type=_positive_float,
+                   help="SingleStream expected / Server target latency")
+    p.add_argument("--min-duration-ms", type=_nonnegative, help="LoadGen min_duration_ms (official: 600000)")
+    p.add_argument("--min-query-count", type=_positive, help="LoadGen min_query_count")
+    p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
+    p.add_argument("--batch-wait-ms", type=_nonnegative_float,
+                   help="Server: how long a batch waits for more samples (default 40)")
+    p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
+    p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_mlperf, argv=None)
+
+    p = sub.add_parser("evaluate", help="score an MLPerf accuracy log (ROUGE)",
+                       description="Score mlperf_log_accuracy.json as MLCommons' gptj evaluation does: ROUGE-1/2/L/"
+                                   "Lsum, gen_len, gen_num, and pass/fail against the gptj-99 and gptj-99.9 targets.")
+    p.add_argument("--log-dir", required=True, help="folder with mlperf_log_accuracy.json (or the file itself)")
+    p.add_argument("--dataset", help="cnn_eval.json the run used (default: gptj's bundled sample set)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
     p.add_argument("text", nargs="*", help="texts (default: all of stdin as one text)")

@@ -1,0 +1,197 @@
+"""The results bundle of one run: run.json, system.json, accuracy.json, latency.png, summary.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gptj.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+if TYPE_CHECKING:
+    from gptj.mlperf.dataset import Dataset
+    from gptj.mlperf.run import MLPerfConfig, RunResult
+
+# The headline metric of each scenario, as LoadGen's summary names it.
+METRIC_KEYS = {
+    "Offline": "Samples per second",
+    "Server": "Completed samples per second",
+    "SingleStream": "90.0th percentile latency (ns)",
+}
+
+
+def notes_for(cfg: MLPerfConfig, model_dir: Path, differences: list[str]) -> list[str]:
+    """What a reader must know to interpret the numbers."""
+    notes = []
+    try:
+        from gptj.config import GPTJConfig
+
+        config = GPTJConfig.from_json_file(model_dir / "config.json")
+        if config.n_layer != 28 or config.n_embd != 4096:
+            notes.append(f"the model is not GPT-J 6B ({config.n_layer} layers, n_embd {config.n_embd}): "
+                         "demo weights, scores are not meaningful (real weights cannot be downloaded here)")
+    except Exception:  # noqa: BLE001 - a slim checkpoint has no config.json; nothing to note
+        pass
+    if differences:
+        notes.append("not the official gptj-99 generation settings: " + ", ".join(differences))
+    if cfg.dataset is None:
+        notes.append("dataset: gptj's bundled sample set, not CNN-DailyMail's 13,368-sample cnn_eval.json")
+    if cfg.max_examples is not None:
+        notes.append(f"dataset limited to the first {cfg.max_examples} examples")
+    return notes
+
+
+def parse_loadgen_summary(path: Path) -> dict[str, str]:
+    """The fields of mlperf_log_summary.txt ("key : value" lines), plus result_line and metric."""
+    out: dict[str, str] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = re.match(r"^\s*([^:]+?)\s*:\s*(.+?)\s*$", line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = m.group(2)
+        if line.startswith("Result is"):
+            out["result_line"] = line.strip()
+    scenario = out.get("Scenario")
+    key = METRIC_KEYS.get(scenario or "")
+    if key and key in out:
+        out["metric"] = f"{key}: {out[key]}"
+    return out
+
+
+def system_description(cfg: MLPerfConfig) -> dict[str, object]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+        "device": cfg.device, "dtype": cfg.dtype, "python": platform.python_version(),
+        "platform": platform.platform(), "torch": torch.__version__, "gptj": version("gptj"),
+        "mlcommons-loadgen": version("mlcommons-loadgen"), "transformers": version("transformers"),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def latency_plot(latencies_s: list[float], first_token_s: list[float], title: str) -> bytes:
+    """PNG: the histogram of per-sample latencies with p50/p90/p99 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = [x * 1000 for x in latencies_s]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.hist(ms, bins=min(50, max(5, len(ms) // 2)), color="#4878a8", alpha=0.85, label="issue → complete")
+    if first_token_s:
+        ax.hist([x * 1000 for x in first_token_s], bins=min(50, max(5, len(first_token_s) // 2)),
+                color="#e3a33b", alpha=0.6, label="issue → first token")
+    for q, style in ((50, "-"), (90, "--"), (99, ":")):
+        ax.axvline(_percentile(ms, q), color="black", linestyle=style, linewidth=1, label=f"p{q} {_percentile(ms, q):.0f} ms")
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _settings_dict(cfg: MLPerfConfig) -> dict[str, object]:
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("gen", "argv")}
+    d["generation"] = dataclasses.asdict(cfg.gen)
+    d["batching"] = dataclasses.asdict(cfg.batching)
+    return d
+
+
+def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen: dict[str, str],
+                     system: dict[str, object]) -> str:
+    st = result.stats
+    lines = [f"# gptj MLPerf gptj-99 — {cfg.scenario}, {cfg.mode}", ""]
+    lines += [f"- model: `{cfg.model}` ({cfg.dtype} on {cfg.device})",
+              f"- dataset: `{dataset.path}` ({len(dataset)} samples)",
+              f"- command: `{' '.join(cfg.argv)}`",
+              f"- system: {system['cpu']}, {system['cpu_count']} CPUs, GPU {system['gpu'] or 'none'}, "
+              f"torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}", ""]
+    if result.notes:
+        lines += ["## Read this first", ""] + [f"- {n}" for n in result.notes] + [""]
+    if cfg.mode == "performance":
+        lines += ["## LoadGen result", "", f"- {result.result_line or 'no result line (see mlperf_log_detail.txt)'}"]
+        if result.metric:
+            lines.append(f"- {result.metric}")
+        for key in ("Min duration satisfied", "Min queries satisfied", "Early stopping satisfied",
+                    "Performance constraints satisfied"):
+            if key in loadgen:
+                lines.append(f"- {key}: {loadgen[key]}")
+        lines += ["", "![latency distribution](latency.png)", ""]
+    if result.accuracy is not None:
+        from gptj.mlperf.evaluate import format_report
+
+        lines += ["## Accuracy", "", "```", format_report(result.accuracy).rstrip(), "```", ""]
+    lat = st.latencies_s
+    lines += ["## SUT", "",
+              f"- samples answered: {st.samples} in {st.batches} batches "
+              f"(mean batch {st.mean_batch:.2f}, largest {st.max_batch}; policy: max {cfg.batching.max_batch_size}, "
+              f"wait {cfg.batching.wait_ms:g} ms{', sorted by length' if cfg.batching.sort_by_length else ''})",
+              f"- new tokens: {st.new_tokens}",
+              f"- latency as the SUT saw it: p50 {_percentile(lat, 50) * 1000:.1f} ms, "
+              f"p90 {_percentile(lat, 90) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms", ""]
+    lines += ["## Files", "",
+              "- `mlperf_log_summary.txt`, `mlperf_log_detail.txt`, `mlperf_log_accuracy.json`: LoadGen's logs",
+              "- `run.json`: the command, settings, generation config and batching stats",
+              "- `system.json`: the machine and software versions"]
+    if result.accuracy is not None:
+        lines.append("- `accuracy.json`: ROUGE scores and pass/fail")
+    if cfg.mode == "performance":
+        lines.append("- `latency.png`: per-sample latency distribution")
+    return "\n".join(lines) + "\n"
+
+
+def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen: dict[str, str]) -> None:
+    d = result.log_dir
+    st = result.stats
+    system = system_description(cfg)
+    atomic_write_json(d / "system.json", system)
+    atomic_write_json(d / "run.json", {
+        "command": cfg.argv, "settings": _settings_dict(cfg), "notes": result.notes,
+        "official_generation": not any("generation settings" in n for n in result.notes),
+        "loadgen": {k: v for k, v in loadgen.items() if k in ("result_line", "metric", "Scenario", "Mode")},
+        "sut": {"samples": st.samples, "batches": st.batches, "max_batch": st.max_batch,
+                "mean_batch": round(st.mean_batch, 3), "batch_sizes": dict(sorted(st.batch_sizes.items())),
+                "new_tokens": st.new_tokens, "first_tokens": len(st.first_token_s),
+                "duplicate_answers": sum(1 for c in st.answered.values() if c > 1)},
+    })
+    if result.accuracy is not None:
+        atomic_write_json(d / "accuracy.json", result.accuracy.to_json())
+    if cfg.mode == "performance" and st.latencies_s:
+        png = latency_plot(st.latencies_s, st.first_token_s, f"gptj {cfg.scenario}: {st.samples} samples")
+        atomic_write_bytes(d / "latency.png", png)
+    atomic_write_text(d / "summary.md", summary_markdown(cfg, result, dataset, loadgen, system))

@@ -1,0 +1,116 @@
+"""`gptj mlperf` with the real LoadGen: scenarios, modes, the results bundle, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gptj.cli import main
+from gptj.config import get_preset
+from gptj.decode import GenerationConfig, generate
+from gptj.mlperf.dataset import Dataset
+from gptj.weights.io import load_model, random_state_dict, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # std 0.3 (not HF's 0.02) keeps the random model's logits far apart, so float rounding
+    # differences between a batch and a single prompt cannot flip a near-tie.
+    cfg = get_preset("tiny")
+    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
+
+
+def mlperf(model_dir, log_dir, *extra):
+    return main(["mlperf", "--model", str(model_dir), "--log-dir", str(log_dir), "--quiet", *extra])
+
+
+def read_accuracy_log(log_dir):
+    entries = json.loads((log_dir / "mlperf_log_accuracy.json").read_text())
+    return {e["qsl_idx"]: np.frombuffer(bytes.fromhex(e["data"]), np.int64).tolist() for e in entries}, entries
+
+
+def test_offline_accuracy_answers_every_sample_once_as_generate_does(model_dir, tmp_path, capsys):
+    log_dir = tmp_path / "acc"
+    args = ["--scenario", "Offline", "--mode", "accuracy", "--max-new-tokens", "24", "--min-new-tokens", "4",
+            "--max-batch-size", "4"]
+    assert mlperf(model_dir, log_dir, *args) == 0
+    out = capsys.readouterr().out
+    assert "ROUGE" in out.upper() and "summary.md" in out
+    answers, entries = read_accuracy_log(log_dir)
+    dataset = Dataset.load()
+    assert sorted(e["qsl_idx"] for e in entries) == list(range(len(dataset)))  # each exactly once
+
+    model = load_model(model_dir)
+    gen = GenerationConfig.mlperf(max_new_tokens=24, min_new_tokens=4)
+    with torch.inference_mode():
+        for i, prompt in enumerate(dataset.input_ids):
+            assert answers[i] == generate(model, [prompt], gen)[0], f"sample {i}"
+
+    run = json.loads((log_dir / "run.json").read_text())
+    assert run["sut"]["samples"] == len(dataset) and run["sut"]["duplicate_answers"] == 0
+    assert run["sut"]["max_batch"] == 4 and run["official_generation"] is False
+    assert run["sut"]["first_tokens"] == 0  # beam search: no token is final before the search ends
+    accuracy = json.loads((log_dir / "accuracy.json").read_text())
+    assert accuracy["gen_num"] == len(dataset)
+    summary = (log_dir / "summary.md").read_text()
+    assert "not the official gptj-99 generation settings" in summary and "not GPT-J 6B" in summary
+    assert json.loads((log_dir / "system.json").read_text())["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("scenario, extra", [
+    ("Offline", ["--target-qps", "50"]),
+    ("Server", ["--target-qps", "400", "--max-batch-size", "8", "--batch-wait-ms", "20"]),
+    ("SingleStream", ["--target-latency-ms", "20"]),
+])
+def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario, extra):
+    log_dir = tmp_path / scenario
+    args = ["--scenario", scenario, "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "4", "--max-examples", "12", "--min-duration-ms", "200", "--min-query-count", "24"]
+    assert mlperf(model_dir, log_dir, *args, *extra) == 0
+    out = capsys.readouterr().out
+    assert "Result is" in out
+    summary = (log_dir / "summary.md").read_text()
+    assert "Result is" in summary and "latency.png" in summary
+    assert (log_dir / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Result is" in (log_dir / "mlperf_log_summary.txt").read_text()
+    sut = json.loads((log_dir / "run.json").read_text())["sut"]
+    assert sut["samples"] >= 24
+    if scenario == "Server":  # 400 QPS of arrivals against a CPU: queries pile up and are batched together
+        assert sut["max_batch"] > 1 and sut["batches"] < sut["samples"]
+    if scenario == "SingleStream":
+        assert sut["max_batch"] == 1
+
+
+def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):
+    log_dir = tmp_path / "ss"
+    args = ["--scenario", "SingleStream", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "3", "--max-examples", "4", "--min-duration-ms", "50", "--min-query-count", "4"]
+    assert mlperf(model_dir, log_dir, *args) == 0
+    sut = json.loads((log_dir / "run.json").read_text())["sut"]
+    assert sut["first_tokens"] == sut["samples"] >= 4  # FirstTokenComplete for every greedy sample
+    assert "ERROR" not in (log_dir / "mlperf_log_detail.txt").read_text()
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("missing-dataset", "no-such.json"),
+    ("malformed-dataset", "bad.json"),
+    ("not-gptj", "not a GPT-J config"),
+    ("missing-model", "no such file or directory"),
+])
+def test_bad_inputs_fail_in_one_line(model_dir, tmp_path, capsys, setup, message):
+    args = ["mlperf", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs"), "--quiet"]
+    if setup == "missing-dataset":
+        args += ["--dataset", str(tmp_path / "no-such.json")]
+    elif setup == "malformed-dataset":
+        (tmp_path / "bad.json").write_text('[{"instruction": "x", "input": ')
+        args += ["--dataset", str(tmp_path / "bad.json")]
+    elif setup == "not-gptj":
+        (tmp_path / "llama").mkdir()
+        (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        args[2] = str(tmp_path / "llama")
+    else:
+        args[2] = str(tmp_path / "nothing")
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
