@@ -53,6 +53,9 @@ def test_offline_accuracy_answers_every_sample_once_as_generate_does(model_dir, 
     assert run["sut"]["first_tokens"] == 0  # beam search: no token is final before the search ends
     accuracy = json.loads((log_dir / "accuracy.json").read_text())
     assert accuracy["gen_num"] == len(dataset)
+    assert main(["evaluate", "--log-dir", str(log_dir), "--json"]) == 0  # re-scoring gives the same result
+    assert json.loads(capsys.readouterr().out) == accuracy
+    assert (log_dir / "accuracy.txt").read_text().startswith("{'rouge1': ")
     summary = (log_dir / "summary.md").read_text()
     assert "not the official gptj-99 generation settings" in summary and "not GPT-J 6B" in summary
     assert json.loads((log_dir / "system.json").read_text())["torch"] == torch.__version__

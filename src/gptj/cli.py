@@ -195,10 +195,10 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from gptj.mlperf.dataset import Dataset
-    from gptj.mlperf.evaluate import evaluate_log, format_report
+    from gptj.mlperf.dataset import DEFAULT_DATASET
+    from gptj.mlperf.evaluate import evaluate_log, format_report, read_references
 
-    references = Dataset.load(Path(args.dataset) if args.dataset else None).references
+    references = read_references(Path(args.dataset) if args.dataset else DEFAULT_DATASET)
     result = evaluate_log(Path(args.log_dir), references)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
     return 0

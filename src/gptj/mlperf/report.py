@@ -169,7 +169,7 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
               "- `run.json`: the command, settings, generation config and batching stats",
               "- `system.json`: the machine and software versions"]
     if result.accuracy is not None:
-        lines.append("- `accuracy.json`: ROUGE scores and pass/fail")
+        lines.append("- `accuracy.json`: ROUGE scores and pass/fail; `accuracy.txt`: the reference's result line")
     if cfg.mode == "performance":
         lines.append("- `latency.png`: per-sample latency distribution")
     return "\n".join(lines) + "\n"
@@ -190,7 +190,11 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
                 "duplicate_answers": sum(1 for c in st.answered.values() if c > 1)},
     })
     if result.accuracy is not None:
+        from gptj.mlperf.evaluate import accuracy_line
+
         atomic_write_json(d / "accuracy.json", result.accuracy.to_json())
+        # What an MLPerf submission's accuracy.txt holds: the reference evaluation's result line.
+        atomic_write_text(d / "accuracy.txt", accuracy_line(result.accuracy) + "\n")
     if cfg.mode == "performance" and st.latencies_s:
         png = latency_plot(st.latencies_s, st.first_token_s, f"gptj {cfg.scenario}: {st.samples} samples")
         atomic_write_bytes(d / "latency.png", png)
