@@ -86,13 +86,17 @@ def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario,
 
 
 def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):
-    log_dir = tmp_path / "ss"
-    args = ["--scenario", "SingleStream", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
-            "--max-new-tokens", "3", "--max-examples", "4", "--min-duration-ms", "50", "--min-query-count", "4"]
+    """With token latencies asked for in user.conf, LoadGen's summary has first-token latencies."""
+    log_dir = tmp_path / "tok"
+    (tmp_path / "user.conf").write_text("gptj.Server.use_token_latencies = 1\ngptj.Server.target_qps = 50\n")
+    args = ["--scenario", "Server", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "3", "--max-examples", "4", "--min-duration-ms", "100", "--min-query-count", "8",
+            "--user-conf", str(tmp_path / "user.conf")]
     assert mlperf(model_dir, log_dir, *args) == 0
     sut = json.loads((log_dir / "run.json").read_text())["sut"]
-    assert sut["first_tokens"] == sut["samples"] >= 4  # FirstTokenComplete for every greedy sample
-    assert "ERROR" not in (log_dir / "mlperf_log_detail.txt").read_text()
+    assert sut["first_tokens"] == sut["samples"] >= 8  # FirstTokenComplete for every greedy sample
+    summary = (log_dir / "mlperf_log_summary.txt").read_text()
+    assert "first token latency" in summary.lower()
 
 
 @pytest.mark.parametrize("setup, message", [
