@@ -33,24 +33,36 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(kind: type, positive: bool):  # noqa: ANN202 - an argparse type function
+    """argparse type: a finite int/float that is > 0 (positive) or >= 0."""
+    what = f"{'a positive' if positive else 'a non-negative'} {'integer' if kind is int else 'number'}"
+
+    def parse(text: str):  # noqa: ANN202
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > 0 if positive else value >= 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive, _nonnegative = _number(int, True), _number(int, False)
+_positive_float, _nonnegative_float = _number(float, True), _number(float, False)
+
+
+def _tokenizer_for(model_dir: str | None):  # noqa: ANN202 - the one a model folder carries, else GPT-J's
+    from gptj.tokenizer import tokenizer_for_model
+
+    return tokenizer_for_model(model_dir)
+
+
+def _tokenizer(path: str | None):  # noqa: ANN202 - an explicit --tokenizer must exist
+    from gptj.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 # --- subcommands -------------------------------------------------------------------
@@ -79,14 +91,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_tokenizer_for(model_dir: str | None):
-    from gptj.tokenizer import load_tokenizer
-
-    if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
-        return load_tokenizer(model_dir)
-    return load_tokenizer()
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -101,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         do_sample=args.temperature > 0, temperature=args.temperature if args.temperature > 0 else 1.0,
         top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
     )
-    tok = _load_tokenizer_for(args.model)
+    tok = _tokenizer_for(args.model)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
     for i, p in enumerate(prompts):
         if not p:
@@ -120,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    tok = _load_tokenizer_for(args.tokenizer)
+    tok = _tokenizer(args.tokenizer)
     texts = args.text if args.text else [sys.stdin.read()]
     for text in texts:
         ids = tok.encode(text)
@@ -129,7 +133,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_detokenize(args: argparse.Namespace) -> int:
-    tok = _load_tokenizer_for(args.tokenizer)
+    tok = _tokenizer(args.tokenizer)
     if args.ids:
         rows = args.ids
     else:  # one sequence per line on stdin, as FasterTransformer's token converter reads a CSV
@@ -144,26 +148,6 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
         text = tok.decode(ids)
         print(json.dumps(text, ensure_ascii=False) if args.json else text)
     return 0
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
 
 
 def cmd_mlperf(args: argparse.Namespace) -> int:

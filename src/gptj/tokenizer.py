@@ -173,3 +173,10 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GptjError(f"cannot load tokenizer from {path}: {first_line}") from e
     raise GptjError(f"no tokenizer.json or vocab.json + merges.txt in {path}")
+
+
+def tokenizer_for_model(model_dir: str | Path | None) -> Tokenizer:
+    """The tokenizer a model folder carries (tokenizer.json), else GPT-J's packaged one."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return load_tokenizer(model_dir)
+    return load_tokenizer()

@@ -123,11 +123,11 @@ def run(cfg: MLPerfConfig) -> RunResult:
     from gptj.mlperf.dataset import Dataset
     from gptj.mlperf.sut import QSL, SUT, LocalBackend
     from gptj.runtime import parse_dtype, resolve_device
-    from gptj.tokenizer import load_tokenizer
+    from gptj.tokenizer import tokenizer_for_model
     from gptj.weights.io import load_model
 
     model_dir = Path(cfg.model)
-    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else load_tokenizer()
+    tokenizer = tokenizer_for_model(model_dir)
     dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
     model = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
     longest = max(len(ids) for ids in dataset.input_ids)
