@@ -282,10 +282,42 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
 @torch.inference_mode()
 def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 gen: GenerationConfig) -> tuple[list[list[int]], list[float]]:
-    """HF's `_beam_search` (transformers >= 4.50, vectorized version), without sampling.
+    """HF's `_beam_search` for a left-padded batch; the step rule is `BeamSearch` (below).
 
     Returns the best hypothesis's new tokens per prompt and its score,
     sum(log p of its new tokens) / len(new tokens) ** length_penalty (HF's `sequences_scores`).
+    """
+    B, T = input_ids.shape
+    K, L = gen.num_beams, gen.max_new_tokens
+
+    # Prefill each prompt once, then copy its cache rows to its K beams: row b * K + k.
+    cache = model.new_cache(B, T + L)
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
+    rows = torch.arange(B, device=input_ids.device).repeat_interleave(K)  # (B*K,)
+    cache.reorder(rows)
+    logits = logits[rows]  # (B*K, V)
+    attention_mask = attention_mask[rows]  # (B*K, T); beams never change prompt, so never reordered
+
+    search = BeamSearch(B, gen, input_ids.device)
+    identity = torch.arange(B * K, device=input_ids.device)
+    while True:
+        source_rows, next_tokens = search.step(logits)
+        if search.finished:
+            break
+        if not torch.equal(source_rows, identity):  # reordering copies the whole cache; skip a no-op
+            cache.reorder(source_rows)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B * K, 1)], dim=1)
+        logits = model(next_tokens[:, None], attention_mask=attention_mask, cache=cache)[:, -1]
+    return search.best()
+
+
+class BeamSearch:
+    """Beam search state of B prompts x K beams, advanced one token per `step` (HF semantics).
+
+    The caller runs the model: it feeds the logits of the K running beams of every prompt (row
+    b * K + k), and gets back which row each new running beam continues (reorder the KV cache
+    accordingly) and its new token. Used by `beam_search` above and by the engine, so both follow
+    exactly the same rule.
 
     Per step and prompt, HF's semantics:
       1. log_softmax the logits of each running beam, THEN apply min_new_tokens (EOS -> -inf; the
@@ -295,8 +327,7 @@ def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask:
          among the top K (by rank among the 2K, not by beam) become finished hypotheses, scored
          with the length penalty where the length counts the new tokens including EOS, unless
          the prompt is already done (see 5). Finished hypotheses keep the best K.
-      4. The K best non-ending candidates are the next running beams (the KV cache is
-         reordered to follow them).
+      4. The K best non-ending candidates are the next running beams.
       5. A prompt is done when early_stopping is True and it has K finished hypotheses, or when
          it has K and HF's heuristic says no running beam can beat the worst of them:
          best running score / n ** length_penalty <= worst finished score, where n is the new
@@ -304,44 +335,41 @@ def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask:
       Decoding stops when every prompt is done or at max_new_tokens, when the top K candidates
       all end and so become hypotheses.
     """
-    B, T = input_ids.shape
-    K, L = gen.num_beams, gen.max_new_tokens
-    V = model.config.vocab_size
-    dev = input_ids.device
-    eos = gen.eos_token_id
 
-    # Prefill each prompt once, then copy its cache rows to its K beams: row b * K + k.
-    cache = model.new_cache(B, T + L)
-    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
-    rows = torch.arange(B, device=dev).repeat_interleave(K)  # (B*K,)
-    cache.reorder(rows)
-    logits = logits[rows]  # (B*K, V)
-    attention_mask = attention_mask[rows]  # (B*K, T); beams never change prompt, so never reordered
+    def __init__(self, batch_size: int, gen: GenerationConfig, device: torch.device | str) -> None:
+        B, K, L = batch_size, gen.num_beams, gen.max_new_tokens
+        self.gen, self.B, self.K, self.L = gen, B, K, L
+        self.n_steps = 0
+        self.finished = False
+        dev = device
+        # Running beams. All K start as the prompt; only beam 0 is live at first (the others score
+        # -1e9) so the first step does not pick the same token K times.
+        self.run_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+        self.run_scores = torch.zeros((B, K), dtype=torch.float32, device=dev)
+        self.run_scores[:, 1:] = _NEG
+        # Finished hypotheses, best first; `fin_valid` False marks an empty slot (score -inf).
+        self.fin_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+        self.fin_scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=dev)
+        self.fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
+        self.fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
+        self.improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
+        self.in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
+        self.beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
 
-    # Running beams. All K start as the prompt; only beam 0 is live at first (the others score
-    # -1e9) so the first step does not pick the same token K times.
-    run_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
-    run_scores = torch.zeros((B, K), dtype=torch.float32, device=dev)
-    run_scores[:, 1:] = _NEG
-    # Finished hypotheses, best first; `fin_valid` False marks an empty slot (score -inf).
-    fin_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
-    fin_scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=dev)
-    fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
-    fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
-    improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
-    in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
-    beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
-    identity = torch.arange(B * K, device=dev)
-
-    for step in range(L):
+    def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (B*K, V) of the running beams -> (source_rows (B*K,), next_tokens (B*K,))."""
+        gen, B, K, L = self.gen, self.B, self.K, self.L
+        V = logits.shape[-1]
+        step = self.n_steps
         n_new = step + 1  # new tokens of each candidate, this one included
+        eos = gen.eos_token_id
         log_probs = block_eos(F.log_softmax(logits, dim=-1), step, gen)  # (B*K, V)
-        scores = (log_probs.view(B, K, V) + run_scores[:, :, None]).view(B, K * V)
+        scores = (log_probs.view(B, K, V) + self.run_scores[:, :, None]).view(B, K * V)
 
         cand_scores, flat = torch.topk(scores, 2 * K, dim=1)  # (B, 2K), best first
         cand_beam = flat // V  # (B, 2K) which running beam it extends
         cand_token = flat % V
-        cand_tokens = torch.take_along_dim(run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
+        cand_tokens = torch.take_along_dim(self.run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
         cand_tokens[:, :, step] = cand_token
         ends = cand_token == eos if eos is not None else torch.zeros_like(cand_token, dtype=torch.bool)
         if n_new == L:
@@ -349,41 +377,38 @@ def beam_search(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_mask:
 
         # Finished hypotheses: merge the accepted candidates into the K best so far. Ties keep the
         # older hypothesis first (same layout as HF's merge: old slots, then candidates).
-        full = fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
-        accept = ends & in_top_k[None, :] & (improvable & ~full)[:, None]  # (B, 2K)
+        full = self.fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
+        accept = ends & self.in_top_k[None, :] & (self.improvable & ~full)[:, None]  # (B, 2K)
         normalized = cand_scores / (n_new ** gen.length_penalty)  # float32, as HF
-        merged_scores = torch.cat([fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
+        merged_scores = torch.cat([self.fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
         best = torch.topk(merged_scores, K, dim=1).indices  # (B, K)
-        fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
-        fin_tokens = torch.take_along_dim(torch.cat([fin_tokens, cand_tokens], dim=1), best[:, :, None], dim=1)
-        fin_lens = torch.take_along_dim(torch.cat([fin_lens, torch.full_like(cand_beam, n_new)], dim=1), best, dim=1)
-        fin_valid = torch.take_along_dim(torch.cat([fin_valid, accept], dim=1), best, dim=1)
+        self.fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
+        self.fin_tokens = torch.take_along_dim(torch.cat([self.fin_tokens, cand_tokens], dim=1), best[:, :, None], dim=1)
+        self.fin_lens = torch.take_along_dim(torch.cat([self.fin_lens, torch.full_like(cand_beam, n_new)], dim=1),
+                                             best, dim=1)
+        self.fin_valid = torch.take_along_dim(torch.cat([self.fin_valid, accept], dim=1), best, dim=1)
 
         # Next running beams: the K best candidates that did not end (HF: ended ones get -1e9).
-        keep = torch.topk(cand_scores + ends.float() * _NEG, K, dim=1).indices  # (B, K)
-        run_scores = torch.take_along_dim(cand_scores + ends.float() * _NEG, keep, dim=1)
-        run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
-        source_rows = (torch.take_along_dim(cand_beam, keep, dim=1) + beam_offset).view(-1)  # (B*K,)
+        penalized = cand_scores + ends.float() * _NEG
+        keep = torch.topk(penalized, K, dim=1).indices  # (B, K)
+        self.run_scores = torch.take_along_dim(penalized, keep, dim=1)
+        self.run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
+        source_rows = (torch.take_along_dim(cand_beam, keep, dim=1) + self.beam_offset).view(-1)  # (B*K,)
 
         # Can a running beam still beat the worst finished hypothesis? (HF's heuristic; it only
         # matters once all K slots are full.)
-        if gen.early_stopping == "never" and gen.length_penalty > 0.0:
-            best_len = L
-        else:
-            best_len = n_new
-        best_possible = run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
-        worst_finished = fin_scores.min(dim=1).values
-        improvable &= ~fin_valid.all(dim=1) | (best_possible > worst_finished)
+        best_len = L if gen.early_stopping == "never" and gen.length_penalty > 0.0 else n_new
+        best_possible = self.run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
+        worst_finished = self.fin_scores.min(dim=1).values
+        self.improvable &= ~self.fin_valid.all(dim=1) | (best_possible > worst_finished)
 
-        done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True))
-        if n_new == L or bool(done.all()):
-            break
-        if not torch.equal(source_rows, identity):  # reordering copies the whole cache; skip a no-op
-            cache.reorder(source_rows)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B * K, 1)], dim=1)
-        logits = model(run_tokens[:, :, step].reshape(B * K, 1), attention_mask=attention_mask,
-                       cache=cache)[:, -1]
+        done = ~self.improvable | (self.fin_valid.all(dim=1) & (gen.early_stopping is True))
+        self.n_steps = n_new
+        self.finished = n_new == L or bool(done.all())
+        return source_rows, self.run_tokens[:, :, step].reshape(B * K)
 
-    lens = fin_lens[:, 0].tolist()
-    tokens = [row[:n] for row, n in zip(fin_tokens[:, 0].tolist(), lens)]
-    return tokens, fin_scores[:, 0].tolist()
+    def best(self) -> tuple[list[list[int]], list[float]]:
+        """The best finished hypothesis of each prompt: its new tokens and its score."""
+        lens = self.fin_lens[:, 0].tolist()
+        tokens = [row[:n] for row, n in zip(self.fin_tokens[:, 0].tolist(), lens)]
+        return tokens, self.fin_scores[:, 0].tolist()
