@@ -50,6 +50,18 @@ def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
     return x * cos + rotate_every_two(x) * sin
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v with scores and softmax in float32, as HF GPTJAttention._attn.
+
+    q: (B, H, T, D); k, v: (B, H, S, D); mask: additive float32, broadcastable to (B, H, T, S), or None.
+    Returns (B, H, T, D) in v's dtype.
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 class KVCache:
     """Keys and values of every layer, preallocated for `max_len` positions.
 
@@ -78,6 +90,15 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Store this call's k, v and attend over everything cached: (B, H, T, D)."""
+        k, v = self.update(layer, k, v)
+        return attention(q, k, v, mask)
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
     def reorder(self, index: torch.Tensor) -> None:
         """Row b becomes old row index[b] (beam search keeps the beams it selected)."""
         n = self.length
@@ -99,7 +120,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(E, E, bias=False)
         self.out_proj = nn.Linear(E, E, bias=False)
 
-    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
@@ -111,14 +132,10 @@ class Attention(nn.Module):
         q = torch.cat([apply_rotary(q[..., :R], sin, cos), q[..., R:]], dim=-1).transpose(1, 2)
         k = torch.cat([apply_rotary(k[..., :R], sin, cos), k[..., R:]], dim=-1).transpose(1, 2)
 
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, H, S, D)
-
-        # Scores and softmax in float32, scaled by sqrt(D), as HF GPTJAttention._attn.
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        probs = torch.softmax(scores + mask, dim=-1).to(v.dtype)  # (B, H, T, S)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, E)
-        return self.out_proj(out)
+        # The cache stores k, v and attends over all its keys (the engine's cache does this per
+        # sequence, each with its own length); without a cache, attend over this call's tokens.
+        out = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, E)
 
 
 class MLP(nn.Module):
@@ -138,7 +155,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor,
+    def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         x = self.ln_1(h)
         # Same summation order as HF: attn + mlp + residual.
@@ -203,27 +220,34 @@ class GPTJForCausalLM(nn.Module):
 
         input_ids: (B, T) new tokens. attention_mask: (B, past + T), 1 for tokens, 0 for padding;
         None means no padding. position_ids: (B, T); by default derived from the mask.
-        cache: filled with this call's keys/values and advanced by T.
+        cache: filled with this call's keys/values and advanced by T. A cache that tracks each
+        sequence's own length (the engine's, `per_sequence = True`) makes its own masks; it needs
+        position_ids and no attention_mask.
         """
         B, T = input_ids.shape
-        past = cache.length if cache is not None else 0
-        if attention_mask is None:
-            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
-        if attention_mask.shape != (B, past + T):
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, T)
+        mask = None
+        if getattr(cache, "per_sequence", False):
+            if position_ids is None:
+                raise ValueError("a per-sequence cache needs explicit position_ids")
+        else:
+            past = cache.length if cache is not None else 0
+            if attention_mask is None:
+                attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
+            if position_ids is None:
+                position_ids = position_ids_from_mask(attention_mask, T)
+            mask = causal_mask(attention_mask, T)
         if int(position_ids.max()) >= self.config.n_positions:
             raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
 
         h = self.transformer.wte(input_ids)  # (B, T, E)
         sincos = self.rope[position_ids].to(h.dtype)  # (B, T, R); cast as HF casts to the key dtype
         sin, cos = sincos.chunk(2, dim=-1)
-        mask = causal_mask(attention_mask, T)
         for i, block in enumerate(self.transformer.h):
             h = block(h, sin, cos, mask, cache, i)
         if cache is not None:
-            cache.length += T
+            cache.advance(T)
         if logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
         return self.lm_head(self.transformer.ln_f(h)).float()
