@@ -1,0 +1,118 @@
+"""The engine on a background thread: submit from any thread, get a handle to wait on or cancel.
+
+Submissions and cancellations go through an inbox the loop drains before every step, so a
+request that arrives while others run joins at the next step — it never waits for a batch to
+drain. The engine itself is only touched from the loop's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from gptj.decode import GenerationConfig
+from gptj.engine.core import Engine, Request
+from gptj.errors import GptjError
+
+
+class RequestHandle:
+    """A submitted request: `result()` waits for its new tokens; `cancel()` stops it and frees its KV."""
+
+    def __init__(self, loop: EngineLoop, request_id: str) -> None:
+        self.loop, self.request_id = loop, request_id
+        self.future: Future[Request] = Future()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        req = self.future.result(timeout)
+        if req.error is not None:
+            raise GptjError(f"request {req.request_id} failed: {req.error}")
+        return req.output
+
+    def request(self, timeout: float | None = None) -> Request:
+        return self.future.result(timeout)
+
+    def cancel(self) -> None:
+        self.loop.cancel(self.request_id)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._stop = threading.Event()
+        self._ids = 0
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gptj-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Sequence[int], gen: GenerationConfig,
+               on_token: Callable[[Request, int], None] | None = None,
+               on_finish: Callable[[Request], None] | None = None) -> RequestHandle:
+        """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread)."""
+        if self._stop.is_set():
+            raise GptjError("the engine is shut down")
+        self.engine.validate(prompt, gen)
+        with self._lock:
+            self._ids += 1
+            rid = f"loop-{self._ids}"
+        handle = RequestHandle(self, rid)
+
+        def finished(req: Request) -> None:
+            if on_finish is not None:
+                on_finish(req)
+            handle.future.set_result(req)
+
+        self._inbox.put(("add", rid, list(prompt), gen, on_token, finished))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "add":
+                _, rid, prompt, gen, on_token, on_finish = item
+                self.engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish)
+            elif item[0] == "abort":
+                self.engine.abort(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self.engine.step()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, loudly
+            self.error = e
+            for req in list(self.engine.requests.values()):
+                req.error = f"engine loop stopped: {type(e).__name__}: {e}"
+                if req.on_finish is not None:
+                    req.on_finish(req)
+
+    def shutdown(self, cancel_pending: bool = True) -> None:
+        """Stop the loop; requests still pending are aborted (their handles complete)."""
+        if cancel_pending:
+            for rid in list(self.engine.requests):
+                self.cancel(rid)
+            while not self._inbox.empty() and self._thread.is_alive():
+                self._stop.wait(0.01)
+            # one last drain + step so the aborts are applied by the loop's own thread
+        self._stop.set()
+        self._thread.join()
+        self._drain(block=False)
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)

@@ -1,0 +1,133 @@
+"""The continuous-batching engine: batch invariance, admission while running, cancellation, capacity."""
+
+import threading
+
+import pytest
+import torch
+
+from gptj.config import GPTJConfig
+from gptj.decode import GenerationConfig, generate
+from gptj.engine import Engine, EngineConfig, EngineLoop
+from gptj.engine.core import ABORTED, FAILED, FINISHED, RUNNING
+from gptj.errors import GptjError
+from hf_ref import make_pair
+
+CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50000, (n,), generator=g).tolist() for n in lengths]
+
+
+MIXED = [
+    GenerationConfig(max_new_tokens=12),
+    GenerationConfig(max_new_tokens=14, do_sample=True, seed=3, top_k=40, temperature=0.8),
+    GenerationConfig.mlperf(max_new_tokens=20, min_new_tokens=6),
+    GenerationConfig(max_new_tokens=10, num_beams=2, length_penalty=0.5),
+    GenerationConfig(max_new_tokens=9, min_new_tokens=9),
+    GenerationConfig(max_new_tokens=16, do_sample=True, seed=11, top_p=0.9),
+]
+
+
+def test_mixed_requests_together_equal_each_alone(model):
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    engine = Engine(model, EngineConfig(n_slots=16))
+    together = engine.generate(prompts, MIXED)
+    assert max(engine.decode_batch_sizes) > 4  # they really shared steps
+    for prompt, gen, got in zip(prompts, MIXED, together):
+        assert got == generate(model, [prompt], gen)[0]  # the exact reference path, alone
+        assert got == Engine(model, EngineConfig(n_slots=4)).generate([prompt], gen)[0]  # the engine, alone
+    assert engine.pool.free_slots == 16 and not engine.has_work
+
+
+def test_a_request_arriving_while_others_run_joins_at_the_next_step(model):
+    engine = Engine(model, EngineConfig(n_slots=8))
+    a = engine.add_request(prompts_of([6])[0], GenerationConfig(max_new_tokens=30, eos_token_id=None))
+    for _ in range(5):
+        engine.step()
+    assert a.status == RUNNING and len(a.output) == 5
+    b = engine.add_request(prompts_of([9], seed=1)[0], GenerationConfig(max_new_tokens=3, eos_token_id=None))
+    engine.step()
+    assert b.status == RUNNING and len(b.output) == 1 and len(a.output) == 6  # admitted without draining A
+    while not b.done:
+        engine.step()
+    assert b.status == FINISHED and a.status == RUNNING  # B finished while A still runs
+    assert 2 in engine.decode_batch_sizes
+
+
+def test_cancel_frees_kv_memory(model):
+    engine = Engine(model, EngineConfig(n_slots=6))
+    beam = engine.add_request(prompts_of([10])[0], GenerationConfig.mlperf(max_new_tokens=40))
+    greedy = engine.add_request(prompts_of([4])[0], GenerationConfig(max_new_tokens=40, eos_token_id=None))
+    engine.step()
+    engine.step()
+    assert engine.pool.free_slots == 1  # 4 beams + 1 greedy
+    assert engine.abort(beam.request_id)
+    assert beam.status == ABORTED and beam.finish_reason == "abort" and engine.pool.free_slots == 5
+    assert not engine.abort(beam.request_id)  # already done
+    engine.step()
+    assert greedy.status == RUNNING
+
+
+def test_more_requests_than_kv_capacity_wait_and_all_complete(model):
+    prompts = prompts_of([3, 8, 5, 11, 2, 7, 4])
+    gens = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=6, num_beams=2)] * 3 + [
+        GenerationConfig(max_new_tokens=5)]
+    engine = Engine(model, EngineConfig(n_slots=2))
+    outputs = engine.generate(prompts, gens)
+    assert max(engine.decode_batch_sizes) <= 2
+    assert outputs == [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]
+    assert engine.pool.free_slots == 2
+
+
+def test_loop_admits_while_running_and_cancels(model):
+    engine = Engine(model, EngineConfig(n_slots=4))
+    loop = EngineLoop(engine)
+    try:
+        started = threading.Event()
+        first = loop.submit(prompts_of([6])[0], GenerationConfig(max_new_tokens=200, eos_token_id=None),
+                            on_token=lambda req, tok: started.set() if len(req.output) >= 3 else None)
+        assert started.wait(30)
+        second = loop.submit(prompts_of([5], seed=2)[0], GenerationConfig(max_new_tokens=4, eos_token_id=None))
+        assert len(second.result(timeout=30)) == 4
+        assert not first.done()  # the second finished while the first was still running
+        first.cancel()
+        req = first.request(timeout=30)
+        assert req.status == ABORTED and 3 <= len(req.output) < 200
+    finally:
+        loop.shutdown()
+    assert engine.pool.free_slots == 4
+
+
+def test_bad_requests_are_refused_and_failures_are_isolated(model, monkeypatch):
+    engine = Engine(model, EngineConfig(n_slots=2, slot_len=64))
+    with pytest.raises(GptjError, match="exceeds the engine's 64 tokens"):
+        engine.add_request([1] * 60, GenerationConfig(max_new_tokens=10))
+    with pytest.raises(GptjError, match="num_beams 4 exceeds"):
+        engine.add_request([1, 2], GenerationConfig.mlperf(max_new_tokens=8))
+    with pytest.raises(GptjError, match="outside the vocabulary"):
+        engine.add_request([50400], GenerationConfig(max_new_tokens=8))
+
+    ok = engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=6))
+    engine.step()
+    real_forward = type(model).forward
+    calls = {"n": 0}
+
+    def flaky(self, input_ids, *args, **kwargs):
+        if input_ids.shape[1] > 1:  # fail the next prefill only
+            calls["n"] += 1
+            raise RuntimeError("simulated device error")
+        return real_forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", flaky)
+    bad = engine.add_request([4, 5, 6, 7], GenerationConfig(max_new_tokens=6))
+    while not (ok.done and bad.done):
+        engine.step()
+    assert calls["n"] == 1 and bad.status == FAILED and "simulated device error" in bad.error
+    assert ok.status == FINISHED and len(ok.output) >= 1 and engine.pool.free_slots == 2
