@@ -92,9 +92,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from gptj.decode import GenerationConfig, generate
+    from gptj.decode import GenerationConfig
+    from gptj.engine import Engine, EngineConfig
+    from gptj.engine.kv import slots_from_memory
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.weights.io import load_model
 
@@ -112,8 +112,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise GptjError(f"prompt {i + 1} is empty")
     device = resolve_device(args.device)
     model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
-    with torch.inference_mode():
-        outputs = generate(model, prompts, gen)
+    # All prompts run together on the engine; KV slots for all of them if memory allows, else they queue.
+    slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
+    wanted = len(prompts) * gen.num_beams
+    n_slots = args.kv_slots or min(wanted, slots_from_memory(model.config, model.transformer.wte.weight.dtype,
+                                                             device, slot_len, fraction=0.8))
+    engine = Engine(model, EngineConfig(n_slots=max(n_slots, 1), slot_len=slot_len))
+    outputs = engine.generate(prompts, gen)
     for prompt, new in zip(prompts, outputs):
         text = tok.decode(new)
         if args.json:
@@ -164,7 +169,7 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
         min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-        gen=gen, dtype=args.dtype, device=args.device, progress=not args.quiet,
+        gen=gen, kv_slots=args.kv_slots, dtype=args.dtype, device=args.device, progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
     )
     result = run(cfg)
@@ -237,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 
@@ -258,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
     p.add_argument("--batch-wait-ms", type=_nonnegative_float,
                    help="Server: how long a batch waits for more samples (default 40)")
+    p.add_argument("--kv-slots", type=_positive,
+                   help="sequences in KV memory at once (default: max-batch-size x beams, as memory allows)")
     p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
     p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")

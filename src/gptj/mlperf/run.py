@@ -41,6 +41,7 @@ class MLPerfConfig:
     max_batch_size: int | None = None
     batch_wait_ms: float | None = None
     gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
+    kv_slots: int | None = None  # None: enough for max_batch_size samples
     dtype: str = "float32"
     device: str = "cpu"
     progress: bool = True
@@ -121,7 +122,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
 
     from gptj.mlperf import report
     from gptj.mlperf.dataset import Dataset
-    from gptj.mlperf.sut import QSL, SUT, LocalBackend
+    from gptj.engine import EngineConfig
+    from gptj.engine.kv import slots_from_memory
+    from gptj.mlperf.sut import QSL, SUT, EngineBackend
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.tokenizer import tokenizer_for_model
     from gptj.weights.io import load_model
@@ -150,7 +153,18 @@ def run(cfg: MLPerfConfig) -> RunResult:
     total = len(dataset) if cfg.mode == "accuracy" else None
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, settings.performance_sample_count_override)
-    sut = SUT(LocalBackend(model), dataset, cfg.gen, cfg.batching, on_complete=bar.update)
+    # KV slots for max_batch_size samples' sequences, each as long as the longest prompt needs.
+    # (or as many as fit in 80% of the free memory, whichever is less; --kv-slots overrides).
+    seqs = cfg.batching.max_batch_size * cfg.gen.num_beams
+    slot_len = longest + cfg.gen.max_new_tokens
+    n_slots = cfg.kv_slots or min(seqs, slots_from_memory(model.config, model.transformer.wte.weight.dtype,
+                                                          model.lm_head.weight.device, slot_len, fraction=0.8))
+    if n_slots < cfg.gen.num_beams:
+        raise GptjError(f"KV memory holds {n_slots} sequences of {slot_len} tokens, fewer than num_beams "
+                        f"{cfg.gen.num_beams}; use a smaller --dtype or fewer beams")
+    engine_config = EngineConfig(n_slots=n_slots, slot_len=slot_len, max_batch_size=seqs)
+    backend = EngineBackend(model, engine_config)
+    sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
     try:
         lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings)
     finally:

@@ -25,6 +25,7 @@ import mlperf_loadgen as lg
 import numpy as np
 
 from gptj.decode import GenerationConfig
+from gptj.errors import GptjError
 from gptj.mlperf.dataset import Dataset
 
 SCENARIOS = ("Offline", "Server", "SingleStream")
@@ -46,25 +47,37 @@ def default_batching(scenario: str, max_batch_size: int | None = None, wait_ms: 
 
 
 class Backend(Protocol):
-    """What the SUT runs: token ids in, new token ids out (in-process model or a remote server)."""
+    """What the SUT runs requests on: the engine in this process (or, later, a remote server).
 
-    def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
-                 on_first_token: Callable[[list[int]], None] | None = None) -> list[list[int]]: ...
+    `submit` returns at once; `on_done(tokens, error)` is called when the request finishes (from
+    another thread), `on_first_token(token)` when its first new token is final (greedy/sampled).
+    """
+
+    def submit(self, prompt: Sequence[int], gen: GenerationConfig, on_done: Callable[[list[int], str | None], None],
+               on_first_token: Callable[[int], None] | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
-class LocalBackend:
-    """gptj's generation on a model in this process."""
+class EngineBackend:
+    """gptj's continuous-batching engine on a background thread."""
 
-    def __init__(self, model) -> None:  # noqa: ANN001 - a GPTJForCausalLM
-        self.model = model
+    def __init__(self, model, engine_config=None) -> None:  # noqa: ANN001 - GPTJForCausalLM, EngineConfig
+        from gptj.engine import Engine, EngineLoop
 
-    def generate(self, prompts, gen, on_first_token=None):  # noqa: ANN001 - see Backend
-        import torch
+        self.engine = Engine(model, engine_config)
+        self.loop = EngineLoop(self.engine)
 
-        from gptj.decode import generate
+    def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend
+        def on_token(req, token):  # noqa: ANN001
+            if on_first_token is not None and len(req.output) == 1:
+                on_first_token(token)
 
-        with torch.inference_mode():
-            return generate(self.model, prompts, gen, on_first_token=on_first_token)
+        self.loop.submit(prompt, gen, on_token=on_token if gen.num_beams == 1 else None,
+                         on_finish=lambda req: on_done(req.output, req.error))
+
+    def close(self) -> None:
+        self.loop.shutdown()
 
 
 class QSL:
@@ -120,6 +133,7 @@ class SUT:
                  on_complete: Callable[[int], None] | None = None) -> None:
         self.backend, self.dataset, self.gen, self.batching = backend, dataset, gen, batching
         self.stats = SUTStats()
+        self._lock = threading.Lock()  # completions arrive on the engine's thread
         self.error: BaseException | None = None
         self._on_complete = on_complete
         self._queue: queue.Queue[_Item | None] = queue.Queue()
@@ -174,40 +188,42 @@ class SUT:
 
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
-            prompts = [self.dataset.input_ids[it.index] for it in batch]
-            on_first = (lambda toks, b=batch: self._first_tokens(b, toks)) if self.gen.num_beams == 1 else None
-            try:
-                outputs = self.backend.generate(prompts, self.gen, on_first_token=on_first)
-            except BaseException as e:  # noqa: BLE001 - LoadGen must still get answers or it waits forever
-                if self.error is None:
-                    self.error = e
-                outputs = [[] for _ in batch]
-            self._complete(batch, outputs)
+            with self._lock:
+                self.stats.batches += 1
+                self.stats.batch_sizes[len(batch)] += 1
+            for item in batch:  # submitted together, so the engine admits them in the same step
+                on_first = (lambda tok, it=item: self._first_token(it, tok)) if self.gen.num_beams == 1 else None
+                try:
+                    self.backend.submit(self.dataset.input_ids[item.index], self.gen,
+                                        on_done=lambda toks, err, it=item: self._complete(it, toks, err),
+                                        on_first_token=on_first)
+                except BaseException as e:  # noqa: BLE001 - LoadGen must still get an answer or it waits forever
+                    self._complete(item, [], f"{type(e).__name__}: {e}")
 
-    def _first_tokens(self, batch: list[_Item], tokens: list[int]) -> None:
-        now = time.perf_counter()
-        arrays = [np.array([t], dtype=np.int64) for t in tokens]
-        responses = [lg.QuerySampleResponse(it.sample_id, a.ctypes.data, a.nbytes, 1) for it, a in zip(batch, arrays)]
-        lg.FirstTokenComplete(responses)
-        self.stats.first_token_s.extend(now - it.issued for it in batch)
+    def _first_token(self, item: _Item, token: int) -> None:
+        a = np.array([token], dtype=np.int64)
+        lg.FirstTokenComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, 1)])
+        with self._lock:
+            self.stats.first_token_s.append(time.perf_counter() - item.issued)
 
-    def _complete(self, batch: list[_Item], outputs: list[list[int]]) -> None:
-        arrays = [np.asarray(out, dtype=np.int64) for out in outputs]  # kept alive until LoadGen copied them
-        responses = [lg.QuerySampleResponse(it.sample_id, a.ctypes.data, a.nbytes, len(a))
-                     for it, a in zip(batch, arrays)]
-        lg.QuerySamplesComplete(responses)
-        now = time.perf_counter()
-        st = self.stats
-        st.batches += 1
-        st.batch_sizes[len(batch)] += 1
-        st.samples += len(batch)
-        st.new_tokens += sum(len(a) for a in arrays)
-        st.latencies_s.extend(now - it.issued for it in batch)
-        st.answered.update(it.index for it in batch)
+    def _complete(self, item: _Item, tokens: list[int], error: str | None) -> None:
+        if error is not None:
+            tokens = []
+            with self._lock:
+                self.error = self.error or GptjError(f"sample {item.index}: {error}")
+        a = np.asarray(tokens, dtype=np.int64)  # alive until LoadGen has copied it
+        lg.QuerySamplesComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, len(a))])
+        with self._lock:
+            st = self.stats
+            st.samples += 1
+            st.new_tokens += len(a)
+            st.latencies_s.append(time.perf_counter() - item.issued)
+            st.answered[item.index] += 1
         if self._on_complete is not None:
-            self._on_complete(len(batch))
+            self._on_complete(1)
 
     def stop(self) -> None:
         self._queue.put(None)
         self._worker.join()
+        self.backend.close()
         lg.DestroySUT(self.sut)
