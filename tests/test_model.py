@@ -104,3 +104,19 @@ def test_cuda_matches_cpu(dtype):
         ours = ours.to("cuda", dtype)
         got = ours(ids.cuda()).cpu()
     assert (got - ref).abs().max() < (1e-4 if dtype == torch.float32 else 0.05) * ref.abs().max()
+
+
+def test_low_precision_attention_fast_path_matches_exact_math():
+    """bf16/fp16 attention runs torch's fused SDPA; float32 runs the exact HF math. They agree."""
+    from gptj.model import attention, causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (5, 9, 9))
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, :3] = 0  # a left-padded row, including padding queries that see nothing
+    mask = causal_mask(pad, 5)
+    exact = attention(q, k, v, mask)
+    for dtype in (torch.bfloat16, torch.float16):
+        fast = attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+        assert fast.dtype == dtype and not fast.isnan().any()
+        assert (fast.float() - exact).abs().max() < 0.03
