@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from gptj.errors import CheckpointError
 
@@ -51,23 +50,74 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or {BIN_INDEX}")
 
 
-def _iter_safetensors(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
-    try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
-        keys = list(handle.keys())
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-    for name in keys:
-        try:
-            shape = tuple(handle.get_slice(name).get_shape())
-        except SafetensorError as e:
-            raise CheckpointError(f"{file}: tensor {name}: {e}") from None
+# safetensors dtype names -> torch dtypes (the ones a GPT-J checkpoint can hold).
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
-        def read(name: str = name) -> torch.Tensor:
+
+def read_safetensors_header(file: Path) -> tuple[dict[str, dict], int]:
+    """The tensor table of a safetensors file and where its data starts; checked against the file size."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("header too small")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, 100 * 1024**2):
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        header.pop("__metadata__", None)
+        data_start = 8 + n
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            dtype = _ST_DTYPES[info["dtype"]]
+            numel = 1
+            for d in info["shape"]:
+                numel *= int(d)
+            if end - begin != numel * torch.empty((), dtype=dtype).element_size() or not 0 <= begin <= end:
+                raise ValueError(f"tensor {name}: offsets do not match its shape and dtype")
+            if data_start + end > size:
+                raise ValueError(f"tensor {name} extends past the end of the file (truncated?)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    return header, data_start
+
+
+def _iter_safetensors(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """Each tensor read straight from the file into its own memory (no mmap, no second copy).
+
+    Plain reads rather than the safetensors library's mmap: a mapped file's pages count in the
+    process's resident memory while it is open, which would make peak memory weights + file size.
+    """
+    header, data_start = read_safetensors_header(file)
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        shape = tuple(int(d) for d in info["shape"])
+
+        def read(info: dict = info, shape: tuple[int, ...] = shape, name: str = name) -> torch.Tensor:
+            tensor = torch.empty(shape, dtype=_ST_DTYPES[info["dtype"]])
+            buf = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else None
+            begin, end = info["data_offsets"]
+            got = 0
             try:
-                return handle.get_tensor(name)
-            except SafetensorError as e:
+                with open(file, "rb", buffering=0) as f:
+                    f.seek(data_start + begin)
+                    view = memoryview(buf) if buf is not None else memoryview(b"")
+                    while got < len(view):  # one read returns at most ~2 GiB
+                        n = f.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
+            except OSError as e:
                 raise CheckpointError(f"{file}: tensor {name}: {e}") from None
+            if got != end - begin:
+                raise CheckpointError(f"{file}: tensor {name}: short read ({got} of {end - begin} bytes)")
+            return tensor
 
         yield name, shape, read
 
