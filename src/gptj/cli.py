@@ -94,7 +94,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from gptj.decode import GenerationConfig
     from gptj.engine import Engine, EngineConfig
-    from gptj.engine.kv import slots_from_memory
+    from gptj.engine.kv import groups_from_memory
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.weights.io import load_model
 
@@ -112,12 +112,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise GptjError(f"prompt {i + 1} is empty")
     device = resolve_device(args.device)
     model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
-    # All prompts run together on the engine; KV slots for all of them if memory allows, else they queue.
+    # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
+    K = gen.num_beams
     slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
-    wanted = len(prompts) * gen.num_beams
-    n_slots = args.kv_slots or min(wanted, slots_from_memory(model.config, model.transformer.wte.weight.dtype,
-                                                             device, slot_len, fraction=0.8))
-    engine = Engine(model, EngineConfig(n_slots=max(n_slots, 1), slot_len=slot_len))
+    groups = min(len(prompts), groups_from_memory(model.config, model.transformer.wte.weight.dtype, device,
+                                                  slot_len, gen.max_new_tokens, K, fraction=0.8))
+    n_seqs = max(args.kv_slots or groups * K, 1)
+    engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=gen.max_new_tokens,
+                                        n_prompts=max(1, n_seqs // K)))
     outputs = engine.generate(prompts, gen)
     for prompt, new in zip(prompts, outputs):
         text = tok.decode(new)

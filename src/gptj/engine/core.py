@@ -1,10 +1,11 @@
 """The engine: requests in, tokens out, one `step()` at a time (schedule -> run -> update).
 
 Greedy, sampled and beam-search requests share every step. A beam-search request is a group of
-num_beams sequences, each in its own KV slot, admitted and retired together; after each step the
-group's slots are reordered to follow the beams its `BeamSearch` kept (the same rule
-`gptj.decode.beam_search` uses). Each row attends over its own slot only, so a request's tokens
-do not depend on what else shares the step (up to float rounding; exact in float32 in the tests).
+num_beams sequences that share one stored prompt (see engine/kv.py) and own a tail of new tokens
+each; they are admitted and retired together, and after each step the group's tails are reordered
+to follow the beams its `BeamSearch` kept (the same rule `gptj.decode.beam_search` uses). Each
+group attends over its own memory only, so a request's tokens do not depend on what else shares
+the step (up to float rounding; equal tokens in float32 in the tests).
 
     schedule  admit waiting requests, first come first served, while KV slots, the running-
               sequence cap and the prefill-token budget allow; never skip ahead of the oldest
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptj.decode import BeamSearch, GenerationConfig, block_eos, check_prompts, warp
-from gptj.engine.kv import KVPool, SlotBatch, slots_from_memory
+from gptj.engine.kv import Group, GroupBatch, KVPool, groups_from_memory
 from gptj.errors import GptjError
 from gptj.model import GPTJForCausalLM
 
@@ -33,14 +34,16 @@ WAITING, RUNNING, FINISHED, ABORTED, FAILED = "waiting", "running", "finished", 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    n_slots: int | None = None  # KV slots (sequences in memory at once); None: from free memory
-    slot_len: int | None = None  # tokens per slot; None: the model's n_positions
-    max_batch_size: int | None = None  # running sequences per step (beams count each); None: n_slots
+    n_slots: int | None = None  # sequences in memory at once (beams count each); None: from free memory
+    slot_len: int | None = None  # prompt + new tokens per sequence; None: the model's n_positions
+    max_new_tokens: int | None = None  # new tokens per sequence (its tail); None: slot_len
+    n_prompts: int | None = None  # requests in memory at once (one stored prompt each); None: n_slots
+    max_batch_size: int | None = None  # running sequences per step; None: n_slots
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per step (at least one prompt)
     memory_fraction: float = 0.5  # of free memory, when sizing slots from it
 
     def __post_init__(self) -> None:
-        for name in ("n_slots", "slot_len", "max_batch_size"):
+        for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise GptjError(f"engine {name} must be a positive integer, got {value!r}")
@@ -66,8 +69,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     # engine state
-    slots: list[int] = field(default_factory=list)
-    length: int = 0  # positions each of its sequences holds in KV
+    prompt_slot: int | None = None
+    tails: list[int] = field(default_factory=list)  # one tail slot per sequence
+    n_new: int = 0  # new tokens each of its sequences holds in KV (its tail length)
     next_tokens: list[int] = field(default_factory=list)  # to feed at the next step, one per sequence
     beam: BeamSearch | None = None
     generator: torch.Generator | None = None
@@ -86,11 +90,12 @@ class Engine:
         self.model = model
         self.config = config = config or EngineConfig()
         w = model.lm_head.weight
-        slot_len = min(config.slot_len or model.config.n_positions, model.config.n_positions)
-        n_slots = config.n_slots or slots_from_memory(model.config, w.dtype if w.is_floating_point() else
-                                                      torch.bfloat16, w.device, slot_len, config.memory_fraction)
         kv_dtype = model.transformer.wte.weight.dtype  # the activations' dtype (weights may be quantized)
-        self.pool = KVPool(model.config, n_slots, slot_len, kv_dtype, w.device)
+        slot_len = min(config.slot_len or model.config.n_positions, model.config.n_positions)
+        tail_len = min(config.max_new_tokens or slot_len, slot_len)
+        n_slots = config.n_slots or groups_from_memory(model.config, kv_dtype, w.device, slot_len, tail_len, 1,
+                                                       config.memory_fraction)
+        self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device)
         self.max_batch_size = config.max_batch_size or n_slots
         self.device = w.device
         self.waiting: deque[Request] = deque()
@@ -105,12 +110,15 @@ class Engine:
     def validate(self, prompt: Sequence[int], gen: GenerationConfig) -> None:
         """GptjError unless the request can ever run here (thread-safe: reads only configuration)."""
         check_prompts(self.model, [prompt], gen)
-        if len(prompt) + gen.max_new_tokens > self.pool.slot_len:
+        if len(prompt) + gen.max_new_tokens > self.pool.prompt_len:
             raise GptjError(f"prompt of {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} exceeds the "
-                            f"engine's {self.pool.slot_len} tokens per sequence")
-        if gen.num_beams > min(self.pool.n_slots, self.max_batch_size):
+                            f"engine's {self.pool.prompt_len} tokens per sequence")
+        if gen.max_new_tokens > self.pool.tail_len:
+            raise GptjError(f"max_new_tokens {gen.max_new_tokens} exceeds the engine's {self.pool.tail_len} "
+                            f"new tokens per sequence")
+        if gen.num_beams > min(self.pool.n_tail_slots, self.max_batch_size):
             raise GptjError(f"num_beams {gen.num_beams} exceeds the engine's "
-                            f"{min(self.pool.n_slots, self.max_batch_size)} sequences at once")
+                            f"{min(self.pool.n_tail_slots, self.max_batch_size)} sequences at once")
 
     def add_request(self, prompt: Sequence[int], gen: GenerationConfig, request_id: str | None = None,
                     on_token: Callable[[Request, int], None] | None = None,
@@ -161,12 +169,14 @@ class Engine:
         budget = self.config.max_prefill_tokens
         while self.waiting:
             req = self.waiting[0]
-            if req.n_seqs > self.pool.free_slots or running_seqs + req.n_seqs > self.max_batch_size:
+            if (not self.pool.prompts.free or req.n_seqs > self.pool.tails.free
+                    or running_seqs + req.n_seqs > self.max_batch_size):
                 break
             if admitted and len(req.prompt) > budget:
                 break
             self.waiting.popleft()
-            req.slots = self.pool.allocate(req.n_seqs)
+            req.prompt_slot = self.pool.prompts.allocate(1)[0]
+            req.tails = self.pool.tails.allocate(req.n_seqs)
             req.status = RUNNING
             self.running.append(req)
             admitted.append(req)
@@ -186,18 +196,18 @@ class Engine:
         finished.extend(r for r in reqs if r.done)
 
     def _decode(self, reqs: list[Request]) -> None:
-        slots, starts, tokens = [], [], []
+        groups, positions, tokens = [], [], []
         for req in reqs:
-            slots += req.slots
-            starts += [req.length] * req.n_seqs
+            groups.append(Group(req.prompt_slot, len(req.prompt), req.tails, req.n_new))
+            positions += [len(req.prompt) + req.n_new] * req.n_seqs
             tokens += req.next_tokens
         ids = torch.tensor(tokens, device=self.device)[:, None]  # (N, 1)
-        positions = torch.tensor(starts, device=self.device)[:, None]
-        logits = self.model(ids, position_ids=positions, cache=SlotBatch(self.pool, slots, starts))[:, -1]  # (N, V)
+        pos = torch.tensor(positions, device=self.device)[:, None]
+        logits = self.model(ids, position_ids=pos, cache=GroupBatch(self.pool, groups))[:, -1]  # (N, V)
         self.decode_batch_sizes.append(len(tokens))
         row = 0
         for req in reqs:
-            req.length += 1
+            req.n_new += 1
             self._update(req, logits[row:row + req.n_seqs])
             row += req.n_seqs
 
@@ -206,13 +216,10 @@ class Engine:
         T = len(req.prompt)
         ids = torch.tensor([req.prompt], device=self.device)
         positions = torch.arange(T, device=self.device)[None]
-        logits = self.model(ids, position_ids=positions, cache=SlotBatch(self.pool, req.slots[:1], [0]),
-                            logits_to_keep=1)[:, -1]  # (1, V)
-        req.length = T
-        if req.n_seqs > 1:  # every beam starts from the prompt: copy its KV to the group's other slots
-            self.pool.copy(req.slots[:1] * (req.n_seqs - 1), req.slots[1:], T)
-            logits = logits.expand(req.n_seqs, -1)
-        self._update(req, logits)
+        cache = GroupBatch(self.pool, [Group(req.prompt_slot, 0, [], 0)])
+        logits = self.model(ids, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]  # (1, V)
+        # Every beam starts from the prompt, which they share: no copy, just the same logits.
+        self._update(req, logits.expand(req.n_seqs, -1))
 
     def _update(self, req: Request, logits: torch.Tensor) -> None:
         """Choose the next token(s) from this step's logits (n_seqs, V); retire when done."""
@@ -229,7 +236,7 @@ class Engine:
                 return
             src = source.tolist()
             moved = [k for k in range(req.n_seqs) if src[k] != k]
-            self.pool.copy([req.slots[src[k]] for k in moved], [req.slots[k] for k in moved], req.length)
+            self.pool.copy_tails([req.tails[src[k]] for k in moved], [req.tails[k] for k in moved], req.n_new)
             req.next_tokens = next_tokens.tolist()
             return
         # Greedy or sampled, as gptj.decode.greedy_or_sample: min_new_tokens on the raw logits first.
@@ -252,9 +259,10 @@ class Engine:
             req.next_tokens = [token]
 
     def _retire(self, req: Request, status: str, reason: str) -> None:
-        if req.slots:
-            self.pool.release(req.slots)
-            req.slots = []
+        if req.prompt_slot is not None:
+            self.pool.prompts.release([req.prompt_slot])
+            self.pool.tails.release(req.tails)
+            req.prompt_slot, req.tails = None, []
         if req in self.running:
             self.running.remove(req)
         req.status, req.finish_reason = status, reason

@@ -1,14 +1,20 @@
-"""KV memory in fixed slots: one slot holds one sequence's keys and values for up to `slot_len` tokens.
+"""KV memory: a prompt slot per request, a tail slot per sequence.
 
-    k[layer], v[layer]: (n_slots, H, slot_len, D)
+    prompt_k[layer], prompt_v[layer]: (n_prompt_slots, H, prompt_len, D)   the prompt's keys/values
+    tail_k[layer],   tail_v[layer]:   (n_tail_slots,   H, tail_len,   D)   each sequence's new tokens
 
-A forward pass binds its rows to slots (`SlotBatch`): row b writes its T new positions into its
-slot after the `start` it already holds, and attends over its own slot only — no padding, no
-gather: each row reads a view of its slot, so sequences of any lengths share one forward.
+The num_beams sequences of a beam-search request share their prompt (identical for every beam)
+and own only their generated tokens. So a beam group's prompt is stored once, reordering beams
+copies only the short tails (<= max_new_tokens), and one matmul reads the prompt's keys for all
+of the group's beams at once. A greedy or sampled request is a group of one.
+
+A forward pass binds its rows to groups (`GroupBatch`): each group attends over its own prompt
+and tails only — no padding, no gather of the prompt — so requests of any lengths share a forward.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -39,87 +45,154 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def slots_from_memory(config: GPTJConfig, dtype: torch.dtype, device: torch.device, slot_len: int,
-                      fraction: float = 0.5, max_slots: int = 64) -> int:
-    """How many slots fit in `fraction` of the free memory (at least 1)."""
-    per_slot = kv_bytes_per_token(config, dtype) * slot_len
-    return max(1, min(max_slots, int(available_memory_bytes(device) * fraction) // per_slot))
+def groups_from_memory(config: GPTJConfig, dtype: torch.dtype, device: torch.device, prompt_len: int,
+                       tail_len: int, seqs_per_group: int, fraction: float = 0.5, max_groups: int = 64) -> int:
+    """How many request groups (a prompt slot + seqs_per_group tails) fit in `fraction` of free memory."""
+    per_group = kv_bytes_per_token(config, dtype) * (prompt_len + seqs_per_group * tail_len)
+    return max(1, min(max_groups, int(available_memory_bytes(device) * fraction) // per_group))
 
 
-class KVPool:
-    def __init__(self, config: GPTJConfig, n_slots: int, slot_len: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        if n_slots < 1 or slot_len < 1:
-            raise GptjError(f"KV memory needs at least one slot of one token (got {n_slots} x {slot_len})")
-        shape = (n_slots, config.n_head, slot_len, config.head_dim)
-        try:
-            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-            self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        except (RuntimeError, MemoryError) as e:
-            gb = 2 * config.n_layer * n_slots * slot_len * config.n_embd * torch.empty((), dtype=dtype).element_size()
-            raise GptjError(f"cannot allocate KV memory for {n_slots} slots x {slot_len} tokens "
-                            f"({gb / 1e9:.1f} GB): {str(e).splitlines()[0]}") from None
-        self.n_slots, self.slot_len = n_slots, slot_len
-        self._free = list(range(n_slots - 1, -1, -1))  # a stack: the lowest slot is taken first
+class _Slots:
+    """A free list of slot indices; the lowest free slot is taken first."""
+
+    def __init__(self, n: int, what: str) -> None:
+        self.n, self.what = n, what
+        self._free = list(range(n - 1, -1, -1))
 
     @property
-    def free_slots(self) -> int:
+    def free(self) -> int:
         return len(self._free)
 
-    @property
-    def used_slots(self) -> int:
-        return self.n_slots - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV slots, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+    def allocate(self, k: int) -> list[int]:
+        if k > len(self._free):
+            raise RuntimeError(f"asked for {k} {self.what} slots, {len(self._free)} free")
+        return [self._free.pop() for _ in range(k)]
 
     def release(self, slots: list[int]) -> None:
         for s in slots:
             if s in self._free:
-                raise RuntimeError(f"KV slot {s} released twice")
+                raise RuntimeError(f"{self.what} slot {s} released twice")
             self._free.append(s)
         self._free.sort(reverse=True)
 
-    def copy(self, src: list[int], dst: list[int], length: int) -> None:
-        """Slot dst[i] gets the first `length` positions of slot src[i] (all read before any write)."""
+
+class KVPool:
+    def __init__(self, config: GPTJConfig, n_prompt_slots: int, prompt_len: int, n_tail_slots: int,
+                 tail_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if min(n_prompt_slots, prompt_len, n_tail_slots, tail_len) < 1:
+            raise GptjError(f"KV memory needs at least one slot of one token (prompts {n_prompt_slots} x "
+                            f"{prompt_len}, tails {n_tail_slots} x {tail_len})")
+        H, D = config.n_head, config.head_dim
+        try:
+            self.prompt_k = [torch.empty((n_prompt_slots, H, prompt_len, D), dtype=dtype, device=device)
+                             for _ in range(config.n_layer)]
+            self.prompt_v = [torch.empty_like(t) for t in self.prompt_k]
+            self.tail_k = [torch.empty((n_tail_slots, H, tail_len, D), dtype=dtype, device=device)
+                           for _ in range(config.n_layer)]
+            self.tail_v = [torch.empty_like(t) for t in self.tail_k]
+        except (RuntimeError, MemoryError) as e:
+            tokens = n_prompt_slots * prompt_len + n_tail_slots * tail_len
+            gb = tokens * kv_bytes_per_token(config, dtype) / 1e9
+            raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_prompt_slots} prompts x {prompt_len} "
+                            f"tokens, {n_tail_slots} sequences x {tail_len} new tokens): "
+                            f"{str(e).splitlines()[0]}") from None
+        self.prompt_len, self.tail_len = prompt_len, tail_len
+        self.prompts = _Slots(n_prompt_slots, "prompt")
+        self.tails = _Slots(n_tail_slots, "sequence")
+
+    @property
+    def n_tail_slots(self) -> int:
+        return self.tails.n
+
+    @property
+    def free_slots(self) -> int:
+        """Sequences that could start now (a new request also needs a free prompt slot)."""
+        return self.tails.free if self.prompts.free else 0
+
+    def copy_tails(self, src: list[int], dst: list[int], length: int) -> None:
+        """Tail dst[i] gets the first `length` new tokens of tail src[i] (all read before any write)."""
         if not dst or length == 0:
             return
-        src_t = torch.tensor(src, device=self.k[0].device)
-        dst_t = torch.tensor(dst, device=self.k[0].device)
-        for pool in (self.k, self.v):
+        device = self.tail_k[0].device
+        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for pool in (self.tail_k, self.tail_v):
             for t in pool:
                 t[dst_t, :, :length] = t[src_t, :, :length]  # advanced indexing reads a copy first
 
 
 @dataclass
-class SlotBatch:
-    """The cache of one forward pass: row b writes into slot `slots[b]` from position `starts[b]`."""
+class Group:
+    """One request's rows in a forward: its prompt slot and, when decoding, its sequences' tails."""
+
+    prompt_slot: int
+    prompt_len: int  # prompt tokens already stored (prefill: 0)
+    tails: list[int]  # tail slot of each row (prefill: [])
+    tail_len: int  # new tokens already stored in every tail
+
+
+@dataclass
+class GroupBatch:
+    """The cache of one forward pass: rows are the groups' rows in order.
+
+    Prefill: one group, one row, T = the prompt; its keys/values go to the prompt slot.
+    Decode: T = 1; each row's key/value goes to its tail at `tail_len`.
+    """
 
     pool: KVPool
-    slots: list[int]
-    starts: list[int]
-    per_sequence = True  # the model then builds no padding mask; each row attends over its own slot
+    groups: list[Group]
+    per_sequence = True  # the model builds no padding mask; each group attends over its own memory
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """q, k, v: (B, H, T, D) -> (B, H, T, D); causal within the T new tokens of each row."""
-        T = q.shape[2]
-        K, V = self.pool.k[layer], self.pool.v[layer]
+        """q, k, v: (B, H, T, D) -> (B, H, T, D)."""
+        pool = self.pool
+        Pk, Pv, Tk, Tv = pool.prompt_k[layer], pool.prompt_v[layer], pool.tail_k[layer], pool.tail_v[layer]
         out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
-        for b, (slot, start) in enumerate(zip(self.slots, self.starts)):
-            end = start + T
-            K[slot, :, start:end] = k[b]
-            V[slot, :, start:end] = v[b]
-            causal = None
-            if T > 1:  # query i (position start + i) sees keys j <= start + i
+        row = 0
+        for g in self.groups:
+            if not g.tails:  # prefill: causal attention over the prompt, stored in the prompt slot
+                T = q.shape[2]
+                start, end = g.prompt_len, g.prompt_len + T
+                Pk[g.prompt_slot, :, start:end] = k[row]
+                Pv[g.prompt_slot, :, start:end] = v[row]
                 q_pos = torch.arange(start, end, device=q.device)[:, None]
                 k_pos = torch.arange(end, device=q.device)[None, :]
                 causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
                 causal.masked_fill_(k_pos > q_pos, torch.finfo(torch.float32).min)
-            out[b] = attention(q[b:b + 1], K[slot:slot + 1, :, :end], V[slot:slot + 1, :, :end], causal)[0]
+                s = g.prompt_slot
+                out[row] = attention(q[row:row + 1], Pk[s:s + 1, :, :end], Pv[s:s + 1, :, :end], causal)[0]
+                row += 1
+                continue
+            n = len(g.tails)
+            rows = slice(row, row + n)
+            tails = torch.tensor(g.tails, device=q.device)
+            Tk[tails, :, g.tail_len] = k[rows, :, 0]
+            Tv[tails, :, g.tail_len] = v[rows, :, 0]
+            out[rows, :, 0] = _group_attention(
+                q[rows, :, 0], Pk[g.prompt_slot, :, :g.prompt_len], Pv[g.prompt_slot, :, :g.prompt_len],
+                Tk[tails, :, :g.tail_len + 1], Tv[tails, :, :g.tail_len + 1])
+            row += n
         return out
 
     def advance(self, n: int) -> None:
         pass  # lengths are the engine's bookkeeping
+
+
+def _group_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
+                     tv: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence over [shared prompt | own tail]: exactly softmax over the concatenation.
+
+    q: (N, H, D); pk, pv: (H, P, D) shared; tk, tv: (N, H, L, D) per sequence -> (N, H, D).
+    Scores and softmax in float32 as HF (float32 models: the exact math; lower precisions keep
+    the matmul inputs in their dtype and upcast the scores).
+    """
+    scale = math.sqrt(q.shape[-1])
+    exact = q.dtype == torch.float32
+    qh = q.transpose(0, 1)  # (H, N, D): all of the group's sequences against the prompt in one matmul
+    s_prompt = torch.matmul(qh.float() if exact else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
+    s_tail = torch.matmul(q[:, :, None, :], tk.transpose(-1, -2))[:, :, 0].float().transpose(0, 1)  # (H, N, L)
+    probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1).to(pv.dtype)
+    P = pk.shape[1]
+    out = torch.matmul(probs[..., :P], pv)  # (H, N, D)
+    out_tail = torch.matmul(probs[..., P:].transpose(0, 1)[:, :, None, :], tv)[:, :, 0]  # (N, H, D)
+    return out.transpose(0, 1) + out_tail

@@ -123,7 +123,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     from gptj.mlperf import report
     from gptj.mlperf.dataset import Dataset
     from gptj.engine import EngineConfig
-    from gptj.engine.kv import slots_from_memory
+    from gptj.engine.kv import groups_from_memory
     from gptj.mlperf.sut import QSL, SUT, EngineBackend
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.tokenizer import tokenizer_for_model
@@ -153,16 +153,22 @@ def run(cfg: MLPerfConfig) -> RunResult:
     total = len(dataset) if cfg.mode == "accuracy" else None
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, settings.performance_sample_count_override)
-    # KV slots for max_batch_size samples' sequences, each as long as the longest prompt needs.
-    # (or as many as fit in 80% of the free memory, whichever is less; --kv-slots overrides).
-    seqs = cfg.batching.max_batch_size * cfg.gen.num_beams
+    # KV memory for max_batch_size samples: a prompt slot each (as long as the longest prompt) and a
+    # tail of max_new_tokens per beam; as many as fit in 80% of the free memory if fewer. --kv-slots
+    # sets the number of sequences (samples x beams) directly.
+    K = cfg.gen.num_beams
+    samples = cfg.batching.max_batch_size
     slot_len = longest + cfg.gen.max_new_tokens
-    n_slots = cfg.kv_slots or min(seqs, slots_from_memory(model.config, model.transformer.wte.weight.dtype,
-                                                          model.lm_head.weight.device, slot_len, fraction=0.8))
-    if n_slots < cfg.gen.num_beams:
-        raise GptjError(f"KV memory holds {n_slots} sequences of {slot_len} tokens, fewer than num_beams "
-                        f"{cfg.gen.num_beams}; use a smaller --dtype or fewer beams")
-    engine_config = EngineConfig(n_slots=n_slots, slot_len=slot_len, max_batch_size=seqs)
+    if cfg.kv_slots is None:
+        samples = min(samples, groups_from_memory(model.config, model.transformer.wte.weight.dtype,
+                                                  model.lm_head.weight.device, slot_len, cfg.gen.max_new_tokens, K,
+                                                  fraction=0.8))
+    n_seqs = cfg.kv_slots or samples * K
+    if n_seqs < K:
+        raise GptjError(f"KV memory holds {n_seqs} sequences, fewer than num_beams {K}; "
+                        "use a smaller --dtype or fewer beams")
+    engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
+                                 n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K)
     backend = EngineBackend(model, engine_config)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
     try:
