@@ -214,3 +214,17 @@ def test_save_refuses_to_overwrite_without_force(tmp_path):
     save_checkpoint(random_state_dict(CFG, seed=1), CFG, tmp_path / "m", overwrite=True)
     assert not torch.equal(load_model(tmp_path / "m").lm_head.weight, sd["lm_head.weight"])
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_is_exact(dtype):
+    from gptj.runtime import all_finite
+
+    t = torch.ones(1000, dtype=dtype)
+    assert all_finite(t)
+    big = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)  # the sum overflows, values are finite
+    assert all_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[517] = bad
+        assert not all_finite(u)

@@ -82,6 +82,7 @@ import torch
 from tqdm import tqdm
 
 from gptj.errors import CheckpointError
+from gptj.runtime import all_finite
 
 __all__ = [
     "MtjLeaf",
@@ -424,7 +425,7 @@ def iter_mtj_slim(
                         if leaf.rule is Rule.REPLICATED and pieces:
                             continue  # replicated copies: shard 0's is used
                         t = _to_torch(arr, where)
-                        if not bool(torch.isfinite(t).all()):
+                        if not all_finite(t):
                             raise CheckpointError(f"{where} ({leaf.name} -> {leaf.hf_name}): non-finite values")
                         pieces.append(t)
                     stored_dtype = pieces[0].dtype
@@ -442,7 +443,7 @@ def iter_mtj_slim(
                         tensor += wte_bias  # broadcast the [E] bias over every vocab row
 
                     tensor = tensor.to(dtype or stored_dtype).contiguous()
-                    if not bool(torch.isfinite(tensor).all()):
+                    if not all_finite(tensor):
                         raise CheckpointError(
                             f"{leaf.hf_name}: non-finite values after combining shards and converting to {tensor.dtype}"
                         )
