@@ -86,7 +86,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
     out = convert(args.src, args.out, fmt=args.fmt, dtype=dtype, config=args.config,
-                  overwrite=args.force, progress=not args.quiet)
+                  overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size)
     print(f"wrote {out}")
     return 0
 
@@ -111,7 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
     device = resolve_device(args.device)
-    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
+    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
+                       group_size=args.group_size)
     # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
     K = gen.num_beams
     slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
@@ -127,6 +128,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt_ids": prompt, "token_ids": new, "text": text}, ensure_ascii=False))
         else:
             print(text)
+    return 0
+
+
+def _modes(text: str) -> list[str]:
+    from gptj.quant import QUANT_MODES
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in QUANT_MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(QUANT_MODES)}, got {text!r}")
+    return modes
+
+
+def cmd_quant_report(args: argparse.Namespace) -> int:
+    from gptj.quant import format_report, quantization_report
+    from gptj.runtime import parse_dtype, resolve_device
+
+    report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,
+                                 group_size=args.group_size, dtype=parse_dtype(args.dtype),
+                                 device=resolve_device(args.device))
+    print(json.dumps(report, indent=2) if args.json else format_report(report).rstrip())
     return 0
 
 
@@ -171,7 +192,7 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
         min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-        gen=gen, kv_slots=args.kv_slots, dtype=args.dtype, device=args.device, progress=not args.quiet,
+        gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device, progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
     )
     result = run(cfg)
@@ -193,6 +214,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_log(Path(args.log_dir), references)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
     return 0
+
+
+def _add_quantize_flags(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--quantize", choices=("int8", "int4"), help=help_text)
+    p.add_argument("--group-size", type=_positive, help="int4 group size: 32, 64, 128 (default) or 256")
 
 
 # --- parser ------------------------------------------------------------------------
@@ -227,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="for slim checkpoints: a preset name or config.json (default gptj-6b)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quantize_flags(p, "write weight-only int8/int4 linears (a gptj-only format: HF transformers cannot load it)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from prompts",
@@ -245,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
+    _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 
@@ -268,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Server: how long a batch waits for more samples (default 40)")
     p.add_argument("--kv-slots", type=_positive,
                    help="sequences in KV memory at once (default: max-batch-size x beams, as memory allows)")
+    _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
     p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
     p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")
@@ -283,6 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="cnn_eval.json the run used (default: gptj's bundled sample set)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("quant-report", help="accuracy of int8/int4 weight-only quantization vs float32",
+                       description="Teacher-forced next-token top-1 agreement and logit error of each weight-only "
+                                   "quantization mode against the float32 model, on the first prompts of the "
+                                   "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick).")
+    p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
+    p.add_argument("--modes", type=_modes, default=["int8", "int4"], help="comma-separated (default: int8,int4)")
+    p.add_argument("--group-size", type=_positive, help="int4 group size: 32, 64, 128 (default) or 256")
+    p.add_argument("--prompts", type=_positive, default=8, help="how many prompts of the sample set (default 8)")
+    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
+                   help="activations and float weights of the quantized models (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_quant_report)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
     p.add_argument("text", nargs="*", help="texts (default: all of stdin as one text)")

@@ -260,7 +260,7 @@ class GPTJForCausalLM(nn.Module):
         return self.lm_head(self.transformer.ln_f(h)).float()
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.lm_head.weight
+        w = self.transformer.wte.weight  # the activations' dtype: wte is never quantized
         return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device)
 
 

@@ -42,6 +42,8 @@ class MLPerfConfig:
     batch_wait_ms: float | None = None
     gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
     kv_slots: int | None = None  # None: enough for max_batch_size samples
+    quantize: str | None = None  # "int8" / "int4": weight-only, on load
+    group_size: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     progress: bool = True
@@ -132,7 +134,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
     model_dir = Path(cfg.model)
     tokenizer = tokenizer_for_model(model_dir)
     dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
-    model = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
+    model = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device),
+                       quantize=cfg.quantize, group_size=cfg.group_size)
     longest = max(len(ids) for ids in dataset.input_ids)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "

@@ -7,6 +7,13 @@ tokenizer files, so HF transformers loads what gptj writes.
 Loading builds the model on the meta device and assigns each tensor as it is read
 and converted (`load_state_dict(assign=True)`), so weights are never held twice.
 Every tensor is checked for name, shape and finiteness; errors name the tensor and file.
+
+Quantized checkpoints (see `gptj.quant`): config.json's "quantization" entry says which linears
+hold int8/int4 weights (with their bfloat16 scales/zeros); those load into quantized modules,
+packed for the device's kernel at load time. `load_model(..., quantize="int8"|"int4")` and
+`convert(..., quantize=...)` quantize a float checkpoint tensor by tensor as it is read.
+HF transformers does not load quantized checkpoints (it does not know the format); float ones
+stay HF-compatible.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from gptj import quant
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.model import GPTJForCausalLM, build_model
-from gptj.runtime import dtype_name
+from gptj.runtime import all_finite, dtype_name
 from gptj.weights import hf, mtj
 
 CONFIG = "config.json"
@@ -35,10 +43,17 @@ MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
 TensorItem = tuple[str, tuple[int, ...], Callable[[], torch.Tensor], Path]
 
 
+def expected_specs(config: GPTJConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name -> (shape, dtype) of every tensor a checkpoint with `config` must hold; dtype None means
+    any floating point dtype (int8 / uint8 for the weights of a quantized config's linears)."""
+    if config.quantization is not None:
+        quant.check_quantization(config.quantization, config)
+    return quant.quantized_specs(config)
+
+
 def expected_shapes(config: GPTJConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a GPT-J checkpoint with `config` must hold."""
-    meta = build_model(config, device="meta")
-    return {name: tuple(t.shape) for name, t in meta.state_dict().items()}
+    return {name: shape for name, (shape, _) in expected_specs(config).items()}
 
 
 def detect_format(path: Path) -> str:
@@ -88,6 +103,8 @@ def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJCon
         cfg = GPTJConfig.from_json_file(path / CONFIG)
         if config is not None and resolve_config(config) != cfg:
             raise CheckpointError(f"{path}: its config.json differs from the config given")
+        if cfg.quantization is not None:
+            cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
         return cfg, hf.iter_hf_tensors(path)
     cfg = resolve_config(config)
     return cfg, _mtj_items(path, cfg, progress)
@@ -95,30 +112,61 @@ def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJCon
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
                        device: torch.device | str = "cpu", progress: bool = False,
-                       desc: str = "loading") -> dict[str, torch.Tensor]:
-    """Read every tensor once, check name/shape/finiteness, convert to dtype and device."""
-    expected = expected_shapes(config)
+                       desc: str = "loading", quantize: Mapping | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor once, check name/shape/dtype/finiteness, convert to dtype and device.
+
+    `dtype` applies to float tensors only: quantized weights keep int8/uint8 and their scales and
+    zeros stay bfloat16. `quantize` (a `quant.make_quantization` dict, for a float `config`):
+    quantize each weight it names as soon as it is read, so no float copy of the model is held.
+    """
+    specs = expected_specs(config)
+    if quantize is not None:
+        if config.quantization is not None:
+            raise GptjError("the checkpoint is already quantized")
+        qweights = {f"{m}.weight" for m in quantize["modules"]}
+    else:
+        qweights = set()
     out: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(expected), desc=desc, unit="tensor", disable=not progress)
+    seen: set[str] = set()
+    bar = tqdm(total=len(specs), desc=desc, unit="tensor", disable=not progress)
     for name, shape, read, file in items:
         if hf.is_legacy_buffer(name):
             continue
-        if name not in expected:
+        if name not in specs:
             raise CheckpointError(f"{file}: unexpected tensor {name} (not a GPT-J weight of this config)")
-        if name in out:
+        if name in seen:
             raise CheckpointError(f"{file}: tensor {name} appears twice")
-        if shape != expected[name]:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(expected[name])}")
+        seen.add(name)
+        want_shape, want_dtype = specs[name]
+        if shape != want_shape:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
         tensor = read()
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, expected floating point")
-        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
-        if not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
-        out[name] = tensor
+        if want_dtype is not None:  # a quantized weight: exactly int8 / uint8, kept as is
+            if tensor.dtype != want_dtype:
+                raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
+                                      f"expected {dtype_name(want_dtype)} (quantized weight)")
+            out[name] = tensor.to(device=device)
+        elif not tensor.is_floating_point():
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
+                                  f"expected floating point")
+        elif name in qweights:
+            if not all_finite(tensor):
+                raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
+            module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
+            for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"]).items():
+                out[f"{module}.{leaf}"] = t
+            del tensor
+        else:
+            target = quant.SCALE_DTYPE if quant.is_quant_param(name) else (dtype or tensor.dtype)
+            tensor = tensor.to(device=device, dtype=target)
+            if not all_finite(tensor):
+                raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
+            if name.endswith(".weight_scale") and not bool((tensor > 0).all()):
+                raise CheckpointError(f"{file}: tensor {name} has scales that are not positive")
+            out[name] = tensor
         bar.update()
     bar.close()
-    missing = [n for n in expected if n not in out]
+    missing = [n for n in specs if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
@@ -128,16 +176,51 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
 def model_from_state_dict(config: GPTJConfig, state_dict: Mapping[str, torch.Tensor],
                           device: torch.device | str = "cpu") -> GPTJForCausalLM:
     model = build_model(config, device="meta")
+    if config.quantization is not None:
+        quant.swap_quantized_modules(model, config.quantization)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.init_buffers(device)
+    quant.prepare_model(model)  # pack quantized weights for the device's kernels
     return model.eval()
 
 
+def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: int | None = None,
+                         where: object = "checkpoint") -> dict | None:
+    """What to quantize while reading a checkpoint with `config` when asked for `quantize`.
+
+    None when nothing is to be done (no request, or the checkpoint is already quantized that
+    way); GptjError when it is quantized differently (re-quantizing quantized weights would
+    compound the error: convert from the float checkpoint instead).
+    """
+    if quantize is None:
+        if group_size is not None:
+            raise GptjError("a group size needs a quantization mode (int4)")
+        return None
+    if config.quantization is not None:
+        q = config.quantization
+        if not quant.same_request(q, quantize, group_size):
+            have = q["mode"] + (f" (group size {q['group_size']})" if q["group_size"] else "")
+            want = quantize + (f" (group size {group_size})" if group_size else "")
+            raise GptjError(f"{where}: already quantized as {have}; cannot quantize it as {want} "
+                            f"(quantize the float checkpoint instead)")
+        return None
+    return quant.make_quantization(config, quantize, group_size)
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               config: str | os.PathLike | GPTJConfig | None = None, progress: bool = False) -> GPTJForCausalLM:
-    """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint."""
+               config: str | os.PathLike | GPTJConfig | None = None, progress: bool = False,
+               quantize: str | None = None, group_size: int | None = None) -> GPTJForCausalLM:
+    """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint.
+
+    `dtype` is the float dtype (activations, embeddings, norms, biases). A quantized checkpoint
+    loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
+    quantizes a float checkpoint tensor by tensor while loading.
+    """
     cfg, items = read_checkpoint(path, config, progress=progress)
-    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress)
+    q = resolve_quantization(cfg, quantize, group_size, where=path)
+    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress, quantize=q)
+    if q is not None:
+        cfg = cfg.replace(quantization=q)
     return model_from_state_dict(cfg, sd, device)
 
 
@@ -149,7 +232,7 @@ def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = to
     """
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in sorted(expected_shapes(config).items()):
+    for name, shape in sorted(expected_shapes(config.replace(quantization=None)).items()):
         if ".ln_" in name or name.startswith("transformer.ln_f"):
             t = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
         elif name.endswith("bias"):
@@ -182,7 +265,8 @@ def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, 
                     max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True) -> Path:
     """Write the canonical directory atomically: into a temporary sibling, renamed when complete.
 
-    The state dict is checked (names, shapes, finiteness) before anything is written.
+    The state dict is checked (names, shapes, finiteness) before anything is written. A quantized
+    model's state dict is saved with its config: `save_checkpoint(model.state_dict(), model.config, out)`.
     """
     items = ((n, tuple(t.shape), (lambda t=t: t), Path("<memory>")) for n, t in state_dict.items())
     sd = checked_state_dict(config, items, dtype=dtype)
@@ -199,7 +283,8 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary directory
-        first_dtype = next(iter(sd.values())).dtype
+        first_dtype = next((t.dtype for n, t in sd.items() if t.is_floating_point() and not quant.is_quant_param(n)),
+                           torch.float32)
         cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(first_dtype)}
         _write_json(tmp / CONFIG, cfg)
         _write_json(tmp / "generation_config.json",
@@ -237,10 +322,18 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", dtype: torch.dtype | None = None,
             config: str | os.PathLike | GPTJConfig | None = None, overwrite: bool = False,
-            progress: bool = False) -> Path:
-    """Any supported checkpoint -> the canonical directory (nothing is left behind on failure)."""
+            progress: bool = False, quantize: str | None = None, group_size: int | None = None) -> Path:
+    """Any supported checkpoint -> the canonical directory (nothing is left behind on failure).
+
+    `quantize` ("int8" / "int4", `group_size` for int4) writes a quantized checkpoint (config.json
+    gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
+    cannot load a quantized checkpoint; gptj's `load_model` can.
+    """
     cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress)
+    q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     own_bar = progress and detect_format(Path(src)) == "hf"
-    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading")
+    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading", quantize=q)
+    if q is not None:
+        cfg = cfg.replace(quantization=q)
     return _write_checkpoint(sd, cfg, Path(out), overwrite, progress)

@@ -1,0 +1,366 @@
+"""Weight-only quantization: int8/int4 layers against a dequantized reference, error bounds,
+whole models, quantized checkpoints, and refusals."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from gptj import quant
+from gptj.config import GPTJConfig
+from gptj.errors import CheckpointError, GptjError
+from gptj.model import build_model
+from gptj.weights.io import convert, load_model, random_state_dict, save_checkpoint
+
+CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)
+G = 32  # int4 group size for CFG (n_embd 64)
+IDS = torch.tensor([[15496, 995, 11, 428, 318, 257, 1332, 286, 262, 3288, 13, 632]])
+
+
+def make_linear(n_in, n_out, bias, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        lin.weight[3] *= 10  # one row with an outlier scale
+        if bias:
+            lin.bias.normal_(0, 0.1)
+    return lin
+
+
+def quantized(lin, mode):
+    return quant.Int8Linear.from_float(lin) if mode == "int8" else quant.Int4Linear.from_float(lin, G)
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+# --- layers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("path", ["kernel", "dequant"])
+def test_linear_matches_dequantized_reference(mode, dtype, bias, path):
+    lin = make_linear(128, 96, bias)
+    m = quantized(lin, mode)
+    rows = 3 if path == "kernel" else quant.KERNEL_MAX_ROWS[mode] + 1
+    x = torch.randn(1, rows, 128).to(dtype)
+    assert m.use_kernel(x) == (path == "kernel")
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (1, rows, 96)
+    ref = F.linear(x.float(), m.dequantized_weight(torch.float32), None if lin.bias is None else lin.bias.detach())
+    # The CPU kernels compute in bfloat16; float32 through F.linear is exact up to summation order.
+    tol = 1e-5 if (path == "dequant" and dtype == torch.float32) else 1.5e-2
+    assert rel_err(y, ref) < tol
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_dequant_path_in_chunks(monkeypatch, mode):
+    lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
+    m = quantized(lin, mode)
+    x = torch.randn(quant.KERNEL_MAX_ROWS[mode] + 1, 64)
+    whole = m(x)
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMENTS", 1)
+    assert len(list(quant._row_chunks(560, 64))) == 3
+    torch.testing.assert_close(m(x), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantization_error_is_at_most_half_a_step(mode):
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * 0.05
+    w[0] = 0.0  # an all-zero row
+    w[1] = 0.3  # a constant row
+    w[2, :128] = torch.linspace(-1.0, -0.99, 128)  # narrow, all-negative groups
+    w[3, 7] = 5.0  # an outlier
+    w = w.to(torch.bfloat16).float()
+    if mode == "int8":
+        q, s = quant.quantize_int8(w)
+        assert q.dtype == torch.int8 and int(q.abs().max()) <= 127 and s.dtype == torch.bfloat16
+        step = s.float()[:, None].expand_as(w)
+        dq = quant.dequantize_int8(q, s)
+    else:
+        packed, s, z = quant.quantize_int4(w, G)
+        assert packed.dtype == torch.uint8 and packed.shape == (64, 128) and s.shape == z.shape == (64, 256 // G)
+        step = s.float().repeat_interleave(G, dim=1)
+        dq = quant.dequantize_int4(packed, s, z)
+    assert bool(((w - dq).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all())
+    assert bool((s.float() > 0).all())
+    if mode == "int4":
+        assert float((w[1] - dq[1]).abs().max()) == 0.0  # a constant group is exact (zero = the value)
+
+
+def test_int4_portable_layout_is_high_nibble_first():
+    q = torch.tensor([[1, 2, 15, 0]])
+    assert quant.pack_int4(q).tolist() == [[0x12, 0xF0]]
+    r = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(r)), r)
+
+
+def test_cpu_kernel_layout_unpacks_and_packs_by_chunks(monkeypatch):
+    layout = quant.cpu_int4_layout()
+    if layout is None:
+        pytest.skip("this torch build's CPU int4 layout is unknown (modules keep a portable copy)")
+    for n in (16, 48, 64, 256, 560):
+        q = torch.randint(0, 16, (n, 64), dtype=torch.uint8)
+        whole = quant._pack_cpu_int4(q)
+        assert torch.equal(quant._unpack_cpu_int4(whole, layout), q)
+        monkeypatch.setattr(quant, "_PACK_CHUNK_ROWS", 256)
+        assert torch.equal(quant._pack_cpu_int4(q), whole)
+        assert torch.equal(quant._pack_cpu_int4(quant.pack_int4(q), portable=True), whole)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_state_dict_is_the_portable_layout_and_survives_moves(mode):
+    lin = make_linear(128, 96, True)
+    m = quantized(lin, mode)
+    expected = quant.quantize_weight(lin.weight.detach(), mode, G if mode == "int4" else None)
+    sd = m.state_dict()
+    assert set(sd) == {"bias", *expected}
+    for k, t in expected.items():
+        assert torch.equal(sd[k], t), k
+    x = torch.randn(2, 128)
+    y = m(x)
+    m.to(torch.float32).to("cpu")  # casts would touch the scales; moves repack int4
+    assert m.weight_scale.dtype == torch.bfloat16
+    assert torch.equal(m(x), y)
+    assert all(torch.equal(m.state_dict()[k], t) for k, t in expected.items())
+    fresh = quantized(make_linear(128, 96, True, seed=5), mode)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh(x), y)
+
+
+# --- whole models ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float_sd():
+    return random_state_dict(CFG, seed=0, std=0.1)
+
+
+def float_model(sd, dtype=torch.float32):
+    model = build_model(CFG)
+    model.load_state_dict(sd)
+    return model.to(dtype).eval()
+
+
+def greedy(model, ids, n):
+    """Greedy decoding by full recompute (no cache), so it only needs model.forward."""
+    ids = ids.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(ids, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, -n:].tolist()
+
+
+# Random weights are the hard case (no redundancy, 50400 near-tied logits): int8 is about as close
+# as a bfloat16 cast; int4 (group 32) moves logits ~20% and flips many near-ties, but its top-1
+# stays among the float model's top 5.
+@pytest.mark.parametrize("mode, max_rel, min_agree, min_top5", [("int8", 0.04, 0.9, 0.98), ("int4", 0.3, 0.6, 0.9)])
+def test_quantized_model_close_to_float(float_sd, mode, max_rel, min_agree, min_top5):
+    ref_model = float_model(float_sd)
+    model = float_model(float_sd)
+    q = quant.quantize_model(model, mode, group_size=G if mode == "int4" else None)
+    assert model.config.quantization == q and q["mode"] == mode
+    assert "transformer.h.0.attn.q_proj" in q["modules"] and "lm_head" in q["modules"]  # lm_head by default
+    assert isinstance(model.lm_head, quant.Int8Linear if mode == "int8" else quant.Int4Linear)
+    assert isinstance(model.transformer.wte, nn.Embedding)  # the embedding stays float
+    ids = torch.randint(0, CFG.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, out = ref_model(ids), model(ids)
+    assert rel_err(out, ref) < max_rel
+    top1 = out.argmax(-1, keepdim=True)
+    assert float((top1 == ref.argmax(-1, keepdim=True)).float().mean()) >= min_agree
+    assert float((top1 == ref.topk(5, -1).indices).any(-1).float().mean()) >= min_top5
+    if mode == "int8":  # greedy decoding (one row per step: the kernel path) follows the float model
+        tokens, ref_tokens = greedy(model, IDS, 8), greedy(ref_model, IDS, 8)
+        assert sum(a == b for a, b in zip(tokens, ref_tokens)) >= 7, (tokens, ref_tokens)
+
+
+def test_skip_keeps_modules_float(float_sd):
+    model = float_model(float_sd)
+    q = quant.quantize_model(model, "int8", skip=("lm_head", "transformer.h.1.*"))
+    assert "lm_head" not in q["modules"] and not any(m.startswith("transformer.h.1.") for m in q["modules"])
+    assert type(model.lm_head) is nn.Linear
+    assert isinstance(model.transformer.h[0].mlp.fc_in, quant.Int8Linear)
+    assert type(model.transformer.h[1].mlp.fc_in) is nn.Linear
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory, float_sd):
+    return save_checkpoint(float_sd, CFG, tmp_path_factory.mktemp("q") / "float", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def q8_ckpt(tmp_path_factory, float_ckpt):
+    return convert(float_ckpt, tmp_path_factory.mktemp("q") / "q8", quantize="int8")
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.mark.parametrize("mode, dtype", [("int8", torch.float32), ("int4", torch.bfloat16)])
+def test_quantized_checkpoint_round_trips(tmp_path, float_sd, float_ckpt, mode, dtype):
+    g = G if mode == "int4" else None
+    out = convert(float_ckpt, tmp_path / "q", quantize=mode, group_size=g, dtype=dtype)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"]["mode"] == mode and cfg["quantization"]["group_size"] == g
+    assert cfg["quantization"]["version"] == 1 and "lm_head" in cfg["quantization"]["modules"]
+    assert cfg["torch_dtype"] == str(dtype).removeprefix("torch.")
+    # The file holds exactly what quantize_state_dict makes (the portable layout).
+    # Weights are quantized from the tensors as stored (float32 here); `dtype` is for the float ones.
+    expected, qdict = quant.quantize_state_dict(float_sd, CFG, mode, g)
+    expected = {k: t.to(dtype) if t.is_floating_point() and not quant.is_quant_param(k) else t
+                for k, t in expected.items()}
+    assert qdict == cfg["quantization"]
+    stored = load_file(str(out / "model.safetensors"))
+    assert set(stored) == set(expected)
+    for k, t in expected.items():
+        assert torch.equal(stored[k], t.to(stored[k].dtype) if quant.is_quant_param(k) else t), k
+        assert stored[k].dtype == (quant.SCALE_DTYPE if quant.is_quant_param(k) else t.dtype)
+    # Loading it = quantizing the float checkpoint on load: same tensors, same logits.
+    a = load_model(out, dtype=dtype)
+    b = load_model(float_ckpt, dtype=dtype, quantize=mode, group_size=g)
+    assert a.config == b.config and a.config.quantization == qdict
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb) == set(expected)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(logits(a), logits(b))
+    assert torch.equal(logits(a, IDS[:, :1]), logits(b, IDS[:, :1]))  # one row: the kernel path
+    # Asking for the quantization it already has is a no-op.
+    c = load_model(out, dtype=dtype, quantize=mode, group_size=g)
+    assert torch.equal(logits(c), logits(a))
+
+
+def test_saving_a_quantized_model_keeps_it(tmp_path, float_sd):
+    model = float_model(float_sd)
+    quant.quantize_model(model, "int4", group_size=G)
+    out = save_checkpoint(model.state_dict(), model.config, tmp_path / "m", with_tokenizer=False)
+    assert torch.equal(logits(load_model(out)), logits(model))
+
+
+def test_config_json_records_the_quantization(q8_ckpt):
+    cfg = GPTJConfig.from_json_file(q8_ckpt / "config.json")
+    assert cfg.quantization["mode"] == "int8" and cfg.replace(quantization=None) == CFG
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"quantize": "int3"}, "unknown quantization mode 'int3'"),
+    ({"quantize": "int4", "group_size": 100}, "bad int4 group size 100"),
+    ({"quantize": "int4", "group_size": 128}, "group size 128 does not divide the 64 inputs"),
+    ({"quantize": "int8", "group_size": 32}, "group size applies to int4 only"),
+    ({"group_size": 32}, "needs a quantization mode"),
+])
+def test_bad_mode_or_group_size(tmp_path, float_ckpt, float_sd, kwargs, message):
+    with pytest.raises(GptjError, match=message):
+        load_model(float_ckpt, **kwargs)
+    with pytest.raises(GptjError, match=message):
+        convert(float_ckpt, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+    if "quantize" in kwargs:
+        with pytest.raises(GptjError, match=message):
+            quant.quantize_model(float_model(float_sd), kwargs["quantize"], kwargs.get("group_size"))
+
+
+def test_quantizing_a_quantized_checkpoint_differently_is_refused(tmp_path, float_ckpt, q8_ckpt, float_sd):
+    q8 = q8_ckpt
+    with pytest.raises(GptjError, match="already quantized as int8; cannot quantize it as int4"):
+        load_model(q8, quantize="int4", group_size=G)
+    q4 = convert(float_ckpt, tmp_path / "q4", quantize="int4", group_size=G)
+    with pytest.raises(GptjError, match=r"already quantized as int4 \(group size 32\); cannot quantize it as int4 "
+                                        r"\(group size 64\)"):
+        load_model(q4, quantize="int4", group_size=64)
+    with pytest.raises(GptjError, match="already quantized"):
+        convert(q4, tmp_path / "again", quantize="int8")
+    assert not (tmp_path / "again").exists()
+    model = load_model(q4)
+    with pytest.raises(GptjError, match="already quantized"):
+        quant.quantize_model(model, "int8")
+    with pytest.raises(GptjError, match="already quantized"):
+        quant.quantize_state_dict(float_sd, model.config, "int8")
+
+
+def rewrite(src, dst, change_tensors=None, change_config=None):
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    if change_config:
+        change_config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(src / "model.safetensors"))
+    if change_tensors:
+        change_tensors(sd)
+    from safetensors.torch import save_file
+
+    save_file(sd, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("how, message", [
+    ("float-weight", r"transformer.h.0.attn.q_proj.weight has dtype float32, expected int8"),
+    ("no-scale", "missing tensor transformer.h.1.mlp.fc_in.weight_scale"),
+    ("zero-scale", "lm_head.weight_scale has scales that are not positive"),
+    ("bad-mode", "unknown quantization mode 'int3'"),
+    ("bad-module", "quantization names 'transformer.h.0.ln_1'"),
+    ("extra-field", "unknown field 'bits'"),
+])
+def test_bad_quantized_checkpoint_is_refused(tmp_path, q8_ckpt, how, message):
+    q8 = q8_ckpt
+    tensors = config = None
+    if how == "float-weight":
+        def tensors(sd):
+            sd["transformer.h.0.attn.q_proj.weight"] = sd["transformer.h.0.attn.q_proj.weight"].float()
+    elif how == "no-scale":
+        def tensors(sd):
+            del sd["transformer.h.1.mlp.fc_in.weight_scale"]
+    elif how == "zero-scale":
+        def tensors(sd):
+            sd["lm_head.weight_scale"][5] = 0
+    elif how == "bad-mode":
+        def config(c):
+            c["quantization"]["mode"] = "int3"
+    elif how == "bad-module":
+        def config(c):
+            c["quantization"]["modules"].append("transformer.h.0.ln_1")
+    else:
+        def config(c):
+            c["quantization"]["bits"] = 8
+    bad = rewrite(q8, tmp_path / "bad", tensors, config)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(bad)
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def test_quantization_report(float_ckpt):
+    rep = quant.quantization_report(float_ckpt, modes=("int8", "int4"), n_prompts=2, max_tokens=24, group_size=G)
+    assert rep["prompts"] == 2 and rep["positions"] == 48 and rep["dtype"] == "bfloat16"
+    assert list(rep["modes"]) == ["bfloat16", "int8", "int4"]  # the unquantized bfloat16 model as a yardstick
+    for mode in ("bfloat16", "int8", "int4"):
+        r = rep["modes"][mode]
+        assert 0.5 <= r["top1_agreement"] <= 1.0
+        assert 0 < r["mean_abs_logit_error"] <= r["max_abs_logit_error"]
+        assert r["weight_bytes"] < rep["float32_weight_bytes"]
+    assert rep["modes"]["int8"]["mean_abs_logit_error"] < rep["modes"]["int4"]["mean_abs_logit_error"]
+    assert rep["modes"]["int4"]["weight_bytes"] < rep["modes"]["int8"]["weight_bytes"]
+    text = quant.format_report(rep)
+    assert "int8" in text and "int4" in text and "top-1" in text
+    json.dumps(rep)  # plain JSON
+
+
+def test_quantization_report_refuses_quantized_checkpoints(q8_ckpt):
+    with pytest.raises(GptjError, match="needs a float checkpoint"):
+        quant.quantization_report(q8_ckpt, prompts=[[1, 2, 3]])
