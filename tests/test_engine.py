@@ -131,3 +131,18 @@ def test_bad_requests_are_refused_and_failures_are_isolated(model, monkeypatch):
         engine.step()
     assert calls["n"] == 1 and bad.status == FAILED and "simulated device error" in bad.error
     assert ok.status == FINISHED and len(ok.output) >= 1 and engine.pool.free_slots == 2
+
+
+@pytest.mark.parametrize("mode, group_size", [("int8", None), ("int4", 32)])
+def test_quantized_model_on_the_engine_matches_the_reference_path(mode, group_size):
+    from gptj.quant import quantize_model
+
+    model = make_pair(CFG, seed=2, std=0.3)[0]
+    quantize_model(model, mode, group_size=group_size)
+    prompts = prompts_of([4, 11, 7], seed=5)
+    gens = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=6, num_beams=3),
+            GenerationConfig(max_new_tokens=7, do_sample=True, seed=1)]
+    engine = Engine(model, EngineConfig(n_slots=8))
+    assert engine.pool.tail_k[0].dtype == torch.float32  # KV in the activations' dtype, not the int weights'
+    together = engine.generate(prompts, gens)
+    assert together == [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]
