@@ -64,8 +64,15 @@ class _Slots:
         return len(self._free)
 
     def allocate(self, k: int) -> list[int]:
+        """k slots, consecutive when possible (a group's tails are then one view, no gather)."""
         if k > len(self._free):
             raise RuntimeError(f"asked for {k} {self.what} slots, {len(self._free)} free")
+        free = sorted(self._free)
+        for i in range(len(free) - k + 1):
+            if free[i + k - 1] - free[i] == k - 1:
+                run = free[i:i + k]
+                self._free = [s for s in self._free if s not in run]
+                return run
         return [self._free.pop() for _ in range(k)]
 
     def release(self, slots: list[int]) -> None:
@@ -165,7 +172,11 @@ class GroupBatch:
                 continue
             n = len(g.tails)
             rows = slice(row, row + n)
-            tails = torch.tensor(g.tails, device=q.device)
+            t0 = g.tails[0]
+            if g.tails == list(range(t0, t0 + n)):  # consecutive tails: views, no gather
+                tails = slice(t0, t0 + n)
+            else:
+                tails = torch.tensor(g.tails, device=q.device)
             Tk[tails, :, g.tail_len] = k[rows, :, 0]
             Tv[tails, :, g.tail_len] = v[rows, :, 0]
             out[rows, :, 0] = _group_attention(
@@ -190,9 +201,10 @@ def _group_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: to
     exact = q.dtype == torch.float32
     qh = q.transpose(0, 1)  # (H, N, D): all of the group's sequences against the prompt in one matmul
     s_prompt = torch.matmul(qh.float() if exact else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
-    s_tail = torch.matmul(q[:, :, None, :], tk.transpose(-1, -2))[:, :, 0].float().transpose(0, 1)  # (H, N, L)
-    probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1).to(pv.dtype)
+    # The tails are short (<= max_new_tokens): float32 products and sums beat many tiny batched matmuls.
+    s_tail = (q.float()[:, :, None, :] * tk.float()).sum(-1).transpose(0, 1)  # (H, N, L)
+    probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1)  # float32
     P = pk.shape[1]
-    out = torch.matmul(probs[..., :P], pv)  # (H, N, D)
-    out_tail = torch.matmul(probs[..., P:].transpose(0, 1)[:, :, None, :], tv)[:, :, 0]  # (N, H, D)
-    return out.transpose(0, 1) + out_tail
+    out = torch.matmul(probs[..., :P].to(pv.dtype), pv)  # (H, N, D)
+    out_tail = (probs[..., P:].transpose(0, 1)[..., None] * tv.float()).sum(-2)  # (N, H, D) float32
+    return out.transpose(0, 1) + out_tail.to(pv.dtype)
