@@ -313,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_evaluate)
 
+    from gptj.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     p = sub.add_parser("quant-report", help="accuracy of int8/int4 weight-only quantization vs float32",
                        description="Teacher-forced next-token top-1 agreement and logit error of each weight-only "
                                    "quantization mode against the float32 model, on the first prompts of the "

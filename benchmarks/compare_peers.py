@@ -1,0 +1,427 @@
+"""gptj against its peers on the same weights, in one process: HF transformers and CTranslate2.
+
+    gptj   the engine (what `gptj generate` and the MLPerf SUT run): float32, bfloat16, and
+           int8 / int4 weights when gptj.quant is present
+    hf     transformers' GPTJForCausalLM.generate, float32 and bfloat16: the MLPerf reference's
+           backend (its weights are gptj's own tensors, shared, so memory is not doubled)
+    ct2    CTranslate2's Generator, int8 and float32 (CPU has no bfloat16 in CTranslate2); the
+           model converted from the same folder with its TransformersConverter
+
+Two measurements, implementations alternated within every round so machine noise hits all alike:
+
+    decode   B random prompts of --prompt-len tokens, greedy, exactly --new-tokens new tokens
+             (no EOS); each implementation is timed generating 1 and N tokens, and decode tok/s
+             = B * (N - 1) / (median t_N - median t_1), which removes prefill from the figure
+    offline  MLPerf gptj-99's shape: the first --offline-samples prompts of the bundled CNN-DM
+             sample set (200-900 tokens), beam 4, 30 to 128 new tokens, early stopping, EOS on.
+             gptj: all samples admitted to the engine together (the SUT's Offline batch);
+             hf: one sample at a time, as the reference's backend; ct2: generate_batch with
+             beam_size 4, max_batch_size --ct2-offline-batch (CTranslate2 sorts by length and
+             batches itself; within a batch it forwards the shortest prompt's length at once and
+             feeds the rest of longer prompts one token per step, so mixed lengths cost it steps).
+
+Models have random weights (`random_state_dict(std=0.02)`), written once under --work-dir:
+
+    0.2b   n_embd 1024, 8 layers, 16 heads, rotary 64, vocab 50400   (0.20B params)
+    wide   n_embd 4096, 2 layers, 16 heads, rotary 64, vocab 50400   (GPT-J 6B's width; 0.81B)
+
+    python benchmarks/compare_peers.py --models 0.2b,wide --modes decode,offline
+    python benchmarks/compare_peers.py --quick            # fewer tokens, samples and repeats
+
+Peers that are not installed are skipped with a note; so are gptj's quantized variants when
+`load_model` takes no `quantize` argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gptj.bench import engine_config, make_engine, random_prompts, weight_bytes_per_step
+from gptj.config import GPTJConfig, get_preset
+from gptj.decode import EOS_TOKEN_ID, GenerationConfig
+from gptj.engine import Engine
+from gptj.errors import GptjError
+from gptj.model import build_model, count_parameters
+from gptj.weights.io import load_model, random_state_dict, save_checkpoint
+
+MODELS = {
+    "0.2b": GPTJConfig(n_embd=1024, n_layer=8, n_head=16, rotary_dim=64),
+    "wide": GPTJConfig(n_embd=4096, n_layer=2, n_head=16, rotary_dim=64),
+    "tiny": get_preset("tiny"),  # a smoke test of this script, not a benchmark
+}
+ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-fp32")
+MLPERF = GenerationConfig.mlperf()  # beam 4, 30..128 new tokens, early stopping, EOS 50256
+
+
+def note(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+# --- implementations --------------------------------------------------------------------------
+
+
+@dataclass
+class Impl:
+    name: str
+    decode: Callable[[list[list[int]], int], list[list[int]]]
+    offline: Callable[[list[list[int]]], list[list[int]]]
+    weight_bytes: int  # per batch-1 decode step
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+def gptj_impl(name: str, model: torch.nn.Module) -> Impl:
+    engines: dict[tuple[int, int], Engine] = {}
+
+    def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
+        key = (len(prompts), len(prompts[0]) + n)
+        if key not in engines:
+            engines.clear()
+            engines[key] = make_engine(model, len(prompts), len(prompts[0]), n)
+        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None)
+        return engines[key].generate(prompts, gen)
+
+    def offline(prompts: list[list[int]]) -> list[list[int]]:
+        engines.clear()
+        # The SUT's Offline batch: every sample's beams in KV at once, all prompts admitted together.
+        engine = Engine(model, engine_config(
+            n_slots=len(prompts) * MLPERF.num_beams, n_prompts=len(prompts), max_new_tokens=MLPERF.max_new_tokens,
+            slot_len=max(map(len, prompts)) + MLPERF.max_new_tokens, max_prefill_tokens=sum(map(len, prompts))))
+        return engine.generate(prompts, MLPERF)
+
+    return Impl(name, decode, offline, weight_bytes_per_step(model, 1))
+
+
+def hf_impl(name: str, gptj_model: torch.nn.Module) -> Impl:
+    """transformers' GPTJForCausalLM on the very tensors of a gptj model (no second copy)."""
+    import transformers
+    from transformers.models.gptj import modeling_gptj
+
+    cfg = transformers.GPTJConfig(**gptj_model.config.to_hf_dict())
+    with torch.device("meta"):
+        hf = transformers.GPTJForCausalLM(cfg)
+    hf.load_state_dict(gptj_model.state_dict(), strict=False, assign=True)
+    for block in hf.transformer.h:  # non-persistent buffer: rebuild it off the meta device
+        block.attn.embed_positions = modeling_gptj.create_sinusoidal_positions(
+            block.attn.max_positions, block.attn.pos_embd_dim)
+    hf.eval()
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.device.type == "meta"]
+    left += [f"h.{i}.attn.embed_positions" for i, b in enumerate(hf.transformer.h)
+             if b.attn.embed_positions.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"HF model still has meta tensors: {left[:3]}")
+    with torch.inference_mode():  # same tensors, same math: logits must agree
+        ids = torch.tensor([[464, 2068, 7586, 21831]])
+        diff = (hf(ids).logits.float() - gptj_model(ids)).abs().max().item()
+    tol = 1e-3 if gptj_model.lm_head.weight.dtype == torch.float32 else 0.1
+    if diff > tol:
+        raise RuntimeError(f"HF and gptj logits differ by {diff} on the shared weights")
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[gen.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        beams = dict(num_beams=gen.num_beams, early_stopping=gen.early_stopping) if gen.num_beams > 1 else {}
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=gen.max_new_tokens,
+                          min_new_tokens=gen.min_new_tokens, do_sample=False, pad_token_id=gen.pad_token_id,
+                          eos_token_id=gen.eos_token_id, **beams)
+        return out[:, width:].tolist()
+
+    def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
+        return generate(prompts, GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None))
+
+    def offline(prompts: list[list[int]]) -> list[list[int]]:
+        # The reference's backend: one query at a time through model.generate.
+        rows = [generate([p], MLPERF)[0] for p in prompts]
+        return [r[: r.index(EOS_TOKEN_ID) + 1] if EOS_TOKEN_ID in r else r for r in rows]
+
+    return Impl(name, decode, offline, weight_bytes_per_step(gptj_model, 1))
+
+
+def ct2_dir(model_dir: Path, work: Path, quantization: str) -> Path:
+    import ctranslate2
+
+    out = work / f"ct2-{quantization}"
+    if not (out / "model.bin").is_file():
+        note(f"converting {model_dir} for CTranslate2 ({quantization}) -> {out}")
+        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(
+            str(out), quantization=quantization, force=True)
+    return out
+
+
+def ct2_impl(name: str, model_dir: Path, work: Path, compute_type: str, threads: int, offline_batch: int = 8) -> Impl:
+    import ctranslate2
+
+    path = ct2_dir(model_dir, work, "int8" if compute_type == "int8" else "float32")
+    gen = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type,
+                                inter_threads=1, intra_threads=threads)
+    vocab = json.loads((path / "vocabulary.json").read_text(encoding="utf-8"))
+
+    def tokens(prompts: list[list[int]]) -> list[list[str]]:
+        return [[vocab[t] for t in p] for p in prompts]
+
+    def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
+        res = gen.generate_batch(tokens(prompts), max_length=n, min_length=n, beam_size=1,
+                                 include_prompt_in_result=False)
+        return [r.sequences_ids[0] for r in res]
+
+    def offline(prompts: list[list[int]]) -> list[list[int]]:
+        res = gen.generate_batch(tokens(prompts), beam_size=MLPERF.num_beams, min_length=MLPERF.min_new_tokens,
+                                 max_length=MLPERF.max_new_tokens, length_penalty=MLPERF.length_penalty,
+                                 end_token=[EOS_TOKEN_ID], return_end_token=True, include_prompt_in_result=False,
+                                 max_batch_size=offline_batch)
+        return [r.sequences_ids[0] for r in res]
+
+    size = sum(f.stat().st_size for f in path.iterdir() if f.name == "model.bin")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    wte = cfg["vocab_size"] * cfg["n_embd"] * (1 if compute_type == "int8" else 4)
+    return Impl(name, decode, offline, max(size - wte, 0), close=lambda: gen.unload_model())
+
+
+# --- measurement ------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def run_decode(impls: list[Impl], batch: int, prompt_len: int, new_tokens: int, warmup: int,
+               repeats: int, vocab: int) -> dict[str, dict]:
+    prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+    times: dict[str, dict[int, list[float]]] = {i.name: {1: [], new_tokens: []} for i in impls}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(warmup + repeats):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for impl in order:
+            for n in (1, new_tokens):
+                t, out = timed(lambda: impl.decode(prompts, n))
+                if n == new_tokens:
+                    outputs[impl.name] = out
+                    if any(len(o) != n for o in out):
+                        raise RuntimeError(f"{impl.name}: expected {n} new tokens, got {[len(o) for o in out]}")
+                if r >= warmup:
+                    times[impl.name][n].append(t)
+    result = {}
+    for impl in impls:
+        t1, tn = statistics.median(times[impl.name][1]), statistics.median(times[impl.name][new_tokens])
+        result[impl.name] = {"decode_tok_s": batch * (new_tokens - 1) / max(tn - t1, 1e-9),
+                             "first_token_s": t1, "total_s": tn, "tokens": outputs[impl.name]}
+    return result
+
+
+def run_offline(impls: list[Impl], prompts: list[list[int]], rounds: int) -> dict[str, dict]:
+    times: dict[str, list[float]] = {i.name: [] for i in impls}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(rounds):
+        for impl in impls if r % 2 == 0 else impls[::-1]:
+            t, out = timed(lambda: impl.offline(prompts))
+            times[impl.name].append(t)
+            outputs[impl.name] = out
+            note(f"offline {impl.name}: {t:.1f} s, {sum(map(len, out))} new tokens")
+    result = {}
+    for impl in impls:
+        t = statistics.median(times[impl.name])
+        n_tok = sum(map(len, outputs[impl.name]))
+        result[impl.name] = {"samples_s": len(prompts) / t, "tok_s": n_tok / t, "seconds": t, "new_tokens": n_tok,
+                             "tokens": outputs[impl.name]}
+    return result
+
+
+# --- setup and report -------------------------------------------------------------------------
+
+
+def prepare_model(name: str, work: Path) -> Path:
+    path = work / name / "hf"
+    if not (path / "config.json").is_file():
+        cfg = MODELS[name]
+        note(f"writing {name} random weights -> {path}")
+        save_checkpoint(random_state_dict(cfg, seed=0, std=0.02), cfg, path, overwrite=True)
+    return path
+
+
+def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: int,
+                ct2_offline_batch: int = 8) -> list[Impl]:
+    has_quant = "quantize" in inspect.signature(load_model).parameters
+    impls: list[Impl] = []
+    gptj_models: dict[str, torch.nn.Module] = {}  # hf-X runs on gptj-X's tensors
+
+    def gptj_model(kind: str) -> torch.nn.Module:
+        if kind not in gptj_models:
+            dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4") else torch.float32
+            kwargs = {"quantize": kind} if kind.startswith("int") else {}
+            gptj_models[kind] = load_model(model_dir, dtype=dtype, **kwargs)
+        return gptj_models[kind]
+
+    for v in variants:
+        family, kind = v.split("-")
+        try:
+            if family == "gptj":
+                if kind in ("int8", "int4") and not has_quant:
+                    note(f"skipping {v}: load_model takes no quantize argument (gptj.quant not present)")
+                    continue
+                impl = gptj_impl(v, gptj_model(kind))
+            elif family == "hf":
+                import transformers  # noqa: F401 - skip cleanly when missing
+
+                impl = hf_impl(v, gptj_model(kind))
+            elif family == "ct2":
+                impl = ct2_impl(v, model_dir, work / model_dir.parent.name, kind.replace("fp32", "float32"), threads,
+                                ct2_offline_batch)
+            else:
+                raise ValueError(v)
+        except (ImportError, GptjError) as e:
+            note(f"skipping {v}: {e}")
+            continue
+        impls.append(impl)
+    return impls
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(model: str, cfg: GPTJConfig, impls: list[Impl], decode: dict[int, dict], offline: dict | None,
+           args: argparse.Namespace, bandwidth: float | None) -> str:
+    names = [i.name for i in impls]
+    params = count_parameters(build_model(cfg, device="meta"))
+    lines = [f"### {model}: n_embd {cfg.n_embd}, {cfg.n_layer} layers, {cfg.n_head} heads, "
+             f"{params / 1e9:.2f}B params", ""]
+    head = ["impl", "weights MB/token"]
+    if bandwidth:
+        head.append(f"roofline tok/s @ {bandwidth:.0f} GB/s")
+    for b in decode:
+        head.append(f"batch {b} decode tok/s")
+    if offline:
+        head += ["offline samples/s", "offline new tok"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for impl in impls:
+        row = [impl.name, f"{impl.weight_bytes / 1e6:.0f}"]
+        if bandwidth:
+            row.append(f"{bandwidth * 1e9 / impl.weight_bytes:.1f}")
+        row += [_fmt(decode[b][impl.name]["decode_tok_s"]) for b in decode]
+        if offline:
+            row += [_fmt(offline[impl.name]["samples_s"], 3), str(offline[impl.name]["new_tokens"])]
+        lines.append("| " + " | ".join(row) + " |")
+    ours = [n for n in names if n.startswith("gptj")]
+    peers = [n for n in names if not n.startswith("gptj")]
+    if ours and peers:
+        lines += ["", "Ratios gptj / peer (> 1: gptj faster):", ""]
+        cols = [f"{p} b{b}" for p in peers for b in decode] + ([f"{p} offline" for p in peers] if offline else [])
+        lines += ["| gptj \\ peer | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+        for o in ours:
+            row = [o]
+            for p in peers:
+                row += [f"{decode[b][o]['decode_tok_s'] / decode[b][p]['decode_tok_s']:.2f}×" for b in decode]
+            if offline:
+                row += [f"{offline[o]['samples_s'] / offline[p]['samples_s']:.2f}×" for p in peers]
+            lines.append("| " + " | ".join(row) + " |")
+    agree = []
+    for b in decode:
+        for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32"), ("gptj-bf16", "hf-bf16")):
+            if a in decode[b] and c in decode[b]:
+                same = decode[b][a]["tokens"] == decode[b][c]["tokens"]
+                agree.append(f"{a} vs {c} batch {b}: {'identical' if same else 'differ'}")
+    if offline:
+        for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32")):
+            if a in offline and c in offline:
+                same = offline[a]["tokens"] == offline[c]["tokens"]
+                agree.append(f"{a} vs {c} offline: {'identical' if same else 'differ'}")
+    if agree:
+        lines += ["", "Greedy/beam tokens: " + "; ".join(agree) + "."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="0.2b,wide", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--modes", default="decode,offline", help="decode, offline or both")
+    ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"of {', '.join(ALL_VARIANTS)}")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, help="default 64 (--quick: 32)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, help="default 3 (--quick: 1)")
+    ap.add_argument("--offline-samples", type=int, help="default 8 (--quick: 4)")
+    ap.add_argument("--offline-rounds", type=int, default=1)
+    ap.add_argument("--ct2-offline-batch", type=int, default=8,
+                    help="CTranslate2's max_batch_size for offline (it sorts by length; 1: one sample at a time)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bandwidth", type=float, help="GB/s for the roofline column (default: measure it)")
+    ap.add_argument("--work-dir", default=os.environ.get("GPTJ_BENCH_DIR", "/tmp/gptj-peers"))
+    ap.add_argument("--json-out", help="also write all figures (without tokens) to this file")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat, 4 offline samples")
+    args = ap.parse_args()
+    for name, full, quick in (("new_tokens", 64, 32), ("repeats", 3, 1), ("offline_samples", 8, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    modes = set(args.modes.split(","))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in ALL_VARIANTS:
+            ap.error(f"unknown variant {v!r}")
+    bandwidth = args.bandwidth
+    if bandwidth is None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import membw
+
+        bandwidth = membw.measure(gb=1.0, threads=args.threads, repeats=3)["sum"]["median_gb_s"]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bandwidth:.1f} GB/s; "
+          f"decode: prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats} "
+          f"after {args.warmup} warm-up; offline: {args.offline_samples} samples, beam 4, 30..128 new tokens, "
+          f"{args.offline_rounds} round(s)\n", flush=True)
+
+    everything = {}
+    for model in args.models.split(","):
+        cfg = MODELS[model]
+        model_dir = prepare_model(model, work)
+        impls = build_impls(variants, model_dir, work, args.threads, args.ct2_offline_batch)
+        decode: dict[int, dict] = {}
+        if "decode" in modes:
+            for b in batch_sizes:
+                note(f"{model}: decode batch {b}")
+                decode[b] = run_decode(impls, b, args.prompt_len, args.new_tokens, args.warmup, args.repeats,
+                                       cfg.vocab_size)
+        offline = None
+        if "offline" in modes:
+            from gptj.mlperf.dataset import Dataset
+
+            prompts = Dataset.load(max_examples=args.offline_samples).input_ids
+            note(f"{model}: offline, prompts of {[len(p) for p in prompts]} tokens")
+            offline = run_offline(impls, prompts, args.offline_rounds)
+        print(report(model, cfg, impls, decode, offline, args, bandwidth), flush=True)
+        print(f"\n(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())})\n", flush=True)
+        everything[model] = {
+            "decode": {b: {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in d.items()}
+                       for b, d in decode.items()},
+            "offline": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in (offline or {}).items()},
+            "weight_bytes": {i.name: i.weight_bytes for i in impls},
+        }
+        for impl in impls:
+            impl.close()
+        del impls
+        gc.collect()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"bandwidth_gb_s": bandwidth, "args": vars(args),
+                                                   "results": everything}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
