@@ -142,7 +142,8 @@ def test_quantized_model_on_the_engine_matches_the_reference_path(mode, group_si
     prompts = prompts_of([4, 11, 7], seed=5)
     gens = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=6, num_beams=3),
             GenerationConfig(max_new_tokens=7, do_sample=True, seed=1)]
+    alone = [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]  # before the engine fuses it
     engine = Engine(model, EngineConfig(n_slots=8))
+    assert engine.kernels["fused_blocks"] == CFG.n_layer
     assert engine.pool.tail_k[0].dtype == torch.float32  # KV in the activations' dtype, not the int weights'
-    together = engine.generate(prompts, gens)
-    assert together == [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]
+    assert engine.generate(prompts, gens) == alone

@@ -70,7 +70,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     for name, t in named:
         if t is None or t.device.type == "meta":
             continue
-        key = (t.data_ptr(), t.numel())
+        key = (id(t), 0) if t.is_mkldnn else (t.data_ptr(), t.numel())  # oneDNN-packed: no data_ptr
         if key in seen:
             continue
         seen.add(key)
@@ -273,7 +273,7 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
     figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats)
     settings = {"model": str(model_dir), "batch_size": batch_size, "prompt_len": prompt_len,
                 "new_tokens": new_tokens, "dtype": dtype, "quantize": quantize,
-                "device": str(model.lm_head.weight.device), "warmup": warmup, "repeats": repeats,
+                "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
                 "load_s": load_s}
     return figures | settings
 

@@ -235,7 +235,7 @@ def generate(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]],
     """
     gen = gen if gen is not None else GenerationConfig()
     check_prompts(model, prompts, gen)
-    device = model.lm_head.weight.device
+    device = model.transformer.wte.weight.device
     input_ids, attention_mask = left_pad(prompts, gen.pad_token_id, device)
     if gen.num_beams > 1:
         return beam_search(model, input_ids, attention_mask, gen)[0]

@@ -43,10 +43,20 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def rotary_tables(rope: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sin, cos (B, T, 1, R) in `dtype` for the positions, each angle repeated for its pair of dims.
+
+    Cast to the activations' dtype as HF casts to the key dtype; built once per forward, shared by
+    every layer.
+    """
+    sin, cos = rope[position_ids].to(dtype).chunk(2, dim=-1)  # (B, T, R/2) each
+    return (torch.repeat_interleave(sin, 2, dim=-1)[:, :, None, :],
+            torch.repeat_interleave(cos, 2, dim=-1)[:, :, None, :])
+
+
 def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, R); sin, cos: (B, T, R/2), each angle used for one pair of dims."""
-    sin = torch.repeat_interleave(sin[:, :, None, :], 2, dim=3)
-    cos = torch.repeat_interleave(cos[:, :, None, :], 2, dim=3)
+    """x: (B, T, H, R); sin, cos: (B, T, 1, R) from `rotary_tables`."""
     return x * cos + rotate_every_two(x) * sin
 
 
@@ -210,14 +220,14 @@ class GPTJForCausalLM(nn.Module):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Rebuild non-persistent buffers (after `load_state_dict(assign=True)` from the meta device)."""
-        device = device if device is not None else self.lm_head.weight.device
+        device = device if device is not None else self.transformer.wte.weight.device
         self.rope = rope_table(self.config.n_positions, self.config.rope_dim, device=torch.device(device))
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
         # .to(dtype) / .cuda() would cast the rotary table with the weights; rebuild it in float32
         # on the weights' device instead, so precision changes never degrade positions.
         super()._apply(fn, recurse)
-        self.init_buffers(self.lm_head.weight.device)
+        self.init_buffers(self.transformer.wte.weight.device)
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -249,8 +259,7 @@ class GPTJForCausalLM(nn.Module):
             raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
 
         h = self.transformer.wte(input_ids)  # (B, T, E)
-        sincos = self.rope[position_ids].to(h.dtype)  # (B, T, R); cast as HF casts to the key dtype
-        sin, cos = sincos.chunk(2, dim=-1)
+        sin, cos = rotary_tables(self.rope, position_ids, h.dtype)
         for i, block in enumerate(self.transformer.h):
             h = block(h, sin, cos, mask, cache, i)
         if cache is not None:

@@ -27,6 +27,7 @@ import torch
 from gptj.decode import BeamSearch, GenerationConfig, block_eos, check_prompts, warp
 from gptj.engine.kv import Group, GroupBatch, KVPool, groups_from_memory
 from gptj.errors import GptjError
+from gptj.kernels import PACK_MODES, prepare_for_serving
 from gptj.model import GPTJForCausalLM
 
 WAITING, RUNNING, FINISHED, ABORTED, FAILED = "waiting", "running", "finished", "aborted", "failed"
@@ -41,6 +42,7 @@ class EngineConfig:
     max_batch_size: int | None = None  # running sequences per step; None: n_slots
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per step (at least one prompt)
     memory_fraction: float = 0.5  # of free memory, when sizing slots from it
+    kernels: str = "auto"  # "auto": fused blocks + oneDNN-packed bfloat16 weights (not float32); "off"
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size"):
@@ -49,6 +51,8 @@ class EngineConfig:
                 raise GptjError(f"engine {name} must be a positive integer, got {value!r}")
         if self.max_prefill_tokens < 1:
             raise GptjError(f"engine max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.kernels not in PACK_MODES:
+            raise GptjError(f"engine kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
         if not 0 < self.memory_fraction <= 1:
             raise GptjError(f"engine memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
@@ -89,7 +93,10 @@ class Engine:
     def __init__(self, model: GPTJForCausalLM, config: EngineConfig | None = None) -> None:
         self.model = model
         self.config = config = config or EngineConfig()
-        w = model.lm_head.weight
+        # The engine takes the model over: below float32 its blocks are fused and, on CPU in
+        # bfloat16, its Linear weights repacked for oneDNN, in place (gptj.kernels).
+        self.kernels = prepare_for_serving(model, config.kernels)
+        w = model.transformer.wte.weight
         kv_dtype = model.transformer.wte.weight.dtype  # the activations' dtype (weights may be quantized)
         slot_len = min(config.slot_len or model.config.n_positions, model.config.n_positions)
         tail_len = min(config.max_new_tokens or slot_len, slot_len)

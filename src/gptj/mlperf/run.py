@@ -164,7 +164,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     slot_len = longest + cfg.gen.max_new_tokens
     if cfg.kv_slots is None:
         samples = min(samples, groups_from_memory(model.config, model.transformer.wte.weight.dtype,
-                                                  model.lm_head.weight.device, slot_len, cfg.gen.max_new_tokens, K,
+                                                  model.transformer.wte.weight.device, slot_len, cfg.gen.max_new_tokens, K,
                                                   fraction=0.8))
     n_seqs = cfg.kv_slots or samples * K
     if n_seqs < K:
