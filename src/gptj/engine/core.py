@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptj.decode import BeamSearch, GenerationConfig, block_eos, check_prompts, warp
+from gptj.engine.attention import COMPILE_MODES, DecodeAttention
 from gptj.engine.kv import Group, GroupBatch, KVPool, groups_from_memory
 from gptj.errors import GptjError
 from gptj.kernels import PACK_MODES, prepare_for_serving
@@ -43,6 +44,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per step (at least one prompt)
     memory_fraction: float = 0.5  # of free memory, when sizing slots from it
     kernels: str = "auto"  # "auto": fused blocks + oneDNN-packed bfloat16 weights (not float32); "off"
+    compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size"):
@@ -53,6 +55,8 @@ class EngineConfig:
             raise GptjError(f"engine max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kernels not in PACK_MODES:
             raise GptjError(f"engine kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
+        if self.compile not in COMPILE_MODES:
+            raise GptjError(f"engine compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if not 0 < self.memory_fraction <= 1:
             raise GptjError(f"engine memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
@@ -104,6 +108,7 @@ class Engine:
                                                        config.memory_fraction)
         self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device)
         self.max_batch_size = config.max_batch_size or n_slots
+        self.attention = DecodeAttention(config.compile, kv_dtype)
         self.device = w.device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -210,7 +215,7 @@ class Engine:
             tokens += req.next_tokens
         ids = torch.tensor(tokens, device=self.device)[:, None]  # (N, 1)
         pos = torch.tensor(positions, device=self.device)[:, None]
-        logits = self.model(ids, position_ids=pos, cache=GroupBatch(self.pool, groups))[:, -1]  # (N, V)
+        logits = self.model(ids, position_ids=pos, cache=GroupBatch(self.pool, groups, self.attention))[:, -1]  # (N, V)
         self.decode_batch_sizes.append(len(tokens))
         row = 0
         for req in reqs:
@@ -223,7 +228,7 @@ class Engine:
         T = len(req.prompt)
         ids = torch.tensor([req.prompt], device=self.device)
         positions = torch.arange(T, device=self.device)[None]
-        cache = GroupBatch(self.pool, [Group(req.prompt_slot, 0, [], 0)])
+        cache = GroupBatch(self.pool, [Group(req.prompt_slot, 0, [], 0)], self.attention)
         logits = self.model(ids, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]  # (1, V)
         # Every beam starts from the prompt, which they share: no copy, just the same logits.
         self._update(req, logits.expand(req.n_seqs, -1))

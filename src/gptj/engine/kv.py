@@ -8,19 +8,23 @@ and own only their generated tokens. So a beam group's prompt is stored once, re
 copies only the short tails (<= max_new_tokens), and one matmul reads the prompt's keys for all
 of the group's beams at once. A greedy or sampled request is a group of one.
 
+A group of one sequence (greedy, sampled) writes its new tokens after its prompt in the prompt
+slot (which holds prompt + new tokens) and attends over that slot alone; its tail slot stays
+unused. The decode attention itself (eager or compiled) is engine/attention.py.
+
 A forward pass binds its rows to groups (`GroupBatch`): each group attends over its own prompt
 and tails only — no padding, no gather of the prompt — so requests of any lengths share a forward.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from gptj.config import GPTJConfig
+from gptj.engine.attention import DecodeAttention
 from gptj.errors import GptjError
 from gptj.model import attention
 
@@ -147,6 +151,7 @@ class GroupBatch:
 
     pool: KVPool
     groups: list[Group]
+    decode: DecodeAttention
     per_sequence = True  # the model builds no padding mask; each group attends over its own memory
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -171,6 +176,13 @@ class GroupBatch:
                 row += 1
                 continue
             n = len(g.tails)
+            if n == 1:  # one sequence: its new tokens follow its prompt in the prompt slot; plain attention
+                s, end = g.prompt_slot, g.prompt_len + g.tail_len + 1
+                Pk[s, :, end - 1] = k[row, :, 0]
+                Pv[s, :, end - 1] = v[row, :, 0]
+                out[row, :, 0] = self.decode.one(q[row, :, 0], Pk[s, :, :end], Pv[s, :, :end])
+                row += 1
+                continue
             rows = slice(row, row + n)
             t0 = g.tails[0]
             if g.tails == list(range(t0, t0 + n)):  # consecutive tails: views, no gather
@@ -179,7 +191,7 @@ class GroupBatch:
                 tails = torch.tensor(g.tails, device=q.device)
             Tk[tails, :, g.tail_len] = k[rows, :, 0]
             Tv[tails, :, g.tail_len] = v[rows, :, 0]
-            out[rows, :, 0] = _group_attention(
+            out[rows, :, 0] = self.decode.group(
                 q[rows, :, 0], Pk[g.prompt_slot, :, :g.prompt_len], Pv[g.prompt_slot, :, :g.prompt_len],
                 Tk[tails, :, :g.tail_len + 1], Tv[tails, :, :g.tail_len + 1])
             row += n
@@ -188,23 +200,3 @@ class GroupBatch:
     def advance(self, n: int) -> None:
         pass  # lengths are the engine's bookkeeping
 
-
-def _group_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
-                     tv: torch.Tensor) -> torch.Tensor:
-    """One new token per sequence over [shared prompt | own tail]: exactly softmax over the concatenation.
-
-    q: (N, H, D); pk, pv: (H, P, D) shared; tk, tv: (N, H, L, D) per sequence -> (N, H, D).
-    Scores and softmax in float32 as HF (float32 models: the exact math; lower precisions keep
-    the matmul inputs in their dtype and upcast the scores).
-    """
-    scale = math.sqrt(q.shape[-1])
-    exact = q.dtype == torch.float32
-    qh = q.transpose(0, 1)  # (H, N, D): all of the group's sequences against the prompt in one matmul
-    s_prompt = torch.matmul(qh.float() if exact else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
-    # The tails are short (<= max_new_tokens): float32 products and sums beat many tiny batched matmuls.
-    s_tail = (q.float()[:, :, None, :] * tk.float()).sum(-1).transpose(0, 1)  # (H, N, L)
-    probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1)  # float32
-    P = pk.shape[1]
-    out = torch.matmul(probs[..., :P].to(pv.dtype), pv)  # (H, N, D)
-    out_tail = (probs[..., P:].transpose(0, 1)[..., None] * tv.float()).sum(-2)  # (N, H, D) float32
-    return out.transpose(0, 1) + out_tail.to(pv.dtype)
