@@ -188,13 +188,13 @@ def engine_config(**settings: Any) -> Any:
 
 
 def make_engine(model: GPTJForCausalLM, batch_size: int, prompt_len: int, new_tokens: int,
-                num_beams: int = 1) -> Any:
+                num_beams: int = 1, **engine_settings: Any) -> Any:
     """An engine that holds the whole batch and admits (prefills) it in one step."""
     from gptj.engine import Engine
 
     return Engine(model, engine_config(n_slots=batch_size * num_beams, n_prompts=batch_size,
                                        slot_len=prompt_len + new_tokens, max_new_tokens=new_tokens,
-                                       max_prefill_tokens=max(1, batch_size * prompt_len)))
+                                       max_prefill_tokens=max(1, batch_size * prompt_len), **engine_settings))
 
 
 def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: int, repeats: int) -> None:
@@ -206,7 +206,7 @@ def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: i
 
 
 def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
-                    warmup: int = 1, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+                    warmup: int = 1, repeats: int = 3, seed: int = 0, **engine_settings: Any) -> dict[str, Any]:
     """`run_latency`'s measurements on a model already loaded (figures only, no settings echo)."""
     import torch
 
@@ -216,7 +216,7 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
         raise GptjError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the model's "
                         f"{config.n_positions} positions")
     prompts = random_prompts(batch_size, prompt_len, config.vocab_size, seed)
-    engine = make_engine(model, batch_size, prompt_len, new_tokens)
+    engine = make_engine(model, batch_size, prompt_len, new_tokens, **engine_settings)
     for _ in range(warmup):
         time_engine_run(engine, prompts, new_tokens)
     prefill, decode = [], []
@@ -260,7 +260,7 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
 
 def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                 dtype: str = "bfloat16", quantize: str | None = None, device: str = "cpu",
-                warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+                warmup: int = 1, repeats: int = 3, compile: str = "auto", kernels: str = "auto") -> dict[str, Any]:
     """Load `model_dir` and measure prefill and decode on the engine (see the module docstring).
 
     Returns a flat dict: the figures (prefill_ms, prefill_tok_s, decode_tok_s, decode_step_ms,
@@ -270,11 +270,12 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
     t0 = time.perf_counter()
     model = load_for_bench(model_dir, dtype=dtype, quantize=quantize, device=device)
     load_s = time.perf_counter() - t0
-    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats)
+    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats,
+                              compile=compile, kernels=kernels)
     settings = {"model": str(model_dir), "batch_size": batch_size, "prompt_len": prompt_len,
                 "new_tokens": new_tokens, "dtype": dtype, "quantize": quantize,
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
-                "load_s": load_s}
+                "compile": compile, "kernels": kernels, "load_s": load_s}
     return figures | settings
 
 
@@ -331,6 +332,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     q.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="weight-only quantization (default: none)")
     q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    q.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the decode attention: auto = below float32 (default), on, off")
+    q.add_argument("--kernels", choices=("auto", "off"), default="auto",
+                   help="fused blocks and oneDNN-packed bfloat16 weights below float32 (auto) or the plain model")
     q.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs first")
     q.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs (median reported)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
@@ -343,7 +348,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise GptjError(f"unknown benchmark {args.bench_command!r}")
     result = run_latency(args.model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                          new_tokens=args.new_tokens, dtype=args.dtype, quantize=args.quantize,
-                         device=args.device, warmup=args.warmup, repeats=args.repeats)
+                         device=args.device, warmup=args.warmup, repeats=args.repeats, compile=args.compile,
+                         kernels=args.kernels)
     if args.json:
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                           for k, v in result.items()}))

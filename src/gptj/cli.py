@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                   slot_len, gen.max_new_tokens, K, fraction=0.8))
     n_seqs = max(args.kv_slots or groups * K, 1)
     engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=gen.max_new_tokens,
-                                        n_prompts=max(1, n_seqs // K)))
+                                        n_prompts=max(1, n_seqs // K), compile=args.compile, kernels=args.kernels))
     outputs = engine.generate(prompts, gen)
     for prompt, new in zip(prompts, outputs):
         text = tok.decode(new)
@@ -192,7 +192,8 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
         min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-        gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device, progress=not args.quiet,
+        gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype,
+        device=args.device, compile=args.compile, kernels=args.kernels, progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
     )
     result = run(cfg)
@@ -214,6 +215,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_log(Path(args.log_dir), references)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
     return 0
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the decode attention: auto = below float32 (default), on, off")
+    p.add_argument("--kernels", choices=("auto", "off"), default="auto",
+                   help="auto: fused blocks and oneDNN-packed bfloat16 weights below float32 (default); "
+                        "off: the plain model")
 
 
 def _add_quantize_flags(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -273,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
     _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
+    _add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 
@@ -297,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=_positive,
                    help="sequences in KV memory at once (default: max-batch-size x beams, as memory allows)")
     _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
+    _add_engine_flags(p)
     p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
     p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")

@@ -82,7 +82,7 @@ KERNEL_DTYPE = torch.bfloat16  # the CPU kernels run in bfloat16 (their float32 
 # the crossover is between 512 and 1024 rows. float32 activations: the kernels run in bfloat16
 # (see KERNEL_DTYPE) and win to even more rows, but the dequantize path keeps float32 precision,
 # so the bfloat16 crossovers are used for every activation dtype.
-KERNEL_MAX_ROWS = {"int8": 64, "int4": 512}
+KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
 
 # Largest weight chunk (elements) dequantized at once in the big-rows path: bounds the
 # temporary to 32 MiB of bfloat16 (a 4096x4096 layer in one go; lm_head in 13 chunks).

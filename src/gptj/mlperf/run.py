@@ -43,6 +43,8 @@ class MLPerfConfig:
     gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
     kv_slots: int | None = None  # None: enough for max_batch_size samples
     quantize: str | None = None  # "int8" / "int4": weight-only, on load
+    compile: str = "auto"  # the engine's decode attention by torch.compile: auto / on / off
+    kernels: str = "auto"  # the engine's fused blocks and packed weights: auto / off
     group_size: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -171,7 +173,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
         raise GptjError(f"KV memory holds {n_seqs} sequences, fewer than num_beams {K}; "
                         "use a smaller --dtype or fewer beams")
     engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
-                                 n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K)
+                                 n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K,
+                                 compile=cfg.compile, kernels=cfg.kernels)
     backend = EngineBackend(model, engine_config)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
     try:
