@@ -89,3 +89,27 @@ def test_compiled_engine_requests_together_equal_each_alone():
     greedy = GenerationConfig(max_new_tokens=12)
     eager = Engine(model, EngineConfig(n_slots=4, compile="off")).generate(prompts[:3], greedy)
     assert engine.generate(prompts[:3], greedy) == eager
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_all_rows_in_one_compiled_call_equal_group_by_group(dtype, tol):
+    """rows_sums over pools whose unused positions hold NaN: lone sequences and a beam group mixed."""
+    g = torch.Generator().manual_seed(7)
+    H, D, S, L = 4, 16, 3, 40
+    pk, pv = (torch.full((S, H, L, D), float("nan")).to(dtype) for _ in range(2))
+    tk, tv = (torch.full((S + 2, H, 10, D), float("nan")).to(dtype) for _ in range(2))
+    plens, tl = [25, 9, 31], 4  # slot 0: lone (25 incl. its new tokens), 1: lone, 2: a beam group of 3
+    for s, n in enumerate(plens):
+        pk[s, :, :n], pv[s, :, :n] = (torch.randn(H, n, D, generator=g).to(dtype) for _ in range(2))
+    tails = [2, 3, 4]
+    for t in tails:
+        tk[t, :, :tl], tv[t, :, :tl] = (torch.randn(H, tl, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(5, H, D, generator=g).to(dtype)
+    pslot, plen = torch.tensor([0, 1, 2, 2, 2]), torch.tensor([25, 9, 31, 31, 31])
+    tslot, tlen = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 0, tl, tl, tl])
+    got = att.DecodeAttention("on", dtype).rows(q, pk, pv, pslot, plen, tk, tv, tslot, tlen, 31, tl)
+    want = torch.cat([att.one_eager(q[0], pk[0, :, :25], pv[0, :, :25])[None],
+                      att.one_eager(q[1], pk[1, :, :9], pv[1, :, :9])[None],
+                      att.group_eager(q[2:], pk[2, :, :31], pv[2, :, :31], tk[tails, :, :tl], tv[tails, :, :tl])])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
