@@ -77,13 +77,20 @@ def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_
     assert err_served <= 2 * err_plain + 1e-3, (err_served, err_plain)
 
 
+def _layouts():
+    from gptj import native
+
+    return ["onednn"] + (["native"] if native.available() else [])
+
+
 @pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU")
-def test_packed_linear_equals_f_linear_and_is_not_saved_or_moved():
+@pytest.mark.parametrize("layout", _layouts())
+def test_packed_linear_equals_f_linear_and_is_not_saved_or_moved(layout):
     torch.manual_seed(0)
     lin = nn.Linear(256, 96).to(torch.bfloat16)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
-    packed = kernels.PackedLinear(lin)
-    for rows in (1, 5, 70):
+    packed = kernels.PackedLinear(lin, layout)
+    for rows in (1, 5, 8, 9, 70):  # native layout: its GEMV up to 8 rows, F.linear above
         x = torch.randn(rows, 256).to(torch.bfloat16)
         torch.testing.assert_close(packed(x).float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
     x3 = torch.randn(2, 3, 256).to(torch.bfloat16)
@@ -118,3 +125,18 @@ def test_packed_model_runs_the_exact_decode_path_too():
     kernels.prepare_for_serving(model)
     out = generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=4, min_new_tokens=4))
     assert len(out[0]) == 4
+
+
+@pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU")
+def test_pack_layout_follows_the_rows_a_step_can_have():
+    from gptj import native
+
+    few = random_model(CFGS["partial-rotary"], torch.bfloat16)
+    kernels.pack_model(few, max_rows=1)
+    many = random_model(CFGS["partial-rotary"], torch.bfloat16)
+    kernels.pack_model(many, max_rows=64)
+    assert few.lm_head.layout == ("native" if native.available() else "onednn")
+    assert many.lm_head.layout == "onednn"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(few(ids), many(ids), rtol=2e-2, atol=2e-2)

@@ -41,33 +41,52 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear's forward with the weight reordered for oneDNN (bfloat16, CPU)."""
+NATIVE_MAX_ROWS = 8  # gptj.native's GEMV beats oneDNN up to here (benchmarks/native_gemv.py)
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward in bfloat16 on CPU, in one of two layouts chosen when it is built.
+
+    "onednn": the weight reordered for oneDNN (fast at any number of rows).
+    "native": the plain weight, read by gptj.native's AVX-512 GEMV up to NATIVE_MAX_ROWS rows (1.4-1.8x
+    oneDNN at 1-2 rows) and by F.linear above. Chosen when the engine never runs more rows than that
+    per step (batch-1 latency); holding both layouts would double the weights' memory.
+    """
+
+    def __init__(self, linear: nn.Linear, layout: str = "onednn") -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        # batch-size hint 1: the layout for decode steps (measured no slower at 64-256 rows)
-        # A buffer (counted by memory and bandwidth reports) that state_dict() leaves out.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1),
+        if layout not in ("onednn", "native"):
+            raise ValueError(f"unknown layout {layout!r}")
+        self.in_features, self.out_features, self.layout = linear.in_features, linear.out_features, layout
+        w = linear.weight.detach().contiguous()
+        # Buffers (counted by memory and bandwidth reports) that state_dict() leaves out.
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1) if layout == "onednn" else w,
                              persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise RuntimeError(f"PackedLinear takes bfloat16 CPU input, got {x.dtype} on {x.device}")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.numel() <= NATIVE_MAX_ROWS * self.in_features:
+            from gptj import native
+
+            return native.linear_bf16(x, self.packed, self.bias)
+        return torch.nn.functional.linear(x, self.packed, self.bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         raise RuntimeError("a PackedLinear cannot be moved or cast; load the checkpoint again instead")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 oneDNN-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 {self.layout}"
 
 
-def pack_model(model: nn.Module, mode: str = "auto") -> int:
+def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
     """Swap the model's bfloat16 CPU nn.Linear modules for PackedLinear in place; return how many.
+
+    max_rows: the most rows a matmul will see at decode (None: unbounded). At most NATIVE_MAX_ROWS
+    and with gptj.native available, the native layout; otherwise oneDNN's.
 
     mode "off" (or a model that is not bfloat16 on a CPU with oneDNN bf16) leaves it unchanged.
     Quantized layers (gptj.quant) are not nn.Linear and keep their own kernels.
@@ -76,11 +95,16 @@ def pack_model(model: nn.Module, mode: str = "auto") -> int:
         raise ValueError(f"pack mode must be one of {', '.join(PACK_MODES)}, got {mode!r}")
     if mode == "off":
         return 0
+    layout = "onednn"
+    if max_rows is not None and max_rows <= NATIVE_MAX_ROWS:
+        from gptj import native
+
+        layout = "native" if native.available() else "onednn"
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device):
-                setattr(parent, name, PackedLinear(child))  # the plain weight is freed with `child`
+                setattr(parent, name, PackedLinear(child, layout))  # the plain weight is freed with `child`
                 count += 1
     return count
 
@@ -210,8 +234,9 @@ def fuse_model(model: nn.Module, mode: str = "auto") -> int:
     return count
 
 
-def prepare_for_serving(model: nn.Module, mode: str = "auto") -> dict[str, int]:
-    """What the engine does to a model it takes over: fuse the blocks, then pack bfloat16 linears."""
+def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> dict[str, int]:
+    """What the engine does to a model it takes over: fuse the blocks, then pack bfloat16 linears
+    (max_rows: the engine's most sequences per decode step, see pack_model)."""
     fused = fuse_model(model, mode)
-    packed = pack_model(model, mode)
+    packed = pack_model(model, mode, max_rows)
     return {"fused_blocks": fused, "packed_linears": packed}

@@ -284,6 +284,18 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+NATIVE_MAX_ROWS = 8  # int8: gptj.native's GEMV (1.4-3x _weight_int8pack_mm up to 8 rows, measured)
+_NATIVE: list = []
+
+
+def _native():  # noqa: ANN202 - the gptj.native module, or None where its kernels cannot be built
+    if not _NATIVE:
+        from gptj import native
+
+        _NATIVE.append(native if native.available() else None)
+    return _NATIVE[0]
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, q int8 per output channel. Buffers as in the checkpoint."""
 
@@ -325,7 +337,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel(x):
+        if x.device.type == "cpu" and _rows(x) <= NATIVE_MAX_ROWS and _native() is not None:
+            y = _native().linear_int8(x2.to(KERNEL_DTYPE), self.weight, self.weight_scale).to(x.dtype)
+        elif self.use_kernel(x):
             y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
             y = y.to(x.dtype)
         else:

@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 # --- eager ------------------------------------------------------------------------------------------
 
 def one_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (H, D), k, v (H, L, D) -> (H, D): gptj.model.attention on one query (float32: exact)."""
-    return attention(q[None, :, None], k[None], v[None], None)[0, :, 0]
+    """q (H, D), k, v (H, L, D) -> (H, D): gptj.model.attention on one query (float32: exact).
+
+    Below float32: matmuls in the dtype, scores and softmax in float32 (CPU SDPA is 2x slower
+    for a single query row)."""
+    if q.dtype == torch.float32:
+        return attention(q[None, :, None], k[None], v[None], None)[0, :, 0]
+    s = torch.matmul(q[:, None, :], k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))  # (H, 1, L)
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)[:, 0]
 
 
 def group_eager(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
@@ -75,30 +81,6 @@ def group_sums(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Te
     return out.to(pv.dtype)
 
 
-def rows_sums(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, pslot: torch.Tensor, plen: torch.Tensor,
-              tk: torch.Tensor, tv: torch.Tensor, tslot: torch.Tensor, tlen: torch.Tensor, pmax: int,
-              tmax: int) -> torch.Tensor:
-    """Every decode row of a step at once: row b over [pk[pslot[b], :, :plen[b]] | tk[tslot[b], :, :tlen[b]]].
-
-    q (B, H, D); pk, pv the whole prompt pool (S, H, L, D); tk, tv the tail pool; pmax, tmax the
-    longest plen, tlen (>= 1). Positions past a row's lengths are masked out of the scores and
-    the values (they may hold stale or unwritten memory). Compiled, the gathers by slot fuse into
-    the loops: no copy of any KV.
-    """
-    qf = q.float()[:, :, None, :]  # (B, H, 1, D)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    mp = (torch.arange(pmax, device=q.device)[None, :] < plen[:, None])[:, None, :]  # (B, 1, pmax)
-    mt = (torch.arange(tmax, device=q.device)[None, :] < tlen[:, None])[:, None, :]
-    kp, vp = pk[pslot][:, :, :pmax].float(), pv[pslot][:, :, :pmax].float()  # (B, H, pmax, D)
-    kt, vt = tk[tslot][:, :, :tmax].float(), tv[tslot][:, :, :tmax].float()
-    s_p = torch.where(mp, (kp * qf).sum(-1), float("-inf"))
-    s_t = torch.where(mt, (kt * qf).sum(-1), float("-inf"))
-    p = torch.softmax(torch.cat([s_p, s_t], dim=-1) * scale, dim=-1)  # (B, H, pmax + tmax)
-    out = (torch.where(mp[..., None], p[..., :pmax, None] * vp, 0.0).sum(-2)
-           + torch.where(mt[..., None], p[..., pmax:, None] * vt, 0.0).sum(-2))
-    return out.to(pv.dtype)
-
-
 class DecodeAttention:
     """The engine's decode attention: `one` and `group`, compiled or eager by `mode`.
 
@@ -107,16 +89,19 @@ class DecodeAttention:
     fails, it logs one warning and stays eager from then on.
     """
 
+    # A compiled call costs ~100-250 us of guards and wrapper; groups with fewer keys than this go
+    # eager, which is faster there (a single query over 160 keys: eager ~110 us, compiled ~150-265 us).
+    min_context = 512
+
     def __init__(self, mode: str, kv_dtype: torch.dtype) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
         self.compiled = mode == "on" or (mode == "auto" and kv_dtype != torch.float32)
-        self._one, self._group, self._rows = one_eager, group_eager, None
+        self._one, self._group = one_eager, group_eager
         if self.compiled:
             try:
                 self._one = torch.compile(one_sums, dynamic=True)
                 self._group = torch.compile(group_sums, dynamic=True)
-                self._rows = torch.compile(rows_sums, dynamic=True)
             except Exception as e:  # noqa: BLE001 - torch.compile unavailable: eager it is
                 self._fall_back(e)
 
@@ -124,7 +109,7 @@ class DecodeAttention:
         first = str(error).splitlines()[0] if str(error) else ""
         log.warning("torch.compile failed (%s: %s); decode attention runs eagerly", type(error).__name__, first)
         self.compiled = False
-        self._one, self._group, self._rows = one_eager, group_eager, None
+        self._one, self._group = one_eager, group_eager
 
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.compiled:
@@ -134,16 +119,6 @@ class DecodeAttention:
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor
             self._fall_back(e)
             return one_eager(q, k, v)
-
-    def rows(self, *args) -> torch.Tensor | None:  # noqa: ANN002 - rows_sums' arguments
-        """rows_sums compiled, or None when not compiled (the caller then goes group by group)."""
-        if not self.compiled or self._rows is None:
-            return None
-        try:
-            return self._rows(*args)
-        except Exception as e:  # noqa: BLE001
-            self._fall_back(e)
-            return None
 
     def group(self, q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
               tv: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,6 @@ class Engine:
         self.config = config = config or EngineConfig()
         # The engine takes the model over: below float32 its blocks are fused and, on CPU in
         # bfloat16, its Linear weights repacked for oneDNN, in place (gptj.kernels).
-        self.kernels = prepare_for_serving(model, config.kernels)
         w = model.transformer.wte.weight
         kv_dtype = model.transformer.wte.weight.dtype  # the activations' dtype (weights may be quantized)
         slot_len = min(config.slot_len or model.config.n_positions, model.config.n_positions)
@@ -108,6 +107,7 @@ class Engine:
                                                        config.memory_fraction)
         self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device)
         self.max_batch_size = config.max_batch_size or n_slots
+        self.kernels = prepare_for_serving(model, config.kernels, max_rows=min(self.max_batch_size, n_slots))
         self.attention = DecodeAttention(config.compile, kv_dtype)
         self.device = w.device
         self.waiting: deque[Request] = deque()

@@ -28,6 +28,8 @@ from gptj.engine.attention import DecodeAttention
 from gptj.errors import GptjError
 from gptj.model import attention
 
+_EAGER = DecodeAttention("off", torch.float32)
+
 
 def kv_bytes_per_token(config: GPTJConfig, dtype: torch.dtype) -> int:
     """Bytes of keys + values one token takes over all layers."""
@@ -152,7 +154,6 @@ class GroupBatch:
     pool: KVPool
     groups: list[Group]
     decode: DecodeAttention
-    _rows: dict | None = None
     per_sequence = True  # the model builds no padding mask; each group attends over its own memory
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,10 +161,8 @@ class GroupBatch:
         """q, k, v: (B, H, T, D) -> (B, H, T, D)."""
         pool = self.pool
         Pk, Pv, Tk, Tv = pool.prompt_k[layer], pool.prompt_v[layer], pool.tail_k[layer], pool.tail_v[layer]
-        if self.decode.compiled and q.shape[2] == 1 and all(g.tails for g in self.groups):
-            out = self._attend_rows(Pk, Pv, Tk, Tv, q, k, v)
-            if out is not None:
-                return out
+        out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
+        row = 0
         out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
         row = 0
         for g in self.groups:
@@ -181,11 +180,15 @@ class GroupBatch:
                 row += 1
                 continue
             n = len(g.tails)
+            # A compiled call's fixed cost (~100-250 us) pays only over long contexts; the choice
+            # depends on the group's own length, so a request is computed the same way whatever
+            # shares its step.
+            decode = self.decode if g.prompt_len + g.tail_len + 1 >= self.decode.min_context else _EAGER
             if n == 1:  # one sequence: its new tokens follow its prompt in the prompt slot; plain attention
                 s, end = g.prompt_slot, g.prompt_len + g.tail_len + 1
                 Pk[s, :, end - 1] = k[row, :, 0]
                 Pv[s, :, end - 1] = v[row, :, 0]
-                out[row, :, 0] = self.decode.one(q[row, :, 0], Pk[s, :, :end], Pv[s, :, :end])
+                out[row, :, 0] = decode.one(q[row, :, 0], Pk[s, :, :end], Pv[s, :, :end])
                 row += 1
                 continue
             rows = slice(row, row + n)
@@ -196,43 +199,11 @@ class GroupBatch:
                 tails = torch.tensor(g.tails, device=q.device)
             Tk[tails, :, g.tail_len] = k[rows, :, 0]
             Tv[tails, :, g.tail_len] = v[rows, :, 0]
-            out[rows, :, 0] = self.decode.group(
+            out[rows, :, 0] = decode.group(
                 q[rows, :, 0], Pk[g.prompt_slot, :, :g.prompt_len], Pv[g.prompt_slot, :, :g.prompt_len],
                 Tk[tails, :, :g.tail_len + 1], Tv[tails, :, :g.tail_len + 1])
             row += n
         return out
-
-    def _row_index(self, device: torch.device) -> dict:
-        """Per decode row: where its new key goes and what it attends over (built once per forward)."""
-        if self._rows is None:
-            pslot, plen, tslot, tlen, single = [], [], [], [], []
-            for g in self.groups:
-                for t in g.tails:
-                    one = len(g.tails) == 1  # a lone sequence keeps its new tokens in its prompt slot
-                    single.append(one)
-                    pslot.append(g.prompt_slot)
-                    plen.append(g.prompt_len + (g.tail_len + 1 if one else 0))
-                    tslot.append(t)
-                    tlen.append(0 if one else g.tail_len + 1)
-            idx = torch.tensor([pslot, plen, tslot, tlen], device=device)
-            s = torch.tensor(single, device=device)
-            self._rows = {"pslot": idx[0], "plen": idx[1], "tslot": idx[2], "tlen": idx[3],
-                          "single": s.nonzero()[:, 0], "beam": (~s).nonzero()[:, 0],
-                          "pmax": max(plen), "tmax": max(1, max(tlen))}
-        return self._rows
-
-    def _attend_rows(self, Pk: torch.Tensor, Pv: torch.Tensor, Tk: torch.Tensor, Tv: torch.Tensor,
-                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        """All decode rows in one compiled call (DecodeAttention.rows); None if not available."""
-        r = self._row_index(q.device)
-        for rows, slots, lens, K, V in ((r["single"], r["pslot"], r["plen"], Pk, Pv),
-                                        (r["beam"], r["tslot"], r["tlen"], Tk, Tv)):
-            if rows.numel():
-                K[slots[rows], :, lens[rows] - 1] = k[rows, :, 0]
-                V[slots[rows], :, lens[rows] - 1] = v[rows, :, 0]
-        out = self.decode.rows(q[:, :, 0], Pk, Pv, r["pslot"], r["plen"], Tk, Tv, r["tslot"], r["tlen"],
-                               r["pmax"], r["tmax"])
-        return None if out is None else out[:, :, None]
 
     def advance(self, n: int) -> None:
         pass  # lengths are the engine's bookkeeping

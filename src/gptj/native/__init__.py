@@ -1,16 +1,21 @@
 """Native matrix x few-rows kernels (decode GEMV) for x86-64 CPUs with AVX-512, built at first use.
 
-torch's CPU kernels leave a lot of memory bandwidth unused when a linear layer sees one row (one
-decode step): `torch._weight_int8pack_mm` reaches about 12 GB/s on a 7168 x 1024 int8 weight and
-oneDNN's packed bfloat16 about 23 GB/s, on a machine that streams 35+ GB/s. `gemv.c` (next to
-this file) streams the weight once per call with AVX512-BF16 products and float32 accumulation.
+torch's CPU kernels leave much of the memory bandwidth unused when a linear layer sees one row (a
+decode step): `torch._weight_int8pack_mm` reads a 7168 x 1024 int8 weight at about 12 GB/s and
+oneDNN's packed bfloat16 kernel about 16-23 GB/s, on a machine whose streaming read (torch.sum)
+does 30-50 GB/s. `gemv.c` (next to this file) reads each weight once per call, sequentially, with
+software prefetch, at about the streaming rate for one row (benchmarks/native_gemv.py measures
+it): float32 FMAs (int8, one row of x) or AVX512-BF16 dot products, float32 accumulation, x used
+as given (never quantized).
 
 `load()` compiles `gemv.c` with gcc the first time it is needed, into a cache folder
-(`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`) under a name that hashes the source, the flags
-and the machine type, and loads it with ctypes. It returns None, and never raises, when the native
-path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU without AVX-512 F/BW/VL/BF16, no gcc,
-or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded after torch, whose
-CPU wheel ships and loads `libgomp.so.1`, they run on torch's OpenMP runtime and thread pool.
+(`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if that cannot be written)
+under a name that hashes the source, the flags, the compiler, the machine type and the CPU's
+flags, writing it atomically, and loads it with ctypes. It returns None, and never raises, when
+the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU without AVX-512
+F/BW/VL/BF16, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
+after torch, whose CPU wheel ships and loads `libgomp.so.1`, they run on torch's OpenMP runtime
+and thread pool (the dynamic linker resolves the library's libgomp.so.1 to the one loaded).
 
     from gptj import native
     if native.available():
@@ -83,40 +88,50 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
+def _compile(cc: str, target: Path) -> bool:
+    """Compile SOURCE into target: into a temporary file beside it, then renamed into place
+    (atomic: a concurrent process sees no file or the whole file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            return False
+        os.replace(tmp, target)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _build(env: dict[str, str] | os._Environ | None = None) -> Path | None:
-    """The path of the compiled library (building it if needed), or None."""
+    """The path of the compiled library (building it if needed), or None where the native
+    kernels are switched off (GPTJ_NATIVE=0), cannot run here or cannot be built."""
     env = os.environ if env is None else env
     if _disabled(env) or platform.machine() not in ("x86_64", "AMD64"):
         return None
     flags = _cpu_flags()
     if not all(f in flags for f in REQUIRED_CPU_FLAGS):
         return None
-    cc = env.get("CC") or "gcc"
-    cc_path = shutil.which(cc)
+    cc_path = shutil.which(env.get("CC") or "gcc")
     if cc_path is None:
         return None
-    source = SOURCE.read_bytes()
-    folder = cache_dir(env)
-    target = folder / _library_name(source, _compiler_id(cc_path), flags)
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=folder)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc_path, *CFLAGS, "-o", tmp, str(SOURCE)],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            return None
-        os.replace(tmp, target)  # atomic: a concurrent loader sees the old state or the whole file
-        return target
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    name = _library_name(SOURCE.read_bytes(), _compiler_id(cc_path), flags)
+    folders = [cache_dir(env), Path(tempfile.gettempdir()) / f"gptj-native-{os.getuid()}"]
+    for folder in folders:  # the second where the cache folder cannot be written
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            return target if _compile(cc_path, target) else None
+        except OSError:
+            continue
+    return None
 
 
-_SIGNATURES = {
-    # name: argument types after the pointer arguments' count
+_SIGNATURES = {  # exported function: argument types (all return void)
     "gemv_int8": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4,
     "gemv_int8_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4,
     "gemv_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4,
@@ -132,12 +147,20 @@ def _load_path(path: Path) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = None
-        lib.gemv_get_prefetch.restype = ctypes.c_int
-        lib.gemv_get_prefetch.argtypes = []
-        lib.gemv_omp_max_threads.restype = ctypes.c_int
-        lib.gemv_omp_max_threads.argtypes = []
+        for name in ("gemv_get_prefetch", "gemv_omp_max_threads"):
+            getattr(lib, name).argtypes = []
+            getattr(lib, name).restype = ctypes.c_int
         return lib
     except (OSError, AttributeError):
+        return None
+
+
+def _open(env: dict[str, str] | os._Environ | None = None) -> ctypes.CDLL | None:
+    """Build (if needed) and load the library, uncached; None, never an exception, on failure."""
+    try:
+        path = _build(env)
+        return _load_path(path) if path is not None else None
+    except Exception:  # noqa: BLE001 - the native path is optional: any failure means "not available"
         return None
 
 
@@ -147,15 +170,10 @@ def load() -> ctypes.CDLL | None:
         return _state["lib"]  # type: ignore[return-value]
     with _lock:
         if "lib" not in _state:
-            lib = None
-            try:
-                path = _build()
-                lib = _load_path(path) if path is not None else None
-            except Exception:  # noqa: BLE001 - the native path is optional: any failure means "not available"
-                lib = None
-            _state["lib"] = lib
+            lib = _open()
             if lib is not None:
                 _bind(lib)
+            _state["lib"] = lib
     return _state["lib"]  # type: ignore[return-value]
 
 
@@ -173,31 +191,69 @@ def _bind(lib: ctypes.CDLL) -> None:
     _gemv_bf16 = lib.gemv_bf16
 
 
-def _check_x(x: torch.Tensor, K: int, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: x must be a tensor")
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"{name}: x must be a bfloat16 CPU tensor, got {x.dtype} on {x.device}")
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"{name}: x must have shape (..., {K}), got {tuple(x.shape)}")
-    return x if x.is_contiguous() else x.contiguous()
+def _openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes (libgomp / libiomp / libomp) mapped into this process."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
 
 
-def _check_vec(v: torch.Tensor | None, N: int, what: str, name: str) -> None:
-    if v is None:
-        return
-    if not isinstance(v, torch.Tensor) or v.dtype != torch.bfloat16 or v.device.type != "cpu":
-        raise ValueError(f"{name}: {what} must be a bfloat16 CPU tensor")
+_MAX_DIM = 2**31 - 1
+_bf16 = torch.bfloat16
+_i8 = torch.int8
+
+
+def _bad(name: str, what: str) -> ValueError:
+    return ValueError(f"{name}: {what}")
+
+
+def _check_vec(v: torch.Tensor, N: int, what: str, name: str) -> None:
+    if not isinstance(v, torch.Tensor) or v.dtype is not _bf16 or not v.is_cpu:
+        raise _bad(name, f"{what} must be a bfloat16 CPU tensor")
     if v.shape != (N,) or not v.is_contiguous():
-        raise ValueError(f"{name}: {what} must be contiguous with shape ({N},), got {tuple(v.shape)}")
+        raise _bad(name, f"{what} must be contiguous with shape ({N},), got {tuple(v.shape)}")
 
 
-def _check_w(w: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[int, int]:
-    if not isinstance(w, torch.Tensor) or w.dtype != dtype or w.device.type != "cpu":
-        raise ValueError(f"{name}: weight must be a {dtype} CPU tensor")
-    if w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"{name}: weight must be a contiguous (N, K) matrix, got {tuple(w.shape)}")
-    return w.shape[0], w.shape[1]
+def _prepare(name: str, x: torch.Tensor, weight: torch.Tensor, wdtype: torch.dtype,
+             bias: torch.Tensor | None, out: torch.Tensor | None
+             ) -> tuple[torch.Tensor, int, int, int, torch.Tensor]:
+    """Validated (contiguous x, M, N, K, output) for x (..., K) @ weight (N, K).T."""
+    try:
+        if weight.dtype is not wdtype or not weight.is_cpu:
+            raise _bad(name, f"weight must be a {wdtype} CPU tensor")
+        wshape = weight.shape
+        if len(wshape) != 2 or not weight.is_contiguous():
+            raise _bad(name, f"weight must be a contiguous (N, K) matrix, got shape {tuple(wshape)}")
+        if x.dtype is not _bf16 or not x.is_cpu:
+            raise _bad(name, "x must be a bfloat16 CPU tensor")
+        xshape = x.shape
+    except AttributeError:
+        raise _bad(name, "x and weight must be tensors") from None
+    N, K = wshape
+    if not xshape or xshape[-1] != K:
+        raise _bad(name, f"x must have shape (..., {K}), got {tuple(xshape)}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None:
+        _check_vec(bias, N, "bias", name)
+    lead = xshape[:-1]
+    M = x.numel() // K if K else lead.numel()
+    if M > _MAX_DIM or N > _MAX_DIM or K > _MAX_DIM:
+        raise _bad(name, "dimensions must be below 2**31")
+    if out is None:
+        return x, M, N, K, torch.empty((*lead, N), dtype=_bf16)
+    if (not isinstance(out, torch.Tensor) or out.dtype is not _bf16 or not out.is_cpu
+            or not out.is_contiguous() or out.shape != (*lead, N)):
+        raise _bad(name, f"out must be a contiguous bfloat16 CPU tensor of shape {(*lead, N)}")
+    return x, M, N, K, out
 
 
 def _lib_or_raise(name: str) -> None:
@@ -206,24 +262,17 @@ def _lib_or_raise(name: str) -> None:
 
 
 def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bfloat16(x @ (weight * scale[:, None]).T + bias) with float32 accumulation.
+                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16(x @ (weight * scale[:, None]).T + bias), float32 accumulation (scale applied to the sums).
 
     x (..., K) bfloat16; weight (N, K) int8 (per-output-channel symmetric); scale (N,) bfloat16;
-    bias (N,) bfloat16 or None. Returns (..., N) bfloat16.
+    bias (N,) bfloat16 or None. Returns (..., N) bfloat16: `out` when given (it must not overlap
+    the inputs; reusing one spares an allocation per call). Uses torch.get_num_threads() threads.
     """
     if _gemv_int8 is None:
         _lib_or_raise("linear_int8")
-    N, K = _check_w(weight, torch.int8, "linear_int8")
-    x = _check_x(x, K, "linear_int8")
+    x, M, N, K, y = _prepare("linear_int8", x, weight, _i8, bias, out)
     _check_vec(scale, N, "scale", "linear_int8")
-    if scale is None:
-        raise ValueError("linear_int8: scale is required")
-    _check_vec(bias, N, "bias", "linear_int8")
-    M = 1
-    for d in x.shape[:-1]:
-        M *= d
-    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
     if M and N:
         _gemv_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
                    None if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -231,20 +280,16 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """bfloat16(x @ weight.T + bias) with float32 accumulation.
 
-    x (..., K) bfloat16; weight (N, K) bfloat16; bias (N,) bfloat16 or None. Returns (..., N).
+    x (..., K) bfloat16; weight (N, K) bfloat16; bias (N,) bfloat16 or None. Returns (..., N)
+    bfloat16: `out` when given (as in linear_int8). Uses torch.get_num_threads() threads.
     """
     if _gemv_bf16 is None:
         _lib_or_raise("linear_bf16")
-    N, K = _check_w(weight, torch.bfloat16, "linear_bf16")
-    x = _check_x(x, K, "linear_bf16")
-    _check_vec(bias, N, "bias", "linear_bf16")
-    M = 1
-    for d in x.shape[:-1]:
-        M *= d
-    y = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
+    x, M, N, K, y = _prepare("linear_bf16", x, weight, _bf16, bias, out)
     if M and N:
         _gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                    y.data_ptr(), M, N, K, torch.get_num_threads())

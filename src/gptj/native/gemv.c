@@ -6,28 +6,32 @@
    y: (M, N) bfloat16 (or float32 for the *_f32 variants). Accumulation is float32; x is used
    as stored (weight-only quantization: x is never quantized).
 
-   At a few rows of x the work is reading w once from memory, so everything serves a single
+   At a few rows of x the work is reading w from memory once, so the design serves one
    sequential stream of weight bytes per thread:
 
-   - Each thread owns a contiguous range of rows of w, i.e. one contiguous range of memory, and
-     walks it in address order, one row at a time, against up to 8 rows of x (a row of w is
-     converted once and used for all of them; more rows of x re-read that row of w from L1).
-     Sequential order is what DRAM and the hardware prefetchers like best.
-   - Software prefetch `g_pf_dist` bytes ahead of the read position, one cache line per line
-     consumed. It runs across row boundaries, so rows as short as 1 KiB (K = 1024 int8) stream
-     as well as long ones.
-   - int8 with 1-2 rows of x: x is converted to float32 once per call; per 16 weights one
-     sign-extension, one int->float conversion and one FMA per row of x.
-   - bfloat16 weights, and int8 with 3 or more rows of x: AVX512-BF16 `vdpbf16ps` (32
-     multiply-adds per instruction; both products of a pair exact in float32, summed in float32).
-     int8 weights are turned into bfloat16 exactly (every integer in [-256, 256] is a bfloat16):
-     sign-extend, convert to float32, pack two vectors into one of 32 bfloat16; that conversion
-     is then shared by all rows of x.
-   - Several independent accumulators per row of x hide the FMA / dot-product latency.
+   - OpenMP threads (static) each own a contiguous range of rows of w, i.e. one contiguous range
+     of memory. They walk it in groups of 16 rows: in address order, row after row (or R rows
+     side by side, R = 2..4 for 2..8 rows of x, so that a load of x serves R rows of w).
+   - A software prefetch cursor runs g_pf_dist bytes ahead of the reads, into L2, one line per
+     line read, across row boundaries: rows as short as 1 KiB (K = 1024 int8) stream as well as
+     long ones, whatever order the tiles read the lines of their group in. The lines between a
+     thread's start and the cursor's start are requested all at once when the thread starts.
+   - x beyond X_L1_BYTES (many rows of x, long K) is split along K into chunks that stay in L1;
+     each chunk serves the group's 16 rows (the cursor then runs a group further ahead).
+   - One row of x and int8 weights: x is converted to float32 once per call; per 16 weights one
+     sign-extension, one int->float conversion and one FMA.
+   - bfloat16 weights, and int8 with 2+ rows of x: AVX512-BF16 `vdpbf16ps` (32 multiply-adds
+     per instruction; both products of a pair exact in float32, summed in float32). int8 weights
+     become bfloat16 exactly (every integer in [-256, 256] is a bfloat16): sign-extend, convert
+     to float32, pack two vectors into one of 32 bfloat16, shared by all rows of x.
+   - Several independent accumulators per (row of w, row of x) hide the FMA latency; the 16
+     partial sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to
+     bfloat16 (nearest even) and stored 16 outputs at a time.
    - K tails use masked loads (zeros beyond K).
-   - OpenMP over the threads' row ranges (static). Built with -fopenmp and loaded into a process
-     that already has torch's libgomp.so.1, the kernels run on the same OpenMP runtime (and
-     thread pool) as torch's own kernels.
+   - Built with -fopenmp and loaded into a process that already has torch's libgomp.so.1, the
+     kernels run on the same OpenMP runtime (and thread pool) as torch's own kernels.
+   Every output is summed by one thread in a fixed order: results do not depend on the thread
+   count.
 */
 
 #include <immintrin.h>
@@ -36,9 +40,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAXMT 8  /* rows of x per pass over a row of w */
-#define F_MAXMT 2  /* int8 against at most this many rows of x (in a pass) uses float32 x */
-#define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows */
+#define MAXMT 8  /* rows of x per pass over a group of rows of w */
+#define F_MAXMT 1  /* int8 against at most this many rows of x (in a pass) uses float32 x */
+#define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 
 static long g_pf_dist = 8192;       /* prefetch distance in bytes; 0 turns prefetch off */
 static long g_min_parallel = 65536; /* weight bytes below which a call runs on one thread */
@@ -62,15 +66,6 @@ static inline float bf16_to_f32(uint16_t h)
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-static inline uint16_t f32_to_bf16(float f)  /* round to nearest even; NaN stays NaN */
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* ---- weight loaders ---- */
@@ -111,113 +106,177 @@ static inline __m512 load_w_i8_f32_tail(const int8_t *p, __mmask16 mask)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
 }
 
-/* ---- row kernels ----
-   One row of w (K elements at w) against MT rows of x (row stride ldx); out[m] = the dot
-   products. The main loop consumes 256 bytes (4 cache lines) of w per iteration and, when
-   pfd > 0, prefetches the 4 lines pfd bytes further on (past the row's end: the next rows). NA
-   independent accumulators per row of x. */
+/* ---- tile kernels ----
+   nrows (a multiple of R) consecutive rows of w (row stride ldw elements), R at a time, against
+   MT rows of x (row stride ldx), over `len` elements of K. Accumulates into accio[r * MT + m]
+   (16 partial sums each; zeroed first when init). The main loop consumes 256 bytes (4 cache
+   lines) of each row per iteration; NA independent accumulators per (row of w, row of x).
+
+   Prefetch: *pfp (when pfp != NULL) is the thread's prefetch cursor, a fixed distance ahead of
+   its reads in its contiguous range of w; every iteration prefetches (into L2) as many lines
+   at the cursor as the iteration reads, and moves it on, up to the end of the thread's range
+   (past the end of the weights lie other data or unmapped pages). The hardware sees one
+   sequential stream per thread whatever order the tiles read their group of rows in. */
 
 #define IT_BYTES 256
 
-#define PREFETCH_4(p)                                                                          \
-    do {                                                                                      \
-        _mm_prefetch((p), _MM_HINT_T0);                                                       \
-        _mm_prefetch((p) + 64, _MM_HINT_T0);                                                  \
-        _mm_prefetch((p) + 128, _MM_HINT_T0);                                                 \
-        _mm_prefetch((p) + 192, _MM_HINT_T0);                                                 \
-    } while (0)
+typedef struct {
+    const char *at;   /* next line to prefetch */
+    const char *end;  /* end of the thread's rows: nothing is prefetched from there on */
+} cursor_t;
 
-/* bfloat16 products (vdpbf16ps): x bfloat16 */
-#define ROW_DP(NAME, WT, LOAD, LOADT, MT, NA)                                                    \
-static void NAME(const uint16_t *x, long ldx, const WT *w, long K, float *out, long pfd)     \
-{                                                                                             \
-    __m512 acc[NA][MT];                                                                       \
+/* PF_HINT, X_L1_BYTES and the R_* tile sizes can be overridden with -D for experiments */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+
+#define TILE_BEGIN(R, MT, NA)                                                                  \
+    const char *pf = pfp ? pfp->at : NULL, *const pf_end = pfp ? pfp->end : NULL;            \
+    for (long rr = 0; rr < nrows; rr += R, w += R * ldw, accio += R * MT) {                   \
+    __m512 acc[R][NA][MT];                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
     _Pragma("GCC unroll 8") for (int a = 0; a < NA; a++)                                       \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) acc[a][m] = _mm512_setzero_ps();     \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                      \
+        acc[r][a][m] = (a == 0 && !init) ? accio[r * MT + m] : _mm512_setzero_ps();
+
+#define TILE_PREFETCH(R)                                                                       \
+    if (pf < pf_end) {                                                                        \
+        _Pragma("GCC unroll 16") for (int l = 0; l < 4 * (R); l++)                            \
+            _mm_prefetch(pf + 64 * l, PF_HINT);                                               \
+        pf += (R) * IT_BYTES;                                                                 \
+    }
+
+#define TILE_END(R, MT, NA)                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                    \
+        __m512 t = acc[r][0][m];                                                              \
+        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[r][a][m]); \
+        accio[r * MT + m] = t;                                                                \
+    }                                                                                         \
+    }                                                                                         \
+    if (pfp) pfp->at = pf;
+
+#define TILE_ARGS(XT, WT)                                                                      \
+    const XT *x, long ldx, const WT *w, long ldw, long len, long nrows, __m512 *accio,         \
+    int init, cursor_t *pfp
+
+/* bfloat16 products (vdpbf16ps) against bfloat16 x */
+#define TILE_DP(NAME, WT, LOAD, LOADT, R, MT, NA)                                                \
+static void NAME(TILE_ARGS(uint16_t, WT))                                                     \
+{                                                                                             \
+    TILE_BEGIN(R, MT, NA)                                                                     \
     enum { PER_IT = IT_BYTES / (int)sizeof(WT) };                                             \
-    const char *pf = (const char *)w + pfd;                                                   \
     long k = 0;                                                                               \
-    for (; k + PER_IT <= K; k += PER_IT) {                                                    \
-        if (pfd) { PREFETCH_4(pf); pf += IT_BYTES; }                                          \
+    for (; k + PER_IT <= len; k += PER_IT) {                                                  \
+        TILE_PREFETCH(R)                                                                      \
         _Pragma("GCC unroll 8") for (int h = 0; h < PER_IT / 32; h++) {                        \
-            __m512bh wv = LOAD(w + k + 32 * h);                                               \
+            __m512bh wv[R];                                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LOAD(w + r * ldw + k + 32 * h); \
             _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                            \
                 __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k + 32 * h)); \
-                acc[h % NA][m] = _mm512_dpbf16_ps(acc[h % NA][m], wv, xv);                    \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                           \
+                    acc[r][h % NA][m] = _mm512_dpbf16_ps(acc[r][h % NA][m], wv[r], xv);       \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (; k < K; k += 32) {                                                                  \
-        __mmask32 mask = (K - k) >= 32 ? (__mmask32)0xffffffffu                               \
-                                       : (__mmask32)((1u << (K - k)) - 1);                    \
-        __m512bh wv = LOADT(w + k, mask);                                                     \
+    for (; k < len; k += 32) {                                                                \
+        __mmask32 mask = (len - k) >= 32 ? (__mmask32)0xffffffffu                             \
+                                         : (__mmask32)((1u << (len - k)) - 1);                \
+        __m512bh wv[R];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LOADT(w + r * ldw + k, mask); \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                \
             __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);          \
-            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, xv);                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                               \
+                acc[r][0][m] = _mm512_dpbf16_ps(acc[r][0][m], wv[r], xv);                     \
         }                                                                                     \
     }                                                                                         \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                    \
-        __m512 t = acc[0][m];                                                                 \
-        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[a][m]); \
-        out[m] = _mm512_reduce_add_ps(t);                                                     \
-    }                                                                                         \
+    TILE_END(R, MT, NA)                                                                       \
 }
 
 /* int8 weights against float32 x (FMA) */
-#define ROW_F(NAME, MT, NA)                                                                       \
-static void NAME(const float *x, long ldx, const int8_t *w, long K, float *out, long pfd)     \
+#define TILE_F(NAME, R, MT, NA)                                                                   \
+static void NAME(TILE_ARGS(float, int8_t))                                                    \
 {                                                                                             \
-    __m512 acc[NA][MT];                                                                       \
-    _Pragma("GCC unroll 8") for (int a = 0; a < NA; a++)                                       \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) acc[a][m] = _mm512_setzero_ps();     \
-    const char *pf = (const char *)w + pfd;                                                   \
+    TILE_BEGIN(R, MT, NA)                                                                     \
     long k = 0;                                                                               \
-    for (; k + IT_BYTES <= K; k += IT_BYTES) {                                                \
-        if (pfd) { PREFETCH_4(pf); pf += IT_BYTES; }                                          \
+    for (; k + IT_BYTES <= len; k += IT_BYTES) {                                              \
+        TILE_PREFETCH(R)                                                                      \
         _Pragma("GCC unroll 16") for (int h = 0; h < IT_BYTES / 16; h++) {                     \
-            __m512 wv = load_w_i8_f32(w + k + 16 * h);                                        \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                              \
-                acc[h % NA][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k + 16 * h), \
-                                                 acc[h % NA][m]);                             \
+            __m512 wv[R];                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = load_w_i8_f32(w + r * ldw + k + 16 * h); \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                            \
+                __m512 xv = _mm512_loadu_ps(x + m * ldx + k + 16 * h);                        \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                           \
+                    acc[r][h % NA][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][h % NA][m]);        \
+            }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (; k < K; k += 16) {                                                                  \
-        __mmask16 mask = (K - k) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);\
-        __m512 wv = load_w_i8_f32_tail(w + k, mask);                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                  \
-            acc[0][m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * ldx + k), acc[0][m]); \
+    for (; k < len; k += 16) {                                                                \
+        __mmask16 mask = (len - k) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - k)) - 1); \
+        __m512 wv[R];                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = load_w_i8_f32_tail(w + r * ldw + k, mask); \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                \
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                               \
+                acc[r][0][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][0][m]);                      \
+        }                                                                                     \
     }                                                                                         \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                    \
-        __m512 t = acc[0][m];                                                                 \
-        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[a][m]); \
-        out[m] = _mm512_reduce_add_ps(t);                                                     \
-    }                                                                                         \
+    TILE_END(R, MT, NA)                                                                       \
 }
 
-#define ROW_DP_ALL(PFX, WT, LOAD, LOADT)                                                         \
-    ROW_DP(PFX##_1, WT, LOAD, LOADT, 1, 4)                                                        \
-    ROW_DP(PFX##_2, WT, LOAD, LOADT, 2, 4)                                                        \
-    ROW_DP(PFX##_3, WT, LOAD, LOADT, 3, 2)                                                        \
-    ROW_DP(PFX##_4, WT, LOAD, LOADT, 4, 2)                                                        \
-    ROW_DP(PFX##_5, WT, LOAD, LOADT, 5, 2)                                                        \
-    ROW_DP(PFX##_6, WT, LOAD, LOADT, 6, 1)                                                        \
-    ROW_DP(PFX##_7, WT, LOAD, LOADT, 7, 1)                                                        \
-    ROW_DP(PFX##_8, WT, LOAD, LOADT, 8, 1)
+/* Tiles per rows of x (MT): R rows of w and NA accumulators, so that R*MT*NA accumulators,
+   R weight vectors and a vector of x fit the 32 registers; plus a one-row tile per MT for the
+   rows left over at the end of a thread's range. */
+#ifndef R_DP2
+#define R_DP2 2
+#endif
+#ifndef R_DP36
+#define R_DP36 4
+#endif
+#ifndef R_DP78
+#define R_DP78 2
+#endif
+#define TILES_DP(PFX, WT, LOAD, LOADT)                                                           \
+    TILE_DP(PFX##_1, WT, LOAD, LOADT, 1, 1, 4)                                                    \
+    TILE_DP(PFX##_2, WT, LOAD, LOADT, R_DP2, 2, 2)                                                \
+    TILE_DP(PFX##_3, WT, LOAD, LOADT, R_DP36, 3, 1)                                               \
+    TILE_DP(PFX##_4, WT, LOAD, LOADT, R_DP36, 4, 1)                                               \
+    TILE_DP(PFX##_5, WT, LOAD, LOADT, R_DP36, 5, 1)                                               \
+    TILE_DP(PFX##_6, WT, LOAD, LOADT, R_DP36, 6, 1)                                               \
+    TILE_DP(PFX##_7, WT, LOAD, LOADT, R_DP78, 7, 1)                                               \
+    TILE_DP(PFX##_8, WT, LOAD, LOADT, R_DP78, 8, 1)                                               \
+    TILE_DP(PFX##_r2, WT, LOAD, LOADT, 1, 2, 2)                                                   \
+    TILE_DP(PFX##_r3, WT, LOAD, LOADT, 1, 3, 2)                                                   \
+    TILE_DP(PFX##_r4, WT, LOAD, LOADT, 1, 4, 1)                                                   \
+    TILE_DP(PFX##_r5, WT, LOAD, LOADT, 1, 5, 1)                                                   \
+    TILE_DP(PFX##_r6, WT, LOAD, LOADT, 1, 6, 1)                                                   \
+    TILE_DP(PFX##_r7, WT, LOAD, LOADT, 1, 7, 1)                                                   \
+    TILE_DP(PFX##_r8, WT, LOAD, LOADT, 1, 8, 1)
 
-ROW_DP_ALL(dpi8, int8_t, load_w_i8, load_w_i8_tail)
-ROW_DP_ALL(dpbf, uint16_t, load_w_bf16, load_w_bf16_tail)
-ROW_F(fi8_1, 1, 4)
-ROW_F(fi8_2, 2, 4)
+TILES_DP(dpi8, int8_t, load_w_i8, load_w_i8_tail)
+TILES_DP(dpbf, uint16_t, load_w_bf16, load_w_bf16_tail)
+TILE_F(fi8_1, 1, 1, 4)
 
-typedef void (*row_i8_fn)(const uint16_t *, long, const int8_t *, long, float *, long);
-typedef void (*row_bf_fn)(const uint16_t *, long, const uint16_t *, long, float *, long);
-typedef void (*row_f_fn)(const float *, long, const int8_t *, long, float *, long);
+typedef void (*tile_i8_fn)(TILE_ARGS(uint16_t, int8_t));
+typedef void (*tile_bf_fn)(TILE_ARGS(uint16_t, uint16_t));
+typedef void (*tile_f_fn)(TILE_ARGS(float, int8_t));
 
-static const row_i8_fn DP_I8[MAXMT + 1] = {0, dpi8_1, dpi8_2, dpi8_3, dpi8_4, dpi8_5, dpi8_6, dpi8_7, dpi8_8};
-static const row_bf_fn DP_BF[MAXMT + 1] = {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8};
-static const row_f_fn F_I8[F_MAXMT + 1] = {0, fi8_1, fi8_2};
+static const int R_DP[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
+static const int R_F[F_MAXMT + 1] = {0, 1};
+static const tile_i8_fn DP_I8[2][MAXMT + 1] = {
+    {0, dpi8_1, dpi8_2, dpi8_3, dpi8_4, dpi8_5, dpi8_6, dpi8_7, dpi8_8},
+    {0, dpi8_1, dpi8_r2, dpi8_r3, dpi8_r4, dpi8_r5, dpi8_r6, dpi8_r7, dpi8_r8}};
+static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
+    {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8},
+    {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_r7, dpbf_r8}};
+static const tile_f_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
 
 /* ---- drivers ---- */
+
+#define GROUP 16          /* rows of w per group */
+#ifndef X_L1_BYTES
+#define X_L1_BYTES 16384  /* x (the rows of a pass) is split along K to stay within this */
+#endif
 
 typedef struct {
     const uint16_t *x;
@@ -232,38 +291,112 @@ typedef struct {
     long xf_m0;
 } job_t;
 
-static inline void store_row(const job_t *j, long n, long m0, int mt, const float *out)
+/* r[i] = sum of the 16 lanes of v[i], for 16 vectors (45 shuffles and adds) */
+static inline __m512 hsum16(const __m512 *v, long stride)
 {
-    float s = j->scale ? bf16_to_f32(j->scale[n]) : 1.0f;
-    float b = j->bias ? bf16_to_f32(j->bias[n]) : 0.0f;
+    __m512 t[8], u[4], s0, s1;
+    /* the shuffles below leave sum(in[4q + l]) in lane 4l + q: feed in[4q + l] = v[4l + q] */
+#define IN(j) v[(4 * ((j) % 4) + (j) / 4) * stride]
+    for (int i = 0; i < 8; i++) {
+        __m512 a = IN(2 * i), b = IN(2 * i + 1);
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+#undef IN
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    s0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    s1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x88), _mm512_shuffle_ps(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+/* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
+   16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
+static void store_group(const job_t *j, long n, int g, long m0, int mt, __m512 *acc)
+{
+    __mmask16 mask = (__mmask16)((1u << g) - 1);
+    for (int r = g; r < 16; r++)
+        for (int m = 0; m < mt; m++) acc[r * mt + m] = _mm512_setzero_ps();
+    __m512 s = j->scale ? load_bf16x16(j->scale + n, mask) : _mm512_set1_ps(1.0f);
+    __m512 b = j->bias ? load_bf16x16(j->bias + n, mask) : _mm512_setzero_ps();
     for (int m = 0; m < mt; m++) {
-        float v = out[m];
-        if (j->scale) v = v * s;
-        if (j->bias) v = v + b;
+        __m512 v = hsum16(acc + m, mt);
+        if (j->scale) v = _mm512_mul_ps(v, s);
+        if (j->bias) v = _mm512_add_ps(v, b);
         long idx = (m0 + m) * j->N + n;
-        if (j->y_f32) ((float *)j->y)[idx] = v;
-        else ((uint16_t *)j->y)[idx] = f32_to_bf16(v);
+        if (j->y_f32) _mm512_mask_storeu_ps((float *)j->y + idx, mask, v);
+        else _mm256_mask_storeu_epi16((uint16_t *)j->y + idx, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
-/* rows [n0, n1) of w against all M rows of x */
+/* rows [n, n + g) of w (g <= GROUP) against rows [m0, m0 + mt) of x, K in chunks of kc */
+static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, cursor_t *pfp,
+                      __m512 *acc)
+{
+    const long K = j->K;
+    const int use_f = j->is_i8 && j->xf && m0 == j->xf_m0;
+    const int R = use_f ? R_F[mt] : R_DP[mt];
+    const long full = g / R * R;  /* rows done by R-row tiles; the rest one at a time */
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long len = K - k0 < kc ? K - k0 : kc;
+        int init = (k0 == 0);
+        for (int one = 0; one < 2; one++) {
+            long r0 = one ? full : 0, nr = one ? g - full : full;
+            if (nr == 0) continue;
+            __m512 *a = acc + r0 * mt;
+            if (use_f)
+                F_I8[one][mt](j->xf + k0, K, (const int8_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+            else if (j->is_i8)
+                DP_I8[one][mt](j->x + m0 * K + k0, K, (const int8_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+            else
+                DP_BF[one][mt](j->x + m0 * K + k0, K, (const uint16_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+        }
+    }
+    store_group(j, n, g, m0, mt, acc);
+}
+
+/* K chunk for rows [m0, m0 + mt) of x: all of K when those rows of x fit X_L1_BYTES */
+static long chunk_for(const job_t *j, long m0, int mt)
+{
+    long xsz = (j->is_i8 && j->xf && m0 == j->xf_m0) ? 4 : 2;
+    if ((long)mt * j->K * xsz <= X_L1_BYTES) return j->K;
+    long kc = X_L1_BYTES / (mt * xsz) / IT_BYTES * IT_BYTES;
+    return kc < IT_BYTES ? IT_BYTES : kc;
+}
+
+/* rows [n0, n1) of w against all M rows of x, in groups of GROUP rows */
 static void run_rows(const job_t *j, long n0, long n1)
 {
     const long K = j->K;
-    float out[MAXMT];
-    for (long n = n0; n < n1; n++) {
-        /* prefetch ahead on the first pass over a row only; later passes read it from L1 */
-        long pfd = g_pf_dist;
-        for (long m0 = 0; m0 < j->M; m0 += MAXMT, pfd = 0) {
+    const long esz = j->is_i8 ? 1 : 2;
+    __m512 acc[GROUP * MAXMT];
+    /* Where the prefetch cursor starts, from a group's first byte: g_pf_dist further than the
+       span read at once: a row (rows read in address order), R rows side by side, or the whole
+       group when K is split in chunks (the group is then read chunk by chunk). */
+    int mt0 = (int)(j->M < MAXMT ? j->M : MAXMT);
+    int R0 = (j->is_i8 && j->xf && j->xf_m0 == 0) ? R_F[mt0] : R_DP[mt0];
+    long span = chunk_for(j, 0, mt0) < K ? GROUP : (R0 > 1 ? R0 : 0);
+    long ahead = span * K * esz + g_pf_dist;
+    cursor_t pf = {NULL, (const char *)j->w + n1 * K * esz};
+    cursor_t *pfp = g_pf_dist > 0 ? &pf : NULL;
+    if (pfp) {  /* the lines the cursor starts ahead of: requested at once, not left to demand */
+        const char *p0 = (const char *)j->w + n0 * K * esz;
+        long end = (n1 - n0) * K * esz < ahead ? (n1 - n0) * K * esz : ahead;
+        for (long off = 0; off < end; off += 64) _mm_prefetch(p0 + off, PF_HINT);
+    }
+    for (long n = n0; n < n1; n += GROUP) {
+        int g = (int)(n1 - n < GROUP ? n1 - n : GROUP);
+        /* set per group: the tiles move it on by what they read, K tails not counted */
+        pf.at = (const char *)j->w + n * K * esz + ahead;
+        for (long m0 = 0; m0 < j->M; m0 += MAXMT) {
             int mt = (int)((j->M - m0) < MAXMT ? (j->M - m0) : MAXMT);
-            if (j->is_i8) {
-                const int8_t *w = (const int8_t *)j->w + n * K;
-                if (j->xf && m0 == j->xf_m0) F_I8[mt](j->xf, K, w, K, out, pfd);
-                else DP_I8[mt](j->x + m0 * K, K, w, K, out, pfd);
-            } else {
-                DP_BF[mt](j->x + m0 * K, K, (const uint16_t *)j->w + n * K, K, out, pfd);
-            }
-            store_row(j, n, m0, mt, out);
+            /* later passes (M > 8) re-read the group's rows from cache: no prefetch */
+            run_group(j, n, g, m0, mt, chunk_for(j, m0, mt), m0 == 0 ? pfp : NULL, acc);
         }
     }
 }
@@ -272,16 +405,19 @@ static void run(job_t *j, int nthreads)
 {
     if (j->M <= 0 || j->N <= 0) return;
     if (j->K <= 0) {  /* empty sums: y = bias (or 0) */
-        float zero[MAXMT] = {0};
-        for (long n = 0; n < j->N; n++)
-            for (long m0 = 0; m0 < j->M; m0 += MAXMT)
-                store_row(j, n, m0, (int)((j->M - m0) < MAXMT ? (j->M - m0) : MAXMT), zero);
+        __m512 zero[GROUP * MAXMT];
+        for (long n = 0; n < j->N; n += GROUP)
+            for (long m0 = 0; m0 < j->M; m0 += MAXMT) {
+                int mt = (int)((j->M - m0) < MAXMT ? (j->M - m0) : MAXMT);
+                for (int i = 0; i < GROUP * mt; i++) zero[i] = _mm512_setzero_ps();
+                store_group(j, n, (int)(j->N - n < GROUP ? j->N - n : GROUP), m0, mt, zero);
+            }
         return;
     }
     float *xf = NULL;
     long last_m0 = (j->M - 1) / MAXMT * MAXMT;
     if (j->is_i8 && j->M - last_m0 <= F_MAXMT) {
-        /* the last pass's rows of x (all of x when M <= 2) go the float32 way */
+        /* the last pass's rows of x (all of x when M == 1) go the float32 way */
         long cnt = (j->M - last_m0) * j->K;
         xf = (float *)aligned_alloc(64, ((size_t)cnt * sizeof(float) + 63) / 64 * 64);
         if (xf) {

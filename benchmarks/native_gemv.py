@@ -1,0 +1,208 @@
+"""Decode GEMV on CPU: gptj.native's kernels against torch's, weights streamed from memory.
+
+For each weight shape (N, K) and rows of x M, times
+
+    native int8   gptj.native.linear_int8            x bf16 (M, K), w int8 (N, K), scale bf16 (N,)
+    torch int8    torch._weight_int8pack_mm          same arguments
+    native bf16   gptj.native.linear_bf16            w bf16 (N, K)
+    oneDNN bf16   torch.ops.mkldnn._linear_pointwise on the oneDNN-packed weight (kernels.py's)
+    F.linear bf16 torch.nn.functional.linear         plain row-major bf16 weight
+
+Every implementation gets its own set of distinct weight copies (over --min-mb MB each, far more
+than the caches) and moves to the next copy on every call, so each call reads its weight from
+memory, as a decode step does. Rounds alternate the implementations (each round times a burst of
+calls of each in turn, a fresh order every round); the table shows the median over rounds of the
+time per call, in ms, and the weight bytes per second (GB/s, 1e9 bytes). "speedup" is torch's time
+over native's (int8: against _weight_int8pack_mm; bf16: against the faster of oneDNN and F.linear).
+The streaming-read bandwidth of the machine (torch.sum over float32) is measured alongside.
+
+A second part checks that the native kernels and torch's share one OpenMP runtime and thread pool:
+native and torch calls alternated run as fast as each alone.
+
+    python benchmarks/native_gemv.py                       # all shapes, M = 1 2 4 8
+    python benchmarks/native_gemv.py --shapes 7168x1024 --rows 1 --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gptj import native
+
+SHAPES = ("7168x1024", "1024x1024", "1024x4096", "50400x1024", "16384x4096", "28672x4096")
+IMPLS = ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16")
+
+
+def _copies(nbytes: int, min_mb: float) -> int:
+    return max(2, -(-int(min_mb * 1e6) // nbytes))
+
+
+def _make_impls(N: int, K: int, min_mb: float, seed: int) -> dict[str, tuple[list, object, int]]:
+    """name -> (weight copies, fn(x, w), bytes per weight)"""
+    g = torch.Generator().manual_seed(seed)
+    n8 = _copies(N * K, min_mb)
+    w8 = [torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8) for _ in range(n8)]
+    scale = (torch.rand(N, generator=g) * 0.01 + 0.001).bfloat16()
+    n16 = _copies(2 * N * K, min_mb)
+    w16 = [(torch.rand(N, K, generator=g) - 0.5).bfloat16() for _ in range(n16)]
+    wpk = [torch.ops.mkldnn._reorder_linear_weight((torch.rand(N, K, generator=g) - 0.5).bfloat16(), 1)
+           for _ in range(n16)]
+    return {
+        "native int8": (w8, lambda x, w: native.linear_int8(x, w, scale), N * K),
+        "torch int8": (w8, lambda x, w: torch._weight_int8pack_mm(x, w, scale), N * K),
+        "native bf16": (w16, lambda x, w: native.linear_bf16(x, w), 2 * N * K),
+        "oneDNN bf16": (wpk, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), 2 * N * K),
+        "F.linear bf16": (w16, lambda x, w: F.linear(x, w), 2 * N * K),
+    }
+
+
+def _sum_bandwidth(buf: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.sum(buf)
+    return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, burst_ms: float,
+                seed: int) -> list[dict]:
+    impls = _make_impls(N, K, min_mb, seed)
+    rng = random.Random(seed)
+    sumbuf = torch.ones(int(256e6) // 4)
+    results = []
+    for M in rows:
+        x = torch.randn(M, K).bfloat16()
+        pos = {name: 0 for name in IMPLS}
+        times: dict[str, list[float]] = {name: [] for name in IMPLS}
+        bw: list[float] = []
+        # calls per burst: enough for ~burst_ms at 30 GB/s, at most one pass over the copies
+        for name in IMPLS:
+            copies, fn, nbytes = impls[name]
+            fn(x, copies[0])  # warm-up (kernel selection, first-touch)
+        for _ in range(rounds):
+            order = list(IMPLS)
+            rng.shuffle(order)
+            bw.append(_sum_bandwidth(sumbuf))
+            for name in order:
+                copies, fn, nbytes = impls[name]
+                calls = max(1, min(len(copies) - 1, int(burst_ms * 1e-3 * 30e9 / nbytes)))
+                p = pos[name]
+                t0 = time.perf_counter()
+                for i in range(calls):
+                    fn(x, copies[(p + i) % len(copies)])
+                times[name].append((time.perf_counter() - t0) / calls)
+                pos[name] = (p + calls) % len(copies)
+        row = {"N": N, "K": K, "M": M, "sum_gbs": statistics.median(bw)}
+        for name in IMPLS:
+            t = statistics.median(times[name])
+            row[name] = (t * 1e3, impls[name][2] / t / 1e9)
+        results.append(row)
+        print(_line(row), flush=True)
+    del impls
+    gc.collect()
+    return results
+
+
+HEADER = ("| N x K | M | native int8 | torch int8 | int8 speedup | native bf16 | oneDNN bf16 "
+          "| F.linear bf16 | bf16 speedup | sum GB/s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def _cell(v: tuple[float, float]) -> str:
+    return f"{v[0]:.3f} ms ({v[1]:.1f} GB/s)"
+
+
+def _line(r: dict) -> str:
+    s8 = r["torch int8"][0] / r["native int8"][0]
+    s16 = min(r["oneDNN bf16"][0], r["F.linear bf16"][0]) / r["native bf16"][0]
+    return (f"| {r['N']}x{r['K']} | {r['M']} | {_cell(r['native int8'])} | {_cell(r['torch int8'])} | "
+            f"{s8:.2f}x | {_cell(r['native bf16'])} | {_cell(r['oneDNN bf16'])} | "
+            f"{_cell(r['F.linear bf16'])} | {s16:.2f}x | {r['sum_gbs']:.1f} |")
+
+
+def interleave_check(calls: int = 400, min_mb: float = 250) -> str:
+    """Median time per call of a native and a torch kernel, each alone and alternated call by call.
+
+    hot: weights that stay in cache (1 MB int8, 1 MB bf16), so the calls are short and
+    compute-bound; two OpenMP runtimes would show here (the other runtime's threads spin on the
+    cores for a while after each of its parallel regions). stream: 7168x1024 int8 weights from
+    memory, as in decode.
+    """
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1024).bfloat16()
+    hot8 = torch.randint(-127, 128, (1024, 1024), generator=g, dtype=torch.int8)
+    hot_s = torch.rand(1024, generator=g).bfloat16()
+    hot16 = torch.rand(512, 1024, generator=g).bfloat16()
+    hot_pk = torch.ops.mkldnn._reorder_linear_weight(hot16, 1)
+    N = 7168
+    n = _copies(N * 1024, min_mb)
+    ws = [torch.randint(-127, 128, (N, 1024), generator=g, dtype=torch.int8) for _ in range(2 * n)]
+    sc = torch.rand(N, generator=g).bfloat16()
+    pairs = {
+        "hot int8 1024x1024": (lambda i: native.linear_int8(x, hot8, hot_s),
+                               lambda i: torch._weight_int8pack_mm(x, hot8, hot_s)),
+        "hot bf16 512x1024": (lambda i: native.linear_bf16(x, hot16),
+                               lambda i: torch.ops.mkldnn._linear_pointwise(x, hot_pk, None, "none", [], "")),
+        "stream int8 7168x1024": (lambda i: native.linear_int8(x, ws[i % n], sc),
+                                  lambda i: torch._weight_int8pack_mm(x, ws[n + i % n], sc)),
+    }
+    lines = ["| weights | native alone | native alternated | torch alone | torch alternated |",
+             "|---|---:|---:|---:|---:|"]
+    for label, (fa, fb) in pairs.items():
+        for f in (fa, fb):
+            for i in range(20):
+                f(i)
+        alone: list[list[float]] = [[], []]
+        for k, f in enumerate((fa, fb)):
+            for i in range(calls):
+                t0 = time.perf_counter()
+                f(i)
+                alone[k].append(time.perf_counter() - t0)
+        mixed: list[list[float]] = [[], []]
+        for i in range(calls):
+            for k, f in enumerate((fa, fb)):
+                t0 = time.perf_counter()
+                f(i)
+                mixed[k].append(time.perf_counter() - t0)
+        ms = [statistics.median(v) * 1e3 for v in (alone[0], mixed[0], alone[1], mixed[1])]
+        lines.append(f"| {label} | {ms[0]:.4f} ms | {ms[1]:.4f} ms | {ms[2]:.4f} ms | {ms[3]:.4f} ms |")
+    runtimes = native._openmp_runtimes()
+    lines.append("")
+    lines.append(f"OpenMP runtimes mapped in this process: {len(runtimes)} ({', '.join(runtimes) or 'none'})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="NxK weight shapes")
+    ap.add_argument("--rows", nargs="*", type=int, default=[1, 2, 4, 8], help="rows of x (M)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-mb", type=float, default=250.0, help="MB of distinct weight copies per implementation")
+    ap.add_argument("--burst-ms", type=float, default=2.0, help="approximate length of one timed burst")
+    ap.add_argument("--no-interleave", action="store_true", help="skip the OpenMP interleave check")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if not native.available():
+        raise SystemExit("gptj.native is not available here (GPTJ_NATIVE=0, no gcc, or no AVX512-BF16)")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n")
+    print(HEADER, flush=True)
+    with torch.inference_mode():
+        for i, shape in enumerate(args.shapes):
+            N, K = (int(v) for v in shape.lower().split("x"))
+            bench_shape(N, K, args.rows, args.rounds, args.min_mb, args.burst_ms, seed=i)
+        if not args.no_interleave:
+            print("\nnative and torch kernels alone and alternated call by call (1 row; median per call):\n")
+            print(interleave_check(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

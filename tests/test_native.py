@@ -1,0 +1,190 @@
+"""Native decode GEMV kernels (gptj.native): results against F.linear, validation, loading."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptj import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
+
+MS = (1, 3, 8, 17)
+KS = (64, 1000, 1024, 4096)
+NS = (1, 33, 1024)
+
+
+def _int8_case(M: int, N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000003 + M * 10007 + N * 101 + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = (torch.rand(N, generator=g) * 0.02 + 0.001).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    return x, w, scale, bias
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """bfloat16 outputs: a few units of bfloat16 rounding, relative to the outputs' magnitude."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    mag = float(ref.float().abs().max()) if ref.numel() else 1.0
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * max(mag, 1e-6))
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("M", MS)
+def test_int8_matches_f_linear(M: int, K: int) -> None:
+    for N in NS:
+        x, w, scale, bias = _int8_case(M, N, K)
+        wf = w.float() * scale.float()[:, None]
+        _close(native.linear_int8(x, w, scale), F.linear(x.float(), wf).bfloat16())
+        _close(native.linear_int8(x, w, scale, bias), F.linear(x.float(), wf, bias.float()).bfloat16())
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("M", MS)
+def test_bf16_matches_f_linear(M: int, K: int) -> None:
+    for N in NS:
+        g = torch.Generator().manual_seed(M * 7919 + N * 31 + K)
+        x = torch.randn(M, K, generator=g).bfloat16()
+        w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16()
+        _close(native.linear_bf16(x, w), F.linear(x.float(), w.float()).bfloat16())
+        _close(native.linear_bf16(x, w, b), F.linear(x.float(), w.float(), b.float()).bfloat16())
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 1024, 4096), (3, 33, 1000), (8, 50, 1024), (17, 97, 300), (9, 16, 64),
+                                   (8, 40, 4100), (4, 70, 3000), (2, 5000, 40)])
+def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int) -> None:
+    """The *_f32 entry points expose the float32 sums: accurate to float32 rounding of the sums
+    (this catches a dropped or doubled block that bfloat16 output tolerances could hide)."""
+    lib = native.load()
+    x, w, scale, bias = _int8_case(M, N, K, seed=1)
+    y = torch.empty(M, N)
+    lib.gemv_int8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(), M, N, K, 2)
+    xd, wd = x.double(), w.double() * scale.double()[:, None]
+    ref = xd @ wd.T + bias.double()
+    bound = (xd.abs() @ wd.abs().T + bias.double().abs()) * 1e-5 + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+
+    wb = (torch.randn(N, K) * 0.05).bfloat16()
+    yb = torch.empty(M, N)
+    lib.gemv_bf16_f32(x.data_ptr(), wb.data_ptr(), None, yb.data_ptr(), M, N, K, 2)
+    refb = xd @ wb.double().T
+    boundb = (xd.abs() @ wb.double().abs().T) * 1e-5 + 1e-30
+    assert ((yb.double() - refb).abs() <= boundb).all()
+
+
+def test_shapes_layouts_and_threads() -> None:
+    x, w, scale, bias = _int8_case(6, 70, 512)
+    x3 = x.reshape(2, 3, 512)
+    y = native.linear_int8(x3, w, scale, bias)
+    assert y.shape == (2, 3, 70)
+    assert torch.equal(y.reshape(6, 70), native.linear_int8(x, w, scale, bias))
+    # 1-D x, and a non-contiguous x (made contiguous)
+    assert torch.equal(native.linear_int8(x[0], w, scale), native.linear_int8(x[:1], w, scale)[0])
+    xt = torch.randn(512, 6).bfloat16().T
+    assert torch.equal(native.linear_bf16(xt, w.bfloat16()), native.linear_bf16(xt.contiguous(), w.bfloat16()))
+    # every output row is summed by one thread in a fixed order: thread count changes nothing
+    wide = torch.randint(-128, 128, (4096, 512), dtype=torch.int8)
+    sw = torch.rand(4096).bfloat16()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear_int8(x, wide, sw)
+        torch.set_num_threads(2)
+        two = native.linear_int8(x, wide, sw)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_out_argument() -> None:
+    x, w, scale, bias = _int8_case(3, 40, 256)
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    assert native.linear_int8(x, w, scale, bias, out=out) is out
+    assert torch.equal(out, native.linear_int8(x, w, scale, bias))
+    wb = w.bfloat16()
+    assert native.linear_bf16(x, wb, out=out) is out
+    assert torch.equal(out, native.linear_bf16(x, wb))
+    for bad in (torch.empty(3, 41, dtype=torch.bfloat16), torch.empty(3, 40), torch.empty(40, 3, dtype=torch.bfloat16).T):
+        with pytest.raises(ValueError):
+            native.linear_int8(x, w, scale, out=bad)
+        with pytest.raises(ValueError):
+            native.linear_bf16(x, wb, out=bad)
+
+
+def test_empty_sizes() -> None:
+    w = torch.randint(-5, 5, (33, 64), dtype=torch.int8)
+    s = torch.ones(33).bfloat16()
+    assert native.linear_int8(torch.zeros(0, 64).bfloat16(), w, s).shape == (0, 33)
+    assert native.linear_bf16(torch.zeros(2, 64).bfloat16(), w[:0].bfloat16()).shape == (2, 0)
+    b = torch.randn(33).bfloat16()
+    assert torch.equal(native.linear_bf16(torch.zeros(2, 0).bfloat16(), torch.zeros(33, 0).bfloat16(), b),
+                       b.expand(2, 33))
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    x, w, scale, bias = _int8_case(2, 8, 64)
+    wb = w.bfloat16()
+    bad_int8 = [
+        (x.float(), w, scale, None),                   # x dtype
+        (x[:, :32], w, scale, None),                   # K mismatch
+        (x, w.float(), scale, None),                   # weight dtype
+        (x, w[None], scale, None),                     # weight not 2-D
+        (x, w.T.contiguous().T, scale, None),          # weight not contiguous
+        (x, w, scale[:4], None),                       # scale shape
+        (x, w, scale.float(), None),                   # scale dtype
+        (x, w, scale, bias[:3]),                       # bias shape
+        (x, w, scale, bias.float()),                   # bias dtype
+        (x, w, None, None),                            # no scale
+        ([1.0] * 64, w, scale, None),                  # not a tensor
+    ]
+    for args in bad_int8:
+        with pytest.raises(ValueError):
+            native.linear_int8(*args)
+    for args in [(x.half(), wb, None), (x, w, None), (x, wb[:, :10], None), (x, wb, bias[:2]),
+                 (x, wb.T, None), (x, wb, bias.double())]:
+        with pytest.raises(ValueError):
+            native.linear_bf16(*args)
+
+
+def test_switched_off_or_unsupported_gives_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    assert native._open({"GPTJ_NATIVE": "0", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    monkeypatch.setattr(native, "_cpu_flags", lambda *a: {"avx2", "avx512f"})
+    assert native._open({"GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    monkeypatch.undo()
+    assert native._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    assert native._open({"GPTJ_CACHE_DIR": str(tmp_path / "c")}) is None
+    assert not any((tmp_path / "c").glob("*"))  # no partial files left behind
+
+
+def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    src = tmp_path / "tiny.c"
+    src.write_text("int gemv_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(native, "SOURCE", src)
+    env = {"GPTJ_CACHE_DIR": str(tmp_path / "cache")}
+    path = native._build(env)
+    assert path is not None and path.parent == tmp_path / "cache" and path.suffix == ".so"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    mtime = path.stat().st_mtime_ns
+    assert native._build(env) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    src.write_text("int gemv_tiny(void) { return 8; }\n")
+    assert native._build(env) != path  # another source, another name
+
+
+def test_one_openmp_runtime() -> None:
+    """The library's libgomp.so.1 dependency resolves to the runtime torch already loaded."""
+    native.load()
+    runtimes = native._openmp_runtimes()
+    assert len(runtimes) == 1, runtimes
+
+
+def test_load_is_cached() -> None:
+    assert native.load() is native.load()
+    assert isinstance(native.load(), ctypes.CDLL)
