@@ -41,7 +41,9 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
         return False
 
 
-NATIVE_MAX_ROWS = 8  # gptj.native's GEMV beats oneDNN up to here (benchmarks/native_gemv.py)
+NATIVE_MAX_ROWS = 8  # a native-layout linear runs gptj.native's GEMV up to here, F.linear above
+NATIVE_LAYOUT_MAX_ROWS = 4  # engines of at most this many rows per step take the native layout: bf16 GEMV
+# 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096 (benchmarks/native_gemv.py)
 
 
 class PackedLinear(nn.Module):
@@ -85,8 +87,8 @@ class PackedLinear(nn.Module):
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
     """Swap the model's bfloat16 CPU nn.Linear modules for PackedLinear in place; return how many.
 
-    max_rows: the most rows a matmul will see at decode (None: unbounded). At most NATIVE_MAX_ROWS
-    and with gptj.native available, the native layout; otherwise oneDNN's.
+    max_rows: the most rows a matmul will see at decode (None: unbounded). At most
+    NATIVE_LAYOUT_MAX_ROWS and with gptj.native available, the native layout; otherwise oneDNN's.
 
     mode "off" (or a model that is not bfloat16 on a CPU with oneDNN bf16) leaves it unchanged.
     Quantized layers (gptj.quant) are not nn.Linear and keep their own kernels.
@@ -96,7 +98,7 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     if mode == "off":
         return 0
     layout = "onednn"
-    if max_rows is not None and max_rows <= NATIVE_MAX_ROWS:
+    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS:
         from gptj import native
 
         layout = "native" if native.available() else "onednn"
