@@ -188,3 +188,39 @@ def test_one_openmp_runtime() -> None:
 def test_load_is_cached() -> None:
     assert native.load() is native.load()
     assert isinstance(native.load(), ctypes.CDLL)
+
+
+def _attention_reference(q, pk, pv, tk, tv):
+    """float64 softmax(q . [pk | tk[n]] / sqrt(D)) @ [pv | tv[n]] per query."""
+    outs = []
+    for n in range(q.shape[0]):
+        k = torch.cat([pk, tk[n]], dim=1).double() if tk is not None else pk.double()
+        v = torch.cat([pv, tv[n]], dim=1).double() if tv is not None else pv.double()
+        s = (k @ q[n].double()[:, :, None])[..., 0] / q.shape[-1] ** 0.5  # (H, L)
+        outs.append((torch.softmax(s, -1)[:, None, :] @ v)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("N, T", [(1, 0), (4, 1), (4, 9), (11, 3)])
+def test_attention_group_matches_float64_over_strided_views(N, T):
+    g = torch.Generator().manual_seed(N * 10 + T)
+    H, D, P = 3, 32, 21
+    pool = torch.randn(3, H, P + 5, D, generator=g).bfloat16()
+    tails = torch.randn(N + 2, H, T + 4, D, generator=g).bfloat16()
+    q = torch.randn(N, H, D, generator=g)
+    pk, pv = pool[0, :, :P], pool[2, :, :P]  # views with the pool's strides
+    tk, tv = (tails[:N, :, :T], tails[2:, :, :T]) if T else (None, None)
+    got = native.attention_group(q, pk, pv, tk, tv)
+    assert got.dtype == torch.float32 and got.shape == (N, H, D)
+    torch.testing.assert_close(got.double(), _attention_reference(q, pk, pv, tk, tv), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_group_refuses_bad_inputs():
+    q = torch.randn(2, 3, 24)
+    k = torch.randn(3, 5, 24).bfloat16()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.attention_group(q, k, k)
+    q = torch.randn(2, 3, 32)
+    k = torch.randn(3, 5, 32).bfloat16()
+    with pytest.raises(ValueError, match="tails must be bfloat16"):
+        native.attention_group(q, k, k, torch.randn(2, 3, 4, 32), torch.randn(2, 3, 4, 32))

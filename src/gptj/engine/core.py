@@ -108,7 +108,7 @@ class Engine:
         self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device)
         self.max_batch_size = config.max_batch_size or n_slots
         self.kernels = prepare_for_serving(model, config.kernels, max_rows=min(self.max_batch_size, n_slots))
-        self.attention = DecodeAttention(config.compile, kv_dtype)
+        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto")
         self.device = w.device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -40,7 +40,7 @@ import torch
 __all__ = ["available", "linear_bf16", "linear_int8", "load"]
 
 SOURCE = Path(__file__).with_name("gemv.c")
-CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
 # What the kernels execute; `-march=native` may use more, but only on the CPU that built it (the
 # cache name holds the CPU's flags, so another CPU type builds its own copy).
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -182,13 +182,17 @@ def available() -> bool:
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
-_gemv_int8 = _gemv_bf16 = None
+_gemv_int8 = _gemv_bf16 = _attend_group = None
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    global _gemv_int8, _gemv_bf16
+    global _gemv_int8, _gemv_bf16, _attend_group
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
+    _attend_group = lib.attend_group_bf16
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    _attend_group.argtypes = [P, I, I, I, P, P, L, L, I, P, P, L, L, L, I, P, ctypes.c_float, I]
+    _attend_group.restype = I
 
 
 def _openmp_runtimes() -> list[str]:
@@ -294,3 +298,40 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                    y.data_ptr(), M, N, K, torch.get_num_threads())
     return y
+
+
+def attention_group(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor | None = None,
+                    tv: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of N queries over a shared prompt and a tail each, float32 scores and softmax.
+
+    q (N, H, D); pk, pv (H, P, D) bfloat16 views (same strides, last dim contiguous); tk, tv
+    (N, H, T, D) bfloat16 views likewise, or None. Returns (N, H, D) float32:
+    softmax(q . [pk | tk[n]] / sqrt(D)) @ [pv | tv[n]]. The prompt's keys and values are read once
+    per 8 queries; heads are split across torch.get_num_threads() threads.
+    """
+    if _attend_group is None:
+        _lib_or_raise("attention_group")
+    N, H, D = q.shape
+    if D % 16 or pk.dtype is not _bf16 or pv.dtype is not _bf16 or pk.shape != (H, pk.shape[1], D):
+        raise _bad("attention_group", "needs bfloat16 keys/values (H, P, D) with D a multiple of 16")
+    if pk.stride() != pv.stride() or pk.stride(-1) != 1 or not (pk.is_cpu and pv.is_cpu):
+        raise _bad("attention_group", "prompt keys and values must be CPU views with equal strides, d contiguous")
+    P = pk.shape[1]
+    if tk is None:
+        tk, tv, T, ts = pk, pv, 0, (0, 0, 0)
+    else:
+        if tk.shape[:2] != (N, H) or tk.shape[3] != D or tk.dtype is not _bf16 or tv.dtype is not _bf16:
+            raise _bad("attention_group", f"tails must be bfloat16 ({N}, {H}, T, {D})")
+        if tk.stride() != tv.stride() or tk.stride(-1) != 1 or not (tk.is_cpu and tv.is_cpu):
+            raise _bad("attention_group", "tail keys and values must be CPU views with equal strides, d contiguous")
+        T, ts = tk.shape[2], tk.stride()[:3]
+    if P + T < 1:
+        raise _bad("attention_group", "nothing to attend over")
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty((N, H, D), dtype=torch.float32)
+    rc = _attend_group(qf.data_ptr(), N, H, D, pk.data_ptr(), pv.data_ptr(), pk.stride(0), pk.stride(1), P,
+                       tk.data_ptr(), tv.data_ptr(), ts[0], ts[1], ts[2], T, out.data_ptr(),
+                       1.0 / float(D) ** 0.5, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"attention_group: native kernel failed ({rc})")
+    return out

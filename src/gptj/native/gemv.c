@@ -478,3 +478,105 @@ void gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, f
     job_t j = {x, w, NULL, bias, y, 1, 0, M, N, K, NULL, 0};
     run(&j, nthreads);
 }
+
+/* ---------------------------------------------------------------------------------------------
+   Decode attention of a group of N queries (beams) that share a prompt and own a tail each:
+       out[n, h] = softmax_t(scale * q[n, h] . k[t]) @ v[t],  t over [prompt | tail of n]
+   q (N, H, D) float32 contiguous; out (N, H, D) float32. Keys/values bfloat16, d contiguous:
+       prompt  pk[h * psh + t * pst + d], t < P (shared by every query; read once per block of 8)
+       tail    tk[n * tsn + h * tsh + t * tst + d], t < T
+   Scores, softmax and sums in float32. D must be a multiple of 16. Heads split across threads. */
+
+static inline __m512 bf16_16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#define ATT_QB 8 /* queries per pass over the keys */
+
+static void attend_head(const float *q, int N, int H, int D, int h,
+                        const uint16_t *pk, const uint16_t *pv, long psh, long pst, int P,
+                        const uint16_t *tk, const uint16_t *tv, long tsn, long tsh, long tst, int T,
+                        float *out, float scale, float *s)
+{
+    const int L = P + T;
+    for (int n0 = 0; n0 < N; n0 += ATT_QB) {
+        const int nb = N - n0 < ATT_QB ? N - n0 : ATT_QB;
+        /* prompt scores: each key row read once for the block's queries */
+        for (int t = 0; t < P; t++) {
+            const uint16_t *kr = pk + h * psh + t * pst;
+            __m512 a[ATT_QB];
+            for (int i = 0; i < nb; i++) a[i] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                __m512 kv = bf16_16(kr + d);
+                for (int i = 0; i < nb; i++)
+                    a[i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
+            }
+            for (int i = 0; i < nb; i++) s[(long)i * L + t] = _mm512_reduce_add_ps(a[i]) * scale;
+        }
+        /* tail scores and the softmax, per query */
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            const float *qn = q + ((long)n * H + h) * D;
+            float *sn = s + (long)i * L;
+            for (int t = 0; t < T; t++) {
+                const uint16_t *kr = tk + n * tsn + h * tsh + t * tst;
+                __m512 a = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
+                sn[P + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+            float mx = sn[0];
+            for (int t = 1; t < L; t++) mx = sn[t] > mx ? sn[t] : mx;
+            float sum = 0.0f;
+            for (int t = 0; t < L; t++) { sn[t] = expf(sn[t] - mx); sum += sn[t]; }
+            const float inv = 1.0f / sum;
+            for (int t = 0; t < L; t++) sn[t] *= inv;
+            float *on = out + ((long)n * H + h) * D;
+            for (int d = 0; d < D; d++) on[d] = 0.0f;
+        }
+        /* prompt values: each value row read once for the block's queries */
+        for (int t = 0; t < P; t++) {
+            const uint16_t *vr = pv + h * psh + t * pst;
+            for (int d = 0; d < D; d += 16) {
+                __m512 vv = bf16_16(vr + d);
+                for (int i = 0; i < nb; i++) {
+                    float *o = out + ((long)(n0 + i) * H + h) * D + d;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(s[(long)i * L + t]), vv, _mm512_loadu_ps(o)));
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            float *on = out + ((long)n * H + h) * D;
+            for (int t = 0; t < T; t++) {
+                const uint16_t *vr = tv + n * tsn + h * tsh + t * tst;
+                const __m512 p = _mm512_set1_ps(s[(long)i * L + P + t]);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(on + d, _mm512_fmadd_ps(p, bf16_16(vr + d), _mm512_loadu_ps(on + d)));
+            }
+        }
+    }
+}
+
+int attend_group_bf16(const float *q, int N, int H, int D,
+                      const uint16_t *pk, const uint16_t *pv, long psh, long pst, int P,
+                      const uint16_t *tk, const uint16_t *tv, long tsn, long tsh, long tst, int T,
+                      float *out, float scale, int nthreads)
+{
+    if (D % 16 || P + T < 1 || N < 1) return -1;
+    const long L = P + T;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(sizeof(float) * ATT_QB * L);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int h = 0; h < H; h++)
+            if (s) attend_head(q, N, H, D, h, pk, pv, psh, pst, P, tk, tv, tsn, tsh, tst, T, out, scale, s);
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
