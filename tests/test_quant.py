@@ -364,3 +364,16 @@ def test_quantization_report(float_ckpt):
 def test_quantization_report_refuses_quantized_checkpoints(q8_ckpt):
     with pytest.raises(GptjError, match="needs a float checkpoint"):
         quant.quantization_report(q8_ckpt, prompts=[[1, 2, 3]])
+
+
+def test_bfloat16_int8_linear_with_bias_at_decode_rows():
+    """bfloat16 model, few rows: the bias rides in the int8 kernel call (native where available)."""
+    lin = make_linear(128, 96, True).to(torch.bfloat16)
+    m = quantized(lin, "int8")
+    assert m.bias.dtype == torch.bfloat16
+    for rows in (1, 8):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        y = m(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+        ref = F.linear(x.float(), m.dequantized_weight(torch.float32), m.bias.float())
+        assert rel_err(y, ref) < 1.5e-2

@@ -338,6 +338,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x.device.type == "cpu" and _rows(x) <= NATIVE_MAX_ROWS and _native() is not None:
+            if x.dtype == KERNEL_DTYPE and self.bias is not None and self.bias.dtype == KERNEL_DTYPE:
+                # bfloat16 in and out: the kernel adds the bias (one rounding, no extra pass)
+                y = _native().linear_int8(x2, self.weight, self.weight_scale, self.bias)
+                return y.view(*x.shape[:-1], self.out_features)
             y = _native().linear_int8(x2.to(KERNEL_DTYPE), self.weight, self.weight_scale).to(x.dtype)
         elif self.use_kernel(x):
             y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
