@@ -100,17 +100,10 @@ def test_compiled_engine_requests_together_equal_each_alone(monkeypatch):
 
 
 
-@pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
-    """KV pools filled with NaN before use: every request's tokens are unchanged."""
-    from hf_ref import make_pair
-
+def poison_kv_pools(monkeypatch):
+    """From now on, every KVPool starts filled with NaN (reading unwritten memory then shows)."""
     from gptj.engine import kv
 
-    monkeypatch.setattr(att.DecodeAttention, "min_context", 0)
-    model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
-    prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    clean = Engine(model, EngineConfig(n_slots=16, compile=compile_mode)).generate(prompts, MIXED)
     init = kv.KVPool.__init__
 
     def poisoned(self, *args, **kwargs):
@@ -120,6 +113,18 @@ def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
                 t.fill_(float("nan"))
 
     monkeypatch.setattr(kv.KVPool, "__init__", poisoned)
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
+    """KV pools filled with NaN before use: every request's tokens are unchanged."""
+    from hf_ref import make_pair
+
+    monkeypatch.setattr(att.DecodeAttention, "min_context", 0)
+    model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    clean = Engine(model, EngineConfig(n_slots=16, compile=compile_mode)).generate(prompts, MIXED)
+    poison_kv_pools(monkeypatch)
     engine = Engine(model, EngineConfig(n_slots=16, compile=compile_mode))
     assert torch.isnan(engine.pool.tail_k[0]).all()
     assert engine.generate(prompts, MIXED) == clean
@@ -127,24 +132,14 @@ def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
 
 def test_bfloat16_engine_never_reads_unwritten_kv(monkeypatch):
     """The bfloat16 engine (fused blocks, native attention where available): NaN-filled pools change nothing."""
-    from gptj.engine import kv
     from gptj.weights.io import model_from_state_dict, random_state_dict
 
-    cfg = CFG.__class__(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=256)
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
 
     def run():
-        model = model_from_state_dict(cfg, random_state_dict(cfg, seed=4, dtype=torch.bfloat16, std=0.3))
+        model = model_from_state_dict(CFG, random_state_dict(CFG, seed=4, dtype=torch.bfloat16, std=0.3))
         return Engine(model, EngineConfig(n_slots=16)).generate(prompts, MIXED)
 
     clean = run()
-    init = kv.KVPool.__init__
-
-    def poisoned(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        for pool in (self.prompt_k, self.prompt_v, self.tail_k, self.tail_v):
-            for t in pool:
-                t.fill_(float("nan"))
-
-    monkeypatch.setattr(kv.KVPool, "__init__", poisoned)
+    poison_kv_pools(monkeypatch)
     assert run() == clean

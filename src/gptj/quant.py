@@ -284,6 +284,13 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A quantized linear's (rows, out) product plus its bias, in x's leading shape."""
+    if m.bias is not None:
+        y = y + m.bias.to(y.dtype)
+    return y.view(*x.shape[:-1], m.out_features)
+
+
 NATIVE_MAX_ROWS = 8  # int8: gptj.native's GEMV (1.4-3x _weight_int8pack_mm up to 8 rows, measured)
 _NATIVE: list = []
 
@@ -348,9 +355,7 @@ class Int8Linear(nn.Module):
             y = y.to(x.dtype)
         else:
             y = self._dequant_linear(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _finish(self, y, x)
 
     def _dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         dt = x2.dtype
@@ -490,9 +495,7 @@ class Int4Linear(nn.Module):
             y = y.to(x.dtype)
         else:
             y = self._dequant_linear(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _finish(self, y, x)
 
     def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
         if self.layout == "cpu":  # a, b are multiples of 256 (or b = out_features): whole blocks

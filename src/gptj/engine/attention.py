@@ -97,10 +97,11 @@ class DecodeAttention:
     def __init__(self, mode: str, kv_dtype: torch.dtype, native: bool = False) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-        self.native = False
+        self.native, self._kernels = False, None
         if native and kv_dtype == torch.bfloat16:
             from gptj import native as _native
 
+            self._kernels = _native
             # gptj.native's kernel reads a shared prompt once for all beams: 2x the compiled form at
             # GPT-J 6B's head shapes (16 x 256, 800-token prompt, 4 beams: 1.75 vs 3.78 ms per layer).
             self.native = _native.available()
@@ -124,9 +125,7 @@ class DecodeAttention:
 
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, k):
-            from gptj import native
-
-            return native.attention_group(q[None], k, v)[0].to(v.dtype)
+            return self._kernels.attention_group(q[None], k, v)[0].to(v.dtype)
         if not self.compiled:
             return one_eager(q, k, v)
         try:
@@ -138,9 +137,7 @@ class DecodeAttention:
     def group(self, q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
               tv: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, pk):
-            from gptj import native
-
-            return native.attention_group(q, pk, pv, tk, tv).to(pv.dtype)
+            return self._kernels.attention_group(q, pk, pv, tk, tv).to(pv.dtype)
         if not self.compiled:
             return group_eager(q, pk, pv, tk, tv)
         try:
