@@ -407,6 +407,12 @@ class BeamSearch:
         self.finished = n_new == L or bool(done.all())
         return source_rows, self.run_tokens[:, :, step].reshape(B * K)
 
+    def ranked(self, b: int) -> list[tuple[list[int], float]]:
+        """Prompt b's finished hypotheses, best first: (new tokens, score) each."""
+        valid, lens = self.fin_valid[b].tolist(), self.fin_lens[b].tolist()
+        return [(row[:n], score) for row, n, score, ok in
+                zip(self.fin_tokens[b].tolist(), lens, self.fin_scores[b].tolist(), valid) if ok]
+
     def best(self) -> tuple[list[list[int]], list[float]]:
         """The best finished hypothesis of each prompt: its new tokens and its score."""
         lens = self.fin_lens[:, 0].tolist()

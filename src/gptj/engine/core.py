@@ -35,6 +35,27 @@ WAITING, RUNNING, FINISHED, ABORTED, FAILED = "waiting", "running", "finished", 
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """logits (N, V) of N positions and the token chosen at each -> their log-probabilities."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k > 0:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(int(t), c, top) for t, c, top in zip(tokens, chosen, tops)]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     n_slots: int | None = None  # sequences in memory at once (beams count each); None: from free memory
     slot_len: int | None = None  # prompt + new tokens per sequence; None: the model's n_positions
@@ -83,6 +104,12 @@ class Request:
     next_tokens: list[int] = field(default_factory=list)  # to feed at the next step, one per sequence
     beam: BeamSearch | None = None
     generator: torch.Generator | None = None
+    # log-probabilities (log_softmax of the raw logits, float32), computed only when asked for
+    logprobs: int | None = None  # top alternatives per new token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
+    prompt_token_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    hypotheses: list[tuple[list[int], float]] = field(default_factory=list)  # beam search: best first
 
     @property
     def n_seqs(self) -> int:
@@ -134,12 +161,18 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], gen: GenerationConfig, request_id: str | None = None,
                     on_token: Callable[[Request, int], None] | None = None,
-                    on_finish: Callable[[Request], None] | None = None) -> Request:
+                    on_finish: Callable[[Request], None] | None = None,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
+        """Queue a request. `logprobs` / `prompt_logprobs` (top-k, 0 for the chosen token only) ask for
+        log-probabilities of the new tokens (not with beam search) / of the prompt's tokens."""
         self.validate(prompt, gen)
+        if logprobs is not None and gen.num_beams > 1:
+            raise GptjError("logprobs are not available with beam search")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise GptjError(f"request id {rid!r} is already in use")
-        req = Request(rid, [int(t) for t in prompt], gen, on_token, on_finish)
+        req = Request(rid, [int(t) for t in prompt], gen, on_token, on_finish,
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if gen.sampling and gen.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(gen.seed)
         self.requests[rid] = req
@@ -229,7 +262,12 @@ class Engine:
         ids = torch.tensor([req.prompt], device=self.device)
         positions = torch.arange(T, device=self.device)[None]
         cache = GroupBatch(self.pool, [Group(req.prompt_slot, 0, [], 0)], self.attention)
-        logits = self.model(ids, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]  # (1, V)
+        keep = T if req.prompt_logprobs is not None else 1
+        all_logits = self.model(ids, position_ids=positions, cache=cache, logits_to_keep=keep)  # (1, keep, V)
+        if req.prompt_logprobs is not None:  # position t predicts token t + 1; the first token has none
+            req.prompt_token_logprobs = [None, *token_logprobs(all_logits[0, :-1], req.prompt[1:],
+                                                               req.prompt_logprobs)]
+        logits = all_logits[:, -1]  # (1, V)
         # Every beam starts from the prompt, which they share: no copy, just the same logits.
         self._update(req, logits.expand(req.n_seqs, -1))
 
@@ -241,8 +279,8 @@ class Engine:
         if req.beam is not None:
             source, next_tokens = req.beam.step(logits)
             if req.beam.finished:
-                tokens, scores = req.beam.best()
-                req.output, req.score = tokens[0], scores[0]
+                req.hypotheses = req.beam.ranked(0)
+                req.output, req.score = req.hypotheses[0]
                 eos = gen.eos_token_id
                 self._retire(req, FINISHED, "stop" if eos is not None and req.output[-1:] == [eos] else "length")
                 return
@@ -259,6 +297,8 @@ class Engine:
         else:
             token = int(torch.argmax(scores[0]))
         req.output.append(token)
+        if req.logprobs is not None:
+            req.token_logprobs += token_logprobs(logits[:1], [token], req.logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         if req.on_token is not None:

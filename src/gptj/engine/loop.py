@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -41,8 +42,12 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    """`batch_wait_ms`: when the engine is idle and a request arrives, wait up to this long for more
+    (up to a full batch) before the first step, so that a burst starts as one batch."""
+
+    def __init__(self, engine: Engine, batch_wait_ms: float = 0.0) -> None:
         self.engine = engine
+        self.batch_wait_s = max(0.0, batch_wait_ms) / 1000
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._stop = threading.Event()
         self._ids = 0
@@ -53,11 +58,14 @@ class EngineLoop:
 
     def submit(self, prompt: Sequence[int], gen: GenerationConfig,
                on_token: Callable[[Request, int], None] | None = None,
-               on_finish: Callable[[Request], None] | None = None) -> RequestHandle:
+               on_finish: Callable[[Request], None] | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> RequestHandle:
         """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread)."""
         if self._stop.is_set():
             raise GptjError("the engine is shut down")
         self.engine.validate(prompt, gen)
+        if logprobs is not None and gen.num_beams > 1:
+            raise GptjError("logprobs are not available with beam search")
         with self._lock:
             self._ids += 1
             rid = f"loop-{self._ids}"
@@ -68,21 +76,27 @@ class EngineLoop:
                 on_finish(req)
             handle.future.set_result(req)
 
-        self._inbox.put(("add", rid, list(prompt), gen, on_token, finished))
+        self._inbox.put(("add", rid, list(prompt), gen, on_token, finished, logprobs, prompt_logprobs))
         return handle
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def _drain(self, block: bool) -> None:
+    @property
+    def pending(self) -> int:
+        """Requests submitted but not yet handed to the engine."""
+        return self._inbox.qsize()
+
+    def _drain(self, block: bool, timeout: float = 0.05) -> None:
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             if item[0] == "add":
-                _, rid, prompt, gen, on_token, on_finish = item
-                self.engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish)
+                _, rid, prompt, gen, on_token, on_finish, logprobs, prompt_logprobs = item
+                self.engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish,
+                                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             elif item[0] == "abort":
                 self.engine.abort(item[1])
             try:
@@ -93,7 +107,10 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work)
+                idle = not self.engine.has_work
+                self._drain(block=idle)
+                if idle and self.engine.has_work and self.batch_wait_s > 0:
+                    self._gather()
                 if self.engine.has_work:
                     self.engine.step()
         except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, loudly
@@ -102,6 +119,15 @@ class EngineLoop:
                 req.error = f"engine loop stopped: {type(e).__name__}: {e}"
                 if req.on_finish is not None:
                     req.on_finish(req)
+
+    def _gather(self) -> None:
+        """Wait up to batch_wait_s for more requests, or until a full batch is waiting."""
+        deadline = time.monotonic() + self.batch_wait_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or sum(r.n_seqs for r in self.engine.waiting) >= self.engine.max_batch_size:
+                return
+            self._drain(block=True, timeout=left)
 
     def shutdown(self, cancel_pending: bool = True) -> None:
         """Stop the loop; requests still pending are aborted (their handles complete)."""

@@ -1,0 +1,371 @@
+"""The HTTP server: OpenAI's completions API over gptj's engine (FastAPI on uvicorn).
+
+    POST /v1/completions    text or token-id prompts; plain or streamed (server-sent events)
+    GET  /v1/models         served models
+    GET  /health            200 once every model given at start is loaded; 503 while loading/draining
+    GET  /metrics           Prometheus (gptj.serve.metrics)
+    POST /admin/models      {name, path}: load a checkpoint under the model root (admin token)
+    DELETE /admin/models/N  unload N after its requests finish (admin token)
+    GET  /openapi.json      the schemas of gptj.serve.protocol
+
+Load and faults: each model admits at most max_batch_size + max_queue engine requests; beyond that
+a request gets 429 with Retry-After. A request past request_timeout_s is cancelled (408). A client
+that disconnects has its requests cancelled, which frees their KV at the engine's next step. On
+SIGTERM the server stops accepting, answers 503 to new requests, and lets running ones finish up to
+drain_timeout_s. An engine failure fails only the requests it hit (500, OpenAI's error format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gptj.errors import GptjError
+from gptj.serve.completions import APIError, Completion, plan
+from gptj.serve.metrics import CONTENT_TYPE, ServerMetrics
+from gptj.serve.protocol import (CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
+                                 ModelCard, ModelList, ModelStatus)
+from gptj.serve.registry import ServedModel, ServerConfig, check_under_root, load_served_model
+
+log = logging.getLogger("gptj.serve")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in
+    ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+     (408, "timed out"), (429, "queue full (see Retry-After)"), (500, "engine failure"),
+     (503, "loading or draining"))}
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.models: dict[str, ServedModel] = {}
+        self.status = "loading"  # -> "ok" | "failed"; "draining" on shutdown
+        self.load_error: str | None = None
+        self.metrics = ServerMetrics(lambda: list(self.models.values()))
+        self.on_failure = None  # called (from the event loop) if a start-up model fails to load
+
+    def model(self, name: str) -> ServedModel:
+        served = self.models.get(name)
+        if served is None or served.unloading:
+            known = ", ".join(n for n, m in self.models.items() if not m.unloading) or "none"
+            raise APIError(404, f"model {name!r} does not exist (served: {known})", "model", "model_not_found")
+        return served
+
+    async def load_startup_models(self) -> None:
+        try:
+            for name, path in self.cfg.models:
+                self.models[name] = await asyncio.to_thread(load_served_model, name, path, self.cfg)
+                log.info("loaded %s from %s", name, path)
+            if self.status == "loading":
+                self.status = "ok"
+        except Exception as e:  # noqa: BLE001 - reported on /health and by the CLI, one line
+            self.status = "failed"
+            self.load_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.error("loading failed: %s", self.load_error)
+            if self.on_failure is not None:
+                self.on_failure(self.load_error)
+
+    def shutdown(self) -> None:
+        for served in self.models.values():
+            served.shutdown()
+        self.models.clear()
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if err.get("type") == "extra_forbidden":
+        return f"unknown field {'.'.join(loc)!r}", ".".join(loc) or None
+    if err.get("type") == "missing":
+        return f"{'.'.join(loc)}: field required", ".".join(loc) or None
+    field = ".".join(p for p in loc if not p.startswith(("function-", "list[", "json-or-python"))) or "body"
+    return f"{field}: {err.get('msg', 'invalid value')}", field if field != "body" else None
+
+
+def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(state.load_startup_models())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            await asyncio.to_thread(state.shutdown)
+
+    app = FastAPI(title="gptj", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible completions over gptj's GPT-J engine.")
+    app.state.gptj = state
+
+    # --- errors: always OpenAI's format ---
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(APIError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body is not valid JSON in UTF-8"
+        return _error(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    # --- auth ---
+
+    def check_key(request: Request, token: str | None, what: str) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise APIError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')", code="invalid_api_key")
+
+    def check_admin(request: Request) -> None:
+        if cfg.admin_token is None:
+            raise APIError(403, "the admin API is disabled (start the server with --admin-token)")
+        check_key(request, cfg.admin_token, "admin token")
+
+    def ready_model(request: Request, name: str) -> ServedModel:
+        check_key(request, cfg.api_key, "API key")
+        if state.status == "draining":
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        return state.model(name)
+
+    # --- routes ---
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        body = Health(status=state.status, models=list(state.models)).model_dump()
+        return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models(request: Request) -> ModelList:
+        check_key(request, cfg.api_key, "API key")
+        return ModelList(data=[ModelCard(id=m.name, created=m.created, root=m.path, max_model_len=m.max_model_len,
+                                         status="unloading" if m.unloading else "ready")
+                               for m in state.models.values()])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        start = time.perf_counter()
+        try:
+            served = ready_model(request, body.model)
+            the_plan = plan(body, served)
+        except APIError as e:
+            state.metrics.requests.labels(body.model if body.model in state.models else "", str(e.status)).inc()
+            raise
+        if not served.admit(len(the_plan.jobs)):
+            state.metrics.requests.labels(served.name, "429").inc()
+            raise APIError(429, f"model {served.name!r} is at capacity ({served.capacity} requests running or "
+                                "queued); retry later", code="queue_full", headers={"Retry-After": "1"})
+        run = Completion(body, served, the_plan)
+        run.start = start
+        run.submit()
+        state.metrics.prompt_tokens.labels(served.name).inc(sum(len(p) for p in the_plan.prompts))
+        if body.stream:
+            return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status))
+        status = 500
+        try:
+            waiter = asyncio.create_task(_collect(run, cfg.request_timeout_s))
+            gone = asyncio.create_task(_disconnected(request))
+            done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if waiter not in done:
+                waiter.cancel()
+                status = 499  # the client closed the connection (nginx's code)
+                return Response(status_code=499)
+            response = waiter.result()
+            status = 200
+            return JSONResponse(response.model_dump())
+        except APIError as e:
+            status = e.status
+            raise
+        finally:
+            run.cancel()
+            _finish(run, state, status)
+
+    @app.post("/admin/models", response_model=ModelStatus, status_code=201, responses=_ERRORS)
+    async def load(body: LoadModelRequest, request: Request) -> ModelStatus:
+        check_admin(request)
+        if body.name in state.models:
+            raise APIError(409, f"model {body.name!r} is already served", "name")
+        try:
+            path = check_under_root(body.path, cfg.model_root)
+        except PermissionError as e:
+            raise APIError(403, str(e), "path") from None
+        if not (path / "config.json").is_file() and not path.is_dir():
+            raise APIError(400, f"{body.path}: no such model folder", "path")
+        state.models.pop(body.name, None)
+        try:
+            served = await asyncio.to_thread(load_served_model, body.name, str(path), cfg)
+        except GptjError as e:
+            raise APIError(400, f"{body.path}: {e}", "path") from None
+        if body.name in state.models:  # loaded twice at once: keep the first
+            await asyncio.to_thread(served.shutdown)
+            raise APIError(409, f"model {body.name!r} is already served", "name")
+        state.models[body.name] = served
+        return ModelStatus(name=body.name, status="ready")
+
+    @app.delete("/admin/models/{name}", response_model=ModelStatus, responses=_ERRORS)
+    async def unload(name: str, request: Request) -> ModelStatus:
+        check_admin(request)
+        served = state.model(name)
+        served.unloading = True  # new requests get 404; running ones finish
+        await served.wait_idle()
+        state.models.pop(name, None)
+        await asyncio.to_thread(served.shutdown)
+        return ModelStatus(name=name, status="unloaded")
+
+    return app
+
+
+def _version() -> str:
+    from gptj import __version__
+
+    return __version__
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(run: Completion, timeout_s: float) -> CompletionResponse:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not run.done:
+                await run.next_event()
+    except TimeoutError:
+        raise APIError(408, f"the request took longer than the server's {timeout_s:g} s limit",
+                       code="timeout") from None
+    if run.error is not None:
+        raise APIError(500, f"generation failed: {run.error}", code="engine_error")
+    return run.response()
+
+
+def _finish(run: Completion, state: ServerState, status: int) -> None:
+    run.cancel()
+    name = run.served.name
+    now = time.perf_counter()
+    state.metrics.observe(name, status, run.start, run.first_token, now, run.new_tokens)
+    state.metrics.count_tokens(name, run.new_tokens)
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+async def _stream(run: Completion, state: ServerState) -> AsyncIterator[tuple[bytes, int | None]]:
+    """Server-sent events: (bytes, final status or None) pairs; ends with `data: [DONE]`."""
+    timeout = state.cfg.request_timeout_s
+    first = [True] * len(run.choices)
+    status = 200
+    try:
+        async with asyncio.timeout(timeout):
+            while not run.done:
+                changed = await run.next_event()
+                chunks = []
+                for c in changed:
+                    chunk = run.chunk(c, first[c])
+                    if chunk is not None:
+                        first[c] = False
+                        chunks.append(chunk)
+                if chunks:
+                    yield _sse(run.envelope(chunks)), None
+    except TimeoutError:
+        status = 408
+        err = APIError(408, f"the request took longer than the server's {timeout:g} s limit", code="timeout")
+        yield _sse(err.body()), None
+    if status == 200 and run.error is not None:
+        status = 500
+        yield _sse(APIError(500, f"generation failed: {run.error}", code="engine_error").body()), None
+    if status == 200:
+        opts = run.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield _sse(run.envelope([], run.usage())), None
+    yield b"data: [DONE]\n\n", status
+
+
+class EventStream(Response):
+    """A text/event-stream response that also listens for the client going away: then the producer
+    is cancelled at once (not at its next write), which cancels the generation."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[tuple[bytes, int | None]], on_close) -> None:  # noqa: ANN001
+        super().__init__(content=None, status_code=200, media_type=self.media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
+        self.events, self.on_close = events, on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        status = 499
+
+        async def produce() -> None:
+            nonlocal status
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data, final in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                if final is not None:
+                    status = final
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        producer, listener = asyncio.create_task(produce()), asyncio.create_task(listen())
+        try:
+            done, pending = await asyncio.wait({producer, listener}, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            if producer in done and producer.exception() is not None and not isinstance(producer.exception(), OSError):
+                raise producer.exception()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()
+            self.on_close(status)

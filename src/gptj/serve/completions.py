@@ -1,0 +1,427 @@
+"""One completion request, from its validated body to the engine and back to choices.
+
+    plan()       body -> engine jobs (token ids + GenerationConfig each); every check that can
+                 fail on input happens here, so a bad request is a 400 before anything runs
+    Completion   submits the jobs to the model's EngineLoop, turns the engine's callbacks (on
+                 its thread) into events on the event loop, and keeps per-choice state: new
+                 tokens, incremental text, stop strings / stop token ids, logprobs
+
+The handlers only see token ids, strings and floats; tensors stay in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptj.decode import GenerationConfig
+from gptj.errors import GptjError
+from gptj.serve.protocol import CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from gptj.serve.registry import ServedModel
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Job:
+    """One engine request: a prompt and how to decode it, feeding choices `first .. first + n - 1`."""
+
+    prompt: list[int]
+    gen: GenerationConfig
+    first: int  # index of its first choice
+    n: int  # choices it feeds: 1, or the n best beams
+
+
+@dataclass
+class Plan:
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]  # the prompt as given, when it was text (for echo)
+    jobs: list[Job]
+    n_choices: int
+    choice_prompt: list[int]  # prompt index of each choice
+
+
+def plan(body: CompletionRequest, served: ServedModel) -> Plan:
+    """Validate a request against the served model and cut it into engine jobs (APIError 400)."""
+    tok = served.tokenizer
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported", "suffix")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        texts: list[str | None] = [prompt]
+    elif len(prompt) == 0:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    elif isinstance(prompt[0], str):
+        texts = list(prompt)
+    else:
+        texts = [None] if isinstance(prompt[0], int) else [None] * len(prompt)
+    if len(texts) > 256:
+        raise APIError(400, f"prompt has {len(texts)} prompts; at most 256 per request", "prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        ids = tok.encode_batch(texts)
+    elif isinstance(prompt[0], int):
+        ids = [list(prompt)]
+    else:
+        ids = [list(p) for p in prompt]
+    V, L = served.vocab_size, served.max_model_len
+    for i, p in enumerate(ids):
+        if not p:
+            raise APIError(400, f"prompt {i} is empty; every prompt needs at least one token", "prompt")
+        bad = next((t for t in p if t >= V), None)
+        if bad is not None:
+            raise APIError(400, f"prompt {i} has token id {bad} outside the vocabulary [0, {V})", "prompt")
+        if len(p) + body.max_tokens > L:
+            raise APIError(400, f"this model's maximum context length is {L} tokens, but prompt {i} has {len(p)} "
+                                f"tokens and max_tokens is {body.max_tokens} ({len(p) + body.max_tokens} in total); "
+                                "shorten the prompt or lower max_tokens",
+                           "prompt" if len(p) >= L else "max_tokens", "context_length_exceeded")
+    if body.min_tokens > body.max_tokens:
+        raise APIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {body.max_tokens}", "min_tokens")
+    eos = None if body.ignore_eos else tok.eos_token_id
+    try:
+        if body.use_beam_search:
+            width = body.best_of if body.best_of is not None else body.n
+            if body.n > width:
+                raise APIError(400, f"n {body.n} exceeds best_of {width}, the beam width", "n")
+            if body.logprobs is not None:
+                raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
+            gen = GenerationConfig(max_new_tokens=body.max_tokens, min_new_tokens=body.min_tokens, num_beams=width,
+                                   length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+                                   eos_token_id=eos)
+            jobs = [Job(p, gen, i * body.n, body.n) for i, p in enumerate(ids)]
+        else:
+            if body.best_of is not None and body.best_of != body.n:
+                raise APIError(400, "best_of other than n needs use_beam_search", "best_of")
+            sample = body.temperature > 0
+            base = GenerationConfig(max_new_tokens=body.max_tokens, min_new_tokens=body.min_tokens, do_sample=sample,
+                                    temperature=body.temperature if sample else 1.0,
+                                    top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
+                                    eos_token_id=eos)
+            jobs = []
+            for i, p in enumerate(ids):
+                for j in range(body.n):
+                    seed = None if body.seed is None else body.seed + j
+                    jobs.append(Job(p, base.replace(seed=seed) if sample else base, i * body.n + j, 1))
+    except GptjError as e:
+        raise APIError(400, str(e)) from None
+    n_choices = len(ids) * body.n
+    if len(jobs) > served.capacity:
+        raise APIError(400, f"the request needs {len(jobs)} engine requests; this server admits at most "
+                            f"{served.capacity} at once", "n")
+    _engine_check(served, jobs[0])  # the engine's own limits (beam width); lengths were checked above
+    return Plan(ids, texts, jobs, n_choices, [c // body.n for c in range(n_choices)])
+
+
+def _engine_check(served: ServedModel, job: Job) -> None:
+    try:
+        served.engine.validate(job.prompt, job.gen)
+    except GptjError as e:
+        raise APIError(400, str(e)) from None
+
+
+class _Choice:
+    """One choice's new tokens and text, decoded incrementally (a window of tokens per step, so a
+    character split over tokens is emitted whole), cut at a stop string or stop token."""
+
+    def __init__(self, tok, stop: list[str], stop_ids: set[int], min_tokens: int) -> None:  # noqa: ANN001
+        self.tok, self.stop, self.stop_ids, self.min_tokens = tok, stop, stop_ids, min_tokens
+        self.tokens: list[int] = []
+        self.logprobs: list = []  # TokenLogprob per new token, when asked for
+        self.text = ""
+        self.sent = 0  # characters of text already streamed
+        self.sent_tokens = 0  # tokens already streamed
+        self._text_tokens: list[int] = []  # tokens that make up the text (a stop token is not shown)
+        self._prefix = self._read = 0  # decoding window over _text_tokens
+        self.finish_reason: str | None = None
+        self.hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be completing
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int, logprob: Any = None) -> None:
+        if self.finished:
+            return
+        self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token in self.stop_ids and len(self.tokens) > self.min_tokens:
+            self._flush()
+            self.finish_reason = "stop"
+            return
+        self._text_tokens.append(token)
+        self._decode(final=False)
+
+    def _decode(self, final: bool) -> None:
+        window = self._text_tokens[self._prefix:]
+        before = self.tok.decode(self._text_tokens[self._prefix:self._read], skip_special_tokens=True)
+        after = self.tok.decode(window, skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            start = len(self.text)
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._text_tokens)
+            self._check_stop(start)
+        elif final:
+            self._prefix = self._read = len(self._text_tokens)
+
+    def _check_stop(self, new_from: int) -> None:
+        if not self.stop or len(self.tokens) < max(1, self.min_tokens):
+            return
+        search_from = max(0, new_from - self.hold)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.sent = min(self.sent, len(self.text))
+            self.finish_reason = "stop"
+
+    def _flush(self) -> None:
+        if self._read < len(self._text_tokens):
+            self._decode(final=True)
+
+    def finish(self, reason: str) -> None:
+        """The engine finished this choice ("stop": EOS, "length": max_tokens)."""
+        if self.finished:
+            return
+        self._flush()
+        if not self.finished:
+            self.finish_reason = reason
+
+    def delta(self) -> str:
+        """Text not yet streamed, holding back what a stop string might still claim."""
+        end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out
+
+
+def _logprobs_json(tok, entries: list, offset: int) -> CompletionLogprobs:  # noqa: ANN001
+    """OpenAI's legacy logprobs object for TokenLogprob entries; a bare int is a token without a
+    log-probability (the prompt's first)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        token = e if isinstance(e, int) else e.token
+        piece = tok.decode([token])
+        tokens.append(piece)
+        offsets.append(offset)
+        lps.append(None if isinstance(e, int) else e.logprob)
+        tops.append({tok.decode([t]): lp for t, lp in e.top} if not isinstance(e, int) and e.top else None)
+        offset += len(piece)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
+
+
+@dataclass
+class _Event:
+    kind: str  # "token" | "finish"
+    job: int
+    token: int = 0
+    logprob: Any = None
+    status: str = ""
+    reason: str | None = None
+    error: str | None = None
+    hypotheses: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    time: float = 0.0
+
+
+class Completion:
+    """A planned request running on a served model. Iterate `events()` until `done`."""
+
+    def __init__(self, body: CompletionRequest, served: ServedModel, the_plan: Plan) -> None:
+        self.body, self.served, self.plan = body, served, the_plan
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop_ids = set(body.stop_token_ids or [])
+        self.choices = [_Choice(served.tokenizer, stop, stop_ids, body.min_tokens) for _ in range(the_plan.n_choices)]
+        self.prompt_logprobs: dict[int, list] = {}  # job -> the prompt's TokenLogprobs (echo + logprobs)
+        self.error: str | None = None
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._handles: list = []
+        self._jobs_done = [False] * len(the_plan.jobs)
+
+    # --- engine side (callbacks run on the engine's thread) ---
+
+    def submit(self) -> None:
+        aloop = asyncio.get_running_loop()
+        served = self.served
+        logprobs = self.body.logprobs
+        want_prompt = logprobs if (self.body.echo and logprobs is not None) else None
+
+        def post(event: _Event) -> None:
+            try:
+                aloop.call_soon_threadsafe(self._events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
+
+        def release() -> None:
+            try:
+                aloop.call_soon_threadsafe(served.release, 1)
+            except RuntimeError:
+                pass
+
+        for j, job in enumerate(self.plan.jobs):
+            def on_token(req, token, j=j):  # noqa: ANN001
+                post(_Event("token", j, token, req.token_logprobs[-1] if req.logprobs is not None else None,
+                            time=time.perf_counter()))
+
+            def on_finish(req, j=j):  # noqa: ANN001
+                release()
+                post(_Event("finish", j, status=req.status, reason=req.finish_reason, error=req.error,
+                            hypotheses=list(req.hypotheses), prompt_logprobs=list(req.prompt_token_logprobs),
+                            time=time.perf_counter()))
+
+            try:
+                handle = served.loop.submit(job.prompt, job.gen, on_token=on_token if job.n == 1 and
+                                            job.gen.num_beams == 1 else None, on_finish=on_finish,
+                                            logprobs=logprobs, prompt_logprobs=want_prompt)
+            except GptjError as e:
+                served.release(len(self.plan.jobs) - j)
+                self.cancel()
+                raise APIError(400 if "shut down" not in str(e) else 503, str(e)) from None
+            self._handles.append(handle)
+
+    def cancel(self) -> None:
+        """Stop every job still running (their KV is freed at the engine's next step)."""
+        for j, handle in enumerate(self._handles):
+            if not self._jobs_done[j]:
+                handle.cancel()
+
+    # --- event loop side ---
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(c.finished for c in self.choices)
+
+    async def next_event(self) -> list[int]:
+        """Wait for the engine and apply what it did; the indices of the choices that changed."""
+        event = await self._events.get()
+        changed = self._apply(event)
+        while not self._events.empty():  # take everything that is ready: fewer, larger chunks
+            changed |= self._apply(self._events.get_nowait())
+        return sorted(changed)
+
+    def _apply(self, e: _Event) -> set[int]:
+        job = self.plan.jobs[e.job]
+        if e.kind == "token":
+            self.first_token = self.first_token or e.time
+            choice = self.choices[job.first]
+            was = choice.finished
+            choice.add(e.token, e.logprob)
+            if choice.finished and not was:
+                self._handles[e.job].cancel()  # a stop string or token: the engine can stop
+            return {job.first}
+        self._jobs_done[e.job] = True
+        if e.prompt_logprobs:
+            self.prompt_logprobs[e.job] = e.prompt_logprobs
+        if e.status == "failed":
+            self.error = e.error or "the engine failed"
+            return set()
+        if e.status == "aborted":  # cancelled by us (stop string, disconnect, timeout)
+            for c in range(job.first, job.first + job.n):
+                self.choices[c].finish("stop")
+            return set(range(job.first, job.first + job.n))
+        if e.hypotheses:  # beam search: the n best, whole
+            self.first_token = self.first_token or e.time
+            for k, (tokens, _score) in enumerate(e.hypotheses[:job.n]):
+                choice = self.choices[job.first + k]
+                for t in tokens:
+                    choice.add(t)
+                choice.finish(self._reason(tokens, job))
+            return set(range(job.first, job.first + job.n))
+        choice = self.choices[job.first]
+        choice.finish(e.reason if e.reason in ("stop", "length") else "stop")
+        return {job.first}
+
+    @staticmethod
+    def _reason(tokens: list[int], job: Job) -> str:
+        eos = job.gen.eos_token_id
+        return "stop" if eos is not None and tokens[-1:] == [eos] else "length"
+
+    # --- the response ---
+
+    def _prompt_of(self, c: int) -> tuple[int, list[int]]:
+        i = self.plan.choice_prompt[c]
+        return i, self.plan.prompts[i]
+
+    def echo_text(self, c: int) -> str:
+        i, ids = self._prompt_of(c)
+        text = self.plan.prompt_texts[i]
+        return text if text is not None else self.served.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def logprobs_for(self, c: int, entries: list, offset: int, with_prompt: bool) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        if with_prompt:
+            job = next(j for j, job in enumerate(self.plan.jobs) if job.first <= c < job.first + job.n)
+            prompt = self._prompt_of(c)[1]
+            entries = [prompt[0], *self.prompt_logprobs.get(job, [None])[1:]] + entries
+        return _logprobs_json(self.served.tokenizer, entries, offset)
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.plan.prompts)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def response(self) -> CompletionResponse:
+        choices = []
+        for c, choice in enumerate(self.choices):
+            echo = self.echo_text(c) if self.body.echo else ""
+            choices.append(dict(index=c, text=echo + choice.text, finish_reason=choice.finish_reason,
+                                logprobs=self.logprobs_for(c, choice.logprobs, 0, self.body.echo),
+                                **self._ids(c, choice.tokens)))
+        return CompletionResponse(id=self.id, created=self.created, model=self.served.name, choices=choices,
+                                  usage=self.usage())
+
+    def _ids(self, c: int, tokens: list[int]) -> dict[str, Any]:
+        if not self.body.return_token_ids:
+            return {}
+        return {"token_ids": list(tokens), "prompt_token_ids": self._prompt_of(c)[1]}
+
+    def chunk(self, c: int, first: bool) -> dict[str, Any] | None:
+        """The streamed chunk for choice c (None when it has nothing new)."""
+        choice = self.choices[c]
+        text = choice.delta()
+        new_tokens = choice.tokens[choice.sent_tokens:]
+        new_lps = choice.logprobs[choice.sent_tokens:]
+        if first and self.body.echo:
+            text = self.echo_text(c) + text
+        if not text and not choice.finished and not (self.body.return_token_ids and new_tokens):
+            return None
+        start = choice.sent_tokens
+        choice.sent_tokens = len(choice.tokens)
+        out: dict[str, Any] = dict(index=c, text=text, finish_reason=choice.finish_reason,
+                                   logprobs=self.logprobs_for(c, new_lps, 0, first and self.body.echo))
+        if self.body.return_token_ids:
+            out["token_ids"] = new_tokens
+            if start == 0:
+                out["prompt_token_ids"] = self._prompt_of(c)[1]
+        return out
+
+    def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        return CompletionResponse(id=self.id, created=self.created, model=self.served.name, choices=choices,
+                                  usage=usage).model_dump(exclude_none=False)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)

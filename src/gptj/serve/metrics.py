@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (its own registry, so several apps can share a process).
+
+Counters and histograms are updated by the handlers as requests finish; the engine gauges (queue
+depth, running sequences, KV use, tokens/s) are read from the served models when /metrics is
+scraped, so they are current without a polling thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RATE_WINDOW_S = 10.0
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, models: Callable[[], Iterable], rate: Callable[[str], float]) -> None:
+        self.models, self.rate = models, rate
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        queue = GaugeMetricFamily("gptj_queue_depth", "Requests waiting to be scheduled", labels=["model"])
+        running = GaugeMetricFamily("gptj_running_sequences", "Sequences in the running batch", labels=["model"])
+        kv = GaugeMetricFamily("gptj_kv_usage_ratio", "Share of KV sequence slots in use", labels=["model"])
+        outstanding = GaugeMetricFamily("gptj_outstanding_requests", "Engine requests admitted and unfinished",
+                                        labels=["model"])
+        rate = GaugeMetricFamily("gptj_generation_tokens_per_second",
+                                 f"New tokens per second over the last {RATE_WINDOW_S:g} s", labels=["model"])
+        for m in list(self.models()):
+            queue.add_metric([m.name], m.queue_depth())
+            running.add_metric([m.name], m.running_sequences())
+            kv.add_metric([m.name], m.kv_usage())
+            outstanding.add_metric([m.name], m.outstanding)
+            rate.add_metric([m.name], self.rate(m.name))
+        yield from (queue, running, kv, outstanding, rate)
+
+
+class ServerMetrics:
+    def __init__(self, models: Callable[[], Iterable]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gptj_requests", "Completion requests by model and HTTP status",
+                                ["model", "status"], registry=r)
+        self.prompt_tokens = Counter("gptj_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("gptj_generation_tokens", "New tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("gptj_time_to_first_token_seconds", "Arrival to first new token",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("gptj_time_per_output_token_seconds", "Mean time between new tokens of a request",
+                              ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("gptj_request_latency_seconds", "Arrival to last token", ["model"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._recent: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._lock = threading.Lock()
+        r.register(_EngineCollector(models, self.tokens_per_second))
+
+    def count_tokens(self, model: str, n: int) -> None:
+        self.generation_tokens.labels(model).inc(n)
+        with self._lock:
+            self._recent[model].append((time.monotonic(), n))
+
+    def tokens_per_second(self, model: str) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = self._recent[model]
+            while recent and recent[0][0] < now - RATE_WINDOW_S:
+                recent.popleft()
+            return sum(n for _, n in recent) / RATE_WINDOW_S
+
+    def observe(self, model: str, status: int, start: float, first_token: float | None, end: float,
+                new_tokens: int) -> None:
+        """One finished HTTP request (times from time.perf_counter())."""
+        self.requests.labels(model, str(status)).inc()
+        if status != 200:
+            return
+        self.e2e.labels(model).observe(end - start)
+        if first_token is not None:
+            self.ttft.labels(model).observe(first_token - start)
+            if new_tokens > 1:
+                self.tpot.labels(model).observe((end - first_token) / (new_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,146 @@
+"""The server's request and response schemas: OpenAI's completions API, plus vLLM's common extras.
+
+FastAPI publishes these as the server's OpenAPI document (/openapi.json); clients and the
+tests' schema fuzzing read them from there. Requests are strict: wrong JSON types are refused
+(no "5" for 5), unknown fields are refused, and NaN/Infinity are refused, each with a 400 that
+names the field. Limits that depend on the model (context length, vocabulary) are checked by the
+app against the served model.
+
+Extras beyond OpenAI's API (vLLM's names): min_tokens, top_k, use_beam_search, length_penalty,
+early_stopping, stop_token_ids, ignore_eos, return_token_ids.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # choices (or beams) per prompt
+MAX_LOGPROBS = 20  # top alternatives per token
+MAX_STOP = 16  # stop strings
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False  # a last chunk with the usage counts (and no choices)
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions."""
+
+    model_config = _STRICT
+
+    model: str = Field(min_length=1, max_length=256, description="a served model's name (GET /v1/models)")
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="text, texts, token ids, or lists of token ids; each prompt is completed separately")
+    max_tokens: int = Field(16, ge=1, le=1_000_000, description="new tokens at most, per choice")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="no end of text (EOS or stop) before this many")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; > 0 samples")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=1_000_000, description="-1 or 0 = off")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="reproducible sampling (choice i uses seed + i)")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="beam search: the beam width (default n)")
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="beam search: score / length ** this")
+    early_stopping: bool | Literal["never"] = False
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = Field(False, description="add token_ids (and prompt_token_ids) to each choice")
+    user: str | None = Field(None, max_length=256)
+    # OpenAI fields gptj does not implement: accepted only at their neutral values.
+    suffix: str | None = None
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """The response; in a stream, each chunk has this shape with text deltas."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gptj"
+    root: str  # the checkpoint folder it was loaded from
+    max_model_len: int
+    status: Literal["ready", "unloading"] = "ready"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "draining", "failed"]
+    models: list[str]
+
+
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+class LoadModelRequest(BaseModel):
+    """POST /admin/models: load a checkpoint (under the server's model root) and serve it as `name`."""
+
+    model_config = _STRICT
+    name: ModelName
+    path: str = Field(min_length=1, max_length=4096)
+
+
+class ModelStatus(BaseModel):
+    name: str
+    status: Literal["ready", "unloaded"]
