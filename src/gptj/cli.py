@@ -131,6 +131,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gptj.serve import ServerConfig
+    from gptj.serve.registry import parse_model_arg
+    from gptj.serve.server import serve
+
+    models = tuple(parse_model_arg(m) for m in args.model)
+    for name, path in models:
+        if not Path(path).is_dir():
+            raise GptjError(f"--model {name}={path}: no such model folder")
+    cfg = ServerConfig(models=models, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                       batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
+                       request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                       api_key=args.api_key, admin_token=args.admin_token, model_root=args.model_root,
+                       dtype=args.dtype, device=args.device, quantize=args.quantize, group_size=args.group_size,
+                       kv_slots=args.kv_slots, max_model_len=args.max_model_len, compile=args.compile,
+                       kernels=args.kernels)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    serve(cfg, log_level=args.log_level)
+    return 0
+
+
+def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    from gptj.serve.client import request_json
+
+    return request_json(args.server, method, path, body, token=args.admin_token, timeout=args.timeout)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    out = _admin_call(args, "POST", "/admin/models", {"name": args.name, "path": args.path})
+    print(f"published {out['name']} ({out['status']})")
+    return 0
+
+
+def cmd_unpublish(args: argparse.Namespace) -> int:
+    out = _admin_call(args, "DELETE", f"/admin/models/{args.name}")
+    print(f"unpublished {out['name']}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from gptj.serve.client import request_json
+
+    models = request_json(args.server, "GET", "/v1/models", token=args.api_key, timeout=args.timeout)["data"]
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    rows = [("NAME", "STATUS", "MAX_LEN", "PATH")] + [(m["id"], m.get("status", "ready"), str(m.get("max_model_len",
+                                                       "")), m.get("root", "")) for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    return 0
+
+
 def _modes(text: str) -> list[str]:
     from gptj.quant import QUANT_MODES
 
@@ -183,10 +238,12 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
     from gptj.mlperf.evaluate import format_report
     from gptj.mlperf.run import MLPerfConfig, run
 
+    if not args.model and not args.server:
+        raise GptjError("give --model DIR to run in this process, or --server URL to run against a gptj server")
     gen = GenerationConfig.mlperf(num_beams=args.num_beams, min_new_tokens=args.min_new_tokens,
                                   max_new_tokens=args.max_new_tokens)
     cfg = MLPerfConfig(
-        model=Path(args.model), scenario=args.scenario, mode=args.mode,
+        model=Path(args.model) if args.model else None, scenario=args.scenario, mode=args.mode,
         dataset=Path(args.dataset) if args.dataset else None, max_examples=args.max_examples,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
@@ -195,6 +252,7 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype,
         device=args.device, compile=args.compile, kernels=args.kernels, progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
+        server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
     result = run(cfg)
     if result.accuracy is not None:
@@ -289,7 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mlperf", help="run the MLPerf gptj-99 benchmark with LoadGen",
                        description="Run MLPerf Inference gptj-99 (CNN-DailyMail summarization) with the real "
                                    "LoadGen. Accuracy runs score themselves; every run writes a results folder.")
-    p.add_argument("--model", required=True, help="model directory (HF / gptj format)")
+    p.add_argument("--model", help="model directory (HF / gptj format); with --server optional: its tokenizer "
+                                   "(default GPT-J's) and config for the notes")
+    p.add_argument("--server", metavar="URL",
+                   help="run the samples on a gptj server (e.g. http://127.0.0.1:8000) over HTTP instead of "
+                        "loading a model here; a server API key is read from $GPTJ_SERVER_API_KEY")
+    p.add_argument("--server-model", metavar="NAME", help="with --server: the served model (default: its only one)")
+    p.add_argument("--server-concurrency", type=_positive, default=64, metavar="N",
+                   help="with --server: requests in flight at once (default 64)")
     p.add_argument("--scenario", choices=("Offline", "Server", "SingleStream"), default="Offline")
     p.add_argument("--mode", choices=("performance", "accuracy"), default="accuracy")
     p.add_argument("--dataset", help="cnn_eval.json (default: gptj's bundled sample set)")
@@ -342,6 +407,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_quant_report)
+
+    p = sub.add_parser("serve", help="serve models over HTTP (OpenAI completions API)",
+                       description="An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, "
+                                   "/metrics) on gptj's engine. SIGTERM drains running requests, then exits.")
+    p.add_argument("--model", action="append", required=True, metavar="[NAME=]DIR",
+                   help="a model folder to serve as NAME (default: the folder's name); repeatable")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_nonnegative, default=8000)
+    p.add_argument("--max-batch-size", type=_positive, default=8,
+                   help="sequences per engine step, beams counted each (default 8)")
+    p.add_argument("--batch-wait-ms", type=_nonnegative_float, default=0.0,
+                   help="an idle engine waits this long for more requests before starting (default 0)")
+    p.add_argument("--max-queue", type=_nonnegative, default=64,
+                   help="requests queued beyond a full batch; more are refused with 429 (default 64)")
+    p.add_argument("--request-timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+    p.add_argument("--drain-timeout-s", type=_positive_float, default=30.0,
+                   help="on SIGTERM, how long running requests may finish (default 30)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
+    p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
+    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
+                                                      "allows)")
+    p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
+    _add_engine_flags(p)
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    p.set_defaults(func=cmd_serve)
+
+    for name, what in (("publish", "load a model on a running server"),
+                       ("unpublish", "unload a model from a running server after its requests finish"),
+                       ("ls", "list a running server's models")):
+        p = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]} (its admin API)."
+                           if name != "ls" else "List a running server's models (GET /v1/models).")
+        p.add_argument("--server", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+        p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds to wait (default 600)")
+        if name == "ls":
+            p.add_argument("--api-key", help="the server's --api-key, if it has one")
+            p.add_argument("--json", action="store_true")
+            p.set_defaults(func=cmd_ls)
+            continue
+        p.add_argument("name", help="the model's name on the server")
+        if name == "publish":
+            p.add_argument("path", help="its checkpoint folder, on the server's machine (under its --model-root)")
+        p.add_argument("--admin-token", help="the server's --admin-token")
+        p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
     p.add_argument("text", nargs="*", help="texts (default: all of stdin as one text)")

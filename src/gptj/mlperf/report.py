@@ -25,12 +25,14 @@ METRIC_KEYS = {
 }
 
 
-def notes_for(cfg: MLPerfConfig, model_dir: Path, differences: list[str]) -> list[str]:
+def notes_for(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str]) -> list[str]:
     """What a reader must know to interpret the numbers."""
     notes = []
     try:
         from gptj.config import GPTJConfig
 
+        if model_dir is None:  # a remote server's model: nothing here to look at
+            raise FileNotFoundError
         config = GPTJConfig.from_json_file(model_dir / "config.json")
         if config.n_layer != 28 or config.n_embd != 4096:
             notes.append(f"the model is not GPT-J 6B ({config.n_layer} layers, n_embd {config.n_embd}): "
@@ -76,6 +78,10 @@ def system_description(cfg: MLPerfConfig) -> dict[str, object]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    remote = {}
+    if cfg.server is not None:  # this machine only ran LoadGen and the HTTP client
+        remote = {"server": cfg.server, "server_model": cfg.server_model,
+                  "note": "cpu/gpu/device/dtype describe the LoadGen client, not the server that generated"}
 
     def version(pkg: str) -> str | None:
         try:
@@ -88,6 +94,7 @@ def system_description(cfg: MLPerfConfig) -> dict[str, object]:
         "device": cfg.device, "dtype": cfg.dtype, "python": platform.python_version(),
         "platform": platform.platform(), "torch": torch.__version__, "gptj": version("gptj"),
         "mlcommons-loadgen": version("mlcommons-loadgen"), "transformers": version("transformers"),
+        **remote,
     }
 
 
@@ -136,11 +143,18 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                      system: dict[str, object]) -> str:
     st = result.stats
     lines = [f"# gptj MLPerf gptj-99 — {cfg.scenario}, {cfg.mode}", ""]
-    lines += [f"- model: `{cfg.model}` ({cfg.dtype} on {cfg.device})",
-              f"- dataset: `{dataset.path}` ({len(dataset)} samples)",
+    remote = result.remote
+    if remote is not None:
+        lines.append(f"- model: `{remote['model']}` on the gptj server at `{remote['url']}` "
+                     f"(remote, over HTTP: the server's dtype, device and batching; up to {remote['concurrency']} "
+                     f"requests in flight, {remote['retries']} retried after HTTP 429)")
+    else:
+        lines.append(f"- model: `{cfg.model}` ({cfg.dtype} on {cfg.device})")
+    lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples)",
               f"- command: `{' '.join(cfg.argv)}`",
-              f"- system: {system['cpu']}, {system['cpu_count']} CPUs, GPU {system['gpu'] or 'none'}, "
-              f"torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}", ""]
+              f"- {'LoadGen client' if remote is not None else 'system'}: {system['cpu']}, {system['cpu_count']} "
+              f"CPUs, GPU {system['gpu'] or 'none'}, torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}",
+              ""]
     if result.notes:
         lines += ["## Read this first", ""] + [f"- {n}" for n in result.notes] + [""]
     if cfg.mode == "performance":
@@ -181,7 +195,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
     system = system_description(cfg)
     atomic_write_json(d / "system.json", system)
     atomic_write_json(d / "run.json", {
-        "command": cfg.argv, "settings": _settings_dict(cfg), "notes": result.notes,
+        "command": cfg.argv, "settings": _settings_dict(cfg), "notes": result.notes, "remote": result.remote,
         "official_generation": not any("generation settings" in n for n in result.notes),
         "loadgen": {k: v for k, v in loadgen.items() if k in ("result_line", "metric", "Scenario", "Mode")},
         "sut": {"samples": st.samples, "batches": st.batches, "max_batch": st.max_batch,

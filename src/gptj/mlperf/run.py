@@ -7,12 +7,17 @@
         accuracy.json  ROUGE scores and pass/fail (accuracy mode)
         latency.png    latency distribution (performance mode)
         summary.md     what a person reads first
+
+With `server` set, the SUT's backend is a gptj server over HTTP (gptj.mlperf.remote) instead of
+the engine in this process: no model is loaded here (a local `model` folder only supplies the
+tokenizer and the config for the notes), and the server's settings (dtype, device, batching) apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +28,12 @@ from gptj.mlperf.sut import SCENARIOS, Batching, default_batching
 
 MODES = ("performance", "accuracy")
 MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf
+API_KEY_ENV = "GPTJ_SERVER_API_KEY"  # with `server`: sent as "Authorization: Bearer KEY" (kept out of the logs)
 
 
 @dataclass
 class MLPerfConfig:
-    model: Path
+    model: Path | None = None  # the model folder; with `server`, optional (tokenizer and notes only)
     scenario: str = "Offline"
     mode: str = "accuracy"
     dataset: Path | None = None  # None: the bundled sample set
@@ -50,8 +56,16 @@ class MLPerfConfig:
     device: str = "cpu"
     progress: bool = True
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    server: str | None = None  # a gptj server's URL: run the samples there, over HTTP
+    server_model: str | None = None  # which of its models (None: the only one it serves)
+    server_concurrency: int = 64  # requests in flight at once
 
     def __post_init__(self) -> None:
+        if self.model is None and self.server is None:
+            raise GptjError("give a model folder (--model DIR), or a server to run against (--server URL)")
+        if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \
+                self.server_concurrency < 1:
+            raise GptjError(f"server_concurrency must be an integer >= 1, got {self.server_concurrency!r}")
         if self.scenario not in SCENARIOS:
             raise GptjError(f"unknown scenario {self.scenario!r} (choose from {', '.join(SCENARIOS)})")
         if self.mode not in MODES:
@@ -61,7 +75,9 @@ class MLPerfConfig:
 
     @property
     def batching(self) -> Batching:
-        return default_batching(self.scenario, self.max_batch_size, self.batch_wait_ms)
+        # A server batches by itself: the SUT forwards each sample at once instead of holding it.
+        wait_ms = 0.0 if self.server is not None and self.batch_wait_ms is None else self.batch_wait_ms
+        return default_batching(self.scenario, self.max_batch_size, wait_ms)
 
 
 def official_differences(gen: GenerationConfig) -> list[str]:
@@ -118,46 +134,27 @@ class RunResult:
     accuracy: object | None  # EvaluationResult (accuracy mode)
     stats: object  # SUTStats
     notes: list[str]
+    remote: dict | None = None  # with a server: its url, model, max_model_len, concurrency, 429 retries
 
 
-def run(cfg: MLPerfConfig) -> RunResult:
-    import mlperf_loadgen as lg
-    from tqdm import tqdm
+# MLPerfConfig fields that only the in-process engine uses, and their defaults.
+_ENGINE_ONLY = {"kv_slots": None, "quantize": None, "group_size": None, "compile": "auto", "kernels": "auto",
+                "dtype": "float32", "device": "cpu"}
 
-    from gptj.mlperf import report
-    from gptj.mlperf.dataset import Dataset
+
+def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202
+    """Loads the model now; returns what starts the engine (its thread) when the SUT is made."""
     from gptj.engine import EngineConfig
     from gptj.engine.kv import groups_from_memory
-    from gptj.mlperf.sut import QSL, SUT, EngineBackend
+    from gptj.mlperf.sut import EngineBackend
     from gptj.runtime import parse_dtype, resolve_device
-    from gptj.tokenizer import tokenizer_for_model
     from gptj.weights.io import load_model
 
-    model_dir = Path(cfg.model)
-    tokenizer = tokenizer_for_model(model_dir)
-    dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
     model = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device),
                        quantize=cfg.quantize, group_size=cfg.group_size)
-    longest = max(len(ids) for ids in dataset.input_ids)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
                         f"the model's {model.config.n_positions} positions")
-
-    log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-
-    settings = test_settings(cfg, len(dataset))
-    log_settings = lg.LogSettings()
-    log_settings.log_output.outdir = str(log_dir)
-    log_settings.log_output.copy_summary_to_stdout = False
-    log_settings.enable_trace = False
-
-    total = len(dataset) if cfg.mode == "accuracy" else None
-    bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
-    qsl = QSL(dataset, settings.performance_sample_count_override)
     # KV memory for max_batch_size samples: a prompt slot each (as long as the longest prompt) and a
     # tail of max_new_tokens per beam; as many as fit in 80% of the free memory if fewer. --kv-slots
     # sets the number of sequences (samples x beams) directly.
@@ -175,7 +172,69 @@ def run(cfg: MLPerfConfig) -> RunResult:
     engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
                                  n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K,
                                  compile=cfg.compile, kernels=cfg.kernels)
-    backend = EngineBackend(model, engine_config)
+    return lambda: EngineBackend(model, engine_config)
+
+
+def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend
+    limit = backend.max_model_len
+    if limit is not None and longest + cfg.gen.max_new_tokens > limit:
+        raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
+                        f"the server model {backend.model!r}'s max_model_len {limit}")
+
+
+def run(cfg: MLPerfConfig) -> RunResult:
+    import mlperf_loadgen as lg
+    from tqdm import tqdm
+
+    from gptj.mlperf import report
+    from gptj.mlperf.dataset import Dataset
+    from gptj.mlperf.sut import QSL, SUT
+    from gptj.tokenizer import tokenizer_for_model
+
+    model_dir = Path(cfg.model) if cfg.model is not None else None
+    remote = None
+    if cfg.server is not None:
+        from gptj.mlperf.remote import HTTPBackend
+
+        if model_dir is not None and not model_dir.is_dir():
+            raise GptjError(f"{model_dir}: no such model folder (with --server, --model only supplies the tokenizer)")
+        # First, so a wrong URL fails before anything is loaded; its threads start with the first request.
+        remote = HTTPBackend(cfg.server, model_name=cfg.server_model, concurrency=cfg.server_concurrency,
+                             api_key=os.environ.get(API_KEY_ENV) or None)
+    try:
+        tokenizer = tokenizer_for_model(model_dir)
+        dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
+        longest = max(len(ids) for ids in dataset.input_ids)
+        if remote is not None:
+            _check_fits_server(cfg, remote, longest)
+            make_backend = lambda: remote  # noqa: E731
+        else:
+            make_backend = _engine_backend(cfg, model_dir, longest)
+        log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
+        if remote is not None:
+            ignored = [f"--{k.replace('_', '-')}" for k, v in _ENGINE_ONLY.items() if getattr(cfg, k) != v]
+            notes.insert(0, f"samples ran on a remote gptj server: {remote.url}, model {remote.model!r}, "
+                            f"{cfg.server_concurrency} requests in flight at most; its dtype, device and batching "
+                            "are the server's" + (f" ({', '.join(ignored)} did not apply)" if ignored else ""))
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+
+        settings = test_settings(cfg, len(dataset))
+        log_settings = lg.LogSettings()
+        log_settings.log_output.outdir = str(log_dir)
+        log_settings.log_output.copy_summary_to_stdout = False
+        log_settings.enable_trace = False
+        backend = make_backend()
+    except BaseException:
+        if remote is not None:
+            remote.close()
+        raise
+
+    total = len(dataset) if cfg.mode == "accuracy" else None
+    bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
+    qsl = QSL(dataset, settings.performance_sample_count_override)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
     try:
         lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings)
@@ -194,6 +253,11 @@ def run(cfg: MLPerfConfig) -> RunResult:
 
         accuracy = evaluate_log(log_dir, dataset.references, tokenizer=tokenizer)
     summary = report.parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
-    result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes)
+    remote_info = None
+    if remote is not None:
+        remote_info = {"url": remote.url, "model": remote.model, "max_model_len": remote.max_model_len,
+                       "concurrency": remote.concurrency, "retries": remote.retries}
+    result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
+                       remote_info)
     report.write_bundle(cfg, result, dataset, summary)
     return result

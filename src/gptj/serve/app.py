@@ -97,8 +97,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     if err.get("type") == "extra_forbidden":
         return f"unknown field {'.'.join(loc)!r}", ".".join(loc) or None
+    if not loc:
+        return f"request body: {'a JSON object is required' if err.get('type') == 'missing' else err.get('msg')}", None
     if err.get("type") == "missing":
-        return f"{'.'.join(loc)}: field required", ".".join(loc) or None
+        return f"{'.'.join(loc)}: field required", ".".join(loc)
     field = ".".join(p for p in loc if not p.startswith(("function-", "list[", "json-or-python"))) or "body"
     return f"{field}: {err.get('msg', 'invalid value')}", field if field != "body" else None
 
