@@ -4,6 +4,8 @@ start-up model fails to load (then it raises GptjError); `ServerThread` runs one
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
 import threading
 
@@ -25,6 +27,19 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
         self.gptj_state.status = "draining"
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201
+        # uvicorn re-raises the signal after shutting down; a drained server exits 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def build_server(cfg: ServerConfig, log_level: str = "info", sock: socket.socket | None = None) -> _Server:
