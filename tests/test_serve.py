@@ -476,3 +476,32 @@ def test_admin_disabled_without_token(models):
     with running_server({"tiny": models / "tiny"}) as url:
         status, out, _ = call(url, body={"name": "x", "path": str(models / "tiny")}, path="/admin/models")
         assert status == 403 and "--admin-token" in out["error"]["message"]
+
+
+def test_health_is_503_until_the_models_are_loaded(models, monkeypatch):
+    import gptj.serve.app as app_module
+    from gptj.serve import ServerConfig
+    from gptj.serve.server import ServerThread
+
+    gate = threading.Event()
+    real = app_module.load_served_model
+
+    def slow_load(*args):
+        gate.wait()
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "load_served_model", slow_load)
+    thread = ServerThread(ServerConfig(models=(("tiny", str(models / "tiny")),), port=0), wait_ready=False)
+    url = thread.start()
+    try:
+        status, out, _ = call(url, "GET", "/health")
+        assert status == 503 and out["status"] == "loading"
+        status, out, headers = call(url, body={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert status == 503 and "still loading" in out["error"]["message"] and headers["Retry-After"]
+        gate.set()
+        while call(url, "GET", "/health")[0] != 200:
+            time.sleep(0.01)
+        assert call(url, body={"model": "tiny", "prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        gate.set()
+        thread.stop()

@@ -58,6 +58,11 @@ class ServerState:
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
+        if served is None and self.status == "loading" and name in dict(self.cfg.models):
+            raise APIError(503, f"model {name!r} is still loading", "model", headers={"Retry-After": "5"})
+        if served is not None and served.loop.error is not None:
+            raise APIError(500, f"model {name!r} is out of service: its engine stopped ({served.loop.error!r})",
+                           code="engine_error")
         if served is None or served.unloading:
             known = ", ".join(n for n, m in self.models.items() if not m.unloading) or "none"
             raise APIError(404, f"model {name!r} does not exist (served: {known})", "model", "model_not_found")
