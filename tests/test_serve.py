@@ -148,6 +148,13 @@ def test_logprobs_echo_stop_and_stop_tokens(server):
     for chosen, top in zip(c["logprobs"]["token_logprobs"][n_prompt:], c["logprobs"]["top_logprobs"][n_prompt:]):
         assert len(top) == 3 and chosen <= 0 and max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy
 
+    _, streamed, _ = call(server.url, body={**base, "logprobs": 3, "echo": True, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.split("\n\n") if line.startswith("data: {")]
+    tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    values = [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert tokens == c["logprobs"]["tokens"] and values == pytest.approx(c["logprobs"]["token_logprobs"])
+    assert "".join(e["choices"][0]["text"] for e in events) == c["text"]
+
     _, cut, _ = call(server.url, body={**base, "stop_token_ids": [ids[3]]})
     assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["token_ids"] == ids[:4]
     assert cut["choices"][0]["text"] == text_of(ids[:3])

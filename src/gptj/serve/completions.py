@@ -282,7 +282,9 @@ class Completion:
 
         for j, job in enumerate(self.plan.jobs):
             def on_token(req, token, j=j):  # noqa: ANN001
+                first = req.prompt_logprobs is not None and len(req.output) == 1
                 post(_Event("token", j, token, req.token_logprobs[-1] if req.logprobs is not None else None,
+                            prompt_logprobs=list(req.prompt_token_logprobs) if first else [],
                             time=time.perf_counter()))
 
             def on_finish(req, j=j):  # noqa: ANN001
@@ -323,6 +325,8 @@ class Completion:
 
     def _apply(self, e: _Event) -> set[int]:
         job = self.plan.jobs[e.job]
+        if e.prompt_logprobs:
+            self.prompt_logprobs[e.job] = e.prompt_logprobs
         if e.kind == "token":
             self.first_token = self.first_token or e.time
             choice = self.choices[job.first]
@@ -332,8 +336,6 @@ class Completion:
                 self._handles[e.job].cancel()  # a stop string or token: the engine can stop
             return {job.first}
         self._jobs_done[e.job] = True
-        if e.prompt_logprobs:
-            self.prompt_logprobs[e.job] = e.prompt_logprobs
         if e.status == "failed":
             self.error = e.error or "the engine failed"
             return set()
