@@ -218,6 +218,10 @@ def run(cfg: MLPerfConfig) -> RunResult:
             notes.insert(0, f"samples ran on a remote gptj server: {remote.url}, model {remote.model!r}, "
                             f"{cfg.server_concurrency} requests in flight at most; its dtype, device and batching "
                             "are the server's" + (f" ({', '.join(ignored)} did not apply)" if ignored else ""))
+            if model_dir is None:
+                notes.insert(1, f"the served model was not checked to be GPT-J 6B (its folder on the server: "
+                                f"{remote.model_card.get('root', 'unknown')}); --model DIR with its config.json "
+                                "would say")
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
 
