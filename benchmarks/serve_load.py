@@ -456,7 +456,39 @@ async def bench(url: str, args: argparse.Namespace) -> dict:
                                                        "max": max(lens)},
             "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "ignore_eos": args.ignore_eos,
             "beams": args.beams, "temperature": args.temperature, "max_concurrency": args.max_concurrency,
-            "seed": args.seed, "results": results}
+            "seed": args.seed, "results": results, "prompts": prompts}
+
+
+def engine_baseline(model: str, serve_args: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """The peer: the same prompts on gptj's engine in this process (no HTTP), all submitted at
+    once, with the server's dtype and batch size; run after the server has stopped."""
+    import time
+
+    from gptj.decode import GenerationConfig
+    from gptj.engine import Engine, EngineConfig
+    from gptj.runtime import parse_dtype
+    from gptj.weights.io import load_model
+
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--dtype", default="float32")
+    flags.add_argument("--max-batch-size", type=int, default=8)
+    flags.add_argument("--quantize")
+    served, _ = flags.parse_known_args(shlex.split(serve_args))
+    path = model.partition("=")[2] or model
+    m = load_model(path, dtype=parse_dtype(served.dtype), quantize=served.quantize)
+    length = max(map(len, prompts)) + args.max_tokens
+    K = args.beams
+    engine = Engine(m, EngineConfig(n_slots=served.max_batch_size, slot_len=length, max_new_tokens=args.max_tokens,
+                                    n_prompts=max(1, served.max_batch_size // K), max_batch_size=served.max_batch_size))
+    gen = GenerationConfig(max_new_tokens=args.max_tokens, min_new_tokens=args.min_tokens, num_beams=K,
+                           eos_token_id=None if args.ignore_eos else 50256)
+    engine.generate(prompts[:1], gen)  # warm-up, as the server's
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, gen)
+    seconds = time.perf_counter() - start
+    tokens = sum(map(len, outputs))
+    return {"duration_s": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "req_s": len(prompts) / seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,8 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first load (default 1)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and random prompts (default 0)")
+    p.add_argument("--compare-engine", action="store_true",
+                   help="with --model: afterwards run the same prompts on the engine in-process (no HTTP) and "
+                        "report the server's all-at-once throughput as a ratio of it")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
+    if args.compare_engine and not args.model:
+        p.error("--compare-engine needs --model")
     for name in ("num_prompts", "max_tokens", "input_len", "beams"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -497,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(spawned_server(args.model, args.serve_args, args.startup_timeout))
         report = asyncio.run(bench(url, args))
+    if args.compare_engine:
+        base = engine_baseline(args.model, args.serve_args, report.pop("prompts"), args)
+        burst = [r for r in report["results"] if math.isinf(r.rate)] or report["results"][-1:]
+        base["server_over_engine"] = burst[0].output_throughput / base["output_tok_s"]
+        report["engine_baseline"] = base
+    report.pop("prompts", None)
     if args.json:
         def clean(d: dict) -> dict:  # JSON has no NaN/inf: no samples -> null, rate inf -> "inf"
             return {k: (None if isinstance(v, float) and math.isnan(v) else "inf" if v == float("inf") else v)
@@ -513,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{method}"
               f"{', max concurrency ' + str(report['max_concurrency']) if report['max_concurrency'] else ''}")
         print(table(report["results"]))
+        if "engine_baseline" in report:
+            b = report["engine_baseline"]
+            print(f"engine in-process (same prompts, all at once, no HTTP): {b['output_tok_s']:.1f} output tok/s, "
+                  f"{b['req_s']:.2f} req/s; server at the highest load / engine = {b['server_over_engine']:.2f}x")
     return 0
 
 

@@ -45,16 +45,27 @@ class EngineLoop:
     """`batch_wait_ms`: when the engine is idle and a request arrives, wait up to this long for more
     (up to a full batch) before the first step, so that a burst starts as one batch."""
 
-    def __init__(self, engine: Engine, batch_wait_ms: float = 0.0) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine], batch_wait_ms: float = 0.0) -> None:
+        """`engine`, or a function that builds one (loads the model...) on the loop's own thread.
+
+        Prefer the function: torch runs this loop's steps up to ~20% slower (2-core CPU, bfloat16,
+        measured in docs/PERFORMANCE.md) when the model was loaded and prepared on another thread
+        than the one that runs it. The constructor waits for the build and raises its error."""
+        factory = None if isinstance(engine, Engine) else engine
+        self.engine: Engine = engine if factory is None else None  # type: ignore[assignment]
         self.batch_wait_s = max(0.0, batch_wait_ms) / 1000
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._stop = threading.Event()
         self._ids = 0
         self._lock = threading.Lock()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="gptj-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(factory,), name="gptj-engine", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     def submit(self, prompt: Sequence[int], gen: GenerationConfig,
                on_token: Callable[[Request, int], None] | None = None,
@@ -104,7 +115,15 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _run(self) -> None:
+    def _run(self, factory: Callable[[], Engine] | None) -> None:
+        try:
+            if factory is not None:
+                self.engine = factory()
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
         try:
             while not self._stop.is_set():
                 idle = not self.engine.has_work

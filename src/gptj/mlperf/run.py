@@ -143,10 +143,15 @@ _ENGINE_ONLY = {"kv_slots": None, "quantize": None, "group_size": None, "compile
 
 
 def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202
-    """Loads the model now; returns what starts the engine (its thread) when the SUT is made."""
-    from gptj.engine import EngineConfig
-    from gptj.engine.kv import groups_from_memory
+    """The engine on its thread, the model loaded there (a load error is raised here)."""
     from gptj.mlperf.sut import EngineBackend
+
+    return EngineBackend(lambda: _build_engine(cfg, model_dir, longest))
+
+
+def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202 - Engine
+    from gptj.engine import Engine, EngineConfig
+    from gptj.engine.kv import groups_from_memory
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.weights.io import load_model
 
@@ -172,7 +177,7 @@ def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: 
     engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
                                  n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K,
                                  compile=cfg.compile, kernels=cfg.kernels)
-    return lambda: EngineBackend(model, engine_config)
+    return Engine(model, engine_config)
 
 
 def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend
@@ -192,7 +197,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     from gptj.tokenizer import tokenizer_for_model
 
     model_dir = Path(cfg.model) if cfg.model is not None else None
-    remote = None
+    remote = backend = None
     if cfg.server is not None:
         from gptj.mlperf.remote import HTTPBackend
 
@@ -207,9 +212,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
         longest = max(len(ids) for ids in dataset.input_ids)
         if remote is not None:
             _check_fits_server(cfg, remote, longest)
-            make_backend = lambda: remote  # noqa: E731
+            backend = remote
         else:
-            make_backend = _engine_backend(cfg, model_dir, longest)
+            backend = _engine_backend(cfg, model_dir, longest)
         log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
         log_dir.mkdir(parents=True, exist_ok=True)
         notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
@@ -230,10 +235,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
         log_settings.log_output.outdir = str(log_dir)
         log_settings.log_output.copy_summary_to_stdout = False
         log_settings.enable_trace = False
-        backend = make_backend()
     except BaseException:
-        if remote is not None:
-            remote.close()
+        for opened in {id(b): b for b in (remote, backend) if b is not None}.values():
+            opened.close()
         raise
 
     total = len(dataset) if cfg.mode == "accuracy" else None

@@ -60,13 +60,14 @@ class Backend(Protocol):
 
 
 class EngineBackend:
-    """gptj's continuous-batching engine on a background thread."""
+    """gptj's continuous-batching engine on a background thread. `build` makes the engine (loads
+    the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop)."""
 
-    def __init__(self, model, engine_config=None) -> None:  # noqa: ANN001 - GPTJForCausalLM, EngineConfig
-        from gptj.engine import Engine, EngineLoop
+    def __init__(self, build) -> None:  # noqa: ANN001 - Callable[[], Engine]
+        from gptj.engine import EngineLoop
 
-        self.engine = Engine(model, engine_config)
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(build)
+        self.engine = self.loop.engine
 
     def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend
         def on_token(req, token):  # noqa: ANN001

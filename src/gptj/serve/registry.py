@@ -131,20 +131,24 @@ def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
         raise GptjError(f"{path}: not a model folder")
     tokenizer = tokenizer_for_model(path)
     device = resolve_device(cfg.device)
-    model = load_model(path, dtype=parse_dtype(cfg.dtype), device=device, quantize=cfg.quantize,
-                       group_size=cfg.group_size)
-    n_positions = model.config.n_positions
-    max_len = min(cfg.max_model_len or n_positions, n_positions)
-    w = model.transformer.wte.weight
-    # Each sequence holds a prompt slot and a tail of up to max_len new tokens.
-    n_seqs = cfg.kv_slots or min(cfg.max_batch_size,
-                                 groups_from_memory(model.config, w.dtype, device, max_len, max_len, 1, fraction=0.8))
-    engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
-                                        max_batch_size=min(cfg.max_batch_size, n_seqs),
-                                        compile=cfg.compile, kernels=cfg.kernels))
-    loop = EngineLoop(engine, batch_wait_ms=cfg.batch_wait_ms)
-    return ServedModel(name, str(path), engine, loop, tokenizer, max_len, model.config.vocab_size,
-                       capacity=engine.max_batch_size + cfg.max_queue)
+
+    def build() -> Engine:  # on the engine's own thread (see EngineLoop)
+        model = load_model(path, dtype=parse_dtype(cfg.dtype), device=device, quantize=cfg.quantize,
+                           group_size=cfg.group_size)
+        n_positions = model.config.n_positions
+        max_len = min(cfg.max_model_len or n_positions, n_positions)
+        w = model.transformer.wte.weight
+        # Each sequence holds a prompt slot and a tail of up to max_len new tokens.
+        n_seqs = cfg.kv_slots or min(cfg.max_batch_size, groups_from_memory(model.config, w.dtype, device, max_len,
+                                                                            max_len, 1, fraction=0.8))
+        return Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
+                                          max_batch_size=min(cfg.max_batch_size, n_seqs),
+                                          compile=cfg.compile, kernels=cfg.kernels))
+
+    loop = EngineLoop(build, batch_wait_ms=cfg.batch_wait_ms)
+    engine = loop.engine
+    return ServedModel(name, str(path), engine, loop, tokenizer, engine.pool.prompt_len,
+                       engine.model.config.vocab_size, capacity=engine.max_batch_size + cfg.max_queue)
 
 
 def check_under_root(path: str, root: str | None) -> Path:
