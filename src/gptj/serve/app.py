@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gptj.errors import GptjError
 from gptj.serve.completions import APIError, Completion, plan
 from gptj.serve.metrics import CONTENT_TYPE, ServerMetrics
-from gptj.serve.protocol import (CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
+from gptj.serve.protocol import (MAX_BODY_BYTES, CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
                                  ModelCard, ModelList, ModelStatus)
 from gptj.serve.registry import ServedModel, ServerConfig, check_under_root, load_served_model
 
@@ -45,6 +45,57 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
      (408, "timed out"), (429, "queue full (see Retry-After)"), (500, "engine failure"),
      (503, "loading or draining"))}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413, whether it says its length
+    (refused before reading) or is chunked (read here up to the limit, then passed on whole)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:  # noqa: ANN001 - an ASGI app
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) <= self.limit:
+                return await self.app(scope, receive, send)
+            if length.isdigit():
+                await self._drain(receive, {"more_body": True}, 0)
+            return await self._refuse(scope, receive, send)
+        chunks, seen, message = [], 0, {"more_body": True}
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                await self._drain(receive, message, seen)
+                return await self._refuse(scope, receive, send)
+        whole, replayed = b"".join(chunks), False
+
+        async def replay():  # noqa: ANN202
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": whole, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:  # noqa: ANN001
+        await _error(APIError(413, f"the request body exceeds {self.limit} bytes"))(scope, receive, send)
+
+    async def _drain(self, receive, message, seen: int) -> None:  # noqa: ANN001
+        """Read (and drop) the rest of a body up to 4x the limit, so the client, still sending,
+        gets to read the 413 instead of a reset connection; beyond that the connection is closed."""
+        while message.get("more_body") and seen <= 4 * self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
 
 
 class ServerState:
@@ -127,6 +178,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="gptj", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible completions over gptj's GPT-J engine.")
     app.state.gptj = state
+    app.add_middleware(BodyLimit)
 
     # --- errors: always OpenAI's format ---
 
@@ -195,7 +247,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         start = time.perf_counter()
         try:
             served = ready_model(request, body.model)
-            the_plan = plan(body, served)
+            # Tokenizing long texts takes a while: off the event loop (plan only reads the model's limits).
+            the_plan = await asyncio.to_thread(plan, body, served)
         except APIError as e:
             state.metrics.requests.labels(body.model if body.model in state.models else "", str(e.status)).inc()
             raise

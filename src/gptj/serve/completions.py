@@ -74,8 +74,6 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
         texts = list(prompt)
     else:
         texts = [None] if isinstance(prompt[0], int) else [None] * len(prompt)
-    if len(texts) > 256:
-        raise APIError(400, f"prompt has {len(texts)} prompts; at most 256 per request", "prompt")
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         ids = tok.encode_batch(texts)
     elif isinstance(prompt[0], int):

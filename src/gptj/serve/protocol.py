@@ -22,7 +22,12 @@ MAX_STOP = 16  # stop strings
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+MAX_PROMPTS = 256  # prompts per request
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body larger than this is refused (413)
+
 TokenId = Annotated[int, Field(ge=0)]
+PromptText = Annotated[str, Field(max_length=1_000_000)]
+PromptIds = Annotated[list[TokenId], Field(max_length=1_000_000)]
 StopString = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
@@ -37,7 +42,8 @@ class CompletionRequest(BaseModel):
     model_config = _STRICT
 
     model: str = Field(min_length=1, max_length=256, description="a served model's name (GET /v1/models)")
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+    prompt: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds | Annotated[
+        list[PromptIds], Field(max_length=MAX_PROMPTS)] = Field(
         description="text, texts, token ids, or lists of token ids; each prompt is completed separately")
     max_tokens: int = Field(16, ge=1, le=1_000_000, description="new tokens at most, per choice")
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="no end of text (EOS or stop) before this many")
