@@ -1,0 +1,96 @@
+"""Does it matter which thread loads the model and which runs the engine?
+
+Runs the same Offline-style job (the bundled MLPerf prompts, greedy, N new tokens, all submitted
+at once) in three layouts, each in a fresh subprocess, alternating, R rounds:
+
+    main     load, warm up and run on the main thread (what `gptj generate` does)
+    same     load, warm up and run on one worker thread (EngineLoop(build), the server since issue 5)
+    cross    load on the main thread, warm up and run on a worker thread (the server before)
+
+and prints output tokens/s of each and the ratios to `main`.
+
+    python benchmarks/engine_thread.py --model /tmp/gptj-02b --dtype bfloat16 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+
+def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, batch: int) -> float:
+    from gptj.decode import GenerationConfig
+    from gptj.engine import Engine, EngineConfig
+    from gptj.mlperf.dataset import Dataset
+    from gptj.runtime import parse_dtype
+    from gptj.tokenizer import load_tokenizer
+    from gptj.weights.io import load_model
+
+    ids = [list(p) for p in Dataset.load(None, tokenizer=load_tokenizer()).input_ids]
+    prompts = (ids * (n_prompts // len(ids) + 1))[:n_prompts]
+    gen = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None)
+    result: dict[str, float] = {}
+
+    def build() -> Engine:
+        model = load_model(model_dir, dtype=parse_dtype(dtype))
+        return Engine(model, EngineConfig(n_slots=batch, slot_len=max(map(len, prompts)) + new_tokens,
+                                          max_new_tokens=new_tokens, max_batch_size=batch))
+
+    def run(engine: Engine) -> None:
+        engine.generate(prompts[:1], gen)  # warm-up
+        start = time.perf_counter()
+        out = engine.generate(prompts, gen)
+        result["tok_s"] = sum(map(len, out)) / (time.perf_counter() - start)
+
+    model_dir = model
+    if layout == "main":
+        run(build())
+    elif layout == "same":
+        t = threading.Thread(target=lambda: run(build()))
+        t.start()
+        t.join()
+    else:
+        engine = build()
+        t = threading.Thread(target=lambda: run(engine))
+        t.start()
+        t.join()
+    return result["tok_s"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one layout, print JSON
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(job(args.model, args.dtype, args.one, args.prompts, args.new_tokens, args.batch)))
+        return 0
+    results: dict[str, list[float]] = {"main": [], "same": [], "cross": []}
+    for _ in range(args.rounds):
+        for layout in results:
+            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--one",
+                                  layout, "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
+                                  "--batch", str(args.batch)], capture_output=True, text=True, check=True)
+            results[layout].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = statistics.median(results["main"])
+    print(f"{args.prompts} prompts x {args.new_tokens} new tokens, batch {args.batch}, {args.dtype}, "
+          f"{args.rounds} rounds (median)")
+    for layout, values in results.items():
+        med = statistics.median(values)
+        print(f"  {layout:5s}  {med:7.1f} tok/s  {med / base:5.2f}x main   runs: "
+              + ", ".join(f"{v:.1f}" for v in values))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
