@@ -105,6 +105,31 @@ def test_loop_admits_while_running_and_cancels(model):
     assert engine.pool.free_slots == 4
 
 
+def test_loop_batch_wait_gathers_a_burst_and_builds_on_its_thread(model):
+    gen = GenerationConfig(max_new_tokens=3, eos_token_id=None)
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return Engine(model, EngineConfig(n_slots=4))
+
+    loop = EngineLoop(build, batch_wait_ms=2000)  # the wait ends early once a full batch waits
+    try:
+        handles = [loop.submit(p, gen) for p in prompts_of([4, 5, 6, 7])]
+        outputs = [h.result(timeout=60) for h in handles]
+    finally:
+        loop.shutdown()
+    assert built_on == ["gptj-engine"]
+    assert loop.engine.decode_batch_sizes[0] == 4  # all four started together
+    assert outputs == [generate(model, [p], gen)[0] for p in prompts_of([4, 5, 6, 7])]
+
+    def broken():
+        raise GptjError("no such model")
+
+    with pytest.raises(GptjError, match="no such model"):
+        EngineLoop(broken)
+
+
 def test_bad_requests_are_refused_and_failures_are_isolated(model, monkeypatch):
     engine = Engine(model, EngineConfig(n_slots=2, slot_len=64))
     with pytest.raises(GptjError, match="exceeds the engine's 64 tokens"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import threading
 
 import uvicorn
@@ -42,11 +41,14 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def build_server(cfg: ServerConfig, log_level: str = "info", sock: socket.socket | None = None) -> _Server:
+def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True) -> _Server:
+    """`own_process`: let uvicorn configure logging (dictConfig). Inside another program (tests,
+    benchmarks) that would replace, and close, the program's own logging handlers."""
     state = ServerState(cfg)
     app = create_app(cfg, state)
+    extra = {} if own_process else {"log_config": None}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
-                            timeout_graceful_shutdown=cfg.drain_timeout_s, access_log=False, lifespan="on")
+                            timeout_graceful_shutdown=cfg.drain_timeout_s, access_log=False, lifespan="on", **extra)
     server = _Server(config, state)
 
     def failed(message: str) -> None:
@@ -73,7 +75,7 @@ class ServerThread:
     """A server on a background thread (tests, benchmarks): `with ServerThread(cfg) as url:`."""
 
     def __init__(self, cfg: ServerConfig, wait_ready: bool = True, log_level: str = "warning") -> None:
-        self.server = build_server(cfg, log_level)
+        self.server = build_server(cfg, log_level, own_process=False)
         self.cfg, self.wait_ready = cfg, wait_ready
         self.thread = threading.Thread(target=self._run, name="gptj-server", daemon=True)
         self.error: BaseException | None = None
