@@ -155,6 +155,13 @@ def test_logprobs_echo_stop_and_stop_tokens(server):
     assert tokens == c["logprobs"]["tokens"] and values == pytest.approx(c["logprobs"]["token_logprobs"])
     assert "".join(e["choices"][0]["text"] for e in events) == c["text"]
 
+    # max_tokens 0 + echo + logprobs scores the prompt (what lm-eval's loglikelihood requests send)
+    _, scored, _ = call(server.url, body={**base, "max_tokens": 0, "logprobs": 0, "echo": True})
+    s = scored["choices"][0]
+    assert s["text"] == "Hello world" and s["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert s["logprobs"]["token_logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"][:n_prompt])
+    assert call(server.url, body={**base, "max_tokens": 0})[0] == 400
+
     _, cut, _ = call(server.url, body={**base, "stop_token_ids": [ids[3]]})
     assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["token_ids"] == ids[:4]
     assert cut["choices"][0]["text"] == text_of(ids[:3])
@@ -277,7 +284,7 @@ BAD = [
     (dict(prompt="x", max_tokens=5000), 400, "maximum context length is 2048"),
     (dict(prompt=[1] * 2040, max_tokens=16), 400, "maximum context length is 2048"),
     (dict(prompt="x", max_tokens=-1), 400, "max_tokens"),
-    (dict(prompt="x", max_tokens=0), 400, "max_tokens"),
+    (dict(prompt="x", max_tokens=0), 400, "max_tokens 0 only scores the prompt"),
     (dict(prompt="x", max_tokens=10**12), 400, "max_tokens"),
     (dict(prompt="x", max_tokens="5"), 400, "max_tokens"),
     (dict(prompt="x", max_tokens=5.5), 400, "max_tokens"),

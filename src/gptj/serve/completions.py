@@ -92,6 +92,9 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                                 f"tokens and max_tokens is {body.max_tokens} ({len(p) + body.max_tokens} in total); "
                                 "shorten the prompt or lower max_tokens",
                            "prompt" if len(p) >= L else "max_tokens", "context_length_exceeded")
+    if body.max_tokens == 0 and not (body.echo and body.logprobs is not None and not body.use_beam_search):
+        raise APIError(400, "max_tokens 0 only scores the prompt: it needs echo and logprobs (and no beam search)",
+                       "max_tokens")
     if body.min_tokens > body.max_tokens:
         raise APIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {body.max_tokens}", "min_tokens")
     eos = None if body.ignore_eos else tok.eos_token_id
@@ -110,7 +113,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
             if body.best_of is not None and body.best_of != body.n:
                 raise APIError(400, "best_of other than n needs use_beam_search", "best_of")
             sample = body.temperature > 0
-            base = GenerationConfig(max_new_tokens=body.max_tokens, min_new_tokens=body.min_tokens, do_sample=sample,
+            base = GenerationConfig(max_new_tokens=max(1, body.max_tokens),  # 0: one, dropped (scoring) min_new_tokens=body.min_tokens, do_sample=sample,
                                     temperature=body.temperature if sample else 1.0,
                                     top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
                                     eos_token_id=eos)
@@ -325,6 +328,8 @@ class Completion:
         job = self.plan.jobs[e.job]
         if e.prompt_logprobs:
             self.prompt_logprobs[e.job] = e.prompt_logprobs
+        if e.kind == "token" and self.body.max_tokens == 0:  # scoring the prompt: the token is not returned
+            return set()
         if e.kind == "token":
             self.first_token = self.first_token or e.time
             choice = self.choices[job.first]
@@ -350,7 +355,7 @@ class Completion:
                 choice.finish(self._reason(tokens, job))
             return set(range(job.first, job.first + job.n))
         choice = self.choices[job.first]
-        choice.finish(e.reason if e.reason in ("stop", "length") else "stop")
+        choice.finish("length" if self.body.max_tokens == 0 else e.reason if e.reason in ("stop", "length") else "stop")
         return {job.first}
 
     @staticmethod

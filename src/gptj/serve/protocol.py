@@ -45,7 +45,8 @@ class CompletionRequest(BaseModel):
     prompt: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds | Annotated[
         list[PromptIds], Field(max_length=MAX_PROMPTS)] = Field(
         description="text, texts, token ids, or lists of token ids; each prompt is completed separately")
-    max_tokens: int = Field(16, ge=1, le=1_000_000, description="new tokens at most, per choice")
+    max_tokens: int = Field(16, ge=0, le=1_000_000,
+                            description="new tokens at most, per choice; 0 with echo scores the prompt only")
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="no end of text (EOS or stop) before this many")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; > 0 samples")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
