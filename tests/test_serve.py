@@ -153,6 +153,7 @@ def test_logprobs_echo_stop_and_stop_tokens(server):
     tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
     values = [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert tokens == c["logprobs"]["tokens"] and values == pytest.approx(c["logprobs"]["token_logprobs"])
+    assert [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]] == c["logprobs"]["text_offset"]
     assert "".join(e["choices"][0]["text"] for e in events) == c["text"]
 
     # max_tokens 0 + echo + logprobs scores the prompt (what lm-eval's loglikelihood requests send)

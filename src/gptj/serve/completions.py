@@ -150,6 +150,7 @@ class _Choice:
         self.text = ""
         self.sent = 0  # characters of text already streamed
         self.sent_tokens = 0  # tokens already streamed
+        self.lp_offset = 0  # streamed logprobs: text offset of the next token
         self._text_tokens: list[int] = []  # tokens that make up the text (a stop token is not shown)
         self._prefix = self._read = 0  # decoding window over _text_tokens
         self.finish_reason: str | None = None
@@ -416,7 +417,9 @@ class Completion:
         start = choice.sent_tokens
         choice.sent_tokens = len(choice.tokens)
         out: dict[str, Any] = dict(index=c, text=text, finish_reason=choice.finish_reason,
-                                   logprobs=self.logprobs_for(c, new_lps, 0, first and self.body.echo))
+                                   logprobs=self.logprobs_for(c, new_lps, choice.lp_offset, first and self.body.echo))
+        if out["logprobs"] is not None and out["logprobs"].tokens:  # offsets run over the whole streamed text
+            choice.lp_offset = out["logprobs"].text_offset[-1] + len(out["logprobs"].tokens[-1])
         if self.body.return_token_ids:
             out["token_ids"] = new_tokens
             if start == 0:
