@@ -113,7 +113,9 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
             if body.best_of is not None and body.best_of != body.n:
                 raise APIError(400, "best_of other than n needs use_beam_search", "best_of")
             sample = body.temperature > 0
-            base = GenerationConfig(max_new_tokens=max(1, body.max_tokens),  # 0: one, dropped (scoring) min_new_tokens=body.min_tokens, do_sample=sample,
+            # max_tokens 0 (scoring the prompt): the engine makes one token, which is dropped
+            base = GenerationConfig(max_new_tokens=max(1, body.max_tokens), min_new_tokens=body.min_tokens,
+                                    do_sample=sample,
                                     temperature=body.temperature if sample else 1.0,
                                     top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
                                     eos_token_id=eos)
