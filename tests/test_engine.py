@@ -172,3 +172,35 @@ def test_quantized_model_on_the_engine_matches_the_reference_path(mode, group_si
     assert engine.kernels["fused_blocks"] == CFG.n_layer
     assert engine.pool.tail_k[0].dtype == torch.float32  # KV in the activations' dtype, not the int weights'
     assert engine.generate(prompts, gens) == alone
+
+
+def test_chunked_prefill_equals_whole_prompts_and_interleaves_with_decode(model):
+    prompts = prompts_of([23, 5, 40, 9], seed=7)
+    gens = [GenerationConfig(max_new_tokens=8), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=3),
+            GenerationConfig(max_new_tokens=12, do_sample=True, seed=4, top_k=30), GenerationConfig(max_new_tokens=6)]
+    whole = Engine(model, EngineConfig(n_slots=16))
+    want = [whole.add_request(p, g, logprobs=2, prompt_logprobs=3) if g.num_beams == 1 else whole.add_request(p, g)
+            for p, g in zip(prompts, gens)]
+    while whole.has_work:
+        whole.step()
+    chunked = Engine(model, EngineConfig(n_slots=16, prefill_chunk=7))
+    got = [chunked.add_request(p, g, logprobs=2, prompt_logprobs=3) if g.num_beams == 1 else chunked.add_request(p, g)
+           for p, g in zip(prompts, gens)]
+    steps_with_decode_while_prefilling = 0
+    while chunked.has_work:
+        decoding_before = len(chunked.decode_batch_sizes)
+        prefilling = any(r.n_prefilled < len(r.prompt) for r in chunked.running)
+        chunked.step()
+        steps_with_decode_while_prefilling += prefilling and len(chunked.decode_batch_sizes) > decoding_before
+    assert [r.output for r in got] == [r.output for r in want]
+    for a, b in zip(got, want):
+        if b.gen.num_beams > 1:
+            continue
+        assert [e is None for e in a.prompt_token_logprobs] == [e is None for e in b.prompt_token_logprobs]
+        assert len(a.prompt_token_logprobs) == len(b.prompt)
+        for x, y in zip(a.prompt_token_logprobs[1:] + a.token_logprobs, b.prompt_token_logprobs[1:] + b.token_logprobs):
+            assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    # 77 prompt tokens at 7 per step: the prompts took many steps, during which the others decoded
+    assert steps_with_decode_while_prefilling >= 5
+    assert chunked.pool.free_slots == 16

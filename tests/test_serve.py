@@ -433,10 +433,10 @@ def test_engine_error_fails_only_that_request(models):
         engine = thread.state.models["tiny"].engine
         real = engine._prefill
 
-        def faulty(reqs):
+        def faulty(reqs, *args):
             if reqs[0].prompt[0] == 666:
                 raise RuntimeError("injected fault")
-            return real(reqs)
+            return real(reqs, *args)
 
         engine._prefill = faulty
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": [666, 1], "max_tokens": 4})

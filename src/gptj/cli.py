@@ -145,7 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
                        api_key=args.api_key, admin_token=args.admin_token, model_root=args.model_root,
                        dtype=args.dtype, device=args.device, quantize=args.quantize, group_size=args.group_size,
-                       kv_slots=args.kv_slots, max_model_len=args.max_model_len, compile=args.compile,
+                       kv_slots=args.kv_slots, max_model_len=args.max_model_len,
+                       prefill_chunk=args.prefill_chunk or None, compile=args.compile,
                        kernels=args.kernels)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
                                                       "allows)")
     p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")
+    p.add_argument("--prefill-chunk", type=_nonnegative, default=512,
+                   help="prompt tokens prefilled per engine step, so long prompts do not stall running requests "
+                        "(default 512; 0: whole prompts)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")

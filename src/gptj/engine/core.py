@@ -10,7 +10,8 @@ the step (up to float rounding; equal tokens in float32 in the tests).
     schedule  admit waiting requests, first come first served, while KV slots, the running-
               sequence cap and the prefill-token budget allow; never skip ahead of the oldest
     run       one forward for every running sequence's next token (each at its own position),
-              then one forward per newly admitted prompt (prefill, written into its slot)
+              then one forward per newly admitted prompt (prefill, written into its slot; with
+              prefill_chunk, at most that many prompt tokens per step, long prompts over steps)
     update    pick each request's next token(s); finished requests free their slots at once
 """
 
@@ -45,6 +46,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """logits (N, V) of N positions and the token chosen at each -> their log-probabilities."""
+    if not tokens:
+        return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
     if k > 0:
@@ -64,11 +67,12 @@ class EngineConfig:
     max_batch_size: int | None = None  # running sequences per step; None: n_slots
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per step (at least one prompt)
     memory_fraction: float = 0.5  # of free memory, when sizing slots from it
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step, in chunks; None: whole prompts
     kernels: str = "auto"  # "auto": fused blocks + oneDNN-packed bfloat16 weights (not float32); "off"
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
 
     def __post_init__(self) -> None:
-        for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size"):
+        for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size", "prefill_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise GptjError(f"engine {name} must be a positive integer, got {value!r}")
@@ -101,6 +105,7 @@ class Request:
     prompt_slot: int | None = None
     tails: list[int] = field(default_factory=list)  # one tail slot per sequence
     n_new: int = 0  # new tokens each of its sequences holds in KV (its tail length)
+    n_prefilled: int = 0  # prompt tokens in KV (chunked prefill: < len(prompt) for a while)
     next_tokens: list[int] = field(default_factory=list)  # to feed at the next step, one per sequence
     beam: BeamSearch | None = None
     generator: torch.Generator | None = None
@@ -196,15 +201,28 @@ class Engine:
     # --- the step ---
 
     def step(self) -> list[Request]:
-        """Admit, run one forward for the running sequences and one per new prompt; return the finished."""
-        admitted = self._schedule()
-        decoding = [r for r in self.running if r not in admitted]
+        """Admit, run one forward for the running sequences and one per prompt (chunk) to prefill;
+        return the finished.
+
+        With `prefill_chunk`, a step prefills at most that many prompt tokens (the oldest prompts
+        first, a long one over several steps), so a long prompt no longer stalls every running
+        sequence for its whole prefill."""
+        self._schedule()
+        decoding = [r for r in self.running if r.n_prefilled == len(r.prompt)]
+        prefilling = [r for r in self.running if r.n_prefilled < len(r.prompt)]
         finished: list[Request] = []
         with torch.inference_mode():
             if decoding:
                 self._run(decoding, self._decode, finished)
-            for req in admitted:
-                self._run([req], self._prefill, finished)
+            budget = self.config.prefill_chunk
+            for req in prefilling:
+                left = len(req.prompt) - req.n_prefilled
+                n = left if budget is None else min(left, budget)
+                if n <= 0:
+                    break
+                self._run([req], lambda reqs, n=n: self._prefill(reqs, n), finished)
+                if budget is not None:
+                    budget -= n
         self.steps += 1
         return finished
 
@@ -256,17 +274,23 @@ class Engine:
             self._update(req, logits[row:row + req.n_seqs])
             row += req.n_seqs
 
-    def _prefill(self, reqs: list[Request]) -> None:
+    def _prefill(self, reqs: list[Request], n: int) -> None:
+        """Store the prompt's next n tokens in its slot; once it is whole, choose the first new token."""
         (req,) = reqs
-        T = len(req.prompt)
-        ids = torch.tensor([req.prompt], device=self.device)
-        positions = torch.arange(T, device=self.device)[None]
-        cache = GroupBatch(self.pool, [Group(req.prompt_slot, 0, [], 0)], self.attention)
-        keep = T if req.prompt_logprobs is not None else 1
+        T, start = len(req.prompt), req.n_prefilled
+        end = start + n
+        ids = torch.tensor([req.prompt[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        cache = GroupBatch(self.pool, [Group(req.prompt_slot, start, [], 0)], self.attention)
+        keep = n if req.prompt_logprobs is not None else 1
         all_logits = self.model(ids, position_ids=positions, cache=cache, logits_to_keep=keep)  # (1, keep, V)
         if req.prompt_logprobs is not None:  # position t predicts token t + 1; the first token has none
-            req.prompt_token_logprobs = [None, *token_logprobs(all_logits[0, :-1], req.prompt[1:],
-                                                               req.prompt_logprobs)]
+            targets = req.prompt[start + 1:end + 1]
+            req.prompt_token_logprobs = ([None] if start == 0 else req.prompt_token_logprobs) + token_logprobs(
+                all_logits[0, :len(targets)], targets, req.prompt_logprobs)
+        req.n_prefilled = end
+        if end < T:
+            return
         logits = all_logits[:, -1]  # (1, V)
         # Every beam starts from the prompt, which they share: no copy, just the same logits.
         self._update(req, logits.expand(req.n_seqs, -1))

@@ -35,6 +35,7 @@ class ServerConfig:
     group_size: int | None = None
     kv_slots: int | None = None  # sequences in KV memory (default: max_batch_size, as memory allows)
     max_model_len: int | None = None  # prompt + new tokens (default: the model's n_positions)
+    prefill_chunk: int | None = 512  # prompt tokens prefilled per engine step (None: whole prompts)
     compile: str = "auto"
     kernels: str = "auto"
 
@@ -143,7 +144,7 @@ def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
                                                                             max_len, 1, fraction=0.8))
         return Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
                                           max_batch_size=min(cfg.max_batch_size, n_seqs),
-                                          compile=cfg.compile, kernels=cfg.kernels))
+                                          prefill_chunk=cfg.prefill_chunk, compile=cfg.compile, kernels=cfg.kernels))
 
     loop = EngineLoop(build, batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
