@@ -10,6 +10,7 @@ reports per load:
     throughput            completed requests/s and output tokens/s over that duration
     TTFT p50/p99          request sent -> first streamed chunk carrying text or token ids
     TPOT p50/p99          (e2e - TTFT) / (output tokens - 1), requests with > 1 output token
+    ITL p99 / max         gaps between a request's streamed chunks after the first (stalls show here)
     E2E p50               request sent -> [DONE]
 
 Prompts are token ids: the bundled MLPerf gptj-99 sample set (30 CNN-DailyMail-style articles,
@@ -173,6 +174,7 @@ class Result:
     e2e: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # between streamed chunks with tokens, after the first
 
 
 async def one_request(client: Client, body: dict, timeout_s: float) -> Result:
@@ -188,7 +190,7 @@ async def one_request(client: Client, body: dict, timeout_s: float) -> Result:
                 complete = True
                 res.error = f"HTTP {resp.status}" + (f": {error_text(raw)}" if raw else "")
                 return res
-            buf, counted, usage, done = b"", 0, None, False
+            buf, counted, usage, done, last = b"", 0, None, False, 0.0
             async for data in client.body_chunks(resp):
                 buf += data.replace(b"\r\n", b"\n")
                 while b"\n\n" in buf:
@@ -208,8 +210,13 @@ async def one_request(client: Client, body: dict, timeout_s: float) -> Result:
                         usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
                         ids = choice.get("token_ids") or []
-                        if res.ttft is None and (choice.get("text") or ids):
-                            res.ttft = time.perf_counter() - t0
+                        if choice.get("text") or ids:
+                            now = time.perf_counter() - t0
+                            if res.ttft is None:
+                                res.ttft = now
+                            else:
+                                res.gaps.append(now - last)
+                            last = now
                         counted += len(ids)
             complete = True
             res.e2e = time.perf_counter() - t0
@@ -259,6 +266,9 @@ class LoadResult:
     tpot_p99_ms: float
     e2e_p50_ms: float
     e2e_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    itl_max_ms: float
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -291,6 +301,7 @@ async def run_load(client: Client, bodies: list[dict], rate: float, max_concurre
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     e2e = [r.e2e for r in ok]
+    itl = [g for r in ok for g in r.gaps]
     errors = Counter((r.error or "")[:120] for r in results if not r.ok)
     ms = 1000.0
     return LoadResult(rate=rate, completed=len(ok), failed=len(results) - len(ok), duration_s=duration,
@@ -299,6 +310,8 @@ async def run_load(client: Client, bodies: list[dict], rate: float, max_concurre
                       ttft_p50_ms=percentile(ttft, 50) * ms, ttft_p99_ms=percentile(ttft, 99) * ms,
                       tpot_p50_ms=percentile(tpot, 50) * ms, tpot_p99_ms=percentile(tpot, 99) * ms,
                       e2e_p50_ms=percentile(e2e, 50) * ms, e2e_p99_ms=percentile(e2e, 99) * ms,
+                      itl_p50_ms=percentile(itl, 50) * ms, itl_p99_ms=percentile(itl, 99) * ms,
+                      itl_max_ms=max(itl, default=float("nan")) * ms,
                       errors=dict(errors.most_common(5)))
 
 
@@ -377,13 +390,13 @@ def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN2
 
 def table(results: list[LoadResult]) -> str:
     head = ("rate", "done", "fail", "dur s", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "E2E p50")
+            "ITL p99", "ITL max", "E2E p50")
     rows = [head]
     for r in results:
         rows.append((("inf" if math.isinf(r.rate) else f"{r.rate:g}"), str(r.completed), str(r.failed),
                      f"{r.duration_s:.2f}", f"{r.request_throughput:.2f}", f"{r.output_throughput:.1f}",
                      *(f"{v:.1f}" for v in (r.ttft_p50_ms, r.ttft_p99_ms, r.tpot_p50_ms, r.tpot_p99_ms,
-                                            r.e2e_p50_ms))))
+                                            r.itl_p99_ms, r.itl_max_ms, r.e2e_p50_ms))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
