@@ -279,8 +279,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             status = e.status
             raise
         finally:
-            run.cancel()
-            _finish(run, state, status)
+            _finish(run, state, status)  # cancels what still runs (a disconnect, a timeout, an error)
 
     @app.post("/admin/models", response_model=ModelStatus, status_code=201, responses=_ERRORS)
     async def load(body: LoadModelRequest, request: Request) -> ModelStatus:

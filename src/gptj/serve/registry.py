@@ -9,6 +9,7 @@ the event loop's thread, which makes the admission check (backpressure) race-fre
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +57,6 @@ class ServerConfig:
 
 
 def check_model_name(name: str) -> None:
-    import re
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
         raise GptjError(f"model name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
 
