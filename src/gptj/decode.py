@@ -34,6 +34,8 @@ EOS_TOKEN_ID = 50256  # <|endoftext|>; GPT-J has no pad token and pads with EOS
 # with truncation=True, which keeps the first 1919), so 1919 + 128 new tokens fit in 2048 positions.
 MAX_INPUT_TOKENS = 1919
 
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
+
 # HF marks impossible beams with this score instead of -inf, so sums stay finite.
 _NEG = -1.0e9
 
@@ -105,8 +107,9 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> bool:
-        """True when tokens are drawn at random (temperature 0 is greedy, the limit it tends to)."""
-        return self.do_sample and self.temperature > 0
+        """True when tokens are drawn at random. Temperature 0 is greedy, the limit it tends to, and
+        so is any below SAMPLING_EPS (as vLLM): logits / 1e-308 overflow to inf, and softmax to NaN."""
+        return self.do_sample and self.temperature >= SAMPLING_EPS
 
     @property
     def method(self) -> str:

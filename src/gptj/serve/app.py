@@ -258,6 +258,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
                                 "queued); retry later", code="queue_full", headers={"Retry-After": "1"})
         run = Completion(body, served, the_plan)
         run.start = start
+        run.on_tokens = lambda n: state.metrics.count_tokens(served.name, n)
         run.submit()
         state.metrics.prompt_tokens.labels(served.name).inc(sum(len(p) for p in the_plan.prompts))
         if body.stream:
@@ -348,7 +349,6 @@ def _finish(run: Completion, state: ServerState, status: int) -> None:
     name = run.served.name
     now = time.perf_counter()
     state.metrics.observe(name, status, run.start, run.first_token, now, run.new_tokens)
-    state.metrics.count_tokens(name, run.new_tokens)
 
 
 def _sse(obj: Any) -> bytes:

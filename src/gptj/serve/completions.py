@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptj.decode import GenerationConfig
+from gptj.decode import SAMPLING_EPS, GenerationConfig
 from gptj.errors import GptjError
 from gptj.serve.protocol import CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from gptj.serve.registry import ServedModel
@@ -112,7 +113,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
         else:
             if body.best_of is not None and body.best_of != body.n:
                 raise APIError(400, "best_of other than n needs use_beam_search", "best_of")
-            sample = body.temperature > 0
+            sample = body.temperature >= SAMPLING_EPS
             # max_tokens 0 (scoring the prompt): the engine makes one token, which is dropped
             base = GenerationConfig(max_new_tokens=max(1, body.max_tokens), min_new_tokens=body.min_tokens,
                                     do_sample=sample,
@@ -260,6 +261,7 @@ class Completion:
         self.choices = [_Choice(served.tokenizer, stop, stop_ids, body.min_tokens) for _ in range(the_plan.n_choices)]
         self.prompt_logprobs: dict[int, list] = {}  # job -> the prompt's TokenLogprobs (echo + logprobs)
         self.error: str | None = None
+        self.on_tokens: Callable[[int], None] = lambda n: None  # new tokens as the engine makes them (metrics)
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._handles: list = []
         self._jobs_done = [False] * len(the_plan.jobs)
@@ -338,6 +340,7 @@ class Completion:
             choice = self.choices[job.first]
             was = choice.finished
             choice.add(e.token, e.logprob)
+            self.on_tokens(1)
             if choice.finished and not was:
                 self._handles[e.job].cancel()  # a stop string or token: the engine can stop
             return {job.first}
@@ -355,6 +358,7 @@ class Completion:
                 choice = self.choices[job.first + k]
                 for t in tokens:
                     choice.add(t)
+                self.on_tokens(len(tokens))
                 choice.finish(self._reason(tokens, job))
             return set(range(job.first, job.first + job.n))
         choice = self.choices[job.first]
