@@ -14,6 +14,7 @@ Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim, E n_embd.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +88,9 @@ class KVCache:
     """
 
     def __init__(self, config: GPTJConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch_size, config.n_head, max_len, config.head_dim)
+                 dtype: torch.dtype, device: torch.device | str, n_head: int | None = None) -> None:
+        # n_head: the heads this process computes (tensor parallel: n_head / world size)
+        shape = (batch_size, n_head or config.n_head, max_len, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.max_len = max_len
@@ -171,12 +173,18 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = Attention(config)
         self.mlp = MLP(config)
+        # Tensor parallel (gptj.parallel.tp): sums the ranks' partial attn + mlp outputs, one
+        # all-reduce per layer, since GPT-J computes both branches from the same LayerNorm.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         x = self.ln_1(h)
-        # Same summation order as HF: attn + mlp + residual.
-        return self.attn(x, sin, cos, mask, cache, layer) + self.mlp(x) + h
+        # Same summation order as HF: (attn + mlp) + residual.
+        out = self.attn(x, sin, cos, mask, cache, layer) + self.mlp(x)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        return out + h
 
 
 class Transformer(nn.Module):
@@ -268,9 +276,15 @@ class GPTJForCausalLM(nn.Module):
             h = h[:, -logits_to_keep:]
         return self.lm_head(self.transformer.ln_f(h)).float()
 
+    @property
+    def kv_heads(self) -> int:
+        """Attention heads this model computes: n_head, or its share under tensor parallelism."""
+        block = self.transformer.h[0]
+        return getattr(block, "attn", block).n_head
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         w = self.transformer.wte.weight  # the activations' dtype: wte is never quantized
-        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device)
+        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)
 
 
 def build_model(config: GPTJConfig, device: torch.device | str = "cpu",

@@ -137,7 +137,8 @@ class Engine:
         tail_len = min(config.max_new_tokens or slot_len, slot_len)
         n_slots = config.n_slots or groups_from_memory(model.config, kv_dtype, w.device, slot_len, tail_len, 1,
                                                        config.memory_fraction)
-        self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device)
+        self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device,
+                           n_head=model.kv_heads)
         self.max_batch_size = config.max_batch_size or n_slots
         self.kernels = prepare_for_serving(model, config.kernels, max_rows=min(self.max_batch_size, n_slots))
         self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto")

@@ -91,11 +91,11 @@ class _Slots:
 
 class KVPool:
     def __init__(self, config: GPTJConfig, n_prompt_slots: int, prompt_len: int, n_tail_slots: int,
-                 tail_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 tail_len: int, dtype: torch.dtype, device: torch.device | str, n_head: int | None = None) -> None:
         if min(n_prompt_slots, prompt_len, n_tail_slots, tail_len) < 1:
             raise GptjError(f"KV memory needs at least one slot of one token (prompts {n_prompt_slots} x "
                             f"{prompt_len}, tails {n_tail_slots} x {tail_len})")
-        H, D = config.n_head, config.head_dim
+        H, D = n_head or config.n_head, config.head_dim  # n_head: this rank's heads (tensor parallel)
         try:
             self.prompt_k = [torch.empty((n_prompt_slots, H, prompt_len, D), dtype=dtype, device=device)
                              for _ in range(config.n_layer)]

@@ -1,0 +1,1 @@
+"""Scale-out on torch.distributed: tensor parallelism (tp.py)."""

@@ -1,0 +1,83 @@
+"""Tensor parallel: TP=2 (two gloo processes) equals TP=1 in float32, one all-reduce per layer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gptj.config import GPTJConfig
+from gptj.decode import GenerationConfig, generate
+from gptj.engine import Engine, EngineConfig
+from gptj.errors import GptjError
+from gptj.parallel.tp import shard_model
+from gptj.weights.io import model_from_state_dict, random_state_dict
+
+CFG = GPTJConfig(n_layer=3, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=128, vocab_size=512)
+PROMPTS = [[5, 17, 300, 42, 9], [7, 7, 100]]
+GENS = {"greedy": GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0),
+        "beam": GenerationConfig(max_new_tokens=8, num_beams=3, eos_token_id=None, pad_token_id=0),
+        "sample": GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.9, top_k=50, seed=3,
+                                   eos_token_id=None, pad_token_id=0)}
+
+
+def full_model():
+    return model_from_state_dict(CFG, random_state_dict(CFG, seed=11, std=0.3)).eval()
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = full_model()
+        reduce = shard_model(model, rank, world)
+        ids = torch.tensor([PROMPTS[0]])
+        with torch.inference_mode():
+            logits = model(ids)
+        calls_per_forward = reduce.calls
+        tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
+        # the engine too: every rank schedules the same requests the same way, in lockstep
+        engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+        engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
+        if rank == 0:
+            torch.save({"logits": logits, "calls": calls_per_forward, "tokens": tokens, "engine": engine_tokens,
+                        "heads": model.kv_heads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    out = str(tmp / "rank0.pt")
+    mp.start_processes(_rank, args=(2, f"file://{tmp / 'rendezvous'}", out), nprocs=2, join=True,
+                       start_method="spawn")
+    return torch.load(out, weights_only=True)
+
+
+def test_tp2_logits_equal_tp1(tp2):
+    with torch.inference_mode():
+        want = full_model()(torch.tensor([PROMPTS[0]]))
+    torch.testing.assert_close(tp2["logits"], want, rtol=1e-5, atol=1e-5)
+    assert tp2["heads"] == CFG.n_head // 2
+
+
+def test_exactly_one_all_reduce_per_layer(tp2):
+    assert tp2["calls"] == CFG.n_layer
+
+
+@pytest.mark.parametrize("name", sorted(GENS))
+def test_tp2_tokens_equal_tp1(tp2, name):
+    assert tp2["tokens"][name] == generate(full_model(), PROMPTS, GENS[name])
+    engine = Engine(full_model(), EngineConfig(n_slots=8, kernels="off", compile="off"))
+    assert tp2["engine"][name] == engine.generate(PROMPTS, GENS[name])
+
+
+def test_plans_that_do_not_divide_are_refused():
+    with pytest.raises(GptjError, match=r"n_head \(4\) divisible by 3"):
+        shard_model(full_model(), 0, 3)
+    reduce = shard_model(full_model(), 0, 1)  # one rank: the model as it was
+    assert reduce.calls == 0
