@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -81,3 +82,25 @@ def test_plans_that_do_not_divide_are_refused():
         shard_model(full_model(), 0, 3)
     reduce = shard_model(full_model(), 0, 1)  # one rank: the model as it was
     assert reduce.calls == 0
+
+
+def test_cli_generate_tp2_equals_tp1(tmp_path, capsys):
+    from gptj.cli import main
+
+    model = tmp_path / "tiny"
+    assert main(["init", "--preset", "tiny", "--out", str(model), "--seed", "1"]) == 0
+    capsys.readouterr()
+    args = ["generate", "--model", str(model), "--prompt", "Hello world", "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "6", "--num-beams", "2", "--json"]
+    outs = []
+    for tp in ("1", "2"):
+        assert main(args + ["--tp", tp]) == 0
+        outs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert outs[0] == outs[1] and len(outs[0]) == 2
+    # bfloat16 through the fused serving blocks, sharded
+    assert main(["generate", "--model", str(model), "--prompt", "Hi", "--max-new-tokens", "4", "--dtype",
+                 "bfloat16", "--json", "--tp", "2"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    assert main(args + ["--tp", "3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "divisible by 3" in err

@@ -93,10 +93,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from gptj.decode import GenerationConfig
-    from gptj.engine import Engine, EngineConfig
-    from gptj.engine.kv import groups_from_memory
-    from gptj.runtime import parse_dtype, resolve_device
-    from gptj.weights.io import load_model
+    from gptj.parallel.launch import NOT_RANK0, run_parallel, under_torchrun
 
     if not args.prompt and not args.prompt_ids:
         raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
@@ -110,18 +107,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
-    device = resolve_device(args.device)
-    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
-                       group_size=args.group_size)
-    # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
-    K = gen.num_beams
-    slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
-    groups = min(len(prompts), groups_from_memory(model.config, model.transformer.wte.weight.dtype, device,
-                                                  slot_len, gen.max_new_tokens, K, fraction=0.8))
-    n_seqs = max(args.kv_slots or groups * K, 1)
-    engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=gen.max_new_tokens,
-                                        n_prompts=max(1, n_seqs // K), compile=args.compile, kernels=args.kernels))
-    outputs = engine.generate(prompts, gen)
+    payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
+    if args.tp > 1 or under_torchrun():
+        outputs = run_parallel(_generate_job, args.tp, payload, device=args.device)
+        if outputs is NOT_RANK0:
+            return 0
+    else:
+        outputs = _generate_job(0, 1, payload)
     for prompt, new in zip(prompts, outputs):
         text = tok.decode(new)
         if args.json:
@@ -185,6 +177,35 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
     return 0
+
+
+def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
+    """gptj generate's work on one rank (all of it when world is 1): load, shard, run the engine."""
+    from gptj.engine import Engine, EngineConfig
+    from gptj.engine.kv import groups_from_memory
+    from gptj.parallel.launch import rank_device
+    from gptj.parallel.tp import shard_model
+    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.weights.io import load_model
+
+    args, gen, prompts = argparse.Namespace(**payload["args"]), payload["gen"], payload["prompts"]
+    device = resolve_device(rank_device(args.device) if world > 1 else args.device)
+    if world > 1 and args.quantize:
+        raise GptjError("--tp with --quantize is not supported yet: shard a float model")
+    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
+                       group_size=args.group_size)
+    if world > 1:
+        shard_model(model, rank, world)
+    # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
+    K = gen.num_beams
+    slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
+    groups = min(len(prompts), groups_from_memory(model.config, model.transformer.wte.weight.dtype, device,
+                                                  slot_len, gen.max_new_tokens, K, fraction=0.8))
+    # Every rank sizes its engine the same way (ranks must schedule identically).
+    n_seqs = max(args.kv_slots or groups * K, 1)
+    engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=gen.max_new_tokens,
+                                        n_prompts=max(1, n_seqs // K), compile=args.compile, kernels=args.kernels))
+    return engine.generate(prompts, gen)
 
 
 def _modes(text: str) -> list[str]:
@@ -342,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
     _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
     _add_engine_flags(p)
+    p.add_argument("--tp", type=_positive, default=1,
+                   help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
+                        "run under torchrun --nproc-per-node N")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 

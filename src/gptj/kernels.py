@@ -184,6 +184,7 @@ class FusedBlock(nn.Module):
         self.ln_1 = block.ln_1
         self.n_head, self.head_dim, self.rope_dim = attn.n_head, attn.head_dim, attn.rope_dim
         self.n_embd = attn.q_proj.in_features
+        self.reduce = block.reduce  # tensor parallel: this rank's heads and ffn slice, summed per layer
         self.w_in = concat_out_features([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in])
         if type(attn.out_proj) is nn.Linear and type(mlp.fc_out) is nn.Linear:
             self.w_out = concat_in_features(attn.out_proj, mlp.fc_out)
@@ -194,8 +195,9 @@ class FusedBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache, layer: int) -> torch.Tensor:  # noqa: ANN001 - a KV cache (model.KVCache or the engine's)
-        B, T, E = h.shape
+        B, T, _ = h.shape
         H, D, R = self.n_head, self.head_dim, self.rope_dim
+        E = H * D  # n_embd, or this rank's heads under tensor parallelism
         y = self.w_in(self.ln_1(h))  # (B, T, 3E + inner)
         qkv = y[..., :3 * E].view(B, T, 3, H, D)
         if R:
@@ -205,9 +207,10 @@ class FusedBlock(nn.Module):
         a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
         a = a.transpose(1, 2).reshape(B, T, E)
         g = gelu_new(y[..., 3 * E:])
-        if self.w_out is not None:
-            return self.w_out(torch.cat([a, g], dim=-1)) + h
-        return self.out_proj(a) + self.fc_out(g) + h
+        out = self.w_out(torch.cat([a, g], dim=-1)) if self.w_out is not None else self.out_proj(a) + self.fc_out(g)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        return out + h
 
 
 def _fusable(block: nn.Module) -> bool:

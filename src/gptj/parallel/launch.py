@@ -1,0 +1,95 @@
+"""Start N ranks of a job: under torchrun (this process is one rank) or spawned by gptj itself.
+
+    run_parallel(job, world, payload) -> rank 0's return value (in the calling process)
+
+`job(rank, world, payload)` runs in every rank after torch.distributed is initialized: gloo on
+CPU, NCCL on CUDA (each rank on cuda:LOCAL_RANK). Spawned ranks meet through a file in a private
+temporary folder, split the CPU's threads between them, and hand rank 0's JSON-able result (or
+a GptjError's one line) back through that folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gptj.errors import GptjError
+
+Job = Callable[[int, int, Any], Any]
+NOT_RANK0 = object()  # under torchrun, what run_parallel returns on ranks other than 0 (they print nothing)
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str) -> str:
+    """cuda -> cuda:LOCAL_RANK (one GPU per rank); cpu stays cpu."""
+    if device.startswith("cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend_for(device), init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=world)
+    try:
+        result, error = job(rank, world, payload), None
+    except GptjError as e:
+        result, error = None, str(e)
+    except Exception as e:  # noqa: BLE001 - one line for the parent; the traceback with --debug
+        result, error = None, f"rank {rank}: {type(e).__name__}: {e}"
+        if payload.get("debug") if isinstance(payload, dict) else False:
+            traceback.print_exc()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 or error is not None:
+        out = Path(folder) / f"rank{rank}.json"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"result": result, "error": error}))
+        tmp.replace(out)
+
+
+def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any:
+    """Run `job` on `world` ranks; return rank 0's result. A rank's GptjError is raised here."""
+    if world < 1:
+        raise GptjError(f"--tp must be a positive integer, got {world}")
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise GptjError(f"torchrun started {os.environ['WORLD_SIZE']} processes but --tp is {world}")
+        dist.init_process_group(backend_for(device))
+        rank = dist.get_rank()
+        try:
+            result = job(rank, world, payload)
+        finally:
+            dist.destroy_process_group()
+        return result if rank == 0 else NOT_RANK0
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="gptj-tp-") as folder:
+        try:
+            mp.start_processes(_spawned, args=(job, world, payload, folder, device), nprocs=world, join=True,
+                               start_method="spawn")
+        except mp.ProcessExitedException as e:
+            raise GptjError(f"a rank of the parallel job died (exit code {e.exit_code})") from None
+        reports = {p.stem: json.loads(p.read_text()) for p in Path(folder).glob("rank*.json")}
+        errors = [r["error"] for r in reports.values() if r["error"]]
+        if errors:
+            raise GptjError(errors[0])
+        if "rank0" not in reports:
+            raise GptjError("rank 0 of the parallel job reported nothing")
+        return reports["rank0"]["result"]
