@@ -104,3 +104,40 @@ def test_cli_generate_tp2_equals_tp1(tmp_path, capsys):
     assert main(args + ["--tp", "3"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "divisible by 3" in err
+
+
+def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from gptj.cli import main
+    from gptj.parallel.tp import load_rank, shard_file, shard_state_dict
+    from gptj.weights.io import load_model, save_checkpoint
+
+    cfg = CFG.replace(vocab_size=50400)  # GPT-J's, so that generate's EOS is in the vocabulary
+    src = save_checkpoint(random_state_dict(cfg, seed=11, std=0.3), cfg, tmp_path / "src")
+    out = tmp_path / "converted"
+    assert main(["convert", str(src), "--out", str(out), "--tp", "2", "--quiet"]) == 0
+    full = load_model(out)
+    for rank in range(2):
+        path = shard_file(out, rank, 2)
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata()["tp_rank"] == str(rank)
+            stored = {n: f.get_tensor(n) for n in f.keys()}
+        want = shard_state_dict(full.state_dict(), cfg, rank, 2)
+        assert stored.keys() == want.keys()
+        assert all(torch.equal(stored[n], want[n]) for n in want)
+        model = load_rank(out, rank, 2, torch.float32, "cpu")  # no process group needed to load
+        assert model.kv_heads == 2 and model.lm_head.weight.shape == (cfg.vocab_size // 2, cfg.n_embd)
+        assert all(torch.equal(model.state_dict()[n], want[n]) for n in want)
+    # generate --tp 2 reads the shards (a checkpoint without them is sharded after loading)
+    args = ["generate", "--model", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--json"]
+    capsys.readouterr()
+    assert main(args) == 0 and main(args + ["--tp", "2"]) == 0
+    one, two = capsys.readouterr().out.splitlines()
+    assert json.loads(one)["token_ids"] == json.loads(two)["token_ids"]
+    for f in out.glob("model*.safetensors*"):  # the ranks read only their shards
+        f.unlink()
+    assert main(args + ["--tp", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == json.loads(one)["token_ids"]
+    assert main(["convert", str(src), "--out", str(tmp_path / "bad"), "--tp", "3", "--quiet"]) == 1
+    assert "divisible by 3" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -86,7 +86,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
     out = convert(args.src, args.out, fmt=args.fmt, dtype=dtype, config=args.config,
-                  overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size)
+                  overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size,
+                  tp=args.tp)
     print(f"wrote {out}")
     return 0
 
@@ -184,7 +185,7 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
     from gptj.parallel.launch import rank_device
-    from gptj.parallel.tp import shard_model
+    from gptj.parallel.tp import load_rank, shard_file, shard_model
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.weights.io import load_model
 
@@ -192,10 +193,13 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     device = resolve_device(rank_device(args.device) if world > 1 else args.device)
     if world > 1 and args.quantize:
         raise GptjError("--tp with --quantize is not supported yet: shard a float model")
-    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
-                       group_size=args.group_size)
-    if world > 1:
-        shard_model(model, rank, world)
+    if world > 1 and shard_file(args.model, rank, world).is_file():  # written by gptj convert --tp N
+        model = load_rank(args.model, rank, world, parse_dtype(args.dtype), device)
+    else:
+        model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
+                           group_size=args.group_size)
+        if world > 1:
+            shard_model(model, rank, world)
     # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
     K = gen.num_beams
     slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
@@ -343,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_quantize_flags(p, "write weight-only int8/int4 linears (a gptj-only format: HF transformers cannot load it)")
+    p.add_argument("--tp", type=_positive, help="also write per-rank tensor-parallel shards (tp{N}/rank{r}.safetensors)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from prompts",

@@ -20,12 +20,18 @@ the same seed on every rank. Backends: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from gptj.config import GPTJConfig
 from gptj.errors import GptjError
-from gptj.model import GPTJForCausalLM
+from gptj.model import Block, GPTJForCausalLM, build_model
 
 
 class AllReduce:
@@ -41,15 +47,14 @@ class AllReduce:
 
 
 class VocabParallelHead(nn.Module):
-    """lm_head over this rank's slice of the vocabulary; forward all-gathers the full logits."""
+    """lm_head over this rank's slice of the vocabulary; forward all-gathers the full logits.
+    Made with meta parameters of shape (V / world, E); the rank's tensors are loaded into it."""
 
-    def __init__(self, head: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, rows: int, n_embd: int, bias: bool, dtype: torch.dtype, world: int,
+                 group: dist.ProcessGroup | None) -> None:
         super().__init__()
-        V = head.out_features
-        part = V // world
-        rows = slice(rank * part, (rank + 1) * part)
-        self.weight = nn.Parameter(head.weight.detach()[rows].clone(), requires_grad=False)
-        self.bias = None if head.bias is None else nn.Parameter(head.bias.detach()[rows].clone(), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty((rows, n_embd), dtype=dtype, device="meta"), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device="meta"), requires_grad=False) if bias else None
         self.world, self.group = world, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,25 +64,76 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _keep_cols(linear: nn.Linear, cols: slice, keep_bias: bool) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[:, cols].clone(), requires_grad=False)
-    if linear.bias is not None and not keep_bias:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
-    linear.in_features = linear.weight.shape[1]
-
-
-def check_plan(model: GPTJForCausalLM, world: int) -> None:
-    c = model.config
-    for what, n in (("n_head", c.n_head), ("inner_dim", c.inner_dim), ("vocab_size", c.vocab_size)):
+def check_plan(config: GPTJConfig, world: int) -> None:
+    for what, n in (("n_head", config.n_head), ("inner_dim", config.inner_dim), ("vocab_size", config.vocab_size)):
         if n % world:
             raise GptjError(f"tensor parallel over {world} ranks needs {what} ({n}) divisible by {world}")
+
+
+def _part(n: int, rank: int, world: int) -> slice:
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def shard_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, rank: int,
+                     world: int) -> dict[str, torch.Tensor]:
+    """Rank's tensors of a full float state dict, under the plan above (the one source of it)."""
+    check_plan(config, world)
+    heads, ffn = _part(config.n_embd, rank, world), _part(config.inner_dim, rank, world)
+    vocab = _part(config.vocab_size, rank, world)
+    out = {}
+    for name, t in state_dict.items():
+        leaf = name.split(".", 3)[-1] if name.startswith("transformer.h.") else name
+        if leaf in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"):
+            t = t[heads]
+        elif leaf == "attn.out_proj.weight":
+            t = t[:, heads]
+        elif leaf in ("mlp.fc_in.weight", "mlp.fc_in.bias"):
+            t = t[ffn]
+        elif leaf == "mlp.fc_out.weight":
+            t = t[:, ffn]
+        elif leaf == "mlp.fc_out.bias" and rank != 0:
+            t = torch.zeros_like(t)
+        elif name in ("lm_head.weight", "lm_head.bias"):
+            t = t[vocab]
+        elif t.dtype in (torch.int8, torch.uint8):
+            raise GptjError("tensor parallel shards a float model; shard before quantizing")
+        out[name] = t.contiguous().clone() if world > 1 else t
+    return out
+
+
+def _resize(linear: nn.Linear, out_features: int, in_features: int) -> None:
+    """Shapes only (meta tensors): load_state_dict(assign=True) then puts the rank's tensors in."""
+    w = linear.weight
+    linear.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=w.dtype, device="meta"),
+                                 requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.empty(out_features, dtype=linear.bias.dtype, device="meta"),
+                                   requires_grad=False)
+    linear.out_features, linear.in_features = out_features, in_features
+
+
+def reshape_for_rank(model: GPTJForCausalLM, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
+    """Give `model`'s modules rank-sized (meta) parameters, fewer heads, and the per-layer all-reduce."""
+    c = model.config
+    check_plan(c, world)
+    reduce = AllReduce(group)
+    if world == 1:
+        return reduce
+    E, inner = c.n_embd, c.inner_dim
+    for block in model.transformer.h:
+        if type(block) is not Block or type(block.attn.q_proj) is not nn.Linear or type(block.mlp.fc_in) is not nn.Linear:
+            raise GptjError("tensor parallel shards a plain float model; shard before quantizing or fusing")
+        attn, mlp = block.attn, block.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            _resize(proj, E // world, E)
+        _resize(attn.out_proj, E, E // world)
+        _resize(mlp.fc_in, inner // world, E)
+        _resize(mlp.fc_out, E, inner // world)
+        attn.n_head = c.n_head // world
+        block.reduce = reduce
+    model.lm_head = VocabParallelHead(c.vocab_size // world, E, model.lm_head.bias is not None,
+                                      model.lm_head.weight.dtype, world, group)
+    return reduce
 
 
 def shard_model(model: GPTJForCausalLM, rank: int, world: int,
@@ -87,24 +143,38 @@ def shard_model(model: GPTJForCausalLM, rank: int, world: int,
     Returns the AllReduce every block now calls (its `calls` counts the all-reduces)."""
     if not 0 <= rank < world:
         raise GptjError(f"rank {rank} is not in [0, {world})")
-    check_plan(model, world)
-    reduce = AllReduce(group)
-    if world == 1:
-        return reduce
-    c = model.config
-    E, inner = c.n_embd, c.inner_dim
-    heads = slice(rank * E // world, (rank + 1) * E // world)  # whole heads: rows h*D .. (h+1)*D
-    ffn = slice(rank * inner // world, (rank + 1) * inner // world)
-    for block in model.transformer.h:
-        if type(block.attn.q_proj) is not nn.Linear or type(block.mlp.fc_in) is not nn.Linear:
-            raise GptjError("tensor parallel shards a plain float model; shard before quantizing or fusing")
-        attn, mlp = block.attn, block.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _keep_rows(proj, heads)
-        attn.n_head = c.n_head // world
-        _keep_cols(attn.out_proj, heads, keep_bias=True)  # out_proj has no bias
-        _keep_rows(mlp.fc_in, ffn)
-        _keep_cols(mlp.fc_out, ffn, keep_bias=rank == 0)
-        block.reduce = reduce
-    model.lm_head = VocabParallelHead(model.lm_head, rank, world, group)
+    device = model.transformer.wte.weight.device
+    sd = shard_state_dict(model.state_dict(), model.config, rank, world)
+    reduce = reshape_for_rank(model, world, group)
+    if world > 1:
+        model.load_state_dict(sd, strict=True, assign=True)
+        model.init_buffers(device)
     return reduce
+
+
+def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
+    """Where `gptj convert --tp N` puts rank's tensors: DIR/tp{N}/rank{r}.safetensors."""
+    return Path(folder) / f"tp{world}" / f"rank{rank}.safetensors"
+
+
+def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, folder: Path, world: int) -> None:
+    """Per-rank files (FasterTransformer's {N}-gpu/ idea), so each rank reads only its own."""
+    (folder / f"tp{world}").mkdir()
+    for rank in range(world):
+        save_file(shard_state_dict(state_dict, config, rank, world), str(shard_file(folder, rank, world)),
+                  metadata={"format": "pt", "tp_rank": str(rank), "tp_world": str(world)})
+
+
+def load_rank(folder: str | os.PathLike, rank: int, world: int, dtype: torch.dtype,
+              device: torch.device | str) -> GPTJForCausalLM:
+    """Rank's model from its shard file alone (GptjError if there is none)."""
+    path = shard_file(folder, rank, world)
+    if not path.is_file():
+        raise GptjError(f"{path}: no such shard (write it with gptj convert --tp {world})")
+    config = GPTJConfig.from_json_file(Path(folder) / "config.json")
+    model = build_model(config, device="meta", dtype=dtype)
+    reshape_for_rank(model, world)
+    sd = {n: t.to(dtype) if t.is_floating_point() else t for n, t in load_file(str(path), device=str(device)).items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_buffers(device)
+    return model.eval()

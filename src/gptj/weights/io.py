@@ -274,7 +274,9 @@ def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, 
 
 
 def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: Path, overwrite: bool,
-                      progress: bool, max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True) -> Path:
+                      progress: bool, max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True,
+                      extra: Callable[[Path], None] | None = None) -> Path:
+    """`extra(folder)` writes more files into the folder before it is moved into place."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -305,8 +307,10 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
             from gptj.tokenizer import load_tokenizer
 
             load_tokenizer().save(tmp)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+        if extra is not None:
+            extra(tmp)
+        for f in tmp.rglob("*"):
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
         if out.exists():
             backup = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, backup)
@@ -322,8 +326,12 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", dtype: torch.dtype | None = None,
             config: str | os.PathLike | GPTJConfig | None = None, overwrite: bool = False,
-            progress: bool = False, quantize: str | None = None, group_size: int | None = None) -> Path:
+            progress: bool = False, quantize: str | None = None, group_size: int | None = None,
+            tp: int | None = None) -> Path:
     """Any supported checkpoint -> the canonical directory (nothing is left behind on failure).
+
+    `tp` N also writes per-rank tensor-parallel shards, DIR/tp{N}/rank{r}.safetensors, so that
+    each rank of `--tp N` reads only its own (gptj.parallel.tp).
 
     `quantize` ("int8" / "int4", `group_size` for int4) writes a quantized checkpoint (config.json
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
@@ -336,4 +344,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading", quantize=q)
     if q is not None:
         cfg = cfg.replace(quantization=q)
-    return _write_checkpoint(sd, cfg, Path(out), overwrite, progress)
+    extra = None
+    if tp is not None and tp > 1:
+        from gptj.parallel.tp import check_plan, write_shards
+
+        if q is not None:
+            raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
+        check_plan(cfg, tp)
+        extra = lambda folder: write_shards(sd, cfg, folder, tp)  # noqa: E731
+    return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
