@@ -42,9 +42,15 @@ def rank_device(device: str) -> str:
     return device
 
 
+def _use_rank_device(device: str) -> None:
+    if device.startswith("cuda"):  # NCCL works on the current device: one GPU per rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _use_rank_device(device)
     dist.init_process_group(backend_for(device), init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world)
     try:
@@ -71,6 +77,7 @@ def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise GptjError(f"torchrun started {os.environ['WORLD_SIZE']} processes but --tp is {world}")
+        _use_rank_device(device)
         dist.init_process_group(backend_for(device))
         rank = dist.get_rank()
         try:
