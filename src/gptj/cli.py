@@ -109,8 +109,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
     payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
-    if args.tp > 1 or under_torchrun():
-        outputs = run_parallel(_generate_job, args.tp, payload, device=args.device)
+    if args.tp > 1 and args.pp > 1:
+        raise GptjError("--tp and --pp together are not supported yet; use one of them")
+    if args.tp > 1 or args.pp > 1 or under_torchrun():
+        outputs = run_parallel(_generate_job, max(args.tp, args.pp), payload, device=args.device)
         if outputs is NOT_RANK0:
             return 0
     else:
@@ -185,6 +187,7 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
     from gptj.parallel.launch import rank_device
+    from gptj.parallel.pp import pipeline_model
     from gptj.parallel.tp import load_rank, shard_file, shard_model
     from gptj.runtime import parse_dtype, resolve_device
     from gptj.weights.io import load_model
@@ -192,14 +195,17 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     args, gen, prompts = argparse.Namespace(**payload["args"]), payload["gen"], payload["prompts"]
     device = resolve_device(rank_device(args.device) if world > 1 else args.device)
     if world > 1 and args.quantize:
-        raise GptjError("--tp with --quantize is not supported yet: shard a float model")
-    if world > 1 and shard_file(args.model, rank, world).is_file():  # written by gptj convert --tp N
+        raise GptjError("--tp / --pp with --quantize is not supported yet: split a float model")
+    tp = world if world > 1 and args.pp == 1 else 1
+    if tp > 1 and shard_file(args.model, rank, world).is_file():  # written by gptj convert --tp N
         model = load_rank(args.model, rank, world, parse_dtype(args.dtype), device)
     else:
         model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
                            group_size=args.group_size)
-        if world > 1:
+        if tp > 1:
             shard_model(model, rank, world)
+        elif world > 1:  # --pp: this rank's layers, micro-batches of the batch in flight
+            pipeline_model(model, rank, world, micro_batches=world)
     # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
     K = gen.num_beams
     slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
@@ -371,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, default=1,
                    help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
                         "run under torchrun --nproc-per-node N")
+    p.add_argument("--pp", type=_positive, default=1,
+                   help="pipeline parallel over N processes: the layers split, micro-batches in flight")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 

@@ -118,6 +118,14 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def rows(self, rows: slice) -> KVCache:
+        """A view of some rows (a pipeline micro-batch): writes land in this cache; the caller
+        advances this cache, not the view."""
+        view = object.__new__(KVCache)
+        view.k, view.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
+        view.max_len, view.length = self.max_len, self.length
+        return view
+
     def reorder(self, index: torch.Tensor) -> None:
         """Row b becomes old row index[b] (beam search keeps the beams it selected)."""
         n = self.length
@@ -225,6 +233,7 @@ class GPTJForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
         # [sin | cos] per position, float32; not saved (rebuilt after loading on the meta device).
         self.register_buffer("rope", rope_table(config.n_positions, config.rope_dim), persistent=False)
+        self.pipeline = None  # pipeline parallel: the stage this process runs (gptj.parallel.pp)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Rebuild non-persistent buffers (after `load_state_dict(assign=True)` from the meta device)."""
@@ -266,6 +275,8 @@ class GPTJForCausalLM(nn.Module):
         if int(position_ids.max()) >= self.config.n_positions:
             raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
 
+        if self.pipeline is not None:  # this rank runs some of the layers (gptj.parallel.pp)
+            return self.pipeline.run(self, input_ids, position_ids, mask, cache, logits_to_keep)
         h = self.transformer.wte(input_ids)  # (B, T, E)
         sin, cos = rotary_tables(self.rope, position_ids, h.dtype)
         for i, block in enumerate(self.transformer.h):

@@ -73,10 +73,10 @@ def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device:
 def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any:
     """Run `job` on `world` ranks; return rank 0's result. A rank's GptjError is raised here."""
     if world < 1:
-        raise GptjError(f"--tp must be a positive integer, got {world}")
+        raise GptjError(f"--tp / --pp must be a positive integer, got {world}")
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise GptjError(f"torchrun started {os.environ['WORLD_SIZE']} processes but --tp is {world}")
+            raise GptjError(f"torchrun started {os.environ['WORLD_SIZE']} processes but --tp / --pp asks for {world}")
         _use_rank_device(device)
         dist.init_process_group(backend_for(device))
         rank = dist.get_rank()
