@@ -418,7 +418,7 @@ def test_schema_fuzzing_of_every_route_finds_no_5xx(models):
         for path, method in operations:
             operation = schema[path][method.upper()]
             for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-                @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+                @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 15)), deadline=None, database=None, suppress_health_check=list(HealthCheck))
                 @given(case=operation.as_strategy(generation_mode=mode))
                 def check(case):
                     headers = {"Authorization": "Bearer adm"} if hash(repr(case.body)) % 2 else {}
@@ -540,6 +540,14 @@ def test_publish_ls_unpublish(server, models, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, err
     assert main(["ls", "--server", "http://127.0.0.1:9"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_admin_paths_that_are_not_paths_are_400(server):
+    for path in ("000\x00", "a" * 5000, "x/" * 2000):
+        status, out, _ = call(server.url, body={"name": "x", "path": path}, path="/admin/models",
+                              headers={"Authorization": "Bearer adm"})
+        assert status in (400, 403) and out["error"]["param"] == "path", (path[:20], out)
+    assert call(server.url, "GET", "/health")[0] == 200
 
 
 def test_admin_disabled_without_token(models):

@@ -291,6 +291,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             path = check_under_root(body.path, cfg.model_root)
         except PermissionError as e:
             raise APIError(403, str(e), "path") from None
+        except (ValueError, OSError) as e:  # a NUL byte, a name too long, a loop of links
+            raise APIError(400, f"path: not a usable file path ({e})", "path") from None
         if not (path / "config.json").is_file() and not path.is_dir():
             raise APIError(400, f"{body.path}: no such model folder", "path")
         state.models.pop(body.name, None)
