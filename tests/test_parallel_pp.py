@@ -4,41 +4,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gptj.decode import generate
 from gptj.engine import Engine, EngineConfig
 from gptj.parallel.pp import OtherStage, pipeline_model
-from test_parallel_tp import CFG, GENS, PROMPTS, full_model
-from gptj.decode import generate
+from test_parallel_tp import GENS, PROMPTS, full_model, spawn_ranks
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        model = full_model()
-        stage = pipeline_model(model, rank, world, micro_batches=2)
-        with torch.inference_mode():
-            logits = model(torch.tensor(PROMPTS[:1] * 2))
-        sends = stage.sends
-        tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
-        engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
-        engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
-        owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
-        result = {"logits": logits, "sends": sends, "tokens": tokens, "engine": engine_tokens, "owned": owned}
-        torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _pp_job(rank: int, world: int) -> dict:
+    model = full_model()
+    stage = pipeline_model(model, rank, world, micro_batches=2)
+    with torch.inference_mode():
+        logits = model(torch.tensor(PROMPTS[:1] * 2))
+    sends = stage.sends
+    tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
+    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
+    owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
+    return {"logits": logits, "sends": sends, "tokens": tokens, "engine": engine_tokens, "owned": owned}
 
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp")
-    out = str(tmp / "rank")
-    mp.start_processes(_rank, args=(2, f"file://{tmp / 'rendezvous'}", out), nprocs=2, join=True,
-                       start_method="spawn")
-    return [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    return spawn_ranks(_pp_job, 2, tmp_path_factory.mktemp("pp"))
 
 
 def test_pp2_logits_equal_pp1_on_every_rank(pp2):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -29,34 +28,38 @@ def full_model():
     return model_from_state_dict(CFG, random_state_dict(CFG, seed=11, std=0.3)).eval()
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _entry(rank: int, job, world: int, tmp: str) -> None:  # noqa: ANN001 - a module-level job function
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        model = full_model()
-        reduce = shard_model(model, rank, world)
-        ids = torch.tensor([PROMPTS[0]])
-        with torch.inference_mode():
-            logits = model(ids)
-        calls_per_forward = reduce.calls
-        tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
-        # the engine too: every rank schedules the same requests the same way, in lockstep
-        engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
-        engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
-        if rank == 0:
-            torch.save({"logits": logits, "calls": calls_per_forward, "tokens": tokens, "engine": engine_tokens,
-                        "heads": model.kv_heads}, out)
+        torch.save(job(rank, world), f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
+def spawn_ranks(job, world: int, tmp) -> list[dict]:  # noqa: ANN001
+    """Run job(rank, world) in `world` gloo processes; the dict each rank returns, by rank."""
+    mp.start_processes(_entry, args=(job, world, str(tmp)), nprocs=world, join=True, start_method="spawn")
+    return [torch.load(f"{tmp}/rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _tp_job(rank: int, world: int) -> dict:
+    model = full_model()
+    reduce = shard_model(model, rank, world)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPTS[0]]))
+    calls_per_forward = reduce.calls
+    tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
+    # the engine too: every rank schedules the same requests the same way, in lockstep
+    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
+    return {"logits": logits, "calls": calls_per_forward, "tokens": tokens, "engine": engine_tokens,
+            "heads": model.kv_heads}
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    out = str(tmp / "rank0.pt")
-    mp.start_processes(_rank, args=(2, f"file://{tmp / 'rendezvous'}", out), nprocs=2, join=True,
-                       start_method="spawn")
-    return torch.load(out, weights_only=True)
+    return spawn_ranks(_tp_job, 2, tmp_path_factory.mktemp("tp"))[0]
 
 
 def test_tp2_logits_equal_tp1(tp2):
