@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -68,6 +69,11 @@ def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps({"result": result, "error": error}))
         tmp.replace(out)
+    # Leave now: tearing down gloo's threads in the interpreter's exit sometimes aborts the process
+    # ("terminate called without an active exception") after the work is done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any:
