@@ -86,8 +86,8 @@ class DecodeAttention:
 
     mode "auto" compiles when the KV dtype is below float32 (and torch.compile works here),
     "on" compiles whatever the dtype, "off" never does. native=True (the engine's kernels "auto"):
-    bfloat16 KV on CPU goes to gptj.native's attention kernel when it is available, first. If compiling or running a compiled form
-    fails, it logs one warning and stays eager from then on.
+    bfloat16 KV on CPU goes first to gptj.native's attention kernel when it is available. If
+    compiling or running a compiled form fails, it logs one warning and stays eager from then on.
     """
 
     # Groups with fewer keys than this run eager. Measured on slot views (16 heads, bf16): compiled

@@ -152,9 +152,11 @@ class Engine:
 
     # --- requests ---
 
-    def validate(self, prompt: Sequence[int], gen: GenerationConfig) -> None:
+    def validate(self, prompt: Sequence[int], gen: GenerationConfig, logprobs: int | None = None) -> None:
         """GptjError unless the request can ever run here (thread-safe: reads only configuration)."""
         check_prompts(self.model, [prompt], gen)
+        if logprobs is not None and gen.num_beams > 1:
+            raise GptjError("logprobs are not available with beam search")
         if len(prompt) + gen.max_new_tokens > self.pool.prompt_len:
             raise GptjError(f"prompt of {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} exceeds the "
                             f"engine's {self.pool.prompt_len} tokens per sequence")
@@ -171,9 +173,7 @@ class Engine:
                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
         """Queue a request. `logprobs` / `prompt_logprobs` (top-k, 0 for the chosen token only) ask for
         log-probabilities of the new tokens (not with beam search) / of the prompt's tokens."""
-        self.validate(prompt, gen)
-        if logprobs is not None and gen.num_beams > 1:
-            raise GptjError("logprobs are not available with beam search")
+        self.validate(prompt, gen, logprobs)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise GptjError(f"request id {rid!r} is already in use")

@@ -48,9 +48,9 @@ class EngineLoop:
     def __init__(self, engine: Engine | Callable[[], Engine], batch_wait_ms: float = 0.0) -> None:
         """`engine`, or a function that builds one (loads the model...) on the loop's own thread.
 
-        Prefer the function: torch runs this loop's steps up to ~20% slower (2-core CPU, bfloat16,
-        measured in docs/PERFORMANCE.md) when the model was loaded and prepared on another thread
-        than the one that runs it. The constructor waits for the build and raises its error."""
+        Prefer the function: torch ran this loop's steps a quarter slower (2-core CPU, bfloat16;
+        docs/PERFORMANCE.md, "Which thread runs the engine") when the model was loaded and prepared
+        on another thread than the one that runs it. The constructor waits for the build and raises its error."""
         factory = None if isinstance(engine, Engine) else engine
         self.engine: Engine = engine if factory is None else None  # type: ignore[assignment]
         self.batch_wait_s = max(0.0, batch_wait_ms) / 1000
@@ -74,9 +74,7 @@ class EngineLoop:
         """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread)."""
         if self._stop.is_set():
             raise GptjError("the engine is shut down")
-        self.engine.validate(prompt, gen)
-        if logprobs is not None and gen.num_beams > 1:
-            raise GptjError("logprobs are not available with beam search")
+        self.engine.validate(prompt, gen, logprobs)
         with self._lock:
             self._ids += 1
             rid = f"loop-{self._ids}"
