@@ -137,7 +137,8 @@ class Health(BaseModel):
     models: list[str]
 
 
-ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # a served model's name (also checked for --model NAME=)
+ModelName = Annotated[str, Field(pattern=f"^{MODEL_NAME}$")]
 
 
 class LoadModelRequest(BaseModel):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptj.errors import GptjError
+from gptj.serve.protocol import MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class ServerConfig:
 
 
 def check_model_name(name: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+    if not re.fullmatch(MODEL_NAME, name):
         raise GptjError(f"model name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
 
 
