@@ -10,9 +10,13 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from gptj.errors import GptjError
+
+if TYPE_CHECKING:
+    from gptj.serve import ServerConfig
 
 EXIT_USER_ERROR = 1
 
@@ -126,25 +130,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...] = ()) -> ServerConfig:
     from gptj.serve import ServerConfig
+
+    return ServerConfig(models=models, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                        batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
+                        request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                        api_key=args.api_key, admin_token=getattr(args, "admin_token", None),
+                        model_root=getattr(args, "model_root", None), dtype=args.dtype, device=args.device,
+                        quantize=args.quantize, group_size=args.group_size, kv_slots=args.kv_slots,
+                        max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
+                        compile=args.compile, kernels=args.kernels)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from gptj.serve.registry import parse_model_arg
     from gptj.serve.server import serve
 
+    if not args.ray:
+        for flag in ("replicas", "address", "cpus_per_replica", "gpus_per_replica"):
+            if getattr(args, flag) is not None:
+                raise GptjError(f"--{flag.replace('_', '-')} needs --ray")
     models = tuple(parse_model_arg(m) for m in args.model)
     for name, path in models:
         if not Path(path).is_dir():
             raise GptjError(f"--model {name}={path}: no such model folder")
-    cfg = ServerConfig(models=models, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                       batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
-                       request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
-                       api_key=args.api_key, admin_token=args.admin_token, model_root=args.model_root,
-                       dtype=args.dtype, device=args.device, quantize=args.quantize, group_size=args.group_size,
-                       kv_slots=args.kv_slots, max_model_len=args.max_model_len,
-                       prefill_chunk=args.prefill_chunk or None, compile=args.compile,
-                       kernels=args.kernels)
+    if args.ray:  # replicas resolve the folder themselves, on whichever node hosts them
+        models = tuple((name, str(Path(path).resolve())) for name, path in models)
+    cfg = _server_config(args, models)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if args.ray:
+        from gptj.serve import ray_api
+
+        if args.admin_token:
+            raise GptjError("--admin-token is for the single-machine server; with --ray, use gptj publish "
+                            "--ray-address")
+        ray_api().run_server(cfg, args.address, replicas=args.replicas or 1, cpus=args.cpus_per_replica or 1.0,
+                             gpus=args.gpus_per_replica or 0.0)
+        return 0
     serve(cfg, log_level=args.log_level)
     return 0
 
@@ -155,30 +179,75 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | N
     return request_json(args.server, method, path, body, token=args.admin_token, timeout=args.timeout)
 
 
+def _ray(args: argparse.Namespace):  # noqa: ANN202 - gptj.serve.ray_serve, connected
+    from gptj.serve import ray_api
+
+    module = ray_api()
+    module.connect(args.ray_address)
+    return module
+
+
+_RAY_ONLY = ("replicas", "cpus_per_replica", "gpus_per_replica")
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
-    out = _admin_call(args, "POST", "/admin/models", {"name": args.name, "path": args.path})
-    print(f"published {out['name']} ({out['status']})")
+    if args.ray_address is None:
+        for flag in _RAY_ONLY:
+            if getattr(args, flag) is not None:
+                raise GptjError(f"--{flag.replace('_', '-')} needs --ray-address (a single server has one engine "
+                                f"per model)")
+        out = _admin_call(args, "POST", "/admin/models", {"name": args.name, "path": args.path})
+        print(f"published {out['name']} ({out['status']})")
+        return 0
+    from gptj.serve import ray_api
+
+    replicas = args.replicas or 1
+    ray_api().check_publishable(args.name, replicas)
+    ray_serve = _ray(args)
+    cfg = _server_config(args)
+    path = str(Path(args.path).resolve()) if Path(args.path).is_dir() else args.path  # else: on the nodes only
+    ray_serve.start_http(args.host, args.port)  # Serve's HTTP proxy, if it is not running yet
+    ray_serve.ensure_gateway()
+    ray_serve.publish(args.name, path, cfg, replicas=replicas, cpus=args.cpus_per_replica or 1.0,
+                      gpus=args.gpus_per_replica or 0.0)
+    print(f"published {args.name} ({replicas} replica{'s' * (replicas > 1)}, route /{args.name})")
     return 0
 
 
 def cmd_unpublish(args: argparse.Namespace) -> int:
+    if args.ray_address is not None:
+        _ray(args).unpublish(args.name)
+        print(f"unpublished {args.name}")
+        return 0
     out = _admin_call(args, "DELETE", f"/admin/models/{args.name}")
     print(f"unpublished {out['name']}")
     return 0
 
 
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from gptj.serve.client import request_json
 
+    if args.ray_address is not None:
+        models = _ray(args).list_models()
+        if args.json:
+            print(json.dumps(models, indent=2))
+            return 0
+        _print_table([("NAME", "REPLICAS", "STATUS", "ROUTE")] + [
+            (m["name"], f"{m['replicas_running']}/{m['replicas_target']}", str(m["status"]), str(m["route"]))
+            for m in models])
+        return 0
     models = request_json(args.server, "GET", "/v1/models", token=args.api_key, timeout=args.timeout)["data"]
     if args.json:
         print(json.dumps(models, indent=2))
         return 0
-    rows = [("NAME", "STATUS", "MAX_LEN", "PATH")] + [(m["id"], m.get("status", "ready"), str(m.get("max_model_len",
-                                                       "")), m.get("root", "")) for m in models]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    _print_table([("NAME", "STATUS", "MAX_LEN", "PATH")] + [
+        (m["id"], m.get("status", "ready"), str(m.get("max_model_len", "")), m.get("root", "")) for m in models])
     return 0
 
 
@@ -320,6 +389,39 @@ def _add_quantize_flags(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--group-size", type=_positive, help="int4 group size: 32, 64, 128 (default) or 256")
 
 
+def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 - a parser or a group
+    """What a served model runs with: gptj serve, and gptj publish on a Ray cluster."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_nonnegative, default=8000)
+    p.add_argument("--max-batch-size", type=_positive, default=8,
+                   help="sequences per engine step, beams counted each (default 8)")
+    p.add_argument("--batch-wait-ms", type=_nonnegative_float, default=0.0,
+                   help="an idle engine waits this long for more requests before starting (default 0)")
+    p.add_argument("--max-queue", type=_nonnegative, default=64,
+                   help="requests queued beyond a full batch; more are refused with 429 (default 64)")
+    p.add_argument("--request-timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
+    p.add_argument("--drain-timeout-s", type=_positive_float, default=30.0,
+                   help="on SIGTERM, how long running requests may finish (default 30)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
+                                                      "allows)")
+    p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")
+    p.add_argument("--prefill-chunk", type=_nonnegative, default=512,
+                   help="prompt tokens prefilled per engine step, so long prompts do not stall running requests "
+                        "(default 512; 0: whole prompts)")
+    p.add_argument("--dtype", choices=dtype_names, default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
+    _add_engine_flags(p)
+
+
+def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
+    p.add_argument("--replicas", type=_positive, help="replicas of each model (default 1)")
+    p.add_argument("--cpus-per-replica", type=_positive_float, help="Ray CPUs per replica, and its torch threads "
+                                                                    "(default 1)")
+    p.add_argument("--gpus-per-replica", type=_nonnegative_float, help="Ray GPUs per replica (default 0)")
+
+
 # --- parser ------------------------------------------------------------------------
 
 
@@ -451,48 +553,39 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/metrics) on gptj's engine. SIGTERM drains running requests, then exits.")
     p.add_argument("--model", action="append", required=True, metavar="[NAME=]DIR",
                    help="a model folder to serve as NAME (default: the folder's name); repeatable")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_nonnegative, default=8000)
-    p.add_argument("--max-batch-size", type=_positive, default=8,
-                   help="sequences per engine step, beams counted each (default 8)")
-    p.add_argument("--batch-wait-ms", type=_nonnegative_float, default=0.0,
-                   help="an idle engine waits this long for more requests before starting (default 0)")
-    p.add_argument("--max-queue", type=_nonnegative, default=64,
-                   help="requests queued beyond a full batch; more are refused with 429 (default 64)")
-    p.add_argument("--request-timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
-    p.add_argument("--drain-timeout-s", type=_positive_float, default=30.0,
-                   help="on SIGTERM, how long running requests may finish (default 30)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    _add_serving_flags(p, DTYPE_NAMES)
     p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
-    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
-                                                      "allows)")
-    p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")
-    p.add_argument("--prefill-chunk", type=_nonnegative, default=512,
-                   help="prompt tokens prefilled per engine step, so long prompts do not stall running requests "
-                        "(default 512; 0: whole prompts)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
-    _add_engine_flags(p)
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    g = p.add_argument_group("Ray Serve (pip install -e \".[ray]\")")
+    g.add_argument("--ray", action="store_true",
+                   help="serve on Ray Serve: each model an application of --replicas replicas at /NAME, and the "
+                        "OpenAI routes at /v1 routed by model name; Ctrl-C or SIGTERM removes them")
+    g.add_argument("--address", help="the Ray cluster to join (HOST:PORT or auto; default: start a local one)")
+    _add_replica_flags(g)
     p.set_defaults(func=cmd_serve)
 
-    for name, what in (("publish", "load a model on a running server"),
-                       ("unpublish", "unload a model from a running server after its requests finish"),
-                       ("ls", "list a running server's models")):
-        p = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]} (its admin API)."
-                           if name != "ls" else "List a running server's models (GET /v1/models).")
-        p.add_argument("--server", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    for name, what in (("publish", "load a model on a running server, or publish it on a Ray cluster"),
+                       ("unpublish", "unload a model from a running server, or delete it from a Ray cluster"),
+                       ("ls", "list the models of a running server or of a Ray cluster")):
+        p = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}. With --server: the "
+                           "server's admin API (ls: GET /v1/models). With --ray-address: Ray Serve applications.")
+        where = p.add_mutually_exclusive_group(required=True)
+        where.add_argument("--server", help="a gptj server's base URL, e.g. http://127.0.0.1:8000")
+        where.add_argument("--ray-address", help="a Ray cluster (HOST:PORT, or auto for the one on this machine)")
         p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds to wait (default 600)")
         if name == "ls":
             p.add_argument("--api-key", help="the server's --api-key, if it has one")
             p.add_argument("--json", action="store_true")
             p.set_defaults(func=cmd_ls)
             continue
-        p.add_argument("name", help="the model's name on the server")
+        p.add_argument("name", help="the model's name")
         if name == "publish":
-            p.add_argument("path", help="its checkpoint folder, on the server's machine (under its --model-root)")
+            p.add_argument("path", help="its checkpoint folder, on the server's machine (under its --model-root); "
+                                        "on a Ray cluster, on every node that may host a replica")
+            g = p.add_argument_group("with --ray-address: the replicas' settings (a --server uses its own)")
+            _add_serving_flags(g, DTYPE_NAMES)
+            _add_replica_flags(g)
         p.add_argument("--admin-token", help="the server's --admin-token")
         p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
 

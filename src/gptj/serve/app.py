@@ -122,6 +122,8 @@ class ServerState:
     async def load_startup_models(self) -> None:
         try:
             for name, path in self.cfg.models:
+                if name in self.models:  # loaded before the app started (a Ray Serve replica)
+                    continue
                 self.models[name] = await asyncio.to_thread(load_served_model, name, path, self.cfg)
                 log.info("loaded %s from %s", name, path)
             if self.status == "loading":

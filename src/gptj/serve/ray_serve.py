@@ -1,0 +1,365 @@
+"""Replicas across machines with Ray Serve: gptj's server as Ray Serve applications.
+
+SAX's model management maps onto Ray Serve applications:
+
+* every published model is one application, named after the model, whose ingress deployment
+  (`GPTJModel`) has N replicas. Each replica is a whole single-machine gptj server — the same
+  FastAPI app (`gptj.serve.app.create_app`), schemas, errors, backpressure and metrics — serving one
+  model, reachable directly at `/NAME/v1/completions`;
+* one gateway application (`gptj-gateway`, at `/`) answers the OpenAI routes at the root
+  (`/v1/completions`, `/v1/models`, `/health`) and routes each request by its `model` field to that
+  model's application through a Ray Serve handle, streaming the answer back as it comes. Ray Serve
+  balances over the replicas and routes around dead ones; the gateway also retries a request once
+  when the replica it was sent to died before answering.
+
+`publish` deploys a model application, `unpublish` deletes it, `list_models` reads the Serve
+controller (name, replicas, status, route). Ray and Ray Serve are the engine here: gptj never starts
+or watches processes itself. This module imports Ray: import it only when Ray is wanted
+(`gptj.serve.ray_api()` turns a missing Ray into a one-line GptjError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import RayServeException
+
+from gptj.errors import GptjError
+from gptj.serve.app import ServerState, create_app
+from gptj.serve.completions import APIError
+from gptj.serve.protocol import MAX_BODY_BYTES, ModelCard, ModelList
+from gptj.serve.registry import ServerConfig, check_model_name
+
+log = logging.getLogger("gptj.serve.ray")
+
+GATEWAY = "gptj-gateway"  # the application at "/" (a reserved model name)
+DEPLOYMENT = "GPTJModel"  # the ingress deployment of every model application
+_REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+@serve.deployment(name=DEPLOYMENT)
+@serve.ingress()
+class GPTJModel:
+    """One replica: a gptj server with one model, built when Ray starts the replica."""
+
+    async def __init__(self, name: str, path: str, cfg: ServerConfig, threads: int) -> None:
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.name = name
+        self.cfg = dataclasses.replace(cfg, models=((name, path),))
+        self.state = ServerState(self.cfg)
+        await self.state.load_startup_models()
+        if self.state.status != "ok":  # Ray reports the replica's constructor error to `publish`
+            raise GptjError(f"model {name!r} failed to load: {self.state.load_error}")
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        self._gptj_app = create_app(self.cfg, self.state)  # (`app` is the wrapper's own property)
+        return self._gptj_app
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; a replica whose engine stopped is replaced."""
+        served = self.state.models.get(self.name)
+        if served is None or served.loop.error is not None:
+            raise RuntimeError(f"model {self.name!r}: engine stopped ({served.loop.error if served else 'unloaded'})")
+
+    async def forward(self, method: str, path: str, headers: list[tuple[str, str]],
+                      body: bytes) -> AsyncIterator[dict | bytes]:
+        """Run one HTTP request through this replica's app: yields {"status", "headers"}, then the
+        body in chunks as the app sends them (a stream of events stays a stream). If the caller
+        goes away (the generator is closed), the app sees the client disconnect."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                 "client": ("gateway", 0), "server": ("gptj", 0)}
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            messages.put_nowait(message)
+
+        async def run() -> None:
+            try:
+                await self._gptj_app(scope, receive, send)
+            finally:
+                messages.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    yield {"status": message["status"],
+                           "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield bytes(message["body"])
+                    if not message.get("more_body", False):
+                        break
+        finally:
+            gone.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout=self.cfg.request_timeout_s)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    e = APIError(status, message, param, code)
+    return JSONResponse(e.body(), status_code=status)
+
+
+def _model_apps() -> list[str]:
+    """Names of the Serve applications that are gptj models (a controller call: off the event loop)."""
+    apps = serve.status().applications
+    return sorted(name for name, app in apps.items() if DEPLOYMENT in app.deployments and name != GATEWAY)
+
+
+def build_gateway_app() -> FastAPI:
+    """The OpenAI routes at "/", routed by model name to the model applications."""
+    app = FastAPI(title="gptj gateway (Ray Serve)",
+                  description="OpenAI-compatible completions, routed to gptj model applications on Ray Serve.")
+    handles: dict[str, Any] = {}
+    live: dict[str, Any] = {"names": set(), "at": 0.0}
+
+    async def known_models(fresh: bool = False) -> set[str]:
+        if fresh or time.monotonic() - live["at"] > 1.0:
+            live["names"] = set(await asyncio.to_thread(_model_apps))
+            live["at"] = time.monotonic()
+        return live["names"]
+
+    async def handle_for(name: str) -> Any:
+        if name not in await known_models() and name not in await known_models(fresh=True):
+            handles.pop(name, None)
+            known = ", ".join(sorted(live["names"])) or "none"
+            raise APIError(404, f"model {name!r} does not exist (served: {known})", "model", "model_not_found")
+        if name not in handles:
+            handles[name] = await asyncio.to_thread(serve.get_app_handle, name)
+        return handles[name]
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "models": sorted(await known_models(fresh=True))})
+
+    async def call(model: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+                   ) -> tuple[dict, Any]:
+        """Send a request to one of `model`'s replicas: (its response start, the rest of the stream)."""
+        for attempt in range(2):
+            stream = (await handle_for(model)).options(stream=True).forward.remote(method, path, headers, body)
+            try:
+                return await stream.__anext__(), stream
+            except _REPLICA_DIED as e:  # died before answering: nothing was sent, so try another replica
+                log.warning("a replica of %s died before answering (%s); retrying", model, type(e).__name__)
+                if attempt == 1:
+                    raise APIError(503, f"model {model!r}: no replica answered", code="replica_unavailable") from None
+        raise AssertionError("unreachable")
+
+    def passed(request: Request) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")]
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        """Every model's own /v1/models (so each checks the API key), merged."""
+        cards = []
+        for name in sorted(await known_models(fresh=True)):
+            with contextlib.suppress(APIError, RayServeException, *_REPLICA_DIED):  # unpublished meanwhile
+                start, stream = await call(name, "GET", "/v1/models", passed(request), b"")
+                body = b"".join([chunk async for chunk in stream])
+                if start["status"] != 200:
+                    return Response(body, status_code=start["status"], media_type="application/json")
+                cards += [ModelCard(**card) for card in json.loads(body)["data"]]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            return _error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return _error(400, f"malformed JSON: {e}")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str):
+            return _error(400, "model: field required (a string)", "model")
+        start, stream = await call(model, "POST", "/v1/completions", passed(request), body)
+
+        async def rest() -> AsyncIterator[bytes]:
+            async for chunk in stream:
+                yield chunk
+
+        keep = {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+        return StreamingResponse(rest(), status_code=start["status"], headers=keep)
+
+    return app
+
+
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0})
+@serve.ingress(build_gateway_app)
+class Gateway:
+    pass
+
+
+# --- control: what the CLI calls (on the machine that runs `gptj`, connected to the cluster) ---
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at `address` ("auto", "HOST:PORT", "ray://HOST:PORT"), or start a local
+    one when it is None."""
+    if ray.is_initialized():
+        return
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # gptj says what it did, in one line
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                 **({} if address else {"include_dashboard": False}))
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GptjError(f"cannot reach the Ray cluster at {address or 'a new local instance'}: {first}") from None
+
+
+def start_http(host: str, port: int) -> None:
+    """Start Serve with its HTTP proxy on host:port, unless Serve already runs on this cluster."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        _get_global_client()
+    except RayServeException:  # no Serve instance yet
+        serve.start(http_options={"host": host, "port": port})
+
+
+def deploy_gateway() -> None:
+    serve.run(Gateway.bind(), name=GATEWAY, route_prefix="/")
+
+
+def ensure_gateway() -> None:
+    if GATEWAY not in serve.status().applications:
+        deploy_gateway()
+
+
+def check_publishable(name: str, replicas: int) -> None:
+    """What can be checked before reaching the cluster."""
+    check_model_name(name)
+    if name == GATEWAY:
+        raise GptjError(f"{GATEWAY!r} is reserved for gptj's gateway; choose another name")
+    if replicas < 1:
+        raise GptjError(f"--replicas must be at least 1, got {replicas}")
+
+
+def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: float = 1.0, gpus: float = 0.0,
+            threads: int | None = None) -> None:
+    """Deploy `path` as application `name` at /NAME with `replicas` replicas; returns when all run.
+    `path` is read by the replicas, so it must exist on every node that may host one."""
+    check_publishable(name, replicas)
+    if name in serve.status().applications:
+        raise GptjError(f"model {name!r} is already published; unpublish it first")
+    threads = threads if threads is not None else max(1, int(cpus))
+    deployment = GPTJModel.options(
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+        max_ongoing_requests=cfg.max_batch_size + cfg.max_queue,  # beyond that the replica answers 429
+        health_check_period_s=2.0, health_check_timeout_s=60.0,
+        max_constructor_retry_count=replicas,  # a folder that does not load will not load on a retry either
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s)
+    try:
+        serve.run(deployment.bind(name, path, cfg, threads), name=name, route_prefix=f"/{name}")
+    except (RuntimeError, RayServeException) as e:
+        message = str(e)
+        with contextlib.suppress(Exception):  # the replicas' own error, with their traceback
+            message = serve.status().applications[name].deployments[DEPLOYMENT].message + "\n" + message
+        with contextlib.suppress(Exception):  # leave nothing half-published
+            serve.delete(name)
+        raise GptjError(f"publishing {name!r} failed: {_deploy_error(message)}") from None
+
+
+def _deploy_error(text: str) -> str:
+    """The useful line of a failed deployment's message (Ray includes the replica's traceback)."""
+    for line in text.splitlines():
+        if "GptjError:" in line:
+            return line.split("GptjError:", 1)[1].strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def unpublish(name: str) -> None:
+    if name == GATEWAY or name not in serve.status().applications:
+        raise GptjError(f"model {name!r} is not published (published: {', '.join(_model_apps()) or 'none'})")
+    serve.delete(name)
+
+
+def list_models() -> list[dict[str, Any]]:
+    """One row per published model: name, replicas (running / target), status, route, and each
+    replica's state, node and process id."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    rows = []
+    for name, app in sorted(details.get("applications", {}).items()):
+        dep = app.get("deployments", {}).get(DEPLOYMENT)
+        if dep is None or name == GATEWAY:
+            continue
+        replicas = [{"state": _plain(r.get("state")), "pid": r.get("pid"), "node_ip": r.get("node_ip"),
+                     "replica_id": r.get("replica_id")} for r in dep.get("replicas", [])]
+        rows.append({"name": name, "status": _plain(app.get("status")), "route": app.get("route_prefix"),
+                     "replicas_running": sum(r["state"] == "RUNNING" for r in replicas),
+                     "replicas_target": dep.get("target_num_replicas", len(replicas)), "replicas": replicas})
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    """Ray's status enums as their plain names."""
+    return getattr(value, "value", value)
+
+
+def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: float, gpus: float) -> None:
+    """`gptj serve --ray`: Serve's HTTP proxy on cfg.host:cfg.port, the gateway at "/", each of
+    cfg.models with `replicas` replicas; blocks until SIGINT/SIGTERM, then deletes what it deployed
+    (and stops the local Ray instance if it started one)."""
+    stop = threading.Event()
+    connect(address)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after connecting: Ray's core worker installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    deployed: list[str] = []
+    try:
+        start_http(cfg.host, cfg.port)
+        deploy_gateway()
+        deployed.append(GATEWAY)
+        for name, path in cfg.models:
+            publish(name, path, cfg, replicas=replicas, cpus=cpus, gpus=gpus)
+            deployed.append(name)
+        print(f"gptj serve: Ray Serve on http://{cfg.host}:{cfg.port} — "
+              + ", ".join(f"{n} ({replicas} replica{'s' * (replicas > 1)}, /{n})" for n, _ in cfg.models)
+              + f"; the OpenAI routes at /v1 (Ray cluster {ray.get_runtime_context().gcs_address})", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for name in reversed(deployed):
+            with contextlib.suppress(Exception):
+                serve.delete(name)
+        if address is None:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
