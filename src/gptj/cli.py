@@ -113,8 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
     payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
-    if args.tp > 1 and args.pp > 1:
-        raise GptjError("--tp and --pp together are not supported yet; use one of them")
+    _check_parallel(args.tp, args.pp)
     if args.tp > 1 or args.pp > 1 or under_torchrun():
         outputs = run_parallel(_generate_job, max(args.tp, args.pp), payload, device=args.device)
         if outputs is NOT_RANK0:
@@ -144,6 +143,7 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from gptj.parallel.launch import run_parallel, under_torchrun
     from gptj.serve.registry import parse_model_arg
     from gptj.serve.server import serve
 
@@ -160,6 +160,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _server_config(args, models)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if args.tp > 1 or args.pp > 1 or under_torchrun():
+        if args.ray:
+            raise GptjError("--tp / --pp with --ray is not supported yet: each replica is one process")
+        if len(models) != 1 or args.admin_token:
+            raise GptjError("--tp / --pp serve one model, given at start (no --admin-token)")
+        _check_parallel(args.tp, args.pp)
+        run_parallel(_serve_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
+                                                          "log_level": args.log_level, "debug": args.debug},
+                     device=args.device)
+        return 0
     if args.ray:
         from gptj.serve import ray_api
 
@@ -171,6 +181,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     serve(cfg, log_level=args.log_level)
     return 0
+
+
+def _serve_job(rank: int, world: int, payload: dict) -> None:
+    """gptj serve --tp/--pp on one rank: rank 0 serves HTTP and leads; the others follow its engine
+    (and leave signals to rank 0, which tells them to stop once it has drained)."""
+    import signal
+
+    from gptj.parallel import lockstep
+    from gptj.serve.server import serve
+
+    lockstep.configure(payload["tp"], payload["pp"])
+    if rank > 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        lockstep.follow()
+        return None
+    try:
+        serve(payload["cfg"], log_level=payload["log_level"])
+    finally:
+        lockstep.finish()
+    return None
 
 
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
@@ -255,26 +286,15 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     """gptj generate's work on one rank (all of it when world is 1): load, shard, run the engine."""
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
-    from gptj.parallel.launch import rank_device
-    from gptj.parallel.pp import pipeline_model
-    from gptj.parallel.tp import load_rank, shard_file, shard_model
-    from gptj.runtime import parse_dtype, resolve_device
-    from gptj.weights.io import load_model
+    from gptj.parallel import lockstep
+    from gptj.runtime import parse_dtype
 
     args, gen, prompts = argparse.Namespace(**payload["args"]), payload["gen"], payload["prompts"]
-    device = resolve_device(rank_device(args.device) if world > 1 else args.device)
-    if world > 1 and args.quantize:
-        raise GptjError("--tp / --pp with --quantize is not supported yet: split a float model")
-    tp = world if world > 1 and args.pp == 1 else 1
-    if tp > 1 and shard_file(args.model, rank, world).is_file():  # written by gptj convert --tp N
-        model = load_rank(args.model, rank, world, parse_dtype(args.dtype), device)
-    else:
-        model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device, quantize=args.quantize,
-                           group_size=args.group_size)
-        if tp > 1:
-            shard_model(model, rank, world)
-        elif world > 1:  # --pp: this rank's layers, micro-batches of the batch in flight
-            pipeline_model(model, rank, world, micro_batches=world)
+    if world > 1:
+        lockstep.configure(args.tp, args.pp)
+    model = lockstep.load_model(args.model, parse_dtype(args.dtype), args.device, quantize=args.quantize,
+                                group_size=args.group_size)
+    device = model.transformer.wte.weight.device
     # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
     K = gen.num_beams
     slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
@@ -336,8 +356,8 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
 
 def cmd_mlperf(args: argparse.Namespace) -> int:
     from gptj.decode import GenerationConfig
-    from gptj.mlperf.evaluate import format_report
     from gptj.mlperf.run import MLPerfConfig, run
+    from gptj.parallel.launch import run_parallel, under_torchrun
 
     if not args.model and not args.server:
         raise GptjError("give --model DIR to run in this process, or --server URL to run against a gptj server")
@@ -355,15 +375,48 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
         server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
-    result = run(cfg)
+    if args.tp > 1 or args.pp > 1 or under_torchrun():
+        if args.server:
+            raise GptjError("--tp / --pp split the model in this process; with --server, the server decides")
+        _check_parallel(args.tp, args.pp)
+        run_parallel(_mlperf_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
+                                                           "debug": args.debug}, device=args.device)
+        return 0
+    _mlperf_report(run(cfg))
+    return 0
+
+
+def _check_parallel(tp: int, pp: int) -> None:
+    if tp > 1 and pp > 1:
+        raise GptjError("--tp and --pp together are not supported yet; use one of them")
+
+
+def _mlperf_job(rank: int, world: int, payload: dict) -> None:
+    """gptj mlperf --tp/--pp on one rank: rank 0 runs LoadGen and the engine that leads the others."""
+    from gptj.mlperf.run import run
+    from gptj.parallel import lockstep
+
+    lockstep.configure(payload["tp"], payload["pp"])
+    if rank > 0:
+        lockstep.follow()
+        return None
+    try:
+        _mlperf_report(run(payload["cfg"]))
+    finally:
+        lockstep.finish()
+    return None
+
+
+def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
+    from gptj.mlperf.evaluate import format_report
+
     if result.accuracy is not None:
         print(format_report(result.accuracy).rstrip())
     if result.result_line:
         print(result.result_line + (f" ({result.metric})" if result.metric else ""))
     st = result.stats
     print(f"SUT: {st.samples} samples in {st.batches} batches (largest {st.max_batch})")
-    print(f"logs and summary: {result.log_dir}/summary.md")
-    return 0
+    print(f"logs and summary: {result.log_dir}/summary.md", flush=True)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -413,6 +466,14 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
     _add_engine_flags(p)
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_positive, default=1,
+                   help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
+                        "run under torchrun --nproc-per-node N")
+    p.add_argument("--pp", type=_positive, default=1,
+                   help="pipeline parallel over N processes: the layers split, micro-batches in flight")
 
 
 def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
@@ -476,11 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
     _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
     _add_engine_flags(p)
-    p.add_argument("--tp", type=_positive, default=1,
-                   help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
-                        "run under torchrun --nproc-per-node N")
-    p.add_argument("--pp", type=_positive, default=1,
-                   help="pipeline parallel over N processes: the layers split, micro-batches in flight")
+    _add_parallel_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 
@@ -519,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_parallel_flags(p)
     p.set_defaults(func=cmd_mlperf, argv=None)
 
     p = sub.add_parser("evaluate", help="score an MLPerf accuracy log (ROUGE)",
@@ -557,6 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    _add_parallel_flags(p)
     g = p.add_argument_group("Ray Serve (pip install -e \".[ray]\")")
     g.add_argument("--ray", action="store_true",
                    help="serve on Ray Serve: each model an application of --replicas replicas at /NAME, and the "

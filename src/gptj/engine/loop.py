@@ -12,10 +12,24 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 from gptj.decode import GenerationConfig
 from gptj.engine.core import Engine, Request
 from gptj.errors import GptjError
+
+
+HEARTBEAT_S = 5.0  # an idle leader still tells its followers it is there this often
+
+
+def apply_op(engine: Engine, op: tuple, on_token: Callable | None = None, on_finish: Callable | None = None) -> None:
+    """("add", id, prompt, gen, logprobs, prompt_logprobs) or ("abort", id), on the engine."""
+    if op[0] == "add":
+        _, rid, prompt, gen, logprobs, prompt_logprobs = op
+        engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
+    elif op[0] == "abort":
+        engine.abort(op[1])
 
 
 class RequestHandle:
@@ -45,12 +59,19 @@ class EngineLoop:
     """`batch_wait_ms`: when the engine is idle and a request arrives, wait up to this long for more
     (up to a full batch) before the first step, so that a burst starts as one batch."""
 
-    def __init__(self, engine: Engine | Callable[[], Engine], batch_wait_ms: float = 0.0) -> None:
+    def __init__(self, engine: Engine | Callable[[], Engine], batch_wait_ms: float = 0.0,
+                 leader: Any = None) -> None:
         """`engine`, or a function that builds one (loads the model...) on the loop's own thread.
 
         Prefer the function: torch ran this loop's steps a quarter slower (2-core CPU, bfloat16;
         docs/PERFORMANCE.md, "Which thread runs the engine") when the model was loaded and prepared
-        on another thread than the one that runs it. The constructor waits for the build and raises its error."""
+        on another thread than the one that runs it. The constructor waits for the build and raises its error.
+
+        `leader` (gptj.parallel.lockstep.Leader): the engine runs on several ranks; before each step
+        the leader hands the other ranks what this loop applied since the last one."""
+        self.leader = leader
+        self._ops: list[tuple] = []  # applied since the leader's last sync
+        self._synced = time.monotonic()
         factory = None if isinstance(engine, Engine) else engine
         self.engine: Engine = engine if factory is None else None  # type: ignore[assignment]
         self.batch_wait_s = max(0.0, batch_wait_ms) / 1000
@@ -85,7 +106,7 @@ class EngineLoop:
                 on_finish(req)
             handle.future.set_result(req)
 
-        self._inbox.put(("add", rid, list(prompt), gen, on_token, finished, logprobs, prompt_logprobs))
+        self._inbox.put(("add", rid, list(prompt), gen, logprobs, prompt_logprobs, on_token, finished))
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -102,12 +123,12 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if item[0] == "add":
-                _, rid, prompt, gen, on_token, on_finish, logprobs, prompt_logprobs = item
-                self.engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish,
-                                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-            elif item[0] == "abort":
-                self.engine.abort(item[1])
+            op, callbacks = (item[:6], item[6:]) if item[0] == "add" else (item, ())
+            if self.leader is not None and op[0] == "add":
+                op = self.leader.add(op)
+            apply_op(self.engine, op, *callbacks)
+            if self.leader is not None:
+                self._ops.append(op)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -119,6 +140,8 @@ class EngineLoop:
                 self.engine = factory()
         except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
             self._build_error = e
+            if self.leader is not None:
+                self.leader.stop()
             return
         finally:
             self._built.set()
@@ -129,13 +152,25 @@ class EngineLoop:
                 if idle and self.engine.has_work and self.batch_wait_s > 0:
                     self._gather()
                 if self.engine.has_work:
+                    self._sync(step=True)
                     self.engine.step()
+                elif self.leader is not None and (self._ops or time.monotonic() - self._synced > HEARTBEAT_S):
+                    self._sync(step=False)
         except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, loudly
             self.error = e
             for req in list(self.engine.requests.values()):
                 req.error = f"engine loop stopped: {type(e).__name__}: {e}"
                 if req.on_finish is not None:
                     req.on_finish(req)
+        finally:
+            if self.leader is not None:
+                self.leader.stop()
+
+    def _sync(self, step: bool) -> None:
+        if self.leader is not None:
+            self.leader.sync(self._ops, step)
+            self._ops = []
+            self._synced = time.monotonic()
 
     def _gather(self) -> None:
         """Wait up to batch_wait_s for more requests, or until a full batch is waiting."""

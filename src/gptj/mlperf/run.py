@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -146,17 +147,17 @@ def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: 
     """The engine on its thread, the model loaded there (a load error is raised here)."""
     from gptj.mlperf.sut import EngineBackend
 
-    return EngineBackend(lambda: _build_engine(cfg, model_dir, longest))
+    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest))
 
 
 def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202 - Engine
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
-    from gptj.runtime import parse_dtype, resolve_device
-    from gptj.weights.io import load_model
+    from gptj.parallel import lockstep
+    from gptj.runtime import parse_dtype
 
-    model = load_model(model_dir, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device),
-                       quantize=cfg.quantize, group_size=cfg.group_size)
+    model = lockstep.load_model(model_dir, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
+                                group_size=cfg.group_size)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
                         f"the model's {model.config.n_positions} positions")

@@ -64,9 +64,9 @@ class EngineBackend:
     the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop)."""
 
     def __init__(self, build) -> None:  # noqa: ANN001 - Callable[[], Engine]
-        from gptj.engine import EngineLoop
+        from gptj.parallel import lockstep
 
-        self.loop = EngineLoop(build)
+        self.loop = lockstep.engine_loop(build)  # leads the other ranks under --tp / --pp
         self.engine = self.loop.engine
 
     def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend

@@ -10,10 +10,13 @@ a GptjError's one line) back through that folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +79,27 @@ def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device:
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _signals_to_rank0(context):  # noqa: ANN001, ANN202 - torch's ProcessContext
+    """SIGINT/SIGTERM to gptj go to rank 0 (a server drains, then stops the other ranks), not to the
+    parent alone, which would leave the ranks behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(sig, frame) -> None:  # noqa: ANN001
+        rank0 = context.processes[0]
+        if rank0.is_alive():
+            os.kill(rank0.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any:
     """Run `job` on `world` ranks; return rank 0's result. A rank's GptjError is raised here."""
     if world < 1:
@@ -95,8 +119,11 @@ def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any
 
     with tempfile.TemporaryDirectory(prefix="gptj-tp-") as folder:
         try:
-            mp.start_processes(_spawned, args=(job, world, payload, folder, device), nprocs=world, join=True,
-                               start_method="spawn")
+            context = mp.start_processes(_spawned, args=(job, world, payload, folder, device), nprocs=world,
+                                         join=False, start_method="spawn")
+            with _signals_to_rank0(context):
+                while not context.join(timeout=0.5):
+                    pass
         except mp.ProcessExitedException as e:
             raise GptjError(f"a rank of the parallel job died (exit code {e.exit_code})") from None
         reports = {p.stem: json.loads(p.read_text()) for p in Path(folder).glob("rank*.json")}

@@ -9,6 +9,7 @@ the event loop's thread, which makes the admission check (backpressure) race-fre
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -120,33 +121,36 @@ class ServedModel:
         self.loop.shutdown()
 
 
+def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
+    """Load `path` and make its engine (on the engine's own thread: see EngineLoop). Module-level,
+    so that under --tp / --pp rank 0 can hand it to the other ranks (gptj.parallel.lockstep)."""
+    from gptj.engine import Engine, EngineConfig
+    from gptj.engine.kv import groups_from_memory
+    from gptj.parallel import lockstep
+    from gptj.runtime import parse_dtype
+
+    model = lockstep.load_model(path, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
+                                group_size=cfg.group_size)
+    n_positions = model.config.n_positions
+    max_len = min(cfg.max_model_len or n_positions, n_positions)
+    w = model.transformer.wte.weight
+    # Each sequence holds a prompt slot and a tail of up to max_len new tokens.
+    n_seqs = cfg.kv_slots or min(cfg.max_batch_size, groups_from_memory(model.config, w.dtype, w.device, max_len,
+                                                                        max_len, 1, fraction=0.8))
+    return Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
+                                      max_batch_size=min(cfg.max_batch_size, n_seqs),
+                                      prefill_chunk=cfg.prefill_chunk, compile=cfg.compile, kernels=cfg.kernels))
+
+
 def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
     """Load a checkpoint and start its engine (blocking: seconds to minutes)."""
-    from gptj.engine import Engine, EngineConfig, EngineLoop
-    from gptj.engine.kv import groups_from_memory
-    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.parallel import lockstep
     from gptj.tokenizer import tokenizer_for_model
-    from gptj.weights.io import load_model
 
     if not Path(path).is_dir():
         raise GptjError(f"{path}: not a model folder")
     tokenizer = tokenizer_for_model(path)
-    device = resolve_device(cfg.device)
-
-    def build() -> Engine:  # on the engine's own thread (see EngineLoop)
-        model = load_model(path, dtype=parse_dtype(cfg.dtype), device=device, quantize=cfg.quantize,
-                           group_size=cfg.group_size)
-        n_positions = model.config.n_positions
-        max_len = min(cfg.max_model_len or n_positions, n_positions)
-        w = model.transformer.wte.weight
-        # Each sequence holds a prompt slot and a tail of up to max_len new tokens.
-        n_seqs = cfg.kv_slots or min(cfg.max_batch_size, groups_from_memory(model.config, w.dtype, device, max_len,
-                                                                            max_len, 1, fraction=0.8))
-        return Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
-                                          max_batch_size=min(cfg.max_batch_size, n_seqs),
-                                          prefill_chunk=cfg.prefill_chunk, compile=cfg.compile, kernels=cfg.kernels))
-
-    loop = EngineLoop(build, batch_wait_ms=cfg.batch_wait_ms)
+    loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg), batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
     return ServedModel(name, str(path), engine, loop, tokenizer, engine.pool.prompt_len,
                        engine.model.config.vocab_size, capacity=engine.max_batch_size + cfg.max_queue)

@@ -1,0 +1,143 @@
+"""One engine over several ranks (`--tp N` / `--pp N` on serve and mlperf): rank 0 leads, the others follow.
+
+Under tensor or pipeline parallelism every rank runs the same engine on its share of the model, and
+the ranks' collectives only line up if every engine sees the same requests, the same aborts and the
+same steps, in the same order. Requests arrive only on rank 0 (its HTTP server or its LoadGen), so
+rank 0's `EngineLoop` is the leader: before each engine step it broadcasts, over a gloo group of its
+own, what it applied since the last one (new requests with their settings, aborts); the followers
+apply the same and step too. It first broadcasts how to build the engine (a picklable function), so
+all ranks build theirs alike, and at the end it broadcasts "stop". While idle it sends an empty
+message every few seconds, so that a follower's wait never reaches the group's timeout.
+
+Sampling without a seed would draw from each rank's own global RNG; the leader gives each such
+request a random seed, which every rank then uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gptj.errors import GptjError
+
+_state: dict[str, Any] = {"group": None, "tp": 1, "pp": 1, "stopped": False}
+
+
+def configure(tp: int = 1, pp: int = 1) -> None:
+    """Called by every rank at the start of a parallel job (a collective: the control group)."""
+    if tp > 1 and pp > 1:
+        raise GptjError("--tp and --pp together are not supported yet; use one of them")
+    _state.update(tp=tp, pp=pp, stopped=False)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _state["group"] = dist.new_group(backend="gloo")
+
+
+def active() -> bool:
+    """True on the ranks of a parallel job (configure() was called and there are several ranks)."""
+    return _state["group"] is not None
+
+
+def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
+               group_size: int | None = None):  # noqa: ANN201 - GPTJForCausalLM
+    """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
+    files when present); under --pp its stage."""
+    from gptj.parallel.launch import rank_device
+    from gptj.parallel.pp import pipeline_model
+    from gptj.parallel.tp import load_rank, shard_file, shard_model
+    from gptj.runtime import resolve_device
+    from gptj.weights.io import load_model as load_whole
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size)
+    if quantize:
+        raise GptjError("--tp / --pp with --quantize is not supported yet: split a float model")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = resolve_device(rank_device(device))
+    tp = world if _state["pp"] == 1 else 1
+    if tp > 1 and shard_file(path, rank, world).is_file():
+        return load_rank(path, rank, world, dtype, device)
+    model = load_whole(path, dtype=dtype, device=device)
+    if tp > 1:
+        shard_model(model, rank, world)
+    else:  # --pp: this rank's layers, micro-batches of the batch in flight
+        pipeline_model(model, rank, world, micro_batches=world)
+    return model
+
+
+def _send(message: tuple) -> None:
+    dist.broadcast_object_list([message], src=0, group=_state["group"])
+
+
+def _receive() -> tuple:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=_state["group"])
+    return box[0]
+
+
+def leader_build(build: Callable[[], Any]) -> Callable[[], Any]:
+    """Rank 0's engine factory: first tell the followers how to build theirs (`build` must pickle:
+    a module-level function or a functools.partial of one)."""
+
+    def run() -> Any:
+        _send(("build", build))
+        return build()
+
+    return run
+
+
+class Leader:
+    """What rank 0's EngineLoop calls (see gptj.engine.loop)."""
+
+    def add(self, op: tuple) -> tuple:
+        """An "add" op as the followers will apply it: unseeded sampling gets a seed here."""
+        gen = op[3]
+        if gen.do_sample and gen.seed is None:
+            op = (*op[:3], dataclasses.replace(gen, seed=random.getrandbits(62)), *op[4:])
+        return op
+
+    def sync(self, ops: list[tuple], step: bool) -> None:
+        _send(("ops", ops, step))
+
+    def stop(self) -> None:
+        finish()
+
+
+def finish() -> None:
+    """Rank 0: tell the followers to stop (once; safe to call again)."""
+    if active() and not _state["stopped"]:
+        _state["stopped"] = True
+        _send(("stop",))
+
+
+def follow() -> None:
+    """Ranks > 0: build the engine rank 0 builds, then apply its requests and steps until "stop"."""
+    from gptj.engine.loop import apply_op
+
+    message = _receive()
+    if message[0] == "stop":  # rank 0 failed before building
+        return
+    engine = message[1]()
+    while (message := _receive())[0] != "stop":
+        _, ops, step = message
+        for op in ops:
+            apply_op(engine, op)
+        if step:
+            engine.step()
+
+
+def engine_loop(build: Callable[[], Any], batch_wait_ms: float = 0.0):  # noqa: ANN201 - EngineLoop
+    """An EngineLoop for `build`; on rank 0 of a parallel job, one that leads the other ranks
+    (one engine per job: the ranks' collectives follow a single loop)."""
+    from gptj.engine import EngineLoop
+
+    if not active():
+        return EngineLoop(build, batch_wait_ms)
+    if _state.get("leading"):
+        raise GptjError("--tp / --pp serve one model per job")
+    _state["leading"] = True
+    return EngineLoop(leader_build(build), batch_wait_ms, leader=Leader())
