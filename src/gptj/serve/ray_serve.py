@@ -130,10 +130,12 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return JSONResponse(e.body(), status_code=status)
 
 
-def _model_apps() -> list[str]:
-    """Names of the Serve applications that are gptj models (a controller call: off the event loop)."""
+def _model_apps(running: bool = False) -> list[str]:
+    """Names of the Serve applications that are gptj models, or only those running (a controller
+    call: off the event loop)."""
     apps = serve.status().applications
-    return sorted(name for name, app in apps.items() if DEPLOYMENT in app.deployments and name != GATEWAY)
+    return sorted(name for name, app in apps.items() if DEPLOYMENT in app.deployments and name != GATEWAY
+                  and (not running or _plain(app.status) == "RUNNING"))
 
 
 def build_gateway_app() -> FastAPI:
@@ -164,7 +166,10 @@ def build_gateway_app() -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "models": sorted(await known_models(fresh=True))})
+        """200 when every published model runs; 503 ("loading") while one deploys or recovers."""
+        models, running = await asyncio.gather(asyncio.to_thread(_model_apps), asyncio.to_thread(_model_apps, True))
+        ok = models == running
+        return JSONResponse({"status": "ok" if ok else "loading", "models": running}, status_code=200 if ok else 503)
 
     async def call(model: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes
                    ) -> tuple[dict, Any]:
@@ -233,6 +238,7 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # gptj says what it did, in one line
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
                  **({} if address else {"include_dashboard": False}))
@@ -359,7 +365,5 @@ def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: floa
         for name in reversed(deployed):
             with contextlib.suppress(Exception):
                 serve.delete(name)
-        if address is None:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
+        if address is None:  # the local instance this started (its applications are deleted above)
             ray.shutdown()
