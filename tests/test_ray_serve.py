@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,9 @@ def models(tmp_path_factory):
 def cluster(tmp_path_factory):
     """A local Ray instance (head node on loopback); stopped, with all its processes, afterwards."""
     temp = tmp_path_factory.mktemp("ray")
+    # Ray's token authentication, with a token of this test's own (not ~/.ray/auth_token)
+    (temp / "auth_token").write_text(secrets.token_hex(32))
+    ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(temp / "auth_token"))
     port = free_port()
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
                     "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=100000000",
@@ -93,9 +97,9 @@ def greedy(models, capsys, name, prompt, n):
     return want["token_ids"]
 
 
-def complete(url, model, prompt, n=8):
+def complete(url, model, prompt, n=8, headers=None):
     status, body, _ = call(url, body={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                      "return_token_ids": True})
+                                      "return_token_ids": True}, headers=headers)
     assert status == 200, body
     return body["choices"][0]["token_ids"]
 
@@ -138,13 +142,20 @@ def test_ls_shows_both_replicas(served, cluster):
 
 def test_publish_and_unpublish(served, cluster, models, capsys):
     url, _ = served
-    out = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, "--replicas", "1").stdout
+    out = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, "--replicas", "1",
+               "--api-key", "K").stdout
     assert "published other (1 replica, route /other)" in out
     assert {r["name"]: r["replicas_running"] for r in ls(cluster)} == {"tiny": 2, "other": 1}
     want = greedy(models, capsys, "other", "Hello", 8)
     assert want != greedy(models, capsys, "tiny", "Hello", 8)  # a different model: routing is checked
-    assert complete(url, "other", "Hello") == want
-    assert complete(url + "/other", "other", "Hello") == want
+    key = {"Authorization": "Bearer K"}
+    assert complete(url, "other", "Hello", headers=key) == want
+    assert complete(url + "/other", "other", "Hello", headers=key) == want
+    for base in (url, url + "/other"):  # the replica checks the key, through the gateway too
+        status, body, _ = call(base, body={"model": "other", "prompt": "x", "max_tokens": 2})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert [m["id"] for m in call(url, "GET", "/v1/models")[1]["data"]] == ["tiny"]
+    assert [m["id"] for m in call(url, "GET", "/v1/models", headers=key)[1]["data"]] == ["other", "tiny"]
 
     again = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, check=False)
     assert again.returncode == 1 and again.stderr.strip() == \

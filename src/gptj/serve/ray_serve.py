@@ -189,15 +189,15 @@ def build_gateway_app() -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        """Every model's own /v1/models (so each checks the API key), merged."""
+        """Every model's own /v1/models, merged: the models this caller may use (each checks its
+        API key; one the caller lacks the key for is left out)."""
         cards = []
         for name in sorted(await known_models(fresh=True)):
             with contextlib.suppress(APIError, RayServeException, *_REPLICA_DIED):  # unpublished meanwhile
                 start, stream = await call(name, "GET", "/v1/models", passed(request), b"")
                 body = b"".join([chunk async for chunk in stream])
-                if start["status"] != 200:
-                    return Response(body, status_code=start["status"], media_type="application/json")
-                cards += [ModelCard(**card) for card in json.loads(body)["data"]]
+                if start["status"] == 200:
+                    cards += [ModelCard(**card) for card in json.loads(body)["data"]]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/v1/completions")
