@@ -504,7 +504,7 @@ def engine_baseline(model: str, serve_args: str, prompts: list[list[int]], args:
             "req_s": len(prompts) / seconds}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
@@ -535,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --model: afterwards run the same prompts on the engine in-process (no HTTP) and "
                         "report the server's all-at-once throughput as a ratio of it")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.compare_engine and not args.model:
         p.error("--compare-engine needs --model")

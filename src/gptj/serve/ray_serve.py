@@ -110,15 +110,29 @@ class GPTJModel:
 
         task = asyncio.create_task(run())
         try:
-            while (message := await messages.get()) is not None:
+            ended = False
+            while not ended and (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
                     yield {"status": message["status"],
                            "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]}
-                elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield bytes(message["body"])
-                    if not message.get("more_body", False):
+                    continue
+                # Body: this chunk and every one already queued behind it, as one item. Each item
+                # is one Ray message, so a busy stream sends fewer, larger ones; a quiet stream
+                # still sends each chunk at once.
+                chunks = []
+                while True:
+                    if message is None or message["type"] != "http.response.body":
+                        ended = True
                         break
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        ended = True
+                        break
+                    if messages.empty():
+                        break
+                    message = messages.get_nowait()
+                if any(chunks):
+                    yield b"".join(chunks)
         finally:
             gone.set()
             with contextlib.suppress(Exception):
@@ -224,7 +238,9 @@ def build_gateway_app() -> FastAPI:
     return app
 
 
-@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0})
+# A router only: it holds each request while a model replica works on it, so it must take many at
+# once (Ray Serve's default is 5 per replica; the model replicas apply gptj's own limits and 429s).
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(build_gateway_app)
 class Gateway:
     pass
@@ -261,9 +277,12 @@ def deploy_gateway() -> None:
     serve.run(Gateway.bind(), name=GATEWAY, route_prefix="/")
 
 
-def ensure_gateway() -> None:
-    if GATEWAY not in serve.status().applications:
-        deploy_gateway()
+def ensure_gateway() -> bool:
+    """Deploy the gateway unless the cluster has one; True if this deployed it."""
+    if GATEWAY in serve.status().applications:
+        return False
+    deploy_gateway()
+    return True
 
 
 def check_publishable(name: str, replicas: int) -> None:
@@ -351,11 +370,11 @@ def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: floa
     deployed: list[str] = []
     try:
         start_http(cfg.host, cfg.port)
-        deploy_gateway()
-        deployed.append(GATEWAY)
         for name, path in cfg.models:
             publish(name, path, cfg, replicas=replicas, cpus=cpus, gpus=gpus)
             deployed.append(name)
+        if ensure_gateway():  # last: its /health answers once the models above run
+            deployed.append(GATEWAY)
         print(f"gptj serve: Ray Serve on http://{cfg.host}:{cfg.port} — "
               + ", ".join(f"{n} ({replicas} replica{'s' * (replicas > 1)}, /{n})" for n, _ in cfg.models)
               + f"; the OpenAI routes at /v1 (Ray cluster {ray.get_runtime_context().gcs_address})", flush=True)
