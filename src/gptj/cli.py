@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -202,6 +203,23 @@ def _serve_job(rank: int, world: int, payload: dict) -> None:
     finally:
         lockstep.finish()
     return None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gptj.train.config import load_config
+    from gptj.train.trainer import train
+
+    overrides = list(args.set or [])
+    if args.out:
+        overrides.append(f"out={args.out}")
+    cfg = load_config(args.config, overrides)
+    record = train(cfg, stop_after=args.max_steps, resume=args.resume, progress=not args.quiet, device=args.device)
+    from gptj.parallel.launch import under_torchrun
+
+    if not under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+        shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+        print(f"trained to {shown or 'the last step'}; model, checkpoints and metrics.jsonl in {cfg.out}")
+    return 0
 
 
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
@@ -647,6 +665,25 @@ def build_parser() -> argparse.ArgumentParser:
             _add_replica_flags(g)
         p.add_argument("--admin-token", help="the server's --admin-token")
         p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
+
+    from gptj.train.data_cli import register as register_prepare_data
+
+    register_prepare_data(sub)
+
+    p = sub.add_parser("train", help="pre-train or fine-tune from a YAML config",
+                       description="Pre-train or fine-tune a GPT-J from a YAML config (see examples/train/). Under "
+                                   "torchrun --nproc-per-node N: data-parallel (distributed: ddp) or sharded "
+                                   "(distributed: fsdp).")
+    p.add_argument("--config", required=True, help="the YAML config")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optimizer.lr=1e-3 (repeatable)")
+    p.add_argument("--out", help="output folder (overrides the config's out)")
+    p.add_argument("--max-steps", type=_positive, help="stop after this step (the schedule still spans the "
+                                                       "config's max_steps); --resume continues")
+    p.add_argument("--resume", action="store_true", help="continue from the output folder's last checkpoint")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (under torchrun: one GPU per rank)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
     p.add_argument("text", nargs="*", help="texts (default: all of stdin as one text)")

@@ -262,15 +262,17 @@ def _write_json(path: Path, obj: object) -> None:
 
 def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, out: str | os.PathLike,
                     dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False,
-                    max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True) -> Path:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, with_tokenizer: bool = True,
+                    extra: Callable[[Path], None] | None = None) -> Path:
     """Write the canonical directory atomically: into a temporary sibling, renamed when complete.
 
     The state dict is checked (names, shapes, finiteness) before anything is written. A quantized
     model's state dict is saved with its config: `save_checkpoint(model.state_dict(), model.config, out)`.
+    `extra(folder)` writes more files (a trainer's state) into the folder before it is moved into place.
     """
     items = ((n, tuple(t.shape), (lambda t=t: t), Path("<memory>")) for n, t in state_dict.items())
     sd = checked_state_dict(config, items, dtype=dtype)
-    return _write_checkpoint(sd, config, Path(out), overwrite, progress, max_shard_bytes, with_tokenizer)
+    return _write_checkpoint(sd, config, Path(out), overwrite, progress, max_shard_bytes, with_tokenizer, extra)
 
 
 def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: Path, overwrite: bool,

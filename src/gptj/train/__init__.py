@@ -1,0 +1,1 @@
+"""Training and fine-tuning: data preparation (data.py), typed YAML configs (config.py), the training loop (trainer.py)."""

@@ -1,0 +1,500 @@
+"""The training loop: `train(cfg)` pre-trains or fine-tunes gptj's own GPT-J model.
+
+One step: `grad_accum_steps` micro-batches of `batch_size` sequences on each of the world's ranks
+(the global batch), next-token cross-entropy over the target tokens (`loss_mask`: all real tokens
+for text, the response and EOS for summarization pairs), summed and divided by the global batch's
+target count, so one process and N data-parallel ranks compute the same update; then gradient
+clipping, AdamW, and the learning rate of the next step (linear warm-up, cosine to min_lr).
+
+Data order is a pure function of (seed, epoch): the permutation of epoch e is drawn from a
+generator seeded with seed + e, so the data position is just the step, and `--resume` continues
+with exactly the batches an uninterrupted run would have seen.
+
+Output folder: the final model (a canonical gptj checkpoint: config.json + model.safetensors +
+tokenizer), `metrics.jsonl` (one JSON object per logged step and per evaluation),
+`checkpoints/step-NNNNNNN/` (the model, plus `trainer_state.pt`: optimizer state, step and the
+config's fingerprint; written atomically, the last `keep_checkpoints` kept) and `data/` (the
+prepared token files of raw data sources).
+
+Distributed: under torchrun (or in ranks gptj spawned), `distributed: ddp` wraps the model in
+DistributedDataParallel; `fsdp` shards parameters, gradients and optimizer state over the ranks
+(FullyShardedDataParallel, one unit per transformer block; `cpu_offload: true` keeps them in CPU
+memory between uses). gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gptj.errors import GptjError
+from gptj.train.config import DataSource, TrainConfig
+
+STATE_FILE = "trainer_state.pt"
+METRICS_FILE = "metrics.jsonl"
+FINAL_FILES_LAST = "config.json"  # written last into the output folder: its presence means "complete"
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    started_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def _setup_ranks(device: str) -> Ranks:
+    """This process's place: a process group torchrun set up (env), one gptj spawned, or none."""
+    from gptj.parallel.launch import backend_for, rank_device, under_torchrun
+    from gptj.runtime import resolve_device
+
+    started = False
+    if not dist.is_initialized() and under_torchrun():
+        dist.init_process_group(backend_for(device))
+        started = True
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dev = resolve_device(rank_device(device))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return Ranks(dist.get_rank(), dist.get_world_size(), dev, started)
+    return Ranks(device=resolve_device(device))
+
+
+# --- data -------------------------------------------------------------------------------
+
+def _prepared(source: DataSource, split: str, cfg: TrainConfig, out: Path, ranks: Ranks, progress: bool):
+    """The source as a TokenData: a prepared folder as is; raw files prepared once into
+    OUT/data/SPLIT by rank 0 (kept while the sources and seq_len stay the same)."""
+    from gptj.train import data
+
+    if source.prepared is not None:
+        td = data.TokenData(source.prepared)
+        if td.seq_len != cfg.data.seq_len:
+            raise GptjError(f"data.{split}.prepared: {source.prepared} has sequences of {td.seq_len} tokens, the "
+                            f"config's data.seq_len is {cfg.data.seq_len}")
+        return td
+    folder = out / "data" / split
+    sources = [str(p) for p in source.files()]
+    if ranks.main:
+        current = None
+        if data.is_prepared(folder):
+            current = json.loads((folder / "meta.json").read_text())
+        kind = "packed" if source.text is not None else "pairs"
+        if current is None or (current.get("sources"), current.get("seq_len"), current.get("kind")) != (
+                sources, cfg.data.seq_len, kind):
+            if source.text is not None:
+                data.prepare_text(sources, folder, cfg.data.seq_len, jsonl_key=source.jsonl_key, force=True,
+                                  progress=progress)
+            else:
+                data.prepare_summarization(sources[0], folder, cfg.data.seq_len, force=True, progress=progress)
+    ranks.barrier()
+    return data.TokenData(folder)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+class Sampler:
+    """Global position p (0, 1, 2, ... over the whole run) -> sequence index, epoch after epoch."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def __call__(self, positions: range) -> list[int]:
+        out = []
+        for p in positions:
+            epoch = p // self.n
+            if epoch not in self._orders:
+                self._orders = {epoch: epoch_order(self.n, self.seed, epoch)}
+            out.append(int(self._orders[epoch][p % self.n]))
+        return out
+
+
+# --- model ------------------------------------------------------------------------------
+
+def _initial_model(cfg: TrainConfig) -> nn.Module:
+    from gptj.config import get_preset
+    from gptj.weights.io import load_model, model_from_state_dict, random_state_dict
+
+    if cfg.model.preset is not None:
+        config = get_preset(cfg.model.preset)
+        model = model_from_state_dict(config, random_state_dict(config, seed=cfg.seed, std=cfg.model.init_std))
+    else:
+        model = load_model(cfg.model.checkpoint, dtype=torch.float32)
+        if model.config.quantization is not None:
+            raise GptjError(f"model.checkpoint: {cfg.model.checkpoint} is quantized; train from float weights")
+    return model
+
+
+def _checkpointed(block: nn.Module) -> None:
+    """Recompute this block's activations in the backward pass instead of keeping them."""
+    from torch.utils.checkpoint import checkpoint
+
+    plain = type(block).forward
+
+    def forward(self, *args):  # noqa: ANN001, ANN202
+        return checkpoint(plain, self, *args, use_reentrant=False)
+
+    block.forward = types.MethodType(forward, block)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up, then cosine to min_lr."""
+    lr, warm, total, low = cfg.optimizer.lr, cfg.schedule.warmup_steps, cfg.max_steps, cfg.schedule.min_lr
+    if step < warm:
+        return lr * (step + 1) / warm
+    if total <= warm:
+        return lr
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    return low + (lr - low) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not on biases and LayerNorm weights)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# --- checkpoints ------------------------------------------------------------------------
+
+def _checkpoints(out: Path) -> list[Path]:
+    folder = out / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-")
+                  and (p / STATE_FILE).is_file())
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -> tuple[dict, dict | None]:
+    """(model state dict, optimizer state dict), whole, on rank 0 (under FSDP: gathered from the
+    shards, a collective every rank joins; the other ranks get empty dicts)."""
+    if mode == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(model, options=options),
+                get_optimizer_state_dict(model, optimizer, options=options))
+    inner = model.module if mode == "ddp" else model
+    return inner.state_dict(), optimizer.state_dict()
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, mode: str) -> None:
+    saved = state.get("optimizer_format", "plain")
+    wanted = "fsdp" if mode == "fsdp" else "plain"
+    if saved != wanted:
+        raise GptjError(f"--resume: the checkpoint's optimizer state was written with distributed: "
+                        f"{'fsdp' if saved == 'fsdp' else 'none/ddp'}; resume it the same way")
+    if mode == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _save(out: Path, config: Any, model_sd: dict, optim_sd: dict | None, step: int, cfg: TrainConfig,
+          keep: int, mode: str) -> Path:
+    from gptj.weights.io import save_checkpoint
+
+    target = out / "checkpoints" / f"step-{step:07d}"
+
+    def extra(folder: Path) -> None:
+        torch.save({"step": step, "optimizer": optim_sd, "optimizer_format": "fsdp" if mode == "fsdp" else "plain",
+                    "fingerprint": cfg.fingerprint(), "torch_rng": torch.get_rng_state()}, folder / STATE_FILE)
+
+    save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, target, overwrite=True,
+                    extra=extra)
+    for old in _checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _write_final(out: Path, config: Any, model_sd: dict) -> None:
+    """The final model into OUT itself: written whole into a temporary folder, then moved in
+    file by file, config.json last."""
+    from gptj.weights.io import save_checkpoint
+
+    tmp = out / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in names if n != FINAL_FILES_LAST] + [FINAL_FILES_LAST]:
+        os.replace(tmp / name, out / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+class Metrics:
+    def __init__(self, out: Path, main: bool, resume_step: int | None, tensorboard: bool) -> None:
+        self.path = out / METRICS_FILE
+        self.main = main
+        self.writer = None
+        if not main:
+            return
+        if resume_step is not None and self.path.exists():  # drop what the resumed steps will log again
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)
+        elif resume_step is None:
+            self.path.unlink(missing_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise GptjError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float):
+                    self.writer.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# --- the loop ---------------------------------------------------------------------------
+
+def _batch(td, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids, input_mask, loss_mask = td.get(indices)
+    return (torch.from_numpy(ids).to(device), torch.from_numpy(input_mask).long().to(device),
+            torch.from_numpy(loss_mask).to(device))
+
+
+def _loss_sum(model: nn.Module, ids: torch.Tensor, input_mask: torch.Tensor, loss_mask: torch.Tensor,
+              precision: str, device: torch.device) -> torch.Tensor:
+    """Summed next-token cross-entropy over the target tokens (float32)."""
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
+    with autocast:
+        logits = model(ids, attention_mask=input_mask)
+    targets = loss_mask[:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                             reduction="none")
+    return (losses * targets.reshape(-1)).sum()
+
+
+def evaluate(model: nn.Module, td, cfg: TrainConfig, ranks: Ranks) -> dict[str, float]:
+    """Mean target-token loss and perplexity over the eval set (or its first eval_batches batches)."""
+    n = len(td)
+    per = cfg.batch_size
+    batches = math.ceil(n / per)
+    if cfg.eval_batches:
+        batches = min(batches, cfg.eval_batches)
+    total = torch.zeros(2, dtype=torch.float64, device=ranks.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for b in range(ranks.rank, batches, ranks.world):
+            idx = list(range(b * per, min(n, (b + 1) * per)))
+            ids, im, lm = _batch(td, idx, ranks.device)
+            total[0] += _loss_sum(model, ids, im, lm, cfg.precision, ranks.device).double()
+            total[1] += lm[:, 1:].sum()
+    if ranks.world > 1:
+        dist.all_reduce(total)
+    model.train(was_training)
+    loss = float(total[0] / total[1].clamp(min=1))
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(total[1])}
+
+
+def train(cfg: TrainConfig, stop_after: int | None = None, resume: bool = False, progress: bool = True,
+          device: str = "cpu") -> dict[str, Any]:
+    """Run (or continue) the training `cfg` describes; returns the last logged metrics. `stop_after`:
+    stop after that step (the schedule still spans cfg.max_steps), as `gptj train --max-steps`."""
+    from tqdm import tqdm
+
+    ranks = _setup_ranks(device)
+    try:
+        return _train(cfg, ranks, stop_after, resume, progress, tqdm)
+    finally:
+        if ranks.started_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool, progress: bool,
+           tqdm: Any) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    mode = cfg.distributed
+    if mode == "auto":
+        mode = "ddp" if ranks.world > 1 else "none"
+    if mode == "none" and ranks.world > 1:
+        raise GptjError("distributed: none, but this run has several ranks (use ddp or fsdp)")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    found = _checkpoints(out)
+    if resume and not found:
+        raise GptjError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+    if not resume and (found or (out / METRICS_FILE).exists()):
+        raise GptjError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+
+    train_data = _prepared(cfg.data.train, "train", cfg, out, ranks, progress)
+    eval_data = _prepared(cfg.data.eval, "eval", cfg, out, ranks, progress) if cfg.data.eval else None
+    global_batch = cfg.batch_size * cfg.grad_accum_steps * ranks.world
+    if len(train_data) == 0:
+        raise GptjError("data.train holds no sequences")
+
+    model = _initial_model(cfg)
+    config = model.config
+    start = 0
+    state = None
+    if resume:
+        from safetensors.torch import load_file
+
+        last = found[-1]
+        state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=True)
+        if state["fingerprint"] != cfg.fingerprint():
+            changed = sorted(k for k in cfg.fingerprint() if cfg.fingerprint()[k] != state["fingerprint"].get(k))
+            raise GptjError(f"--resume: the config changed since {last.name} ({', '.join(changed)}); "
+                            "resume with the same model, data, optimizer, batch and seed")
+        sd = {}
+        for f in sorted(last.glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        model.load_state_dict(sd, strict=True)
+        start = state["step"]
+        torch.set_rng_state(state["torch_rng"])
+    model.to(ranks.device)
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if cfg.activation_checkpointing:
+        for block in model.transformer.h:
+            _checkpointed(block)
+
+    if mode == "ddp" and ranks.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None)
+    elif mode == "fsdp":
+        model = _fsdp(model, cfg, ranks)
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg.optimizer.weight_decay), lr=lr_at(start, cfg),
+                                  betas=cfg.optimizer.betas, eps=cfg.optimizer.eps, foreach=False)
+    if state is not None:
+        _load_optimizer(model, optimizer, state, mode)
+
+    metrics = Metrics(out, ranks.main, start if resume else None, cfg.tensorboard)
+    sampler = Sampler(len(train_data), cfg.seed)
+    last_step = min(cfg.max_steps, stop_after) if stop_after is not None else cfg.max_steps
+    bar = tqdm(total=last_step, initial=start, desc="training", unit="step", disable=not (progress and ranks.main))
+    record: dict[str, Any] = {}
+    window = {"tokens": 0, "t": time.perf_counter(), "loss": 0.0, "targets": 0.0}
+    b = cfg.batch_size
+    try:
+        for step in range(start, last_step):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            positions = range(step * global_batch, (step + 1) * global_batch)
+            indices = sampler(positions)
+            # Every rank knows the whole global batch's target count: the loss is a sum over it
+            # divided by that count, the same whatever the split over ranks and micro-steps.
+            masks = train_data.get(indices)[2]
+            n_targets = float(masks[:, 1:].sum())
+            scale = ranks.world / max(n_targets, 1.0)  # DDP / FSDP average the ranks' gradients
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum_steps):
+                first = (micro * ranks.world + ranks.rank) * b
+                ids, im, lm = _batch(train_data, indices[first:first + b], ranks.device)
+                sync = micro == cfg.grad_accum_steps - 1 or mode == "none"
+                context = model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()
+                with context:
+                    part = _loss_sum(model, ids, im, lm, cfg.precision, ranks.device)
+                    (part * scale).backward()
+                loss_sum += float(part.detach())
+                window["tokens"] += int(im.sum())
+            grad_norm = _clip(model, cfg.grad_clip, mode)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            window["loss"] += loss_sum
+            window["targets"] += n_targets
+            done = step + 1
+            bar.update(1)
+            if done % cfg.log_interval == 0 or done == last_step:
+                totals = torch.tensor([window["loss"], float(window["tokens"])], dtype=torch.float64)
+                if ranks.world > 1:
+                    dist.all_reduce(totals)
+                seconds = time.perf_counter() - window["t"]
+                record = {"step": done, "loss": float(totals[0]) / max(window["targets"], 1.0),
+                          "lr": lr, "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / max(seconds, 1e-9)}
+                metrics.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+                window = {"tokens": 0, "t": time.perf_counter(), "loss": 0.0, "targets": 0.0}
+            if eval_data is not None and (
+                    (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps):
+                ev = {"step": done, **evaluate(model, eval_data, cfg, ranks)}
+                metrics.log(ev)
+                record = {**record, **ev}
+            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == last_step:
+                model_sd, optim_sd = _full_state(model, optimizer, mode)
+                if ranks.main:
+                    _save(out, config, model_sd, optim_sd, done, cfg, cfg.keep_checkpoints, mode)
+                ranks.barrier()
+        if last_step == cfg.max_steps:
+            model_sd, _ = _full_state(model, optimizer, mode)
+            if ranks.main:
+                _write_final(out, config, model_sd)
+            ranks.barrier()
+    finally:
+        bar.close()
+        metrics.close()
+    return record
+
+
+def _clip(model: nn.Module, max_norm: float | None, mode: str) -> float:
+    """Clip the global gradient norm (over every rank's shard under FSDP); returns the norm before."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor (FSDP): the norm over all shards
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _fsdp(model: nn.Module, cfg: TrainConfig, ranks: Ranks) -> nn.Module:
+    """Shard parameters, gradients and optimizer state over the ranks (FSDP2's fully_shard: one
+    unit per transformer block, then the rest); cpu_offload keeps them in CPU memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(ranks.device.type, (ranks.world,))
+    # On CPU the parameters live in CPU memory anyway (and the offload policy needs an accelerator).
+    policy = CPUOffloadPolicy() if cfg.cpu_offload and ranks.device.type != "cpu" else OffloadPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    return model

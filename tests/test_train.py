@@ -1,0 +1,259 @@
+"""Training: loss falls, fine-tuning counts only the response, --resume equals an uninterrupted run,
+2 DDP ranks equal one process, the result loads in gptj generate and HF transformers, bad configs
+are one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from gptj.cli import main
+from gptj.config import get_preset
+from gptj.errors import GptjError
+from gptj.train.config import load_config
+from gptj.train.trainer import Sampler, _loss_sum, lr_at, train
+from gptj.weights.io import random_state_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTENCES = ["the red fox runs to the old barn.", "a small bird sings in the tall tree.",
+             "the old man walks his brown dog.", "two cats sleep on the warm mat."]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "train.txt").write_text(" ".join(SENTENCES[i % 4] for i in range(400)))
+    (folder / "eval.txt").write_text(" ".join(SENTENCES[(i + 1) % 4] for i in range(40)))
+    return folder
+
+
+def write_config(path: Path, **changes) -> Path:
+    base = {"model": {"preset": "tiny"},
+            "data": {"train": {"text": [str(changes.pop("train"))]}, "seq_len": 32},
+            "optimizer": {"lr": 3e-3, "weight_decay": 0.01}, "schedule": {"warmup_steps": 2},
+            "batch_size": 4, "max_steps": 6, "log_interval": 1, "seed": 3, "out": str(path.parent / "run")}
+    for key, value in changes.items():
+        node = base
+        *parents, last = key.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_clearly_on_a_repetitive_corpus(corpus, tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", max_steps=150, batch_size=8,
+                                   log_interval=10, eval_interval=50,
+                                   data__eval={"text": [str(corpus / "eval.txt")]}))
+    last = train(cfg, progress=False)
+    log = [m for m in metrics(Path(cfg.out)) if "loss" in m]
+    assert log[0]["loss"] > 8.0  # random init: about ln(50400) = 10.8
+    assert last["loss"] < 0.25 * log[0]["loss"], log
+    evals = [m for m in metrics(Path(cfg.out)) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [50, 100, 150]
+    assert evals[-1]["eval_ppl"] < evals[0]["eval_ppl"] and evals[-1]["eval_ppl"] == pytest.approx(
+        math.exp(evals[-1]["eval_loss"]))
+    assert all(m["tokens_per_s"] > 0 and m["lr"] > 0 for m in log)
+    assert (Path(cfg.out) / "config.json").is_file() and (Path(cfg.out) / "tokenizer.json").is_file()
+
+
+def test_finetuning_loss_counts_only_the_response(tmp_path):
+    from gptj.mlperf.dataset import Example, build_prompt
+    from gptj.tokenizer import load_tokenizer
+    from gptj.train.data import TokenData, prepare_summarization
+
+    example = {"instruction": "Summarize the following news article:",
+               "input": "The town library opened a new reading room on Monday.", "output": "A library grew."}
+    (tmp_path / "s.json").write_text(json.dumps([example]))
+    prepare_summarization(tmp_path / "s.json", tmp_path / "pairs", seq_len=96, progress=False)
+    td = TokenData(tmp_path / "pairs")
+    ids, input_mask, loss_mask = (torch.from_numpy(a) for a in td.get([0]))
+    tok = load_tokenizer()
+    prompt = tok.encode(build_prompt(Example(**example)))
+    response = tok.encode(" " + example["output"]) + [tok.eos_token_id]
+    assert ids[0, :len(prompt) + len(response)].tolist() == prompt + response
+    assert loss_mask[0].nonzero().flatten().tolist() == list(range(len(prompt), len(prompt) + len(response)))
+
+    class Fixed(torch.nn.Module):  # logits as a leaf tensor, to read the loss's gradient on them
+        def __init__(self):
+            super().__init__()
+            self.logits = torch.nn.Parameter(torch.randn(1, 96, 50400, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, ids, attention_mask=None):
+            return self.logits
+
+    model = Fixed()
+    loss = _loss_sum(model, ids, input_mask.long(), loss_mask, "float32", torch.device("cpu"))
+    # by hand: the cross-entropy of each response token (and EOS) given the position before it
+    logp = torch.log_softmax(model.logits[0].detach(), -1)
+    want = -sum(logp[t - 1, ids[0, t]] for t in range(len(prompt), len(prompt) + len(response)))
+    assert float(loss.detach()) == pytest.approx(float(want), rel=1e-5)
+    loss.backward()
+    touched = model.logits.grad[0].abs().sum(-1).nonzero().flatten().tolist()
+    assert touched == list(range(len(prompt) - 1, len(prompt) + len(response) - 1))  # no prompt position
+
+
+def test_resume_gives_the_weights_of_an_uninterrupted_run(corpus, tmp_path):
+    straight = load_config(write_config(tmp_path / "a.yaml", train=corpus / "train.txt",
+                                        out=str(tmp_path / "straight")))
+    train(straight, progress=False)
+    split = load_config(write_config(tmp_path / "b.yaml", train=corpus / "train.txt", out=str(tmp_path / "split")))
+    train(split, stop_after=3, progress=False)
+    assert not (tmp_path / "split" / "config.json").exists()  # stopped early: no final model yet
+    assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-0000003"]
+    with pytest.raises(GptjError, match="already holds a run"):
+        train(split, progress=False)
+    train(split, resume=True, progress=False)
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "split")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["loss"] for m in metrics(tmp_path / "split")] == [m["loss"] for m in metrics(tmp_path / "straight")]
+    # a changed optimizer is refused on resume
+    changed = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", out=str(tmp_path / "split"),
+                                       optimizer={"lr": 1e-2}))
+    with pytest.raises(GptjError, match="optimizer"):
+        train(changed, resume=True, progress=False)
+
+
+def test_grad_accumulation_and_activation_checkpointing_change_nothing(corpus, tmp_path):
+    runs = {"plain": {}, "accum": {"batch_size": 2, "grad_accum_steps": 2},
+            "ckpt": {"activation_checkpointing": True}}
+    out = {}
+    for name, extra in runs.items():
+        cfg = load_config(write_config(tmp_path / f"{name}.yaml", train=corpus / "train.txt", max_steps=3,
+                                       out=str(tmp_path / name), **extra))
+        train(cfg, progress=False)
+        out[name] = weights(tmp_path / name)
+    for name in ("accum", "ckpt"):
+        for k in out["plain"]:
+            torch.testing.assert_close(out[name][k], out["plain"][k], rtol=1e-5, atol=1e-6)
+
+
+def _ddp_job(rank, world, payload):
+    cfg = load_config(payload["config"])
+    if payload.get("split"):  # stop after step 2, then --resume
+        train(cfg, stop_after=2, progress=False)
+        train(cfg, resume=True, progress=False)
+    else:
+        train(cfg, progress=False)
+    return None
+
+
+@pytest.mark.parametrize("mode, offload, split", [("ddp", False, False), ("fsdp", False, False),
+                                                  ("fsdp", True, True)], ids=["ddp", "fsdp", "fsdp-resume"])
+def test_two_ranks_give_the_update_of_one_process(corpus, tmp_path, mode, offload, split):
+    from gptj.parallel.launch import run_parallel
+
+    one = load_config(write_config(tmp_path / "one.yaml", train=corpus / "train.txt", max_steps=3, batch_size=4,
+                                   out=str(tmp_path / "one")))
+    train(one, progress=False)
+    write_config(tmp_path / "two.yaml", train=corpus / "train.txt", max_steps=3, batch_size=2, distributed=mode,
+                 cpu_offload=offload, out=str(tmp_path / "two"))
+    run_parallel(_ddp_job, 2, {"config": str(tmp_path / "two.yaml"), "split": split})
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    start = random_state_dict(get_preset("tiny"), seed=one.seed, std=one.model.init_std)
+    # the update (weights after - before), over all tensors: equal within 1e-5 relative
+    diff = sum(float((b[k] - a[k]).double().norm() ** 2) for k in a) ** 0.5
+    update = sum(float((a[k] - start[k]).double().norm() ** 2) for k in a) ** 0.5
+    assert update > 0 and diff / update < 1e-5, diff / update
+    assert [m["loss"] for m in metrics(tmp_path / "two")] == pytest.approx(
+        [m["loss"] for m in metrics(tmp_path / "one")], rel=1e-5)
+
+
+def test_trained_model_loads_in_generate_and_hf(corpus, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", max_steps=4))
+    train(cfg, progress=False)
+    out = Path(cfg.out)
+    assert main(["generate", "--model", str(out), "--prompt", "the red fox", "--max-new-tokens", "5", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
+    from gptj.weights.io import load_model
+
+    ours = load_model(out)
+    hf = transformers.GPTJForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 2, 3, 500, 9000, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch):
+    monkeypatch.chdir(ROOT)  # they are run from the repository root
+    for name in ("pretrain_tiny.yaml", "finetune_summarization.yaml"):
+        cfg = load_config(ROOT / "examples" / "train" / name)
+        assert cfg.model.preset == "tiny" and cfg.data.eval is not None
+
+
+def test_the_pretraining_example_runs_as_shipped(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    code = main(["train", "--config", "examples/train/pretrain_tiny.yaml", "--out", str(tmp_path / "pre"),
+                 "--quiet"])
+    assert code == 0
+    log = [m for m in metrics(tmp_path / "pre") if "loss" in m]
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"]
+
+
+def test_lr_schedule_warms_up_then_follows_a_cosine(tmp_path, corpus):
+    cfg = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", max_steps=110,
+                                   schedule={"warmup_steps": 10, "min_lr": 1e-4}, optimizer={"lr": 1e-3}))
+    assert [lr_at(s, cfg) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
+    assert lr_at(60, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way down the cosine
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+
+
+def test_data_order_is_a_function_of_seed_and_position():
+    s = Sampler(10, seed=1)
+    first = s(range(0, 10))
+    assert sorted(first) == list(range(10))  # an epoch sees every sequence once
+    assert Sampler(10, seed=1)(range(5, 15)) == first[5:] + s(range(10, 15))  # from any position
+    assert Sampler(10, seed=2)(range(0, 10)) != first
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"model": {"preset": "tiny"}, "data": {"train": {"text": ["x.txt"]}}, "learning_rate": 1}, "learning_rate: unknown key"),
+    ({"model": {"preset": "tiny"}, "data": {"train": {"text": ["x.txt"]}}, "batch_size": "big"}, "batch_size:"),
+    ({"model": {"preset": "tiny"}, "data": {"train": {"text": ["missing.txt"]}}}, "missing.txt: no such file"),
+    ({"model": {"preset": "tiny", "checkpoint": "m"}, "data": {"train": {"text": ["x.txt"]}}}, "exactly one"),
+    ({"data": {"train": {"text": ["x.txt"]}}}, "model: required"),
+    ({"model": {"preset": "huge"}, "data": {"train": {"text": ["x.txt"]}}}, "unknown preset"),
+])
+def test_bad_configs_are_one_line(tmp_path, capsys, monkeypatch, content, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.txt").write_text("hello")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(content))
+    assert main(["train", "--config", "c.yaml", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_set_overrides_and_yaml_errors(tmp_path, capsys, corpus):
+    path = write_config(tmp_path / "c.yaml", train=corpus / "train.txt")
+    cfg = load_config(path, ["optimizer.lr=1e-2", "schedule.warmup_steps=0", "precision=bf16"])
+    assert (cfg.optimizer.lr, cfg.schedule.warmup_steps, cfg.precision) == (1e-2, 0, "bf16")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    assert main(["train", "--config", str(tmp_path / "bad.yaml")]) == 1
+    assert "not valid YAML" in capsys.readouterr().err
+    assert main(["train", "--config", str(path), "--set", "nonsense"]) == 1
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_bf16_autocast_trains(corpus, tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", precision="bf16", max_steps=20,
+                                   batch_size=8, log_interval=5))
+    train(cfg, progress=False)
+    log = metrics(Path(cfg.out))
+    assert all(math.isfinite(m["loss"]) for m in log) and log[-1]["loss"] < log[0]["loss"]
+    assert weights(Path(cfg.out))["lm_head.weight"].dtype == torch.float32  # float32 master weights
