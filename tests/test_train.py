@@ -19,6 +19,7 @@ from gptj.errors import GptjError
 from gptj.train.config import load_config
 from gptj.train.trainer import Sampler, _loss_sum, lr_at, train
 from gptj.weights.io import random_state_dict
+from test_serve_cli import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = ["the red fox runs to the old barn.", "a small bird sings in the tall tree.",
@@ -54,6 +55,17 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_update(cfg, one: Path, two: Path) -> None:
+    """The update (weights after - before, over all tensors) of run `two` equals run `one`'s
+    within 1e-5 relative (a norm: Adam divides by each gradient's size, so single weights whose
+    gradient is near zero may differ more)."""
+    a, b = weights(one), weights(two)
+    start = random_state_dict(get_preset(cfg.model.preset), seed=cfg.seed, std=cfg.model.init_std)
+    diff = sum(float((b[k] - a[k]).double().norm() ** 2) for k in a) ** 0.5
+    update = sum(float((a[k] - start[k]).double().norm() ** 2) for k in a) ** 0.5
+    assert update > 0 and diff / update < 1e-5, diff / update
 
 
 def test_loss_falls_clearly_on_a_repetitive_corpus(corpus, tmp_path):
@@ -165,12 +177,7 @@ def test_two_ranks_give_the_update_of_one_process(corpus, tmp_path, mode, offloa
     write_config(tmp_path / "two.yaml", train=corpus / "train.txt", max_steps=3, batch_size=2, distributed=mode,
                  cpu_offload=offload, out=str(tmp_path / "two"))
     run_parallel(_ddp_job, 2, {"config": str(tmp_path / "two.yaml"), "split": split})
-    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
-    start = random_state_dict(get_preset("tiny"), seed=one.seed, std=one.model.init_std)
-    # the update (weights after - before), over all tensors: equal within 1e-5 relative
-    diff = sum(float((b[k] - a[k]).double().norm() ** 2) for k in a) ** 0.5
-    update = sum(float((a[k] - start[k]).double().norm() ** 2) for k in a) ** 0.5
-    assert update > 0 and diff / update < 1e-5, diff / update
+    assert_same_update(one, tmp_path / "one", tmp_path / "two")
     assert [m["loss"] for m in metrics(tmp_path / "two")] == pytest.approx(
         [m["loss"] for m in metrics(tmp_path / "one")], rel=1e-5)
 
@@ -189,6 +196,29 @@ def test_trained_model_loads_in_generate_and_hf(corpus, tmp_path, capsys):
     ids = torch.tensor([[1, 2, 3, 500, 9000, 42]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+    # and the MLPerf harness runs it
+    assert main(["mlperf", "--model", str(out), "--max-examples", "1", "--max-new-tokens", "4", "--min-new-tokens",
+                 "1", "--num-beams", "1", "--log-dir", str(tmp_path / "mlperf"), "--quiet"]) == 0
+    assert (tmp_path / "mlperf" / "accuracy.json").is_file()
+
+
+def test_under_torchrun_two_ranks_train_data_parallel(corpus, tmp_path):
+    """The README's `torchrun --nproc-per-node 2 -m gptj.cli train ...` (the process group from
+    torchrun's environment) gives the weights of one process with the same global batch."""
+    import subprocess
+    import sys
+
+    one = load_config(write_config(tmp_path / "one.yaml", train=corpus / "train.txt", max_steps=2, batch_size=4,
+                                   out=str(tmp_path / "one")))
+    train(one, progress=False)
+    write_config(tmp_path / "two.yaml", train=corpus / "train.txt", max_steps=2, batch_size=2,
+                 out=str(tmp_path / "two"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "gptj.cli", "train", "--config",
+                           str(tmp_path / "two.yaml"), "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("trained to") == 1  # rank 0 reports
+    assert_same_update(one, tmp_path / "one", tmp_path / "two")
 
 
 def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch):
