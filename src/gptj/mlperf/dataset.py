@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptj.errors import GptjError
+from gptj.files import read_text
 from gptj.tokenizer import Tokenizer, load_tokenizer
 
 # MLCommons inference, language/gpt-j/dataset.py, PROMPT_DICT["prompt_input"]. Benchmark
@@ -82,16 +83,7 @@ def load_examples(path: str | Path) -> list[Example]:
     Extra keys in an entry are ignored.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise GptjError(f"{path}: data set file not found") from None
-    except IsADirectoryError:
-        raise GptjError(f"{path}: is a directory, not a data set file") from None
-    except UnicodeDecodeError as e:
-        raise GptjError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-    except OSError as e:
-        raise GptjError(f"{path}: cannot read: {e.strerror or e}") from None
+    text = read_text(path, "data set file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

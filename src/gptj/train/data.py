@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptj.errors import GptjError
+from gptj.files import move_into_place, read_text, temp_sibling
 from gptj.mlperf.dataset import PROMPT_TEMPLATE, Example, build_prompt, load_examples
 from gptj.tokenizer import Tokenizer, load_tokenizer
 
@@ -110,16 +110,7 @@ def _check_source(path: Path) -> None:
 
 def _read_text(path: Path) -> str:
     """A whole text file (UTF-8, a leading BOM dropped), errors as one-line GptjErrors."""
-    try:
-        return path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise GptjError(f"{path}: input file not found") from None
-    except IsADirectoryError:
-        raise GptjError(f"{path}: is a directory, not an input file") from None
-    except UnicodeDecodeError as e:
-        raise GptjError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-    except OSError as e:
-        raise GptjError(f"{path}: cannot read: {e.strerror or e}") from None
+    return read_text(path, "input file")
 
 
 def _jsonl_documents(path: Path, key: str) -> Iterator[tuple[str, int]]:
@@ -226,25 +217,13 @@ def _atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     _check_out(out, force)
     target = Path(os.path.abspath(out))  # "." and "dir/.." have no usable name or parent
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = temp_sibling(target)
     except OSError as e:
         raise GptjError(f"{out}: cannot create: {e.strerror or e}") from None
     try:
         try:
             yield tmp
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary folder
-            for f in tmp.iterdir():
-                os.chmod(f, 0o666 & ~umask)
-            if target.exists():
-                backup = target.parent / f".{target.name}.old-{os.getpid()}"
-                os.replace(target, backup)
-                os.replace(tmp, target)
-                shutil.rmtree(backup, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
+            move_into_place(tmp, target)
         except OSError as e:
             raise GptjError(f"{out}: cannot write: {e.strerror or e}") from e
     except BaseException:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tqdm import tqdm
 from gptj import quant
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
+from gptj.files import move_into_place, temp_sibling
 from gptj.model import GPTJForCausalLM, build_model
 from gptj.runtime import all_finite, dtype_name
 from gptj.weights import hf, mtj
@@ -281,12 +281,8 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
     """`extra(folder)` writes more files into the folder before it is moved into place."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_sibling(out)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary directory
         first_dtype = next((t.dtype for n, t in sd.items() if t.is_floating_point() and not quant.is_quant_param(n)),
                            torch.float32)
         cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(first_dtype)}
@@ -311,15 +307,7 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
             load_tokenizer().save(tmp)
         if extra is not None:
             extra(tmp)
-        for f in tmp.rglob("*"):
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            backup = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, backup)
-            os.replace(tmp, out)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
