@@ -291,3 +291,15 @@ def test_bf16_autocast_trains(corpus, tmp_path):
     log = metrics(Path(cfg.out))
     assert all(math.isfinite(m["loss"]) for m in log) and log[-1]["loss"] < log[0]["loss"]
     assert weights(Path(cfg.out))["lm_head.weight"].dtype == torch.float32  # float32 master weights
+
+
+def test_tensorboard_logging_or_a_clear_error(corpus, tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", train=corpus / "train.txt", max_steps=2, tensorboard=True))
+    try:
+        import torch.utils.tensorboard  # noqa: F401 - needs the tensorboard package
+    except ImportError:
+        with pytest.raises(GptjError, match="needs the tensorboard package"):
+            train(cfg, progress=False)
+        return
+    train(cfg, progress=False)
+    assert list((Path(cfg.out) / "tensorboard").glob("events.out.tfevents.*"))

@@ -253,6 +253,14 @@ def _write_final(out: Path, config: Any, model_sd: dict) -> None:
 
 # --- metrics ----------------------------------------------------------------------------
 
+def _summary_writer():  # noqa: ANN202 - torch.utils.tensorboard.SummaryWriter
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise GptjError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter
+
+
 class Metrics:
     def __init__(self, out: Path, main: bool, resume_step: int | None, tensorboard: bool) -> None:
         self.path = out / METRICS_FILE
@@ -269,11 +277,7 @@ class Metrics:
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise GptjError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
-            self.writer = SummaryWriter(str(out / "tensorboard"))
+            self.writer = _summary_writer()(str(out / "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.main:
@@ -356,6 +360,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
         mode = "ddp" if ranks.world > 1 else "none"
     if mode == "none" and ranks.world > 1:
         raise GptjError("distributed: none, but this run has several ranks (use ddp or fsdp)")
+    if cfg.tensorboard:
+        _summary_writer()  # before any work
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     found = _checkpoints(out)
