@@ -309,10 +309,13 @@ def _loss_sum(model: nn.Module, ids: torch.Tensor, input_mask: torch.Tensor, los
                 else contextlib.nullcontext())
     with autocast:
         logits = model(ids, attention_mask=input_mask)
-    targets = loss_mask[:, 1:]
-    losses = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                             reduction="none")
-    return (losses * targets.reshape(-1)).sum()
+    # Position t predicts token t + 1 where loss_mask[t + 1]; every other position (the last one
+    # included) gets the ignored label. The logits are not sliced: a slice's backward would build
+    # and fill a second logits-sized gradient, the largest tensor of a step.
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = torch.where(loss_mask[:, 1:], ids[:, 1:], -100)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum")
 
 
 def evaluate(model: nn.Module, td, cfg: TrainConfig, ranks: Ranks) -> dict[str, float]:
