@@ -433,13 +433,13 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
             indices = sampler(positions)
             # Every rank knows the whole global batch's target count: the loss is a sum over it
             # divided by that count, the same whatever the split over ranks and micro-steps.
-            masks = train_data.get(indices)[2]
-            n_targets = float(masks[:, 1:].sum())
+            batch = _batch(train_data, indices, torch.device("cpu"))  # read once; each rank uses its rows
+            n_targets = float(batch[2][:, 1:].sum())
             scale = ranks.world / max(n_targets, 1.0)  # DDP / FSDP average the ranks' gradients
             loss_sum = 0.0
             for micro in range(cfg.grad_accum_steps):
                 first = (micro * ranks.world + ranks.rank) * b
-                ids, im, lm = _batch(train_data, indices[first:first + b], ranks.device)
+                ids, im, lm = (t[first:first + b].to(ranks.device) for t in batch)
                 sync = micro == cfg.grad_accum_steps - 1 or mode == "none"
                 context = model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()
                 with context:
