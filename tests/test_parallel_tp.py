@@ -59,6 +59,35 @@ def _tp_job(rank: int, world: int) -> dict:
             "heads": model.kv_heads}
 
 
+def _tp_int8_job(rank: int, world: int) -> dict:
+    from gptj.quant import quantize_model
+
+    model = full_model()
+    reduce = shard_model(model, rank, world)
+    quantize_model(model, "int8", skip=("lm_head",))  # as gptj.parallel.lockstep.load_model does
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPTS[0]]))
+    return {"logits": logits, "calls": reduce.calls}
+
+
+def test_tp2_int8_is_as_close_to_float_as_tp1_int8(tmp_path):
+    """int8 after sharding: q/k/v and fc_in get the whole model's scales, out_proj and fc_out each
+    rank's own (finer), so TP=2 int8 is at least about as close to float32 as TP=1 int8."""
+    from gptj.quant import quantize_model
+
+    tp2_int8 = spawn_ranks(_tp_int8_job, 2, tmp_path)[0]
+    assert tp2_int8["calls"] == CFG.n_layer
+    float_model, int8_model = full_model(), full_model()
+    quantize_model(int8_model, "int8", skip=("lm_head",))
+    with torch.inference_mode():
+        ids = torch.tensor([PROMPTS[0]])
+        ref, tp1_int8 = float_model(ids), int8_model(ids)
+    err_tp1 = float((tp1_int8 - ref).abs().max())
+    err_tp2 = float((tp2_int8["logits"] - ref).abs().max())
+    assert 0 < err_tp2 <= 1.5 * err_tp1, (err_tp2, err_tp1)
+    assert tp2_int8["logits"].argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     return spawn_ranks(_tp_job, 2, tmp_path_factory.mktemp("tp"))[0]

@@ -45,7 +45,12 @@ def active() -> bool:
 def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
                group_size: int | None = None):  # noqa: ANN201 - GPTJForCausalLM
     """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
-    files when present); under --pp its stage."""
+    files when present), quantized after sharding if asked; under --pp its stage.
+
+    Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
+    int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
+    each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
+    head stays in the float dtype."""
     from gptj.parallel.launch import rank_device
     from gptj.parallel.pp import pipeline_model
     from gptj.parallel.tp import load_rank, shard_file, shard_model
@@ -54,18 +59,23 @@ def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None 
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size)
-    if quantize:
-        raise GptjError("--tp / --pp with --quantize is not supported yet: split a float model")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = resolve_device(rank_device(device))
     tp = world if _state["pp"] == 1 else 1
+    if quantize and tp == 1:
+        raise GptjError("--pp with --quantize is not supported yet: split a float model (or use --tp)")
     if tp > 1 and shard_file(path, rank, world).is_file():
-        return load_rank(path, rank, world, dtype, device)
-    model = load_whole(path, dtype=dtype, device=device)
-    if tp > 1:
-        shard_model(model, rank, world)
-    else:  # --pp: this rank's layers, micro-batches of the batch in flight
-        pipeline_model(model, rank, world, micro_batches=world)
+        model = load_rank(path, rank, world, dtype, device)
+    else:
+        model = load_whole(path, dtype=dtype, device=device)
+        if tp > 1:
+            shard_model(model, rank, world)
+        else:  # --pp: this rank's layers, micro-batches of the batch in flight
+            pipeline_model(model, rank, world, micro_batches=world)
+    if quantize:
+        from gptj.quant import quantize_model
+
+        quantize_model(model, quantize, group_size, skip=("lm_head",))
     return model
 
 
