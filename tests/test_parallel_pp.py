@@ -61,10 +61,12 @@ def test_cli_generate_pp2_equals_pp1(tmp_path, capsys):
     capsys.readouterr()
     args = ["generate", "--model", str(model), "--prompt", "Hello world", "--prompt-ids", "5,6,7",
             "--max-new-tokens", "6", "--json"]
-    outs = []
-    for pp in ("1", "2"):
-        assert main(args + ["--pp", pp]) == 0
-        outs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
-    assert outs[0] == outs[1] and len(outs[0]) == 2
+    for quant in ([], ["--quantize", "int8"], ["--quantize", "int4", "--group-size", "32"]):
+        # quantized: each stage quantizes its own layers as the whole model would (the same tokens)
+        outs = []
+        for pp in ("1", "2"):
+            assert main(args + quant + ["--pp", pp]) == 0
+            outs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+        assert outs[0] == outs[1] and len(outs[0]) == 2
     assert main(args + ["--pp", "2", "--tp", "2"]) == 1
     assert "not supported yet" in capsys.readouterr().err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,6 +140,20 @@ def test_cli_generate_tp2_equals_tp1(tmp_path, capsys):
     assert main(args + ["--tp", "3"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "divisible by 3" in err
+
+
+def test_spawned_ranks_leave_nothing_on_stderr(tmp_path):
+    """The command's own process: a rank that exits must not leave a semaphore for Python's resource
+    tracker to warn about (tqdm's default lock was one), and a refused plan is one line."""
+    from gptj.cli import main
+
+    model = tmp_path / "tiny"
+    assert main(["init", "--preset", "tiny", "--out", str(model)]) == 0
+    args = [sys.executable, "-m", "gptj.cli", "generate", "--model", str(model), "--prompt", "Hi", "--max-new-tokens", "3"]
+    done = subprocess.run(args + ["--tp", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() and done.stderr == ""
+    done = subprocess.run(args + ["--tp", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "divisible by 3" in done.stderr
 
 
 def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):

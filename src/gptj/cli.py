@@ -114,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
     payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
-    _check_parallel(args.tp, args.pp)
+    _check_parallel(args.tp, args.pp, args.model)
     if args.tp > 1 or args.pp > 1 or under_torchrun():
         outputs = run_parallel(_generate_job, max(args.tp, args.pp), payload, device=args.device)
         if outputs is NOT_RANK0:
@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise GptjError("--tp / --pp with --ray is not supported yet: each replica is one process")
         if len(models) != 1 or args.admin_token:
             raise GptjError("--tp / --pp serve one model, given at start (no --admin-token)")
-        _check_parallel(args.tp, args.pp)
+        _check_parallel(args.tp, args.pp, models[0][1])
         run_parallel(_serve_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
                                                           "log_level": args.log_level, "debug": args.debug},
                      device=args.device)
@@ -396,7 +396,7 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
     if args.tp > 1 or args.pp > 1 or under_torchrun():
         if args.server:
             raise GptjError("--tp / --pp split the model in this process; with --server, the server decides")
-        _check_parallel(args.tp, args.pp)
+        _check_parallel(args.tp, args.pp, args.model)
         run_parallel(_mlperf_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
                                                            "debug": args.debug}, device=args.device)
         return 0
@@ -404,9 +404,21 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_parallel(tp: int, pp: int) -> None:
+def _check_parallel(tp: int, pp: int, model: str | Path) -> None:
+    """Refuse a plan the model cannot take before any rank starts (the ranks check it again)."""
     if tp > 1 and pp > 1:
         raise GptjError("--tp and --pp together are not supported yet; use one of them")
+    if not (Path(model) / "config.json").is_file():
+        return  # the loader says what is wrong with the folder
+    from gptj.parallel.pp import check_split
+    from gptj.parallel.tp import check_plan
+    from gptj.weights.io import resolve_config
+
+    config = resolve_config(model)
+    if tp > 1:
+        check_plan(config, tp)
+    if pp > 1:
+        check_split(config.n_layer, pp)
 
 
 def _mlperf_job(rank: int, world: int, payload: dict) -> None:

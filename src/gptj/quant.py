@@ -689,13 +689,17 @@ def is_quantized(model: nn.Module) -> bool:
 def quantize_model(model: nn.Module, mode: str, group_size: int | None = None,
                    skip: Sequence[str] = ()) -> dict[str, Any]:
     """Quantize a float GPT-J in place (module swaps); returns the `quantization` dict, also set on
-    `model.config` so that saving the model records it. lm_head is quantized unless skipped."""
+    `model.config` so that saving the model records it. lm_head is quantized unless skipped.
+    A pipeline stage (`gptj.parallel.pp`) quantizes the layers it holds."""
     if is_quantized(model):
         raise GptjError("the model is already quantized")
     q = make_quantization(model.config, mode, group_size, skip)
+    present = dict(model.named_modules())
     with torch.no_grad():
         for name in q["modules"]:
-            lin = model.get_submodule(name)
+            lin = present.get(name)
+            if lin is None:  # a layer of another pipeline stage
+                continue
             new = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, q["group_size"])
             _set_module(model, name, new)
     model.config = model.config.replace(quantization=q)

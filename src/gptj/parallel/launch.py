@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from gptj.errors import GptjError
 
@@ -53,6 +54,9 @@ def _use_rank_device(device: str) -> None:
 
 def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
+    # tqdm's default lock is a multiprocessing semaphore; a rank leaves with os._exit (below), which
+    # skips its clean-up, and the parent's resource tracker then warns of a leaked semaphore.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _use_rank_device(device)
     dist.init_process_group(backend_for(device), init_method=f"file://{folder}/rendezvous", rank=rank,

@@ -45,7 +45,8 @@ def active() -> bool:
 def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
                group_size: int | None = None):  # noqa: ANN201 - GPTJForCausalLM
     """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
-    files when present), quantized after sharding if asked; under --pp its stage.
+    files when present), quantized after sharding if asked; under --pp its stage, quantized as the
+    whole model would be.
 
     Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
     int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
@@ -62,8 +63,6 @@ def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = resolve_device(rank_device(device))
     tp = world if _state["pp"] == 1 else 1
-    if quantize and tp == 1:
-        raise GptjError("--pp with --quantize is not supported yet: split a float model (or use --tp)")
     if tp > 1 and shard_file(path, rank, world).is_file():
         model = load_rank(path, rank, world, dtype, device)
     else:
@@ -75,7 +74,9 @@ def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None 
     if quantize:
         from gptj.quant import quantize_model
 
-        quantize_model(model, quantize, group_size, skip=("lm_head",))
+        # under --tp the head is vocabulary-parallel (float); a pipeline stage quantizes its own
+        # layers as the whole model would (the head too)
+        quantize_model(model, quantize, group_size, skip=("lm_head",) if tp > 1 else ())
     return model
 
 

@@ -21,11 +21,15 @@ from gptj.errors import GptjError
 from gptj.model import GPTJForCausalLM, KVCache, rotary_tables
 
 
+def check_split(n_layer: int, world: int) -> None:
+    if n_layer < world:
+        raise GptjError(f"pipeline parallel over {world} ranks needs at least {world} layers, got {n_layer}")
+
+
 class Pipeline:
     def __init__(self, rank: int, world: int, n_layer: int, micro_batches: int = 2,
                  group: dist.ProcessGroup | None = None) -> None:
-        if n_layer < world:
-            raise GptjError(f"pipeline parallel over {world} ranks needs at least {world} layers, got {n_layer}")
+        check_split(n_layer, world)
         self.rank, self.world, self.group = rank, world, group
         self.layers = range(rank * n_layer // world, (rank + 1) * n_layer // world)
         self.micro_batches = max(1, micro_batches)
