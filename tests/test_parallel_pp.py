@@ -24,6 +24,41 @@ def _pp_job(rank: int, world: int) -> dict:
     return {"logits": logits, "sends": sends, "tokens": tokens, "engine": engine_tokens, "owned": owned}
 
 
+def _grid_job(rank: int, world: int) -> dict:
+    """--tp 2 --pp 2: rank r is tensor rank r % 2 of stage r // 2."""
+    from gptj.parallel import lockstep
+
+    lockstep.configure(tp=2, pp=2)
+    model = lockstep.split_model(full_model(), rank)
+    reduce = model.transformer.h[2 if rank >= 2 else 0].reduce
+    with torch.inference_mode():
+        logits = model(torch.tensor(PROMPTS[:1] * 2))
+    calls, sends = reduce.calls, model.pipeline.sends
+    tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
+    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
+    owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
+    return {"logits": logits, "calls": calls, "tokens": tokens, "engine": engine_tokens, "owned": owned,
+            "heads": model.kv_heads, "sends": sends}
+
+
+def test_tp2_pp2_grid_equals_one_process(tmp_path):
+    ranks = spawn_ranks(_grid_job, 4, tmp_path)
+    assert [r["owned"] for r in ranks] == [[0], [0], [1, 2], [1, 2]]  # stages: layer 0 | layers 1-2
+    assert [r["heads"] for r in ranks] == [2, 2, 2, 2]  # each tensor rank: half the heads
+    # one all-reduce per layer of the rank's stage (two micro-batches each), stage 0 sends both on
+    assert [r["calls"] for r in ranks] == [2, 2, 4, 4] and [r["sends"] for r in ranks] == [2, 2, 0, 0]
+    with torch.inference_mode():
+        want = full_model()(torch.tensor(PROMPTS[:1] * 2))
+    engine = Engine(full_model(), EngineConfig(n_slots=8, kernels="off", compile="off"))
+    for name, gen in GENS.items():
+        want_tokens, want_engine = generate(full_model(), PROMPTS, gen), engine.generate(PROMPTS, gen)
+        for rank in ranks:
+            assert rank["tokens"][name] == want_tokens and rank["engine"][name] == want_engine
+    for rank in ranks:
+        torch.testing.assert_close(rank["logits"], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
     return spawn_ranks(_pp_job, 2, tmp_path_factory.mktemp("pp"))
@@ -68,5 +103,6 @@ def test_cli_generate_pp2_equals_pp1(tmp_path, capsys):
             assert main(args + quant + ["--pp", pp]) == 0
             outs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
         assert outs[0] == outs[1] and len(outs[0]) == 2
-    assert main(args + ["--pp", "2", "--tp", "2"]) == 1
-    assert "not supported yet" in capsys.readouterr().err
+        if not quant:  # tensor x pipeline: 4 ranks, 2 stages of 2 tensor ranks
+            assert main(args + ["--pp", "2", "--tp", "2"]) == 0
+            assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == outs[0]

@@ -78,11 +78,12 @@ def test_serve_parallel_equals_one_process(tiny, capsys, flag):
         proc.communicate()
 
 
-def test_mlperf_tp2_equals_tp1(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("grid", [["--tp", "2"], ["--tp", "2", "--pp", "2"]], ids=["tp2", "tp2xpp2"])
+def test_mlperf_parallel_equals_one_process(tiny, tmp_path, capsys, grid):
     common = ["mlperf", "--model", str(tiny), "--scenario", "Offline", "--mode", "accuracy", "--max-examples", "3",
               "--num-beams", "2", "--max-new-tokens", "10", "--min-new-tokens", "2", "--quiet"]
     assert main([*common, "--log-dir", str(tmp_path / "one")]) == 0
-    proc = subprocess.run([sys.executable, "-m", "gptj.cli", *common, "--log-dir", str(tmp_path / "two"), "--tp", "2"],
+    proc = subprocess.run([sys.executable, "-m", "gptj.cli", *common, "--log-dir", str(tmp_path / "two"), *grid],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "summary.md" in proc.stdout  # rank 0 reports, once
@@ -99,7 +100,7 @@ def test_mlperf_tp2_equals_tp1(tiny, tmp_path, capsys):
     (["serve", "--model", "a={m}", "--model", "b={m}", "--tp", "2"], "serve one model"),
     (["serve", "--model", "{m}", "--tp", "2", "--admin-token", "t"], "serve one model"),
     (["serve", "--model", "{m}", "--tp", "2", "--ray"], "with --ray"),
-    (["serve", "--model", "{m}", "--tp", "2", "--pp", "2"], "together"),
+    (["serve", "--model", "{m}", "--tp", "2", "--pp", "3"], "needs at least 3 layers"),  # before any rank starts
     (["mlperf", "--server", "http://127.0.0.1:1", "--tp", "2"], "with --server"),
 ])
 def test_parallel_flag_errors_are_one_line(tiny, capsys, args, message):

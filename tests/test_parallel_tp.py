@@ -187,7 +187,8 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
     assert json.loads(one)["token_ids"] == json.loads(two)["token_ids"]
     for f in out.glob("model*.safetensors*"):  # the ranks read only their shards
         f.unlink()
-    assert main(args + ["--tp", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == json.loads(one)["token_ids"]
+    for grid in (["--tp", "2"], ["--tp", "2", "--pp", "2"]):  # with --pp, each stage's ranks read theirs
+        assert main(args + grid) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == json.loads(one)["token_ids"]
     assert main(["convert", str(src), "--out", str(tmp_path / "bad"), "--tp", "3", "--quiet"]) == 1
     assert "divisible by 3" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
     _check_parallel(args.tp, args.pp, args.model)
     if args.tp > 1 or args.pp > 1 or under_torchrun():
-        outputs = run_parallel(_generate_job, max(args.tp, args.pp), payload, device=args.device)
+        outputs = run_parallel(_generate_job, args.tp * args.pp, payload, device=args.device)
         if outputs is NOT_RANK0:
             return 0
     else:
@@ -167,8 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if len(models) != 1 or args.admin_token:
             raise GptjError("--tp / --pp serve one model, given at start (no --admin-token)")
         _check_parallel(args.tp, args.pp, models[0][1])
-        run_parallel(_serve_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
-                                                          "log_level": args.log_level, "debug": args.debug},
+        run_parallel(_serve_job, args.tp * args.pp, {"cfg": cfg, "tp": args.tp, "pp": args.pp,
+                                                     "log_level": args.log_level, "debug": args.debug},
                      device=args.device)
         return 0
     if args.ray:
@@ -397,8 +397,8 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         if args.server:
             raise GptjError("--tp / --pp split the model in this process; with --server, the server decides")
         _check_parallel(args.tp, args.pp, args.model)
-        run_parallel(_mlperf_job, max(args.tp, args.pp), {"cfg": cfg, "tp": args.tp, "pp": args.pp,
-                                                           "debug": args.debug}, device=args.device)
+        run_parallel(_mlperf_job, args.tp * args.pp, {"cfg": cfg, "tp": args.tp, "pp": args.pp,
+                                                      "debug": args.debug}, device=args.device)
         return 0
     _mlperf_report(run(cfg))
     return 0
@@ -406,8 +406,6 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
 
 def _check_parallel(tp: int, pp: int, model: str | Path) -> None:
     """Refuse a plan the model cannot take before any rank starts (the ranks check it again)."""
-    if tp > 1 and pp > 1:
-        raise GptjError("--tp and --pp together are not supported yet; use one of them")
     if not (Path(model) / "config.json").is_file():
         return  # the loader says what is wrong with the folder
     from gptj.parallel.pp import check_split
@@ -503,7 +501,8 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
                         "run under torchrun --nproc-per-node N")
     p.add_argument("--pp", type=_positive, default=1,
-                   help="pipeline parallel over N processes: the layers split, micro-batches in flight")
+                   help="pipeline parallel over N processes: the layers split, micro-batches in flight; with "
+                        "--tp T, T x N processes (N stages of T tensor ranks)")
 
 
 def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group

@@ -25,16 +25,34 @@ import torch.distributed as dist
 
 from gptj.errors import GptjError
 
-_state: dict[str, Any] = {"group": None, "tp": 1, "pp": 1, "stopped": False}
+_state: dict[str, Any] = {"group": None, "tp": 1, "pp": 1, "stopped": False, "tp_group": None, "pp_group": None}
 
 
 def configure(tp: int = 1, pp: int = 1) -> None:
-    """Called by every rank at the start of a parallel job (a collective: the control group)."""
-    if tp > 1 and pp > 1:
-        raise GptjError("--tp and --pp together are not supported yet; use one of them")
-    _state.update(tp=tp, pp=pp, stopped=False)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """Called by every rank at the start of a parallel job (a collective: the control group and,
+    under --tp and --pp together, the grid's groups).
+
+    The tp x pp ranks form a grid: global rank r is tensor rank r % tp of pipeline stage r // tp, so
+    a stage's tensor ranks are neighbours (one machine, when a job spans several) and each tensor
+    rank t has its own pipeline, stages t, t + tp, t + 2 tp, ..."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp * pp != world and world > 1:
+        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
+    _state.update(tp=tp, pp=pp, stopped=False, tp_group=None, pp_group=None)
+    if world > 1:
         _state["group"] = dist.new_group(backend="gloo")
+    if tp > 1 and pp > 1:  # every rank creates every group, in the same order
+        rank = dist.get_rank()
+        for stage in range(pp):
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _state["tp_group"] = group
+        for t in range(tp):
+            ranks = list(range(t, world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _state["pp_group"] = group
 
 
 def active() -> bool:
@@ -42,40 +60,52 @@ def active() -> bool:
     return _state["group"] is not None
 
 
+def split_model(model: Any, rank: int, sharded: bool = False) -> Any:  # GPTJForCausalLM
+    """Cut a full float model down to `rank`'s share of the configured plan, in place: its tensor
+    shard (when tp > 1, unless already `sharded`), then its pipeline stage (when pp > 1)."""
+    from gptj.parallel.pp import pipeline_model
+    from gptj.parallel.tp import shard_model
+
+    tp, pp = _state["tp"], _state["pp"]
+    if tp > 1 and not sharded:
+        shard_model(model, rank % tp, tp, group=_state["tp_group"])
+    if pp > 1:
+        stage, column = rank // tp, rank % tp
+        pipeline_model(model, stage, pp, micro_batches=pp, group=_state["pp_group"],
+                       peers=[column + i * tp for i in range(pp)])
+    return model
+
+
 def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
                group_size: int | None = None):  # noqa: ANN201 - GPTJForCausalLM
     """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
-    files when present), quantized after sharding if asked; under --pp its stage, quantized as the
-    whole model would be.
+    files when present), under --pp its stage (both: its stage's shard), quantized after
+    splitting if asked.
 
     Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
     int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
     each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
-    head stays in the float dtype."""
+    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
     from gptj.parallel.launch import rank_device
-    from gptj.parallel.pp import pipeline_model
-    from gptj.parallel.tp import load_rank, shard_file, shard_model
+    from gptj.parallel.tp import load_rank, shard_file
     from gptj.runtime import resolve_device
     from gptj.weights.io import load_model as load_whole
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size)
     rank, world = dist.get_rank(), dist.get_world_size()
+    tp, pp = _state["tp"], _state["pp"]
+    if tp * pp != world:
+        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
     device = resolve_device(rank_device(device))
-    tp = world if _state["pp"] == 1 else 1
-    if tp > 1 and shard_file(path, rank, world).is_file():
-        model = load_rank(path, rank, world, dtype, device)
+    if tp > 1 and shard_file(path, rank % tp, tp).is_file():
+        model = split_model(load_rank(path, rank % tp, tp, dtype, device, group=_state["tp_group"]), rank,
+                            sharded=True)
     else:
-        model = load_whole(path, dtype=dtype, device=device)
-        if tp > 1:
-            shard_model(model, rank, world)
-        else:  # --pp: this rank's layers, micro-batches of the batch in flight
-            pipeline_model(model, rank, world, micro_batches=world)
+        model = split_model(load_whole(path, dtype=dtype, device=device), rank)
     if quantize:
         from gptj.quant import quantize_model
 
-        # under --tp the head is vocabulary-parallel (float); a pipeline stage quantizes its own
-        # layers as the whole model would (the head too)
         quantize_model(model, quantize, group_size, skip=("lm_head",) if tp > 1 else ())
     return model
 

@@ -27,10 +27,16 @@ def check_split(n_layer: int, world: int) -> None:
 
 
 class Pipeline:
+    """Stage `rank` of `world`; `peers[i]` is stage i's global rank (default: stage i is rank i;
+    under --tp T --pp P, a pipeline is a column of the grid: stage i is global rank i T + t)."""
+
     def __init__(self, rank: int, world: int, n_layer: int, micro_batches: int = 2,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, peers: list[int] | None = None) -> None:
         check_split(n_layer, world)
         self.rank, self.world, self.group = rank, world, group
+        self.peers = list(range(world)) if peers is None else list(peers)
+        if len(self.peers) != world:
+            raise GptjError(f"a pipeline of {world} stages needs {world} peers, got {len(self.peers)}")
         self.layers = range(rank * n_layer // world, (rank + 1) * n_layer // world)
         self.micro_batches = max(1, micro_batches)
         self.sends = 0  # micro-batches sent on (tests, stats)
@@ -54,7 +60,7 @@ class Pipeline:
                 h = model.transformer.wte(input_ids[rows])
             else:
                 h = torch.empty((n, T, E), dtype=dtype, device=device)
-                dist.recv(h, src=self.rank - 1, group=self.group)
+                dist.recv(h, src=self.peers[self.rank - 1], group=self.group)
             sin, cos = rotary_tables(model.rope, position_ids[rows], h.dtype)
             part = cache if len(chunks) == 1 else cache.rows(rows) if cache is not None else None
             part_mask = mask if mask is None or len(chunks) == 1 else mask[rows]
@@ -62,7 +68,7 @@ class Pipeline:
                 h = model.transformer.h[i](h, sin, cos, part_mask, part, i)
             if not last:
                 h = h.contiguous()
-                sending.append((dist.isend(h, dst=self.rank + 1, group=self.group), h))
+                sending.append((dist.isend(h, dst=self.peers[self.rank + 1], group=self.group), h))
                 self.sends += 1
                 continue
             if logits_to_keep > 0:
@@ -74,16 +80,16 @@ class Pipeline:
             cache.advance(T)
         kept = logits_to_keep if logits_to_keep > 0 else T
         logits = torch.cat(outs) if last else torch.empty((B, kept, V), dtype=torch.float32, device=device)
-        dist.broadcast(logits, src=self.world - 1, group=self.group)
+        dist.broadcast(logits, src=self.peers[-1], group=self.group)
         return logits
 
 
 def pipeline_model(model: GPTJForCausalLM, rank: int, world: int, micro_batches: int = 2,
-                   group: dist.ProcessGroup | None = None) -> Pipeline:
+                   group: dist.ProcessGroup | None = None, peers: list[int] | None = None) -> Pipeline:
     """Make `model` run rank's stage; the other layers' weights are released."""
     if not 0 <= rank < world:
         raise GptjError(f"rank {rank} is not in [0, {world})")
-    stage = Pipeline(rank, world, model.config.n_layer, micro_batches, group)
+    stage = Pipeline(rank, world, model.config.n_layer, micro_batches, group, peers)
     if world > 1:
         for i, block in enumerate(model.transformer.h):
             if i not in stage.layers:

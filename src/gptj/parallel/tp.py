@@ -166,14 +166,14 @@ def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, fol
 
 
 def load_rank(folder: str | os.PathLike, rank: int, world: int, dtype: torch.dtype,
-              device: torch.device | str) -> GPTJForCausalLM:
+              device: torch.device | str, group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
     """Rank's model from its shard file alone (GptjError if there is none)."""
     path = shard_file(folder, rank, world)
     if not path.is_file():
         raise GptjError(f"{path}: no such shard (write it with gptj convert --tp {world})")
     config = GPTJConfig.from_json_file(Path(folder) / "config.json")
     model = build_model(config, device="meta", dtype=dtype)
-    reshape_for_rank(model, world)
+    reshape_for_rank(model, world, group)
     sd = {n: t.to(dtype) if t.is_floating_point() else t for n, t in load_file(str(path), device=str(device)).items()}
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_buffers(device)
