@@ -99,7 +99,8 @@ def test_mlperf_parallel_equals_one_process(tiny, tmp_path, capsys, grid):
 @pytest.mark.parametrize("args, message", [
     (["serve", "--model", "a={m}", "--model", "b={m}", "--tp", "2"], "serve one model"),
     (["serve", "--model", "{m}", "--tp", "2", "--admin-token", "t"], "serve one model"),
-    (["serve", "--model", "{m}", "--tp", "2", "--ray"], "with --ray"),
+    (["serve", "--model", "{m}", "--tp", "2", "--ray", "--device", "cuda"], "needs --gpus-per-replica 2"),
+    (["publish", "x", "{m}", "--server", "http://127.0.0.1:1", "--tp", "2"], "need --ray-address"),
     (["serve", "--model", "{m}", "--tp", "2", "--pp", "3"], "needs at least 3 layers"),  # before any rank starts
     (["mlperf", "--server", "http://127.0.0.1:1", "--tp", "2"], "with --server"),
 ])

@@ -188,6 +188,46 @@ def test_killing_a_replica_the_other_keeps_answering(served, cluster, models, ca
         time.sleep(1)
 
 
+def spawned_children(pid: int) -> list[int]:
+    """Process ids of `pid`'s multiprocessing-spawned children (Linux /proc; not its resource tracker)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in command:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_replica_over_two_ranks(served, cluster, models, capsys):
+    """publish --tp 2: the replica is rank 0 of a tensor-parallel pair, the other rank its child
+    process; answers equal one process; unpublishing stops both."""
+    url, _ = served
+    out = gptj("publish", "split", str(models / "other"), "--ray-address", cluster, "--tp", "2").stdout
+    assert "published split (1 replica, route /split)" in out
+    want = greedy(models, capsys, "other", "Split me", 10)
+    assert complete(url, "split", "Split me", n=10) == want
+    assert complete(url + "/split", "split", "Split me", n=10) == want
+    (replica,) = next(r for r in ls(cluster) if r["name"] == "split")["replicas"]
+    (follower,) = spawned_children(replica["pid"])  # the other rank
+    gptj("unpublish", "split", "--ray-address", cluster)
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{follower}").exists() and "(Z)" not in _state_of(follower):
+        assert time.monotonic() < deadline, "the replica's other rank outlived it"
+        time.sleep(0.5)
+    assert [r["name"] for r in ls(cluster)] == ["tiny"]
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return "(" + Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] + ")"
+    except OSError:
+        return ""
+
+
 def test_cluster_user_errors_are_one_line(served, cluster, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")

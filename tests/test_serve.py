@@ -458,6 +458,22 @@ def test_engine_error_fails_only_that_request(models):
         assert metric(thread.url, "gptj_requests_total", model="tiny", status="500") == 2
 
 
+def test_a_stopped_engine_loop_fails_its_requests_then_every_request(models):
+    """The loop itself failing (under --tp/--pp: a rank that died) is a 500 for the requests it
+    held, never an empty 200, and a 500 for the model's later requests (not a hang)."""
+    with server_thread({"tiny": models / "tiny"}) as thread:
+        engine = thread.state.models["tiny"].engine
+
+        def broken() -> None:
+            raise RuntimeError("injected loop fault")
+
+        engine.step = broken
+        status, out, _ = call(thread.url, body={"model": "tiny", "prompt": "x", "max_tokens": 4})
+        assert status == 500 and "injected loop fault" in out["error"]["message"], out
+        status, out, _ = call(thread.url, body={"model": "tiny", "prompt": "x", "max_tokens": 4})
+        assert status == 500 and "out of service" in out["error"]["message"], out
+
+
 def test_request_timeout_is_408_and_frees_the_engine(models):
     with running_server({"tiny": models / "tiny"}, request_timeout_s=0.2) as url:
         status, out, _ = call(url, body={"model": "tiny", "prompt": "x", "max_tokens": 2000, "ignore_eos": True,

@@ -161,9 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _server_config(args, models)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    if args.tp > 1 or args.pp > 1 or under_torchrun():
-        if args.ray:
-            raise GptjError("--tp / --pp with --ray is not supported yet: each replica is one process")
+    if args.ray:
+        _check_replica_ranks(args, [path for _, path in models])
+    elif args.tp > 1 or args.pp > 1 or under_torchrun():
         if len(models) != 1 or args.admin_token:
             raise GptjError("--tp / --pp serve one model, given at start (no --admin-token)")
         _check_parallel(args.tp, args.pp, models[0][1])
@@ -178,26 +178,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise GptjError("--admin-token is for the single-machine server; with --ray, use gptj publish "
                             "--ray-address")
         ray_api().run_server(cfg, args.address, replicas=args.replicas or 1, cpus=args.cpus_per_replica or 1.0,
-                             gpus=args.gpus_per_replica or 0.0)
+                             gpus=args.gpus_per_replica or 0.0, tp=args.tp, pp=args.pp)
         return 0
     serve(cfg, log_level=args.log_level)
     return 0
 
 
+def _check_replica_ranks(args: argparse.Namespace, paths: list[str]) -> None:
+    """--tp / --pp inside Ray Serve replicas: each replica runs tp x pp ranks on its node."""
+    world = args.tp * args.pp
+    for path in paths:
+        if world > 1 and Path(path).is_dir():  # (a folder only the nodes have is checked there)
+            _check_parallel(args.tp, args.pp, path)
+    if world > 1 and args.device.startswith("cuda") and (args.gpus_per_replica or 0) < world:
+        raise GptjError(f"--tp {args.tp} --pp {args.pp} on CUDA needs --gpus-per-replica {world} (one GPU per rank)")
+
+
 def _serve_job(rank: int, world: int, payload: dict) -> None:
     """gptj serve --tp/--pp on one rank: rank 0 serves HTTP and leads; the others follow its engine
     (and leave signals to rank 0, which tells them to stop once it has drained)."""
-    import signal
-
     from gptj.parallel import lockstep
     from gptj.serve.server import serve
 
-    lockstep.configure(payload["tp"], payload["pp"])
     if rank > 0:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        lockstep.follow()
-        return None
+        return lockstep.follower_job(rank, world, payload)
+    lockstep.configure(payload["tp"], payload["pp"])
     try:
         serve(payload["cfg"], log_level=payload["log_level"])
     finally:
@@ -245,6 +250,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
             if getattr(args, flag) is not None:
                 raise GptjError(f"--{flag.replace('_', '-')} needs --ray-address (a single server has one engine "
                                 f"per model)")
+        if args.tp > 1 or args.pp > 1:
+            raise GptjError("--tp / --pp need --ray-address (a running server keeps the plan it started with)")
         out = _admin_call(args, "POST", "/admin/models", {"name": args.name, "path": args.path})
         print(f"published {out['name']} ({out['status']})")
         return 0
@@ -252,13 +259,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     replicas = args.replicas or 1
     ray_api().check_publishable(args.name, replicas)
+    _check_replica_ranks(args, [args.path])
     ray_serve = _ray(args)
     cfg = _server_config(args)
     path = str(Path(args.path).resolve()) if Path(args.path).is_dir() else args.path  # else: on the nodes only
     ray_serve.start_http(args.host, args.port)  # Serve's HTTP proxy, if it is not running yet
     ray_serve.ensure_gateway()
     ray_serve.publish(args.name, path, cfg, replicas=replicas, cpus=args.cpus_per_replica or 1.0,
-                      gpus=args.gpus_per_replica or 0.0)
+                      gpus=args.gpus_per_replica or 0.0, tp=args.tp, pp=args.pp)
     print(f"published {args.name} ({replicas} replica{'s' * (replicas > 1)}, route /{args.name})")
     return 0
 
@@ -424,10 +432,9 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
     from gptj.mlperf.run import run
     from gptj.parallel import lockstep
 
-    lockstep.configure(payload["tp"], payload["pp"])
     if rank > 0:
-        lockstep.follow()
-        return None
+        return lockstep.follower_job(rank, world, payload)
+    lockstep.configure(payload["tp"], payload["pp"])
     try:
         _mlperf_report(run(payload["cfg"]))
     finally:
@@ -674,6 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
             g = p.add_argument_group("with --ray-address: the replicas' settings (a --server uses its own)")
             _add_serving_flags(g, DTYPE_NAMES)
             _add_replica_flags(g)
+            _add_parallel_flags(g)
         p.add_argument("--admin-token", help="the server's --admin-token")
         p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
 

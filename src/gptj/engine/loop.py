@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from gptj.decode import GenerationConfig
-from gptj.engine.core import Engine, Request
+from gptj.engine.core import FAILED, Engine, Request
 from gptj.errors import GptjError
 
 
@@ -160,6 +160,7 @@ class EngineLoop:
             self.error = e
             for req in list(self.engine.requests.values()):
                 req.error = f"engine loop stopped: {type(e).__name__}: {e}"
+                req.status, req.finish_reason = FAILED, "error"
                 if req.on_finish is not None:
                     req.on_finish(req)
         finally:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -137,3 +139,45 @@ def run_parallel(job: Job, world: int, payload: Any, device: str = "cpu") -> Any
         if "rank0" not in reports:
             raise GptjError("rank 0 of the parallel job reported nothing")
         return reports["rank0"]["result"]
+
+
+class LeadRanks:
+    """This process as rank 0 of `world` ranks, the others spawned as its children running `job`
+    (a Ray Serve replica that spans several devices: the replica is rank 0 and leads).
+
+    On return the process group is initialized here. `alive()` says whether every child still
+    runs; `close()` waits for them (after rank 0 told them to stop), ends those that do not
+    stop, and returns the first error a child reported (or None)."""
+
+    def __init__(self, job: Job, world: int, payload: Any, device: str = "cpu") -> None:
+        import multiprocessing
+
+        if dist.is_initialized():
+            raise GptjError("this process already belongs to a process group")
+        self.folder = tempfile.mkdtemp(prefix="gptj-ranks-")
+        spawn = multiprocessing.get_context("spawn")
+        self.children = [spawn.Process(target=_spawned, args=(rank, job, world, payload, self.folder, device),
+                                       daemon=True, name=f"gptj-rank{rank}") for rank in range(1, world)]
+        for child in self.children:
+            child.start()
+        os.environ["LOCAL_RANK"] = "0"
+        _use_rank_device(device)
+        dist.init_process_group(backend_for(device), init_method=f"file://{self.folder}/rendezvous", rank=0,
+                                world_size=world)
+
+    def alive(self) -> bool:
+        return all(child.is_alive() for child in self.children)
+
+    def close(self, timeout: float = 30.0) -> str | None:
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            child.join(max(0.0, deadline - time.monotonic()))
+        for child in self.children:
+            if child.is_alive():
+                child.kill()
+                child.join()
+        errors = [json.loads(p.read_text())["error"] for p in sorted(Path(self.folder).glob("rank*.json"))]
+        with contextlib.suppress(Exception):  # a peer that died can make gloo's teardown complain
+            dist.destroy_process_group()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return next((e for e in errors if e), None)

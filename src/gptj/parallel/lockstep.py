@@ -171,6 +171,20 @@ def follow() -> None:
             engine.step()
 
 
+def follower_job(rank: int, world: int, payload: dict) -> None:
+    """A rank > 0 of a served model (`gptj serve --tp/--pp`, a Ray Serve replica over several ranks)
+    or an MLPerf run: join the plan, then follow rank 0's engine until it says "stop". Signals are
+    left to rank 0, which drains before it stops the others. payload: tp, pp, optional threads."""
+    import signal
+
+    if payload.get("threads"):
+        torch.set_num_threads(payload["threads"])
+    configure(payload["tp"], payload["pp"])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    follow()
+
+
 def engine_loop(build: Callable[[], Any], batch_wait_ms: float = 0.0):  # noqa: ANN201 - EngineLoop
     """An EngineLoop for `build`; on rank 0 of a parallel job, one that leads the other ranks
     (one engine per job: the ranks' collectives follow a single loop)."""

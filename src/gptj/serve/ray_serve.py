@@ -56,17 +56,46 @@ _REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 class GPTJModel:
     """One replica: a gptj server with one model, built when Ray starts the replica."""
 
-    async def __init__(self, name: str, path: str, cfg: ServerConfig, threads: int) -> None:
+    async def __init__(self, name: str, path: str, cfg: ServerConfig, threads: int, tp: int = 1, pp: int = 1) -> None:
         import torch
 
         if threads > 0:
             torch.set_num_threads(threads)
         self.name = name
         self.cfg = dataclasses.replace(cfg, models=((name, path),))
+        self.ranks = None
+        if tp * pp > 1:  # this replica is rank 0 of tp x pp ranks, the others its child processes
+            from gptj.parallel import lockstep
+            from gptj.parallel.launch import LeadRanks
+
+            share = max(1, threads // (tp * pp)) if threads > 0 else 0
+            if share:
+                torch.set_num_threads(share)
+            self.ranks = await asyncio.to_thread(LeadRanks, lockstep.follower_job, tp * pp,
+                                                 {"tp": tp, "pp": pp, "threads": share}, cfg.device)
+            await asyncio.to_thread(lockstep.configure, tp, pp)
         self.state = ServerState(self.cfg)
         await self.state.load_startup_models()
         if self.state.status != "ok":  # Ray reports the replica's constructor error to `publish`
+            self._stop_ranks()
             raise GptjError(f"model {name!r} failed to load: {self.state.load_error}")
+
+    def _stop_ranks(self) -> None:
+        """Tell the other ranks to stop, and wait for them (a replica over several ranks)."""
+        if self.ranks is not None:
+            from gptj.parallel import lockstep
+
+            with contextlib.suppress(Exception):  # a rank that died cannot be told
+                lockstep.finish()
+            error = self.ranks.close()
+            self.ranks = None
+            if error:
+                log.warning("model %s: a rank reported: %s", self.name, error)
+
+    def __del__(self) -> None:
+        """Ray Serve calls this when it shuts the replica down (after draining its requests)."""
+        with contextlib.suppress(Exception):
+            self._stop_ranks()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         self._gptj_app = create_app(self.cfg, self.state)  # (`app` is the wrapper's own property)
@@ -77,6 +106,8 @@ class GPTJModel:
         served = self.state.models.get(self.name)
         if served is None or served.loop.error is not None:
             raise RuntimeError(f"model {self.name!r}: engine stopped ({served.loop.error if served else 'unloaded'})")
+        if self.ranks is not None and not self.ranks.alive():
+            raise RuntimeError(f"model {self.name!r}: one of the replica's ranks died")
 
     async def forward(self, method: str, path: str, headers: list[tuple[str, str]],
                       body: bytes) -> AsyncIterator[dict | bytes]:
@@ -297,9 +328,11 @@ def check_publishable(name: str, replicas: int) -> None:
 
 
 def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: float = 1.0, gpus: float = 0.0,
-            threads: int | None = None) -> None:
+            threads: int | None = None, tp: int = 1, pp: int = 1) -> None:
     """Deploy `path` as application `name` at /NAME with `replicas` replicas; returns when all run.
-    `path` is read by the replicas, so it must exist on every node that may host one."""
+    `path` is read by the replicas, so it must exist on every node that may host one. With `tp` x
+    `pp` > 1, each replica runs the model over that many ranks on its node (the replica is rank 0,
+    the others its child processes); `cpus` and `gpus` are the whole replica's (GPUs: one per rank)."""
     check_publishable(name, replicas)
     if name in serve.status().applications:
         raise GptjError(f"model {name!r} is already published; unpublish it first")
@@ -312,7 +345,7 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
         max_constructor_retry_count=replicas,  # a folder that does not load will not load on a retry either
         graceful_shutdown_timeout_s=cfg.drain_timeout_s)
     try:
-        serve.run(deployment.bind(name, path, cfg, threads), name=name, route_prefix=f"/{name}")
+        serve.run(deployment.bind(name, path, cfg, threads, tp, pp), name=name, route_prefix=f"/{name}")
     except (RuntimeError, RayServeException) as e:
         message = str(e)
         with contextlib.suppress(Exception):  # the replicas' own error, with their traceback
@@ -361,7 +394,8 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: float, gpus: float) -> None:
+def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: float, gpus: float, tp: int = 1,
+               pp: int = 1) -> None:
     """`gptj serve --ray`: Serve's HTTP proxy on cfg.host:cfg.port, the gateway at "/", each of
     cfg.models with `replicas` replicas; blocks until SIGINT/SIGTERM, then deletes what it deployed
     (and stops the local Ray instance if it started one)."""
@@ -373,7 +407,7 @@ def run_server(cfg: ServerConfig, address: str | None, replicas: int, cpus: floa
     try:
         start_http(cfg.host, cfg.port)
         for name, path in cfg.models:
-            publish(name, path, cfg, replicas=replicas, cpus=cpus, gpus=gpus)
+            publish(name, path, cfg, replicas=replicas, cpus=cpus, gpus=gpus, tp=tp, pp=pp)
             deployed.append(name)
         if ensure_gateway():  # last: its /health answers once the models above run
             deployed.append(GATEWAY)
