@@ -135,6 +135,23 @@ class Sampler:
 
 # --- model ------------------------------------------------------------------------------
 
+def _check_model_fits(cfg: TrainConfig) -> None:
+    """What the model's config alone can refuse, before any data is prepared or weights are read."""
+    from gptj.config import get_preset
+    from gptj.weights.io import resolve_config
+
+    if cfg.model.preset is not None:
+        config = get_preset(cfg.model.preset)
+    else:
+        folder = Path(cfg.model.checkpoint)
+        if not (folder / "config.json").is_file():
+            return  # the loader says what is wrong with the folder
+        config = resolve_config(folder)
+    if cfg.data.seq_len > config.n_positions:
+        raise GptjError(f"data.seq_len {cfg.data.seq_len} exceeds the model's context of {config.n_positions} "
+                        "positions (n_positions)")
+
+
 def _initial_model(cfg: TrainConfig) -> nn.Module:
     from gptj.config import get_preset
     from gptj.weights.io import load_model, model_from_state_dict, random_state_dict
@@ -365,6 +382,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
         raise GptjError("distributed: none, but this run has several ranks (use ddp or fsdp)")
     if cfg.tensorboard:
         _summary_writer()  # before any work
+    _check_model_fits(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     found = _checkpoints(out)
