@@ -1,6 +1,6 @@
 """Replicas with Ray Serve, on a local Ray instance started as a user would (`ray start --head`):
 `gptj serve --ray` with 2 replicas, the openai client through the gateway and the model's own route,
-`gptj ls / publish / unpublish --ray-address`, a replica killed mid-service, SIGTERM, user errors."""
+`gptj ls / publish (a --tp 2 replica) / unpublish --ray-address`, a replica killed mid-service, SIGTERM, user errors."""
 
 from __future__ import annotations
 
@@ -104,6 +104,28 @@ def complete(url, model, prompt, n=8, headers=None):
     return body["choices"][0]["token_ids"]
 
 
+def spawned_children(pid: int) -> list[int]:
+    """Process ids of `pid`'s multiprocessing-spawned children (Linux /proc; not its resource tracker)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in command:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _state_of(pid: int) -> str:
+    """A process's state letter (Z: exited, not yet reaped), or "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def test_openai_client_through_the_gateway_and_the_models_route(served, models, capsys):
     url, _ = served
     prompt = "The quick brown fox"
@@ -141,11 +163,15 @@ def test_ls_shows_both_replicas(served, cluster):
 
 
 def test_publish_and_unpublish(served, cluster, models, capsys):
+    """publish with --tp 2: the replica is rank 0 of a tensor-parallel pair, the other rank its child
+    process; its answers equal one process's; unpublishing removes the route and stops both ranks."""
     url, _ = served
     out = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, "--replicas", "1",
-               "--api-key", "K").stdout
+               "--api-key", "K", "--tp", "2").stdout
     assert "published other (1 replica, route /other)" in out
     assert {r["name"]: r["replicas_running"] for r in ls(cluster)} == {"tiny": 2, "other": 1}
+    (replica,) = next(r for r in ls(cluster) if r["name"] == "other")["replicas"]
+    (follower,) = spawned_children(replica["pid"])  # the other rank
     want = greedy(models, capsys, "other", "Hello", 8)
     assert want != greedy(models, capsys, "tiny", "Hello", 8)  # a different model: routing is checked
     key = {"Authorization": "Bearer K"}
@@ -163,6 +189,10 @@ def test_publish_and_unpublish(served, cluster, models, capsys):
 
     assert gptj("unpublish", "other", "--ray-address", cluster).stdout.strip() == "unpublished other"
     assert [r["name"] for r in ls(cluster)] == ["tiny"]
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{follower}").exists() and _state_of(follower) != "Z":
+        assert time.monotonic() < deadline, "the replica's other rank outlived it"
+        time.sleep(0.5)
     assert call(url + "/other", body={"model": "other", "prompt": "x", "max_tokens": 2})[0] == 404  # route gone
     status, body, _ = call(url, body={"model": "other", "prompt": "x", "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"
@@ -186,46 +216,6 @@ def test_killing_a_replica_the_other_keeps_answering(served, cluster, models, ca
             break
         assert time.monotonic() < deadline, row
         time.sleep(1)
-
-
-def spawned_children(pid: int) -> list[int]:
-    """Process ids of `pid`'s multiprocessing-spawned children (Linux /proc; not its resource tracker)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            command = (stat.parent / "cmdline").read_bytes()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid and b"spawn_main" in command:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def test_a_replica_over_two_ranks(served, cluster, models, capsys):
-    """publish --tp 2: the replica is rank 0 of a tensor-parallel pair, the other rank its child
-    process; answers equal one process; unpublishing stops both."""
-    url, _ = served
-    out = gptj("publish", "split", str(models / "other"), "--ray-address", cluster, "--tp", "2").stdout
-    assert "published split (1 replica, route /split)" in out
-    want = greedy(models, capsys, "other", "Split me", 10)
-    assert complete(url, "split", "Split me", n=10) == want
-    assert complete(url + "/split", "split", "Split me", n=10) == want
-    (replica,) = next(r for r in ls(cluster) if r["name"] == "split")["replicas"]
-    (follower,) = spawned_children(replica["pid"])  # the other rank
-    gptj("unpublish", "split", "--ray-address", cluster)
-    deadline = time.monotonic() + 120
-    while Path(f"/proc/{follower}").exists() and "(Z)" not in _state_of(follower):
-        assert time.monotonic() < deadline, "the replica's other rank outlived it"
-        time.sleep(0.5)
-    assert [r["name"] for r in ls(cluster)] == ["tiny"]
-
-
-def _state_of(pid: int) -> str:
-    try:
-        return "(" + Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] + ")"
-    except OSError:
-        return ""
 
 
 def test_cluster_user_errors_are_one_line(served, cluster, tmp_path):
