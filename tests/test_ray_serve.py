@@ -1,6 +1,7 @@
 """Replicas with Ray Serve, on a local Ray instance started as a user would (`ray start --head`):
 `gptj serve --ray` with 2 replicas, the openai client through the gateway and the model's own route,
-`gptj ls / publish (a --tp 2 replica) / unpublish --ray-address`, a replica killed mid-service, SIGTERM, user errors."""
+`gptj ls / publish (a --tp 2 replica) / unpublish --ray-address`, a replica killed mid-service,
+SIGTERM, user errors."""
 
 from __future__ import annotations
 
