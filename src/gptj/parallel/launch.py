@@ -160,10 +160,14 @@ class LeadRanks:
                                        daemon=True, name=f"gptj-rank{rank}") for rank in range(1, world)]
         for child in self.children:
             child.start()
-        os.environ["LOCAL_RANK"] = "0"
-        _use_rank_device(device)
-        dist.init_process_group(backend_for(device), init_method=f"file://{self.folder}/rendezvous", rank=0,
-                                world_size=world)
+        try:
+            os.environ["LOCAL_RANK"] = "0"
+            _use_rank_device(device)
+            dist.init_process_group(backend_for(device), init_method=f"file://{self.folder}/rendezvous", rank=0,
+                                    world_size=world)
+        except BaseException:
+            self.close(timeout=0)  # leave no rank behind
+            raise
 
     def alive(self) -> bool:
         return all(child.is_alive() for child in self.children)
@@ -177,7 +181,8 @@ class LeadRanks:
                 child.kill()
                 child.join()
         errors = [json.loads(p.read_text())["error"] for p in sorted(Path(self.folder).glob("rank*.json"))]
-        with contextlib.suppress(Exception):  # a peer that died can make gloo's teardown complain
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a peer that died can make gloo's teardown complain
+                dist.destroy_process_group()
         shutil.rmtree(self.folder, ignore_errors=True)
         return next((e for e in errors if e), None)
