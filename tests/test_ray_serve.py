@@ -23,7 +23,7 @@ import openai  # noqa: E402
 
 import gptj.serve as gptj_serve  # noqa: E402
 from gptj.cli import main  # noqa: E402
-from test_serve import TOK, call, generate_cli, text_of  # noqa: E402
+from test_serve import TOK, call, generate_cli, models, text_of  # noqa: E402, F401 - models: the fixture
 from test_serve_cli import free_port  # noqa: E402
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -36,14 +36,6 @@ def gptj(*args, check=True):
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray-models")
-    for name, seed in (("tiny", 1), ("other", 2)):
-        assert main(["init", "--preset", "tiny", "--out", str(root / name), "--seed", str(seed)]) == 0
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -187,10 +187,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _check_replica_ranks(args: argparse.Namespace, paths: list[str]) -> None:
     """--tp / --pp inside Ray Serve replicas: each replica runs tp x pp ranks on its node."""
     world = args.tp * args.pp
+    if world == 1:
+        return
     for path in paths:
-        if world > 1 and Path(path).is_dir():  # (a folder only the nodes have is checked there)
+        if Path(path).is_dir():  # (a folder only the nodes have is checked there)
             _check_parallel(args.tp, args.pp, path)
-    if world > 1 and args.device.startswith("cuda") and (args.gpus_per_replica or 0) < world:
+    if args.device.startswith("cuda") and (args.gpus_per_replica or 0) < world:
         raise GptjError(f"--tp {args.tp} --pp {args.pp} on CUDA needs --gpus-per-replica {world} (one GPU per rank)")
 
 

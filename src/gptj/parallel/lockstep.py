@@ -36,8 +36,8 @@ def configure(tp: int = 1, pp: int = 1) -> None:
     a stage's tensor ranks are neighbours (one machine, when a job spans several) and each tensor
     rank t has its own pipeline, stages t, t + tp, t + 2 tp, ..."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp * pp != world and world > 1:
-        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
+    if world > 1:
+        _check_grid(tp, pp, world)
     _state.update(tp=tp, pp=pp, stopped=False, tp_group=None, pp_group=None)
     if world > 1:
         _state["group"] = dist.new_group(backend="gloo")
@@ -53,6 +53,11 @@ def configure(tp: int = 1, pp: int = 1) -> None:
             group = dist.new_group(ranks)
             if rank in ranks:
                 _state["pp_group"] = group
+
+
+def _check_grid(tp: int, pp: int, world: int) -> None:
+    if tp * pp != world:
+        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
 
 
 def active() -> bool:
@@ -95,8 +100,7 @@ def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None 
         return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size)
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, pp = _state["tp"], _state["pp"]
-    if tp * pp != world:
-        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
+    _check_grid(tp, pp, world)  # (configure() was called with this plan)
     device = resolve_device(rank_device(device))
     if tp > 1 and shard_file(path, rank % tp, tp).is_file():
         model = split_model(load_rank(path, rank % tp, tp, dtype, device, group=_state["tp_group"]), rank,

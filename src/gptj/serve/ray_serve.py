@@ -59,8 +59,9 @@ class GPTJModel:
     async def __init__(self, name: str, path: str, cfg: ServerConfig, threads: int, tp: int = 1, pp: int = 1) -> None:
         import torch
 
-        if threads > 0:
-            torch.set_num_threads(threads)
+        share = max(1, threads // (tp * pp)) if threads > 0 else 0  # the replica's threads, split over its ranks
+        if share:
+            torch.set_num_threads(share)
         self.name = name
         self.cfg = dataclasses.replace(cfg, models=((name, path),))
         self.ranks = None
@@ -68,9 +69,6 @@ class GPTJModel:
             from gptj.parallel import lockstep
             from gptj.parallel.launch import LeadRanks
 
-            share = max(1, threads // (tp * pp)) if threads > 0 else 0
-            if share:
-                torch.set_num_threads(share)
             self.ranks = await asyncio.to_thread(LeadRanks, lockstep.follower_job, tp * pp,
                                                  {"tp": tp, "pp": pp, "threads": share}, cfg.device)
             await asyncio.to_thread(lockstep.configure, tp, pp)
