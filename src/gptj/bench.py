@@ -339,6 +339,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     q.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs first")
     q.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs (median reported)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.add_argument("--threads", type=_int_at_least(1), help="torch compute threads (default: the usable cores)")
     p.set_defaults(func=cmd_bench)
     return p
 

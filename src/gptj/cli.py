@@ -505,6 +505,16 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
     _add_engine_flags(p)
 
 
+def _add_threads_flag(p) -> None:  # noqa: ANN001 - a parser or a group
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch compute threads (default: the usable cores; gptj mlperf and serve leave cores to "
+                        "LoadGen / the event loop, see docs/PERFORMANCE.md)")
+
+
+# Commands that choose their own thread count (they keep cores for threads beside the compute).
+_OWN_THREADS = ("mlperf", "serve", "publish")
+
+
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_positive, default=1,
                    help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
@@ -555,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_quantize_flags(p, "write weight-only int8/int4 linears (a gptj-only format: HF transformers cannot load it)")
     p.add_argument("--tp", type=_positive, help="also write per-rank tensor-parallel shards (tp{N}/rank{r}.safetensors)")
+    _add_threads_flag(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from prompts",
@@ -575,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
     _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
     _add_engine_flags(p)
+    _add_threads_flag(p)
     _add_parallel_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
@@ -614,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_threads_flag(p)
     _add_parallel_flags(p)
     p.set_defaults(func=cmd_mlperf, argv=None)
 
@@ -642,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations and float weights of the quantized models (default bfloat16)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_threads_flag(p)
     p.set_defaults(func=cmd_quant_report)
 
     p = sub.add_parser("serve", help="serve models over HTTP (OpenAI completions API)",
@@ -704,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the output folder's last checkpoint")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (under torchrun: one GPU per rank)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_threads_flag(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")
@@ -725,6 +740,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None and args.command not in _OWN_THREADS:
+            from gptj.runtime import set_threads
+
+            set_threads(args.threads)
         return args.func(args)
     except GptjError as e:
         if args.debug:

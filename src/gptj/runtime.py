@@ -62,3 +62,38 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())  # an overflowing sum of finite values is still fine
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a container's or taskset's share)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def compute_threads(requested: int | None = None, reserve: int = 0) -> int:
+    """How many threads torch computes with: `requested` (--threads) if given, else the usable cores
+    less `reserve` (cores left to threads that must stay responsive beside the compute: LoadGen's,
+    a server's event loop), and at least 1.
+
+    torch's OpenMP workers spin while they wait for work; on a machine with few cores, a thread that
+    needs a core now and then (LoadGen issuing a query, the SUT answering it) then waits for a
+    whole time slice behind them (docs/PERFORMANCE.md, "Threads")."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise GptjError(f"threads must be an integer >= 1, got {requested!r}")
+        return requested
+    return max(1, usable_cores() - max(0, reserve))
+
+
+def set_threads(requested: int | None = None, reserve: int = 0) -> int:
+    """torch.set_num_threads(compute_threads(requested, reserve)); returns the number set."""
+    import torch
+
+    n = compute_threads(requested, reserve)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
