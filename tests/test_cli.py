@@ -123,3 +123,48 @@ def test_convert_mtj_slim_then_hf_loads_it(tmp_path, capsys):
     # the writer folded an embedding bias out of wte and split biases over shards: all restored exactly
     assert torch.equal(ours.transformer.wte.weight, sd["transformer.wte.weight"])
     assert torch.equal(ours.transformer.h[2].mlp.fc_out.bias, sd["transformer.h.2.mlp.fc_out.bias"])
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                         ("--temperature", "nan")])
+def test_generate_refuses_bad_sampling_settings(tiny, capsys, flag, value):
+    """A negative temperature used to run greedy silently; the server answers 400 for it."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(tiny), "--prompt", "x", "--max-new-tokens", "2", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert flag in err and value in err
+
+
+def test_help_shows_defaults():
+    """Every option with a default says it in --help (argparse's own formatter hides them)."""
+    import argparse
+
+    from gptj.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                shown = " ".join(parser._get_formatter()._format_action(action).split())
+                assert "default" in shown, (name, shown)
+    serve = " ".join(sub.choices["serve"].format_help().split())
+    assert "--port PORT (default: 8000)" in serve
+    mlperf = " ".join(sub.choices["mlperf"].format_help().split())
+    assert "(default: Offline)" in mlperf and "(default: accuracy)" in mlperf
+
+
+@pytest.mark.parametrize("command, data", [("tokenize", "hello world " * 20000),
+                                           ("detokenize", "15496,995\n" * 20000)])
+def test_closed_pipe_exits_quietly(tmp_path, command, data):
+    """`gptj tokenize ... | head -c 50` used to end with 'internal error: BrokenPipeError' (exit 2)."""
+    (tmp_path / "in.txt").write_text(data)
+    with open(tmp_path / "in.txt") as stdin:
+        proc = subprocess.Popen([sys.executable, "-m", "gptj.cli", command], stdin=stdin, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        head = proc.stdout.read(50)  # like `head -c 50`: read a little, then close the pipe
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait()
+    assert len(head) == 50
+    assert err == "" and code == 141, (code, err)

@@ -6,6 +6,7 @@ User errors (GptjError) print one line and exit 1; --debug shows tracebacks.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -20,10 +21,47 @@ if TYPE_CHECKING:
     from gptj.serve import ServerConfig
 
 EXIT_USER_ERROR = 1
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command that SIGPIPE ended
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not hit the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default, "(default: X)", unless its help already says it or it has none
+    worth showing (None, a flag that is off)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS) \
+            and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if self._shows_default(action) and "default" not in text and text != argparse.SUPPRESS:
+            text += " (default: %(default)s)"
+        return text
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage dump), exit code 2."""
+    """argparse that reports a bad flag in one line (no usage dump), exit code 2, and shows defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -56,6 +94,17 @@ def _number(kind: type, positive: bool):  # noqa: ANN202 - an argparse type func
 
 _positive, _nonnegative = _number(int, True), _number(int, False)
 _positive_float, _nonnegative_float = _number(float, True), _number(float, False)
+
+
+def _probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def _tokenizer_for(model_dir: str | None):  # noqa: ANN202 - the one a model folder carries, else GPT-J's
@@ -105,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
-        do_sample=args.temperature > 0, temperature=args.temperature if args.temperature > 0 else 1.0,
+        do_sample=args.temperature > 0, temperature=args.temperature,
         top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
     )
     tok = _tokenizer_for(args.model)
@@ -503,6 +552,7 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
     _add_engine_flags(p)
+    _add_threads_flag(p)
 
 
 def _add_threads_flag(p) -> None:  # noqa: ANN001 - a parser or a group
@@ -577,9 +627,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive, default=128)
     p.add_argument("--min-new-tokens", type=_nonnegative, default=0)
     p.add_argument("--num-beams", type=_positive, default=1)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=_nonnegative, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                                                                    "whose probabilities add up to this, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
@@ -753,6 +804,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gptj {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`gptj tokenize ... | head`): stop quietly, as `cat` does
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except MemoryError:
         print(f"gptj {args.command}: error: out of memory (try --dtype bfloat16)", file=sys.stderr)
         return EXIT_USER_ERROR
