@@ -38,6 +38,30 @@ def test_run_latency_reports_every_figure(tiny):
     assert "decode" in text and "prefill" in text
 
 
+def _params_from_shapes(cfg) -> int:
+    """GPT-J's parameters from its shapes: wte; per layer ln_1, q/k/v/out (no bias), fc_in, fc_out
+    (with bias); ln_f; lm_head with bias."""
+    E, inner, V = cfg.n_embd, cfg.inner_dim, cfg.vocab_size
+    layer = 2 * E + 4 * E * E + (E * inner + inner) + (inner * E + E)
+    return V * E + cfg.n_layer * layer + 2 * E + (E * V + V)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_model_params_counts_the_config_not_the_repacked_modules(preset):
+    from gptj.bench import model_params
+
+    cfg = get_preset(preset)
+    assert model_params(cfg) == _params_from_shapes(cfg)
+
+
+def test_run_latency_reports_params_of_the_model_before_repacking(tiny):
+    # bfloat16: the engine fuses the blocks (and packs the linears into buffers where oneDNN can),
+    # so counting model.parameters() after it comes out short.
+    r = run_latency(tiny, dtype="bfloat16", **SMALL)
+    assert r["params"] == _params_from_shapes(get_preset("tiny"))
+    assert f"({r['params'] / 1e9:.2f}B params)" in format_latency(r)
+
+
 def test_weight_bytes_count_embedding_rows_read_only(tiny):
     model = load_model(tiny)
     cfg = model.config

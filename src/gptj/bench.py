@@ -52,6 +52,15 @@ def matmul_params(config: GPTJConfig) -> int:
     return config.n_layer * (4 * E * E + 2 * E * inner) + E * config.vocab_size
 
 
+def model_params(config: GPTJConfig) -> int:
+    """The model's parameter count from its config's tensor shapes (a quantized config counts its
+    logical float weights). Counting the modules would not do: the serving kernels repack the
+    weights into fused linears and non-parameter buffers (gptj.kernels)."""
+    from gptj.weights.io import expected_shapes
+
+    return sum(math.prod(shape) for shape in expected_shapes(config.replace(quantization=None)).values())
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -249,7 +258,7 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
         "gflop_s": decode_flops / decode_s / 1e9,
         "peak_rss_mb": peak_rss_mb(),
         "weight_bytes_per_step": w_bytes,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": model_params(config),
         "threads": torch.get_num_threads(),
     }
     device = engine.device
