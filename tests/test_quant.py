@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from gptj import quant
-from gptj.config import GPTJConfig
+from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.model import build_model
 from gptj.weights.io import convert, load_model, random_state_dict, save_checkpoint
@@ -359,6 +359,27 @@ def test_quantization_report(float_ckpt):
     text = quant.format_report(rep)
     assert "int8" in text and "int4" in text and "top-1" in text
     json.dumps(rep)  # plain JSON
+
+
+def test_int4_default_group_fits_the_layers():
+    assert quant.make_quantization(get_preset("small"), "int4")["group_size"] == quant.DEFAULT_GROUP_SIZE
+    assert quant.make_quantization(CFG, "int4")["group_size"] == 64  # 128 > the 64 inputs of tiny's q_proj
+    odd = GPTJConfig(n_layer=1, n_embd=96, n_head=4, rotary_dim=8, n_inner=384)
+    assert quant.make_quantization(odd, "int4")["group_size"] == 32
+    none_fits = GPTJConfig(n_layer=1, n_embd=48, n_head=4, rotary_dim=8, n_inner=192)
+    with pytest.raises(GptjError, match=r"no int4 group size .* divides the 48 inputs of transformer\.h\.0\.attn"):
+        quant.make_quantization(none_fits, "int4")
+    with pytest.raises(GptjError, match="group size 128 does not divide the 64 inputs"):  # asked for: kept
+        quant.make_quantization(CFG, "int4", 128)
+
+
+def test_quantization_report_defaults_run_on_the_tiny_preset(tmp_path, capsys):
+    from gptj.cli import main
+
+    tiny = save_checkpoint(random_state_dict(get_preset("tiny"), seed=0), get_preset("tiny"), tmp_path / "tiny")
+    assert main(["quant-report", "--model", str(tiny), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["modes"]["int4"]["group_size"] == 64 and rep["modes"]["int8"]["group_size"] is None
 
 
 def test_quantization_report_refuses_quantized_checkpoints(q8_ckpt):

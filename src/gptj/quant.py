@@ -11,7 +11,8 @@ Schemes (all scales and zeros are bfloat16 VALUES, the dtype the kernels consume
             scale[n] = max_k |w[n, k]| / 127  (rounded UP to bfloat16, so nothing clips)
             q[n, k]  = clamp(round(w[n, k] / scale[n]), -127, 127)
             w ~= q * scale                                  |w - w~| <= scale / 2
-  int4  per group of `group_size` consecutive inputs (32, 64, 128 or 256; default 128),
+  int4  per group of `group_size` consecutive inputs (32, 64, 128 or 256; default 128, or the
+        largest that divides the layers' inputs where 128 does not),
         asymmetric with a float zero point, as the tinygemm kernels (CPU and CUDA) define it:
             w ~= (q - 8) * scale + zero,   q in [0, 15]     |w - w~| <= scale / 2
         scale ~= (max - min) / 15 and zero ~= min + 8 * scale, both bfloat16, chosen so that
@@ -547,26 +548,43 @@ def _in_features(config: Any) -> dict[str, int]:
     return {n: m.in_features for n, m in _float_meta_model(config).named_modules() if isinstance(m, nn.Linear)}
 
 
+def fitting_group_size(in_features: Mapping[str, int]) -> int:
+    """The default int4 group for layers with these inputs (module name -> in_features):
+    DEFAULT_GROUP_SIZE where it divides them all, else the largest supported size that does
+    (the tiny preset's 64 inputs take 64); GptjError naming a layer if none does."""
+    fits = [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in in_features.values())]
+    if DEFAULT_GROUP_SIZE in fits:
+        return DEFAULT_GROUP_SIZE
+    if not fits:
+        name, k = next((n, k) for n, k in in_features.items() if k % min(INT4_GROUP_SIZES))  # none fits: one fails 32
+        raise GptjError(f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the {k} inputs of "
+                        f"{name} (skip that layer, or use int8)")
+    return max(fits)
+
+
 def make_quantization(config: Any, mode: str, group_size: int | None = None,
                       skip: Sequence[str] = ()) -> dict[str, Any]:
     """The `quantization` entry of config.json for quantizing a float GPT-J with `config`.
 
     mode: "int8" (per output channel; group_size must be None) or "int4" (group_size in
-    32/64/128/256, default 128, dividing every quantized layer's inputs). skip: module names or
-    fnmatch patterns kept in float (e.g. "lm_head", "transformer.h.0.*"). wte is never quantized.
+    32/64/128/256 dividing every quantized layer's inputs; by default 128, or where 128 does not
+    divide them (small models) the largest size that does, see `fitting_group_size`). skip: module
+    names or fnmatch patterns kept in float (e.g. "lm_head", "transformer.h.0.*"). wte is never quantized.
     """
     check_mode(mode)
     if mode == "int8":
         if group_size is not None:
             raise GptjError("int8 quantization is per output channel: a group size applies to int4 only")
-    else:
-        group_size = check_group_size(DEFAULT_GROUP_SIZE if group_size is None else group_size)
+    elif group_size is not None:
+        group_size = check_group_size(group_size)
     if isinstance(skip, str):
         skip = (skip,)
     in_features = _in_features(config)
     modules = [n for n in in_features if not any(fnmatch.fnmatchcase(n, p) for p in skip)]
     if not modules:
         raise GptjError("nothing to quantize: every linear layer is skipped")
+    if mode == "int4" and group_size is None:
+        group_size = fitting_group_size({n: in_features[n] for n in modules})
     if mode == "int4":
         for n in modules:
             if in_features[n] % group_size:
