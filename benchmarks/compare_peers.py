@@ -3,7 +3,7 @@
     gptj   the engine (what `gptj generate` and the MLPerf SUT run): float32, bfloat16, and
            int8 / int4 weights when gptj.quant is present
     hf     transformers' GPTJForCausalLM.generate, float32 and bfloat16: the MLPerf reference's
-           backend (its weights are gptj's own tensors, shared, so memory is not doubled)
+           backend, loaded from the same folder with from_pretrained (public API only)
     ct2    CTranslate2's Generator, int8 and float32 (CPU has no bfloat16 in CTranslate2); the
            model converted from the same folder with its TransformersConverter
 
@@ -27,17 +27,22 @@ Models have random weights (`random_state_dict(std=0.02)`), written once under -
 
     python benchmarks/compare_peers.py --models 0.2b,wide --modes decode,offline
     python benchmarks/compare_peers.py --quick            # fewer tokens, samples and repeats
+    python benchmarks/compare_peers.py --smoke --json     # the tiny model, a few tokens: does it run?
 
-Peers that are not installed are skipped with a note; so are gptj's quantized variants when
-`load_model` takes no `quantize` argument.
+Peers that are not installed (`pip install 'gptj[bench]'` brings them) are skipped with a one-line
+note; so are gptj's quantized variants when `load_model` takes no `quantize` argument. A decode
+figure is left out ("-", null) when noise makes N tokens take no longer than 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import importlib
 import inspect
 import json
+import math
 import os
 import statistics
 import sys
@@ -76,7 +81,7 @@ def note(msg: str) -> None:
 class Impl:
     name: str
     decode: Callable[[list[list[int]], int], list[list[int]]]
-    offline: Callable[[list[list[int]]], list[list[int]]]
+    offline: Callable[[list[list[int]], GenerationConfig], list[list[int]]]
     weight_bytes: int  # per batch-1 decode step
     close: Callable[[], None] = field(default=lambda: None)
 
@@ -92,41 +97,31 @@ def gptj_impl(name: str, model: torch.nn.Module) -> Impl:
         gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None)
         return engines[key].generate(prompts, gen)
 
-    def offline(prompts: list[list[int]]) -> list[list[int]]:
+    def offline(prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
         engines.clear()
         # The SUT's Offline batch: every sample's beams in KV at once, all prompts admitted together.
         engine = Engine(model, engine_config(
-            n_slots=len(prompts) * MLPERF.num_beams, n_prompts=len(prompts), max_new_tokens=MLPERF.max_new_tokens,
-            slot_len=max(map(len, prompts)) + MLPERF.max_new_tokens, max_prefill_tokens=sum(map(len, prompts))))
-        return engine.generate(prompts, MLPERF)
+            n_slots=len(prompts) * gen.num_beams, n_prompts=len(prompts), max_new_tokens=gen.max_new_tokens,
+            slot_len=max(map(len, prompts)) + gen.max_new_tokens, max_prefill_tokens=sum(map(len, prompts))))
+        return engine.generate(prompts, gen)
 
     return Impl(name, decode, offline, weight_bytes_per_step(model, 1))
 
 
-def hf_impl(name: str, gptj_model: torch.nn.Module) -> Impl:
-    """transformers' GPTJForCausalLM on the very tensors of a gptj model (no second copy)."""
+def hf_impl(name: str, model_dir: Path, dtype: torch.dtype, gptj_model: torch.nn.Module) -> Impl:
+    """transformers' GPTJForCausalLM loaded from the same folder with its public from_pretrained, in
+    `dtype` (a second copy of the weights: loaded as transformers' version loads them, float32 or as
+    stored, then cast, which is exact and works alike on transformers 4.x and 5.x); gptj_model, the
+    same weights in the same dtype, checks its logits."""
     import transformers
-    from transformers.models.gptj import modeling_gptj
 
-    cfg = transformers.GPTJConfig(**gptj_model.config.to_hf_dict())
-    with torch.device("meta"):
-        hf = transformers.GPTJForCausalLM(cfg)
-    hf.load_state_dict(gptj_model.state_dict(), strict=False, assign=True)
-    for block in hf.transformer.h:  # non-persistent buffer: rebuild it off the meta device
-        block.attn.embed_positions = modeling_gptj.create_sinusoidal_positions(
-            block.attn.max_positions, block.attn.pos_embd_dim)
-    hf.eval()
-    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.device.type == "meta"]
-    left += [f"h.{i}.attn.embed_positions" for i, b in enumerate(hf.transformer.h)
-             if b.attn.embed_positions.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"HF model still has meta tensors: {left[:3]}")
-    with torch.inference_mode():  # same tensors, same math: logits must agree
+    hf = transformers.GPTJForCausalLM.from_pretrained(str(model_dir)).to(dtype).eval()
+    with torch.inference_mode():  # same weights, same math: logits must agree
         ids = torch.tensor([[464, 2068, 7586, 21831]])
-        diff = (hf(ids).logits.float() - gptj_model(ids)).abs().max().item()
-    tol = 1e-3 if gptj_model.lm_head.weight.dtype == torch.float32 else 0.1
+        diff = (hf(ids).logits.float() - gptj_model(ids).float()).abs().max().item()
+    tol = 1e-3 if dtype == torch.float32 else 0.1
     if diff > tol:
-        raise RuntimeError(f"HF and gptj logits differ by {diff} on the shared weights")
+        raise RuntimeError(f"HF and gptj logits differ by {diff} on the same weights")
 
     @torch.inference_mode()
     def generate(prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
@@ -142,9 +137,9 @@ def hf_impl(name: str, gptj_model: torch.nn.Module) -> Impl:
     def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
         return generate(prompts, GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None))
 
-    def offline(prompts: list[list[int]]) -> list[list[int]]:
+    def offline(prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
         # The reference's backend: one query at a time through model.generate.
-        rows = [generate([p], MLPERF)[0] for p in prompts]
+        rows = [generate([p], gen)[0] for p in prompts]
         return [r[: r.index(EOS_TOKEN_ID) + 1] if EOS_TOKEN_ID in r else r for r in rows]
 
     return Impl(name, decode, offline, weight_bytes_per_step(gptj_model, 1))
@@ -178,9 +173,9 @@ def ct2_impl(name: str, model_dir: Path, work: Path, compute_type: str, threads:
                                  include_prompt_in_result=False)
         return [r.sequences_ids[0] for r in res]
 
-    def offline(prompts: list[list[int]]) -> list[list[int]]:
-        res = gen.generate_batch(tokens(prompts), beam_size=MLPERF.num_beams, min_length=MLPERF.min_new_tokens,
-                                 max_length=MLPERF.max_new_tokens, length_penalty=MLPERF.length_penalty,
+    def offline(prompts: list[list[int]], cfg: GenerationConfig) -> list[list[int]]:
+        res = gen.generate_batch(tokens(prompts), beam_size=cfg.num_beams, min_length=cfg.min_new_tokens,
+                                 max_length=cfg.max_new_tokens, length_penalty=cfg.length_penalty,
                                  end_token=[EOS_TOKEN_ID], return_end_token=True, include_prompt_in_result=False,
                                  max_batch_size=offline_batch)
         return [r.sequences_ids[0] for r in res]
@@ -219,17 +214,20 @@ def run_decode(impls: list[Impl], batch: int, prompt_len: int, new_tokens: int, 
     result = {}
     for impl in impls:
         t1, tn = statistics.median(times[impl.name][1]), statistics.median(times[impl.name][new_tokens])
-        result[impl.name] = {"decode_tok_s": batch * (new_tokens - 1) / max(tn - t1, 1e-9),
+        if tn <= t1:  # noise larger than the decode time: no figure rather than a huge one
+            note(f"{impl.name} batch {batch}: {new_tokens} tokens took no longer than 1 ({tn:.4f} s <= {t1:.4f} s); "
+                 "no decode tok/s (more --new-tokens or --repeats)")
+        result[impl.name] = {"decode_tok_s": batch * (new_tokens - 1) / (tn - t1) if tn > t1 else None,
                              "first_token_s": t1, "total_s": tn, "tokens": outputs[impl.name]}
     return result
 
 
-def run_offline(impls: list[Impl], prompts: list[list[int]], rounds: int) -> dict[str, dict]:
+def run_offline(impls: list[Impl], prompts: list[list[int]], gen: GenerationConfig, rounds: int) -> dict[str, dict]:
     times: dict[str, list[float]] = {i.name: [] for i in impls}
     outputs: dict[str, list[list[int]]] = {}
     for r in range(rounds):
         for impl in impls if r % 2 == 0 else impls[::-1]:
-            t, out = timed(lambda: impl.offline(prompts))
+            t, out = timed(lambda: impl.offline(prompts, gen))
             times[impl.name].append(t)
             outputs[impl.name] = out
             note(f"offline {impl.name}: {t:.1f} s, {sum(map(len, out))} new tokens")
@@ -254,21 +252,43 @@ def prepare_model(name: str, work: Path) -> Path:
     return path
 
 
+PEER_MODULES = {"hf": ("transformers", "pip install transformers"),
+                "ct2": ("ctranslate2", "pip install ctranslate2")}
+
+
+def missing_peer(family: str) -> str | None:
+    """A one-line note when the peer `family` cannot be imported here, else None."""
+    if family not in PEER_MODULES:
+        return None
+    module, install = PEER_MODULES[family]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"{module} is not installed ({install}, or pip install 'gptj[bench]'): {e}"
+    return None
+
+
 def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: int,
                 ct2_offline_batch: int = 1) -> list[Impl]:
     has_quant = "quantize" in inspect.signature(load_model).parameters
     impls: list[Impl] = []
-    gptj_models: dict[str, torch.nn.Module] = {}  # hf-X runs on gptj-X's tensors
+    gptj_models: dict[str, torch.nn.Module] = {}  # hf-X checks its logits against gptj-X
+    n_embd = json.loads((model_dir / "config.json").read_text())["n_embd"]
 
     def gptj_model(kind: str) -> torch.nn.Module:
         if kind not in gptj_models:
             dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4") else torch.float32
             kwargs = {"quantize": kind} if kind.startswith("int") else {}
+            if kind == "int4":  # group 128 (gptj's default) where it divides the inputs; the tiny model's 64 else
+                kwargs["group_size"] = math.gcd(128, n_embd)
             gptj_models[kind] = load_model(model_dir, dtype=dtype, **kwargs)
         return gptj_models[kind]
 
     for v in variants:
         family, kind = v.split("-")
+        if why := missing_peer(family):
+            note(f"skipping {v}: {why}")
+            continue
         try:
             if family == "gptj":
                 if kind in ("int8", "int4") and not has_quant:
@@ -276,15 +296,13 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
                     continue
                 impl = gptj_impl(v, gptj_model(kind))
             elif family == "hf":
-                import transformers  # noqa: F401 - skip cleanly when missing
-
-                impl = hf_impl(v, gptj_model(kind))
+                impl = hf_impl(v, model_dir, torch.bfloat16 if kind == "bf16" else torch.float32, gptj_model(kind))
             elif family == "ct2":
                 impl = ct2_impl(v, model_dir, work / model_dir.parent.name, kind.replace("fp32", "float32"), threads,
                                 ct2_offline_batch)
             else:
                 raise ValueError(v)
-        except (ImportError, GptjError) as e:
+        except GptjError as e:
             note(f"skipping {v}: {e}")
             continue
         impls.append(impl)
@@ -293,6 +311,10 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
 
 def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}×"
 
 
 def report(model: str, cfg: GPTJConfig, impls: list[Impl], decode: dict[int, dict], offline: dict | None,
@@ -326,27 +348,34 @@ def report(model: str, cfg: GPTJConfig, impls: list[Impl], decode: dict[int, dic
         for o in ours:
             row = [o]
             for p in peers:
-                row += [f"{decode[b][o]['decode_tok_s'] / decode[b][p]['decode_tok_s']:.2f}×" for b in decode]
+                row += [_ratio(decode[b][o]["decode_tok_s"], decode[b][p]["decode_tok_s"]) for b in decode]
             if offline:
                 row += [f"{offline[o]['samples_s'] / offline[p]['samples_s']:.2f}×" for p in peers]
             lines.append("| " + " | ".join(row) + " |")
-    agree = []
-    for b in decode:
-        for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32"), ("gptj-bf16", "hf-bf16")):
-            if a in decode[b] and c in decode[b]:
-                same = decode[b][a]["tokens"] == decode[b][c]["tokens"]
-                agree.append(f"{a} vs {c} batch {b}: {'identical' if same else 'differ'}")
-    if offline:
-        for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32")):
-            if a in offline and c in offline:
-                same = offline[a]["tokens"] == offline[c]["tokens"]
-                agree.append(f"{a} vs {c} offline: {'identical' if same else 'differ'}")
+    agree = [f"{pair}: {'identical' if same else 'differ'}" for pair, same in agreement(decode, offline).items()]
     if agree:
         lines += ["", "Greedy/beam tokens: " + "; ".join(agree) + "."]
     return "\n".join(lines)
 
 
-def main() -> None:
+def agreement(decode: dict[int, dict], offline: dict | None) -> dict[str, bool]:
+    """"A vs B batch N" / "A vs B offline" -> whether the two produced the same tokens."""
+    same = {}
+    for b in decode:
+        for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32"), ("gptj-bf16", "hf-bf16")):
+            if a in decode[b] and c in decode[b]:
+                same[f"{a} vs {c} batch {b}"] = decode[b][a]["tokens"] == decode[b][c]["tokens"]
+    for a, c in (("gptj-fp32", "hf-fp32"), ("gptj-fp32", "ct2-fp32")):
+        if offline and a in offline and c in offline:
+            same[f"{a} vs {c} offline"] = offline[a]["tokens"] == offline[c]["tokens"]
+    return same
+
+
+SMOKE = dict(models="tiny", batch_sizes="1,2", prompt_len=8, new_tokens=4, warmup=0, repeats=1, offline_samples=1,
+             offline_new_tokens=8, membw_gb=0.05)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.2b,wide", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--modes", default="decode,offline", help="decode, offline or both")
@@ -358,18 +387,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, help="default 3 (--quick: 1)")
     ap.add_argument("--offline-samples", type=int, help="default 8 (--quick: 4)")
     ap.add_argument("--offline-rounds", type=int, default=1)
+    ap.add_argument("--offline-new-tokens", type=int, default=MLPERF.max_new_tokens,
+                    help=f"offline's most new tokens (default {MLPERF.max_new_tokens}, MLPerf's; at least "
+                         f"min({MLPERF.min_new_tokens}, this))")
     ap.add_argument("--ct2-offline-batch", type=int, default=1,
                     help="CTranslate2's max_batch_size for offline (default 1, one sample at a time: its fastest "
                          "on mixed prompt lengths, measured 4.6x its batch of 8 on the 0.2b model's 8 samples)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, help="GB/s for the roofline column (default: measure it)")
+    ap.add_argument("--membw-gb", type=float, default=1.0, help="buffer for measuring the bandwidth (default 1 GB)")
     ap.add_argument("--work-dir", default=os.environ.get("GPTJ_BENCH_DIR", "/tmp/gptj-peers"))
     ap.add_argument("--json-out", help="also write all figures (without tokens) to this file")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat, 4 offline samples")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check that the script runs, not a measurement: " + " ".join(
+                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
+    if ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
     for name, full, quick in (("new_tokens", 64, 32), ("repeats", 3, 1), ("offline_samples", 8, 4)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    out = sys.stderr if args.json else sys.stdout
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
@@ -379,16 +419,24 @@ def main() -> None:
     for v in variants:
         if v not in ALL_VARIANTS:
             ap.error(f"unknown variant {v!r}")
+    for model in args.models.split(","):
+        if model not in MODELS:
+            ap.error(f"unknown model {model!r} (choose from {', '.join(MODELS)})")
+    if args.offline_new_tokens < 1:
+        ap.error("--offline-new-tokens must be >= 1")
+    offline_gen = dataclasses.replace(MLPERF, max_new_tokens=args.offline_new_tokens,
+                                      min_new_tokens=min(MLPERF.min_new_tokens, args.offline_new_tokens))
     bandwidth = args.bandwidth
     if bandwidth is None:
         sys.path.insert(0, str(Path(__file__).parent))
         import membw
 
-        bandwidth = membw.measure(gb=1.0, threads=args.threads, repeats=3)["sum"]["median_gb_s"]
+        bandwidth = membw.measure(gb=args.membw_gb, threads=args.threads, repeats=3)["sum"]["median_gb_s"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bandwidth:.1f} GB/s; "
           f"decode: prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats} "
-          f"after {args.warmup} warm-up; offline: {args.offline_samples} samples, beam 4, 30..128 new tokens, "
-          f"{args.offline_rounds} round(s)\n", flush=True)
+          f"after {args.warmup} warm-up; offline: {args.offline_samples} samples, beam {offline_gen.num_beams}, "
+          f"{offline_gen.min_new_tokens}..{offline_gen.max_new_tokens} new tokens, {args.offline_rounds} round(s)\n",
+          file=out, flush=True)
 
     everything = {}
     for model in args.models.split(","):
@@ -407,22 +455,25 @@ def main() -> None:
 
             prompts = Dataset.load(max_examples=args.offline_samples).input_ids
             note(f"{model}: offline, prompts of {[len(p) for p in prompts]} tokens")
-            offline = run_offline(impls, prompts, args.offline_rounds)
-        print(report(model, cfg, impls, decode, offline, args, bandwidth), flush=True)
-        print(f"\n(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())})\n", flush=True)
+            offline = run_offline(impls, prompts, offline_gen, args.offline_rounds)
+        print(report(model, cfg, impls, decode, offline, args, bandwidth), file=out, flush=True)
+        print(f"\n(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())})\n", file=out, flush=True)
         everything[model] = {
             "decode": {b: {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in d.items()}
                        for b, d in decode.items()},
             "offline": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in (offline or {}).items()},
             "weight_bytes": {i.name: i.weight_bytes for i in impls},
+            "identical_tokens": agreement(decode, offline),
         }
         for impl in impls:
             impl.close()
         del impls
         gc.collect()
+    result = {"bandwidth_gb_s": bandwidth, "args": vars(args), "results": everything}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"bandwidth_gb_s": bandwidth, "args": vars(args),
-                                                   "results": everything}, indent=2) + "\n")
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

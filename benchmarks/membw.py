@@ -8,6 +8,7 @@ token. This measures the bandwidth three ways on a buffer far larger than the ca
     mv bf16  torch.mv: bfloat16 matrix x vector
 
     python benchmarks/membw.py --gb 1.5 --threads 2 --repeats 5
+    python benchmarks/membw.py --smoke --json       # 50 MB buffers, one repeat: does it run?
 
 Reports the best and the median of the repeats in GB/s (1e9 bytes); --json prints one object.
 """
@@ -59,13 +60,21 @@ def measure(gb: float = 1.5, threads: int | None = None, repeats: int = 5) -> di
     return out
 
 
-def main() -> None:
+SMOKE = dict(gb=0.05, repeats=1)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.5, help="buffer size in GB (well above the caches)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check that the script runs, not a measurement: " + " ".join(
+                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
+    if ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
     r = measure(args.gb, args.threads, args.repeats)
     if args.json:
         print(json.dumps(r))

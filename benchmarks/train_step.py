@@ -7,18 +7,25 @@ noise hits both alike.
 Both compute next-token cross-entropy over every position (HF: labels=input_ids) in float32 (or
 with --bf16, bfloat16 autocast over float32 weights); the report is target tokens per second and
 gptj / HF.
+
+    python benchmarks/train_step.py --smoke --json     # tiny model, one step: does it run?
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import sys
 import time
 
 import torch
 
 
-def main() -> int:
+SMOKE = dict(preset="tiny", batch_size=2, seq_len=16, steps=1, rounds=1)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--batch-size", type=int, default=8)
@@ -26,7 +33,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bf16", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object (the lines go to stderr)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the script runs, not a measurement: " + " ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
+    if p.parse_known_args(argv)[0].smoke:
+        p.set_defaults(**SMOKE)
+    args = p.parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout
 
     import transformers
 
@@ -40,7 +54,7 @@ def main() -> int:
     for prm in ours.parameters():
         prm.requires_grad_(True)
     hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**config.to_hf_dict())).train()
-    hf.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=False)
+    hf.load_state_dict({k: v.clone() for k, v in sd.items()})  # strict: every tensor by its public name
     ids = torch.randint(0, 50000, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     targets = torch.ones_like(ids, dtype=torch.bool)
@@ -78,10 +92,16 @@ def main() -> int:
             best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
     print(f"preset {args.preset}, batch {args.batch_size} x {args.seq_len}, "
           f"{'bf16 autocast' if args.bf16 else 'float32'}, AdamW, {torch.get_num_threads()} threads; "
-          f"best of {args.rounds} rounds of {args.steps} steps")
+          f"best of {args.rounds} rounds of {args.steps} steps", file=out)
     for name, seconds in best.items():
-        print(f"{name:16s} {seconds * 1000:8.1f} ms/step  {n_targets / seconds:9.0f} target tok/s")
-    print(f"gptj / HF: {best['HF transformers'] / best['gptj']:.2f}x")
+        print(f"{name:16s} {seconds * 1000:8.1f} ms/step  {n_targets / seconds:9.0f} target tok/s", file=out)
+    print(f"gptj / HF: {best['HF transformers'] / best['gptj']:.2f}x", file=out)
+    if args.json:
+        print(json.dumps({"preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                          "steps": args.steps, "rounds": args.rounds, "bf16": args.bf16, "initial_loss": a,
+                          "gptj_ms_step": best["gptj"] * 1000, "hf_ms_step": best["HF transformers"] * 1000,
+                          "gptj_tok_s": n_targets / best["gptj"], "hf_tok_s": n_targets / best["HF transformers"],
+                          "gptj_over_hf": best["HF transformers"] / best["gptj"]}))
     return 0
 
 
