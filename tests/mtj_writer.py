@@ -158,6 +158,7 @@ def write_mtj_slim(
     bf16: bool = True,
     step: int | None = 383500,
     seed: int = 0,
+    free_biases: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write ``state_dict_hf`` (HF GPT-J names) as an MTJ slim checkpoint in ``out_dir``.
 
@@ -165,6 +166,14 @@ def write_mtj_slim(
     the state dict first); otherwise float32 is stored. ``step=None`` writes no
     trailing step leaf. Returns the embedding bias that was folded out of wte
     (so tests can check it is non-trivial).
+
+    ``free_biases`` (a dict to fill): instead of the round trip, store wte as given
+    and random per-shard embedding and fc_out bias parts, multiples of 2**-12 below
+    2**-4 (exact in bfloat16, and every float32 partial sum of them, and wte + their
+    sum for a wte on a 2**-10 grid below 2**-3, is exact), whose sums are in general
+    NOT representable in bfloat16. The dict gets the exact (float64) values the
+    importer must produce before its one rounding: ``transformer.wte.weight`` (wte +
+    summed bias) and every ``transformer.h.{i}.mlp.fc_out.bias`` (summed parts).
     """
     dtype = torch.bfloat16 if bf16 else torch.float32
     gen = torch.Generator().manual_seed(seed)
@@ -177,8 +186,11 @@ def write_mtj_slim(
 
     # Fold a random embedding bias out of wte: store wte - c, and c split over shards.
     emb = params[_ROOT + "embedding_shard/~/linear"]
-    c = _embedding_bias(emb["w"], dtype, gen)
-    emb["w"] = (emb["w"].double() - c.double()).to(dtype)
+    if free_biases is None:
+        c = _embedding_bias(emb["w"], dtype, gen)
+        emb["w"] = (emb["w"].double() - c.double()).to(dtype)
+    else:
+        c = None  # drawn per shard below
     emb["b"] = c
 
     # Per-shard pieces of each leaf: {module: {param: [piece for each shard]}}.
@@ -187,10 +199,23 @@ def write_mtj_slim(
         sub = module.rsplit("/~/", 1)[-1]
         shards[module] = {}
         for name, t in ps.items():
+            summed = name == "b" and (sub == "linear_5" or "embedding_shard" in module)
+            if summed and free_biases is not None:
+                shape = (params[module]["w"].shape[-1],)  # [out]
+                k = torch.randint(-255, 256, (n_shards, *shape), generator=gen).double() * 2.0**-12
+                pieces = [k[s].to(dtype) for s in range(n_shards)]
+                total = k.sum(dim=0)
+                if "embedding_shard" in module:
+                    free_biases["transformer.wte.weight"] = params[module]["w"].double() + total
+                else:
+                    layer = int(module.split("layer_")[1].split("/")[0])
+                    free_biases[f"transformer.h.{layer}.mlp.fc_out.bias"] = total
+                shards[module][name] = pieces
+                continue
             t = t.to(dtype)
             if "replicated_layer_norm" in module:
                 pieces = [t] * n_shards  # replicated
-            elif name == "b" and (sub == "linear_5" or "embedding_shard" in module):
+            elif summed:
                 pieces = _split_exact(t, n_shards, dtype, gen)  # partial biases, summed by psum
             elif "embedding_shard" in module:
                 pieces = list(t.chunk(n_shards, dim=0))  # [V/S, E]: split by vocab rows

@@ -173,6 +173,34 @@ def test_round_trip_bf16(tmp_path, sd_small):
     _assert_same(loaded32, {k: v.float() for k, v in sd.items()})
 
 
+def test_summed_biases_are_rounded_once_to_the_output_dtype(tmp_path, sd_small):
+    """wte + embedding bias and the fc_out bias sums are computed exactly and rounded once to the
+    dtype asked for: float32 keeps the exact sums (not their bfloat16 rounding), through convert and
+    load_model too."""
+    from safetensors.torch import load_file
+
+    from gptj.config import GPTJConfig
+    from gptj.weights.io import convert, load_model
+
+    exact: dict[str, torch.Tensor] = {}
+    write_mtj_slim(_to_bf16(sd_small), tmp_path / "ckpt", n_shards=8, files=16, bf16=True, free_biases=exact)
+    assert len(exact) == 1 + N_LAYER
+    for name, t in exact.items():  # the case that matters: sums bfloat16 cannot hold
+        assert (t.to(torch.bfloat16).double() != t).any(), name
+    cfg = GPTJConfig(vocab_size=SMALL_VOCAB, n_positions=32, n_embd=N_EMBD, n_layer=N_LAYER, n_head=4,
+                     rotary_dim=8, n_inner=N_INNER, bos_token_id=0, eos_token_id=0)
+
+    loaded = dict(iter_mtj_slim(tmp_path / "ckpt", N_LAYER, dtype=torch.float32))
+    out = convert(tmp_path / "ckpt", tmp_path / "f32", fmt="mtj", config=cfg, dtype=torch.float32)
+    converted = load_file(out / "model.safetensors")
+    model = load_model(tmp_path / "ckpt", dtype=torch.float32, config=cfg).state_dict()
+    bf16 = dict(iter_mtj_slim(tmp_path / "ckpt", N_LAYER))  # the stored dtype: one rounding to bfloat16
+    for name, t in exact.items():
+        for got in (loaded[name], converted[name], model[name]):
+            assert got.dtype == torch.float32 and torch.equal(got.double(), t), name
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], t.to(torch.bfloat16)), name
+
+
 @pytest.mark.parametrize(("n_shards", "files", "step"), [(8, 5, None), (4, 16, 7), (1, 3, 0), (2, 130, 3)])
 def test_round_trip_other_layouts(tmp_path, sd_small, n_shards, files, step):
     write_mtj_slim(sd_small, tmp_path / "ckpt", n_shards=n_shards, files=files, bf16=False, step=step)

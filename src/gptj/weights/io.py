@@ -83,17 +83,22 @@ def resolve_config(spec: str | os.PathLike | GPTJConfig | None) -> GPTJConfig:
     return get_preset(str(spec))
 
 
-def _mtj_items(path: Path, config: GPTJConfig, progress: bool) -> Iterator[TensorItem]:
-    for name, tensor in mtj.iter_mtj_slim(path, config.n_layer, progress=progress):
+def _mtj_items(path: Path, config: GPTJConfig, progress: bool, dtype: torch.dtype | None) -> Iterator[TensorItem]:
+    # The dtype goes down to the reader: it sums the sharded biases (and wte + the embedding bias)
+    # in float32 and rounds once to it; rounding to the stored bfloat16 first would lose bits.
+    for name, tensor in mtj.iter_mtj_slim(path, config.n_layer, dtype=dtype, progress=progress):
         yield name, tuple(tensor.shape), (lambda t=tensor: t), path
 
 
 def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJConfig | None = None,
-                    fmt: str = "auto", progress: bool = False) -> tuple[GPTJConfig, Iterator[TensorItem]]:
+                    fmt: str = "auto", progress: bool = False, dtype: torch.dtype | None = None
+                    ) -> tuple[GPTJConfig, Iterator[TensorItem]]:
     """The config and a stream of tensors of an HF directory or a slim checkpoint.
 
     For a slim checkpoint (which carries no config) `config` names it: a preset or a
-    config.json; by default gptj-6b.
+    config.json; by default gptj-6b. `dtype`: the float dtype the tensors are wanted in, for a
+    slim checkpoint's combined tensors to be rounded once, to it (an HF directory's tensors come
+    as stored; the caller converts them).
     """
     path = Path(path)
     found = detect_format(path)
@@ -107,7 +112,7 @@ def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJCon
             cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
         return cfg, hf.iter_hf_tensors(path)
     cfg = resolve_config(config)
-    return cfg, _mtj_items(path, cfg, progress)
+    return cfg, _mtj_items(path, cfg, progress, dtype)
 
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
@@ -216,7 +221,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
     quantizes a float checkpoint tensor by tensor while loading.
     """
-    cfg, items = read_checkpoint(path, config, progress=progress)
+    cfg, items = read_checkpoint(path, config, progress=progress, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=path)
     sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress, quantize=q)
     if q is not None:
@@ -327,7 +332,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
     cannot load a quantized checkpoint; gptj's `load_model` can.
     """
-    cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress)
+    cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     own_bar = progress and detect_format(Path(src)) == "hf"
