@@ -215,8 +215,6 @@ def test_cluster_user_errors_are_one_line(served, cluster, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     for args, message in (
-            (["publish", "bad name", str(tmp_path), "--ray-address", cluster], "model name"),
-            (["publish", "gptj-gateway", str(tmp_path), "--ray-address", cluster], "reserved"),
             (["publish", "broken", str(tmp_path / "broken"), "--ray-address", cluster], "publishing 'broken' failed"),
             (["unpublish", "ghost", "--ray-address", cluster], "model 'ghost' is not published")):
         proc = gptj(*args, check=False)
@@ -228,7 +226,10 @@ def test_cluster_user_errors_are_one_line(served, cluster, tmp_path):
 def test_flag_errors_without_a_cluster(models, capsys, monkeypatch):
     for args, message in ((["serve", "--model", str(models / "tiny"), "--replicas", "2"], "--replicas needs --ray"),
                           (["publish", "x", str(models), "--server", "http://127.0.0.1:1", "--replicas", "2"],
-                           "--replicas needs --ray-address")):
+                           "--replicas needs --ray-address"),
+                          # checked before reaching the cluster (there is none at this address)
+                          (["publish", "bad name", str(models), "--ray-address", "127.0.0.1:1"], "model name"),
+                          (["publish", "gptj-gateway", str(models), "--ray-address", "127.0.0.1:1"], "reserved")):
         assert main(args) == 1
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, err
