@@ -29,3 +29,19 @@ def server_thread(models: dict[str, str], **settings) -> Iterator[ServerThread]:
         yield thread
     finally:
         thread.stop()
+
+
+# `python -c GATED_SERVE HOLD_FILE ARGS...` runs `gptj serve ARGS...` whose engine does not step while
+# HOLD_FILE exists: a test holds requests running for as long as it needs, with no timing involved.
+GATED_SERVE = """
+import os, sys, time
+from gptj.engine.core import Engine
+hold, step = sys.argv[1], Engine.step
+def gated(self, *args, **kwargs):
+    while os.path.exists(hold):
+        time.sleep(0.01)
+    return step(self, *args, **kwargs)
+Engine.step = gated
+from gptj.cli import main
+sys.exit(main(["serve", *sys.argv[2:]]))
+"""

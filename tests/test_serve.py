@@ -603,3 +603,43 @@ def test_health_is_503_until_the_models_are_loaded(models, monkeypatch):
     finally:
         gate.set()
         thread.stop()
+
+
+def test_a_drain_that_runs_out_answers_503_and_ends_quietly(models, caplog):
+    """--drain-timeout-s running out: the running plain request gets 503 in OpenAI's format, the
+    stream an error event then [DONE]; the server stops, and the log has no traceback. The engine
+    is held, so the requests are surely still running when the drain ends."""
+    import signal
+
+    gate = threading.Event()
+    with caplog.at_level("INFO"), server_thread({"tiny": models / "tiny"}, drain_timeout_s=0.2) as thread:
+        engine = thread.state.models["tiny"].engine
+        step = engine.step
+
+        def held():  # noqa: ANN202
+            gate.wait()
+            return step()
+
+        engine.step = held
+        try:
+            conn, resp = _open_stream(thread.url, {"model": "tiny", "prompt": "x", "max_tokens": 4})
+            plain = []
+            sender = threading.Thread(target=lambda: plain.append(call(thread.url, body={
+                "model": "tiny", "prompt": "y", "max_tokens": 4})))
+            sender.start()
+            while metric(thread.url, "gptj_outstanding_requests", model="tiny") != 2:
+                time.sleep(0.01)
+            thread.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM calls
+            text = resp.read().decode()
+            conn.close()
+            sender.join()
+        finally:
+            gate.set()
+        thread.thread.join(timeout=120)
+        assert not thread.thread.is_alive()  # it stopped by itself
+    events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "service_unavailable", text
+    assert text.rstrip().endswith("data: [DONE]")
+    status, out, _ = plain[0]
+    assert status == 503 and out["error"]["type"] == "service_unavailable", out
+    assert not [r for r in caplog.records if r.exc_info or "CancelledError" in r.getMessage()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -14,7 +15,8 @@ import time
 import pytest
 
 from gptj.cli import main
-from test_serve import _open_stream, call
+from serve_util import GATED_SERVE
+from test_serve import _open_stream, call, metric
 
 
 def free_port() -> int:
@@ -48,38 +50,98 @@ def wait_healthy(proc, url):
         time.sleep(0.1)
 
 
-def test_sigterm_drains_running_requests_then_exits(tiny):
+def poll(fn, until, tries=3000):
+    """fn() until until(result) holds: a bound on the tries (never a claim about time)."""
+    for _ in range(tries):
+        result = fn()
+        if until(result):
+            return result
+        time.sleep(0.01)
+    raise AssertionError(f"still {result!r} after {tries} tries")
+
+
+def keep_alive_call(conn, method, path, body=None):
+    conn.request(method, path, json.dumps(body) if body is not None else None, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read()), resp.headers
+
+
+def test_sigterm_keeps_listening_answers_503_and_lets_running_requests_finish(tiny, tmp_path):
+    """SIGTERM: new requests get 503 + Retry-After on a new and on a kept-alive connection, /health
+    says draining, the running stream and plain request finish whole, and the process exits 0.
+    The engine is held (GATED_SERVE) while the test looks, so nothing depends on timing."""
+    hold = tmp_path / "hold"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(["--model", f"tiny={tiny}", "--port", str(port), "--drain-timeout-s", "60"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", GATED_SERVE, str(hold), "--model", f"tiny={tiny}", "--port",
+                             str(port), "--drain-timeout-s", "600"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
+    logger = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+    logger.start()
     try:
         wait_healthy(proc, url)
-        conn, resp = _open_stream(url, {"model": "tiny", "prompt": "drain", "max_tokens": 300, "temperature": 0,
+        hold.touch()
+        conn, resp = _open_stream(url, {"model": "tiny", "prompt": "drain", "max_tokens": 5, "temperature": 0,
                                         "ignore_eos": True})
-        assert resp.readline().startswith(b"data: ")
+        plain = []
+        sender = threading.Thread(target=lambda: plain.append(call(url, body={
+            "model": "tiny", "prompt": "plain", "max_tokens": 3, "temperature": 0, "ignore_eos": True}, timeout=300)))
+        sender.start()
+        poll(lambda: metric(url, "gptj_outstanding_requests", model="tiny"), lambda n: n == 2)
+        keep = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        assert keep_alive_call(keep, "GET", "/health")[0] == 200
         proc.send_signal(signal.SIGTERM)
-        rest = []
-        reader = threading.Thread(target=lambda: rest.append(resp.read().decode()))
-        reader.start()
-        # new connections are refused once it stops listening (or answered 503 while it drains)
-        while True:
-            try:
-                status = call(url, body={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=5)[0]
-            except OSError:
-                break
-            assert status == 503
-            time.sleep(0.02)
-        reader.join()
+        # The server has acted on the signal (uvicorn's own handling would have stopped listening by then).
+        poll(lambda: "".join(log), lambda text: "draining" in text or "Shutting down" in text)
+        # The kept-alive connection stays open: /health on it says draining ...
+        status, health, _ = keep_alive_call(keep, "GET", "/health")
+        assert status == 503 and health["status"] == "draining"
+        # ... and a completion on it is refused 503 in OpenAI's format, with Retry-After.
+        status, out, headers = keep_alive_call(keep, "POST", "/v1/completions", {"model": "tiny", "prompt": "x",
+                                                                                 "max_tokens": 2})
+        assert status == 503 and out["error"]["type"] == "service_unavailable", out
+        assert int(headers["Retry-After"]) > 0
+        keep.close()
+        # A new connection is accepted and answered the same way.
+        status, out, headers = call(url, body={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert status == 503 and out["error"]["type"] == "service_unavailable" and int(headers["Retry-After"]) > 0
+        status, health, _ = call(url, "GET", "/health")
+        assert status == 503 and health["status"] == "draining"
+        assert proc.poll() is None  # still draining: the running requests are held
+        hold.unlink()
+        text = resp.read().decode()
         conn.close()
-        text = rest[0]
         assert text.rstrip().endswith("data: [DONE]")
         events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(timeout=120) == 0
+        sender.join()
+        status, out, _ = plain[0]
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+        assert proc.wait(timeout=300) == 0
     finally:
+        if hold.exists():
+            hold.unlink()
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+        proc.wait()
+        logger.join()
+    err = "".join(log)
+    assert "Traceback" not in err and "CancelledError" not in err, err
+
+
+def test_a_port_in_use_is_one_line_before_loading(tiny):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "gptj.cli", "serve", "--model", f"tiny={tiny}", "--port",
+                               str(port)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gptj serve: error:") and str(port) in lines[0], proc.stderr
+    assert "in use" in lines[0]
 
 
 def test_serve_user_errors_are_one_line(tiny, tmp_path):

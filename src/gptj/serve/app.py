@@ -11,8 +11,10 @@
 Load and faults: each model admits at most max_batch_size + max_queue engine requests; beyond that
 a request gets 429 with Retry-After. A request past request_timeout_s is cancelled (408). A client
 that disconnects has its requests cancelled, which frees their KV at the engine's next step. On
-SIGTERM the server stops accepting, answers 503 to new requests, and lets running ones finish up to
-drain_timeout_s. An engine failure fails only the requests it hit (500, OpenAI's error format).
+SIGTERM the server keeps listening but answers 503 with Retry-After to every new request (/health:
+503 "draining"), lets running ones finish up to drain_timeout_s, answers 503 to those still running
+then, and exits (gptj.serve.server). An engine failure fails only the requests it hit (500, OpenAI's
+error format).
 """
 
 from __future__ import annotations
@@ -98,6 +100,33 @@ class BodyLimit:
             seen += len(message.get("body", b""))
 
 
+# While draining: what a new request is told (a load balancer moves on; a client retries elsewhere).
+DRAIN_RETRY_AFTER_S = 5
+
+
+def _draining_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or later", code="shutting_down",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S), "Connection": "close"})
+
+
+class Draining:
+    """ASGI middleware: while the server drains, every new request but GET /health and /metrics is
+    answered 503 at once (before its body is read), on new and kept-alive connections alike; the
+    answer closes the connection, so a client's next request goes through its load balancer anew."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, state: ServerState) -> None:  # noqa: ANN001 - an ASGI app
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http" or self.state.status != "draining" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        if scope["path"] == "/v1/completions":
+            self.state.metrics.requests.labels("", "503").inc()
+        await _error(_draining_error())(scope, receive, send)
+
+
 class ServerState:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -106,6 +135,12 @@ class ServerState:
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: list(self.models.values()))
         self.on_failure = None  # called (from the event loop) if a start-up model fails to load
+        self.running: set[Completion] = set()  # admitted completions not yet answered (a drain waits for them)
+
+    def end_running(self, message: str) -> None:
+        """Answer every running completion 503 now (a drain that ran out of time); event loop only."""
+        for run in list(self.running):
+            run.end(message)
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
@@ -181,6 +216,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
                   description="OpenAI-compatible completions over gptj's GPT-J engine.")
     app.state.gptj = state
     app.add_middleware(BodyLimit)
+    app.add_middleware(Draining, state=state)  # outermost: a draining server reads no body
 
     # --- errors: always OpenAI's format ---
 
@@ -223,7 +259,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     def ready_model(request: Request, name: str) -> ServedModel:
         check_key(request, cfg.api_key, "API key")
         if state.status == "draining":
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+            raise _draining_error()
         return state.model(name)
 
     # --- routes ---
@@ -251,6 +287,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             served = ready_model(request, body.model)
             # Tokenizing long texts takes a while: off the event loop (plan only reads the model's limits).
             the_plan = await asyncio.to_thread(plan, body, served)
+            if state.status == "draining":  # it began while this request was being tokenized
+                raise _draining_error()
         except APIError as e:
             state.metrics.requests.labels(body.model if body.model in state.models else "", str(e.status)).inc()
             raise
@@ -262,6 +300,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         run.start = start
         run.on_tokens = lambda n: state.metrics.count_tokens(served.name, n)
         run.submit()
+        state.running.add(run)
         state.metrics.prompt_tokens.labels(served.name).inc(sum(len(p) for p in the_plan.prompts))
         if body.stream:
             return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status))
@@ -343,12 +382,15 @@ async def _collect(run: Completion, timeout_s: float) -> CompletionResponse:
     except TimeoutError:
         raise APIError(408, f"the request took longer than the server's {timeout_s:g} s limit",
                        code="timeout") from None
+    if run.ended is not None:
+        raise APIError(503, run.ended, code="shutting_down")
     if run.error is not None:
         raise APIError(500, f"generation failed: {run.error}", code="engine_error")
     return run.response()
 
 
 def _finish(run: Completion, state: ServerState, status: int) -> None:
+    state.running.discard(run)
     run.cancel()
     name = run.served.name
     now = time.perf_counter()
@@ -380,6 +422,9 @@ async def _stream(run: Completion, state: ServerState) -> AsyncIterator[tuple[by
         status = 408
         err = APIError(408, f"the request took longer than the server's {timeout:g} s limit", code="timeout")
         yield _sse(err.body()), None
+    if status == 200 and run.ended is not None:
+        status = 503
+        yield _sse(APIError(503, run.ended, code="shutting_down").body()), None
     if status == 200 and run.error is not None:
         status = 500
         yield _sse(APIError(500, f"generation failed: {run.error}", code="engine_error").body()), None

@@ -235,7 +235,7 @@ def _logprobs_json(tok, entries: list, offset: int) -> CompletionLogprobs:  # no
 
 @dataclass
 class _Event:
-    kind: str  # "token" | "finish"
+    kind: str  # "token" | "finish" | "wake" (see Completion.end)
     job: int
     token: int = 0
     logprob: Any = None
@@ -261,6 +261,7 @@ class Completion:
         self.choices = [_Choice(served.tokenizer, stop, stop_ids, body.min_tokens) for _ in range(the_plan.n_choices)]
         self.prompt_logprobs: dict[int, list] = {}  # job -> the prompt's TokenLogprobs (echo + logprobs)
         self.error: str | None = None
+        self.ended: str | None = None  # why the server ended it early (a drain that timed out): a 503
         self.on_tokens: Callable[[int], None] = lambda n: None  # new tokens as the engine makes them (metrics)
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._handles: list = []
@@ -317,9 +318,16 @@ class Completion:
 
     # --- event loop side ---
 
+    def end(self, message: str) -> None:
+        """Stop waiting for the engine: the request is answered 503 with `message` (its jobs are
+        cancelled when the handler finishes). On the event loop's thread."""
+        if not self.done:
+            self.ended = message
+            self._events.put_nowait(_Event("wake", -1))
+
     @property
     def done(self) -> bool:
-        return self.error is not None or all(c.finished for c in self.choices)
+        return self.error is not None or self.ended is not None or all(c.finished for c in self.choices)
 
     async def next_event(self) -> list[int]:
         """Wait for the engine and apply what it did; the indices of the choices that changed."""
@@ -330,6 +338,8 @@ class Completion:
         return sorted(changed)
 
     def _apply(self, e: _Event) -> set[int]:
+        if e.kind == "wake":
+            return set()
         job = self.plan.jobs[e.job]
         if e.prompt_logprobs:
             self.prompt_logprobs[e.job] = e.prompt_logprobs

@@ -1,12 +1,25 @@
 """Running the app on uvicorn: `serve(cfg)` blocks until SIGINT/SIGTERM (then drains) or a
-start-up model fails to load (then it raises GptjError); `ServerThread` runs one in a thread."""
+start-up model fails to load (then it raises GptjError); `ServerThread` runs one in a thread.
+
+The drain: uvicorn's own SIGTERM handling closes the listening socket and idle keep-alive
+connections at once, so a load balancer would see refused connections. Here the signal only
+starts the drain: the server keeps listening, answers 503 (with Retry-After) to new requests on
+new and kept-alive connections alike, /health says "draining", and running requests finish. Once
+none runs, or --drain-timeout-s has passed (then what still runs is answered 503: a plain request
+in OpenAI's error format, a stream with an error event and `[DONE]`), uvicorn is told to exit. A
+second signal ends the drain at once, the same way.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import signal
+import socket
 import threading
+import time
 
 import uvicorn
 
@@ -14,18 +27,51 @@ from gptj.errors import GptjError
 from gptj.serve.app import ServerState, create_app
 from gptj.serve.registry import ServerConfig
 
+log = logging.getLogger("uvicorn.error")  # the drain's steps, beside uvicorn's own start and shutdown lines
+
+# After the drain, how long uvicorn waits for connections still sending (a 503, a stream's [DONE]).
+_CLOSE_S = 5.0
+
 
 class _Server(uvicorn.Server):
-    """uvicorn, but on SIGTERM/SIGINT the app first starts answering 503 (and /health says
-    draining) while uvicorn stops accepting and waits for running requests."""
+    """uvicorn, with gptj's drain between the signal and uvicorn's own shutdown (see the module)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.gptj_state = state
+        self.drain_requested = 0  # signals received (set from the signal handler: plain writes only)
+        self._deadline: float | None = None  # when running requests are answered 503
+        self._expired_at: float | None = None
 
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
-        self.gptj_state.status = "draining"
-        super().handle_exit(sig, frame)
+        self.gptj_state.status = "draining"  # read by the app on the event loop's thread
+        self.drain_requested += 1
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and not self.should_exit:
+            self._drain_tick()
+        return await super().on_tick(counter)
+
+    def _drain_tick(self) -> None:
+        state, now = self.gptj_state, time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self.gptj_state.cfg.drain_timeout_s
+            log.info("draining: %d request(s) running; new requests get 503 (up to %g s)",
+                     len(state.running), state.cfg.drain_timeout_s)
+        if not state.running:
+            self.should_exit = True
+        elif self._expired_at is None and (now >= self._deadline or self.drain_requested > 1):
+            self._expired_at = now
+            log.warning("drain %s: answering %d running request(s) 503",
+                        "stopped by a second signal" if self.drain_requested > 1 else "timed out", len(state.running))
+            state.end_running("the server shut down before this request finished")
+        elif self._expired_at is not None and now - self._expired_at > _CLOSE_S:
+            self.should_exit = True  # what is still open, uvicorn closes
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:
+            self._log_started_message(sockets)  # uvicorn only says where it listens for sockets it bound
 
     @contextlib.contextmanager
     def capture_signals(self):  # noqa: ANN201
@@ -41,6 +87,39 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for host:port (one per address the host resolves to, as asyncio binds
+    them), or GptjError in one line: a port in use is found before any model is loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise GptjError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sockets: list[socket.socket] = []
+    bound = port  # with port 0, every address gets the port the first one got
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], bound, *address[2:]))
+            sock.listen(2048)
+            bound = sock.getsockname()[1]
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        what = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise GptjError(f"cannot listen on {host}:{port}: {what} (choose another --port or --host)") from None
+    return sockets
+
+
+def check_port(host: str, port: int) -> None:
+    """GptjError (one line) if host:port cannot be listened on; nothing stays bound."""
+    for sock in bind(host, port):
+        sock.close()
+
+
 def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True) -> _Server:
     """`own_process`: let uvicorn configure logging (dictConfig). Inside another program (tests,
     benchmarks) that would replace, and close, the program's own logging handlers."""
@@ -48,7 +127,8 @@ def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool =
     app = create_app(cfg, state)
     extra = {} if own_process else {"log_config": None}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
-                            timeout_graceful_shutdown=cfg.drain_timeout_s, access_log=False, lifespan="on", **extra)
+                            timeout_graceful_shutdown=min(_CLOSE_S, cfg.drain_timeout_s), access_log=False,
+                            lifespan="on", **extra)
     server = _Server(config, state)
 
     def failed(message: str) -> None:
@@ -59,11 +139,15 @@ def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool =
 
 
 def serve(cfg: ServerConfig, log_level: str = "info") -> None:
+    sockets = bind(cfg.host, cfg.port)  # first: a port in use is one line, before anything loads
     server = build_server(cfg, log_level)
     try:
-        server.run()
-    except OSError as e:  # e.g. the port is taken
-        raise GptjError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
+        server.run(sockets=sockets)
+    except SystemExit as e:  # uvicorn's start-up failure (it has logged why)
+        raise GptjError(f"the server did not start on {cfg.host}:{cfg.port} (exit {e.code})") from None
+    finally:
+        for sock in sockets:
+            sock.close()
     state = server.gptj_state
     if state.load_error is not None:
         raise GptjError(state.load_error)
@@ -96,8 +180,6 @@ class ServerThread:
         return f"http://{self.cfg.host}:{port}"
 
     def start(self) -> str:
-        import time
-
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():
@@ -109,6 +191,10 @@ class ServerThread:
             self.stop()
             raise GptjError(f"loading failed: {self.state.load_error}")
         return self.url
+
+    def drain(self) -> None:
+        """What SIGTERM does to `gptj serve`: start the drain (the thread ends when it is done)."""
+        self.server.handle_exit(signal.SIGTERM, None)
 
     def stop(self) -> None:
         self.server.should_exit = True
