@@ -261,6 +261,22 @@ def test_format_report(tmp_path):
                     "'gen_len': 3615191, 'gen_num': 13368}")
 
 
+def test_format_report_states_the_rouge_unit_and_lists_only_the_failed_criteria():
+    # gptj-99.9 thresholds: ROUGE-2 20.103376 (20.05 misses it), the others met with these scores.
+    scores = {"rouge1": 43.0, "rouge2": 20.05, "rougeL": 30.0, "rougeLsum": 40.0,
+              "gen_len": 3615191, "gen_num": 13368}
+    result = ev.make_result(scores, 13368)
+    text = ev.format_report(result)
+    assert "% (0-100)" in text.splitlines()[0]  # ROUGE in percent, said on the line that prints it
+    fail = next(line for line in text.splitlines() if line.startswith("gptj-99.9:"))
+    failed = [m for m, ok in result.targets["gptj-99.9"].met.items() if not ok]
+    assert failed == ["rouge2"]
+    assert "ROUGE-2 20.05 < 20.103376" in fail and "1 of 4 criteria failed" in fail
+    assert "ROUGE-1" not in fail and "ROUGE-L" not in fail and "gen_len" not in fail and ">=" not in fail
+    passed = next(line for line in text.splitlines() if line.startswith("gptj-99:"))
+    assert passed.count(">=") == 4  # a PASS still lists every criterion it met
+
+
 def test_main_prints_results(tmp_path, tok, capsys):
     dataset = tmp_path / "cnn_eval.json"
     dataset.write_text(json.dumps([{"instruction": "Summarize", "input": "x", "output": "the dog ran"}]))

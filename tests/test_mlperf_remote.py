@@ -24,7 +24,8 @@ class FakeServer:
     dicts/strings to stream as server-sent events. Every request body is kept in `bodies`.
     """
 
-    def __init__(self, models=("tiny",), respond=None, max_model_len=2048):
+    def __init__(self, models=("tiny",), respond=None, max_model_len=2048, api_key=None):
+        self.api_key = api_key  # like `gptj serve --api-key`: /v1 routes answer 401 without it
         self.models = [{"id": m, "object": "model", "max_model_len": max_model_len} for m in models]
         self.respond = respond or (lambda body: (200, {}, completion(body)))
         self.bodies, self.ports, self.auth = [], set(), []
@@ -62,7 +63,15 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(raw)
 
+            def _refused(self):
+                if fake.api_key is None or self.headers.get("Authorization") == f"Bearer {fake.api_key}":
+                    return False
+                self._send(401, {}, {"error": {"message": "invalid or missing API key", "type": "auth_error"}})
+                return True
+
             def do_GET(self):
+                if self._refused():
+                    return
                 if self.path == "/v1/models":
                     self._send(200, {}, {"object": "list", "data": fake.models})
                 else:
@@ -70,6 +79,8 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
                 with fake.lock:
                     fake.bodies.append(body)
                     fake.auth.append(self.headers.get("Authorization"))
@@ -361,6 +372,29 @@ def test_cli_without_a_server_listening_fails_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "http://127.0.0.1:9" in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_cli_a_server_wanting_an_api_key_names_the_variable_to_set(tmp_path, capsys, monkeypatch, key):
+    if key is None:
+        monkeypatch.delenv("GPTJ_SERVER_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("GPTJ_SERVER_API_KEY", key)
+    with FakeServer(api_key="sekret") as server:
+        code = main(["mlperf", "--server", server.url, "--log-dir", str(tmp_path / "logs"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "401" in err[0] and "$GPTJ_SERVER_API_KEY" in err[0]
+    assert ("refused" in err[0]) == (key is not None)
+    assert "sekret" not in err[0] and "wrong" not in err[0]  # the key itself is never printed
+    assert not (tmp_path / "logs").exists()
+
+
+def test_cli_with_the_api_key_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPTJ_SERVER_API_KEY", "sekret")
+    with FakeServer(api_key="sekret") as server:
+        code = main(["mlperf", "--server", server.url, "--log-dir", str(tmp_path / "logs"), "--quiet",
+                     "--max-examples", "2"])
+    assert code == 0 and server.auth == ["Bearer sekret"] * 2
 
 
 def test_cli_needs_a_model_or_a_server(capsys):

@@ -447,9 +447,12 @@ def _num(x: float, decimals: int) -> str:
 
 
 def format_report(result: EvaluationResult) -> str:
-    """A few human-readable lines: the scores and PASS/FAIL per target."""
+    """A few human-readable lines: the scores and PASS/FAIL per target.
+
+    ROUGE is the F-measure in percent (0-100), as the MLCommons reference prints it. A PASS lists
+    every criterion it met; a FAIL lists only those that failed (the others are met)."""
     lines = [
-        f"ROUGE-1 {result.rouge1:.4f}  ROUGE-2 {result.rouge2:.4f}  "
+        f"ROUGE F-measure, % (0-100): ROUGE-1 {result.rouge1:.4f}  ROUGE-2 {result.rouge2:.4f}  "
         f"ROUGE-L {result.rougeL:.4f}  ROUGE-Lsum {result.rougeLsum:.4f}",
         f"gen_len {result.gen_len:,} characters over gen_num {result.gen_num:,} predictions "
         f"({result.num_references:,} references)",
@@ -457,13 +460,14 @@ def format_report(result: EvaluationResult) -> str:
     labels = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "gen_len": "gen_len"}
     width = max(len(t) for t in result.targets)
     for name, check in result.targets.items():
-        parts = []
-        for metric, threshold in check.thresholds.items():
-            value = result.scores[metric]
-            op = ">=" if check.met[metric] else "<"
-            parts.append(f"{labels[metric]} {_num(value, 4)} {op} {_num(threshold, 6)}")
-        verdict = "PASS" if check.passed else "FAIL"
-        lines.append(f"{name + ':':<{width + 1}} {verdict}  ({'; '.join(parts)})")
+        shown = [m for m in check.thresholds if check.passed or not check.met[m]]
+        parts = [f"{labels[m]} {_num(result.scores[m], 4)} {'>=' if check.met[m] else '<'} "
+                 f"{_num(check.thresholds[m], 6)}" for m in shown]
+        if check.passed:
+            lines.append(f"{name + ':':<{width + 1}} PASS  ({'; '.join(parts)})")
+        else:
+            n = len(check.thresholds)
+            lines.append(f"{name + ':':<{width + 1}} FAIL  ({len(shown)} of {n} criteria failed: {'; '.join(parts)})")
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from gptj.errors import GptjError
 DEFAULT_TIMEOUT_S = 600.0  # per socket operation: a long beam search answers only at its end
 DEFAULT_MAX_RETRIES = 100  # 429s in a row before a sample fails
 DEFAULT_MAX_RETRY_WAIT_S = 30.0  # the longest single wait, whatever Retry-After says
+API_KEY_ENV = "GPTJ_SERVER_API_KEY"  # where `gptj mlperf --server` reads the server's --api-key from
 
 
 class _HTTPFailure(Exception):
@@ -121,6 +122,7 @@ class HTTPBackend:
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.max_retries, self.max_retry_wait_s = max_retries, max_retry_wait_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._has_key = bool(api_key)
         self._sleep = time.sleep  # tests replace it to see the waits without waiting
         self._local = threading.local()
         self._conns: list[http.client.HTTPConnection] = []
@@ -182,7 +184,8 @@ class HTTPBackend:
         finally:
             conn.close()
         if resp.status != 200:
-            raise GptjError(f"GET {self.url}/v1/models: {_error_message(resp.status, resp.reason, raw)}")
+            raise GptjError(f"GET {self.url}/v1/models: {_error_message(resp.status, resp.reason, raw)}"
+                            + self._auth_hint(resp.status))
         try:
             data = json.loads(raw)
             models = data["data"]
@@ -191,6 +194,14 @@ class HTTPBackend:
         except (ValueError, KeyError, TypeError):
             raise GptjError(f"GET {self.url}/v1/models: not an OpenAI model list; is this a gptj server?") from None
         return models
+
+    def _auth_hint(self, status: int) -> str:
+        """What to do about a 401/403: the key comes from $GPTJ_SERVER_API_KEY (never a flag, kept out of logs)."""
+        if status not in (401, 403):
+            return ""
+        if self._has_key:
+            return f" (the key in ${API_KEY_ENV} was refused: set it to the server's --api-key)"
+        return f" (the server requires an API key: set ${API_KEY_ENV} to its --api-key)"
 
     @staticmethod
     def _reason(e: BaseException) -> str:
@@ -269,7 +280,7 @@ class HTTPBackend:
                     raw = resp.read()
                     if resp.will_close:
                         self._drop_connection()
-                    raise _HTTPFailure(_error_message(resp.status, resp.reason, raw))
+                    raise _HTTPFailure(_error_message(resp.status, resp.reason, raw) + self._auth_hint(resp.status))
                 if on_first_token is not None and "text/event-stream" in (resp.getheader("Content-Type") or ""):
                     tokens, finish = self._read_stream(resp, on_first_token)
                 else:

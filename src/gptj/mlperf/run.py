@@ -25,11 +25,11 @@ from pathlib import Path
 
 from gptj.decode import GenerationConfig
 from gptj.errors import GptjError
+from gptj.mlperf.remote import API_KEY_ENV  # with `server`: sent as "Authorization: Bearer KEY" (kept out of the logs)
 from gptj.mlperf.sut import SCENARIOS, Batching, default_batching
 
 MODES = ("performance", "accuracy")
 MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf
-API_KEY_ENV = "GPTJ_SERVER_API_KEY"  # with `server`: sent as "Authorization: Bearer KEY" (kept out of the logs)
 
 
 @dataclass
