@@ -11,8 +11,8 @@ torch's `F.linear` in bfloat16 on CPU reads a plain row-major weight; at the few
 step it reaches about half the memory bandwidth of the same weight in oneDNN's blocked layout
 (measured in docs/PERFORMANCE.md: one 4096 x 4096 layer, 1 row, 1.55 ms plain vs 1.01 ms packed;
 16384 x 4096, 6.7 ms vs 5.3 ms). `pack_model` swaps every bfloat16 `nn.Linear` of a model for a
-`PackedLinear` holding the weight in that layout (reordered once, layer by layer, so memory never
-holds two copies of the model). The products are the same oneDNN bfloat16 GEMM with float32
+`PackedLinear` holding the weight in that layout (reordered once, layer by layer, each plain weight
+freed before the next is reordered, so memory never holds two copies of the model). The products are the same oneDNN bfloat16 GEMM with float32
 accumulation; the tests check the outputs against `F.linear`.
 
 The packed weight is an opaque oneDNN tensor: a packed model serves (the engine, `decode.generate`)
@@ -102,13 +102,13 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
         from gptj import native
 
         layout = "native" if native.available() else "onednn"
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device):
-                setattr(parent, name, PackedLinear(child, layout))  # the plain weight is freed with `child`
-                count += 1
-    return count
+    # (parent, name) pairs only: a list of the linears themselves would keep every plain weight
+    # alive until the end, holding the model twice while it is repacked.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device)]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name), layout))  # the plain weight is freed here
+    return len(targets)
 
 
 
@@ -232,16 +232,30 @@ def fuse_model(model: nn.Module, mode: str = "auto") -> int:
     if mode == "off" or not any(_fusable(b) for b in blocks):
         return 0
     count = 0
-    for i, block in enumerate(blocks):
-        if _fusable(block):
-            blocks[i] = FusedBlock(block)
+    for i in range(len(blocks)):
+        if _fusable(blocks[i]):
+            blocks[i] = FusedBlock(blocks[i])  # the plain block (and its weights) is freed here
             count += 1
     return count
 
 
 def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> dict[str, int]:
     """What the engine does to a model it takes over: fuse the blocks, then pack bfloat16 linears
-    (max_rows: the engine's most sequences per decode step, see pack_model)."""
-    fused = fuse_model(model, mode)
-    packed = pack_model(model, mode, max_rows)
+    (max_rows: the engine's most sequences per decode step, see pack_model).
+
+    Layer by layer, each layer's old weights freed before the next is touched, so memory holds the
+    weights plus at most one layer's (or lm_head's) copy in flight: a loaded checkpoint's tensors
+    map their own pages of the file (gptj.weights.hf), which leave memory with the tensor.
+    """
+    if mode not in PACK_MODES:
+        raise ValueError(f"kernel mode must be one of {', '.join(PACK_MODES)}, got {mode!r}")
+    blocks = model.transformer.h
+    fuse = mode != "off" and any(_fusable(b) for b in blocks)
+    fused = packed = 0
+    for i in range(len(blocks)):
+        if fuse and _fusable(blocks[i]):
+            blocks[i] = FusedBlock(blocks[i])  # the plain block (and its weights) is freed here
+            fused += 1
+        packed += pack_model(blocks[i], mode, max_rows)
+    packed += pack_model(model, mode, max_rows)  # lm_head (the blocks' linears are PackedLinear by now)
     return {"fused_blocks": fused, "packed_linears": packed}

@@ -97,31 +97,34 @@ def _iter_safetensors(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callab
 
     Nothing is copied: the page cache holds the bytes once and the weights are those pages, so a
     model stored in the dtype it runs in loads at the speed of touching the file, with resident
-    memory equal to the weights. A tensor converted to another dtype or device is copied by the
-    caller, and its mapped pages are released with the mapping once the file's tensors are done.
+    memory equal to the weights. Each tensor maps its own pages (its range rounded out to pages),
+    so freeing a tensor unmaps them: the serving kernels repack a layer and free it before the
+    next (gptj.kernels), and a small tensor kept (a LayerNorm, a bias) does not pin the rest of
+    its file. A tensor converted to another dtype or device is copied by the caller.
     """
     header, data_start = read_safetensors_header(file)
-    try:
-        with open(file, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE: writes stay private
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file}: cannot map the file ({e})") from None
     for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         shape = tuple(int(d) for d in info["shape"])
 
-        def read(info: dict = info, shape: tuple[int, ...] = shape) -> torch.Tensor:
+        def read(name: str = name, info: dict = info, shape: tuple[int, ...] = shape) -> torch.Tensor:
             dtype = _ST_DTYPES[info["dtype"]]
             begin, end = info["data_offsets"]
             numel = math.prod(shape)
             if numel == 0:
                 return torch.empty(shape, dtype=dtype)
             offset = data_start + begin
+            lead = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+            try:  # MAP_PRIVATE: writes stay private; unmapped when the tensor's storage is freed
+                with open(file, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), lead + end - begin, access=mmap.ACCESS_COPY, offset=offset - lead)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{file}: cannot map tensor {name} ({e})") from None
             with warnings.catch_warnings():  # frombuffer warns about non-writable buffers; ACCESS_COPY is writable
                 warnings.simplefilter("ignore")
                 if offset % torch.empty((), dtype=dtype).element_size():  # misaligned: copy instead of viewing
-                    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=offset)
+                    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=lead)
                     return raw.clone().view(dtype).view(shape)
-                flat = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=offset)
+                flat = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=lead)
             return flat.view(shape)
 
         yield name, shape, read
