@@ -643,3 +643,24 @@ def test_a_drain_that_runs_out_answers_503_and_ends_quietly(models, caplog):
     status, out, _ = plain[0]
     assert status == 503 and out["error"]["type"] == "service_unavailable", out
     assert not [r for r in caplog.records if r.exc_info or "CancelledError" in r.getMessage()]
+
+
+def test_threads_are_set_where_the_engine_is_built(models):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    try:
+        with server_thread({"tiny": models / "tiny"}, threads=want) as thread:
+            engine = thread.state.models["tiny"].engine
+            step, seen = engine.step, []
+
+            def recording():  # noqa: ANN202 - runs on the engine's thread
+                seen.append(torch.get_num_threads())
+                return step()
+
+            engine.step = recording
+            assert call(thread.url, body={"model": "tiny", "prompt": "x", "max_tokens": 2})[0] == 200
+        assert seen and set(seen) == {want}  # (OpenMP keeps a thread count per thread)
+    finally:
+        torch.set_num_threads(before)

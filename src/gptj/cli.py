@@ -189,7 +189,7 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
                         model_root=getattr(args, "model_root", None), dtype=args.dtype, device=args.device,
                         quantize=args.quantize, group_size=args.group_size, kv_slots=args.kv_slots,
                         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
-                        compile=args.compile, kernels=args.kernels)
+                        compile=args.compile, kernels=args.kernels, threads=getattr(args, "threads", None))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -210,6 +210,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _server_config(args, models)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if not under_torchrun() and not (args.ray and args.address):  # (a joined cluster's proxy may hold it)
+        from gptj.serve.server import check_port
+
+        check_port(args.host, args.port)  # before anything loads: a port in use is one line
     if args.ray:
         _check_replica_ranks(args, [path for _, path in models])
     elif args.tp > 1 or args.pp > 1 or under_torchrun():
@@ -229,7 +233,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ray_api().run_server(cfg, args.address, replicas=args.replicas or 1, cpus=args.cpus_per_replica or 1.0,
                              gpus=args.gpus_per_replica or 0.0, tp=args.tp, pp=args.pp)
         return 0
-    serve(cfg, log_level=args.log_level)
+    from dataclasses import replace
+
+    from gptj.runtime import compute_threads
+    from gptj.serve.registry import SERVE_RESERVED_CORES
+
+    serve(replace(cfg, threads=compute_threads(args.threads, reserve=SERVE_RESERVED_CORES)), log_level=args.log_level)
     return 0
 
 
@@ -552,7 +561,11 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
     _add_engine_flags(p)
-    _add_threads_flag(p)
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch compute threads (default: the usable cores less 1, left to the event loop: on 2 "
+                        "busy cores, 1 thread answered concurrent requests 5-15x sooner than 2; docs/PERFORMANCE.md); "
+                        "with --tp/--pp, split over the ranks (default: the cores split); with Ray, each "
+                        "replica's (default: --cpus-per-replica)")
 
 
 def _add_threads_flag(p) -> None:  # noqa: ANN001 - a parser or a group

@@ -63,7 +63,8 @@ class GPTJModel:
         if share:
             torch.set_num_threads(share)
         self.name = name
-        self.cfg = dataclasses.replace(cfg, models=((name, path),))
+        # the replica's threads: its engine's build splits them over its ranks (see build_served_engine)
+        self.cfg = dataclasses.replace(cfg, models=((name, path),), threads=threads or cfg.threads)
         self.ranks = None
         if tp * pp > 1:  # this replica is rank 0 of tp x pp ranks, the others its child processes
             from gptj.parallel import lockstep
@@ -334,7 +335,8 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
     check_publishable(name, replicas)
     if name in serve.status().applications:
         raise GptjError(f"model {name!r} is already published; unpublish it first")
-    threads = threads if threads is not None else max(1, int(cpus))
+    # --threads (cfg.threads) overrides the threads --cpus-per-replica implies (Ray still reserves `cpus`)
+    threads = threads if threads is not None else cfg.threads if cfg.threads is not None else max(1, int(cpus))
     deployment = GPTJModel.options(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},

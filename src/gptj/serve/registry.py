@@ -19,6 +19,13 @@ from gptj.errors import GptjError
 from gptj.serve.protocol import MODEL_NAME
 
 
+# `gptj serve`'s default threads leave this many cores to the event loop (HTTP, tokenizing,
+# streaming): torch's OpenMP threads spin while they wait, and an event loop sharing their cores
+# waits whole time slices to answer. On 2 busy cores, 16 concurrent requests finished 5-15x sooner
+# with 1 compute thread than with 2 (tiny and small presets; docs/PERFORMANCE.md, "Threads").
+SERVE_RESERVED_CORES = 1
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     models: tuple[tuple[str, str], ...] = ()  # (name, checkpoint folder), loaded at start
@@ -41,8 +48,14 @@ class ServerConfig:
     prefill_chunk: int | None = 512  # prompt tokens prefilled per engine step (None: whole prompts)
     compile: str = "auto"
     kernels: str = "auto"
+    # torch compute threads, set where the engine is built (None: leave torch's setting; `gptj serve`
+    # passes the usable cores less SERVE_RESERVED_CORES); split over the ranks under --tp/--pp
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise GptjError(f"server threads must be an integer >= 1, got {self.threads!r}")
         for name in ("max_batch_size", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "max_batch_size" else 0):
@@ -127,7 +140,13 @@ def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
     from gptj.parallel import lockstep
-    from gptj.runtime import parse_dtype
+    from gptj.runtime import parse_dtype, set_threads
+
+    # Here, on the thread that runs the engine, before it computes: OpenMP keeps a count per thread.
+    if cfg.threads is not None:
+        import torch.distributed as dist
+
+        set_threads(max(1, cfg.threads // (dist.get_world_size() if lockstep.active() else 1)))  # each rank builds
 
     model = lockstep.load_model(path, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
                                 group_size=cfg.group_size)
