@@ -42,7 +42,6 @@ import gc
 import importlib
 import inspect
 import json
-import math
 import os
 import statistics
 import sys
@@ -273,14 +272,11 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
     has_quant = "quantize" in inspect.signature(load_model).parameters
     impls: list[Impl] = []
     gptj_models: dict[str, torch.nn.Module] = {}  # hf-X checks its logits against gptj-X
-    n_embd = json.loads((model_dir / "config.json").read_text())["n_embd"]
 
     def gptj_model(kind: str) -> torch.nn.Module:
         if kind not in gptj_models:
             dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4") else torch.float32
             kwargs = {"quantize": kind} if kind.startswith("int") else {}
-            if kind == "int4":  # group 128 (gptj's default) where it divides the inputs; the tiny model's 64 else
-                kwargs["group_size"] = math.gcd(128, n_embd)
             gptj_models[kind] = load_model(model_dir, dtype=dtype, **kwargs)
         return gptj_models[kind]
 

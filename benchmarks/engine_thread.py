@@ -10,6 +10,7 @@ at once) in three layouts, each in a fresh subprocess, alternating, R rounds:
 and prints output tokens/s of each and the ratios to `main`.
 
     python benchmarks/engine_thread.py --model /tmp/gptj-02b --dtype bfloat16 --rounds 2
+    python benchmarks/engine_thread.py --model /tmp/tiny --smoke --json   # one round, a few tokens: does it run?
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, ba
     return result["tok_s"]
 
 
-def main() -> int:
+SMOKE = dict(rounds=1, prompts=2, new_tokens=4, batch=2)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="bfloat16")
@@ -71,7 +75,14 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one layout, print JSON
-    args = ap.parse_args()
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the lines go to stderr)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check that the script runs, not a measurement: " + " ".join(
+                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
+    if ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
+    log = sys.stderr if args.json else sys.stdout
     if args.one:
         print(json.dumps(job(args.model, args.dtype, args.one, args.prompts, args.new_tokens, args.batch)))
         return 0
@@ -84,11 +95,16 @@ def main() -> int:
             results[layout].append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = statistics.median(results["main"])
     print(f"{args.prompts} prompts x {args.new_tokens} new tokens, batch {args.batch}, {args.dtype}, "
-          f"{args.rounds} rounds (median)")
+          f"{args.rounds} rounds (median)", file=log)
     for layout, values in results.items():
         med = statistics.median(values)
         print(f"  {layout:5s}  {med:7.1f} tok/s  {med / base:5.2f}x main   runs: "
-              + ", ".join(f"{v:.1f}" for v in values))
+              + ", ".join(f"{v:.1f}" for v in values), file=log)
+    if args.json:
+        print(json.dumps({"prompts": args.prompts, "new_tokens": args.new_tokens, "batch": args.batch,
+                          "dtype": args.dtype, "rounds": args.rounds,
+                          "layouts": {layout: {"tok_s": statistics.median(v), "over_main": statistics.median(v) / base,
+                                               "runs": v} for layout, v in results.items()}}))
     return 0
 
 

@@ -21,14 +21,20 @@ native and torch calls alternated run as fast as each alone.
 
     python benchmarks/native_gemv.py                       # all shapes, M = 1 2 4 8
     python benchmarks/native_gemv.py --shapes 7168x1024 --rows 1 --rounds 15
+    python benchmarks/native_gemv.py --smoke --json     # small shapes, one round: does it run?
+
+Where gptj.native is not available (GPTJ_NATIVE=0, no compiler, no AVX512-BF16) it says so in one
+line and exits 0 (with --json: {"skipped": REASON}).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -70,10 +76,10 @@ def _sum_bandwidth(buf: torch.Tensor) -> float:
 
 
 def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, burst_ms: float,
-                seed: int) -> list[dict]:
+                seed: int, out=sys.stdout) -> list[dict]:  # noqa: ANN001
     impls = _make_impls(N, K, min_mb, seed)
     rng = random.Random(seed)
-    sumbuf = torch.ones(int(256e6) // 4)
+    sumbuf = torch.ones(int(max(min_mb, 1) * 1e6) // 4)  # as large as each implementation's weight copies
     results = []
     for M in rows:
         x = torch.randn(M, K).bfloat16()
@@ -102,7 +108,7 @@ def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, bur
             t = statistics.median(times[name])
             row[name] = (t * 1e3, impls[name][2] / t / 1e9)
         results.append(row)
-        print(_line(row), flush=True)
+        print(_line(row), file=out, flush=True)
     del impls
     gc.collect()
     return results
@@ -125,8 +131,8 @@ def _line(r: dict) -> str:
             f"{_cell(r['F.linear bf16'])} | {s16:.2f}x | {r['sum_gbs']:.1f} |")
 
 
-def interleave_check(calls: int = 400, min_mb: float = 250) -> str:
-    """Median time per call of a native and a torch kernel, each alone and alternated call by call.
+def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
+    """Median time per call (ms) of a native and a torch kernel, each alone and alternated call by call.
 
     hot: weights that stay in cache (1 MB int8, 1 MB bf16), so the calls are short and
     compute-bound; two OpenMP runtimes would show here (the other runtime's threads spin on the
@@ -153,6 +159,7 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> str:
     }
     lines = ["| weights | native alone | native alternated | torch alone | torch alternated |",
              "|---|---:|---:|---:|---:|"]
+    data: dict = {}
     for label, (fa, fb) in pairs.items():
         for f in (fa, fb):
             for i in range(20):
@@ -171,10 +178,15 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> str:
                 mixed[k].append(time.perf_counter() - t0)
         ms = [statistics.median(v) * 1e3 for v in (alone[0], mixed[0], alone[1], mixed[1])]
         lines.append(f"| {label} | {ms[0]:.4f} ms | {ms[1]:.4f} ms | {ms[2]:.4f} ms | {ms[3]:.4f} ms |")
+        data[label] = dict(zip(("native_alone_ms", "native_alternated_ms", "torch_alone_ms", "torch_alternated_ms"),
+                               ms))
     runtimes = native._openmp_runtimes()
     lines.append("")
     lines.append(f"OpenMP runtimes mapped in this process: {len(runtimes)} ({', '.join(runtimes) or 'none'})")
-    return "\n".join(lines)
+    return {"pairs": data, "openmp_runtimes": list(runtimes)}, "\n".join(lines)
+
+
+SMOKE = dict(shapes=["256x128"], rows=[1, 2], rounds=1, min_mb=1.0, burst_ms=0.1, interleave_calls=10)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,22 +198,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-mb", type=float, default=250.0, help="MB of distinct weight copies per implementation")
     ap.add_argument("--burst-ms", type=float, default=2.0, help="approximate length of one timed burst")
     ap.add_argument("--no-interleave", action="store_true", help="skip the OpenMP interleave check")
+    ap.add_argument("--interleave-calls", type=int, default=400, help="timed calls per kernel in the interleave check")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check that the script runs, not a measurement: " + " ".join(
+                        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                        for k, v in SMOKE.items()) + " (flags given still win)")
+    if ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**SMOKE)
     args = ap.parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout
 
     torch.set_num_threads(args.threads)
     if not native.available():
-        raise SystemExit("gptj.native is not available here (GPTJ_NATIVE=0, no gcc, or no AVX512-BF16)")
+        why = "gptj.native is not available here (GPTJ_NATIVE=0, no gcc, or no AVX512-BF16)"
+        print(f"native_gemv: skipped: {why}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"skipped": why}))
+        return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n")
-    print(HEADER, flush=True)
+          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n", file=out)
+    print(HEADER, file=out, flush=True)
+    result: dict = {"cpu": cpu, "threads": torch.get_num_threads(), "rounds": args.rounds, "rows": []}
     with torch.inference_mode():
         for i, shape in enumerate(args.shapes):
             N, K = (int(v) for v in shape.lower().split("x"))
-            bench_shape(N, K, args.rows, args.rounds, args.min_mb, args.burst_ms, seed=i)
+            for row in bench_shape(N, K, args.rows, args.rounds, args.min_mb, args.burst_ms, seed=i, out=out):
+                result["rows"].append({k: ({"ms": v[0], "gb_s": v[1]} if isinstance(v, tuple) else v)
+                                       for k, v in row.items()})
         if not args.no_interleave:
-            print("\nnative and torch kernels alone and alternated call by call (1 row; median per call):\n")
-            print(interleave_check(), flush=True)
+            print("\nnative and torch kernels alone and alternated call by call (1 row; median per call):\n", file=out)
+            result["interleave"], text = interleave_check(args.interleave_calls, args.min_mb)
+            print(text, file=out, flush=True)
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

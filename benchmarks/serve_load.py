@@ -24,6 +24,8 @@ so TTFT = E2E then).
         --max-tokens 128 --ignore-eos
     # start one: `gptj serve --model NAME=DIR --port P` as a subprocess (--serve-args for its flags)
     python benchmarks/serve_load.py --model tiny=/tmp/tiny --serve-args "--max-batch-size 32" --json
+    # does it run? one burst of 2 short requests (random ids), and the in-process engine beside it
+    python benchmarks/serve_load.py --model tiny=/tmp/tiny --smoke --compare-engine --json
 
 Standard library only: asyncio with raw HTTP/1.1 (asyncio.open_connection), keep-alive connections.
 """
@@ -407,6 +409,12 @@ def table(results: list[LoadResult]) -> str:
     return out
 
 
+def json_safe(r: LoadResult) -> dict:
+    """r as a dict for JSON, which has no NaN or inf: no samples -> null, rate inf -> "inf"."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else "inf" if v == float("inf") else v)
+            for k, v in asdict(r).items()}
+
+
 def parse_rates(text: str) -> list[float]:
     rates = []
     for part in text.split(","):
@@ -535,12 +543,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: afterwards run the same prompts on the engine in-process (no HTTP) and "
                         "report the server's all-at-once throughput as a ratio of it")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the script runs, not a measurement: --rates inf --num-prompts 2 --max-tokens 4 "
+                        "--ignore-eos --dataset random --input-len 8 (flags given still win)")
     return p
+
+
+SMOKE = dict(rates=[float("inf")], num_prompts=2, max_tokens=4, ignore_eos=True, dataset="random", input_len=8)
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """p's arguments, with --smoke's sizes as the defaults when it is given."""
+    if p.parse_known_args(argv)[0].smoke:
+        p.set_defaults(**SMOKE)
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     if args.compare_engine and not args.model:
         p.error("--compare-engine needs --model")
     for name in ("num_prompts", "max_tokens", "input_len", "beams"):
@@ -559,11 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         report["engine_baseline"] = base
     report.pop("prompts", None)
     if args.json:
-        def clean(d: dict) -> dict:  # JSON has no NaN/inf: no samples -> null, rate inf -> "inf"
-            return {k: (None if isinstance(v, float) and math.isnan(v) else "inf" if v == float("inf") else v)
-                    for k, v in d.items()}
-
-        report["results"] = [clean(asdict(r)) for r in report["results"]]
+        report["results"] = [json_safe(r) for r in report["results"]]
         print(json.dumps(report, indent=2))
     else:
         pl = report["prompt_tokens"]
