@@ -226,6 +226,22 @@ class HTTPBackend:
         body = json.dumps(request_body(self.model, prompt, gen, stream=stream)).encode()
         self._pool.submit(self._run, body, gen, on_done, on_first_token if stream else None)
 
+    def cancel_all(self) -> None:
+        """Drop the queued requests and cut the ones in flight (their samples end with an error)."""
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading the answer
+                except OSError:
+                    pass
+
     def close(self) -> None:
         self._closed = True
         pool = getattr(self, "_pool", None)
@@ -255,6 +271,8 @@ class HTTPBackend:
                    "Accept": "text/event-stream" if on_first_token else "application/json"}
         retries = 0
         while True:
+            if self._closed:
+                raise _HTTPFailure("cancelled")
             conn, reused = self._connection()
             try:
                 conn.request("POST", path, body=body, headers=headers)

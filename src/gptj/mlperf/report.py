@@ -153,8 +153,19 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
     lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples)",
               f"- command: `{' '.join(cfg.argv)}`",
               f"- {'LoadGen client' if remote is not None else 'system'}: {system['cpu']}, {system['cpu_count']} "
-              f"CPUs, GPU {system['gpu'] or 'none'}, torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}",
-              ""]
+              f"CPUs, GPU {system['gpu'] or 'none'}, torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}"]
+    if result.threads is not None:
+        t = result.threads
+        lines.append(f"- compute threads: {t.compute} ({t.why})" + (" — unused here: the server computes"
+                                                                  if remote is not None else ""))
+    lines.append("")
+    if result.interrupted is not None:
+        info = result.interrupted
+        lines += ["## Interrupted (Ctrl-C): not a result", "", f"- {info['note']}",
+                  f"- {st.interrupted} samples were answered empty after the interrupt"]
+        lines += [f"- incomplete: `{f.split(' ', 1)[0]}` {f.split(' ', 1)[1] if ' ' in f else ''}".rstrip()
+                  for f in info.get("incomplete", [])]
+        lines.append("")
     if result.notes:
         lines += ["## Read this first", ""] + [f"- {n}" for n in result.notes] + [""]
     if cfg.mode == "performance":
@@ -197,11 +208,14 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
     atomic_write_json(d / "run.json", {
         "command": cfg.argv, "settings": _settings_dict(cfg), "notes": result.notes, "remote": result.remote,
         "official_generation": not any("generation settings" in n for n in result.notes),
+        "threads": result.threads.to_json() if result.threads is not None else None,
+        "interrupted": result.interrupted,
         "loadgen": {k: v for k, v in loadgen.items() if k in ("result_line", "metric", "Scenario", "Mode")},
         "sut": {"samples": st.samples, "batches": st.batches, "max_batch": st.max_batch,
                 "mean_batch": round(st.mean_batch, 3), "batch_sizes": dict(sorted(st.batch_sizes.items())),
                 "new_tokens": st.new_tokens, "first_tokens": len(st.first_token_s),
-                "duplicate_answers": sum(1 for c in st.answered.values() if c > 1)},
+                "duplicate_answers": sum(1 for c in st.answered.values() if c > 1),
+                "answered_empty_after_interrupt": st.interrupted},
     })
     if result.accuracy is not None:
         from gptj.mlperf.evaluate import accuracy_line

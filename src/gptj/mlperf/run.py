@@ -20,6 +20,8 @@ import datetime as dt
 import functools
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class MLPerfConfig:
     group_size: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    threads: int | None = None  # torch compute threads; None: the usable cores less THREAD_RESERVE
     progress: bool = True
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     server: str | None = None  # a gptj server's URL: run the samples there, over HTTP
@@ -71,6 +74,10 @@ class MLPerfConfig:
             raise GptjError(f"unknown scenario {self.scenario!r} (choose from {', '.join(SCENARIOS)})")
         if self.mode not in MODES:
             raise GptjError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.threads is not None:
+            from gptj.runtime import compute_threads
+
+            compute_threads(self.threads)  # a bad value fails here, in one line
         if self.user_conf is not None and not Path(self.user_conf).is_file():
             raise GptjError(f"{self.user_conf}: user.conf not found")
 
@@ -79,6 +86,48 @@ class MLPerfConfig:
         # A server batches by itself: the SUT forwards each sample at once instead of holding it.
         wait_ms = 0.0 if self.server is not None and self.batch_wait_ms is None else self.batch_wait_ms
         return default_batching(self.scenario, self.max_batch_size, wait_ms)
+
+
+# Cores left to the threads beside the compute when --threads is not given: LoadGen's issue and
+# logging threads, the SUT's batching thread and the completions. torch's OpenMP workers spin while
+# they wait for work, so on few cores a thread that needs a core now and then waits a time slice
+# behind them (docs/PERFORMANCE.md, "Threads in gptj mlperf": on 2 cores one compute thread was
+# faster than two in every scenario).
+THREAD_RESERVE = 1
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The compute threads a run used, and why."""
+
+    compute: int
+    requested: int | None  # --threads
+    usable_cores: int
+    reserve: int  # cores kept for LoadGen and the SUT (0 when --threads decides)
+    why: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def choose_threads(cfg: MLPerfConfig) -> Threads:
+    """--threads if given; else the usable cores less THREAD_RESERVE; under --tp/--pp, this rank's
+    share of the cores (as the launcher set it), less the reserve."""
+    import torch
+
+    from gptj.parallel import lockstep
+    from gptj.runtime import compute_threads, usable_cores
+
+    cores = usable_cores()
+    if cfg.threads is not None:
+        return Threads(compute_threads(cfg.threads), cfg.threads, cores, 0, "requested (--threads)")
+    if lockstep.active():
+        share = torch.get_num_threads()
+        return Threads(max(1, share - THREAD_RESERVE), None, cores, THREAD_RESERVE,
+                       f"default: this rank's share of {share} of the {cores} usable cores, less {THREAD_RESERVE} "
+                       "kept for LoadGen and the SUT")
+    return Threads(compute_threads(None, THREAD_RESERVE), None, cores, THREAD_RESERVE,
+                   f"default: the {cores} usable cores less {THREAD_RESERVE} kept for LoadGen and the SUT")
 
 
 def official_differences(gen: GenerationConfig) -> list[str]:
@@ -136,6 +185,8 @@ class RunResult:
     stats: object  # SUTStats
     notes: list[str]
     remote: dict | None = None  # with a server: its url, model, max_model_len, concurrency, 429 retries
+    threads: Threads | None = None
+    interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
 
 
 # MLPerfConfig fields that only the in-process engine uses, and their defaults.
@@ -143,19 +194,24 @@ _ENGINE_ONLY = {"kv_slots": None, "quantize": None, "group_size": None, "compile
                 "dtype": "float32", "device": "cpu"}
 
 
-def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202
+def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202
     """The engine on its thread, the model loaded there (a load error is raised here)."""
     from gptj.mlperf.sut import EngineBackend
 
-    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest))
+    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads))
 
 
-def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int):  # noqa: ANN202 - Engine
+def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202 - Engine
+    import torch
+
     from gptj.engine import Engine, EngineConfig
     from gptj.engine.kv import groups_from_memory
     from gptj.parallel import lockstep
     from gptj.runtime import parse_dtype
 
+    # On the engine's own thread too: torch keeps OpenMP's thread count per thread (a thread takes
+    # the process-wide value only when it first computes), so set it where the steps run.
+    torch.set_num_threads(threads)
     model = lockstep.load_model(model_dir, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
                                 group_size=cfg.group_size)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
@@ -197,7 +253,11 @@ def run(cfg: MLPerfConfig) -> RunResult:
     from gptj.mlperf.sut import QSL, SUT
     from gptj.tokenizer import tokenizer_for_model
 
+    import torch
+
     model_dir = Path(cfg.model) if cfg.model is not None else None
+    threads = choose_threads(cfg)
+    torch.set_num_threads(threads.compute)
     remote = backend = None
     if cfg.server is not None:
         from gptj.mlperf.remote import HTTPBackend
@@ -215,7 +275,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
             _check_fits_server(cfg, remote, longest)
             backend = remote
         else:
-            backend = _engine_backend(cfg, model_dir, longest)
+            backend = _engine_backend(cfg, model_dir, longest, threads.compute)
         log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
         log_dir.mkdir(parents=True, exist_ok=True)
         notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
@@ -245,28 +305,124 @@ def run(cfg: MLPerfConfig) -> RunResult:
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, settings.performance_sample_count_override)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
-    try:
-        lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings)
-    finally:
+    finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario)
+    interrupted = sut.interrupted
+    if finished:
         sut.stop()
         qsl.destroy()
-        bar.close()
-    if sut.error is not None:
+    bar.close()
+    if sut.error is not None and not interrupted:
         if isinstance(sut.error, GptjError):
             raise sut.error
         raise RuntimeError(f"generation failed during the run: {sut.error!r}") from sut.error
 
     accuracy = None
-    if cfg.mode == "accuracy":
+    if cfg.mode == "accuracy" and not interrupted:
         from gptj.mlperf.evaluate import evaluate_log
 
         accuracy = evaluate_log(log_dir, dataset.references, tokenizer=tokenizer)
-    summary = report.parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
+    summary = report.parse_loadgen_summary(log_dir / "mlperf_log_summary.txt") if finished else {}
     remote_info = None
     if remote is not None:
         remote_info = {"url": remote.url, "model": remote.model, "max_model_len": remote.max_model_len,
                        "concurrency": remote.concurrency, "retries": remote.retries}
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
-                       remote_info)
+                       remote_info, threads)
+    if interrupted:
+        result.interrupted = _interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)
+    if interrupted:
+        raise Interrupted(log_dir, finished)
     return result
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during LoadGen's test. `finished`: LoadGen ended its test (its logs are whole);
+    otherwise its test still runs on its threads, and the process must end with os._exit, since an
+    interpreter shutting down under them crashes (docs: the caller exits)."""
+
+    def __init__(self, log_dir: Path, finished: bool) -> None:
+        self.log_dir, self.finished = log_dir, finished
+        what = "LoadGen's logs" if finished else "LoadGen's logs up to the interrupt"
+        super().__init__(f"{what} and summary.md in {log_dir}")
+
+
+# After a Ctrl-C, how long LoadGen may take to end its test once every sample is answered. Offline
+# has one query, so it always ends, once LoadGen has issued it and taken the answers (seconds for a
+# query of 10^5 samples); Server keeps its schedule's arrival times, and SingleStream issues as many
+# queries as it expected (2 x min duration / expected latency), so these may not end in time.
+INTERRUPT_GRACE_S = {"Offline": 60.0, "Server": 3.0, "SingleStream": 3.0}
+_LOADGEN_FLUSH_S = 0.1  # LoadGen's logging thread writes and flushes its logs every 10 ms
+
+
+def _run_loadgen(sut, qsl, settings, log_settings, scenario: str) -> bool:  # noqa: ANN001
+    """LoadGen's StartTest on a thread of its own, so that Ctrl-C reaches this (main) thread: its
+    C++ loop holds the thread that calls it, where Python could not run the signal handler.
+
+    Returns whether the test finished. On Ctrl-C the SUT answers everything at once and LoadGen
+    gets INTERRUPT_GRACE_S[scenario] to end (a second Ctrl-C stops waiting); if it has not, the SUT stops
+    answering, so the logs stop growing, and the caller must not tear LoadGen down."""
+    import mlperf_loadgen as lg
+
+    errors: list[BaseException] = []
+    # Not Thread.is_alive(): a join() that Ctrl-C interrupts can leave the thread marked as stopped
+    # while it still runs (CPython 3.11), and LoadGen would be torn down under its test.
+    done = threading.Event()
+
+    def start() -> None:
+        try:
+            lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=start, name="gptj-loadgen", daemon=True).start()
+    try:
+        while not done.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        sut.interrupt()
+        deadline = time.monotonic() + INTERRUPT_GRACE_S[scenario]
+        try:
+            while not done.wait(0.05) and time.monotonic() < deadline:
+                pass
+        except KeyboardInterrupt:
+            pass  # a second Ctrl-C: stop waiting
+        if not done.is_set():
+            sut.abandon()
+            time.sleep(_LOADGEN_FLUSH_S)
+            return False
+    if errors:
+        sut.stop()
+        qsl.destroy()
+        raise errors[0]
+    return True
+
+
+def _interrupted_logs(log_dir: Path, finished: bool) -> dict:
+    """What an interrupted run left in its folder. With LoadGen's test still running, its accuracy
+    log is a JSON array it has not closed: gptj closes it (LoadGen writes no more entries, as the SUT
+    answers nothing more) so it parses."""
+    info: dict = {"loadgen_finished": finished}
+    if finished:
+        info["note"] = "LoadGen ended its test after the interrupt: its logs are whole; samples answered empty " \
+                       "after the interrupt make the run INVALID and its scores meaningless"
+        return info
+    incomplete = []
+    acc = log_dir / "mlperf_log_accuracy.json"
+    try:
+        text = acc.read_text(encoding="utf-8")
+        if text.strip() and not text.rstrip().endswith("]"):
+            with open(acc, "a", encoding="utf-8") as f:
+                f.write("\n]\n")
+            incomplete.append(f"{acc.name} (the entries logged before the interrupt; closed by gptj)")
+    except OSError:
+        pass
+    summary = log_dir / "mlperf_log_summary.txt"
+    if not summary.is_file() or summary.stat().st_size == 0:
+        incomplete.append(f"{summary.name} (empty: LoadGen writes it when a test ends)")
+    incomplete.append("mlperf_log_detail.txt (up to the interrupt)")
+    info["incomplete"] = incomplete
+    info["note"] = "LoadGen's test was still running (its schedule had time left) when gptj exited"
+    return info

@@ -56,6 +56,9 @@ class Backend(Protocol):
     def submit(self, prompt: Sequence[int], gen: GenerationConfig, on_done: Callable[[list[int], str | None], None],
                on_first_token: Callable[[int], None] | None = None) -> None: ...
 
+    def cancel_all(self) -> None:
+        """Stop the work in hand without waiting for it (a Ctrl-C); later `on_done` calls may still come."""
+
     def close(self) -> None: ...
 
 
@@ -68,14 +71,29 @@ class EngineBackend:
 
         self.loop = lockstep.engine_loop(build)  # leads the other ranks under --tp / --pp
         self.engine = self.loop.engine
+        self._handles: dict[str, object] = {}  # request id -> RequestHandle, until it finishes
+        self._lock = threading.Lock()
 
     def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend
         def on_token(req, token):  # noqa: ANN001
             if on_first_token is not None and len(req.output) == 1:
                 on_first_token(token)
 
-        self.loop.submit(prompt, gen, on_token=on_token if gen.num_beams == 1 else None,
-                         on_finish=lambda req: on_done(req.output, req.error))
+        def on_finish(req):  # noqa: ANN001
+            with self._lock:
+                self._handles.pop(req.request_id, None)
+            on_done(req.output, req.error)
+
+        handle = self.loop.submit(prompt, gen, on_token=on_token if gen.num_beams == 1 else None, on_finish=on_finish)
+        with self._lock:
+            if not handle.done():
+                self._handles[handle.request_id] = handle
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.cancel()  # the loop aborts it before its next step and frees its KV
 
     def close(self) -> None:
         self.loop.shutdown()
@@ -119,6 +137,7 @@ class SUTStats:
     first_token_s: list[float] = field(default_factory=list)  # issue -> first token (greedy only)
     new_tokens: int = 0
     answered: collections.Counter = field(default_factory=collections.Counter)  # index -> answers
+    interrupted: int = 0  # samples answered empty after a Ctrl-C
 
     @property
     def max_batch(self) -> int:
@@ -139,6 +158,13 @@ class SUT:
         self._on_complete = on_complete
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._pending: list[_Item] = []
+        # Every sample LoadGen issued and nobody answered yet (sample id -> item). An answer is sent
+        # only for a sample taken out of it, under _answer_lock, so each sample is answered once
+        # and its first token never follows its completion, even when interrupt() answers for it.
+        self._outstanding: dict[int, _Item] = {}
+        self._answer_lock = threading.Lock()
+        self.interrupted = False  # interrupt(): every sample is answered at once, empty
+        self.abandoned = False  # abandon(): no more answers (the process is about to exit)
         self._worker = threading.Thread(target=self._loop, name="gptj-sut", daemon=True)
         self._worker.start()
         self.sut = lg.ConstructSUT(self._issue_queries, self._flush_queries)
@@ -147,8 +173,15 @@ class SUT:
 
     def _issue_queries(self, samples: Sequence[lg.QuerySample]) -> None:
         now = time.perf_counter()
-        for s in samples:
-            self._queue.put(_Item(s.id, s.index, now))
+        items = [_Item(s.id, s.index, now) for s in samples]
+        with self._answer_lock:
+            for item in items:
+                self._outstanding[item.sample_id] = item
+        if self.interrupted:
+            self._answer_empty(items)
+            return
+        for item in items:
+            self._queue.put(item)
 
     def _flush_queries(self) -> None:
         pass  # every issued sample is answered as soon as its batch is done
@@ -189,6 +222,9 @@ class SUT:
 
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
+            if self.interrupted:
+                self._pending.clear()  # interrupt() answered these, and the rest
+                continue
             with self._lock:
                 self.stats.batches += 1
                 self.stats.batch_sizes[len(batch)] += 1
@@ -203,17 +239,22 @@ class SUT:
 
     def _first_token(self, item: _Item, token: int) -> None:
         a = np.array([token], dtype=np.int64)
-        lg.FirstTokenComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, 1)])
+        with self._answer_lock:
+            if self.abandoned or self._outstanding.get(item.sample_id) is not item:
+                return  # already answered (interrupted)
+            lg.FirstTokenComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, 1)])
         with self._lock:
             self.stats.first_token_s.append(time.perf_counter() - item.issued)
 
     def _complete(self, item: _Item, tokens: list[int], error: str | None) -> None:
-        if error is not None:
-            tokens = []
-            with self._lock:
-                self.error = self.error or GptjError(f"sample {item.index}: {error}")
-        a = np.asarray(tokens, dtype=np.int64)  # alive until LoadGen has copied it
-        lg.QuerySamplesComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, len(a))])
+        a = np.asarray([] if error is not None else tokens, dtype=np.int64)  # alive until LoadGen has copied it
+        with self._answer_lock:
+            if self.abandoned or self._outstanding.pop(item.sample_id, None) is not item:
+                return  # already answered (interrupted): a late answer of a cancelled request
+            if error is not None:
+                with self._lock:
+                    self.error = self.error or GptjError(f"sample {item.index}: {error}")
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, len(a))])
         with self._lock:
             st = self.stats
             st.samples += 1
@@ -222,6 +263,35 @@ class SUT:
             st.answered[item.index] += 1
         if self._on_complete is not None:
             self._on_complete(1)
+
+    # --- Ctrl-C ---
+
+    def _answer_empty(self, items: Sequence[_Item]) -> None:
+        with self._answer_lock:
+            if self.abandoned:
+                return
+            taken = [it for it in items if self._outstanding.pop(it.sample_id, None) is it]
+            if taken:
+                lg.QuerySamplesComplete([lg.QuerySampleResponse(it.sample_id, 0, 0, 0) for it in taken])
+        with self._lock:
+            self.stats.interrupted += len(taken)
+
+    def interrupt(self) -> None:
+        """Answer every outstanding sample now, and every later one as it comes, with no tokens, and
+        cancel the backend's work: LoadGen then ends its test as soon as its schedule lets it
+        (Offline at once; Server and SingleStream performance runs keep their schedule's time)."""
+        self.interrupted = True
+        with self._answer_lock:
+            items = list(self._outstanding.values())
+        self._answer_empty(items)
+        self.backend.cancel_all()
+
+    def abandon(self) -> None:
+        """Answer nothing more: the process exits with LoadGen's test still running, and its logs
+        must stop growing."""
+        with self._answer_lock:
+            self.abandoned = True
+            self.interrupted = True
 
     def stop(self) -> None:
         self._queue.put(None)
