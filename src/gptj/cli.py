@@ -457,7 +457,7 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
         min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype,
-        device=args.device, compile=args.compile, kernels=args.kernels, progress=not args.quiet,
+        device=args.device, compile=args.compile, kernels=args.kernels, threads=args.threads, progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
         server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
@@ -466,9 +466,22 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
             raise GptjError("--tp / --pp split the model in this process; with --server, the server decides")
         _check_parallel(args.tp, args.pp, args.model)
         run_parallel(_mlperf_job, args.tp * args.pp, {"cfg": cfg, "tp": args.tp, "pp": args.pp,
-                                                      "debug": args.debug}, device=args.device)
+                                                      "threads": args.threads, "debug": args.debug},
+                     device=args.device)
         return 0
-    _mlperf_report(run(cfg))
+    try:
+        _mlperf_report(run(cfg))
+    except KeyboardInterrupt as e:
+        # One line, exit 130 (as `gptj train`), and leave at once: an interpreter shutting down under
+        # threads still in C++ (LoadGen's test when its schedule had time left, the engine loading or
+        # stepping) crashes ("terminate called", SIGSEGV). What must be on disk is: our files are
+        # written atomically and LoadGen's logs flushed before run() raised.
+        from gptj.mlperf.run import Interrupted
+
+        print("gptj mlperf: interrupted" + (f"; {e}" if isinstance(e, Interrupted) else ""), file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(130)
     return 0
 
 
