@@ -56,8 +56,8 @@ class _Server(uvicorn.Server):
         state, now = self.gptj_state, time.monotonic()
         if self._deadline is None:
             self._deadline = now + self.gptj_state.cfg.drain_timeout_s
-            log.info("draining: %d request(s) running; new requests get 503 (up to %g s)",
-                     len(state.running), state.cfg.drain_timeout_s)
+            log.info("draining: new requests get 503; waiting up to %g s for %d running request(s) (a second "
+                     "signal: at once)", state.cfg.drain_timeout_s, len(state.running))
         if not state.running:
             self.should_exit = True
         elif self._expired_at is None and (now >= self._deadline or self.drain_requested > 1):
