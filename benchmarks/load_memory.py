@@ -1,10 +1,21 @@
-"""Peak memory and time of loading gptj-6b in bfloat16, against the weight bytes and a plain file read.
+"""Peak memory and time of loading gptj-6b in bfloat16 (and preparing it for serving), against the
+weight bytes and a plain file read.
 
     python benchmarks/load_memory.py --dir /tmp/gptj-6b-bf16     # writes the checkpoint once (12.1 GB)
+    python benchmarks/load_memory.py --dir /tmp/gptj-6b-l4 --layers 4 --repeats 1   # gptj-6b's shapes, 4 layers
 
-Targets (issue 4): peak RSS <= 1.1 x the weight bytes; load time <= 1.5 x the time to read the files.
-The file read and the load run in fresh subprocesses, alternating, with the page cache warm for
-both (the first read warms it), so the ratio compares like with like.
+Cases, each in a fresh subprocess:
+  kernels off     load_model only (what `--kernels off` serves)
+  kernels native  load_model + prepare_for_serving(max_rows=1): fused blocks, native layout (batch-1 engines:
+                  `gptj generate`, `bench latency`)
+  kernels onednn  load_model + prepare_for_serving(max_rows=64): fused blocks reordered for oneDNN (batched engines)
+
+Targets (issue 15, item 7): peak RSS <= 1.1 x the weight bytes with the default kernels; load time
+<= 1.5 x the time to read the files. The file read and the loads run in fresh subprocesses,
+alternating, with the page cache warm for all (the first read warms it), so the ratios compare
+like with like. `peak_over_weights` is the process's peak RSS over the weight bytes;
+`added_over_weights` subtracts the RSS of the interpreter with torch and gptj imported (so a
+few-layer model gives the per-layer ratio the whole model would).
 """
 
 from __future__ import annotations
@@ -13,7 +24,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 CHILD_READ = """
@@ -28,24 +38,42 @@ print(time.perf_counter() - t, n)
 """
 
 CHILD_LOAD = """
-import sys, time, resource, torch
+import json, sys, time, torch
+from gptj.bench import peak_rss_mb
+from gptj.kernels import prepare_for_serving
 from gptj.weights.io import load_model
+case = sys.argv[2]
+def rss():
+    with open('/proc/self/status') as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS:'))
+base = rss()
 t = time.perf_counter()
 model = load_model(sys.argv[1], dtype=torch.bfloat16)
+weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+load_s = time.perf_counter() - t
+if case != 'off':
+    prepare_for_serving(model, 'auto', max_rows=1 if case == 'native' else 64)
 dt = time.perf_counter() - t
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_mb() * 1e6
 with torch.inference_mode():
     logits = model(torch.tensor([[15496, 995]]))
-print(dt, weights, peak, bool(torch.isfinite(logits).all()))
+print(json.dumps({'load_s': load_s, 'total_s': dt, 'weights': weights, 'peak': peak, 'base': base,
+                  'finite': bool(torch.isfinite(logits).all())}))
 """
+
+CASES = ("off", "native", "onednn")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/gptj-6b-bf16")
+    ap.add_argument("--layers", type=int, help="gptj-6b's shapes with this many layers (cheaper; written to --dir)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
     args = ap.parse_args()
+    cases = [c for c in args.cases.split(",") if c]
+    if not cases or any(c not in CASES for c in cases):
+        ap.error(f"--cases: choose from {', '.join(CASES)}")
     out = Path(args.dir)
     if not (out / "config.json").exists():
         import torch
@@ -54,20 +82,30 @@ def main() -> None:
         from gptj.weights.io import random_state_dict, save_checkpoint
 
         cfg = get_preset("gptj-6b")
-        print("writing a random gptj-6b bfloat16 checkpoint to", out, flush=True)
+        if args.layers:
+            cfg = cfg.replace(n_layer=args.layers)
+        print(f"writing a random gptj-6b ({cfg.n_layer} layers) bfloat16 checkpoint to", out, flush=True)
         save_checkpoint(random_state_dict(cfg, dtype=torch.bfloat16), cfg, out, progress=True)
     subprocess.run([sys.executable, "-c", CHILD_READ, str(out)], check=True, capture_output=True)  # warm the cache
-    reads, loads = [], []
+    reads, runs = [], {c: [] for c in cases}
     for _ in range(args.repeats):
         r = subprocess.run([sys.executable, "-c", CHILD_READ, str(out)], check=True, capture_output=True, text=True)
         reads.append(float(r.stdout.split()[0]))
-        r = subprocess.run([sys.executable, "-c", CHILD_LOAD, str(out)], check=True, capture_output=True, text=True)
-        dt, weights, peak, finite = r.stdout.split()
-        loads.append((float(dt), int(weights), int(peak), finite == "True"))
+        for case in cases:
+            r = subprocess.run([sys.executable, "-c", CHILD_LOAD, str(out), case], check=True, capture_output=True,
+                               text=True)
+            runs[case].append(json.loads(r.stdout.strip().splitlines()[-1]))
     read_s = min(reads)
-    load_s, weights, peak, finite = min(loads)
-    result = {"weights_gb": weights / 1e9, "peak_rss_gb": peak / 1e9, "peak_over_weights": peak / weights,
-              "read_s": read_s, "load_s": load_s, "load_over_read": load_s / read_s, "logits_finite": finite}
+    result = {"dir": str(out), "read_s": read_s}
+    for case, rs in runs.items():
+        best = min(rs, key=lambda r: r["peak"])
+        w = best["weights"]
+        result[f"kernels {case}"] = {
+            "weights_gb": w / 1e9, "peak_rss_gb": best["peak"] / 1e9, "peak_over_weights": best["peak"] / w,
+            "added_over_weights": (best["peak"] - best["base"]) / w,
+            "load_s": min(r["load_s"] for r in rs), "load_and_prepare_s": min(r["total_s"] for r in rs),
+            "load_over_read": min(r["load_s"] for r in rs) / read_s, "logits_finite": best["finite"],
+        }
     print(json.dumps(result, indent=2))
 
 

@@ -228,3 +228,42 @@ def test_all_finite_is_exact(dtype):
         u = t.clone()
         u[517] = bad
         assert not all_finite(u)
+
+
+# --- progress: big models show bars on a terminal's stderr; stdout stays clean --------------------
+
+
+def test_auto_progress_only_for_big_models_on_a_terminal(monkeypatch):
+    import sys
+
+    from gptj.config import get_preset
+    from gptj.weights import io
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert io.auto_progress(get_preset("gptj-6b")) and not io.auto_progress(get_preset("small"))
+    assert not io.auto_progress(get_preset("gptj-6b"), False) and io.auto_progress(get_preset("tiny"), True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert not io.auto_progress(get_preset("gptj-6b"))
+
+
+def test_init_load_and_prepare_draw_bars_on_stderr(tmp_path, monkeypatch, capsys):
+    """What gptj-6b does on a terminal, shown on tiny by lowering the size threshold."""
+    import sys
+
+    from gptj.cli import main
+    from gptj.kernels import prepare_for_serving
+    from gptj.weights import io
+
+    monkeypatch.setattr(io, "PROGRESS_MIN_PARAMS", 0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["init", "--preset", "tiny", "--dtype", "bfloat16", "--out", str(tmp_path / "m")]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and out.startswith("wrote tiny")  # stdout: the one line
+    assert "generating" in err and "writing" in err
+    model = load_model(tmp_path / "m", dtype=torch.bfloat16)
+    prepare_for_serving(model, "auto", max_rows=1)
+    out, err = capsys.readouterr()
+    assert out == "" and "loading" in err and "preparing kernels" in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # not a terminal: silent
+    prepare_for_serving(load_model(tmp_path / "m", dtype=torch.bfloat16), "auto", max_rows=1)
+    assert capsys.readouterr() == ("", "")

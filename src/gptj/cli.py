@@ -125,11 +125,12 @@ def _tokenizer(path: str | None):  # noqa: ANN202 - an explicit --tokenizer must
 def cmd_init(args: argparse.Namespace) -> int:
     from gptj.config import get_preset
     from gptj.runtime import parse_dtype
-    from gptj.weights.io import random_state_dict, save_checkpoint
+    from gptj.weights.io import auto_progress, random_state_dict, save_checkpoint
 
     config = get_preset(args.preset)
-    sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype))
-    out = save_checkpoint(sd, config, args.out, overwrite=args.force)
+    progress = auto_progress(config)  # gptj-6b takes minutes: bars on stderr when it is a terminal
+    sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype), progress=progress)
+    out = save_checkpoint(sd, config, args.out, overwrite=args.force, progress=progress)
     print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out}")
     return 0
 

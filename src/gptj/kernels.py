@@ -239,20 +239,30 @@ def fuse_model(model: nn.Module, mode: str = "auto") -> int:
     return count
 
 
-def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> dict[str, int]:
+def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | None = None,
+                        progress: bool | None = None) -> dict[str, int]:
     """What the engine does to a model it takes over: fuse the blocks, then pack bfloat16 linears
     (max_rows: the engine's most sequences per decode step, see pack_model).
 
     Layer by layer, each layer's old weights freed before the next is touched, so memory holds the
     weights plus at most one layer's (or lm_head's) copy in flight: a loaded checkpoint's tensors
     map their own pages of the file (gptj.weights.hf), which leave memory with the tensor.
+    progress: a bar over the layers on stderr; None: for a big model on a terminal (gptj.weights.io.auto_progress).
     """
+    from tqdm import tqdm
+
+    from gptj.weights.io import auto_progress
+
     if mode not in PACK_MODES:
         raise ValueError(f"kernel mode must be one of {', '.join(PACK_MODES)}, got {mode!r}")
     blocks = model.transformer.h
     fuse = mode != "off" and any(_fusable(b) for b in blocks)
+    if mode == "off":
+        progress = False
+    elif progress is None:
+        progress = hasattr(model, "config") and auto_progress(model.config)
     fused = packed = 0
-    for i in range(len(blocks)):
+    for i in tqdm(range(len(blocks)), desc="preparing kernels", unit="layer", disable=not progress):
         if fuse and _fusable(blocks[i]):
             blocks[i] = FusedBlock(blocks[i])  # the plain block (and its weights) is freed here
             fused += 1

@@ -19,8 +19,10 @@ stay HF-compatible.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from gptj.weights import hf, mtj
 
 CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
+PROGRESS_MIN_PARAMS = 500_000_000  # progress=None: bars for models this big (gptj-6b loads for a minute)
 
 # (name, shape, read, source file) — the stream every reader produces.
 TensorItem = tuple[str, tuple[int, ...], Callable[[], torch.Tensor], Path]
@@ -49,6 +52,15 @@ def expected_specs(config: GPTJConfig) -> dict[str, tuple[tuple[int, ...], torch
     if config.quantization is not None:
         quant.check_quantization(config.quantization, config)
     return quant.quantized_specs(config)
+
+
+def auto_progress(config: GPTJConfig, progress: bool | None = None) -> bool:
+    """progress=None: a bar (tqdm, on stderr) when stderr is a terminal and the model is big enough
+    to keep one waiting (PROGRESS_MIN_PARAMS); True / False as given."""
+    if progress is not None:
+        return progress
+    n = sum(math.prod(shape) for shape in expected_shapes(config.replace(quantization=None)).values())
+    return n >= PROGRESS_MIN_PARAMS and sys.stderr.isatty()
 
 
 def expected_shapes(config: GPTJConfig) -> dict[str, tuple[int, ...]]:
@@ -213,31 +225,37 @@ def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: i
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               config: str | os.PathLike | GPTJConfig | None = None, progress: bool = False,
+               config: str | os.PathLike | GPTJConfig | None = None, progress: bool | None = None,
                quantize: str | None = None, group_size: int | None = None) -> GPTJForCausalLM:
     """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint.
 
     `dtype` is the float dtype (activations, embeddings, norms, biases). A quantized checkpoint
     loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
-    quantizes a float checkpoint tensor by tensor while loading.
+    quantizes a float checkpoint tensor by tensor while loading. `progress`: a bar on stderr; None
+    draws one for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
     """
-    cfg, items = read_checkpoint(path, config, progress=progress, dtype=dtype)
+    cfg, items = read_checkpoint(path, config, progress=False, dtype=dtype)
+    hf_dir = detect_format(Path(path)) == "hf"
+    progress = auto_progress(cfg, progress)
+    if progress and not hf_dir:  # a slim checkpoint's reader draws its own bar (per leaf across shards)
+        cfg, items = read_checkpoint(path, config, progress=True, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=path)
-    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress, quantize=q)
+    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress and hf_dir, quantize=q)
     if q is not None:
         cfg = cfg.replace(quantization=q)
     return model_from_state_dict(cfg, sd, device)
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      std: float = 0.02) -> dict[str, torch.Tensor]:
+                      std: float = 0.02, progress: bool = False) -> dict[str, torch.Tensor]:
     """Deterministic random weights (HF's init: normal(0, std) matrices, zero biases, unit LayerNorms).
 
     Generated one tensor at a time in float32 and cast, so a big preset fits in memory.
     """
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in sorted(expected_shapes(config.replace(quantization=None)).items()):
+    for name, shape in tqdm(sorted(expected_shapes(config.replace(quantization=None)).items()), desc="generating",
+                            unit="tensor", disable=not progress):
         if ".ln_" in name or name.startswith("transformer.ln_f"):
             t = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
         elif name.endswith("bias"):
