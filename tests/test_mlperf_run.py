@@ -10,6 +10,8 @@ from gptj.cli import main
 from gptj.config import get_preset
 from gptj.decode import GenerationConfig, generate
 from gptj.mlperf.dataset import Dataset
+from gptj.mlperf import run as mlperf_run  # its test_settings() is no pytest test
+from gptj.mlperf.run import MLPerfConfig, planned_queries
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
 
@@ -77,12 +79,69 @@ def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario,
     assert "Result is" in summary and "latency.png" in summary
     assert (log_dir / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Result is" in (log_dir / "mlperf_log_summary.txt").read_text()
-    sut = json.loads((log_dir / "run.json").read_text())["sut"]
+    run = json.loads((log_dir / "run.json").read_text())
+    sut = run["sut"]
     assert sut["samples"] >= 24
+    # Every run-length flag acted, and the summary shows the value asked for beside LoadGen's.
+    asked, used = run["run_length"]["asked"], run["run_length"]["loadgen"]
+    assert asked["min_query_count"] == {"value": 24, "source": "--min-query-count"}
+    assert asked["min_duration_ms"] == {"value": 200, "source": "--min-duration-ms"}
+    assert used["min_duration_ms"] == 200
+    assert "min query count" in summary and "asked 24 (--min-query-count)" in summary
+    # LoadGen's query count is the one gptj predicts (and notes when above the 24 asked).
+    cfg = MLPerfConfig(model=model_dir, scenario=scenario, mode="performance", min_duration_ms=200, min_query_count=24,
+                       target_qps=float(extra[1]) if extra[0] == "--target-qps" else None,
+                       target_latency_ms=float(extra[1]) if extra[0] == "--target-latency-ms" else None)
+    planned, _ = planned_queries(mlperf_run.test_settings(cfg, 12), scenario, 12)
+    if scenario == "Offline":
+        assert used["samples_per_query"] == planned
+    elif scenario == "SingleStream":
+        assert used["min_query_count"] == planned and asked["expected_latency_ms"]["source"] == "--target-latency-ms"
+        assert used["target_qps"] == pytest.approx(1000 / float(extra[1]))
+    else:
+        assert used["result_query_count"] >= 24
+    assert ("LoadGen raises the" in summary) == (planned > 24)
     if scenario == "Server":  # 400 QPS of arrivals against a CPU: queries pile up and are batched together
         assert sut["max_batch"] > 1 and sut["batches"] < sut["samples"]
     if scenario == "SingleStream":
         assert sut["max_batch"] == 1
+
+
+def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(model_dir, tmp_path, capsys):
+    """With no --target-latency-ms, LoadGen's 10 ms default would set SingleStream's query count
+    (2 x min duration / expected latency: 210 here, whatever --min-query-count says); gptj times a
+    few samples and gives LoadGen that latency instead."""
+    log_dir = tmp_path / "ss"
+    args = ["--scenario", "SingleStream", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "4", "--max-examples", "6", "--min-duration-ms", "1000", "--min-query-count", "10"]
+    assert mlperf(model_dir, log_dir, *args) == 0
+    err = capsys.readouterr().err
+    assert "timing 3 samples" in err
+    run = json.loads((log_dir / "run.json").read_text())
+    asked, used = run["run_length"]["asked"], run["run_length"]["loadgen"]
+    expected = asked["expected_latency_ms"]
+    assert expected["source"] == "timed on 2 samples" and expected["value"] > 0
+    assert used["target_qps"] == pytest.approx(1000 / expected["value"], rel=1e-3)  # LoadGen took it
+    # LoadGen's count follows from the timed latency, as gptj predicts it and says so.
+    cfg = MLPerfConfig(model=model_dir, scenario="SingleStream", mode="performance", min_duration_ms=1000,
+                       min_query_count=10)
+    planned, _ = planned_queries(mlperf_run.test_settings(cfg, 6, expected["value"] / 1000), "SingleStream", 6)
+    assert used["min_query_count"] == planned == used["result_query_count"]
+    summary = (log_dir / "summary.md").read_text()
+    assert f"LoadGen raises the queries to {planned:,} from the 10 asked (--min-query-count)" in summary
+    assert "expected latency: asked" in summary and "(timed on 2 samples)" in summary
+
+
+def test_flags_a_scenario_has_no_use_for_are_named(model_dir, tmp_path, capsys):
+    log_dir = tmp_path / "ss"
+    args = ["--scenario", "SingleStream", "--mode", "accuracy", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "2", "--max-examples", "2", "--target-qps", "5", "--max-batch-size", "4"]
+    assert mlperf(model_dir, log_dir, *args) == 0
+    err = capsys.readouterr().err
+    assert "--target-qps does not apply to SingleStream" in err and "--max-batch-size / --batch-wait-ms" in err
+    assert "--target-qps: an accuracy run issues every sample once" in err
+    assert "timing" not in err  # accuracy runs need no expected latency
+    assert "--target-qps does not apply" in (log_dir / "summary.md").read_text()
 
 
 def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):

@@ -66,6 +66,66 @@ def parse_loadgen_summary(path: Path) -> dict[str, str]:
     return out
 
 
+# What LoadGen says it used (its detail log), beside what was asked (run.asked_settings).
+_EFFECTIVE_KEYS = ("effective_min_query_count", "effective_min_duration_ms", "effective_target_qps",
+                   "effective_target_latency_ns", "effective_samples_per_query", "generated_query_count",
+                   "result_query_count")
+
+
+def loadgen_effective(log_dir: Path) -> dict[str, object]:
+    """The run-length values LoadGen used, from the :::MLLOG records of mlperf_log_detail.txt."""
+    import json
+
+    out: dict[str, object] = {}
+    path = log_dir / "mlperf_log_detail.txt"
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith(":::MLLOG"):
+            continue
+        try:
+            record = json.loads(line[len(":::MLLOG"):])
+        except ValueError:
+            continue
+        key = record.get("key")
+        if key in _EFFECTIVE_KEYS and key not in out:
+            out[key.removeprefix("effective_")] = record.get("value")
+    return out
+
+
+def _settings_lines(cfg: MLPerfConfig, result: RunResult) -> list[str]:
+    """Each run-length setting as asked (and where from) beside what LoadGen used."""
+    if result.settings is None or cfg.mode != "performance":
+        return []
+    asked, used = result.settings["asked"], result.settings["loadgen"]
+    lines = ["## Run length: asked and used", ""]
+
+    def line(label: str, key: str, unit: str, used_value: object) -> None:
+        if key not in asked:
+            return
+        a = asked[key]
+        text = f"- {label}: asked {a['value']:g}{unit} ({a['source']})"
+        if used_value is not None:
+            text += f"; LoadGen used {used_value}{unit}"
+        lines.append(text)
+
+    line("min query count" if cfg.scenario != "Offline" else "min query count (Offline: samples in its query)",
+         "min_query_count", "", used.get("min_query_count"))
+    line("min duration", "min_duration_ms", " ms", used.get("min_duration_ms"))
+    line("expected QPS", "expected_qps", "", used.get("target_qps"))
+    line("target QPS", "target_qps", "", used.get("target_qps"))
+    latency = used.get("target_latency_ns")
+    line("target latency", "target_latency_ms", " ms", None if latency is None else latency / 1e6)
+    qps = used.get("target_qps")
+    line("expected latency", "expected_latency_ms", " ms",
+         None if not isinstance(qps, int | float) or not qps else round(1000 / qps, 3))
+    if used.get("result_query_count") is not None:
+        per = used.get("samples_per_query")
+        lines.append(f"- queries issued: {used['result_query_count']}"
+                     + (f" ({per} samples)" if cfg.scenario == "Offline" and per is not None else ""))
+    return lines + [""]
+
+
 def system_description(cfg: MLPerfConfig) -> dict[str, object]:
     import torch
 
@@ -176,7 +236,7 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                     "Performance constraints satisfied"):
             if key in loadgen:
                 lines.append(f"- {key}: {loadgen[key]}")
-        lines += ["", "![latency distribution](latency.png)", ""]
+        lines += [""] + _settings_lines(cfg, result) + ["![latency distribution](latency.png)", ""]
     if result.accuracy is not None:
         from gptj.mlperf.evaluate import format_report
 
@@ -210,6 +270,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
         "official_generation": not any("generation settings" in n for n in result.notes),
         "threads": result.threads.to_json() if result.threads is not None else None,
         "interrupted": result.interrupted,
+        "run_length": result.settings,
         "loadgen": {k: v for k, v in loadgen.items() if k in ("result_line", "metric", "Scenario", "Mode")},
         "sut": {"samples": st.samples, "batches": st.batches, "max_batch": st.max_batch,
                 "mean_batch": round(st.mean_batch, 3), "batch_sizes": dict(sorted(st.batch_sizes.items())),

@@ -19,6 +19,7 @@ import dataclasses
 import datetime as dt
 import functools
 import os
+import re
 import sys
 import threading
 import time
@@ -147,8 +148,11 @@ def default_log_dir(scenario: str, mode: str) -> Path:
     return path
 
 
-def test_settings(cfg: MLPerfConfig, performance_sample_count: int):
-    """LoadGen settings: its built-in gptj mlperf.conf, then user.conf, then the flags."""
+def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_latency_s: float | None = None):
+    """LoadGen settings: its built-in gptj mlperf.conf, then user.conf, then the flags.
+
+    `expected_latency_s` (SingleStream): the calibrated latency, used when neither
+    --target-latency-ms nor user.conf gives one."""
     import mlperf_loadgen as lg
 
     settings = lg.TestSettings()
@@ -169,11 +173,163 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int):
         ns = int(cfg.target_latency_ms * 1e6)
         settings.single_stream_expected_latency_ns = ns
         settings.server_target_latency_ns = ns
+    elif expected_latency_s is not None:
+        settings.single_stream_expected_latency_ns = max(1, int(expected_latency_s * 1e9))
     if cfg.min_duration_ms is not None:
         settings.min_duration_ms = cfg.min_duration_ms
     if cfg.min_query_count is not None:
         settings.min_query_count = cfg.min_query_count
     return settings
+
+
+def user_conf_sets_expected_latency(path: Path | None) -> bool:
+    """Whether a user.conf sets gptj's SingleStream target_latency (LoadGen's expected latency)."""
+    if path is None:
+        return False
+    pattern = re.compile(rf"^\s*({MODEL_NAME}|\*)\.(SingleStream|\*)\.target_latency\s*=")
+    return any(pattern.match(line) for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines())
+
+
+def needs_calibration(cfg: MLPerfConfig) -> bool:
+    """SingleStream performance runs with no expected latency given: LoadGen's default (10 ms) sets
+    the query count, 2 x min duration / expected latency (in equal-issue mode, as gptj's mlperf.conf
+    has it), so a slow SUT would run far longer than asked."""
+    return cfg.scenario == "SingleStream" and cfg.mode == "performance" and cfg.target_latency_ms is None \
+        and not user_conf_sets_expected_latency(cfg.user_conf)
+
+
+CALIBRATION_SAMPLES = 2  # timed, after one untimed warm-up sample
+
+
+def calibrate_latency(backend, dataset, gen: GenerationConfig, samples: int = CALIBRATION_SAMPLES) -> float:  # noqa: ANN001
+    """Seconds per sample run alone, as SingleStream runs them: the mean over `samples` samples
+    spread over the set, after one warm-up (the first steps of a fresh engine are slower)."""
+    n = len(dataset)
+    picks = [round(i * (n - 1) / max(1, samples - 1)) for i in range(samples)] if samples > 1 else [0]
+    times = []
+    for k, index in enumerate([picks[0], *picks]):
+        done = threading.Event()
+        errors: list[str] = []
+
+        def on_done(tokens, error, errors=errors, done=done) -> None:  # noqa: ANN001
+            if error is not None:
+                errors.append(error)
+            done.set()
+
+        start = time.perf_counter()
+        backend.submit(dataset.input_ids[index], gen, on_done=on_done)
+        done.wait()
+        if errors:
+            raise GptjError(f"calibrating the expected latency: sample {index}: {errors[0]}")
+        if k > 0:
+            times.append(time.perf_counter() - start)
+    return sum(times) / len(times)
+
+
+def planned_queries(settings, scenario: str, performance_samples: int) -> tuple[int, str]:  # noqa: ANN001
+    """The fewest queries (Offline: samples in its one query) LoadGen will issue in a performance
+    run, as its test_settings_internal.cc and GenerateQueries derive them, and how."""
+    asked = int(settings.min_query_count)
+    duration_s = settings.min_duration_ms / 1000
+    n_perf = max(1, performance_samples)
+    equal_issue = bool(settings.sample_concatenate_permutation)
+
+    def whole_passes(n: int) -> int:
+        return n if n % n_perf == 0 else n + n_perf - n % n_perf
+
+    if scenario == "Offline":
+        by_qps = int(1.1 * duration_s * settings.offline_expected_qps)
+        n = max(asked, by_qps)
+        how = f"1.1 x min duration {duration_s:g} s x expected QPS {settings.offline_expected_qps:g} = {by_qps}" \
+            if by_qps > asked else ""
+        if equal_issue and whole_passes(n) != n:
+            n = whole_passes(n)
+            how = (how + "; " if how else "") + f"rounded up to whole passes over the {n_perf} performance samples"
+        return n, how
+    if scenario == "SingleStream":
+        n, how = asked, ""
+        if equal_issue:
+            qps = 1e9 / settings.single_stream_expected_latency_ns
+            expected = int(2.0 * duration_s * qps)
+            if expected > n:
+                n = expected
+                how = (f"2 x min duration {duration_s:g} s / expected latency "
+                       f"{settings.single_stream_expected_latency_ns / 1e6:.1f} ms = {expected}")
+            n += n_perf - n % n_perf  # as LoadGen: a whole pass more when already whole
+            how = (how + "; " if how else "") + f"rounded up to whole passes over the {n_perf} performance samples"
+        return n, how
+    # Server: every query of the schedule (about target QPS x min duration), at least min_query_count
+    n = whole_passes(asked) if equal_issue else asked
+    how = f"rounded up to whole passes over the {n_perf} performance samples" if n != asked else ""
+    by_qps = int(settings.server_target_qps * duration_s)
+    if by_qps > n:
+        n, how = by_qps, f"about target QPS {settings.server_target_qps:g} x min duration {duration_s:g} s"
+    return n, how
+
+
+def count_note(cfg: MLPerfConfig, settings, performance_samples: int) -> str | None:  # noqa: ANN001
+    """A note when LoadGen will issue more queries than min_query_count asks (performance runs)."""
+    if cfg.mode != "performance":
+        return None
+    n, how = planned_queries(settings, cfg.scenario, performance_samples)
+    asked = int(settings.min_query_count)
+    if n <= asked:
+        return None
+    what = "samples in its query" if cfg.scenario == "Offline" else "queries"
+    source = "--min-query-count" if cfg.min_query_count is not None else "mlperf.conf's min_query_count"
+    return f"LoadGen raises the {what} to {n:,} from the {asked:,} asked ({source}): {how}"
+
+
+def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dict:  # noqa: ANN001
+    """The run-length settings asked for (after mlperf.conf, user.conf, the flags), each with its source."""
+    conf = "user.conf / mlperf.conf" if cfg.user_conf is not None else "mlperf.conf"
+
+    def src(flag_value: object, flag: str) -> str:
+        return flag if flag_value is not None else conf
+
+    out: dict = {"min_query_count": {"value": int(settings.min_query_count),
+                                     "source": src(cfg.min_query_count, "--min-query-count")},
+                 "min_duration_ms": {"value": int(settings.min_duration_ms),
+                                     "source": src(cfg.min_duration_ms, "--min-duration-ms")}}
+    if cfg.scenario == "Offline":
+        out["expected_qps"] = {"value": settings.offline_expected_qps, "source": src(cfg.target_qps, "--target-qps")}
+    elif cfg.scenario == "Server":
+        out["target_qps"] = {"value": settings.server_target_qps, "source": src(cfg.target_qps, "--target-qps")}
+        out["target_latency_ms"] = {"value": settings.server_target_latency_ns / 1e6,
+                                    "source": src(cfg.target_latency_ms, "--target-latency-ms")}
+    else:
+        if cfg.target_latency_ms is not None:
+            source = "--target-latency-ms"
+        elif expected_s is not None:
+            source = f"timed on {CALIBRATION_SAMPLES} samples"
+        elif user_conf_sets_expected_latency(cfg.user_conf):
+            source = "user.conf"
+        else:
+            source = "LoadGen's default"
+        out["expected_latency_ms"] = {"value": round(settings.single_stream_expected_latency_ns / 1e6, 3),
+                                      "source": source}
+    return out
+
+
+def flags_that_do_not_apply(cfg: MLPerfConfig) -> list[str]:
+    """Flags given that this scenario/mode has no use for, each with why (said, not ignored silently)."""
+    out = []
+    if cfg.scenario == "SingleStream":
+        if cfg.target_qps is not None:
+            out.append("--target-qps does not apply to SingleStream (one query at a time; --target-latency-ms sets "
+                       "its expected latency)")
+        if cfg.max_batch_size is not None or cfg.batch_wait_ms is not None:
+            out.append("--max-batch-size / --batch-wait-ms do not apply to SingleStream (one sample at a time)")
+    if cfg.scenario == "Offline" and cfg.target_latency_ms is not None:
+        out.append("--target-latency-ms does not apply to Offline (it has no latency bound; --target-qps sets "
+                   "its expected QPS)")
+    if cfg.mode == "accuracy":
+        given = [f for f, v in (("--target-qps", cfg.target_qps), ("--target-latency-ms", cfg.target_latency_ms),
+                                ("--min-duration-ms", cfg.min_duration_ms),
+                                ("--min-query-count", cfg.min_query_count)) if v is not None]
+        if given:
+            out.append(f"{', '.join(given)}: an accuracy run issues every sample once, whatever these say")
+    return out
 
 
 @dataclass
@@ -187,6 +343,7 @@ class RunResult:
     remote: dict | None = None  # with a server: its url, model, max_model_len, concurrency, 429 retries
     threads: Threads | None = None
     interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
+    settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
 
 
 # MLPerfConfig fields that only the in-process engine uses, and their defaults.
@@ -291,7 +448,20 @@ def run(cfg: MLPerfConfig) -> RunResult:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
 
-        settings = test_settings(cfg, len(dataset))
+        expected_s = None
+        if needs_calibration(cfg):
+            print(f"note: timing {CALIBRATION_SAMPLES + 1} samples one at a time for SingleStream's expected latency "
+                  "(--target-latency-ms gives it instead)", file=sys.stderr)
+            expected_s = calibrate_latency(backend, dataset, cfg.gen)
+        settings = test_settings(cfg, len(dataset), expected_s)
+        performance_samples = min(settings.performance_sample_count_override, len(dataset))
+        asked = asked_settings(cfg, settings, expected_s)
+        more = flags_that_do_not_apply(cfg)
+        if (count := count_note(cfg, settings, performance_samples)) is not None:
+            more.append(count)
+        for note in more:
+            print(f"note: {note}", file=sys.stderr)
+        notes += more
         log_settings = lg.LogSettings()
         log_settings.log_output.outdir = str(log_dir)
         log_settings.log_output.copy_summary_to_stdout = False
@@ -303,7 +473,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
 
     total = len(dataset) if cfg.mode == "accuracy" else None
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
-    qsl = QSL(dataset, settings.performance_sample_count_override)
+    qsl = QSL(dataset, performance_samples)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
     finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario)
     interrupted = sut.interrupted
@@ -327,7 +497,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
         remote_info = {"url": remote.url, "model": remote.model, "max_model_len": remote.max_model_len,
                        "concurrency": remote.concurrency, "retries": remote.retries}
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
-                       remote_info, threads)
+                       remote_info, threads, settings={"asked": asked,
+                                                       "loadgen": report.loadgen_effective(log_dir) if finished else {}})
     if interrupted:
         result.interrupted = _interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)
