@@ -130,15 +130,21 @@ def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
     assert engine.generate(prompts, MIXED) == clean
 
 
-def test_bfloat16_engine_never_reads_unwritten_kv(monkeypatch):
-    """The bfloat16 engine (fused blocks, native attention where available): NaN-filled pools change nothing."""
+def test_bfloat16_engine_never_reads_unwritten_kv(monkeypatch, kernel_path):
+    """The bfloat16 engine (fused blocks; with gptj.native: its attention and, at <= 4 rows a
+    step, its GEMV layout; without: oneDNN's and torch's): NaN-filled pools change nothing."""
+    from gptj import kernels
     from gptj.weights.io import model_from_state_dict, random_state_dict
 
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
 
     def run():
         model = model_from_state_dict(CFG, random_state_dict(CFG, seed=4, dtype=torch.bfloat16, std=0.3))
-        return Engine(model, EngineConfig(n_slots=16)).generate(prompts, MIXED)
+        engine = Engine(model, EngineConfig(n_slots=4, compile="off"))  # (compiled forms: tests above)
+        assert engine.attention.native is (kernel_path == "native")
+        if kernels.can_pack(torch.bfloat16, "cpu"):
+            assert model.lm_head.layout == ("native" if kernel_path == "native" else "onednn")
+        return engine.generate(prompts, MIXED)
 
     clean = run()
     poison_kv_pools(monkeypatch)

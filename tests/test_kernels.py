@@ -48,7 +48,10 @@ def test_fused_block_computes_the_block_in_float32(name):
     ids = torch.randint(0, CFGS[name].vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     want, got = prefill_then_decode(model, ids), prefill_then_decode(fused, ids)
     assert got.shape == want.shape == (2, 9, CFGS[name].vocab_size)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Float32 in other orders (concatenated weights): each side is off the exact logits by <= ~20
+    # chained sums of <= 256 terms, each <= sqrt(n) u of its terms' size with high probability
+    # (Higham & Mary 2019): 20 * 16 * 2**-24 = 2e-5 of the logits' scale; both sides, 4e-5.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
 def test_float32_models_stay_unfused_and_bad_modes_are_refused():
@@ -61,12 +64,15 @@ def test_float32_models_stay_unfused_and_bad_modes_are_refused():
     assert kernels.fuse_model(bf16, "off") == 0 and kernels.pack_model(bf16, "off") == 0
 
 
-def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_one():
+def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_one(kernel_path):
+    """At most 2 rows per decode step: gptj.native's GEMV layout where available, else oneDNN's."""
     cfg = CFGS["partial-rotary"]
     ref = random_model(cfg)
     plain = random_model(cfg, torch.bfloat16)
     served = random_model(cfg, torch.bfloat16)
-    counts = kernels.prepare_for_serving(served)
+    counts = kernels.prepare_for_serving(served, max_rows=2)
+    if kernels.can_pack(torch.bfloat16, "cpu"):
+        assert served.lm_head.layout == ("native" if kernel_path == "native" else "onednn")
     assert counts["fused_blocks"] == cfg.n_layer
     if kernels.can_pack(torch.bfloat16, "cpu"):  # w_in, w_out per layer and lm_head
         assert counts["packed_linears"] == 2 * cfg.n_layer + 1
@@ -80,7 +86,9 @@ def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_
 def _layouts():
     from gptj import native
 
-    return ["onednn"] + (["native"] if native.available() else [])
+    reason = native.unavailable_reason()
+    return ["onednn", pytest.param("native", marks=pytest.mark.skipif(
+        reason is not None, reason=f"native kernels unavailable: {reason}"))]
 
 
 @pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU")
@@ -118,25 +126,40 @@ def test_fusing_refuses_mixed_linears():
         kernels.concat_out_features([nn.Linear(8, 8), Int8Linear.from_float(nn.Linear(8, 8))])
 
 
-def test_packed_model_runs_the_exact_decode_path_too():
+def test_packed_model_runs_the_exact_decode_path_too(kernel_path):
     from gptj.decode import GenerationConfig, generate
 
     model = random_model(CFGS["partial-rotary"], torch.bfloat16, seed=3)
-    kernels.prepare_for_serving(model)
+    kernels.prepare_for_serving(model, max_rows=1)
     out = generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=4, min_new_tokens=4))
     assert len(out[0]) == 4
 
 
 @pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU")
-def test_pack_layout_follows_the_rows_a_step_can_have():
-    from gptj import native
-
+def test_pack_layout_follows_the_rows_a_step_can_have(kernel_path):
     few = random_model(CFGS["partial-rotary"], torch.bfloat16)
     kernels.pack_model(few, max_rows=1)
     many = random_model(CFGS["partial-rotary"], torch.bfloat16)
     kernels.pack_model(many, max_rows=64)
-    assert few.lm_head.layout == ("native" if native.available() else "onednn")
+    assert few.lm_head.layout == ("native" if kernel_path == "native" else "onednn")
     assert many.lm_head.layout == "onednn"
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
         torch.testing.assert_close(few(ids), many(ids), rtol=2e-2, atol=2e-2)
+
+
+def test_each_kernel_choice_follows_native_availability(kernel_path):
+    """What picks gptj.native (int8 linears, decode attention) sees it switched off or on."""
+    from gptj import native, quant
+    from gptj.engine.attention import DecodeAttention
+
+    on = kernel_path == "native"
+    assert native.available() is on and (native.unavailable_reason() is None) is on
+    assert (quant._native() is not None) is on
+    assert DecodeAttention("off", torch.bfloat16, native=True).native is on
+    assert DecodeAttention("off", torch.float32, native=True).native is False  # bfloat16 KV only
+    assert DecodeAttention("off", torch.bfloat16, native=False).native is False
+    lin = Int8Linear.from_float(nn.Linear(64, 48).to(torch.bfloat16))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    want = F.linear(x.float(), lin.weight.float() * lin.weight_scale.float()[:, None], lin.bias.float())
+    torch.testing.assert_close(lin(x).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "linear_bf16", "linear_int8", "load"]
+__all__ = ["available", "linear_bf16", "linear_int8", "load", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -179,6 +179,24 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str | None:
+    """Why the native kernels cannot be used here, in one line (None where they can): what
+    a skipped test or a log line should say."""
+    env = os.environ if env is None else env
+    if _disabled(env):
+        return f"switched off (GPTJ_NATIVE={env.get('GPTJ_NATIVE')})"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if shutil.which(env.get("CC") or "gcc") is None:
+        return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCE.name}"
+    if load() is None:
+        return f"{SOURCE.name} failed to build or load"
+    return None
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.

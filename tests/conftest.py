@@ -1,0 +1,38 @@
+"""Shared fixtures: run a test once per kernel path, native (gptj.native's AVX-512 kernels) and
+fallback (what runs where they are unavailable), so both are checked on whatever machine CI lands.
+
+`kernel_path` is parametrized: "native" skips, with the reason, where gptj.native cannot be used;
+"fallback" switches it off for the test as `GPTJ_NATIVE=0` does (the environment variable, for
+any process the test starts, and the in-process caches that hold the loaded library).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+KERNEL_PATHS = ("native", "fallback")
+
+
+def force_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gptj.native unavailable until the test ends: available() is False, a direct call raises."""
+    from gptj import native, quant
+
+    monkeypatch.setenv("GPTJ_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})  # load() looks again, and finds GPTJ_NATIVE=0
+    for bound in ("_gemv_int8", "_gemv_bf16", "_attend_group"):
+        monkeypatch.setattr(native, bound, None)
+    monkeypatch.setattr(quant, "_NATIVE", [])  # quant's own cache of native.available()
+    assert not native.available()
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    from gptj import native
+
+    if request.param == "native":
+        reason = native.unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"native kernels unavailable: {reason}")
+    else:
+        force_fallback(monkeypatch)
+    return request.param
