@@ -12,8 +12,9 @@ step it reaches about half the memory bandwidth of the same weight in oneDNN's b
 (measured in docs/PERFORMANCE.md: one 4096 x 4096 layer, 1 row, 1.55 ms plain vs 1.01 ms packed;
 16384 x 4096, 6.7 ms vs 5.3 ms). `pack_model` swaps every bfloat16 `nn.Linear` of a model for a
 `PackedLinear` holding the weight in that layout (reordered once, layer by layer, each plain weight
-freed before the next is reordered, so memory never holds two copies of the model). The products are the same oneDNN bfloat16 GEMM with float32
-accumulation; the tests check the outputs against `F.linear`.
+freed before the next is reordered, so memory never holds two copies of the model). The products
+are the same oneDNN bfloat16 GEMM with float32 accumulation; the tests check the outputs against
+`F.linear`.
 
 The packed weight is an opaque oneDNN tensor: a packed model serves (the engine, `decode.generate`)
 but is not saved, moved to another device or cast; load the checkpoint again for that.
