@@ -204,8 +204,10 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(corpus, tmp_path):
     train(straight, progress=False)
     split = load_config(write_config(tmp_path / "b.yaml", train=corpus / "train.txt", out=str(tmp_path / "split")))
     train(split, stop_after=3, progress=False)
-    assert not (tmp_path / "split" / "config.json").exists()  # stopped early: no final model yet
     assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-0000003"]
+    # stopped early, the model of step 3 is in the output folder too (as `gptj train --max-steps` says)
+    stopped = weights(tmp_path / "split")
+    assert all(torch.equal(stopped[k], v) for k, v in weights(tmp_path / "split" / "checkpoints" / "step-0000003").items())
     with pytest.raises(GptjError, match="already holds a run"):
         train(split, progress=False)
     train(split, resume=True, progress=False)
@@ -303,18 +305,43 @@ def test_under_torchrun_two_ranks_train_data_parallel(corpus, tmp_path):
         [m["loss"] for m in metrics(tmp_path / "one")], rel=LOSS_RTOL)
 
 
-def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch):
-    monkeypatch.chdir(ROOT)  # they are run from the repository root
+def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # from any folder: a config's data paths are relative to the config
     for name in ("pretrain_tiny.yaml", "finetune_summarization.yaml"):
         cfg = load_config(ROOT / "examples" / "train" / name)
         assert cfg.model.preset == "tiny" and cfg.data.eval is not None
+        assert all(f.is_file() and f.is_relative_to(ROOT / "examples" / "data") for f in cfg.data.train.files())
+
+
+def test_config_paths_are_relative_to_the_config_and_set_paths_to_the_working_directory(monkeypatch, tmp_path,
+                                                                                          capsys, corpus):
+    """`gptj train --config elsewhere/c.yaml` finds the data the file names beside it; a path
+    given with --set (and --out) is the user's, relative to where they are."""
+    (tmp_path / "project" / "data").mkdir(parents=True)
+    (tmp_path / "project" / "data" / "train.txt").write_text((corpus / "train.txt").read_text())
+    (tmp_path / "project" / "c.yaml").write_text(yaml.safe_dump(
+        {"model": {"preset": "tiny"}, "data": {"train": {"text": ["data/train.txt"]}, "seq_len": 32},
+         "batch_size": 2, "max_steps": 4, "log_interval": 1}))
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "mine.txt").write_text((corpus / "eval.txt").read_text())
+    monkeypatch.chdir(tmp_path / "here")
+    cfg = load_config("../project/c.yaml", ["data.eval.text=[mine.txt]"])
+    assert cfg.data.train.files() == [tmp_path / "project" / "data" / "train.txt"]
+    assert [f.resolve() for f in cfg.data.eval.files()] == [tmp_path / "here" / "mine.txt"]
+    # the CLI: stopped early with --max-steps, the model is where the message says, and loads
+    assert main(["train", "--config", "../project/c.yaml", "--out", "run", "--max-steps", "2", "--quiet"]) == 0
+    said = capsys.readouterr().out
+    assert "stopped at step 2 of 4" in said and "model, checkpoints and metrics.jsonl in run" in said
+    assert main(["generate", "--model", "run", "--prompt", "the red fox", "--max-new-tokens", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+    assert not (tmp_path / "project" / "run").exists()  # --out: the working directory's
 
 
 @pytest.mark.parametrize("name, steps", [("pretrain_tiny.yaml", 30), ("finetune_summarization.yaml", 12)])
-def test_the_shipped_examples_run_from_the_repository_root(monkeypatch, tmp_path, capsys, name, steps):
+def test_the_shipped_examples_run(monkeypatch, tmp_path, capsys, name, steps):
     """As shipped (only stopped early, logging more often, and written elsewhere): the data they
     name ships too."""
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(ROOT)  # as the README runs them
     code = main(["train", "--config", f"examples/train/{name}", "--out", str(tmp_path / "run"), "--quiet",
                  "--max-steps", str(steps), "--set", "log_interval=6"])
     assert code == 0, capsys.readouterr().err

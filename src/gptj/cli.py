@@ -284,7 +284,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if not under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-        print(f"trained to {shown or 'the last step'}; model, checkpoints and metrics.jsonl in {cfg.out}")
+        early = (f" (stopped at step {args.max_steps} of {cfg.max_steps}: --resume continues)"
+                 if args.max_steps is not None and args.max_steps < cfg.max_steps else "")
+        print(f"trained to {shown or 'the last step'}{early}; model, checkpoints and metrics.jsonl in {cfg.out}")
     return 0
 
 

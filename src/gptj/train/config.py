@@ -11,13 +11,16 @@
     max_steps, eval_interval, eval_batches, checkpoint_interval, keep_checkpoints, log_interval,
     seed, out, distributed (auto | none | ddp | fsdp), cpu_offload (fsdp), tensorboard.
 
-Relative paths in the file are relative to the working directory (the example configs are run
-from the repository root). Every error is one line naming the key: `optimizer.lr: ...`.
+Relative input paths in the file (data files and folders, model.checkpoint) are relative to the
+file's own folder, so a config runs from anywhere; those given with `--set`, and `out` (where the
+run is written), are relative to the working directory. Every error is one line naming the key:
+`optimizer.lr: ...`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,6 +185,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         raw = {}
     if not isinstance(raw, dict):
         raise GptjError(f"{p}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    _resolve_inputs(raw, p.absolute().parent)  # before the overrides: theirs stay as the user typed them
     raw = apply_overrides(raw, overrides or [])
     try:
         cfg = TrainConfig.model_validate(raw)
@@ -189,6 +193,33 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         raise GptjError(f"{p}: {_message(e)}") from None
     _check_paths(cfg, p)
     return cfg
+
+
+def _resolve_inputs(raw: dict[str, Any], folder: Path) -> None:
+    """Make the relative input paths of a config file's raw mapping relative to `folder` (the
+    file's own). Values of the wrong type are left for validation to name."""
+
+    def resolved(value: Any) -> Any:
+        if not isinstance(value, str) or not value:
+            return value
+        value = os.path.expanduser(value)
+        return value if os.path.isabs(value) else os.path.normpath(folder / value)
+
+    model = raw.get("model")
+    if isinstance(model, dict) and "checkpoint" in model:
+        model["checkpoint"] = resolved(model["checkpoint"])
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        return
+    for split in ("train", "eval"):
+        source = data.get(split)
+        if not isinstance(source, dict):
+            continue
+        for key in ("summarization", "prepared"):
+            if key in source:
+                source[key] = resolved(source[key])
+        if isinstance(source.get("text"), list):
+            source["text"] = [resolved(v) for v in source["text"]]
 
 
 def _check_paths(cfg: TrainConfig, source: Path) -> None:

@@ -10,8 +10,9 @@ Data order is a pure function of (seed, epoch): the permutation of epoch e is dr
 generator seeded with seed + e, so the data position is just the step, and `--resume` continues
 with exactly the batches an uninterrupted run would have seen.
 
-Output folder: the final model (a canonical gptj checkpoint: config.json + model.safetensors +
-tokenizer), `metrics.jsonl` (one JSON object per logged step and per evaluation),
+Output folder: the model of the last step trained (a canonical gptj checkpoint: config.json +
+model.safetensors + tokenizer; written at max_steps, and where `stop_after` (`gptj train
+--max-steps`) stops a run early, replaced when --resume goes on), `metrics.jsonl` (one JSON object per logged step and per evaluation),
 `checkpoints/step-NNNNNNN/` (the model, plus `trainer_state.pt`: optimizer state, step and the
 config's fingerprint; written atomically, the last `keep_checkpoints` kept) and `data/` (the
 prepared token files of raw data sources).
@@ -45,7 +46,7 @@ from gptj.train.config import DataSource, TrainConfig
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
-FINAL_FILES_LAST = "config.json"  # written last into the output folder: its presence means "complete"
+FINAL_FILES_LAST = "config.json"  # written last into the output folder: its presence means "a whole model"
 
 
 @dataclass
@@ -361,7 +362,8 @@ def evaluate(model: nn.Module, td, cfg: TrainConfig, ranks: Ranks) -> dict[str, 
 def train(cfg: TrainConfig, stop_after: int | None = None, resume: bool = False, progress: bool = True,
           device: str = "cpu") -> dict[str, Any]:
     """Run (or continue) the training `cfg` describes; returns the last logged metrics. `stop_after`:
-    stop after that step (the schedule still spans cfg.max_steps), as `gptj train --max-steps`."""
+    stop after that step (the schedule still spans cfg.max_steps), as `gptj train --max-steps`; the
+    model of the last step trained is written into cfg.out either way."""
     from tqdm import tqdm
 
     ranks = _setup_ranks(device)
@@ -492,11 +494,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
                 if ranks.main:
                     _save(out, config, model_sd, optim_sd, done, cfg, cfg.keep_checkpoints, mode)
                 ranks.barrier()
-        if last_step == cfg.max_steps:
-            model_sd, _ = _full_state(model, optimizer, mode)
-            if ranks.main:
-                _write_final(out, config, model_sd)
-            ranks.barrier()
+        # The model of the last step trained, into OUT (early stops included: users look there).
+        model_sd, _ = _full_state(model, optimizer, mode)
+        if ranks.main:
+            _write_final(out, config, model_sd)
+        ranks.barrier()
     finally:
         bar.close()
         metrics.close()
