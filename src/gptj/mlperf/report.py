@@ -166,30 +166,60 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def latency_plot(latencies_s: list[float], first_token_s: list[float], title: str) -> bytes:
-    """PNG: the histogram of per-sample latencies with p50/p90/p99 marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def latency_plot(latencies_s: list[float], first_token_s: list[float], title: str,
+                 issued_s: list[float] | None = None) -> bytes:
+    """PNG of latency_figure()."""
     import matplotlib.pyplot as plt
 
-    ms = [x * 1000 for x in latencies_s]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.hist(ms, bins=min(50, max(5, len(ms) // 2)), color="#4878a8", alpha=0.85, label="issue → complete")
-    if first_token_s:
-        ax.hist([x * 1000 for x in first_token_s], bins=min(50, max(5, len(first_token_s) // 2)),
-                color="#e3a33b", alpha=0.6, label="issue → first token")
-    for q, style in ((50, "-"), (90, "--"), (99, ":")):
-        ax.axvline(_percentile(ms, q), color="black", linestyle=style, linewidth=1, label=f"p{q} {_percentile(ms, q):.0f} ms")
-    ax.set_xlabel("latency (ms)")
-    ax.set_ylabel("samples")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = latency_figure(latencies_s, first_token_s, title, issued_s)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def latency_figure(latencies_s: list[float], first_token_s: list[float], title: str,
+                   issued_s: list[float] | None = None):  # noqa: ANN201 - a matplotlib Figure
+    """The latency CDF on a log axis (a long tail does not squash the main mode), p50/p90/p99
+    marked; with `issued_s` (Server, SingleStream), beside it each sample's latency over the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ms = np.sort(np.asarray(latencies_s, dtype=float) * 1000)
+    over_time = issued_s is not None and len(issued_s) == len(latencies_s) and len(ms) > 1
+    fig, axes = plt.subplots(1, 2 if over_time else 1, figsize=(12 if over_time else 7, 4.2), dpi=100,
+                             squeeze=False)
+    ax = axes[0][0]
+    ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", color="#4878a8", label="issue → complete")
+    if first_token_s:
+        ft = np.sort(np.asarray(first_token_s, dtype=float) * 1000)
+        ax.step(ft, np.arange(1, len(ft) + 1) / len(ft), where="post", color="#e3a33b", label="issue → first token")
+    for q, style in ((50, "-"), (90, "--"), (99, ":")):
+        v = _percentile(list(ms), q)
+        ax.axvline(v, color="black", linestyle=style, linewidth=1, label=f"p{q} {v:,.0f} ms")
+    if ms[0] > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel("latency (ms, log scale)")
+    ax.set_ylabel("fraction of samples at or below")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    if over_time:
+        t0 = min(issued_s)
+        ax2 = axes[0][1]
+        ax2.scatter([t - t0 for t in issued_s], np.asarray(latencies_s) * 1000, s=6, color="#4878a8", alpha=0.7)
+        if min(latencies_s) > 0:
+            ax2.set_yscale("log")
+        ax2.set_xlabel("issued at (s since the first sample)")
+        ax2.set_ylabel("latency (ms, log scale)")
+        ax2.grid(True, which="both", alpha=0.3)
+        ax2.set_title("latency over the run")
+    fig.tight_layout()
+    return fig
 
 
 def _settings_dict(cfg: MLPerfConfig) -> dict[str, object]:
@@ -256,7 +286,8 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
     if result.accuracy is not None:
         lines.append("- `accuracy.json`: ROUGE scores and pass/fail; `accuracy.txt`: the reference's result line")
     if cfg.mode == "performance":
-        lines.append("- `latency.png`: per-sample latency distribution")
+        lines.append("- `latency.png`: per-sample latency, as a CDF on a log axis"
+                     + ("; and over the run" if cfg.scenario != "Offline" else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -285,6 +316,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
         # What an MLPerf submission's accuracy.txt holds: the reference evaluation's result line.
         atomic_write_text(d / "accuracy.txt", accuracy_line(result.accuracy) + "\n")
     if cfg.mode == "performance" and st.latencies_s:
-        png = latency_plot(st.latencies_s, st.first_token_s, f"gptj {cfg.scenario}: {st.samples} samples")
+        png = latency_plot(st.latencies_s, st.first_token_s, f"gptj {cfg.scenario}: {len(st.latencies_s)} samples",
+                           st.issued_s if cfg.scenario != "Offline" else None)
         atomic_write_bytes(d / "latency.png", png)
     atomic_write_text(d / "summary.md", summary_markdown(cfg, result, dataset, loadgen, system))

@@ -134,6 +134,7 @@ class SUTStats:
     batches: int = 0
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
     latencies_s: list[float] = field(default_factory=list)  # issue -> complete, per sample
+    issued_s: list[float] = field(default_factory=list)  # each of those samples' issue time (perf_counter)
     first_token_s: list[float] = field(default_factory=list)  # issue -> first token (greedy only)
     new_tokens: int = 0
     answered: collections.Counter = field(default_factory=collections.Counter)  # index -> answers
@@ -260,6 +261,7 @@ class SUT:
             st.samples += 1
             st.new_tokens += len(a)
             st.latencies_s.append(time.perf_counter() - item.issued)
+            st.issued_s.append(item.issued)
             st.answered[item.index] += 1
         if self._on_complete is not None:
             self._on_complete(1)
