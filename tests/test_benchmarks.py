@@ -1,0 +1,264 @@
+"""Every script in benchmarks/ runs at a tiny size with what pip resolves, so none rots.
+
+The scripts are found by listing the folder: each needs an entry in SMOKE (its tiny flags, mostly
+`--smoke --json`) and a check of the JSON it prints. A script runs as a subprocess, as a user runs
+it; it must exit 0 and print figures that are finite and positive where they are measurements,
+and exact where they are counts. Benchmarks measure; these check: no timing is compared.
+
+Most of a run is starting Python, torch and servers, one core's work: the selected jobs start
+when the first of them is asked for, two at a time (one compute thread each), longest first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gptj.config import get_preset
+from gptj.weights.io import random_state_dict, save_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@dataclass(frozen=True)
+class Job:
+    script: str
+    args: Callable[[str, Path], list[str]]  # (the tiny model folder, a scratch folder) -> its arguments
+    check: Callable[[dict, str], None]  # (its stdout's JSON object, its stderr) -> asserts
+    env: Callable[[Path], dict[str, str]] = field(default=lambda tmp: {})
+
+
+def start(job: Job, model: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **job.env(tmp)}  # two jobs at once on two cores
+    return subprocess.run([sys.executable, str(BENCH / job.script), *job.args(model, tmp)], cwd=ROOT,
+                          capture_output=True, text=True, env=env)
+
+
+def outcome(name: str, proc: subprocess.CompletedProcess) -> tuple[dict, str]:
+    """The job's stdout's one JSON object and its stderr, once it exited 0."""
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    try:
+        return json.loads(proc.stdout), proc.stderr
+    except ValueError:
+        raise AssertionError(f"{name} printed no JSON object:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}") from None
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> str:
+    cfg = get_preset("tiny")
+    return str(save_checkpoint(random_state_dict(cfg, seed=0), cfg, tmp_path_factory.mktemp("bench") / "tiny"))
+
+
+# --- what each script prints --------------------------------------------------------------------
+
+
+def check_compare_peers(out: dict, err: str) -> None:
+    res = out["results"]["tiny"]
+    assert positive(out["bandwidth_gb_s"])
+    expected = ["gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4"]
+    for family, module in (("hf", "transformers"), ("ct2", "ctranslate2")):
+        if installed(module):
+            expected += [f"{family}-fp32", f"{family}-bf16" if family == "hf" else f"{family}-int8"]
+        else:
+            assert f"skipping {family}-" in err and f"{module} is not installed" in err
+    assert set(expected) <= set(res["weight_bytes"]), (expected, list(res["weight_bytes"]))
+    for batch in ("1", "2"):
+        for name in expected:  # a figure, or none when noise hides the decode time (said on stderr)
+            tok_s = res["decode"][batch][name]["decode_tok_s"]
+            assert positive(tok_s) or (tok_s is None and f"{name} batch {batch}: " in err)
+            assert positive(res["decode"][batch][name]["total_s"])
+    for name in expected:
+        assert positive(res["offline"][name]["samples_s"]) and res["offline"][name]["new_tokens"] == 8
+    w = res["weight_bytes"]
+    assert w["gptj-fp32"] > w["gptj-bf16"] > w["gptj-int8"] > w["gptj-int4"] > 0
+    # the same weights in float32: the peers' tokens are gptj's (the script's own claim)
+    fp32_pairs = {k: v for k, v in res["identical_tokens"].items() if k.startswith("gptj-fp32 vs ")}
+    assert len(fp32_pairs) == 3 * (installed("transformers") + installed("ctranslate2"))
+    assert all(fp32_pairs.values()), fp32_pairs
+
+
+def check_engine_thread(out: dict, err: str) -> None:
+    assert set(out["layouts"]) == {"main", "same", "cross"}
+    for layout in out["layouts"].values():
+        assert positive(layout["tok_s"]) and positive(layout["over_main"]) and len(layout["runs"]) == 1
+    assert out["layouts"]["main"]["over_main"] == 1
+
+
+def check_generate_vs_hf(out: dict, err: str) -> None:
+    for method in ("greedy", "beam4"):
+        r = out[method]
+        assert positive(r["gptj_tok_s"]) and positive(r["hf_tok_s"]) and positive(r["gptj_over_hf"])
+        assert r["new_tokens"] == 2 * 4  # batch 2, 4 new tokens each (no EOS in greedy; min = max in beam)
+        assert r["identical_tokens"] is True  # float32, the same weights
+
+
+def _leaves(obj: object, path: str = "") -> list[tuple[str, object]]:
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _leaves(v, f"{path}.{k}")]
+    if isinstance(obj, list):
+        return [leaf for i, v in enumerate(obj) for leaf in _leaves(v, f"{path}[{i}]")]
+    return [(path, obj)]
+
+
+def check_load_memory(out: dict, err: str) -> None:
+    # (its layout is load_memory's own: one record, or one per case; each with the weights and the peak RSS)
+    leaves = _leaves(out)
+    numbers = [(k, v) for k, v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    assert numbers and all(math.isfinite(v) for _, v in numbers), numbers
+    records = [d for d in [out, *(v for v in out.values() if isinstance(v, dict))] if "peak_rss_gb" in d]
+    assert records, out
+    for r in records:
+        assert positive(r["weights_gb"]) and positive(r["load_s"])
+        assert r["peak_rss_gb"] > r["weights_gb"]  # the process holds the weights and more
+    assert all(v is True for k, v in leaves if k.endswith("logits_finite")), leaves
+
+
+def check_membw(out: dict, err: str) -> None:
+    for key in ("sum", "mv_fp32", "mv_bf16"):
+        assert positive(out[key]["median_gb_s"]) and out[key]["best_gb_s"] >= out[key]["median_gb_s"]
+
+
+def check_native_gemv(out: dict, err: str) -> None:
+    from gptj import native
+
+    if not native.available():
+        assert "not available" in out["skipped"] and "native_gemv: skipped" in err
+        return
+    assert [(r["N"], r["K"], r["M"]) for r in out["rows"]] == [(256, 128, 1), (256, 128, 2)]
+    for row in out["rows"]:
+        for impl in ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16"):
+            assert positive(row[impl]["ms"]) and positive(row[impl]["gb_s"])
+    assert len(out["interleave"]["pairs"]) == 3
+    assert all(positive(v) for pair in out["interleave"]["pairs"].values() for v in pair.values())
+
+
+def _check_load(result: dict) -> None:
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 2 * 4), result
+    for key in ("output_throughput", "ttft_p50_ms", "e2e_p50_ms", "tpot_p50_ms"):
+        assert positive(result[key]), (key, result[key])
+
+
+def check_serve_load(out: dict, err: str) -> None:
+    (result,) = out["results"]
+    assert result["rate"] == "inf" and out["prompt_tokens"] == {"min": 8, "mean": 8.0, "max": 8}
+    _check_load(result)
+    base = out["engine_baseline"]
+    assert base["output_tokens"] == 2 * 4 and positive(base["output_tok_s"]) and positive(base["server_over_engine"])
+
+
+def check_ray_serve(out: dict, err: str) -> None:
+    servers = [s["server"] for s in out["servers"]]
+    assert servers[0] == "gptj serve (1 process)"
+    if installed("ray"):
+        assert len(servers) == 3 and servers[2] == "Ray Serve route /tiny/v1", servers
+    else:
+        assert len(servers) == 1 and "ray is not installed" in err
+    for s in out["servers"]:
+        (result,) = s["results"]
+        _check_load(result)
+
+
+def check_train_step(out: dict, err: str) -> None:
+    # random weights: the first loss is about ln(vocab), the same for both models (the script checks that)
+    assert abs(out["initial_loss"] - math.log(50400)) < 1.0, out["initial_loss"]
+    for key in ("gptj_ms_step", "hf_ms_step", "gptj_tok_s", "hf_tok_s", "gptj_over_hf"):
+        assert positive(out[key]), (key, out[key])
+
+
+def check_compare_peers_without_peers(out: dict, err: str) -> None:
+    """A peer that cannot be imported is one line on stderr; gptj is still measured."""
+    notes = [line for line in err.splitlines() if line.startswith("# skipping")]
+    assert len(notes) == 2 and "transformers is not installed" in notes[0] and "ctranslate2 is not installed" in notes[1]
+    assert "Traceback" not in err
+    res = out["results"]["tiny"]
+    assert list(res["weight_bytes"]) == ["gptj-fp32"] and res["identical_tokens"] == {}
+    assert positive(res["decode"]["1"]["gptj-fp32"]["total_s"])
+
+
+def without_peers(tmp: Path) -> dict[str, str]:
+    """PYTHONPATH with modules named transformers and ctranslate2 that fail to import, as if not installed."""
+    shim = tmp / "shim"
+    shim.mkdir()
+    for module in ("transformers", "ctranslate2"):
+        (shim / f"{module}.py").write_text(f"raise ImportError(\"No module named '{module}'\")\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
+
+
+# one job per script in benchmarks/: its tiny size
+SMOKE: dict[str, Job] = {
+    "compare_peers.py": Job("compare_peers.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1",
+                                                                "--work-dir", str(tmp)], check_compare_peers),
+    "engine_thread.py": Job("engine_thread.py", lambda m, tmp: ["--model", m, "--dtype", "float32", "--smoke",
+                                                                "--json"], check_engine_thread),
+    "generate_vs_hf.py": Job("generate_vs_hf.py", lambda m, tmp: ["--smoke", "--json"], check_generate_vs_hf),
+    "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
+    "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
+    "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
+    "ray_serve.py": Job("ray_serve.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
+                                                        "--smoke", "--json"], check_ray_serve),
+    "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
+                                                          "--smoke", "--compare-engine", "--json"], check_serve_load),
+    "train_step.py": Job("train_step.py", lambda m, tmp: ["--smoke", "--json"], check_train_step),
+}
+# more runs of a script, for a path its smoke run does not take
+MORE: dict[str, Job] = {
+    "compare_peers.py without peers": Job(
+        "compare_peers.py", lambda m, tmp: ["--smoke", "--json", "--modes", "decode", "--batch-sizes", "1",
+                                            "--variants", "gptj-fp32,hf-fp32,ct2-int8", "--bandwidth", "1",
+                                            "--work-dir", str(tmp / "work")],
+        check_compare_peers_without_peers, env=without_peers),
+}
+JOBS = {**SMOKE, **MORE}
+LONGEST_FIRST = ("ray_serve.py", "engine_thread.py", "compare_peers.py", "train_step.py", "generate_vs_hf.py",
+                 "serve_load.py", "load_memory.py")  # roughly, as measured; the rest after them
+
+
+@pytest.fixture(scope="session")
+def runs(request, tiny, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The selected jobs, started two at a time (longest first) on the first test that needs one."""
+    selected = {item.callspec.params["job"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_benchmark"
+                and getattr(getattr(item, "module", None), "__name__", None) == __name__}
+    order = sorted((name for name in selected if name in JOBS),
+                   key=lambda n: LONGEST_FIRST.index(n) if n in LONGEST_FIRST else len(LONGEST_FIRST))
+    workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(start, JOBS[name], tiny, tmp_path_factory.mktemp("job")) for name in order}
+        yield futures
+
+
+def test_every_script_has_a_smoke_entry():
+    assert SCRIPTS, f"no scripts found in {BENCH}"
+    missing = sorted(set(SCRIPTS) - set(SMOKE))
+    assert not missing, f"benchmarks/{missing[0]} has no entry in tests/test_benchmarks.py's SMOKE: add its tiny flags"
+    assert not set(SMOKE) - set(SCRIPTS), f"SMOKE names scripts that are gone: {sorted(set(SMOKE) - set(SCRIPTS))}"
+    assert all(job.script in SCRIPTS for job in MORE.values())
+
+
+@pytest.mark.parametrize("job", SCRIPTS + list(MORE))
+def test_benchmark(job, runs):
+    """benchmarks/SCRIPT at its tiny size: exits 0 and prints figures that hold up."""
+    if job not in JOBS:
+        pytest.fail(f"benchmarks/{job} has no entry in SMOKE (see test_every_script_has_a_smoke_entry)")
+    out, err = outcome(job, runs[job].result())
+    JOBS[job].check(out, err)
