@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import platform
 import re
@@ -178,6 +179,24 @@ def latency_plot(latencies_s: list[float], first_token_s: list[float], title: st
     return buf.getvalue()
 
 
+def _plain_log_ticks(axis, low: float, high: float) -> None:  # noqa: ANN001 - a matplotlib Axis
+    """Log-axis ticks as plain numbers (50, 100, 2,000), not 5x10^1; the 2s and 5s between powers of
+    ten are labelled too when the data spans less than two decades."""
+    from matplotlib.ticker import FuncFormatter
+
+    def plain(v: float, _pos: object = None) -> str:
+        return f"{v:,.0f}" if v >= 1 else f"{v:g}"
+
+    few_decades = high / max(low, 1e-12) < 100
+
+    def minor(v: float, _pos: object = None) -> str:
+        lead = round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+        return plain(v) if few_decades and lead in (2, 5) else ""
+
+    axis.set_major_formatter(FuncFormatter(plain))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
 def latency_figure(latencies_s: list[float], first_token_s: list[float], title: str,
                    issued_s: list[float] | None = None):  # noqa: ANN201 - a matplotlib Figure
     """The latency CDF on a log axis (a long tail does not squash the main mode), p50/p90/p99
@@ -202,6 +221,7 @@ def latency_figure(latencies_s: list[float], first_token_s: list[float], title: 
         ax.axvline(v, color="black", linestyle=style, linewidth=1, label=f"p{q} {v:,.0f} ms")
     if ms[0] > 0:
         ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis, ms[0], ms[-1])
     ax.set_xlabel("latency (ms, log scale)")
     ax.set_ylabel("fraction of samples at or below")
     ax.set_ylim(0, 1.02)
@@ -214,6 +234,7 @@ def latency_figure(latencies_s: list[float], first_token_s: list[float], title: 
         ax2.scatter([t - t0 for t in issued_s], np.asarray(latencies_s) * 1000, s=6, color="#4878a8", alpha=0.7)
         if min(latencies_s) > 0:
             ax2.set_yscale("log")
+            _plain_log_ticks(ax2.yaxis, ms[0], ms[-1])
         ax2.set_xlabel("issued at (s since the first sample)")
         ax2.set_ylabel("latency (ms, log scale)")
         ax2.grid(True, which="both", alpha=0.3)
