@@ -118,7 +118,9 @@ def test_concatenated_quantized_linears_equal_each_part(cls, kwargs):
     assert isinstance(fused, cls) and fused.out_features == 80
     for rows in (1, 3, 600):  # kernel and dequantized paths
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
+        want = torch.cat([p(x) for p in parts], dim=-1)
+        # the same sums of 64 terms, maybe by another kernel: <= 64 u of the terms' size each side
+        torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
 def test_fusing_refuses_mixed_linears():

@@ -44,7 +44,9 @@ def test_kv_cache_matches_full_forward():
         for t in range(5, 12):  # token by token, as decoding does
             parts.append(ours(ids[:, t:t + 1], cache=cache))
     assert cache.length == 12
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    # Float32 summed in another order: each side within ~20 chained sums of <= 256 terms, each
+    # <= sqrt(n) u of its terms' size w.h.p. (Higham & Mary 2019): 2e-5 of the logits' scale; 1e-4 for both.
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-4 * float(full.abs().max()))
 
 
 def test_left_padded_batch_matches_each_prompt_alone_and_hf():

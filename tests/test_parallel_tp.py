@@ -98,7 +98,9 @@ def tp2(tmp_path_factory):
 def test_tp2_logits_equal_tp1(tp2):
     with torch.inference_mode():
         want = full_model()(torch.tensor([PROMPTS[0]]))
-    torch.testing.assert_close(tp2["logits"], want, rtol=1e-5, atol=1e-5)
+    # Float32 summed in another order (each rank's half of a sum, then all-reduced): each side within ~20 chained sums of <= 256 terms, each
+    # <= sqrt(n) u of its terms' size w.h.p. (Higham & Mary 2019): 2e-5 of the logits' scale; 1e-4 for both.
+    torch.testing.assert_close(tp2["logits"], want, rtol=0, atol=1e-4 * float(want.abs().max()))
     assert tp2["heads"] == CFG.n_head // 2
 
 
