@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--membw-gb", type=float, default=1.0, help="buffer for measuring the bandwidth (default 1 GB)")
     ap.add_argument("--work-dir", default=os.environ.get("GPTJ_BENCH_DIR", "/tmp/gptj-peers"))
     ap.add_argument("--json-out", help="also write all figures (without tokens) to this file")
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat, 4 offline samples")
     ap.add_argument("--smoke", action="store_true",
                     help="a check that the script runs, not a measurement: " + " ".join(

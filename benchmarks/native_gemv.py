@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--burst-ms", type=float, default=2.0, help="approximate length of one timed burst")
     ap.add_argument("--no-interleave", action="store_true", help="skip the OpenMP interleave check")
     ap.add_argument("--interleave-calls", type=int, default=400, help="timed calls per kernel in the interleave check")
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--smoke", action="store_true",
                     help="a check that the script runs, not a measurement: " + " ".join(
                         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"

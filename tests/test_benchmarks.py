@@ -188,7 +188,8 @@ def check_train_step(out: dict, err: str) -> None:
 def check_compare_peers_without_peers(out: dict, err: str) -> None:
     """A peer that cannot be imported is one line on stderr; gptj is still measured."""
     notes = [line for line in err.splitlines() if line.startswith("# skipping")]
-    assert len(notes) == 2 and "transformers is not installed" in notes[0] and "ctranslate2 is not installed" in notes[1]
+    assert len(notes) == 2, err
+    assert "transformers is not installed" in notes[0] and "ctranslate2 is not installed" in notes[1]
     assert "Traceback" not in err
     res = out["results"]["tiny"]
     assert list(res["weight_bytes"]) == ["gptj-fp32"] and res["identical_tokens"] == {}
