@@ -119,7 +119,8 @@ def test_convert_mtj_slim_then_hf_loads_it(tmp_path, capsys):
     theirs = transformers.GPTJForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.tensor([[15496, 995, 11, 262]])
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+        want = theirs(ids).logits  # float32 in another summation order: 1e-4 of the largest logit (test_model)
+        torch.testing.assert_close(ours(ids), want, rtol=0, atol=1e-4 * float(want.abs().max()))
     # the writer folded an embedding bias out of wte and split biases over shards: all restored exactly
     assert torch.equal(ours.transformer.wte.weight, sd["transformer.wte.weight"])
     assert torch.equal(ours.transformer.h[2].mlp.fc_out.bias, sd["transformer.h.2.mlp.fc_out.bias"])

@@ -75,19 +75,21 @@ def test_every_hf_layout_loads_with_hf_logits(tmp_path, hf_model, layout):
     else:
         write_sharded(tmp_path, sd, 3, layout.split("-")[1])
     model = load_model(tmp_path)
-    torch.testing.assert_close(logits(model, IDS), logits(hf_model, IDS), rtol=1e-5, atol=1e-5)
+    want = logits(hf_model, IDS)  # float32 in another summation order: 1e-4 of the largest logit (test_model)
+    torch.testing.assert_close(logits(model, IDS), want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
 def test_hf_saved_directory_loads(tmp_path, hf_model):
     hf_model.save_pretrained(tmp_path)
-    torch.testing.assert_close(logits(load_model(tmp_path), IDS), logits(hf_model, IDS), rtol=1e-5, atol=1e-5)
+    want = logits(hf_model, IDS)
+    torch.testing.assert_close(logits(load_model(tmp_path), IDS), want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
 def test_hf_loads_what_gptj_writes(tmp_path, hf_model):
     out = save_checkpoint(hf_state_dict(hf_model), CFG, tmp_path / "ckpt", max_shard_bytes=4 * 1024**2)
     assert (out / "model.safetensors.index.json").exists()  # small shards: the sharded form is written
     reloaded = transformers.GPTJForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(logits(reloaded, IDS), logits(hf_model, IDS), rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits(reloaded, IDS), logits(hf_model, IDS))  # the same weights through the same code
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.encode("Hello world") == [15496, 995]
 
