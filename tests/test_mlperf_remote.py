@@ -7,11 +7,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gptj.cli import main
 from gptj.decode import GenerationConfig
 from gptj.errors import GptjError
 from gptj.mlperf.remote import HTTPBackend, parse_server_url, request_body
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """`gptj mlperf` sets torch's thread count for the process; later tests get theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
 
 
 # --- a fake server ---------------------------------------------------------------------------

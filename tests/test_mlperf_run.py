@@ -15,6 +15,15 @@ from gptj.mlperf.run import MLPerfConfig, planned_queries
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """`gptj mlperf` sets torch's thread count for the process; later tests get theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # std 0.3 (not HF's 0.02) keeps the random model's logits far apart, so float rounding
@@ -142,6 +151,26 @@ def test_flags_a_scenario_has_no_use_for_are_named(model_dir, tmp_path, capsys):
     assert "--target-qps: an accuracy run issues every sample once" in err
     assert "timing" not in err  # accuracy runs need no expected latency
     assert "--target-qps does not apply" in (log_dir / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_compute_threads_are_chosen_honoured_and_recorded(model_dir, tmp_path, capsys, threads):
+    import os
+
+    log_dir = tmp_path / "t"
+    args = ["--scenario", "Offline", "--mode", "accuracy", "--num-beams", "1", "--min-new-tokens", "0",
+            "--max-new-tokens", "2", "--max-examples", "2"] + (["--threads", str(threads)] if threads else [])
+    assert mlperf(model_dir, log_dir, *args) == 0
+    recorded = json.loads((log_dir / "run.json").read_text())["threads"]
+    cores = len(os.sched_getaffinity(0))
+    if threads is None:  # the usable cores less the one kept for LoadGen and the SUT
+        assert recorded["compute"] == max(1, cores - mlperf_run.THREAD_RESERVE) and recorded["requested"] is None
+        assert recorded["why"].startswith("default")
+    else:
+        assert recorded["compute"] == recorded["requested"] == threads and recorded["why"] == "requested (--threads)"
+    assert recorded["engine_thread"] == recorded["compute"]  # set where the engine's steps run
+    summary = (log_dir / "summary.md").read_text()
+    assert f"- compute threads: {recorded['compute']} ({recorded['why']})" in summary
 
 
 def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):

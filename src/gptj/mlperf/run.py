@@ -106,6 +106,7 @@ class Threads:
     usable_cores: int
     reserve: int  # cores kept for LoadGen and the SUT (0 when --threads decides)
     why: str
+    engine_thread: int | None = None  # torch.get_num_threads() on the engine's thread (None: remote)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -358,6 +359,9 @@ def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: i
     return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads))
 
 
+_ENGINE_THREAD_TORCH_THREADS = [None]  # what torch.get_num_threads() said on the engine's thread (run.json)
+
+
 def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202 - Engine
     import torch
 
@@ -369,6 +373,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     # On the engine's own thread too: torch keeps OpenMP's thread count per thread (a thread takes
     # the process-wide value only when it first computes), so set it where the steps run.
     torch.set_num_threads(threads)
+    _ENGINE_THREAD_TORCH_THREADS[0] = torch.get_num_threads()
     model = lockstep.load_model(model_dir, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
                                 group_size=cfg.group_size)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
@@ -496,6 +501,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
     if remote is not None:
         remote_info = {"url": remote.url, "model": remote.model, "max_model_len": remote.max_model_len,
                        "concurrency": remote.concurrency, "retries": remote.retries}
+    if remote is None:
+        threads = dataclasses.replace(threads, engine_thread=_ENGINE_THREAD_TORCH_THREADS[0])
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
                        remote_info, threads, settings={"asked": asked,
                                                        "loadgen": report.loadgen_effective(log_dir) if finished else {}})
