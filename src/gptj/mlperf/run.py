@@ -202,7 +202,8 @@ def needs_calibration(cfg: MLPerfConfig) -> bool:
 CALIBRATION_SAMPLES = 2  # timed, after one untimed warm-up sample
 
 
-def calibrate_latency(backend, dataset, gen: GenerationConfig, samples: int = CALIBRATION_SAMPLES) -> float:  # noqa: ANN001
+def calibrate_latency(backend, dataset, gen: GenerationConfig,  # noqa: ANN001 - a Backend, a Dataset
+                      samples: int = CALIBRATION_SAMPLES) -> float:
     """Seconds per sample run alone, as SingleStream runs them: the mean over `samples` samples
     spread over the set, after one warm-up (the first steps of a fresh engine are slower)."""
     n = len(dataset)
@@ -503,9 +504,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
                        "concurrency": remote.concurrency, "retries": remote.retries}
     if remote is None:
         threads = dataclasses.replace(threads, engine_thread=_ENGINE_THREAD_TORCH_THREADS[0])
+    used = report.loadgen_effective(log_dir) if finished else {}
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
-                       remote_info, threads, settings={"asked": asked,
-                                                       "loadgen": report.loadgen_effective(log_dir) if finished else {}})
+                       remote_info, threads, settings={"asked": asked, "loadgen": used})
     if interrupted:
         result.interrupted = _interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)
