@@ -548,9 +548,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "off: the plain model")
 
 
+_GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the largest that divides every "
+                    "quantized layer's inputs)")
+
+
 def _add_quantize_flags(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--quantize", choices=("int8", "int4"), help=help_text)
-    p.add_argument("--group-size", type=_positive, help="int4 group size: 32, 64, 128 (default) or 256")
+    p.add_argument("--group-size", type=_positive, help=_GROUP_SIZE_HELP)
 
 
 def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 - a parser or a group
@@ -586,8 +590,7 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
 
 def _add_threads_flag(p) -> None:  # noqa: ANN001 - a parser or a group
     p.add_argument("--threads", type=_positive, default=None,
-                   help="torch compute threads (default: the usable cores; gptj mlperf and serve leave cores to "
-                        "LoadGen / the event loop, see docs/PERFORMANCE.md)")
+                   help="torch compute threads (default: the usable cores)")
 
 
 # Commands that choose their own thread count (they keep cores for threads beside the compute).
@@ -606,7 +609,7 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
 def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     p.add_argument("--replicas", type=_positive, help="replicas of each model (default 1)")
     p.add_argument("--cpus-per-replica", type=_positive_float, help="Ray CPUs per replica, and its torch threads "
-                                                                    "(default 1)")
+                                                                    "unless --threads (default 1)")
     p.add_argument("--gpus-per-replica", type=_nonnegative_float, help="Ray GPUs per replica (default 0)")
 
 
@@ -728,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick).")
     p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
     p.add_argument("--modes", type=_modes, default=["int8", "int4"], help="comma-separated (default: int8,int4)")
-    p.add_argument("--group-size", type=_positive, help="int4 group size: 32, 64, 128 (default) or 256")
+    p.add_argument("--group-size", type=_positive, help=_GROUP_SIZE_HELP)
     p.add_argument("--prompts", type=_positive, default=8, help="how many prompts of the sample set (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
