@@ -209,3 +209,21 @@ def test_bad_inputs_fail_in_one_line(model_dir, tmp_path, capsys, setup, message
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_silences_the_model_load_bars(model_dir, tmp_path, capsys, monkeypatch, quiet):
+    """Loading and preparing a big model draws bars on a terminal; --quiet draws none (this tiny
+    model counts as big here, and stderr as a terminal)."""
+    import sys
+
+    import gptj.weights.io as weights_io
+
+    monkeypatch.setattr(weights_io, "PROGRESS_MIN_PARAMS", 0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    args = ["mlperf", "--model", str(model_dir), "--log-dir", str(tmp_path / "run"), "--max-examples", "1",
+            "--num-beams", "1", "--max-new-tokens", "2", "--min-new-tokens", "0", "--dtype", "bfloat16",
+            "--compile", "off"] + (["--quiet"] if quiet else [])
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert ("preparing kernels" in err) is not quiet and ("tensor/s" in err or "tensor]" in err) is not quiet, err

@@ -70,6 +70,7 @@ class EngineConfig:
     prefill_chunk: int | None = None  # prompt tokens prefilled per step, in chunks; None: whole prompts
     kernels: str = "auto"  # "auto": fused blocks + oneDNN-packed bfloat16 weights (not float32); "off"
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
+    progress: bool | None = None  # a bar while the kernels prepare; None: for a big model on a terminal
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "slot_len", "max_new_tokens", "n_prompts", "max_batch_size", "prefill_chunk"):
@@ -140,7 +141,8 @@ class Engine:
         self.pool = KVPool(model.config, config.n_prompts or n_slots, slot_len, n_slots, tail_len, kv_dtype, w.device,
                            n_head=model.kv_heads)
         self.max_batch_size = config.max_batch_size or n_slots
-        self.kernels = prepare_for_serving(model, config.kernels, max_rows=min(self.max_batch_size, n_slots))
+        self.kernels = prepare_for_serving(model, config.kernels, max_rows=min(self.max_batch_size, n_slots),
+                                           progress=config.progress)
         self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto")
         self.device = w.device
         self.waiting: deque[Request] = deque()

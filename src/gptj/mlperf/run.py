@@ -375,8 +375,9 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     # the process-wide value only when it first computes), so set it where the steps run.
     torch.set_num_threads(threads)
     _ENGINE_THREAD_TORCH_THREADS[0] = torch.get_num_threads()
+    bars = None if cfg.progress else False  # --quiet: none; else gptj.weights.io.auto_progress decides
     model = lockstep.load_model(model_dir, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
-                                group_size=cfg.group_size)
+                                group_size=cfg.group_size, progress=bars)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
                         f"the model's {model.config.n_positions} positions")
@@ -396,7 +397,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
                         "use a smaller --dtype or fewer beams")
     engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
                                  n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K,
-                                 compile=cfg.compile, kernels=cfg.kernels)
+                                 compile=cfg.compile, kernels=cfg.kernels, progress=bars)
     return Engine(model, engine_config)
 
 

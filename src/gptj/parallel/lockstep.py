@@ -82,7 +82,7 @@ def split_model(model: Any, rank: int, sharded: bool = False) -> Any:  # GPTJFor
 
 
 def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
-               group_size: int | None = None):  # noqa: ANN201 - GPTJForCausalLM
+               group_size: int | None = None, progress: bool | None = None):  # noqa: ANN201 - GPTJForCausalLM
     """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
     files when present), under --pp its stage (both: its stage's shard), quantized after
     splitting if asked.
@@ -97,7 +97,8 @@ def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None 
     from gptj.weights.io import load_model as load_whole
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size)
+        return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size,
+                          progress=progress)
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, pp = _state["tp"], _state["pp"]
     _check_grid(tp, pp, world)  # (configure() was called with this plan)
