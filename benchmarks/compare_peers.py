@@ -60,6 +60,8 @@ from gptj.errors import GptjError
 from gptj.model import build_model, count_parameters
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 MODELS = {
     "0.2b": GPTJConfig(n_embd=1024, n_layer=8, n_head=16, rotary_dim=64),
     "wide": GPTJConfig(n_embd=4096, n_layer=2, n_head=16, rotary_dim=64),
@@ -396,12 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json-out", help="also write all figures (without tokens) to this file")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat, 4 offline samples")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a check that the script runs, not a measurement: " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
-    if ap.parse_known_args(argv)[0].smoke:
-        ap.set_defaults(**SMOKE)
-    args = ap.parse_args(argv)
+    args = _smoke.parse_args(ap, SMOKE, argv)
     for name, full, quick in (("new_tokens", 64, 32), ("repeats", 3, 1), ("offline_samples", 8, 4)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)

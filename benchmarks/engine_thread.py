@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 
 def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, batch: int) -> float:
     from gptj.decode import GenerationConfig
@@ -76,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one layout, print JSON
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the lines go to stderr)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a check that the script runs, not a measurement: " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
-    if ap.parse_known_args(argv)[0].smoke:
-        ap.set_defaults(**SMOKE)
-    args = ap.parse_args(argv)
+    args = _smoke.parse_args(ap, SMOKE, argv)
     log = sys.stderr if args.json else sys.stdout
     if args.one:
         print(json.dumps(job(args.model, args.dtype, args.one, args.prompts, args.new_tokens, args.batch)))

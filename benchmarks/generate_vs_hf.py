@@ -27,6 +27,8 @@ from gptj.decode import GenerationConfig, generate
 from gptj.runtime import parse_dtype
 from gptj.weights.io import model_from_state_dict, random_state_dict
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 
 def hf_generate(model, prompts, gen: GenerationConfig):
     width = max(map(len, prompts))
@@ -52,12 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the lines go to stderr)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a check that the script runs, not a measurement: " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
-    if ap.parse_known_args(argv)[0].smoke:
-        ap.set_defaults(**SMOKE)
-    args = ap.parse_args(argv)
+    args = _smoke.parse_args(ap, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
     cfg, dtype = get_preset(args.preset), parse_dtype(args.dtype)

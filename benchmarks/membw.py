@@ -23,6 +23,8 @@ import time
 
 import torch
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 
 def _measure(fn, nbytes: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
     fn()  # warm-up: page in, pick kernels
@@ -69,12 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a check that the script runs, not a measurement: " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
-    if ap.parse_known_args(argv)[0].smoke:
-        ap.set_defaults(**SMOKE)
-    args = ap.parse_args(argv)
+    args = _smoke.parse_args(ap, SMOKE, argv)
     r = measure(args.gb, args.threads, args.repeats)
     if args.json:
         print(json.dumps(r))

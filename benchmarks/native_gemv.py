@@ -42,6 +42,8 @@ import torch.nn.functional as F
 
 from gptj import native
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 SHAPES = ("7168x1024", "1024x1024", "1024x4096", "50400x1024", "16384x4096", "28672x4096")
 IMPLS = ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16")
 
@@ -200,13 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-interleave", action="store_true", help="skip the OpenMP interleave check")
     ap.add_argument("--interleave-calls", type=int, default=400, help="timed calls per kernel in the interleave check")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a check that the script runs, not a measurement: " + " ".join(
-                        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                        for k, v in SMOKE.items()) + " (flags given still win)")
-    if ap.parse_known_args(argv)[0].smoke:
-        ap.set_defaults(**SMOKE)
-    args = ap.parse_args(argv)
+    args = _smoke.parse_args(ap, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
     torch.set_num_threads(args.threads)

@@ -49,6 +49,8 @@ import urllib.parse
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 # --- raw HTTP/1.1 -----------------------------------------------------------------------------
 
 
@@ -543,9 +545,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: afterwards run the same prompts on the engine in-process (no HTTP) and "
                         "report the server's all-at-once throughput as a ratio of it")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--smoke", action="store_true",
-                   help="a check that the script runs, not a measurement: --rates inf --num-prompts 2 --max-tokens 4 "
-                        "--ignore-eos --dataset random --input-len 8 (flags given still win)")
     return p
 
 
@@ -554,9 +553,7 @@ SMOKE = dict(rates=[float("inf")], num_prompts=2, max_tokens=4, ignore_eos=True,
 
 def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """p's arguments, with --smoke's sizes as the defaults when it is given."""
-    if p.parse_known_args(argv)[0].smoke:
-        p.set_defaults(**SMOKE)
-    return p.parse_args(argv)
+    return _smoke.parse_args(p, SMOKE, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

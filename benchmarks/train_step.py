@@ -21,6 +21,8 @@ import time
 
 import torch
 
+import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
+
 
 SMOKE = dict(preset="tiny", batch_size=2, seq_len=16, steps=1, rounds=1)
 
@@ -34,12 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object (the lines go to stderr)")
-    p.add_argument("--smoke", action="store_true",
-                   help="a check that the script runs, not a measurement: " + " ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()) + " (flags given still win)")
-    if p.parse_known_args(argv)[0].smoke:
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
+    args = _smoke.parse_args(p, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
     import transformers

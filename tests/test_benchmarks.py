@@ -29,7 +29,7 @@ from gptj.weights.io import random_state_dict, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))  # _smoke.py: their helper
 
 
 def installed(module: str) -> bool:
