@@ -1,7 +1,8 @@
 """Ctrl-C during `gptj mlperf`: one line, exit 130, and a results folder that reads.
 
 Each case runs the real CLI in a subprocess and sends it SIGINT once LoadGen's test is under way
-(its detail log has begun). The runs are set up to last far longer than the test: a 10-minute
+(its detail log has begun), to its whole process group, as a terminal's Ctrl-C does (with --tp, the
+ranks get it too). The runs are set up to last far longer than the test: a 10-minute
 minimum duration, so only the interrupt can end them early.
 """
 
@@ -31,13 +32,13 @@ def interrupt_run(model_dir, log_dir, *extra):
     cmd = [sys.executable, "-m", "gptj.cli", "mlperf", "--model", str(model_dir), "--log-dir", str(log_dir),
            "--quiet", "--num-beams", "1", "--min-new-tokens", "0", "--max-new-tokens", "8",
            "--min-duration-ms", "600000", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     detail = log_dir / "mlperf_log_detail.txt"
     while proc.poll() is None and not (detail.is_file() and detail.stat().st_size > 0):
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()
     time.sleep(0.5)  # samples in flight
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     try:
         out, err = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
@@ -51,6 +52,7 @@ def interrupt_run(model_dir, log_dir, *extra):
     ("Offline", ["--target-qps", "100"]),  # one query of 66,000 samples
     ("Server", ["--target-qps", "5"]),  # a Poisson schedule 10 minutes long
     ("SingleStream", ["--target-latency-ms", "1"]),  # 1.2 million queries expected
+    ("Server", ["--target-qps", "5", "--tp", "2"]),  # rank 0 leads LoadGen's run, rank 1 follows it
 ])
 def test_ctrl_c_stops_cleanly_with_readable_logs(model_dir, tmp_path, scenario, extra):
     log_dir = tmp_path / scenario

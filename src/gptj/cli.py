@@ -9,6 +9,7 @@ import argparse
 import copy
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -464,25 +465,26 @@ def cmd_mlperf(args: argparse.Namespace) -> int:
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
         server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
-    if args.tp > 1 or args.pp > 1 or under_torchrun():
+    parallel = args.tp > 1 or args.pp > 1 or under_torchrun()
+    if parallel:
         if args.server:
             raise GptjError("--tp / --pp split the model in this process; with --server, the server decides")
         _check_parallel(args.tp, args.pp, args.model)
-        run_parallel(_mlperf_job, args.tp * args.pp, {"cfg": cfg, "tp": args.tp, "pp": args.pp,
-                                                      "threads": args.threads, "debug": args.debug},
-                     device=args.device)
-        return 0
     try:
-        _mlperf_report(run(cfg))
+        if parallel:
+            ran = run_parallel(_mlperf_job, args.tp * args.pp, {"cfg": cfg, "tp": args.tp, "pp": args.pp,
+                                                                "threads": args.threads, "debug": args.debug},
+                               device=args.device)
+            if isinstance(ran, dict) and "interrupted" in ran:
+                raise KeyboardInterrupt(ran["interrupted"])
+        else:
+            _mlperf_report(run(cfg))
     except KeyboardInterrupt as e:
         # One line, exit 130 (as `gptj train`), and leave at once: an interpreter shutting down under
         # threads still in C++ (LoadGen's test when its schedule had time left, the engine loading or
         # stepping) crashes ("terminate called", SIGSEGV). What must be on disk is: our files are
         # written atomically and LoadGen's logs flushed before run() raised.
-        from gptj.mlperf.run import Interrupted
-
-        print("gptj mlperf: interrupted" + (f"; {e}" if isinstance(e, Interrupted) else ""), file=sys.stderr,
-              flush=True)
+        print("gptj mlperf: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(130)
     return 0
@@ -510,9 +512,16 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
 
     if rank > 0:
         return lockstep.follower_job(rank, world, payload)
+
+    def interrupt(signum, frame) -> None:  # noqa: ANN001 - the parent forwards Ctrl-C as SIGTERM
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     lockstep.configure(payload["tp"], payload["pp"])
     try:
         _mlperf_report(run(payload["cfg"]))
+    except KeyboardInterrupt as e:  # run() stopped LoadGen's test cleanly; the parent says so
+        return {"interrupted": str(e)}
     finally:
         lockstep.finish()
     return None

@@ -55,6 +55,10 @@ def _use_rank_device(device: str) -> None:
 
 
 def _spawned(rank: int, job: Job, world: int, payload: Any, folder: str, device: str) -> None:
+    # Ctrl-C on a terminal reaches every process of the group; the parent hands it to rank 0 alone
+    # (as SIGTERM: _signals_to_rank0), which stops the others in step. A rank that took it itself
+    # would die mid-collective and leave its peers waiting.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["LOCAL_RANK"] = str(rank)
     # tqdm's default lock is a multiprocessing semaphore; a rank leaves with os._exit (below), which
     # skips its clean-up, and the parent's resource tracker then warns of a leaked semaphore.
