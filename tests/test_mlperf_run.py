@@ -227,3 +227,18 @@ def test_quiet_silences_the_model_load_bars(model_dir, tmp_path, capsys, monkeyp
     assert main(args) == 0
     err = capsys.readouterr().err
     assert ("preparing kernels" in err) is not quiet and ("tensor/s" in err or "tensor]" in err) is not quiet, err
+
+
+def test_truncated_prompts_are_counted_in_the_summary_and_run_json(model_dir, tmp_path, capsys):
+    """Inputs over 1919 tokens are cut as the reference cuts them; the run says how many were."""
+    long = " ".join(["word"] * 2500)  # a token each, and the template's own: over 1919
+    (tmp_path / "eval.json").write_text(json.dumps([
+        {"instruction": "Summarize the following news article:", "input": long, "output": "a summary"},
+        {"instruction": "Summarize the following news article:", "input": "A short article.", "output": "short"}]))
+    log_dir = tmp_path / "run"
+    assert mlperf(model_dir, log_dir, "--dataset", str(tmp_path / "eval.json"), "--num-beams", "1",
+                  "--min-new-tokens", "0", "--max-new-tokens", "2") == 0
+    run = json.loads((log_dir / "run.json").read_text())
+    assert run["dataset"] == {"path": str(tmp_path / "eval.json"), "samples": 2, "max_input_tokens": 1919,
+                              "truncated_prompts": 1}
+    assert "1 prompts longer than 1919 tokens, truncated" in (log_dir / "summary.md").read_text()

@@ -261,7 +261,8 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                      f"requests in flight, {remote['retries']} retried after HTTP 429)")
     else:
         lines.append(f"- model: `{cfg.model}` ({cfg.dtype} on {cfg.device})")
-    lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples)",
+    lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples; {dataset.num_truncated} prompts longer than "
+              f"{dataset.max_input_tokens} tokens, truncated to it as the reference does)",
               f"- command: `{' '.join(cfg.argv)}`",
               f"- {'LoadGen client' if remote is not None else 'system'}: {system['cpu']}, {system['cpu_count']} "
               f"CPUs, GPU {system['gpu'] or 'none'}, torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}"]
@@ -323,6 +324,8 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
         "threads": result.threads.to_json() if result.threads is not None else None,
         "interrupted": result.interrupted,
         "run_length": result.settings,
+        "dataset": {"path": str(dataset.path) if dataset.path is not None else None, "samples": len(dataset),
+                    "max_input_tokens": dataset.max_input_tokens, "truncated_prompts": dataset.num_truncated},
         "loadgen": {k: v for k, v in loadgen.items() if k in ("result_line", "metric", "Scenario", "Mode")},
         "sut": {"samples": st.samples, "batches": st.batches, "max_batch": st.max_batch,
                 "mean_batch": round(st.mean_batch, 3), "batch_sizes": dict(sorted(st.batch_sizes.items())),
