@@ -15,6 +15,69 @@ from typing import Any
 
 from gptj.errors import ConfigError
 
+# Upper bounds: what a GPT-J can be, generously. They exist so that a config.json alone cannot make
+# gptj build or allocate something absurd (n_layer 10^9: a table of 10^10 tensor names; n_positions
+# 10^10: an 80 GB rope table) before the checkpoint is even opened. Each is far above any real model.
+MAX_LAYERS = 1024  # GPT-J 6B has 28; the deepest published dense transformers ~100-200
+MAX_EMBD = 1 << 16  # GPT-J 4096; the widest published dense models ~18-25k
+MAX_INNER = 1 << 18  # 4 x MAX_EMBD (GPT-J: n_inner = 4 n_embd)
+MAX_VOCAB = 1 << 20  # GPT-J 50400; the largest LLM vocabularies ~256k
+# n_positions sizes one buffer outright, the float32 rope table (n_positions x rope_dim, model.rope_table;
+# the KV cache and causal masks follow the request's length, capped by it). A million positions is 512
+# times GPT-J's 2048, past any context dense attention serves; the table is also held to 1 GiB.
+MAX_POSITIONS = 1 << 20
+MAX_ROPE_TABLE_BYTES = 1 << 30
+
+
+def _is_int(value: Any) -> bool:
+    """An int that is an int: not a bool, not a float like 28.0, not a string."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int, what: str = "") -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise ConfigError(f"config field {name!r} must be an integer in [{low}, {high}]{what}, got {value!r}")
+
+
+def validate(c: GPTJConfig) -> None:
+    """Every rule a GPTJConfig obeys, checked on construction (config.json, presets, replace()).
+
+    Pure arithmetic on the fields: nothing is built or allocated. Raises ConfigError naming the field.
+    """
+    _check_int("n_layer", c.n_layer, 1, MAX_LAYERS)
+    _check_int("n_embd", c.n_embd, 1, MAX_EMBD)
+    _check_int("n_head", c.n_head, 1, c.n_embd)
+    _check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
+    _check_int("n_positions", c.n_positions, 1, MAX_POSITIONS)
+    if c.n_embd % c.n_head:
+        raise ConfigError(f"config field 'n_embd' ({c.n_embd}) must be divisible by n_head ({c.n_head})")
+    head_dim = c.n_embd // c.n_head
+    if c.rotary_dim is not None:
+        if not _is_int(c.rotary_dim) or c.rotary_dim <= 0 or c.rotary_dim % 2:
+            raise ConfigError(f"config field 'rotary_dim' must be a positive even integer, got {c.rotary_dim!r}")
+        if c.rotary_dim > head_dim:
+            raise ConfigError(f"config field 'rotary_dim' ({c.rotary_dim}) exceeds head_dim ({head_dim} = "
+                              f"n_embd / n_head)")
+    elif head_dim % 2:
+        raise ConfigError(f"config field 'rotary_dim' is null (rotary over the whole head) but head_dim "
+                          f"({head_dim}) is odd; rotary embeddings need an even size")
+    rope_dim = c.rotary_dim if c.rotary_dim is not None else head_dim
+    if c.n_positions * rope_dim * 4 > MAX_ROPE_TABLE_BYTES:
+        raise ConfigError(f"config field 'n_positions' ({c.n_positions}) x rotary dims ({rope_dim}) would need a "
+                          f"rope table over {MAX_ROPE_TABLE_BYTES >> 30} GiB (float32)")
+    if c.n_inner is not None:
+        _check_int("n_inner", c.n_inner, 1, MAX_INNER, " or null")
+    eps = c.layer_norm_epsilon
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps <= 1:  # NaN / inf fail too
+        raise ConfigError(f"config field 'layer_norm_epsilon' must be a number in (0, 1], got {eps!r}")
+    inside = f" (a token id below vocab_size {c.vocab_size})"
+    _check_int("bos_token_id", c.bos_token_id, 0, c.vocab_size - 1, inside)
+    _check_int("eos_token_id", c.eos_token_id, 0, c.vocab_size - 1, inside)
+    if c.pad_token_id is not None:
+        _check_int("pad_token_id", c.pad_token_id, 0, c.vocab_size - 1, inside + " or null")
+    if c.quantization is not None and not isinstance(c.quantization, dict):
+        raise ConfigError(f"config field 'quantization' must be an object or absent, got {c.quantization!r}")
+
 
 @dataclass(frozen=True)
 class GPTJConfig:
@@ -33,23 +96,7 @@ class GPTJConfig:
     quantization: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.rotary_dim is not None:
-            if not isinstance(self.rotary_dim, int) or self.rotary_dim <= 0 or self.rotary_dim % 2:
-                raise ConfigError(f"rotary_dim must be a positive even integer, got {self.rotary_dim!r}")
-            if self.rotary_dim > self.head_dim:
-                raise ConfigError(f"rotary_dim ({self.rotary_dim}) exceeds head_dim ({self.head_dim})")
-        elif self.head_dim % 2:
-            raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
-            raise ConfigError(f"n_inner must be a positive integer or null, got {self.n_inner!r}")
-        if not (isinstance(self.layer_norm_epsilon, (int, float)) and self.layer_norm_epsilon > 0):
-            raise ConfigError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+        validate(self)
 
     @property
     def head_dim(self) -> int:
@@ -110,6 +157,8 @@ class GPTJConfig:
                 kwargs[name] = d[alias]
         for key in ("eos_token_id", "bos_token_id"):
             if isinstance(kwargs.get(key), list):  # HF allows a list of EOS ids; GPT-J has one
+                if not kwargs[key]:
+                    raise ConfigError(f"{source}: config field {key!r} is an empty list")
                 kwargs[key] = kwargs[key][0]
         try:
             return cls(**kwargs)
@@ -135,6 +184,14 @@ class GPTJConfig:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2) + "\n"
+
+
+def check_layer_count(config: GPTJConfig, held: int, source: str, listing: object) -> None:
+    """n_layer must be the number of layers the checkpoint holds (`held`, counted from the tensor names
+    `listing` gives, before any weight is read): one error naming both numbers, whichever is larger."""
+    if held != config.n_layer:
+        raise ConfigError(f"{source}: config field 'n_layer' is {config.n_layer} but the checkpoint holds {held} "
+                          f"layers ({listing})")
 
 
 PRESETS: dict[str, GPTJConfig] = {

@@ -53,6 +53,19 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or {BIN_INDEX}")
 
 
+def listed_tensor_names(path: Path) -> tuple[list[str], Path] | None:
+    """The tensor names an HF directory lists without reading a weight, and the file that lists them:
+    the index's weight_map, or a single safetensors file's header (the files weight_files picks).
+    None for a single .bin: a pickle lists its tensors only once unpickled (they are checked as read)."""
+    weight_files(path)  # the same choice of files, and the index checked
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (BIN, BIN_INDEX)):
+        if (path / index).is_file():
+            return list(json.loads((path / index).read_text(encoding="utf-8"))["weight_map"]), path / index
+        if (path / single).is_file():
+            return (list(read_safetensors_header(path / single)[0]), path / single) if single == SAFETENSORS else None
+    return None
+
+
 # safetensors dtype names -> torch dtypes (the ones a GPT-J checkpoint can hold).
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

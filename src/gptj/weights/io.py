@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,7 +32,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gptj import quant
-from gptj.config import GPTJConfig, get_preset
+from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import move_into_place, temp_sibling
 from gptj.model import GPTJForCausalLM, build_model
@@ -40,6 +41,7 @@ from gptj.weights import hf, mtj
 
 CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
+_LAYER_NAME = re.compile(r"transformer\.h\.(\d{1,9})\.")  # longer: no layer (the stream check names it)
 PROGRESS_MIN_PARAMS = 500_000_000  # progress=None: bars for models this big (gptj-6b loads for a minute)
 
 # (name, shape, read, source file) — the stream every reader produces.
@@ -116,15 +118,40 @@ def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJCon
     found = detect_format(path)
     if fmt not in ("auto", found):
         raise CheckpointError(f"{path}: expected a {fmt} checkpoint but found a {found} one")
+    # The config is validated (GPTJConfig) and its n_layer checked against the layers the checkpoint's
+    # tensor listing names before any tensor table is built or any weight read.
     if found == "hf":
         cfg = GPTJConfig.from_json_file(path / CONFIG)
         if config is not None and resolve_config(config) != cfg:
             raise CheckpointError(f"{path}: its config.json differs from the config given")
+        listed = hf.listed_tensor_names(path)
+        if listed is not None:  # a single .bin lists nothing until unpickled: its tensors are checked as read
+            names, listing = listed
+            check_layer_count(cfg, layers_named(names), str(path / CONFIG), listing.name)
         if cfg.quantization is not None:
             cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
         return cfg, hf.iter_hf_tensors(path)
     cfg = resolve_config(config)
+    check_layer_count(cfg, mtj.count_layers(path), _config_source(config), f"{path.name}/shard_*/*.npz")
     return cfg, _mtj_items(path, cfg, progress, dtype)
+
+
+def layers_named(names: Iterable[str]) -> int:
+    """How many layers tensor names cover: 1 + the highest i of a `transformer.h.{i}.` name (0 if none)."""
+    layers = [int(m.group(1)) for n in names if (m := _LAYER_NAME.match(n))]
+    return max(layers) + 1 if layers else 0
+
+
+def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
+    """How an error names the config resolve_config(spec) gives."""
+    if spec is None:
+        return "preset 'gptj-6b'"
+    if isinstance(spec, GPTJConfig):
+        return "the config given"
+    p = Path(spec)
+    if p.is_dir():
+        return str(p / CONFIG)
+    return str(p) if p.suffix == ".json" or p.exists() else f"preset {str(spec)!r}"
 
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,

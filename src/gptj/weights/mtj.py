@@ -190,6 +190,29 @@ def mtj_leaves(n_layer: int) -> list[MtjLeaf]:
     return leaves
 
 
+def n_leaves(n_layer: int) -> int:
+    """The params leaves of an ``n_layer`` slim checkpoint: 6 top-level + 10 per layer (= len(mtj_leaves))."""
+    def count(modules: dict) -> int:
+        return sum(len(params) for _, params in modules.values())
+
+    return count(_TOP_MODULES) + n_layer * count(_LAYER_MODULES)
+
+
+def count_layers(path: str | Path, n_shards: int | None = None) -> int:
+    """The number of layers a slim checkpoint holds, from its leaf count (the npz directories only: no
+    array is read). CheckpointError if the count fits no GPT-J."""
+    path = Path(path)
+    layout = _scan(path, n_shards)
+    per_layer = n_leaves(1) - n_leaves(0)
+    for step in (0, 1):  # a trailing step leaf may follow the params
+        layers, rest = divmod(layout.n_leaves - step - n_leaves(0), per_layer)
+        if layers >= 1 and rest == 0:
+            return layers
+    raise CheckpointError(f"{path}: wrong leaf count: {layout.n_leaves} arrays per shard in "
+                          f"{len(layout.file_names)} files fit no GPT-J ({n_leaves(0)} + {per_layer} per layer, "
+                          f"+1 optional step)")
+
+
 def is_mtj_slim(path: str | Path) -> bool:
     """True if ``path`` looks like an MTJ checkpoint: a ``shard_0/`` folder with ``*.npz`` files."""
     shard0 = Path(path) / "shard_0"
@@ -390,9 +413,9 @@ def iter_mtj_slim(
     an array shape that does not fit, or non-finite values.
     """
     path = Path(path)
-    leaves = mtj_leaves(n_layer)
     layout = _scan(path, n_shards)
-    _check_leaf_count(path, layout, len(leaves), n_layer)
+    _check_leaf_count(path, layout, n_leaves(n_layer), n_layer)  # before a table of n_layer leaves is built
+    leaves = mtj_leaves(n_layer)
     dims = _Dims(len(layout.shard_dirs))
     wte_bias: torch.Tensor | None = None  # summed embedding bias, float32 [E]
 
