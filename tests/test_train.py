@@ -221,6 +221,72 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(corpus, tmp_path):
         train(changed, resume=True, progress=False)
 
 
+def _garbage_state(step: Path) -> None:
+    (step / "trainer_state.pt").write_bytes(b"\x80\x04not a trainer state" * 50)
+
+
+def _truncated_model(step: Path) -> None:
+    f = step / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _wrong_shape_model(step: Path) -> None:
+    from safetensors.torch import save_file
+
+    sd = weights(step)
+    name = next(n for n, t in sd.items() if t.dim() == 2)
+    sd[name] = sd[name][:, :-1].contiguous()
+    save_file(sd, str(step / "model.safetensors"), metadata={"format": "pt"})
+
+
+RESUME_RUN = {"max_steps": 4, "checkpoint_interval": 1, "keep_checkpoints": 3}
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(corpus, tmp_path_factory):
+    """An uninterrupted run of 4 steps, and one stopped after step 3 (checkpoints 1, 2 and 3)."""
+    folder = tmp_path_factory.mktemp("resume")
+    train(load_config(write_config(folder / "a.yaml", train=corpus / "train.txt", out=str(folder / "straight"),
+                                   **RESUME_RUN)), progress=False)
+    train(load_config(write_config(folder / "b.yaml", train=corpus / "train.txt", out=str(folder / "split"),
+                                   **RESUME_RUN)), stop_after=3, progress=False)
+    return folder
+
+
+@pytest.mark.parametrize("damage, said", [(_garbage_state, "trainer_state.pt: not a trainer state"),
+                                          (_truncated_model, "model.safetensors: not a readable safetensors"),
+                                          (_wrong_shape_model, "model.safetensors: 'lm_head.weight' has shape [50400, 63]")],
+                         ids=["garbage-state", "truncated-model", "wrong-shape-model"])
+def test_resume_skips_a_damaged_checkpoint_or_refuses_in_one_line(corpus, stopped_at_3, tmp_path, capsys, damage,
+                                                                  said):
+    """The newest checkpoint damaged: --resume warns (one line, naming it and the file) and goes on
+    from the one before, to the weights of an uninterrupted run; with no intact one, a one-line
+    error naming the file, exit 1 (never torch's advice to unpickle with weights_only=False)."""
+    import shutil
+
+    shutil.copytree(stopped_at_3 / "split", tmp_path / "split")
+    path = write_config(tmp_path / "b.yaml", train=corpus / "train.txt", out=str(tmp_path / "split"), **RESUME_RUN)
+    damage(tmp_path / "split" / "checkpoints" / "step-0000003")
+    shutil.copytree(tmp_path / "split", tmp_path / "only")
+    capsys.readouterr()
+
+    assert main(["train", "--config", str(path), "--resume", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning" in err[0] and "skips step-0000003" in err[0] and "from step-0000002" in err[0]
+    assert said in err[0] and "weights_only" not in err[0], err
+    a, b = weights(stopped_at_3 / "straight"), weights(tmp_path / "split")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["loss"] for m in metrics(tmp_path / "split")] == [m["loss"] for m in metrics(stopped_at_3 / "straight")]
+
+    for older in ("step-0000001", "step-0000002"):  # only the damaged checkpoint left
+        shutil.rmtree(tmp_path / "only" / "checkpoints" / older)
+    only = write_config(tmp_path / "c.yaml", train=corpus / "train.txt", out=str(tmp_path / "only"), **RESUME_RUN)
+    assert main(["train", "--config", str(only), "--resume", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no intact checkpoint" in err[0] and "step-0000003" in err[0], err
+    assert said in err[0] and "weights_only" not in err[0] and "Traceback" not in err[0], err
+
+
 def test_grad_accumulation_and_activation_checkpointing_change_nothing(corpus, tmp_path):
     """Plain, two micro-steps of half the batch, and recomputed activations: each step's gradient
     is the exact (float64) gradient of the same global batch, to float32 rounding (GRAD_TOL).

@@ -209,6 +209,90 @@ def _checkpoints(out: Path) -> list[Path]:
                   and (p / STATE_FILE).is_file())
 
 
+class _Damaged(Exception):
+    """A checkpoint that cannot be resumed from; its message names the file and what is wrong."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _read_checkpoint(folder: Path, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(trainer state, model state dict) of one checkpoint folder, every tensor checked against
+    `model` before anything is loaded into it; _Damaged naming the file otherwise."""
+    import pickle
+    import warnings
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / STATE_FILE
+    try:
+        # weights_only: a checkpoint folder is data, never code (torch's own advice to pass
+        # weights_only=False on failure is not repeated: that would run whatever the file holds).
+        with warnings.catch_warnings():  # torch's note on a pickle protocol: not the user's concern
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError) as e:
+        reason = "truncated" if isinstance(e, EOFError) else "not a trainer state torch can read safely"
+        raise _Damaged(f"{path}: {reason} ({type(e).__name__})") from None
+    except OSError as e:
+        raise _Damaged(f"{path}: cannot read: {e.strerror or e}") from None
+    needed = {"step": int, "optimizer": dict, "fingerprint": dict, "torch_rng": torch.Tensor}
+    if not isinstance(state, dict):
+        raise _Damaged(f"{path}: holds a {type(state).__name__}, not a trainer state")
+    for key, kind in needed.items():
+        if not isinstance(state.get(key), kind):
+            raise _Damaged(f"{path}: '{key}' is missing or not a {kind.__name__}")
+    want = model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise _Damaged(f"{folder}: no model.safetensors")
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise _Damaged(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+        for name, t in part.items():
+            if name not in want:
+                raise _Damaged(f"{f}: holds '{name}', which the model has no tensor for")
+            if tuple(t.shape) != tuple(want[name].shape):
+                raise _Damaged(f"{f}: '{name}' has shape {list(t.shape)}, the model's is {list(want[name].shape)}")
+            if not t.is_floating_point():
+                raise _Damaged(f"{f}: '{name}' is {t.dtype}, not a float tensor")
+        sd.update(part)
+    missing = [n for n in want if n not in sd]
+    if missing:
+        raise _Damaged(f"{files[0] if len(files) == 1 else folder}: lacks '{missing[0]}'"
+                       + (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""))
+    return state, sd
+
+
+def _intact_checkpoint(found: list[Path], model: nn.Module, main: bool) -> tuple[Path, dict, dict]:
+    """The newest checkpoint that reads whole: (folder, trainer state, model state dict). A damaged
+    one is skipped with a one-line warning (as HF Trainer and Lightning users expect a resume to
+    go on from the last good save); none intact is a one-line error naming the newest."""
+    import sys
+
+    skipped: list[tuple[Path, str]] = []
+    for folder in reversed(found):
+        try:
+            state, sd = _read_checkpoint(folder, model)
+        except _Damaged as e:
+            skipped.append((folder, str(e)))
+            continue
+        if main:
+            for bad, why in skipped:
+                print(f"gptj train: warning: --resume skips {bad.name}, resuming from {folder.name}: {why}",
+                      file=sys.stderr, flush=True)
+        return folder, state, sd
+    more = f" (and {len(skipped) - 1} older checkpoints, all damaged)" if len(skipped) > 1 else ""
+    raise GptjError(f"--resume: no intact checkpoint to resume from: {skipped[0][1]}{more}")
+
+
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -> tuple[dict, dict | None]:
     """(model state dict, optimizer state dict), whole, on rank 0 (under FSDP: gathered from the
     shards, a collective every rank joins; the other ranks get empty dicts)."""
@@ -404,17 +488,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
     start = 0
     state = None
     if resume:
-        from safetensors.torch import load_file
-
-        last = found[-1]
-        state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=True)
+        last, state, sd = _intact_checkpoint(found, model, ranks.main)
         if state["fingerprint"] != cfg.fingerprint():
             changed = sorted(k for k in cfg.fingerprint() if cfg.fingerprint()[k] != state["fingerprint"].get(k))
             raise GptjError(f"--resume: the config changed since {last.name} ({', '.join(changed)}); "
                             "resume with the same model, data, optimizer, batch and seed")
-        sd = {}
-        for f in sorted(last.glob("*.safetensors")):
-            sd.update(load_file(str(f)))
         model.load_state_dict(sd, strict=True)
         start = state["step"]
         torch.set_rng_state(state["torch_rng"])
@@ -435,7 +513,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.optimizer.weight_decay), lr=lr_at(start, cfg),
                                   betas=cfg.optimizer.betas, eps=cfg.optimizer.eps, foreach=False)
     if state is not None:
-        _load_optimizer(model, optimizer, state, mode)
+        try:
+            _load_optimizer(model, optimizer, state, mode)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise GptjError(f"--resume: {last / STATE_FILE}: the optimizer state does not fit the model "
+                            f"({_first_line(e)})") from None
 
     metrics = Metrics(out, ranks.main, start if resume else None, cfg.tensorboard)
     sampler = Sampler(len(train_data), cfg.seed)
