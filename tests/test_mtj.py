@@ -6,6 +6,7 @@ importer, and must be bit-exact (torch.equal).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -330,3 +331,25 @@ def test_object_arrays_are_never_unpickled(ckpt_copy):
     _rewrite(ckpt_copy / "shard_0" / "2.npz", lambda arrays: [np.array([{"x": 1}], dtype=object)] + arrays[1:])
     with pytest.raises(CheckpointError, match=r"shard_0/2\.npz arr_0 .*cannot read array"):
         load_mtj_slim(ckpt_copy, N_LAYER)
+
+
+@pytest.mark.parametrize("n_layer", [11, 13, 10**9])
+def test_config_n_layer_is_checked_against_the_leaf_count(tmp_path, ckpt_small, n_layer):
+    """load_model / convert with a config claiming more or fewer layers than the shards hold: one error
+    naming both numbers and the config file, from the npz directories alone (no table of n_layer leaves:
+    10^9 is refused by the config's bounds before the shards are looked at)."""
+    from gptj.config import GPTJConfig
+    from gptj.errors import ConfigError
+    from gptj.weights.io import convert, load_model
+
+    cfg = GPTJConfig(vocab_size=SMALL_VOCAB, n_positions=32, n_embd=N_EMBD, n_layer=12, n_head=4,
+                     rotary_dim=8, n_inner=N_INNER, bos_token_id=0, eos_token_id=0)
+    d = cfg.to_hf_dict() | {"n_layer": n_layer}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    config_json = str(tmp_path / "config.json")
+    message = "'n_layer' must be an integer" if n_layer > 1024 else f"'n_layer' is {n_layer} but the checkpoint holds 12"
+    with pytest.raises(ConfigError, match=re.escape(f"{config_json}: config field {message}")):
+        load_model(ckpt_small, config=config_json)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        convert(ckpt_small, tmp_path / "out", config=config_json)
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,97 @@ def test_init_load_and_prepare_draw_bars_on_stderr(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # not a terminal: silent
     prepare_for_serving(load_model(tmp_path / "m", dtype=torch.bfloat16), "auto", max_rows=1)
     assert capsys.readouterr() == ("", "")
+
+
+# --- hostile config.json beside real weights (issue 16, item 1) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_ckpt(tmp_path_factory):
+    """CFG's random weights, one model.safetensors, as gptj writes them."""
+    out = tmp_path_factory.mktemp("saved") / "m"
+    return save_checkpoint(random_state_dict(CFG), CFG, out, with_tokenizer=False)
+
+
+def with_config(tmp_path: Path, src: Path, changes: dict, name: str = "hostile") -> Path:
+    """A checkpoint folder holding src's weights (linked) and its config.json with `changes`."""
+    d = tmp_path / name
+    d.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    (d / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text()) | changes))
+    return d
+
+
+def cli(args: list[str], capsys) -> tuple[int, str]:
+    from gptj.cli import main
+
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+HOSTILE = [  # config.json changes -> the field the one-line error names
+    ({"n_layer": 10**9}, r"'n_layer'"),
+    ({"n_positions": 10**10}, r"'n_positions'"),
+    ({"eos_token_id": 10**9}, r"'eos_token_id'"),
+    ({"eos_token_id": -1}, r"'eos_token_id'"),
+    ({"eos_token_id": "x"}, r"'eos_token_id'"),
+    ({"n_head": 3}, r"'n_embd' \(64\) must be divisible by n_head \(3\)"),
+    ({"n_layer": True}, r"'n_layer'"),
+    ({"n_head": 4.0}, r"'n_head'"),
+    ({"n_layer": 3}, r"'n_layer' is 3 but the checkpoint holds 2 layers \(model.safetensors\)"),
+    ({"n_layer": 1}, r"'n_layer' is 1 but the checkpoint holds 2 layers \(model.safetensors\)"),
+]
+
+
+@pytest.mark.parametrize("changes, message", HOSTILE)
+def test_hostile_config_is_one_line_naming_the_field(tmp_path, saved_ckpt, capsys, monkeypatch, changes, message):
+    """load_model, `gptj generate` and `gptj convert` refuse it before building or allocating anything."""
+    from gptj import model as gptj_model
+    from gptj.weights import io
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(io, "build_model", refuse)  # validation comes first: nothing is built
+    monkeypatch.setattr(gptj_model, "build_model", refuse)
+    monkeypatch.setattr(io, "checked_state_dict", refuse)  # ... and no weight is read
+    d = with_config(tmp_path, saved_ckpt, changes)
+    config_json = str(d / "config.json")
+    with pytest.raises(GptjError, match=message) as e:
+        load_model(d)
+    assert str(e.value).startswith(f"{config_json}: config field") and "\n" not in str(e.value)
+    for args in (["generate", "--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1"],
+                 ["convert", d, "--out", tmp_path / "out"]):
+        code, err = cli(args, capsys)
+        assert code == 1, err
+        assert err.count("\n") == 1 and config_json in err and re.search(message, err), err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hostile"]
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_n_layer_is_checked_against_a_sharded_index(tmp_path, hf_model, n_layer):
+    """A sharded checkpoint's index names its layers: a config claiming more or fewer is refused at once."""
+    d = tmp_path / "sharded"
+    write_config(d, CFG.replace(n_layer=n_layer))
+    write_sharded(d, hf_state_dict(hf_model), 3, "safetensors")
+    with pytest.raises(ConfigError, match=rf"'n_layer' is {n_layer} but the checkpoint holds 2 layers "
+                                          r"\(model.safetensors.index.json\)"):
+        load_model(d)
+
+
+def test_n_layer_1e9_cannot_exhaust_memory(tmp_path, saved_ckpt):
+    """The reproduction: `gptj generate` on n_layer 10^9, under a 4 GB address-space limit (the unfixed
+    code grows until MemoryError there, exit 2, instead of spinning for minutes unbounded)."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    d = with_config(tmp_path, saved_ckpt, {"n_layer": 10**9})
+    r = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--model", str(d), "--prompt-ids", "1,2",
+                        "--max-new-tokens", "1"], capture_output=True, text=True, preexec_fn=limit)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "'n_layer'" in r.stderr, r.stderr
