@@ -187,7 +187,8 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
     return ServerConfig(models=models, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                         batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
                         request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
-                        api_key=args.api_key, admin_token=getattr(args, "admin_token", None),
+                        read_timeout_s=getattr(args, "read_timeout_s", 30.0),
+                        max_connections=getattr(args, "max_connections", 512), api_key=args.api_key, admin_token=getattr(args, "admin_token", None),
                         model_root=getattr(args, "model_root", None), dtype=args.dtype, device=args.device,
                         quantize=args.quantize, group_size=args.group_size, kv_slots=args.kv_slots,
                         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
@@ -579,6 +580,11 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
     p.add_argument("--request-timeout-s", type=_positive_float, default=600.0, help="per request (default 600)")
     p.add_argument("--drain-timeout-s", type=_positive_float, default=30.0,
                    help="on SIGTERM, how long running requests may finish (default 30)")
+    p.add_argument("--read-timeout-s", type=_positive_float, default=30.0,
+                   help="a connection must send each request's headers, then its body, within this; else it is "
+                        "closed (a late body: 408) (default 30)")
+    p.add_argument("--max-connections", type=_positive, default=512,
+                   help="open connections (and running requests) at most; beyond, 503 (default 512)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
                                                       "allows)")

@@ -20,6 +20,7 @@ error format).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -34,9 +35,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptj.errors import GptjError
-from gptj.serve.completions import APIError, Completion, plan
+from gptj.serve.completions import APIError, Completion, plan, precheck
 from gptj.serve.metrics import CONTENT_TYPE, ServerMetrics
-from gptj.serve.protocol import (MAX_BODY_BYTES, CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
+from gptj.serve.protocol import (MAX_BODY_BYTES, MAX_PROMPTS, CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
                                  ModelCard, ModelList, ModelStatus)
 from gptj.serve.registry import ServedModel, ServerConfig, check_under_root, load_served_model
 
@@ -44,38 +45,52 @@ log = logging.getLogger("gptj.serve")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in
-    ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-     (408, "timed out"), (429, "queue full (see Retry-After)"), (500, "engine failure"),
-     (503, "loading or draining"))}
+    ((400, "invalid request"), (401, "missing or wrong API key (or admin token)"),
+     (403, "admin API disabled, or a path outside the model root"), (404, "unknown model"),
+     (408, "timed out (the request, or reading its body)"), (409, "model already served"),
+     (413, "request body too large"), (429, "queue full (see Retry-After)"), (500, "engine failure"),
+     (503, "loading, draining, or too many connections"))}
+
+
+# The body cap follows the served models' context: a valid request holds at most MAX_PROMPTS prompts
+# of at most max_model_len tokens each, and BODY_BYTES_PER_TOKEN covers a token written as JSON (an
+# id and its separator: "50399, " is 7 bytes; English text ~4 bytes, escaped non-ASCII text ~6-12).
+# Never above MAX_BODY_BYTES, never below MIN_BODY_BYTES (one prompt of any valid text fits).
+BODY_BYTES_PER_TOKEN = 16
+MIN_BODY_BYTES = 1024 * 1024
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets 413, whether it says its length
-    (refused before reading) or is chunked (read here up to the limit, then passed on whole)."""
+    """ASGI middleware: a request body over `limit()` bytes gets 413 at once, whether it says its
+    length (answered before reading any) or is chunked (answered once the limit has arrived); a body
+    that does not arrive whole within `read_timeout_s` of its headers gets 408. Either way the
+    connection is closed. The body is read here, whole, and passed on."""
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:  # noqa: ANN001 - an ASGI app
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit=lambda: MAX_BODY_BYTES, read_timeout_s: float = 30.0) -> None:  # noqa: ANN001
+        self.app, self.limit, self.read_timeout_s = app, limit, read_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.limit()
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) <= self.limit:
-                return await self.app(scope, receive, send)
-            if length.isdigit():
-                await self._drain(receive, {"more_body": True}, 0)
-            return await self._refuse(scope, receive, send)
+        if length is not None and not (length.isdigit() and int(length) <= limit):
+            return await self._refuse(receive, send, limit, {"more_body": length.isdigit()}, 0)
         chunks, seen, message = [], 0, {"more_body": True}
-        while message.get("more_body"):
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.limit:
-                await self._drain(receive, message, seen)
-                return await self._refuse(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                while message.get("more_body"):
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left
+                    chunks.append(message.get("body", b""))
+                    seen += len(chunks[-1])
+                    if seen > limit:
+                        return await self._refuse(receive, send, limit, message, seen)
+        except TimeoutError:
+            return await _error(APIError(408, f"the request body did not arrive within the server's "
+                                              f"{self.read_timeout_s:g} s read timeout", code="timeout",
+                                         headers={"Connection": "close"}))(scope, receive, send)
         whole, replayed = b"".join(chunks), False
 
         async def replay():  # noqa: ANN202
@@ -87,17 +102,22 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send) -> None:  # noqa: ANN001
-        await _error(APIError(413, f"the request body exceeds {self.limit} bytes"))(scope, receive, send)
-
-    async def _drain(self, receive, message, seen: int) -> None:  # noqa: ANN001
-        """Read (and drop) the rest of a body up to 4x the limit, so the client, still sending,
-        gets to read the 413 instead of a reset connection; beyond that the connection is closed."""
-        while message.get("more_body") and seen <= 4 * self.limit:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            seen += len(message.get("body", b""))
+    async def _refuse(self, receive, send, limit: int, message, seen: int) -> None:  # noqa: ANN001
+        """Send the whole 413 at once; then read (and drop) what the client still sends, up to 4x the
+        limit and the read timeout, so a client still sending gets to read the 413 instead of a reset
+        connection; then end the response, which closes the connection."""
+        response = _error(APIError(413, f"the request body exceeds {limit} bytes",
+                                   headers={"Connection": "close"}))
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.read_timeout_s):
+                while message.get("more_body") and seen <= 4 * limit:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        break
+                    seen += len(message.get("body", b""))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # While draining: what a new request is told (a load balancer moves on; a client retries elsewhere).
@@ -136,6 +156,14 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: list(self.models.values()))
         self.on_failure = None  # called (from the event loop) if a start-up model fails to load
         self.running: set[Completion] = set()  # admitted completions not yet answered (a drain waits for them)
+        # Prompts are tokenized here, one request at a time: a burst of long prompts queues for this
+        # one thread instead of taking every worker of the default executor (and the cores) at once.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptj-tokenize")
+
+    def body_limit(self) -> int:
+        """The request body cap (413 beyond it): see BODY_BYTES_PER_TOKEN."""
+        longest = max((m.max_model_len for m in self.models.values()), default=0)
+        return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * MAX_PROMPTS * longest))
 
     def end_running(self, message: str) -> None:
         """Answer every running completion 503 now (a drain that ran out of time); event loop only."""
@@ -180,6 +208,20 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def _shown(path: str) -> str:
+    """A path as an error message shows it: whole, or its start and end if long."""
+    return repr(path) if len(path) <= 200 else repr(path[:100] + "..." + path[-60:])
+
+
+def _path_error(path: str, e: OSError | ValueError) -> APIError:
+    """/admin/models: a path the file system refuses is the client's error (4xx), named, never a 500:
+    403 where it may not be read, 400 otherwise (ENAMETOOLONG, ELOOP, ENOTDIR, a NUL byte ...)."""
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    if isinstance(e, PermissionError):
+        return APIError(403, f"path {_shown(path)}: the server may not read it ({why})", "path")
+    return APIError(400, f"path {_shown(path)}: not a usable model folder ({why})", "path")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -211,11 +253,12 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
             await asyncio.to_thread(state.shutdown)
+            state.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="gptj", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible completions over gptj's GPT-J engine.")
     app.state.gptj = state
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, limit=state.body_limit, read_timeout_s=cfg.read_timeout_s)
     app.add_middleware(Draining, state=state)  # outermost: a draining server reads no body
 
     # --- errors: always OpenAI's format ---
@@ -283,19 +326,31 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         start = time.perf_counter()
+        admitted = 0
         try:
             served = ready_model(request, body.model)
-            # Tokenizing long texts takes a while: off the event loop (plan only reads the model's limits).
-            the_plan = await asyncio.to_thread(plan, body, served)
+            # Cheap checks first (sizes, counts: no tokenizing), then admission, and only then the
+            # expensive part: an invalid or unadmitted request costs the server next to nothing.
+            n_jobs = precheck(body, served)
+            if not served.admit(n_jobs):
+                raise APIError(429, f"model {served.name!r} is at capacity ({served.capacity} requests running "
+                                    "or queued); retry later", code="queue_full", headers={"Retry-After": "1"})
+            admitted = n_jobs
+            # Tokenizing long texts takes a while: off the event loop, on the server's own small
+            # executor, so that however many requests tokenize at once they take one thread's share
+            # (plan only reads the model's limits).
+            the_plan = await asyncio.get_running_loop().run_in_executor(state.tokenizing, plan, body, served)
             if state.status == "draining":  # it began while this request was being tokenized
                 raise _draining_error()
         except APIError as e:
+            if admitted:
+                served.release(admitted)
             state.metrics.requests.labels(body.model if body.model in state.models else "", str(e.status)).inc()
             raise
-        if not served.admit(len(the_plan.jobs)):
-            state.metrics.requests.labels(served.name, "429").inc()
-            raise APIError(429, f"model {served.name!r} is at capacity ({served.capacity} requests running or "
-                                "queued); retry later", code="queue_full", headers={"Retry-After": "1"})
+        except BaseException:
+            if admitted:
+                served.release(admitted)
+            raise
         run = Completion(body, served, the_plan)
         run.start = start
         run.on_tokens = lambda n: state.metrics.count_tokens(served.name, n)
@@ -333,14 +388,19 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         except PermissionError as e:
             raise APIError(403, str(e), "path") from None
         except (ValueError, OSError) as e:  # a NUL byte, a name too long, a loop of links
-            raise APIError(400, f"path: not a usable file path ({e})", "path") from None
-        if not (path / "config.json").is_file() and not path.is_dir():
-            raise APIError(400, f"{body.path}: no such model folder", "path")
+            raise _path_error(body.path, e) from None
+        try:  # stat() raises what is_dir() does not swallow: ENAMETOOLONG, EACCES, EIO ...
+            if not path.is_dir():
+                raise APIError(400, f"{_shown(body.path)}: no such model folder", "path")
+        except OSError as e:
+            raise _path_error(body.path, e) from None
         state.models.pop(body.name, None)
         try:
             served = await asyncio.to_thread(load_served_model, body.name, str(path), cfg)
         except GptjError as e:
-            raise APIError(400, f"{body.path}: {e}", "path") from None
+            raise APIError(400, f"{_shown(body.path)}: {e}", "path") from None
+        except OSError as e:  # a file in the folder unreadable, a name too long, a loop of links
+            raise _path_error(body.path, e) from None
         if body.name in state.models:  # loaded twice at once: keep the first
             await asyncio.to_thread(served.shutdown)
             raise APIError(409, f"model {body.name!r} is already served", "name")

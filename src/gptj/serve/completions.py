@@ -1,5 +1,6 @@
 """One completion request, from its validated body to the engine and back to choices.
 
+    precheck()   what can be refused without tokenizing (size, count); the engine requests to admit
     plan()       body -> engine jobs (token ids + GenerationConfig each); every check that can
                  fail on input happens here, so a bad request is a 400 before anything runs
     Completion   submits the jobs to the model's EngineLoop, turns the engine's callbacks (on
@@ -59,6 +60,41 @@ class Plan:
     jobs: list[Job]
     n_choices: int
     choice_prompt: list[int]  # prompt index of each choice
+
+
+def precheck(body: CompletionRequest, served: ServedModel) -> int:
+    """The checks that need no tokenizing, run on the event loop before a request is admitted:
+    APIError 400 for a request too big for the model whatever its tokens; else the number of
+    engine requests it will need (what admission counts). A text prompt is measured in UTF-8 bytes
+    against the least number of tokens they can make (registry.token_bytes_bound): a 7.8 MB prompt is
+    refused in microseconds instead of after seconds of tokenizing."""
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported", "suffix")
+    prompt, L = body.prompt, served.max_model_len
+    if not isinstance(prompt, str) and len(prompt) == 0:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    several = not isinstance(prompt, str) and not isinstance(prompt[0], int)
+    n_jobs = (len(prompt) if several else 1) * (1 if body.use_beam_search else body.n)
+    if n_jobs > served.capacity:
+        raise APIError(400, f"the request needs {n_jobs} engine requests; this server admits at most "
+                            f"{served.capacity} at once", "n")
+    for i, p in enumerate([prompt] if not several else prompt):
+        if isinstance(p, str):
+            if served.max_token_bytes is None:
+                continue
+            size = len(p.encode("utf-8", "surrogatepass"))
+            least = -(-size // served.max_token_bytes)  # ceil: tokens >= bytes / (bytes per token at most)
+            if least + body.max_tokens > L:
+                raise APIError(400, f"this model's maximum context length is {L} tokens, but prompt {i} has "
+                                    f"{size} bytes of text (at least {least} tokens) and max_tokens is "
+                                    f"{body.max_tokens}; shorten the prompt or lower max_tokens",
+                               "prompt" if least >= L else "max_tokens", "context_length_exceeded")
+        elif len(p) + body.max_tokens > L:
+            raise APIError(400, f"this model's maximum context length is {L} tokens, but prompt {i} has {len(p)} "
+                                f"tokens and max_tokens is {body.max_tokens} ({len(p) + body.max_tokens} in total); "
+                                "shorten the prompt or lower max_tokens",
+                           "prompt" if len(p) >= L else "max_tokens", "context_length_exceeded")
+    return n_jobs
 
 
 def plan(body: CompletionRequest, served: ServedModel) -> Plan:

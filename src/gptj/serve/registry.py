@@ -9,7 +9,10 @@ the event loop's thread, which makes the admission check (backpressure) race-fre
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,6 +39,9 @@ class ServerConfig:
     max_queue: int = 64  # engine requests waiting beyond a full batch; more get 429
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish
+    # a connection must finish each request's headers, and then its body, within this (else closed / 408)
+    read_timeout_s: float = 30.0
+    max_connections: int = 512  # open connections (and running requests) at most; beyond: 503
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes when set
     admin_token: str | None = None  # enables /admin routes (same header)
     model_root: str | None = None  # admin loads must lie under it (default: the working directory)
@@ -61,7 +67,10 @@ class ServerConfig:
             if not isinstance(value, int) or value < (1 if name == "max_batch_size" else 0):
                 raise GptjError(f"server {name} must be a {'positive' if name == 'max_batch_size' else 'non-negative'}"
                                 f" integer, got {value!r}")
-        for name in ("request_timeout_s", "drain_timeout_s"):
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
+                or self.max_connections < 1:
+            raise GptjError(f"server max_connections must be an integer >= 1, got {self.max_connections!r}")
+        for name in ("request_timeout_s", "drain_timeout_s", "read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise GptjError(f"server {name} must be positive, got {getattr(self, name)!r}")
         names = [n for n, _ in self.models]
@@ -100,6 +109,8 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     outstanding: int = 0  # engine requests submitted, not finished (event loop thread only)
     unloading: bool = False
+    # the most UTF-8 bytes one token covers (None: no such bound holds; see token_bytes_bound)
+    max_token_bytes: int | None = None
     _idle: asyncio.Event | None = None
 
     def admit(self, k: int) -> bool:
@@ -172,13 +183,45 @@ def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
     loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg), batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
     return ServedModel(name, str(path), engine, loop, tokenizer, engine.pool.prompt_len,
-                       engine.model.config.vocab_size, capacity=engine.max_batch_size + cfg.max_queue)
+                       engine.model.config.vocab_size, capacity=engine.max_batch_size + cfg.max_queue,
+                       max_token_bytes=token_bytes_bound(tokenizer))
+
+
+def token_bytes_bound(tokenizer) -> int | None:  # noqa: ANN001 - gptj.tokenizer.Tokenizer
+    """B, the most UTF-8 bytes of text that one token can stand for, where the tokenizer makes that
+    a bound: then a text of N bytes has at least ceil(N / B) tokens, and a prompt whose lower bound
+    already exceeds the context is refused without tokenizing it (gptj.serve.completions.precheck).
+
+    Why it holds for a byte-level BPE (GPT-2's, GPT-J's): with no normalizer, the ByteLevel
+    pre-tokenizer maps every byte of the text's UTF-8 to one symbol and drops none, BPE only merges
+    symbols (with no fused unknown token), and added tokens that strip no whitespace match their own
+    text; so the tokens' pieces concatenate to exactly the text's bytes, and each piece is at most
+    the longest vocabulary entry (GPT-J: 128 bytes). Note the other direction, "N bytes give at most N
+    tokens", is true but useless here: refusing needs a lower bound on the count. A tokenizer of any
+    other shape (a normalizer that may shrink text, a pre-tokenizer that drops whitespace, fused
+    unknowns, stripping added tokens) gets None: its prompts are always tokenized to be measured."""
+    backend = getattr(tokenizer, "_backend", None)
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - not a `tokenizers` backend: no bound, only the exact count
+        return None
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    added = spec.get("added_tokens") or []
+    if (spec.get("normalizer") is not None or pre.get("type") != "ByteLevel" or model.get("type") != "BPE"
+            or model.get("fuse_unk") or any(a.get("lstrip") or a.get("rstrip") for a in added)):
+        return None
+    # a vocabulary entry has one symbol per byte (ByteLevel's alphabet); an added token is plain text
+    sizes = [*(len(p) for p in model.get("vocab") or {}), *(len(a.get("content", "").encode()) for a in added)]
+    return max(sizes, default=0) or None
 
 
 def check_under_root(path: str, root: str | None) -> Path:
     """The resolved path, or GptjError if it lies outside `root` (symlinks resolved first)."""
-    base = Path(root or ".").resolve()
-    resolved = (base / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
+    try:
+        base = Path(root or ".").resolve()
+        resolved = (base / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
+    except RuntimeError:  # pathlib's "Symlink loop from ...": the OSError it stands for
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
     if resolved != base and base not in resolved.parents:
         raise PermissionError(f"{path}: outside the server's model root")
     return resolved

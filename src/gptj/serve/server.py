@@ -120,6 +120,46 @@ def check_port(host: str, port: int) -> None:
         sock.close()
 
 
+def _http_protocol(read_timeout_s: float) -> type:
+    """uvicorn's HTTP protocol (httptools, else h11) with a read timeout for request headers: from
+    the moment a connection opens, and again after each response, the next request's headers must
+    have arrived within `read_timeout_s`, or the connection is closed. uvicorn has no such timeout
+    of its own (its keep-alive timeout starts only after a first response), so a client that opens
+    connections and sends nothing, or half a header, would hold their file descriptors for ever. The
+    body's own timeout is the app's (gptj.serve.app.BodyLimit): past its headers a request is in ASGI."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class ReadTimeoutProtocol(AutoHTTPProtocol):
+        _headers_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            super().connection_made(transport)
+            self._expect_headers()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._expect_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            super().connection_lost(exc)
+
+        def _expect_headers(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            before = self.cycle  # uvicorn makes a new cycle once a request's headers are complete
+            self._headers_timer = self.loop.call_later(read_timeout_s, self._headers_late, before)
+
+        def _headers_late(self, before) -> None:  # noqa: ANN001
+            self._headers_timer = None
+            idle = before is None or before.response_complete  # (not a pipelined request being answered)
+            if self.cycle is before and idle and not self.transport.is_closing():
+                self.transport.close()
+
+    return ReadTimeoutProtocol
+
+
 def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True) -> _Server:
     """`own_process`: let uvicorn configure logging (dictConfig). Inside another program (tests,
     benchmarks) that would replace, and close, the program's own logging handlers."""
@@ -128,7 +168,8 @@ def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool =
     extra = {} if own_process else {"log_config": None}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                             timeout_graceful_shutdown=min(_CLOSE_S, cfg.drain_timeout_s), access_log=False,
-                            lifespan="on", **extra)
+                            lifespan="on", http=_http_protocol(cfg.read_timeout_s),
+                            limit_concurrency=cfg.max_connections, **extra)
     server = _Server(config, state)
 
     def failed(message: str) -> None:
