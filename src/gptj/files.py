@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from gptj.errors import GptjError
@@ -24,10 +27,76 @@ def read_text(path: Path, what: str = "input file") -> str:
         raise GptjError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
+# A temporary folder's name records its owner: `.TARGET.tmp-HOST-PID-XXXXXXXX` (XXXXXXXX:
+# mkdtemp's random part), so that a later run can tell a leftover of a killed run (its pid dead on
+# this host) from a folder a live run is still filling. One without an owner it can check (another
+# host sharing the folder, or a name from before owners were recorded) is a leftover only once
+# nothing in it has changed for STALE_S: a live writer touches its files far more often.
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+STALE_S = 3600.0
+
+
 def temp_sibling(target: Path) -> Path:
-    """A new empty folder beside `target`, to be filled and then moved into place."""
+    """A new empty folder beside `target`, to be filled and then moved into place. Leftovers of
+    killed runs writing the same target are removed first (see remove_leftovers)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_leftovers(target.parent, re.escape(target.name))
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{_HOST}-{os.getpid()}-", dir=target.parent))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, OSError):  # not a pid this system can have
+        return False
+    return True
+
+
+def _last_change(folder: Path) -> float:
+    """The newest mtime of the folder and everything in it."""
+    newest = folder.lstat().st_mtime
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return newest
+
+
+def remove_leftovers(parent: Path, target_re: str, stale_s: float | None = None) -> list[Path]:
+    """Remove the temporary folders temp_sibling made in `parent` for targets whose name matches
+    the regular expression `target_re` and whose run is gone: recorded on this host with a pid that
+    is no longer running, or (owner unknown) unchanged for `stale_s` seconds (STALE_S). Nothing
+    else is touched: not another name, not a file or link, not a live run's folder. Returns those
+    removed."""
+    stale_s = STALE_S if stale_s is None else stale_s
+    pattern = re.compile(rf"\.(?:{target_re})\.tmp-(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>[0-9]+)-)?[a-z0-9_]{{8}}")
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            if m["pid"] is not None and m["host"] == _HOST:
+                gone = int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"]))
+            else:
+                gone = now - _last_change(entry) > stale_s
+        except OSError:  # removed meanwhile (by a concurrent run cleaning the same leftovers)
+            continue
+        if gone:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def move_into_place(tmp: Path, target: Path) -> None:

@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 import types
@@ -471,6 +472,12 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
     _check_model_fits(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if ranks.main:  # what a killed run of this folder left half-written (never a live run's)
+        from gptj.files import remove_leftovers
+
+        remove_leftovers(out / "checkpoints", r"step-[0-9]+")
+        remove_leftovers(out / "data", "train|eval")
+        remove_leftovers(out, re.escape(".final.tmp"))
     found = _checkpoints(out)
     if resume and not found:
         raise GptjError(f"--resume: no checkpoint in {out / 'checkpoints'}")
