@@ -14,7 +14,8 @@ Output folder: the model of the last step trained (a canonical gptj checkpoint: 
 model.safetensors + tokenizer; written at max_steps, and where `stop_after` (`gptj train
 --max-steps`) stops a run early, replaced when --resume goes on), `metrics.jsonl` (one JSON object per logged step and per evaluation),
 `checkpoints/step-NNNNNNN/` (the model, plus `trainer_state.pt`: optimizer state, step and the
-config's fingerprint; written atomically, the last `keep_checkpoints` kept) and `data/` (the
+config's fingerprint; written atomically, the last `keep_checkpoints` kept; `--resume` goes on from the
+newest one that reads whole, warning in one line about each damaged one it skips) and `data/` (the
 prepared token files of raw data sources).
 
 Distributed: under torchrun (or in ranks gptj spawned), `distributed: ddp` wraps the model in
