@@ -188,7 +188,9 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
                         batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
                         request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
                         read_timeout_s=getattr(args, "read_timeout_s", 30.0),
-                        max_connections=getattr(args, "max_connections", 512), api_key=args.api_key, admin_token=getattr(args, "admin_token", None),
+                        max_connections=getattr(args, "max_connections", 512), api_key=args.api_key,
+                        public_metrics=getattr(args, "public_metrics", False),
+                        public_docs=getattr(args, "public_docs", False), admin_token=getattr(args, "admin_token", None),
                         model_root=getattr(args, "model_root", None), dtype=args.dtype, device=args.device,
                         quantize=args.quantize, group_size=args.group_size, kv_slots=args.kv_slots,
                         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
@@ -585,7 +587,12 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
                         "closed (a late body: 408) (default 30)")
     p.add_argument("--max-connections", type=_positive, default=512,
                    help="open connections (and running requests) at most; beyond, 503 (default 512)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /metrics and the API "
+                                      "documents (/docs, /redoc, /openapi.json)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key: serve /metrics without the key (a Prometheus scraper)")
+    p.add_argument("--public-docs", action="store_true",
+                   help="with --api-key: serve /docs, /redoc and /openapi.json without the key")
     p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
                                                       "allows)")
     p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")

@@ -3,13 +3,15 @@
     POST /v1/completions    text or token-id prompts; plain or streamed (server-sent events)
     GET  /v1/models         served models
     GET  /health            200 once every model given at start is loaded; 503 while loading/draining
-    GET  /metrics           Prometheus (gptj.serve.metrics)
+    GET  /metrics           Prometheus (gptj.serve.metrics); needs the API key, if set, unless public_metrics
     POST /admin/models      {name, path}: load a checkpoint under the model root (admin token)
     DELETE /admin/models/N  unload N after its requests finish (admin token)
-    GET  /openapi.json      the schemas of gptj.serve.protocol
+    GET  /openapi.json      the schemas of gptj.serve.protocol (and /docs, /redoc); need the API key,
+                            if set, unless public_docs
 
 Load and faults: each model admits at most max_batch_size + max_queue engine requests; beyond that
-a request gets 429 with Retry-After. A request past request_timeout_s is cancelled (408). A client
+a request gets 429 with Retry-After (from the queue and the measured completion rate: RetryAdvisor
+in gptj.serve.registry). A request past request_timeout_s is cancelled (408). A client
 that disconnects has its requests cancelled, which frees their KV at the engine's next step. On
 SIGTERM the server keeps listening but answers 503 with Retry-After to every new request (/health:
 503 "draining"), lets running ones finish up to drain_timeout_s, answers 503 to those still running
@@ -147,6 +149,37 @@ class Draining:
         await _error(_draining_error())(scope, receive, send)
 
 
+def _has_key(headers, token: str) -> bool:  # noqa: ANN001 - a Mapping of header names to values
+    header = headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+def _key_error(what: str) -> APIError:
+    return APIError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')", code="invalid_api_key")
+
+
+class KeyGate:
+    """ASGI middleware: with an API key set, /metrics and the API's documents (/docs, /redoc,
+    /openapi.json) need it too, unless the server made them public (--public-metrics, --public-docs).
+    (The /v1 routes check the key themselves; /health stays open for load balancers.)"""
+
+    DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+    def __init__(self, app, cfg: ServerConfig) -> None:  # noqa: ANN001 - an ASGI app
+        self.app, self.cfg = app, cfg
+        self.gated = set() if cfg.api_key is None else \
+            ({"/metrics"} if not cfg.public_metrics else set()) | (set(self.DOCS) if not cfg.public_docs else set())
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http" or scope["path"] not in self.gated:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if _has_key(headers, self.cfg.api_key):
+            return await self.app(scope, receive, send)
+        await _error(_key_error("API key"))(scope, receive, send)
+
+
 class ServerState:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -222,22 +255,66 @@ def _path_error(path: str, e: OSError | ValueError) -> APIError:
     return APIError(400, f"path {_shown(path)}: not a usable model folder ({why})", "path")
 
 
+# What a field of a union type takes, as its 400 says when a value fits none of its forms (pydantic
+# names the forms by internal tags: "prompt.constrained-str: Input should be a valid string").
+UNION_EXPECTED = {
+    "prompt": "expected a string, a list of strings, a list of token ids (integers >= 0) or a list of such lists",
+    "stop": "expected a string (1-1000 characters) or a list of such strings",
+    "early_stopping": 'expected true, false or "never"',
+}
+# pydantic's type errors, as a user reads them
+_EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an integer", "string_type": "expected a string",
+             "bool_type": "expected true or false", "float_type": "expected a number", "list_type": "expected a list",
+             "dict_type": "expected an object", "model_type": "expected an object",
+             "model_attributes_type": "expected an object", "int_from_float": "expected an integer"}
+# OpenAI's fields gptj accepts only at their neutral values (protocol.CompletionRequest)
+NEUTRAL_ONLY = {"logit_bias": "not supported by gptj: only {} or null", "frequency_penalty": "not supported by "
+                "gptj: only 0 or null", "presence_penalty": "not supported by gptj: only 0 or null"}
+_TYPE_ERRORS = set(_EXPECTED) | {"literal_error", "enum", "none_required", "is_instance_of"}
+
+
+def _where(field: str, rest: tuple) -> str:
+    """A location as the user wrote it: prompt[0][3], stream_options.include_usage."""
+    return field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = tuple(p for p in err.get("loc", ()) if p != "body")
     if err.get("type") == "json_invalid":
         return f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     if err.get("type") == "extra_forbidden":
-        return f"unknown field {'.'.join(loc)!r}", ".".join(loc) or None
+        where = _where(str(loc[0]), loc[1:]) if loc else "?"
+        return f"unknown field {where!r}", where
     if not loc:
-        return f"request body: {'a JSON object is required' if err.get('type') == 'missing' else err.get('msg')}", None
+        return ("request body: a JSON object is required" if err.get("type") in ("missing", *_EXPECTED)
+                else f"request body: {err.get('msg')}"), None
+    field = str(loc[0])
+    if field in NEUTRAL_ONLY and len(loc) == 1 and err.get("type") not in _TYPE_ERRORS:
+        return f"{field}: {NEUTRAL_ONLY[field]}", field
     if err.get("type") == "missing":
-        return f"{'.'.join(loc)}: field required", ".".join(loc)
-    field = ".".join(p for p in loc if not p.startswith(("function-", "list[", "json-or-python"))) or "body"
-    return f"{field}: {err.get('msg', 'invalid value')}", field if field != "body" else None
+        where = _where(field, loc[1:])
+        return f"{where}: field required", where
+    if field in UNION_EXPECTED and len(loc) > 1:
+        # pydantic tried each form (loc[1] names it): if the value has one form's shape and breaks only
+        # its limits (a length, a bound), say which; if it has no form's shape, say what the forms are.
+        forms: dict[str, list[dict]] = {}
+        for e in errors:
+            e_loc = tuple(p for p in e.get("loc", ()) if p != "body")
+            if len(e_loc) > 1 and e_loc[0] == field:
+                forms.setdefault(str(e_loc[1]), []).append(e)
+        for form_errors in forms.values():
+            if all(e.get("type") not in _TYPE_ERRORS for e in form_errors):
+                e = form_errors[0]
+                where = _where(field, tuple(p for p in e["loc"] if p != "body")[2:])
+                return f"{where}: {e.get('msg', 'invalid value')}", field
+        return f"{field}: {UNION_EXPECTED[field]}", field
+    where = _where(field, loc[1:])
+    what = _EXPECTED.get(err.get("type", ""), err.get("msg", "invalid value"))
+    return f"{where}: {what}", where
 
 
 def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
@@ -258,6 +335,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="gptj", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible completions over gptj's GPT-J engine.")
     app.state.gptj = state
+    app.add_middleware(KeyGate, cfg=cfg)
     app.add_middleware(BodyLimit, limit=state.body_limit, read_timeout_s=cfg.read_timeout_s)
     app.add_middleware(Draining, state=state)  # outermost: a draining server reads no body
 
@@ -289,10 +367,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     def check_key(request: Request, token: str | None, what: str) -> None:
         if token is None:
             return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise APIError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')", code="invalid_api_key")
+        if not _has_key(request.headers, token):
+            raise _key_error(what)
 
     def check_admin(request: Request) -> None:
         if cfg.admin_token is None:
@@ -333,8 +409,10 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             # expensive part: an invalid or unadmitted request costs the server next to nothing.
             n_jobs = precheck(body, served)
             if not served.admit(n_jobs):
+                wait = served.retry_after(n_jobs)
                 raise APIError(429, f"model {served.name!r} is at capacity ({served.capacity} requests running "
-                                    "or queued); retry later", code="queue_full", headers={"Retry-After": "1"})
+                                    f"or queued); retry in {wait} s", code="queue_full",
+                               headers={"Retry-After": str(wait)})
             admitted = n_jobs
             # Tokenizing long texts takes a while: off the event loop, on the server's own small
             # executor, so that however many requests tokenize at once they take one thread's share

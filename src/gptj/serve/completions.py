@@ -319,7 +319,7 @@ class Completion:
 
         def release() -> None:
             try:
-                aloop.call_soon_threadsafe(served.release, 1)
+                aloop.call_soon_threadsafe(served.finished, 1)
             except RuntimeError:
                 pass
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import heapq
 import json
+import math
 import os
 import re
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,10 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     max_connections: int = 512  # open connections (and running requests) at most; beyond: 503
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes when set
+    # with an api_key: /metrics, and the API's documents (/docs, /redoc, /openapi.json), need it too
+    # unless made public (a Prometheus scraper without the key; docs for anyone who can reach the port)
+    public_metrics: bool = False
+    public_docs: bool = False
     admin_token: str | None = None  # enables /admin routes (same header)
     model_root: str | None = None  # admin loads must lie under it (default: the working directory)
     dtype: str = "float32"
@@ -96,6 +104,61 @@ def parse_model_arg(text: str) -> tuple[str, str]:
     return name, path
 
 
+# Retry-After never says more than this (a client may always come back sooner than a long outage).
+MAX_RETRY_AFTER_S = 60
+
+
+class RetryAdvisor:
+    """What a refused request (429) is told to wait: Retry-After, from the queue and the measured rate.
+
+    The rate is completions (engine requests finished) per second over the last `window` of them,
+    counted from when the model last became busy (so an idle hour does not read as a slow engine),
+    and measured up to now (so a stalled engine reads as a slow one). A refused request needing k
+    places waits until `excess` places have freed (outstanding + k - capacity) plus those promised to
+    requests refused before it and not yet due back: wait = (excess + promised) / rate, rounded up to
+    whole seconds and clamped to [1, MAX_RETRY_AFTER_S]; it is then promised its k places at that time.
+    So refused clients come back spread over the time the engine needs to make room for them, instead
+    of all at once a second later (where all but a few are refused again). With no rate measured yet
+    (a model that has finished nothing since it became busy) the answer is 1 s and nothing is promised.
+
+    Event loop thread only, like ServedModel's counts; `clock` is injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window: int = 64,
+                 max_s: int = MAX_RETRY_AFTER_S) -> None:
+        self.clock, self.max_s = clock, max_s
+        self.times: deque[float] = deque(maxlen=window + 1)  # [busy start or oldest kept, completions...]
+        self.promised: list[tuple[float, int]] = []  # heap of (due time, places)
+
+    def busy(self) -> None:
+        """The model went from idle to busy: measure from now."""
+        self.times.clear()
+        self.times.append(self.clock())
+
+    def completed(self, k: int = 1) -> None:
+        now = self.clock()
+        if not self.times:
+            self.times.append(now)
+        self.times.extend([now] * k)
+
+    def rate(self) -> float | None:
+        """Completions per second since the oldest kept time, or None if none measured."""
+        span = self.clock() - self.times[0] if self.times else 0.0
+        done = len(self.times) - 1
+        return done / span if done > 0 and span > 0 else None
+
+    def retry_after(self, excess: int, k: int) -> int:
+        now = self.clock()
+        while self.promised and self.promised[0][0] <= now:
+            heapq.heappop(self.promised)
+        rate = self.rate()
+        if rate is None:
+            return 1
+        ahead = max(excess, 0) + sum(places for _, places in self.promised)
+        wait = min(self.max_s, max(1, math.ceil(ahead / rate)))
+        heapq.heappush(self.promised, (now + wait, k))
+        return wait
+
+
 @dataclass(eq=False)
 class ServedModel:
     name: str
@@ -111,14 +174,26 @@ class ServedModel:
     unloading: bool = False
     # the most UTF-8 bytes one token covers (None: no such bound holds; see token_bytes_bound)
     max_token_bytes: int | None = None
+    retry: RetryAdvisor = field(default_factory=RetryAdvisor)
     _idle: asyncio.Event | None = None
 
     def admit(self, k: int) -> bool:
         """Take k places if there is room (the event loop's thread only)."""
         if self.outstanding + k > self.capacity:
             return False
+        if self.outstanding == 0:
+            self.retry.busy()
         self.outstanding += k
         return True
+
+    def retry_after(self, k: int) -> int:
+        """Seconds a request refused for want of k places should wait (see RetryAdvisor)."""
+        return self.retry.retry_after(self.outstanding + k - self.capacity, k)
+
+    def finished(self, k: int = 1) -> None:
+        """k engine requests ended (done, failed or cancelled): their places free, the rate is measured."""
+        self.retry.completed(k)
+        self.release(k)
 
     def release(self, k: int) -> None:
         self.outstanding -= k
