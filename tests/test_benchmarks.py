@@ -178,6 +178,14 @@ def check_ray_serve(out: dict, err: str) -> None:
         _check_load(result)
 
 
+def check_soak(out: dict, err: str) -> None:
+    assert (out["clients"], out["requests_per_client"], out["requests"]) == (4, 2, 8)
+    assert out["completed"] == 8 and out["lost"] == 0 and out["ok"] is True, out
+    assert out["attempts"]["total"] >= 8 and 1 <= out["attempts"]["p50"] <= 3
+    assert positive(out["latency_s"]["p50"]) and out["latency_s"]["p50"] <= out["latency_s"]["p90"]
+    assert sum(out["statuses"].values()) == out["attempts"]["total"] and out["statuses"]["200"] == 8
+
+
 def check_train_step(out: dict, err: str) -> None:
     # random weights: the first loss is about ln(vocab), the same for both models (the script checks that)
     assert abs(out["initial_loss"] - math.log(50400)) < 1.0, out["initial_loss"]
@@ -219,6 +227,8 @@ SMOKE: dict[str, Job] = {
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
+    "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
+                                              "--json"], check_soak),
     "train_step.py": Job("train_step.py", lambda m, tmp: ["--smoke", "--json"], check_train_step),
 }
 # more runs of a script, for a path its smoke run does not take
