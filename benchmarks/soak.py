@@ -153,7 +153,8 @@ def tiny_model():  # noqa: ANN201 - a context yielding "tiny=DIR"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", help="a running gptj server (default: start one)")
     where.add_argument("--model", help="NAME=DIR: start `gptj serve --model NAME=DIR` (default: a tiny random model)")

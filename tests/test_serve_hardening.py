@@ -23,7 +23,8 @@ from serve_util import server_thread
 
 # --- item 10: validation messages ----------------------------------------------------------------
 
-PROMPT_EXPECTED = "prompt: expected a string, a list of strings, a list of token ids (integers >= 0) or a list of such lists"
+PROMPT_EXPECTED = ("prompt: expected a string, a list of strings, a list of token ids (integers >= 0) "
+                   "or a list of such lists")
 
 
 @pytest.fixture(scope="module")

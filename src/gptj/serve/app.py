@@ -263,7 +263,8 @@ UNION_EXPECTED = {
     "early_stopping": 'expected true, false or "never"',
 }
 # pydantic's type errors, as a user reads them
-_EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an integer", "string_type": "expected a string",
+_EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an integer",
+             "string_type": "expected a string",
              "bool_type": "expected true or false", "float_type": "expected a number", "list_type": "expected a list",
              "dict_type": "expected an object", "model_type": "expected an object",
              "model_attributes_type": "expected an object", "int_from_float": "expected an integer"}
