@@ -32,7 +32,8 @@ from gptj.weights.io import load_model, model_from_state_dict, random_state_dict
 
 # Layers dominate (a small vocab): a layer is 12 E^2 weights, lm_head E x V; 4 layers make holding
 # them all (the old behaviour) 4x the bound.
-CFG = GPTJConfig(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=8, rotary_dim=16, n_inner=1024)
+CFG = GPTJConfig(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=8, rotary_dim=16, n_inner=1024,
+                 bos_token_id=0, eos_token_id=0)
 
 
 def _unit_bytes(cfg: GPTJConfig, elem: int) -> int:

@@ -19,7 +19,8 @@ from gptj.errors import GptjError
 from gptj.parallel.tp import shard_model
 from gptj.weights.io import model_from_state_dict, random_state_dict
 
-CFG = GPTJConfig(n_layer=3, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=128, vocab_size=512)
+CFG = GPTJConfig(n_layer=3, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=128, vocab_size=512,
+                 bos_token_id=0, eos_token_id=0)
 PROMPTS = [[5, 17, 300, 42, 9], [7, 7, 100]]
 GENS = {"greedy": GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0),
         "beam": GenerationConfig(max_new_tokens=8, num_beams=3, eos_token_id=None, pad_token_id=0),
@@ -165,7 +166,8 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
     from gptj.parallel.tp import load_rank, shard_file, shard_state_dict
     from gptj.weights.io import load_model, save_checkpoint
 
-    cfg = CFG.replace(vocab_size=50400)  # GPT-J's, so that generate's EOS is in the vocabulary
+    # GPT-J's vocabulary and EOS, so that generate's EOS is in the vocabulary
+    cfg = CFG.replace(vocab_size=50400, bos_token_id=50256, eos_token_id=50256)
     src = save_checkpoint(random_state_dict(cfg, seed=11, std=0.3), cfg, tmp_path / "src")
     out = tmp_path / "converted"
     assert main(["convert", str(src), "--out", str(out), "--tp", "2", "--quiet"]) == 0
