@@ -573,6 +573,24 @@ def test_admin_paths_that_are_not_paths_are_400(server):
     assert call(server.url, "GET", "/health")[0] == 200
 
 
+@pytest.mark.parametrize("field, value", [("n_layer", 10**9), ("n_positions", 10**10), ("eos_token_id", -1)])
+def test_publishing_a_hostile_config_is_a_400_naming_the_field(server, models, field, value):
+    """A config.json alone could make the server allocate without bound (issue 16): it is refused
+    before anything is built, and the server goes on serving."""
+    import shutil
+
+    folder = models / f"hostile-{field}"
+    if not folder.exists():
+        shutil.copytree(models / "tiny", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {field: value}))
+    status, out, _ = call(server.url, body={"name": "hostile", "path": str(folder)}, path="/admin/models",
+                          headers={"Authorization": "Bearer adm"})
+    assert status == 400 and field in out["error"]["message"], out
+    assert call(server.url, "GET", "/health")[0] == 200
+    assert sorted(m["id"] for m in call(server.url, "GET", "/v1/models")[1]["data"]) == ["other", "tiny"]
+
+
 def test_admin_disabled_without_token(models):
     with running_server({"tiny": models / "tiny"}) as url:
         status, out, _ = call(url, body={"name": "x", "path": str(models / "tiny")}, path="/admin/models")
