@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gptj import quant
+from gptj import quant, quant_report
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.model import build_model
@@ -349,7 +349,7 @@ def test_bad_quantized_checkpoint_is_refused(tmp_path, q8_ckpt, how, message):
 
 
 def test_quantization_report(float_ckpt):
-    rep = quant.quantization_report(float_ckpt, modes=("int8", "int4"), n_prompts=2, max_tokens=24, group_size=G)
+    rep = quant_report.quantization_report(float_ckpt, modes=("int8", "int4"), n_prompts=2, max_tokens=24, group_size=G)
     assert rep["prompts"] == 2 and rep["positions"] == 48 and rep["dtype"] == "bfloat16"
     assert list(rep["modes"]) == ["bfloat16", "int8", "int4"]  # the unquantized bfloat16 model as a yardstick
     for mode in ("bfloat16", "int8", "int4"):
@@ -359,7 +359,7 @@ def test_quantization_report(float_ckpt):
         assert r["weight_bytes"] < rep["float32_weight_bytes"]
     assert rep["modes"]["int8"]["mean_abs_logit_error"] < rep["modes"]["int4"]["mean_abs_logit_error"]
     assert rep["modes"]["int4"]["weight_bytes"] < rep["modes"]["int8"]["weight_bytes"]
-    text = quant.format_report(rep)
+    text = quant_report.format_report(rep)
     assert "int8" in text and "int4" in text and "top-1" in text
     json.dumps(rep)  # plain JSON
 
@@ -387,7 +387,7 @@ def test_quantization_report_defaults_run_on_the_tiny_preset(tmp_path, capsys):
 
 def test_quantization_report_refuses_quantized_checkpoints(q8_ckpt):
     with pytest.raises(GptjError, match="needs a float checkpoint"):
-        quant.quantization_report(q8_ckpt, prompts=[[1, 2, 3]])
+        quant_report.quantization_report(q8_ckpt, prompts=[[1, 2, 3]])
 
 
 def test_bfloat16_int8_linear_with_bias_at_decode_rows(kernel_path):

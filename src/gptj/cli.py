@@ -410,7 +410,7 @@ def _modes(text: str) -> list[str]:
 
 
 def cmd_quant_report(args: argparse.Namespace) -> int:
-    from gptj.quant import format_report, quantization_report
+    from gptj.quant_report import format_report, quantization_report
     from gptj.runtime import parse_dtype, resolve_device
 
     report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,

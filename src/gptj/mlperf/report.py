@@ -16,7 +16,7 @@ from gptj.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
     from gptj.mlperf.dataset import Dataset
-    from gptj.mlperf.run import MLPerfConfig, RunResult
+    from gptj.mlperf.config import MLPerfConfig, RunResult
 
 # The headline metric of each scenario, as LoadGen's summary names it.
 METRIC_KEYS = {

@@ -1,0 +1,100 @@
+"""The plain data of one `gptj mlperf` run: its settings (MLPerfConfig), the compute threads it
+chose (Threads) and what it produced (RunResult). run.py does the run; report.py writes it up;
+both import these from here, below either of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gptj.decode import GenerationConfig
+from gptj.errors import GptjError
+from gptj.mlperf.sut import SCENARIOS, Batching, default_batching
+
+MODES = ("performance", "accuracy")
+MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf
+
+
+@dataclass
+class MLPerfConfig:
+    model: Path | None = None  # the model folder; with `server`, optional (tokenizer and notes only)
+    scenario: str = "Offline"
+    mode: str = "accuracy"
+    dataset: Path | None = None  # None: the bundled sample set
+    max_examples: int | None = None
+    log_dir: Path | None = None  # None: mlperf-logs/<timestamp>-<scenario>-<mode>
+    user_conf: Path | None = None
+    target_qps: float | None = None
+    target_latency_ms: float | None = None
+    min_duration_ms: int | None = None
+    min_query_count: int | None = None
+    max_batch_size: int | None = None
+    batch_wait_ms: float | None = None
+    gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
+    kv_slots: int | None = None  # None: enough for max_batch_size samples
+    quantize: str | None = None  # "int8" / "int4": weight-only, on load
+    compile: str = "auto"  # the engine's decode attention by torch.compile: auto / on / off
+    kernels: str = "auto"  # the engine's fused blocks and packed weights: auto / off
+    group_size: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None  # torch compute threads; None: the usable cores less THREAD_RESERVE
+    progress: bool = True
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    server: str | None = None  # a gptj server's URL: run the samples there, over HTTP
+    server_model: str | None = None  # which of its models (None: the only one it serves)
+    server_concurrency: int = 64  # requests in flight at once
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.server is None:
+            raise GptjError("give a model folder (--model DIR), or a server to run against (--server URL)")
+        if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \
+                self.server_concurrency < 1:
+            raise GptjError(f"server_concurrency must be an integer >= 1, got {self.server_concurrency!r}")
+        if self.scenario not in SCENARIOS:
+            raise GptjError(f"unknown scenario {self.scenario!r} (choose from {', '.join(SCENARIOS)})")
+        if self.mode not in MODES:
+            raise GptjError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.threads is not None:
+            from gptj.runtime import compute_threads
+
+            compute_threads(self.threads)  # a bad value fails here, in one line
+        if self.user_conf is not None and not Path(self.user_conf).is_file():
+            raise GptjError(f"{self.user_conf}: user.conf not found")
+
+    @property
+    def batching(self) -> Batching:
+        # A server batches by itself: the SUT forwards each sample at once instead of holding it.
+        wait_ms = 0.0 if self.server is not None and self.batch_wait_ms is None else self.batch_wait_ms
+        return default_batching(self.scenario, self.max_batch_size, wait_ms)
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The compute threads a run used, and why."""
+
+    compute: int
+    requested: int | None  # --threads
+    usable_cores: int
+    reserve: int  # cores kept for LoadGen and the SUT (0 when --threads decides)
+    why: str
+    engine_thread: int | None = None  # torch.get_num_threads() on the engine's thread (None: remote)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class RunResult:
+    log_dir: Path
+    result_line: str | None  # LoadGen's "Result is : VALID" line (performance mode)
+    metric: str | None  # the scenario's headline number, as LoadGen printed it
+    accuracy: object | None  # EvaluationResult (accuracy mode)
+    stats: object  # SUTStats
+    notes: list[str]
+    remote: dict | None = None  # with a server: its url, model, max_model_len, concurrency, 429 retries
+    threads: Threads | None = None
+    interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
+    settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
