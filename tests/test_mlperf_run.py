@@ -12,6 +12,7 @@ from gptj.decode import GenerationConfig, generate
 from gptj.mlperf.dataset import Dataset
 from gptj.mlperf import run as mlperf_run  # its test_settings() is no pytest test
 from gptj.mlperf.run import MLPerfConfig, planned_queries
+from gptj.runtime import RESERVED_CORES
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
 
@@ -164,7 +165,7 @@ def test_compute_threads_are_chosen_honoured_and_recorded(model_dir, tmp_path, c
     recorded = json.loads((log_dir / "run.json").read_text())["threads"]
     cores = len(os.sched_getaffinity(0))
     if threads is None:  # the usable cores less the one kept for LoadGen and the SUT
-        assert recorded["compute"] == max(1, cores - mlperf_run.THREAD_RESERVE) and recorded["requested"] is None
+        assert recorded["compute"] == max(1, cores - RESERVED_CORES) and recorded["requested"] is None
         assert recorded["why"].startswith("default")
     else:
         assert recorded["compute"] == recorded["requested"] == threads and recorded["why"] == "requested (--threads)"

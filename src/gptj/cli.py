@@ -241,9 +241,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from gptj.runtime import compute_threads
-    from gptj.serve.registry import SERVE_RESERVED_CORES
+    from gptj.runtime import RESERVED_CORES
 
-    serve(replace(cfg, threads=compute_threads(args.threads, reserve=SERVE_RESERVED_CORES)), log_level=args.log_level)
+    serve(replace(cfg, threads=compute_threads(args.threads, reserve=RESERVED_CORES)), log_level=args.log_level)
     return 0
 
 

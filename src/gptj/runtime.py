@@ -74,6 +74,15 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# Cores a command that has threads besides the compute keeps for them when --threads is not given:
+# `gptj mlperf` for LoadGen's issuing and logging threads and the SUT's; `gptj serve` for the event
+# loop (HTTP, tokenizing, streaming). torch's OpenMP workers spin while they wait for work, so on few
+# cores such a thread waits whole time slices behind them. On 2 busy cores, every core computing was
+# 5-30x slower; on a quiet one, keeping a core cost up to a third of Offline throughput
+# (docs/PERFORMANCE.md, "Threads in gptj mlperf" and "Threads in gptj serve").
+RESERVED_CORES = 1
+
+
 def compute_threads(requested: int | None = None, reserve: int = 0) -> int:
     """How many threads torch computes with: `requested` (--threads) if given, else the usable cores
     less `reserve` (cores left to threads that must stay responsive beside the compute: LoadGen's,

@@ -40,7 +40,7 @@ class MLPerfConfig:
     group_size: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    threads: int | None = None  # torch compute threads; None: the usable cores less THREAD_RESERVE
+    threads: int | None = None  # torch compute threads; None: the usable cores less runtime.RESERVED_CORES
     progress: bool = True
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     server: str | None = None  # a gptj server's URL: run the samples there, over HTTP

@@ -30,32 +30,24 @@ from gptj.errors import GptjError
 from gptj.mlperf.remote import API_KEY_ENV  # with `server`: sent as "Authorization: Bearer KEY" (kept out of the logs)
 from gptj.mlperf.config import MODEL_NAME, MLPerfConfig, RunResult, Threads
 
-# Cores left to the threads beside the compute when --threads is not given: LoadGen's issue and
-# logging threads, the SUT's batching thread and the completions. torch's OpenMP workers spin while
-# they wait for work, so on few cores a thread that needs a core now and then waits a time slice
-# behind them (docs/PERFORMANCE.md, "Threads in gptj mlperf": on 2 cores one compute thread was
-# faster than two in every scenario).
-THREAD_RESERVE = 1
-
-
 def choose_threads(cfg: MLPerfConfig) -> Threads:
-    """--threads if given; else the usable cores less THREAD_RESERVE; under --tp/--pp, this rank's
+    """--threads if given; else the usable cores less RESERVED_CORES; under --tp/--pp, this rank's
     share of the cores (as the launcher set it), less the reserve."""
     import torch
 
     from gptj.parallel import lockstep
-    from gptj.runtime import compute_threads, usable_cores
+    from gptj.runtime import RESERVED_CORES, compute_threads, usable_cores
 
     cores = usable_cores()
     if cfg.threads is not None:
         return Threads(compute_threads(cfg.threads), cfg.threads, cores, 0, "requested (--threads)")
     if lockstep.active():
         share = torch.get_num_threads()
-        return Threads(max(1, share - THREAD_RESERVE), None, cores, THREAD_RESERVE,
-                       f"default: this rank's share of {share} of the {cores} usable cores, less {THREAD_RESERVE} "
+        return Threads(max(1, share - RESERVED_CORES), None, cores, RESERVED_CORES,
+                       f"default: this rank's share of {share} of the {cores} usable cores, less {RESERVED_CORES} "
                        "kept for LoadGen and the SUT")
-    return Threads(compute_threads(None, THREAD_RESERVE), None, cores, THREAD_RESERVE,
-                   f"default: the {cores} usable cores less {THREAD_RESERVE} kept for LoadGen and the SUT")
+    return Threads(compute_threads(None, RESERVED_CORES), None, cores, RESERVED_CORES,
+                   f"default: the {cores} usable cores less {RESERVED_CORES} kept for LoadGen and the SUT")
 
 
 def official_differences(gen: GenerationConfig) -> list[str]:

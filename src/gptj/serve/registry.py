@@ -26,13 +26,6 @@ from gptj.errors import GptjError
 from gptj.serve.protocol import MODEL_NAME
 
 
-# `gptj serve`'s default threads leave this many cores to the event loop (HTTP, tokenizing,
-# streaming): torch's OpenMP threads spin while they wait, and an event loop sharing their cores
-# waits whole time slices to answer. On 2 busy cores, 16 concurrent requests finished 5-15x sooner
-# with 1 compute thread than with 2 (tiny and small presets; docs/PERFORMANCE.md, "Threads").
-SERVE_RESERVED_CORES = 1
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     models: tuple[tuple[str, str], ...] = ()  # (name, checkpoint folder), loaded at start
@@ -63,13 +56,14 @@ class ServerConfig:
     compile: str = "auto"
     kernels: str = "auto"
     # torch compute threads, set where the engine is built (None: leave torch's setting; `gptj serve`
-    # passes the usable cores less SERVE_RESERVED_CORES); split over the ranks under --tp/--pp
+    # passes the usable cores less runtime.RESERVED_CORES); split over the ranks under --tp/--pp
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise GptjError(f"server threads must be an integer >= 1, got {self.threads!r}")
+        if self.threads is not None:
+            from gptj.runtime import compute_threads
+
+            compute_threads(self.threads)  # a bad value fails here, in one line
         for name in ("max_batch_size", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "max_batch_size" else 0):
