@@ -85,12 +85,8 @@ RESERVED_CORES = 1
 
 def compute_threads(requested: int | None = None, reserve: int = 0) -> int:
     """How many threads torch computes with: `requested` (--threads) if given, else the usable cores
-    less `reserve` (cores left to threads that must stay responsive beside the compute: LoadGen's,
-    a server's event loop), and at least 1.
-
-    torch's OpenMP workers spin while they wait for work; on a machine with few cores, a thread that
-    needs a core now and then (LoadGen issuing a query, the SUT answering it) then waits for a
-    whole time slice behind them (docs/PERFORMANCE.md, "Threads")."""
+    less `reserve` (cores left to threads that must stay responsive beside the compute: see
+    RESERVED_CORES), and at least 1."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise GptjError(f"threads must be an integer >= 1, got {requested!r}")
