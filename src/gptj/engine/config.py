@@ -1,0 +1,149 @@
+"""How an engine is sized: `EngineConfig` (what was asked) and `plan_kv` (the one rule that turns it,
+the model and the free memory into a `KVPlan`: blocks, tokens per sequence, sequences per step).
+
+KV memory is paged (engine/kv.py): `n_blocks` blocks of `block_size` tokens, each holding every
+layer's keys and values for those tokens. A sequence takes blocks as it grows, so a 300-token
+prompt holds 300 tokens' worth, not the longest prompt's; requests are admitted by free blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gptj.config import GPTJConfig
+from gptj.errors import GptjError
+
+COMPILE_MODES = ("auto", "on", "off")
+KERNEL_MODES = ("auto", "off")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_MAX_SEQS = 256  # running sequences per step when nothing else bounds them (vLLM's max_num_seqs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_seqs: int | None = None  # sequences running at once (beams count each); None: as KV memory allows
+    max_len: int | None = None  # prompt + new tokens per sequence; None: the model's n_positions
+    kv_blocks: int | None = None  # KV blocks; None: max_seqs full-length sequences, within memory_fraction
+    block_size: int = 16  # tokens per KV block
+    prefix_caching: bool = True  # reuse full blocks of a prompt prefix computed before
+    memory_fraction: float = 0.5  # of free memory, at most, when sizing KV blocks from it
+    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prompt)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step, in chunks; None: whole prompts
+    kernels: str = "auto"  # decode attention by gptj.native when it can ("auto"), or never ("off")
+    compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "max_len", "kv_blocks", "prefill_chunk"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise GptjError(f"engine {name} must be a positive integer, got {value!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise GptjError(f"engine block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, "
+                            f"got {self.block_size!r}")
+        if self.max_prefill_tokens < 1:
+            raise GptjError(f"engine max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.kernels not in KERNEL_MODES:
+            raise GptjError(f"engine kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.compile not in COMPILE_MODES:
+            raise GptjError(f"engine compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise GptjError(f"engine memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """An engine's size, decided once by `plan_kv`."""
+
+    block_size: int
+    n_blocks: int
+    max_len: int  # prompt + new tokens per sequence
+    max_seqs: int  # sequences running at once
+    block_bytes: int  # one block, all layers, keys and values
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one sequence of max_len tokens takes."""
+        return math.ceil(self.max_len / self.block_size)
+
+    @property
+    def tokens(self) -> int:
+        return self.n_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.n_blocks * self.block_bytes
+
+
+def kv_bytes_per_token(config: GPTJConfig, dtype: torch.dtype, n_head: int | None = None) -> int:
+    """Bytes of keys + values one token takes over all layers (n_head: this rank's heads)."""
+    heads = n_head or config.n_head
+    return 2 * config.n_layer * heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory now: CUDA's free bytes, or MemAvailable from /proc/meminfo."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def plan_kv(model_config: GPTJConfig, kv_dtype: torch.dtype, device: torch.device | str, cfg: EngineConfig,
+            n_head: int | None = None, free_bytes: int | None = None) -> KVPlan:
+    """The engine's KV blocks and limits; the only place they are derived.
+
+    n_blocks: `kv_blocks` when given; else enough for `max_seqs` (default DEFAULT_MAX_SEQS) sequences
+    of max_len tokens, but at most memory_fraction of the free memory, and at least one sequence of
+    max_len tokens (a request that fits max_len must be able to run alone).
+    max_seqs: as given, else DEFAULT_MAX_SEQS, but no more than the blocks can start (one each).
+    """
+    device = torch.device(device)
+    B = cfg.block_size
+    max_len = min(cfg.max_len or model_config.n_positions, model_config.n_positions)
+    block_bytes = kv_bytes_per_token(model_config, kv_dtype, n_head) * B
+    per_seq = math.ceil(max_len / B)
+    if cfg.kv_blocks is not None:
+        n_blocks = cfg.kv_blocks
+    else:
+        free = available_memory_bytes(device) if free_bytes is None else free_bytes
+        n_blocks = min((cfg.max_seqs or DEFAULT_MAX_SEQS) * per_seq, int(free * cfg.memory_fraction) // block_bytes)
+        n_blocks = max(n_blocks, per_seq)
+    max_seqs = cfg.max_seqs or min(DEFAULT_MAX_SEQS, n_blocks)
+    return KVPlan(B, n_blocks, max_len, max_seqs, block_bytes)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What serve, metrics and tests read of an engine (a snapshot; cheap to take)."""
+
+    waiting: int  # requests admitted to the engine, not yet running
+    running: int  # requests running
+    running_seqs: int  # their sequences (beams count each)
+    max_seqs: int
+    max_len: int
+    blocks_total: int
+    blocks_free: int  # free now, counting cached blocks no request holds (they can be evicted)
+    blocks_cached: int  # blocks that hold a reusable prompt prefix (held or not)
+    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # of which found
+    preemptions: int  # times a request's blocks were taken back for older ones
+    steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.blocks_free / self.blocks_total
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0

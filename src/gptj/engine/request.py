@@ -1,0 +1,124 @@
+"""What the engine's parts pass around: a request, its status, and the operations a loop applies.
+
+A `Request` holds what was asked (prompt, generation settings, callbacks), what came out (tokens,
+log-probabilities, the finish reason) and the engine's bookkeeping for it (`Sequence`s and their
+KV blocks, beam state). Operations (`AddRequest`, `AbortRequest`) are how a loop, or the leader
+of a parallel job, tells an engine what to do; they are plain, picklable data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from gptj.decode import BeamSearch, GenerationConfig
+
+
+class Status(str, Enum):
+    """A request's state; a str, so `status == "failed"` reads as it did."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WAITING, RUNNING, FINISHED, ABORTED, FAILED = (Status.WAITING, Status.RUNNING, Status.FINISHED, Status.ABORTED,
+                                               Status.FAILED)
+DONE = (FINISHED, ABORTED, FAILED)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    """One sequence's KV memory: its block table (block ids, position // block_size) and how many
+    tokens those blocks hold. A beam group's sequences share their leading `shared` blocks (the
+    prompt's full blocks) and own the rest."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens stored
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    gen: GenerationConfig
+    on_token: Callable[[Request, int], None] | None = None  # each final new token (greedy/sampled)
+    on_finish: Callable[[Request], None] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = WAITING
+    output: list[int] = field(default_factory=list)  # new tokens (for beams: the best, at the end)
+    finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error"
+    error: str | None = None
+    score: float | None = None  # beam search: the best hypothesis's score
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # log-probabilities (log_softmax of the raw logits, float32), computed only when asked for
+    logprobs: int | None = None  # top alternatives per new token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
+    prompt_token_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    hypotheses: list[tuple[list[int], float]] = field(default_factory=list)  # beam search: best first
+    # --- the engine's state ---
+    seqs: list[Sequence] = field(default_factory=list)  # one per beam (greedy, sampled: one)
+    shared: int = 0  # leading blocks every sequence of the group shares (beam search: the prompt's full ones)
+    n_computed: int = 0  # tokens (prompt, then recomputed output) whose keys/values are stored
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    next_tokens: list[int] = field(default_factory=list)  # to feed at the next step, one per sequence
+    beam: BeamSearch | None = None
+    generator: torch.Generator | None = None
+    preemptions: int = 0  # times its memory was taken back to let older requests go on
+
+    @property
+    def n_seqs(self) -> int:
+        return self.gen.num_beams
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE
+
+    @property
+    def n_prefilled(self) -> int:
+        """Prompt tokens in KV (chunked prefill: < len(prompt) for a while)."""
+        return min(self.n_computed, len(self.prompt))
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens a greedy or sampled sequence has seen: its prompt and its output so far."""
+        return self.prompt + self.output
+
+
+# --- operations: what a loop (or a parallel job's leader) applies to an engine ---------------------
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: list[int]
+    gen: GenerationConfig
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+Operation = AddRequest | AbortRequest
