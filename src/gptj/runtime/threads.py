@@ -1,0 +1,48 @@
+"""How many threads torch computes with: the usable cores, the cores kept beside the compute, --threads.
+
+torch is imported inside the functions so that `gptj --help` starts without it.
+"""
+
+from __future__ import annotations
+
+from gptj.errors import GptjError
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a container's or taskset's share)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+# Cores a command that has threads besides the compute keeps for them when --threads is not given:
+# `gptj mlperf` for LoadGen's issuing and logging threads and the SUT's; `gptj serve` for the event
+# loop (HTTP, tokenizing, streaming). torch's OpenMP workers spin while they wait for work, so on few
+# cores such a thread waits whole time slices behind them. On 2 busy cores, every core computing was
+# 5-30x slower; on a quiet one, keeping a core cost up to a third of Offline throughput
+# (docs/PERFORMANCE.md, "Threads in gptj mlperf" and "Threads in gptj serve").
+RESERVED_CORES = 1
+
+
+def compute_threads(requested: int | None = None, reserve: int = 0) -> int:
+    """How many threads torch computes with: `requested` (--threads) if given, else the usable cores
+    less `reserve` (cores left to threads that must stay responsive beside the compute: see
+    RESERVED_CORES), and at least 1."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise GptjError(f"threads must be an integer >= 1, got {requested!r}")
+        return requested
+    return max(1, usable_cores() - max(0, reserve))
+
+
+def set_threads(requested: int | None = None, reserve: int = 0) -> int:
+    """torch.set_num_threads(compute_threads(requested, reserve)); returns the number set."""
+    import torch
+
+    n = compute_threads(requested, reserve)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
