@@ -10,6 +10,7 @@ from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig, EngineLoop
 from gptj.engine.core import ABORTED, FAILED, FINISHED, RUNNING
 from gptj.errors import GptjError
+from gptj.kernels import prepare_for_serving
 from hf_ref import make_pair
 
 CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=256)
@@ -18,6 +19,16 @@ CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_po
 @pytest.fixture(scope="module")
 def model():
     return make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
+
+
+def held_blocks(engine):
+    stats = engine.stats()
+    return stats.blocks_total - stats.blocks_free
+
+
+def all_free(engine):
+    engine.kv.check()
+    return held_blocks(engine) == 0
 
 
 def prompts_of(lengths, seed=0):
@@ -37,17 +48,17 @@ MIXED = [
 
 def test_mixed_requests_together_equal_each_alone(model):
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    engine = Engine(model, EngineConfig(n_slots=16))
+    engine = Engine(model, EngineConfig(max_seqs=16))
     together = engine.generate(prompts, MIXED)
     assert max(engine.decode_batch_sizes) > 4  # they really shared steps
     for prompt, gen, got in zip(prompts, MIXED, together):
         assert got == generate(model, [prompt], gen)[0]  # the exact reference path, alone
-        assert got == Engine(model, EngineConfig(n_slots=4)).generate([prompt], gen)[0]  # the engine, alone
-    assert engine.pool.free_slots == 16 and not engine.has_work
+        assert got == Engine(model, EngineConfig(max_seqs=4)).generate([prompt], gen)[0]  # the engine, alone
+    assert all_free(engine) and not engine.has_work
 
 
 def test_a_request_arriving_while_others_run_joins_at_the_next_step(model):
-    engine = Engine(model, EngineConfig(n_slots=8))
+    engine = Engine(model, EngineConfig(max_seqs=8))
     a = engine.add_request(prompts_of([6])[0], GenerationConfig(max_new_tokens=30, eos_token_id=None))
     for _ in range(5):
         engine.step()
@@ -62,14 +73,16 @@ def test_a_request_arriving_while_others_run_joins_at_the_next_step(model):
 
 
 def test_cancel_frees_kv_memory(model):
-    engine = Engine(model, EngineConfig(n_slots=6))
+    engine = Engine(model, EngineConfig(max_seqs=6))
     beam = engine.add_request(prompts_of([10])[0], GenerationConfig.mlperf(max_new_tokens=40))
     greedy = engine.add_request(prompts_of([4])[0], GenerationConfig(max_new_tokens=40, eos_token_id=None))
     engine.step()
     engine.step()
-    assert engine.pool.free_slots == 1  # 4 beams + 1 greedy
+    held = {b for s in beam.seqs + greedy.seqs for b in s.blocks}
+    assert len(beam.seqs) == 4 and held_blocks(engine) == len(held)  # 4 beams + 1 greedy
     assert engine.abort(beam.request_id)
-    assert beam.status == ABORTED and beam.finish_reason == "abort" and engine.pool.free_slots == 5
+    assert beam.status == ABORTED and beam.finish_reason == "abort"
+    assert held_blocks(engine) == len(greedy.seqs[0].blocks)  # every block of the beams is back
     assert not engine.abort(beam.request_id)  # already done
     engine.step()
     assert greedy.status == RUNNING
@@ -79,15 +92,15 @@ def test_more_requests_than_kv_capacity_wait_and_all_complete(model):
     prompts = prompts_of([3, 8, 5, 11, 2, 7, 4])
     gens = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=6, num_beams=2)] * 3 + [
         GenerationConfig(max_new_tokens=5)]
-    engine = Engine(model, EngineConfig(n_slots=2))
+    engine = Engine(model, EngineConfig(max_seqs=2))
     outputs = engine.generate(prompts, gens)
     assert max(engine.decode_batch_sizes) <= 2
     assert outputs == [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]
-    assert engine.pool.free_slots == 2
+    assert all_free(engine)
 
 
 def test_loop_admits_while_running_and_cancels(model):
-    engine = Engine(model, EngineConfig(n_slots=4))
+    engine = Engine(model, EngineConfig(max_seqs=4))
     loop = EngineLoop(engine)
     try:
         started = threading.Event()
@@ -102,7 +115,7 @@ def test_loop_admits_while_running_and_cancels(model):
         assert req.status == ABORTED and 3 <= len(req.output) < 200
     finally:
         loop.shutdown()
-    assert engine.pool.free_slots == 4
+    assert all_free(engine)
 
 
 def test_loop_batch_wait_gathers_a_burst_and_builds_on_its_thread(model):
@@ -111,7 +124,7 @@ def test_loop_batch_wait_gathers_a_burst_and_builds_on_its_thread(model):
 
     def build():
         built_on.append(threading.current_thread().name)
-        return Engine(model, EngineConfig(n_slots=4))
+        return Engine(model, EngineConfig(max_seqs=4))
 
     loop = EngineLoop(build, batch_wait_ms=2000)  # the wait ends early once a full batch waits
     try:
@@ -131,7 +144,7 @@ def test_loop_batch_wait_gathers_a_burst_and_builds_on_its_thread(model):
 
 
 def test_bad_requests_are_refused_and_failures_are_isolated(model, monkeypatch):
-    engine = Engine(model, EngineConfig(n_slots=2, slot_len=64))
+    engine = Engine(model, EngineConfig(max_seqs=2, max_len=64))
     with pytest.raises(GptjError, match="exceeds the engine's 64 tokens"):
         engine.add_request([1] * 60, GenerationConfig(max_new_tokens=10))
     with pytest.raises(GptjError, match="num_beams 4 exceeds"):
@@ -155,7 +168,7 @@ def test_bad_requests_are_refused_and_failures_are_isolated(model, monkeypatch):
     while not (ok.done and bad.done):
         engine.step()
     assert calls["n"] == 1 and bad.status == FAILED and "simulated device error" in bad.error
-    assert ok.status == FINISHED and len(ok.output) >= 1 and engine.pool.free_slots == 2
+    assert ok.status == FINISHED and len(ok.output) >= 1 and all_free(engine)
 
 
 @pytest.mark.parametrize("mode, group_size", [("int8", None), ("int4", 32)])
@@ -167,10 +180,10 @@ def test_quantized_model_on_the_engine_matches_the_reference_path(mode, group_si
     prompts = prompts_of([4, 11, 7], seed=5)
     gens = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=6, num_beams=3),
             GenerationConfig(max_new_tokens=7, do_sample=True, seed=1)]
-    alone = [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]  # before the engine fuses it
-    engine = Engine(model, EngineConfig(n_slots=8))
-    assert engine.kernels["fused_blocks"] == CFG.n_layer
-    assert engine.pool.tail_k[0].dtype == torch.float32  # KV in the activations' dtype, not the int weights'
+    alone = [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]  # before the serving kernels fuse it
+    assert prepare_for_serving(model, "auto", max_rows=8)["fused_blocks"] == CFG.n_layer
+    engine = Engine(model, EngineConfig(max_seqs=8))
+    assert engine.runner.kv.k[0].dtype == torch.float32  # KV in the activations' dtype, not the int weights'
     assert engine.generate(prompts, gens) == alone
 
 
@@ -178,12 +191,12 @@ def test_chunked_prefill_equals_whole_prompts_and_interleaves_with_decode(model)
     prompts = prompts_of([23, 5, 40, 9], seed=7)
     gens = [GenerationConfig(max_new_tokens=8), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=3),
             GenerationConfig(max_new_tokens=12, do_sample=True, seed=4, top_k=30), GenerationConfig(max_new_tokens=6)]
-    whole = Engine(model, EngineConfig(n_slots=16))
+    whole = Engine(model, EngineConfig(max_seqs=16))
     want = [whole.add_request(p, g, logprobs=2, prompt_logprobs=3) if g.num_beams == 1 else whole.add_request(p, g)
             for p, g in zip(prompts, gens)]
     while whole.has_work:
         whole.step()
-    chunked = Engine(model, EngineConfig(n_slots=16, prefill_chunk=7))
+    chunked = Engine(model, EngineConfig(max_seqs=16, prefill_chunk=7))
     got = [chunked.add_request(p, g, logprobs=2, prompt_logprobs=3) if g.num_beams == 1 else chunked.add_request(p, g)
            for p, g in zip(prompts, gens)]
     steps_with_decode_while_prefilling = 0
@@ -203,4 +216,4 @@ def test_chunked_prefill_equals_whole_prompts_and_interleaves_with_decode(model)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
     # 77 prompt tokens at 7 per step: the prompts took many steps, during which the others decoded
     assert steps_with_decode_while_prefilling >= 5
-    assert chunked.pool.free_slots == 16
+    assert all_free(chunked)

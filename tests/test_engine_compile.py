@@ -101,34 +101,32 @@ def test_compiled_engine_requests_together_equal_each_alone(monkeypatch):
                             lambda self, *a, _real=real: (self.compiled and calls.append(1)) or _real(self, *a))
     model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    engine = Engine(model, EngineConfig(n_slots=16, compile="on"))
+    engine = Engine(model, EngineConfig(max_seqs=16, compile="on"))
     assert engine.attention.compiled
     together = engine.generate(prompts, MIXED)
     assert calls  # the compiled forms ran
-    alone = [Engine(model, EngineConfig(n_slots=8, compile="on")).generate([p], [g])[0]
+    alone = [Engine(model, EngineConfig(max_seqs=8, compile="on")).generate([p], [g])[0]
              for p, g in zip(prompts, MIXED)]
     assert together == alone
     assert engine.attention.compiled  # it really ran compiled
     # and the compiled float32 engine's greedy tokens are the exact path's on this model
     greedy = GenerationConfig(max_new_tokens=12)
-    eager = Engine(model, EngineConfig(n_slots=4, compile="off")).generate(prompts[:3], greedy)
+    eager = Engine(model, EngineConfig(max_seqs=4, compile="off")).generate(prompts[:3], greedy)
     assert engine.generate(prompts[:3], greedy) == eager
 
 
 
 def poison_kv_pools(monkeypatch):
-    """From now on, every KVPool starts filled with NaN (reading unwritten memory then shows)."""
-    from gptj.engine import kv
-
-    init = kv.KVPool.__init__
+    """From now on, all KV memory (gptj.engine.attention.PagedKV) starts filled with NaN (reading
+    unwritten memory then shows)."""
+    init = att.PagedKV.__init__
 
     def poisoned(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        for pool in (self.prompt_k, self.prompt_v, self.tail_k, self.tail_v):
-            for t in pool:
-                t.fill_(float("nan"))
+        for t in (*self.k, *self.v):
+            t.fill_(float("nan"))
 
-    monkeypatch.setattr(kv.KVPool, "__init__", poisoned)
+    monkeypatch.setattr(att.PagedKV, "__init__", poisoned)
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
@@ -139,10 +137,10 @@ def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
     monkeypatch.setattr(att.DecodeAttention, "min_context", 0)
     model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    clean = Engine(model, EngineConfig(n_slots=16, compile=compile_mode)).generate(prompts, MIXED)
+    clean = Engine(model, EngineConfig(max_seqs=16, compile=compile_mode)).generate(prompts, MIXED)
     poison_kv_pools(monkeypatch)
-    engine = Engine(model, EngineConfig(n_slots=16, compile=compile_mode))
-    assert torch.isnan(engine.pool.tail_k[0]).all()
+    engine = Engine(model, EngineConfig(max_seqs=16, compile=compile_mode))
+    assert torch.isnan(engine.runner.kv.k[0]).all()
     assert engine.generate(prompts, MIXED) == clean
 
 
@@ -156,7 +154,8 @@ def test_bfloat16_engine_never_reads_unwritten_kv(monkeypatch, kernel_path):
 
     def run():
         model = model_from_state_dict(CFG, random_state_dict(CFG, seed=4, dtype=torch.bfloat16, std=0.3))
-        engine = Engine(model, EngineConfig(n_slots=4, compile="off"))  # (compiled forms: tests above)
+        kernels.prepare_for_serving(model, "auto", max_rows=4)
+        engine = Engine(model, EngineConfig(max_seqs=4, compile="off"))  # (compiled forms: tests above)
         assert engine.attention.native is (kernel_path == "native")
         if kernels.can_pack(torch.bfloat16, "cpu"):
             assert model.lm_head.layout == ("native" if kernel_path == "native" else "onednn")

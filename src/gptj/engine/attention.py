@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from gptj.config import GPTJConfig
+from gptj.engine.config import COMPILE_MODES
+from gptj.errors import GptjError
 from gptj.model import attention
-
-COMPILE_MODES = ("auto", "on", "off")
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,15 @@ class DecodeAttention:
     def _use_native(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         return self.native and k.is_cpu and k.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
 
+    def native_paged(self, kc: torch.Tensor) -> bool:
+        """Whether a decode batch over these key blocks (n_blocks, H, B, D) runs gptj.native's paged kernel."""
+        return self.native and kc.is_cpu and kc.dtype == torch.bfloat16 and kc.shape[-1] % 16 == 0
+
+    def paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...]
+              ) -> torch.Tensor:
+        """q (N, H, D) over paged blocks, every group at once (gptj.native.attention_paged) -> float32."""
+        return self._kernels.attention_paged(q, kc, vc, *tables)
+
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, k):
             return self._kernels.attention_group(q[None], k, v)[0].to(v.dtype)
@@ -145,3 +157,149 @@ class DecodeAttention:
         except Exception as e:  # noqa: BLE001
             self._fall_back(e)
             return group_eager(q, pk, pv, tk, tv)
+
+
+# --- paged keys and values --------------------------------------------------------------------------
+
+class PagedKV:
+    """Every layer's keys and values in blocks of B tokens: k[layer], v[layer] (n_blocks, H, B, D).
+
+    Which block holds what is engine/kv.py's bookkeeping; a sequence's token t lies in block
+    blocks[t // B], row t % B. n_head: this rank's heads (tensor parallel)."""
+
+    def __init__(self, config: GPTJConfig, n_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, n_head: int | None = None) -> None:
+        shape = (n_blocks, n_head or config.n_head, block_size, config.head_dim)
+        try:
+            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+            self.v = [torch.empty_like(t) for t in self.k]
+        except (RuntimeError, MemoryError) as e:
+            gb = 2 * config.n_layer * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 1e9
+            raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_blocks} blocks of {block_size} tokens): "
+                            f"{str(e).splitlines()[0]}") from None
+        self.block_size = block_size
+
+    def copy(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy-on-write: block dst gets the first n tokens of block src, for each (src, dst, n)."""
+        for src, dst, n in copies:
+            for t in (*self.k, *self.v):
+                t[dst, :, :n] = t[src, :, :n]
+
+    def gather(self, layer: int, blocks: Sequence[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of a block table as (H, length, D) tensors."""
+        kc, vc = self.k[layer], self.v[layer]
+        if len(blocks) == 0 or length == 0:
+            return kc[0, :, :0], vc[0, :, :0]
+        if len(blocks) == 1:
+            b = int(blocks[0])
+            return kc[b, :, :length], vc[b, :, :length]
+        index = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, device=kc.device, dtype=torch.long)
+        H, D = kc.shape[1], kc.shape[3]
+        return (kc[index].transpose(0, 1).reshape(H, -1, D)[:, :length],
+                vc[index].transpose(0, 1).reshape(H, -1, D)[:, :length])
+
+
+@dataclass
+class DecodeGroup:
+    """A request's rows in a decode step: one row per sequence (beams: several).
+
+    Every row reads the group's shared blocks (holding shared_len tokens) and then its own blocks
+    (own_len tokens each, this step's token included). A single sequence has all its blocks
+    shared and none of its own."""
+
+    shared: list[int]
+    shared_len: int
+    own: list[list[int]]
+    own_len: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.own)
+
+
+class PagedBatch:
+    """The KV cache one forward pass sees (model.py calls `attend` once per layer).
+
+    Decode (T = 1): row r's new key/value goes to block write_blocks[r] at write_offsets[r]; each
+    group attends over its own blocks only — no padding — so requests of any lengths share the
+    forward and a request's result does not depend on what shares it.
+    Prefill (one row, T tokens from `start`): the keys/values go to the request's blocks; the
+    queries attend causally over everything stored before them and themselves.
+    """
+
+    per_sequence = True  # the model builds no padding mask
+
+    def __init__(self, kv: PagedKV, decode: DecodeAttention, *, groups: Sequence[DecodeGroup] = (),
+                 write_blocks: Sequence[int] = (), write_offsets: Sequence[int] = (),
+                 prefill_blocks: Sequence[int] = (), prefill_start: int = 0) -> None:
+        self.kv, self.decode, self.groups = kv, decode, list(groups)
+        self.prefill_blocks, self.prefill_start = list(prefill_blocks), prefill_start
+        device = kv.k[0].device
+        self._wb = torch.tensor(list(write_blocks), device=device, dtype=torch.long)
+        self._wo = torch.tensor(list(write_offsets), device=device, dtype=torch.long)
+        self._native = None
+        if self.groups and decode.native_paged(kv.k[0]):
+            self._native = _native_tables(self.groups)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """q, k, v: (B, H, T, D) -> (B, H, T, D)."""
+        if not self.groups:
+            return self._prefill(layer, q, k, v)
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        kc[self._wb, :, self._wo] = k[:, :, 0]  # (N, H, D): every row's new key in its block
+        vc[self._wb, :, self._wo] = v[:, :, 0]
+        if self._native is not None:
+            return self.decode.paged(q[:, :, 0], kc, vc, self._native)[:, :, None].to(v.dtype)
+        out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
+        row = 0
+        for g in self.groups:
+            n = g.rows
+            pk, pv = self.kv.gather(layer, g.shared, g.shared_len)
+            if not g.own_len:  # one sequence: all of it is "shared"
+                out[row, :, 0] = self.decode.one(q[row, :, 0], pk, pv)
+            else:
+                tables = torch.tensor(g.own, device=q.device, dtype=torch.long)  # (n, m)
+                H, D = kc.shape[1], kc.shape[3]
+                tk = kc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
+                tv = vc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]
+                out[row:row + n, :, 0] = self.decode.group(q[row:row + n, :, 0], pk, pv, tk, tv)
+            row += n
+        return out
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T, start = q.shape[2], self.prefill_start
+        end = start + T
+        B = self.kv.block_size
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        pos = torch.arange(start, end, device=q.device)
+        blocks = torch.tensor(self.prefill_blocks, device=q.device, dtype=torch.long)
+        kc[blocks[pos // B], :, pos % B] = k[0].transpose(0, 1)  # (T, H, D)
+        vc[blocks[pos // B], :, pos % B] = v[0].transpose(0, 1)
+        causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
+        causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
+        if start == 0:  # nothing stored before: this call's keys are all of them
+            return attention(q, k, v, causal)
+        keys, values = self.kv.gather(layer, blocks[:-(-end // B)], end)
+        return attention(q, keys[None], values[None], causal)
+
+    def advance(self, n: int) -> None:
+        pass  # lengths are the engine's bookkeeping
+
+
+def _native_tables(groups: Sequence[DecodeGroup]) -> tuple[torch.Tensor, ...]:
+    """gptj.native.attention_paged's int32 tables for these groups (built once per forward)."""
+    row0, stab, soff, slen, olen, own = [0], [], [], [], [], []
+    for g in groups:
+        soff.append(len(stab))
+        stab += g.shared
+        slen.append(g.shared_len)
+        olen.append(g.own_len)
+        own += g.own
+        row0.append(row0[-1] + g.rows)
+    omax = max(map(len, own))
+    otab = [o + [0] * (omax - len(o)) for o in own]
+    i32 = torch.int32
+    return (torch.tensor(row0, dtype=i32), torch.tensor(stab or [0], dtype=i32), torch.tensor(soff, dtype=i32),
+            torch.tensor(slen, dtype=i32), torch.tensor(otab, dtype=i32).reshape(len(own), omax),
+            torch.tensor(olen, dtype=i32))

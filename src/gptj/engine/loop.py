@@ -15,21 +15,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from gptj.decode import GenerationConfig
-from gptj.engine.core import FAILED, Engine, Request
+from gptj.engine.core import FAILED, Engine
+from gptj.engine.request import AbortRequest, AddRequest, Operation, Request
 from gptj.errors import GptjError
 
 
 HEARTBEAT_S = 5.0  # an idle leader still tells its followers it is there this often
-
-
-def apply_op(engine: Engine, op: tuple, on_token: Callable | None = None, on_finish: Callable | None = None) -> None:
-    """("add", id, prompt, gen, logprobs, prompt_logprobs) or ("abort", id), on the engine."""
-    if op[0] == "add":
-        _, rid, prompt, gen, logprobs, prompt_logprobs = op
-        engine.add_request(prompt, gen, request_id=rid, on_token=on_token, on_finish=on_finish, logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs)
-    elif op[0] == "abort":
-        engine.abort(op[1])
 
 
 class RequestHandle:
@@ -70,12 +61,13 @@ class EngineLoop:
         `leader` (gptj.parallel.lockstep.Leader): the engine runs on several ranks; before each step
         the leader hands the other ranks what this loop applied since the last one."""
         self.leader = leader
-        self._ops: list[tuple] = []  # applied since the leader's last sync
+        self._ops: list[Operation] = []  # applied since the leader's last sync
         self._synced = time.monotonic()
         factory = None if isinstance(engine, Engine) else engine
         self.engine: Engine = engine if factory is None else None  # type: ignore[assignment]
         self.batch_wait_s = max(0.0, batch_wait_ms) / 1000
-        self._inbox: queue.Queue[tuple] = queue.Queue()
+        # (operation, on_token, on_finish): the callbacks stay on this rank
+        self._inbox: queue.Queue[tuple[Operation, Callable | None, Callable | None]] = queue.Queue()
         self._stop = threading.Event()
         self._ids = 0
         self._lock = threading.Lock()
@@ -106,11 +98,11 @@ class EngineLoop:
                 on_finish(req)
             handle.future.set_result(req)
 
-        self._inbox.put(("add", rid, list(prompt), gen, logprobs, prompt_logprobs, on_token, finished))
+        self._inbox.put((AddRequest(rid, list(prompt), gen, logprobs, prompt_logprobs), on_token, finished))
         return handle
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put((AbortRequest(request_id), None, None))
 
     @property
     def pending(self) -> int:
@@ -123,10 +115,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            op, callbacks = (item[:6], item[6:]) if item[0] == "add" else (item, ())
-            if self.leader is not None and op[0] == "add":
+            op, on_token, on_finish = item
+            if self.leader is not None and isinstance(op, AddRequest):
                 op = self.leader.add(op)
-            apply_op(self.engine, op, *callbacks)
+            self.engine.apply(op, on_token, on_finish)
             if self.leader is not None:
                 self._ops.append(op)
             try:
@@ -178,7 +170,7 @@ class EngineLoop:
         deadline = time.monotonic() + self.batch_wait_s
         while not self._stop.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or sum(r.n_seqs for r in self.engine.waiting) >= self.engine.max_batch_size:
+            if left <= 0 or sum(r.n_seqs for r in self.engine.waiting) >= self.engine.plan.max_seqs:
                 return
             self._drain(block=True, timeout=left)
 

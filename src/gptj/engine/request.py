@@ -81,6 +81,8 @@ class Request:
     shared: int = 0  # leading blocks every sequence of the group shares (beam search: the prompt's full ones)
     n_computed: int = 0  # tokens (prompt, then recomputed output) whose keys/values are stored
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its context's full blocks
+    registered: int = 0  # of its blocks, how many are in the prefix cache (or were found there)
     next_tokens: list[int] = field(default_factory=list)  # to feed at the next step, one per sequence
     beam: BeamSearch | None = None
     generator: torch.Generator | None = None

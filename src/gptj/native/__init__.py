@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "linear_bf16", "linear_int8", "load", "unavailable_reason"]
+__all__ = ["attention_group", "attention_paged", "available", "linear_bf16", "linear_int8", "load",
+           "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -200,17 +201,20 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
-_gemv_int8 = _gemv_bf16 = _attend_group = None
+_gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = None
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    global _gemv_int8, _gemv_bf16, _attend_group
+    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _attend_group = lib.attend_group_bf16
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     _attend_group.argtypes = [P, I, I, I, P, P, L, L, I, P, P, L, L, L, I, P, ctypes.c_float, I]
     _attend_group.restype = I
+    _attend_paged = lib.attend_paged_bf16
+    _attend_paged.argtypes = [P, I, I, I, P, P, I, I, P, P, P, P, P, I, P, P, ctypes.c_float, I]
+    _attend_paged.restype = I
 
 
 def _openmp_runtimes() -> list[str]:
@@ -352,4 +356,38 @@ def attention_group(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: tor
                        1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"attention_group: native kernel failed ({rc})")
+    return out
+
+
+def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: torch.Tensor, stab: torch.Tensor,
+                    soff: torch.Tensor, slen: torch.Tensor, otab: torch.Tensor, olen: torch.Tensor) -> torch.Tensor:
+    """Decode attention of a whole batch over paged keys/values, float32 scores and softmax.
+
+    q (N, H, D); kc, vc (n_blocks, H, B, D) bfloat16, contiguous. int32 CPU tensors, contiguous:
+    row0 (G + 1,) the first query row of each group (row0[G] = N); stab the groups' shared block
+    tables one after another, group g's from soff[g], holding slen[g] tokens; otab (N, omax) each
+    row's own blocks, holding olen[g] tokens for the rows of group g. Returns (N, H, D) float32.
+    Block ids and lengths are the caller's to keep in range: the kernel reads what they point at.
+    """
+    if _attend_paged is None:
+        _lib_or_raise("attention_paged")
+    N, H, D = q.shape
+    n_blocks, _, B, _ = kc.shape
+    if D % 16 or kc.dtype is not _bf16 or vc.dtype is not _bf16 or kc.shape != (n_blocks, H, B, D):
+        raise _bad("attention_paged", "needs bfloat16 key/value blocks (n_blocks, H, B, D), D a multiple of 16")
+    if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu):
+        raise _bad("attention_paged", "key and value blocks must be contiguous CPU tensors of one shape")
+    ints = (row0, stab, soff, slen, otab, olen)
+    if any(t.dtype is not torch.int32 or not t.is_contiguous() for t in ints):
+        raise _bad("attention_paged", "tables and lengths must be contiguous int32 tensors")
+    G = slen.shape[0]
+    if row0.shape != (G + 1,) or soff.shape != (G,) or olen.shape != (G,) or otab.dim() != 2 or otab.shape[0] != N:
+        raise _bad("attention_paged", f"tables do not match {G} groups of {N} rows")
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty((N, H, D), dtype=torch.float32)
+    rc = _attend_paged(qf.data_ptr(), N, H, D, kc.data_ptr(), vc.data_ptr(), B, G, row0.data_ptr(),
+                       stab.data_ptr(), soff.data_ptr(), slen.data_ptr(), otab.data_ptr(), otab.shape[1],
+                       olen.data_ptr(), out.data_ptr(), 1.0 / float(D) ** 0.5, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"attention_paged: native kernel failed ({rc})")
     return out

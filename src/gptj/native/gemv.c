@@ -580,3 +580,115 @@ int attend_group_bf16(const float *q, int N, int H, int D,
     }
     return failed ? -2 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+   Paged decode attention of a whole decode batch in one call (engine/attention.py, PagedBatch).
+   Keys/values live in blocks: kc, vc bfloat16 (n_blocks, H, B, D) contiguous, so token t of a
+   block table lies in block tab[t / B] at row t % B. Group g (a request: one sequence, or the
+   beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of q (N, H, D) float32 and reads
+       its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
+       then each row n's  otab[n * omax ..]    holding olen[g] tokens (its own blocks)
+   out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens; scores, softmax and sums
+   in float32 as attend_group_bf16. Work items are (group, head) pairs, spread over threads. */
+
+static void paged_head(const float *q, int H, int D, int h, const uint16_t *kc, const uint16_t *vc, int B,
+                       int r0, int nr, const int *stab, int sl, const int *otab, int omax, int ol,
+                       float *out, float scale, float *s)
+{
+    const long hs = (long)B * D, bs = (long)H * hs;
+    const int L = sl + ol;
+    for (int n0 = r0; n0 < r0 + nr; n0 += ATT_QB) {
+        const int nb = r0 + nr - n0 < ATT_QB ? r0 + nr - n0 : ATT_QB;
+        /* shared scores: each key row read once for the block's queries */
+        for (int j = 0; j * B < sl; j++) {
+            const uint16_t *kb = kc + stab[j] * bs + h * hs;
+            const int tn = sl - j * B < B ? sl - j * B : B;
+            for (int tt = 0; tt < tn; tt++) {
+                const uint16_t *kr = kb + (long)tt * D;
+                __m512 a[ATT_QB];
+                for (int i = 0; i < nb; i++) a[i] = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) {
+                    __m512 kv = bf16_16(kr + d);
+                    for (int i = 0; i < nb; i++)
+                        a[i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
+                }
+                for (int i = 0; i < nb; i++) s[(long)i * L + j * B + tt] = _mm512_reduce_add_ps(a[i]) * scale;
+            }
+        }
+        /* own scores and the softmax, per query */
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            const float *qn = q + ((long)n * H + h) * D;
+            float *sn = s + (long)i * L;
+            for (int t = 0; t < ol; t++) {
+                const uint16_t *kr = kc + otab[(long)n * omax + t / B] * bs + h * hs + (long)(t % B) * D;
+                __m512 a = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
+                sn[sl + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+            float mx = sn[0];
+            for (int t = 1; t < L; t++) mx = sn[t] > mx ? sn[t] : mx;
+            float sum = 0.0f;
+            for (int t = 0; t < L; t++) { sn[t] = expf(sn[t] - mx); sum += sn[t]; }
+            const float inv = 1.0f / sum;
+            for (int t = 0; t < L; t++) sn[t] *= inv;
+            float *on = out + ((long)n * H + h) * D;
+            for (int d = 0; d < D; d++) on[d] = 0.0f;
+        }
+        /* shared values: each value row read once for the block's queries */
+        for (int j = 0; j * B < sl; j++) {
+            const uint16_t *vb = vc + stab[j] * bs + h * hs;
+            const int tn = sl - j * B < B ? sl - j * B : B;
+            for (int tt = 0; tt < tn; tt++) {
+                const uint16_t *vr = vb + (long)tt * D;
+                for (int d = 0; d < D; d += 16) {
+                    __m512 vv = bf16_16(vr + d);
+                    for (int i = 0; i < nb; i++) {
+                        float *o = out + ((long)(n0 + i) * H + h) * D + d;
+                        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(s[(long)i * L + j * B + tt]), vv,
+                                                            _mm512_loadu_ps(o)));
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            float *on = out + ((long)n * H + h) * D;
+            for (int t = 0; t < ol; t++) {
+                const uint16_t *vr = vc + otab[(long)n * omax + t / B] * bs + h * hs + (long)(t % B) * D;
+                const __m512 p = _mm512_set1_ps(s[(long)i * L + sl + t]);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(on + d, _mm512_fmadd_ps(p, bf16_16(vr + d), _mm512_loadu_ps(on + d)));
+            }
+        }
+    }
+}
+
+int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, const uint16_t *vc, int B,
+                      int G, const int *row0, const int *stab, const int *soff, const int *slen,
+                      const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
+{
+    if (D % 16 || G < 1 || N < 1 || B < 1) return -1;
+    long maxL = 0;
+    for (int g = 0; g < G; g++) {
+        if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
+        if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(sizeof(float) * ATT_QB * maxL);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < (long)G * H; w++) {
+            const int g = (int)(w / H), h = (int)(w % H);
+            if (s) paged_head(q, H, D, h, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
+                              otab, omax, olen[g], out, scale, s);
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}

@@ -5,7 +5,7 @@ the ranks' collectives only line up if every engine sees the same requests, the 
 same steps, in the same order. Requests arrive only on rank 0 (its HTTP server or its LoadGen), so
 rank 0's `EngineLoop` is the leader: before each engine step it broadcasts, over a gloo group of its
 own, what it applied since the last one (new requests with their settings, aborts); the followers
-apply the same and step too. It first broadcasts how to build the engine (a picklable function), so
+apply the same and step too. Loading each rank's share of the model is gptj.runtime.build's. It first broadcasts how to build the engine (a picklable function), so
 all ranks build theirs alike, and at the end it broadcasts "stop". While idle it sends an empty
 message every few seconds, so that a follower's wait never reaches the group's timeout.
 
@@ -81,38 +81,31 @@ def split_model(model: Any, rank: int, sharded: bool = False) -> Any:  # GPTJFor
     return model
 
 
-def load_model(path: Any, dtype: torch.dtype, device: str, quantize: str | None = None,
-               group_size: int | None = None, progress: bool | None = None):  # noqa: ANN201 - GPTJForCausalLM
-    """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
-    files when present), under --pp its stage (both: its stage's shard), quantized after
-    splitting if asked.
+def plan() -> tuple[int, int]:
+    """The configured (tp, pp): (1, 1) outside a parallel job."""
+    return (_state["tp"], _state["pp"]) if active() else (1, 1)
 
-    Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
-    int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
-    each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
-    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
-    from gptj.parallel.launch import rank_device
-    from gptj.parallel.tp import load_rank, shard_file
-    from gptj.runtime import resolve_device
-    from gptj.weights.io import load_model as load_whole
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return load_whole(path, dtype=dtype, device=resolve_device(device), quantize=quantize, group_size=group_size,
-                          progress=progress)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tp, pp = _state["tp"], _state["pp"]
-    _check_grid(tp, pp, world)  # (configure() was called with this plan)
-    device = resolve_device(rank_device(device))
-    if tp > 1 and shard_file(path, rank % tp, tp).is_file():
-        model = split_model(load_rank(path, rank % tp, tp, dtype, device, group=_state["tp_group"]), rank,
-                            sharded=True)
-    else:
-        model = split_model(load_whole(path, dtype=dtype, device=device), rank)
-    if quantize:
-        from gptj.quant import quantize_model
+def check_plan(tp: int, pp: int) -> int:
+    """This rank, after checking that the job was configured for `tp` x `pp` ranks."""
+    world = dist.get_world_size()
+    _check_grid(tp, pp, world)
+    if (tp, pp) != (_state["tp"], _state["pp"]):
+        raise GptjError(f"--tp {tp} --pp {pp} asked of a job configured for --tp {_state['tp']} --pp {_state['pp']}")
+    return dist.get_rank()
 
-        quantize_model(model, quantize, group_size, skip=("lm_head",) if tp > 1 else ())
-    return model
+
+def tp_group():  # noqa: ANN201 - a process group, or None for the whole job
+    """The group of this rank's tensor-parallel peers (None: every rank is one, under --tp alone)."""
+    return _state["tp_group"]
+
+
+def least(value: int) -> int:
+    """The smallest of every rank's `value` (a collective: every rank calls it, at the same point,
+    e.g. while building its engine, so that all plan the same KV memory)."""
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=_state["group"])
+    return int(box.item())
 
 
 def _send(message: tuple) -> None:
@@ -139,14 +132,13 @@ def leader_build(build: Callable[[], Any]) -> Callable[[], Any]:
 class Leader:
     """What rank 0's EngineLoop calls (see gptj.engine.loop)."""
 
-    def add(self, op: tuple) -> tuple:
-        """An "add" op as the followers will apply it: unseeded sampling gets a seed here."""
-        gen = op[3]
-        if gen.do_sample and gen.seed is None:
-            op = (*op[:3], dataclasses.replace(gen, seed=random.getrandbits(62)), *op[4:])
+    def add(self, op: Any) -> Any:  # gptj.engine.request.AddRequest
+        """A new request as the followers will apply it: unseeded sampling gets a seed here."""
+        if op.gen.do_sample and op.gen.seed is None:
+            op = dataclasses.replace(op, gen=dataclasses.replace(op.gen, seed=random.getrandbits(62)))
         return op
 
-    def sync(self, ops: list[tuple], step: bool) -> None:
+    def sync(self, ops: list[Any], step: bool) -> None:
         _send(("ops", ops, step))
 
     def stop(self) -> None:
@@ -162,8 +154,6 @@ def finish() -> None:
 
 def follow() -> None:
     """Ranks > 0: build the engine rank 0 builds, then apply its requests and steps until "stop"."""
-    from gptj.engine.loop import apply_op
-
     message = _receive()
     if message[0] == "stop":  # rank 0 failed before building
         return
@@ -171,7 +161,7 @@ def follow() -> None:
     while (message := _receive())[0] != "stop":
         _, ops, step = message
         for op in ops:
-            apply_op(engine, op)
+            engine.apply(op)
         if step:
             engine.step()
 

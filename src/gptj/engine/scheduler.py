@@ -1,0 +1,185 @@
+"""What runs in a step: `Scheduler.schedule()` returns a `SchedulerOutput`, plain data.
+
+Order of a step (first come, first served; nobody skips ahead of an older request):
+
+    1. decode    every running request that has its prompt stored gets its sequences' next token.
+                 Each sequence needs room for it: a new block when its last one is full, or its own
+                 copy of a block it shares with another beam (copy-on-write). When the free blocks
+                 run out, the youngest running request is preempted: its blocks are released and it
+                 waits at the head of the queue to be computed again (greedy and sampled requests
+                 keep their tokens and recompute prompt + output; beam search starts over).
+    2. prefill   requests admitted before and still prefilling (prefill_chunk) get their next chunk.
+    3. admit     waiting requests, oldest first, while the running-sequence cap, the prompt-token
+                 budget and the free blocks allow: a request takes the blocks of the longest prefix
+                 of its prompt found in the prefix cache and new blocks for the rest, and is
+                 prefilled in this step (within prefill_chunk).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gptj.engine.config import EngineConfig, KVPlan
+from gptj.engine.kv import KVCacheManager, block_keys
+from gptj.engine.request import RUNNING, WAITING, Request, Sequence
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int  # context tokens stored before this chunk
+    end: int  # stored after it
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[Request] = field(default_factory=list)  # one new token for each of their sequences
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # before the forward: (src, dst, tokens)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, plan: KVPlan, config: EngineConfig) -> None:
+        self.kv, self.plan = kv, plan
+        self.max_prefill_tokens, self.prefill_chunk = config.max_prefill_tokens, config.prefill_chunk
+        # Blocks kept free when admitting beside running requests, so that they can grow a while
+        # before anyone is preempted (vLLM keeps 1 %).
+        self.watermark = max(1, plan.n_blocks // 100)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the youngest
+        self.preemptions = 0
+
+    @property
+    def running_seqs(self) -> int:
+        return sum(r.n_seqs for r in self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a request (finished, aborted, failed); its blocks go back to the free queue."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    # --- the step ---
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for req in list(self.running):
+            if req in self.running and prefilled(req):
+                self._room_for_next_token(req, out)
+        budget = self.prefill_chunk
+        for req in self.running:
+            if not prefilled(req) and (budget is None or budget > 0):
+                budget = self._prefill(req, budget, out)
+        self._admit(budget, out)
+        return out
+
+    def _room_for_next_token(self, req: Request, out: SchedulerOutput) -> None:
+        """Make every sequence of `req` able to store its next token, preempting younger requests
+        (or `req` itself, when it is the youngest) while the blocks do not suffice."""
+        B = self.kv.block_size
+        while True:
+            needs = 0
+            for seq in req.seqs:
+                if seq.length == len(seq.blocks) * B or self.kv.ref[seq.blocks[seq.length // B]] > 1:
+                    needs += 1
+            if needs <= self.kv.free:
+                break
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return
+        for seq in req.seqs:
+            if seq.length == len(seq.blocks) * B:  # the last block is full (or there is none)
+                seq.blocks += self.kv.allocate(1)
+            elif self.kv.ref[seq.blocks[-1]] > 1:  # shared with another beam: copy before writing
+                (new,) = self.kv.allocate(1)
+                out.copies.append((seq.blocks[-1], new, seq.length % B))
+                self.kv.release([seq.blocks[-1]])
+                seq.blocks[-1] = new
+        out.decode.append(req)
+
+    def _prefill(self, req: Request, budget: int | None, out: SchedulerOutput) -> int | None:
+        start = req.n_computed
+        end = len(context(req)) if budget is None else min(len(context(req)), start + budget)
+        out.prefill.append(PrefillChunk(req, start, end))
+        return None if budget is None else budget - (end - start)
+
+    def _admit(self, budget: int | None, out: SchedulerOutput) -> None:
+        tokens_left = self.max_prefill_tokens
+        running_seqs = self.running_seqs
+        while self.waiting and (budget is None or budget > 0):
+            req = self.waiting[0]
+            ctx = context(req)
+            if running_seqs + req.n_seqs > self.plan.max_seqs or (out.admitted and len(ctx) > tokens_left):
+                return
+            if not self._allocate(req, ctx):
+                return
+            self.waiting.popleft()
+            req.status = RUNNING
+            self.running.append(req)
+            out.admitted.append(req)
+            running_seqs += req.n_seqs
+            tokens_left -= len(ctx)
+            budget = self._prefill(req, budget, out)
+
+    def _allocate(self, req: Request, ctx: list[int]) -> bool:
+        """Blocks for the request's context: cached prefix blocks, new ones for the rest. False (and
+        nothing taken) when the free blocks do not suffice."""
+        kv = self.kv
+        # a prompt whose logprobs are wanted is computed whole; at least one token is always computed
+        reuse = kv.prefix_caching and req.prompt_logprobs is None
+        req.block_keys = block_keys(ctx, kv.block_size) if kv.prefix_caching else []
+        hits = kv.lookup(req.block_keys[:(len(ctx) - 1) // kv.block_size]) if reuse else []
+        new = kv.blocks_for(len(ctx)) - len(hits)
+        idle = sum(kv.ref[b] == 0 for b in hits)  # cached blocks nobody holds: taking them uses free ones
+        # beside running requests, keep room for each new sequence's first token and a watermark
+        spare = req.n_seqs + self.watermark if self.running else 0
+        if new + idle + spare > kv.free:
+            return False
+        kv.hold(hits)
+        req.seqs = [Sequence(hits + kv.allocate(new), len(hits) * kv.block_size)]
+        req.shared = 0
+        req.n_computed = req.cached_tokens = len(hits) * kv.block_size
+        req.registered = len(hits)
+        kv.count_lookup(len(ctx) if reuse else 0, req.cached_tokens)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = WAITING
+        req.n_computed = 0
+        req.preemptions += 1
+        req.next_tokens = []  # computed again from its context
+        req.beam = None  # beam search starts over
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        for seq in req.seqs:
+            self.kv.release(seq.blocks)
+        req.seqs = []
+
+
+def context(req: Request) -> list[int]:
+    """The tokens whose keys and values a request needs stored before it decodes: its prompt, and
+    for a greedy or sampled request computed again after preemption, its output so far."""
+    return req.prompt if req.n_seqs > 1 or not req.output else req.prompt + req.output
+
+
+def prefilled(req: Request) -> bool:
+    """Whether a request decodes: its context is stored and its next token chosen."""
+    return bool(req.seqs) and bool(req.next_tokens)

@@ -1,0 +1,144 @@
+"""After the forward: store what was computed, choose each request's next token(s), retire the done.
+
+Greedy and sampled requests follow gptj.decode.greedy_or_sample (min_new_tokens on the raw logits,
+then the warps); a beam-search request follows gptj.decode.BeamSearch. Its beams start as one
+sequence (the prompt); at its first token the prompt's blocks are shared by all of them (held once
+per beam), and after each step every beam takes the block table of the beam it continues (its
+blocks held again, the old ones released) — the blocks are shared, not copied, until one is written
+(the scheduler's copy-on-write).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from gptj.decode import BeamSearch, block_eos, warp
+from gptj.engine.kv import KVCacheManager
+from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
+from gptj.engine.runner import RunnerOutput
+from gptj.engine.scheduler import Scheduler, SchedulerOutput
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Seq[int], k: int) -> list[TokenLogprob]:
+    """logits (N, V) of N positions and the token chosen at each -> their log-probabilities."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k > 0:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(int(t), c, top) for t, c, top in zip(tokens, chosen, tops)]
+
+
+class Updater:
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, requests: dict[str, Request],
+                 device: torch.device) -> None:
+        self.kv, self.scheduler, self.requests, self.device = kv, scheduler, requests, device
+        self.prefill_tokens = 0
+
+    def apply(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Apply one step's results; return the requests it finished."""
+        finished: list[Request] = []
+        for req, message in result.errors.items():
+            if not req.done:
+                req.error = message
+                self.retire(req, FAILED, "error")
+                finished.append(req)
+        for chunk in sched.prefill:
+            if not chunk.request.done:
+                self._stored(chunk.request, chunk.start, chunk.end, result.prompt_logits.get(chunk.request))
+        for req in sched.decode:
+            if not req.done:
+                for seq in req.seqs:
+                    seq.length += 1
+        for req, logits in result.logits.items():
+            if not req.done:
+                self._next(req, logits)
+                if req.done:
+                    finished.append(req)
+        return finished
+
+    def _stored(self, req: Request, start: int, end: int, prompt_logits: torch.Tensor | None) -> None:
+        """A prefill chunk's keys and values are in its blocks: count them, cache full prompt blocks."""
+        self.prefill_tokens += end - start
+        seq = req.seqs[0]
+        seq.length = req.n_computed = end
+        full = min(end // self.kv.block_size, len(req.block_keys))
+        for i in range(req.registered, full):
+            self.kv.register(seq.blocks[i], req.block_keys[i])
+        req.registered = max(req.registered, full)
+        if prompt_logits is not None:  # position t predicts token t + 1; the first token has none
+            targets = req.prompt[start + 1:end + 1]
+            req.prompt_token_logprobs = ([None] if start == 0 else req.prompt_token_logprobs) + token_logprobs(
+                prompt_logits[:len(targets)], targets, req.prompt_logprobs)
+
+    def _next(self, req: Request, logits: torch.Tensor) -> None:
+        """Choose the next token(s) from this step's logits (1 or n_seqs rows, V); retire when done."""
+        gen = req.gen
+        if gen.num_beams > 1:
+            if req.beam is None:  # its first token: every beam starts from the prompt, which they share
+                req.beam = BeamSearch(1, gen, self.device)
+                self._fork(req)
+                logits = logits.expand(req.n_seqs, -1)
+            source, next_tokens = req.beam.step(logits)
+            if req.beam.finished:
+                req.hypotheses = req.beam.ranked(0)
+                req.output, req.score = req.hypotheses[0]
+                eos = gen.eos_token_id
+                self.retire(req, FINISHED, "stop" if eos is not None and req.output[-1:] == [eos] else "length")
+                return
+            self._reorder(req, source.tolist())
+            req.next_tokens = next_tokens.tolist()
+            return
+        # Greedy or sampled, as gptj.decode.greedy_or_sample: min_new_tokens on the raw logits first.
+        scores = block_eos(logits, len(req.output), gen)
+        if gen.sampling:
+            probs = torch.softmax(warp(scores, gen), dim=-1)
+            token = int(torch.multinomial(probs, num_samples=1, generator=req.generator)[0, 0])
+        else:
+            token = int(torch.argmax(scores[0]))
+        req.output.append(token)
+        if req.logprobs is not None:
+            req.token_logprobs += token_logprobs(logits[:1], [token], req.logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.on_token is not None:
+            req.on_token(req, token)
+        if gen.eos_token_id is not None and token == gen.eos_token_id:
+            self.retire(req, FINISHED, "stop")
+        elif len(req.output) >= gen.max_new_tokens:
+            self.retire(req, FINISHED, "length")
+        else:
+            req.next_tokens = [token]
+
+    def _fork(self, req: Request) -> None:
+        (prompt,) = req.seqs
+        for _ in range(req.n_seqs - 1):
+            self.kv.hold(prompt.blocks)
+        req.seqs = [prompt] + [Sequence(list(prompt.blocks), prompt.length) for _ in range(req.n_seqs - 1)]
+        req.shared = prompt.length // self.kv.block_size  # full prompt blocks: read once for all beams
+
+    def _reorder(self, req: Request, source: list[int]) -> None:
+        """Beam k continues beam source[k]: it takes that beam's block table."""
+        if source == list(range(req.n_seqs)):
+            return
+        old = req.seqs
+        req.seqs = [Sequence(list(old[s].blocks), old[s].length) for s in source]
+        for seq in req.seqs:
+            self.kv.hold(seq.blocks)
+        for seq in old:
+            self.kv.release(seq.blocks)
+
+    def retire(self, req: Request, status: Status, reason: str) -> None:
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = status, reason
+        req.finish_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        if req.on_finish is not None:
+            req.on_finish(req)
