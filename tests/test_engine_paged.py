@@ -1,0 +1,199 @@
+"""Paged KV memory: block tables, sharing between beams and between requests, preemption, eviction."""
+
+import pytest
+import torch
+
+from gptj.decode import GenerationConfig, generate
+from gptj.engine import Engine, EngineConfig
+from gptj.engine.kv import KVCacheManager, block_keys
+from test_engine import CFG, MIXED, all_free, held_blocks, prompts_of  # noqa: F401 - the model fixture too
+from test_engine import model  # noqa: F401
+
+GREEDY = GenerationConfig(max_new_tokens=10, eos_token_id=None)
+
+
+def test_many_lengths_together_equal_each_alone_across_block_boundaries(model):
+    # lengths below, at and across block boundaries (block_size 8), with every kind of request
+    lengths = [1, 7, 8, 9, 16, 23, 31, 40, 3]
+    prompts = prompts_of(lengths, seed=3)
+    gens = (MIXED * 2)[:len(lengths)]
+    engine = Engine(model, EngineConfig(max_seqs=32, block_size=8))
+    together = engine.generate(prompts, gens)
+    assert max(engine.decode_batch_sizes) > 6
+    for prompt, gen, got in zip(prompts, gens, together):
+        assert got == generate(model, [prompt], gen)[0]
+    assert all_free(engine)
+
+
+def test_beams_share_their_prompt_blocks_and_own_what_they_write(model):
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=8, prefix_caching=False))
+    req = engine.add_request(prompts_of([20])[0], GenerationConfig(max_new_tokens=12, num_beams=4, eos_token_id=None))
+    engine.step()  # prefill (3 blocks for 20 tokens), then the first token: 4 beams on the same blocks
+    assert len(req.seqs) == 4 and all(s.blocks == req.seqs[0].blocks for s in req.seqs)
+    assert len(req.seqs[0].blocks) == 3 and held_blocks(engine) == 3
+    engine.step()  # the first decode step writes into the partial block: 3 beams copy it first
+    assert len(req.seqs) == 4 and req.shared == 2
+    shared = req.seqs[0].blocks[:2]
+    assert all(s.blocks[:2] == shared for s in req.seqs) and all(engine.kv.ref[b] == 4 for b in shared)
+    # the prompt's partial last block was copied on write; after the step, beams that continue the
+    # same beam share its block again (held once per beam) until one of them writes
+    own = [s.blocks[2] for s in req.seqs]
+    assert all(engine.kv.ref[b] == own.count(b) for b in own)
+    assert held_blocks(engine) == 2 + len(set(own))  # not 4 copies of the prompt
+    while not req.done:
+        engine.step()
+    assert req.output == generate(model, [req.prompt], req.gen)[0]
+    assert all_free(engine)
+
+
+def test_more_requests_than_blocks_wait_or_are_preempted_and_all_complete(model):
+    prompts = prompts_of([30, 12, 25, 7, 18, 33, 9, 21], seed=4)
+    gens = [GenerationConfig(max_new_tokens=14, eos_token_id=None),
+            GenerationConfig(max_new_tokens=10, num_beams=3, eos_token_id=None),
+            GenerationConfig(max_new_tokens=12, do_sample=True, seed=5, eos_token_id=None),
+            GenerationConfig(max_new_tokens=9, eos_token_id=None)] * 2
+    need = max(Engine(model, EngineConfig(max_seqs=4, block_size=8)).blocks_needed(len(p), g)
+               for p, g in zip(prompts, gens))
+    engine = Engine(model, EngineConfig(max_seqs=16, block_size=8, kv_blocks=need + 2))
+    reqs = [engine.add_request(p, g) for p, g in zip(prompts, gens)]
+    most_running = 0
+    while engine.has_work:
+        engine.step()
+        most_running = max(most_running, engine.stats().running)
+        engine.kv.check()
+    assert [r.output for r in reqs] == [generate(model, [p], g)[0] for p, g in zip(prompts, gens)]
+    assert most_running >= 2 and engine.stats().preemptions > 0  # memory ran out while they grew
+    assert all_free(engine)
+
+
+def test_cancel_returns_every_block(model):
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=8))
+    other = engine.add_request(prompts_of([11], seed=9)[0], GenerationConfig(max_new_tokens=30, eos_token_id=None))
+    engine.step()
+    before = engine.stats().blocks_free
+    reqs = [engine.add_request(p, g) for p, g in zip(prompts_of([19, 26], seed=8),
+                                                    [GenerationConfig(max_new_tokens=30, num_beams=3), GREEDY])]
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().blocks_free < before
+    for r in reqs:
+        assert engine.abort(r.request_id)
+    assert engine.stats().blocks_free == before and other.status == "running"
+    engine.kv.check()
+
+
+def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(model):
+    prefix = prompts_of([40], seed=11)[0]
+    prompts = [prefix + tail for tail in prompts_of([5, 9, 3], seed=12)]
+    no_sharing = Engine(model, EngineConfig(max_seqs=8, block_size=8, prefix_caching=False))
+    want = no_sharing.generate(prompts, GREEDY)
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=8))
+    got = [engine.generate([p], GREEDY)[0] for p in prompts]  # one after another: the first fills the cache
+    assert got == want
+    stats = engine.stats()
+    # the 40-token prefix is 5 full blocks: computed for the first request only
+    assert stats.prefix_hit_tokens == 2 * 40
+    assert stats.prefill_tokens == sum(map(len, prompts)) - 2 * 40
+    assert no_sharing.stats().prefill_tokens == sum(map(len, prompts))
+    # beams reuse it too
+    beam = GenerationConfig(max_new_tokens=8, num_beams=2)
+    assert engine.generate([prefix + [7, 8]], beam) == no_sharing.generate([prefix + [7, 8]], beam)
+    assert engine.stats().prefix_hit_tokens == 3 * 40
+
+
+def test_a_prompt_found_whole_in_the_cache_still_computes_its_last_token(model):
+    prompt = prompts_of([24], seed=13)[0]  # exactly 3 blocks
+    engine = Engine(model, EngineConfig(max_seqs=4, block_size=8))
+    first = engine.generate([prompt], GREEDY)
+    again = engine.generate([prompt], GREEDY)
+    assert first == again == generate(model, [prompt], GREEDY)[0:1]
+    assert engine.stats().prefix_hit_tokens == 16  # 2 of 3 blocks: the last is computed for its logits
+
+
+def test_eviction_never_frees_a_block_in_use(model):
+    """Memory filled with cached prefixes, then requests that need most of it: old prefixes are
+    evicted, held ones never, and every request's tokens are right."""
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=8, kv_blocks=24))
+    prefixes = prompts_of([16, 16, 16, 16], seed=20)
+    for p in prefixes:  # 8 cached blocks, nobody holds them
+        engine.generate([p + [1]], GenerationConfig(max_new_tokens=2))
+    assert engine.stats().blocks_cached >= 8 and all_free(engine)
+    # a running request shares prefix 0; new ones need more blocks than are uncached
+    holder = engine.add_request(prefixes[0] + [2, 3], GenerationConfig(max_new_tokens=40, eos_token_id=None))
+    engine.step()
+    assert holder.cached_tokens == 16
+    shared = holder.seqs[0].blocks[:2]
+    others = [engine.add_request(p, GenerationConfig(max_new_tokens=6, eos_token_id=None))
+              for p in prompts_of([40, 33, 47], seed=21)]
+    while engine.has_work:
+        engine.step()
+        engine.kv.check()
+        if not holder.done:
+            assert holder.seqs[0].blocks[:2] == shared and all(engine.kv.ref[b] >= 1 for b in shared)
+    assert holder.output == generate(model, [holder.prompt], holder.gen)[0]
+    assert [o.output for o in others] == [generate(model, [o.prompt], o.gen)[0] for o in others]
+
+
+def test_block_manager_lru_and_reference_counts():
+    kv = KVCacheManager(4, 2)
+    a = kv.allocate(2)
+    keys = block_keys([1, 2, 3, 4], 2)
+    for b, k in zip(a, keys):
+        kv.register(b, k)
+    kv.release(a)  # cached, unheld: evicted last, the later block first
+    assert kv.free == 4 and kv.lookup(keys) == a
+    fresh = kv.allocate(2)  # never-cached blocks go first
+    assert set(fresh).isdisjoint(a) and kv.lookup(keys) == a
+    kv.hold(a[:1])  # a hit: held again
+    (evicted,) = kv.allocate(1)
+    assert evicted == a[1] and kv.lookup(keys) == a[:1]  # the held block survives
+    with pytest.raises(RuntimeError):
+        kv.allocate(1)
+    kv.release(fresh + [evicted] + a[:1])
+    kv.check()
+    with pytest.raises(RuntimeError, match="released more often"):
+        kv.release([a[0]])
+
+
+def test_block_keys_chain_the_whole_prefix():
+    a = block_keys([1, 2, 3, 4, 5], 2)
+    b = block_keys([9, 2, 3, 4], 2)
+    assert len(a) == 2 and a[1] != b[1]  # same second block, different prefix
+    assert block_keys([1, 2, 3, 4], 2) == a
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_bfloat16_paged_attention_matches_the_gathered_reference(kernel_path, block_size):
+    """Decode attention over scattered blocks (native kernel or the fallback) = attention over the
+    same keys gathered into one tensor, in float32 arithmetic."""
+    from gptj.engine import attention as att
+
+    torch.manual_seed(0)
+    H, D, n_blocks = CFG.n_head, CFG.head_dim, 40
+    kv = att.PagedKV(CFG, n_blocks, block_size, torch.bfloat16, "cpu", n_head=H)
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    perm = torch.randperm(n_blocks).tolist()
+    groups = [att.DecodeGroup(perm[:3], 3 * block_size - 5, [[]], 0),  # one sequence, partial last block
+              att.DecodeGroup(perm[3:5], 2 * block_size, [perm[5:7], perm[7:9], perm[9:11]], block_size + 3)]
+    q = torch.randn(4, H, 1, D, dtype=torch.bfloat16)
+    decode = att.DecodeAttention("off", torch.bfloat16, native=True)
+    # this step's token: the last of each row (group 0 at 3B - 6: block 2; group 1 at own B + 2: own block 1)
+    batch = att.PagedBatch(kv, decode, groups=groups, write_blocks=[perm[2], perm[6], perm[8], perm[10]],
+                           write_offsets=[block_size - 6, 2, 2, 2])
+    # write nothing new: this step's k, v are what the blocks already hold at those positions
+    k_now = torch.stack([kv.k[0][b, :, o] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())])[:, :, None]
+    v_now = torch.stack([kv.v[0][b, :, o] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())])[:, :, None]
+    got = batch.attend(0, q, k_now, v_now, None)[:, :, 0].float()
+    rows = []
+    for g in groups:
+        pk, pv = kv.gather(0, g.shared, g.shared_len)
+        for own in g.own:
+            ok, ov = kv.gather(0, own, g.own_len) if g.own_len else (pk[:, :0], pv[:, :0])
+            rows.append((torch.cat([pk, ok], 1).float(), torch.cat([pv, ov], 1).float()))
+    for n, (k, v) in enumerate(rows):
+        s = (q[n, :, 0].float()[:, None, :] * k).sum(-1) / D ** 0.5
+        want = (torch.softmax(s, -1)[..., None] * v).sum(-2)
+        # float32 sums over <= 100 keys of bf16 products: differences of a few float32 ulps, then the
+        # output's rounding to bfloat16 (relative 2^-8)
+        torch.testing.assert_close(got[n], want, rtol=2 ** -7, atol=2 ** -7)
