@@ -18,7 +18,7 @@ def _pp_job(rank: int, world: int) -> dict:
         logits = model(torch.tensor(PROMPTS[:1] * 2))
     sends = stage.sends
     tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
-    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(model, EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
     owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
     return {"logits": logits, "sends": sends, "tokens": tokens, "engine": engine_tokens, "owned": owned}
@@ -35,7 +35,7 @@ def _grid_job(rank: int, world: int) -> dict:
         logits = model(torch.tensor(PROMPTS[:1] * 2))
     calls, sends = reduce.calls, model.pipeline.sends
     tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
-    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(model, EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
     owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
     return {"logits": logits, "calls": calls, "tokens": tokens, "engine": engine_tokens, "owned": owned,
@@ -50,7 +50,7 @@ def test_tp2_pp2_grid_equals_one_process(tmp_path):
     assert [r["calls"] for r in ranks] == [2, 2, 4, 4] and [r["sends"] for r in ranks] == [2, 2, 0, 0]
     with torch.inference_mode():
         want = full_model()(torch.tensor(PROMPTS[:1] * 2))
-    engine = Engine(full_model(), EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(full_model(), EngineConfig(max_seqs=8, kernels="off", compile="off"))
     for name, gen in GENS.items():
         want_tokens, want_engine = generate(full_model(), PROMPTS, gen), engine.generate(PROMPTS, gen)
         for rank in ranks:
@@ -79,7 +79,7 @@ def test_layers_are_split_and_micro_batches_flow(pp2):
 @pytest.mark.parametrize("name", sorted(GENS))
 def test_pp2_tokens_equal_pp1(pp2, name):
     want = generate(full_model(), PROMPTS, GENS[name])
-    engine = Engine(full_model(), EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(full_model(), EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_want = engine.generate(PROMPTS, GENS[name])
     for rank in pp2:
         assert rank["tokens"][name] == want

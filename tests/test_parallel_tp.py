@@ -56,7 +56,7 @@ def _tp_job(rank: int, world: int) -> dict:
     calls_per_forward = reduce.calls
     tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
     # the engine too: every rank schedules the same requests the same way, in lockstep
-    engine = Engine(model, EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(model, EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
     return {"logits": logits, "calls": calls_per_forward, "tokens": tokens, "engine": engine_tokens,
             "heads": model.kv_heads}
@@ -112,7 +112,7 @@ def test_exactly_one_all_reduce_per_layer(tp2):
 @pytest.mark.parametrize("name", sorted(GENS))
 def test_tp2_tokens_equal_tp1(tp2, name):
     assert tp2["tokens"][name] == generate(full_model(), PROMPTS, GENS[name])
-    engine = Engine(full_model(), EngineConfig(n_slots=8, kernels="off", compile="off"))
+    engine = Engine(full_model(), EngineConfig(max_seqs=8, kernels="off", compile="off"))
     assert tp2["engine"][name] == engine.generate(PROMPTS, GENS[name])
 
 
