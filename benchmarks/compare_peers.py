@@ -52,11 +52,12 @@ from pathlib import Path
 
 import torch
 
-from gptj.bench import engine_config, make_engine, random_prompts, weight_bytes_per_step
+from gptj.bench.latency import engine_config, make_engine, random_prompts, weight_bytes_per_step
 from gptj.config import GPTJConfig, get_preset
 from gptj.decode import EOS_TOKEN_ID, GenerationConfig
 from gptj.engine import Engine
 from gptj.errors import GptjError
+from gptj.runtime.build import build_engine
 from gptj.model import build_model, count_parameters
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
@@ -101,9 +102,9 @@ def gptj_impl(name: str, model: torch.nn.Module) -> Impl:
     def offline(prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
         engines.clear()
         # The SUT's Offline batch: every sample's beams in KV at once, all prompts admitted together.
-        engine = Engine(model, engine_config(
-            n_slots=len(prompts) * gen.num_beams, n_prompts=len(prompts), max_new_tokens=gen.max_new_tokens,
-            slot_len=max(map(len, prompts)) + gen.max_new_tokens, max_prefill_tokens=sum(map(len, prompts))))
+        engine = build_engine(model, dataclasses.replace(
+            engine_config(len(prompts), max(map(len, prompts)), gen.max_new_tokens, gen.num_beams),
+            max_prefill_tokens=sum(map(len, prompts))))
         return engine.generate(prompts, gen)
 
     return Impl(name, decode, offline, weight_bytes_per_step(model, 1))

@@ -28,11 +28,12 @@ import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
 
 def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, batch: int) -> float:
     from gptj.decode import GenerationConfig
-    from gptj.engine import Engine, EngineConfig
+    from gptj.engine import Engine
+    from gptj.engine.config import EngineConfig
     from gptj.mlperf.dataset import Dataset
-    from gptj.runtime import parse_dtype
+    from gptj.runtime.build import build_engine, load_model
+    from gptj.runtime.spec import ModelSpec
     from gptj.tokenizer import load_tokenizer
-    from gptj.weights.io import load_model
 
     ids = [list(p) for p in Dataset.load(None, tokenizer=load_tokenizer()).input_ids]
     prompts = (ids * (n_prompts // len(ids) + 1))[:n_prompts]
@@ -40,9 +41,8 @@ def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, ba
     result: dict[str, float] = {}
 
     def build() -> Engine:
-        model = load_model(model_dir, dtype=parse_dtype(dtype))
-        return Engine(model, EngineConfig(n_slots=batch, slot_len=max(map(len, prompts)) + new_tokens,
-                                          max_new_tokens=new_tokens, max_batch_size=batch))
+        model = load_model(ModelSpec(path=model_dir, dtype=dtype))
+        return build_engine(model, EngineConfig(max_seqs=batch, max_len=max(map(len, prompts)) + new_tokens))
 
     def run(engine: Engine) -> None:
         engine.generate(prompts[:1], gen)  # warm-up

@@ -39,7 +39,7 @@ print(time.perf_counter() - t, n)
 
 CHILD_LOAD = """
 import json, sys, time, torch
-from gptj.bench import peak_rss_mb
+from gptj.bench.latency import peak_rss_mb
 from gptj.kernels import prepare_for_serving
 from gptj.weights.io import load_model
 case = sys.argv[2]

@@ -484,25 +484,19 @@ async def bench(url: str, args: argparse.Namespace) -> dict:
 
 def engine_baseline(model: str, serve_args: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """The peer: the same prompts on gptj's engine in this process (no HTTP), all submitted at
-    once, with the server's dtype and batch size; run after the server has stopped."""
+    once, the engine built from the server's own flags as `gptj serve` builds it; run after the
+    server has stopped."""
     import time
 
+    from gptj.cli import build_parser
     from gptj.decode import GenerationConfig
-    from gptj.engine import Engine, EngineConfig
-    from gptj.runtime import parse_dtype
-    from gptj.weights.io import load_model
+    from gptj.runtime import flags
+    from gptj.runtime.build import build_engine, load_model
 
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--dtype", default="float32")
-    flags.add_argument("--max-batch-size", type=int, default=8)
-    flags.add_argument("--quantize")
-    served, _ = flags.parse_known_args(shlex.split(serve_args))
-    path = model.partition("=")[2] or model
-    m = load_model(path, dtype=parse_dtype(served.dtype), quantize=served.quantize)
-    length = max(map(len, prompts)) + args.max_tokens
+    served = build_parser().parse_args(["serve", "--model", model, *shlex.split(serve_args)])
+    spec = flags.model_spec(served, path=model.partition("=")[2] or model)
+    engine = build_engine(load_model(spec), flags.engine_config(served), kernels=spec.kernels)
     K = args.beams
-    engine = Engine(m, EngineConfig(n_slots=served.max_batch_size, slot_len=length, max_new_tokens=args.max_tokens,
-                                    n_prompts=max(1, served.max_batch_size // K), max_batch_size=served.max_batch_size))
     gen = GenerationConfig(max_new_tokens=args.max_tokens, min_new_tokens=args.min_tokens, num_beams=K,
                            eos_token_id=None if args.ignore_eos else 50256)
     engine.generate(prompts[:1], gen)  # warm-up, as the server's

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from gptj.bench import REQUIRED_KEYS, add_bench_parser, cmd_bench, format_latency, run_latency, weight_bytes_per_step
+from gptj.bench.latency import REQUIRED_KEYS, add_bench_parser, cmd_bench, format_latency, run_latency, weight_bytes_per_step
 from gptj.config import get_preset
 from gptj.errors import GptjError
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
@@ -48,7 +48,7 @@ def _params_from_shapes(cfg) -> int:
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_model_params_counts_the_config_not_the_repacked_modules(preset):
-    from gptj.bench import model_params
+    from gptj.bench.latency import model_params
 
     cfg = get_preset(preset)
     assert model_params(cfg) == _params_from_shapes(cfg)

@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from gptj.errors import GptjError
+from gptj.runtime import flags
+from gptj.runtime.flags import nonnegative as _nonnegative
+from gptj.runtime.flags import nonnegative_float as _nonnegative_float
+from gptj.runtime.flags import positive as _positive
+from gptj.runtime.flags import positive_float as _positive_float
+from gptj.runtime.flags import probability as _probability
 
 if TYPE_CHECKING:
     from gptj.serve import ServerConfig
@@ -77,37 +83,6 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def _number(kind: type, positive: bool):  # noqa: ANN202 - an argparse type function
-    """argparse type: a finite int/float that is > 0 (positive) or >= 0."""
-    what = f"{'a positive' if positive else 'a non-negative'} {'integer' if kind is int else 'number'}"
-
-    def parse(text: str):  # noqa: ANN202
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (value > 0 if positive else value >= 0) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive, _nonnegative = _number(int, True), _number(int, False)
-_positive_float, _nonnegative_float = _number(float, True), _number(float, False)
-
-
-def _probability(text: str) -> float:
-    """argparse type: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
 def _tokenizer_for(model_dir: str | None):  # noqa: ANN202 - the one a model folder carries, else GPT-J's
     from gptj.tokenizer import tokenizer_for_model
 
@@ -148,9 +123,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prompts, gen, spec, engine config)
+    """What `gptj generate` runs: its tokenizer, prompts (token ids), GenerationConfig, ModelSpec and
+    EngineConfig (its prompts all at once, as the KV memory allows; the rest wait)."""
     from gptj.decode import GenerationConfig
-    from gptj.parallel.launch import NOT_RANK0, run_parallel, under_torchrun
 
     if not args.prompt and not args.prompt_ids:
         raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
@@ -164,10 +140,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
-    payload = {"args": vars(args) | {"func": None}, "gen": gen, "prompts": prompts, "debug": args.debug}
-    _check_parallel(args.tp, args.pp, args.model)
-    if args.tp > 1 or args.pp > 1 or under_torchrun():
-        outputs = run_parallel(_generate_job, args.tp * args.pp, payload, device=args.device)
+    engine = flags.engine_config(args, max_seqs=len(prompts) * gen.num_beams,
+                                 max_len=max(map(len, prompts)) + gen.max_new_tokens)
+    return tok, prompts, gen, flags.model_spec(args), engine
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from gptj.parallel.launch import NOT_RANK0, run_parallel, under_torchrun
+
+    tok, prompts, gen, spec, engine = generate_setup(args)
+    payload = {"spec": spec, "engine": engine, "gen": gen, "prompts": prompts, "debug": args.debug}
+    _check_parallel(spec.tp, spec.pp, spec.path)
+    if spec.world > 1 or under_torchrun():
+        outputs = run_parallel(_generate_job, spec.world, payload, device=spec.device)
         if outputs is NOT_RANK0:
             return 0
     else:
@@ -184,17 +169,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...] = ()) -> ServerConfig:
     from gptj.serve import ServerConfig
 
-    return ServerConfig(models=models, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                        batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
+    return ServerConfig(models=models, host=args.host, port=args.port, model=flags.model_spec(args),
+                        engine=flags.engine_config(args), batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
                         request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
                         read_timeout_s=getattr(args, "read_timeout_s", 30.0),
                         max_connections=getattr(args, "max_connections", 512), api_key=args.api_key,
                         public_metrics=getattr(args, "public_metrics", False),
                         public_docs=getattr(args, "public_docs", False), admin_token=getattr(args, "admin_token", None),
-                        model_root=getattr(args, "model_root", None), dtype=args.dtype, device=args.device,
-                        quantize=args.quantize, group_size=args.group_size, kv_slots=args.kv_slots,
-                        max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
-                        compile=args.compile, kernels=args.kernels, threads=getattr(args, "threads", None))
+                        model_root=getattr(args, "model_root", None), threads=getattr(args, "threads", None))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -377,27 +359,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     """gptj generate's work on one rank (all of it when world is 1): load, shard, run the engine."""
-    from gptj.engine import Engine, EngineConfig
-    from gptj.engine.kv import groups_from_memory
     from gptj.parallel import lockstep
-    from gptj.runtime import parse_dtype
+    from gptj.runtime.build import build_engine, load_model
 
-    args, gen, prompts = argparse.Namespace(**payload["args"]), payload["gen"], payload["prompts"]
+    spec = payload["spec"]
     if world > 1:
-        lockstep.configure(args.tp, args.pp)
-    model = lockstep.load_model(args.model, parse_dtype(args.dtype), args.device, quantize=args.quantize,
-                                group_size=args.group_size)
-    device = model.transformer.wte.weight.device
-    # All prompts run together on the engine; KV memory for all of them if it fits, else they queue.
-    K = gen.num_beams
-    slot_len = min(max(map(len, prompts)) + gen.max_new_tokens, model.config.n_positions)
-    groups = min(len(prompts), groups_from_memory(model.config, model.transformer.wte.weight.dtype, device,
-                                                  slot_len, gen.max_new_tokens, K, fraction=0.8))
-    # Every rank sizes its engine the same way (ranks must schedule identically).
-    n_seqs = max(args.kv_slots or groups * K, 1)
-    engine = Engine(model, EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=gen.max_new_tokens,
-                                        n_prompts=max(1, n_seqs // K), compile=args.compile, kernels=args.kernels))
-    return engine.generate(prompts, gen)
+        lockstep.configure(spec.tp, spec.pp)
+    model = load_model(spec)
+    # Every rank sizes its engine the same way (ranks must schedule identically): see build_engine.
+    engine = build_engine(model, payload["engine"], kernels=spec.kernels)
+    return engine.generate(payload["prompts"], payload["gen"])
 
 
 def _modes(text: str) -> list[str]:
@@ -410,7 +381,7 @@ def _modes(text: str) -> list[str]:
 
 
 def cmd_quant_report(args: argparse.Namespace) -> int:
-    from gptj.quant_report import format_report, quantization_report
+    from gptj.bench.quant_report import format_report, quantization_report
     from gptj.runtime import parse_dtype, resolve_device
 
     report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,
@@ -447,27 +418,34 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_mlperf(args: argparse.Namespace) -> int:
+def mlperf_config(args: argparse.Namespace):  # noqa: ANN201 - gptj.mlperf.config.MLPerfConfig
+    """What `gptj mlperf` runs (its engine's size follows from it: gptj.mlperf.run.engine_config)."""
     from gptj.decode import GenerationConfig
-    from gptj.mlperf.run import MLPerfConfig, run
-    from gptj.parallel.launch import run_parallel, under_torchrun
+    from gptj.mlperf.config import MLPerfConfig
 
     if not args.model and not args.server:
         raise GptjError("give --model DIR to run in this process, or --server URL to run against a gptj server")
     gen = GenerationConfig.mlperf(num_beams=args.num_beams, min_new_tokens=args.min_new_tokens,
                                   max_new_tokens=args.max_new_tokens)
-    cfg = MLPerfConfig(
+    return MLPerfConfig(
         model=Path(args.model) if args.model else None, scenario=args.scenario, mode=args.mode,
         dataset=Path(args.dataset) if args.dataset else None, max_examples=args.max_examples,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
         min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-        gen=gen, kv_slots=args.kv_slots, quantize=args.quantize, group_size=args.group_size, dtype=args.dtype,
-        device=args.device, compile=args.compile, kernels=args.kernels, threads=args.threads, progress=not args.quiet,
+        gen=gen, spec=flags.model_spec(args), engine=flags.engine_config(args), threads=args.threads,
+        progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
         server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
+
+
+def cmd_mlperf(args: argparse.Namespace) -> int:
+    from gptj.mlperf.run import run
+    from gptj.parallel.launch import run_parallel, under_torchrun
+
+    cfg = mlperf_config(args)
     parallel = args.tp > 1 or args.pp > 1 or under_torchrun()
     if parallel:
         if args.server:
@@ -552,29 +530,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the decode attention: auto = below float32 (default), on, off")
-    p.add_argument("--kernels", choices=("auto", "off"), default="auto",
-                   help="auto: fused blocks and oneDNN-packed bfloat16 weights below float32 (default); "
-                        "off: the plain model")
-
-
-_GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the largest that divides every "
-                    "quantized layer's inputs)")
-
-
-def _add_quantize_flags(p: argparse.ArgumentParser, help_text: str) -> None:
-    p.add_argument("--quantize", choices=("int8", "int4"), help=help_text)
-    p.add_argument("--group-size", type=_positive, help=_GROUP_SIZE_HELP)
-
-
-def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 - a parser or a group
+def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     """What a served model runs with: gptj serve, and gptj publish on a Ray cluster."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_nonnegative, default=8000)
-    p.add_argument("--max-batch-size", type=_positive, default=8,
-                   help="sequences per engine step, beams counted each (default 8)")
     p.add_argument("--batch-wait-ms", type=_nonnegative_float, default=0.0,
                    help="an idle engine waits this long for more requests before starting (default 0)")
     p.add_argument("--max-queue", type=_nonnegative, default=64,
@@ -593,39 +552,18 @@ def _add_serving_flags(p, dtype_names: Sequence[str]) -> None:  # noqa: ANN001 -
                    help="with --api-key: serve /metrics without the key (a Prometheus scraper)")
     p.add_argument("--public-docs", action="store_true",
                    help="with --api-key: serve /docs, /redoc and /openapi.json without the key")
-    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory (default: max-batch-size, as memory "
-                                                      "allows)")
-    p.add_argument("--max-model-len", type=_positive, help="prompt + new tokens per sequence (default: the model's)")
-    p.add_argument("--prefill-chunk", type=_nonnegative, default=512,
-                   help="prompt tokens prefilled per engine step, so long prompts do not stall running requests "
-                        "(default 512; 0: whole prompts)")
-    p.add_argument("--dtype", choices=dtype_names, default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    _add_quantize_flags(p, "quantize the models' linears on load (weight-only)")
-    _add_engine_flags(p)
-    p.add_argument("--threads", type=_positive, default=None,
-                   help="torch compute threads (default: the usable cores less 1, left to the event loop: on 2 "
+    flags.add_engine_flags(p, batch_alias=True, prefill_chunk=flags.SERVE_PREFILL_CHUNK,
+                           max_seqs_help="sequences running at once, beams counted each (default: as many as the "
+                                         "KV memory holds, at most 256)")
+    flags.add_model_flags(p, quantize_help="quantize the models' linears on load (weight-only)")
+    flags.add_threads_flag(p, help="torch compute threads (default: the usable cores less 1, left to the event loop: on 2 "
                         "busy cores, 1 thread answered concurrent requests 5-15x sooner than 2; docs/PERFORMANCE.md); "
                         "with --tp/--pp, split over the ranks (default: the cores split); with Ray, each "
                         "replica's (default: --cpus-per-replica)")
 
 
-def _add_threads_flag(p) -> None:  # noqa: ANN001 - a parser or a group
-    p.add_argument("--threads", type=_positive, default=None,
-                   help="torch compute threads (default: the usable cores)")
-
-
 # Commands that choose their own thread count (they keep cores for threads beside the compute).
 _OWN_THREADS = ("mlperf", "serve", "publish")
-
-
-def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=_positive, default=1,
-                   help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
-                        "run under torchrun --nproc-per-node N")
-    p.add_argument("--pp", type=_positive, default=1,
-                   help="pipeline parallel over N processes: the layers split, micro-batches in flight; with "
-                        "--tp T, T x N processes (N stages of T tensor ranks)")
 
 
 def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
@@ -641,8 +579,6 @@ def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
 def build_parser() -> argparse.ArgumentParser:
     from gptj import __version__
     from gptj.config import PRESETS
-    from gptj.runtime import DTYPE_NAMES
-
     parser = _Parser(prog="gptj", description="An exact, fast GPT-J 6B.")
     parser.add_argument("--version", action="version", version=f"gptj {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -653,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=_nonnegative, default=0)
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    flags.add_dtype_flag(p)
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_init)
 
@@ -663,13 +599,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="source checkpoint directory")
     p.add_argument("--from", dest="fmt", choices=("auto", "hf", "mtj"), default="auto", help="source format")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, help="convert weights to this dtype (default: as stored)")
+    flags.add_dtype_flag(p, None, help="convert weights to this dtype (default: as stored)")
     p.add_argument("--config", help="for slim checkpoints: a preset name or config.json (default gptj-6b)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_quantize_flags(p, "write weight-only int8/int4 linears (a gptj-only format: HF transformers cannot load it)")
+    flags.add_quantize_flags(p, "write weight-only int8/int4 linears (a gptj-only format: HF transformers cannot load it)")
     p.add_argument("--tp", type=_positive, help="also write per-rank tensor-parallel shards (tp{N}/rank{r}.safetensors)")
-    _add_threads_flag(p)
+    flags.add_threads_flag(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from prompts",
@@ -686,13 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling: keep the most likely tokens "
                                                                     "whose probabilities add up to this, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv-slots", type=_positive, help="sequences in KV memory at once (default: all, if they fit)")
-    _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
-    _add_engine_flags(p)
-    _add_threads_flag(p)
-    _add_parallel_flags(p)
+    flags.add_model_flags(p)
+    flags.add_engine_flags(p, max_seqs_help="sequences running at once, beams counted each (default: all the "
+                                            "prompts', as the KV memory allows; more wait)")
+    flags.add_threads_flag(p)
+    flags.add_parallel_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.set_defaults(func=cmd_generate)
 
@@ -721,18 +655,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
     p.add_argument("--batch-wait-ms", type=_nonnegative_float,
                    help="Server: how long a batch waits for more samples (default 40)")
-    p.add_argument("--kv-slots", type=_positive,
-                   help="sequences in KV memory at once (default: max-batch-size x beams, as memory allows)")
-    _add_quantize_flags(p, "quantize the model's linears on load (weight-only)")
-    _add_engine_flags(p)
+    flags.add_engine_flags(p, max_seqs_help="sequences running at once (default: max-batch-size x num-beams, as "
+                                            "the KV memory allows)")
+    flags.add_model_flags(p)
     p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
     p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_threads_flag(p)
-    _add_parallel_flags(p)
+    flags.add_threads_flag(p)
+    flags.add_parallel_flags(p)
     p.set_defaults(func=cmd_mlperf, argv=None)
 
     p = sub.add_parser("evaluate", help="score an MLPerf accuracy log (ROUGE)",
@@ -743,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_evaluate)
 
-    from gptj.bench import add_bench_parser
+    from gptj.bench.latency import add_bench_parser
 
     add_bench_parser(sub)
 
@@ -753,14 +684,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick).")
     p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
     p.add_argument("--modes", type=_modes, default=["int8", "int4"], help="comma-separated (default: int8,int4)")
-    p.add_argument("--group-size", type=_positive, help=_GROUP_SIZE_HELP)
+    p.add_argument("--group-size", type=_positive, help=flags.GROUP_SIZE_HELP)
     p.add_argument("--prompts", type=_positive, default=8, help="how many prompts of the sample set (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
-                   help="activations and float weights of the quantized models (default bfloat16)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    flags.add_dtype_flag(p, "bfloat16", help="activations and float weights of the quantized models (default "
+                                             "bfloat16)")
+    flags.add_device_flag(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    _add_threads_flag(p)
+    flags.add_threads_flag(p)
     p.set_defaults(func=cmd_quant_report)
 
     p = sub.add_parser("serve", help="serve models over HTTP (OpenAI completions API)",
@@ -768,11 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/metrics) on gptj's engine. SIGTERM drains running requests, then exits.")
     p.add_argument("--model", action="append", required=True, metavar="[NAME=]DIR",
                    help="a model folder to serve as NAME (default: the folder's name); repeatable")
-    _add_serving_flags(p, DTYPE_NAMES)
+    _add_serving_flags(p)
     p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
-    _add_parallel_flags(p)
+    flags.add_parallel_flags(p)
     g = p.add_argument_group("Ray Serve (pip install -e \".[ray]\")")
     g.add_argument("--ray", action="store_true",
                    help="serve on Ray Serve: each model an application of --replicas replicas at /NAME, and the "
@@ -800,9 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("path", help="its checkpoint folder, on the server's machine (under its --model-root); "
                                         "on a Ray cluster, on every node that may host a replica")
             g = p.add_argument_group("with --ray-address: the replicas' settings (a --server uses its own)")
-            _add_serving_flags(g, DTYPE_NAMES)
+            _add_serving_flags(g)
             _add_replica_flags(g)
-            _add_parallel_flags(g)
+            flags.add_parallel_flags(g)
         p.add_argument("--admin-token", help="the server's --admin-token")
         p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
 
@@ -823,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the output folder's last checkpoint")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (under torchrun: one GPU per rank)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_threads_flag(p)
+    flags.add_threads_flag(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tokenize", help="text to token ids", description="Text to GPT-J token ids.")

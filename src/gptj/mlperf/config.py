@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptj.decode import GenerationConfig
+from gptj.engine.config import EngineConfig
 from gptj.errors import GptjError
 from gptj.mlperf.sut import SCENARIOS, Batching, default_batching
+from gptj.runtime.spec import ModelSpec
 
 MODES = ("performance", "accuracy")
 MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf
@@ -30,16 +32,12 @@ class MLPerfConfig:
     target_latency_ms: float | None = None
     min_duration_ms: int | None = None
     min_query_count: int | None = None
-    max_batch_size: int | None = None
+    max_batch_size: int | None = None  # samples per batch (the SUT's; the engine runs x num_beams sequences)
     batch_wait_ms: float | None = None
     gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
-    kv_slots: int | None = None  # None: enough for max_batch_size samples
-    quantize: str | None = None  # "int8" / "int4": weight-only, on load
-    compile: str = "auto"  # the engine's decode attention by torch.compile: auto / on / off
-    kernels: str = "auto"  # the engine's fused blocks and packed weights: auto / off
-    group_size: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    spec: ModelSpec = field(default_factory=ModelSpec)  # how the model runs here (its path: `model`)
+    # the engine's size as asked; max_seqs / max_len not given come from the run (see run.engine_config)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int | None = None  # torch compute threads; None: the usable cores less runtime.RESERVED_CORES
     progress: bool = True
     argv: list[str] = field(default_factory=lambda: list(sys.argv))

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gptj.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
+from gptj.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
     from gptj.mlperf.dataset import Dataset
@@ -152,7 +152,7 @@ def system_description(cfg: MLPerfConfig) -> dict[str, object]:
 
     return {
         "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
-        "device": cfg.device, "dtype": cfg.dtype, "python": platform.python_version(),
+        "device": cfg.spec.device, "dtype": cfg.spec.dtype, "python": platform.python_version(),
         "platform": platform.platform(), "torch": torch.__version__, "gptj": version("gptj"),
         "mlcommons-loadgen": version("mlcommons-loadgen"), "transformers": version("transformers"),
         **remote,
@@ -260,7 +260,7 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                      f"(remote, over HTTP: the server's dtype, device and batching; up to {remote['concurrency']} "
                      f"requests in flight, {remote['retries']} retried after HTTP 429)")
     else:
-        lines.append(f"- model: `{cfg.model}` ({cfg.dtype} on {cfg.device})")
+        lines.append(f"- model: `{cfg.model}` ({cfg.spec.dtype} on {cfg.spec.device})")
     lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples; {dataset.num_truncated} prompts longer than "
               f"{dataset.max_input_tokens} tokens, truncated to it as the reference does)",
               f"- command: `{' '.join(cfg.argv)}`",

@@ -252,9 +252,14 @@ def flags_that_do_not_apply(cfg: MLPerfConfig) -> list[str]:
     return out
 
 
-# MLPerfConfig fields that only the in-process engine uses, and their defaults.
-_ENGINE_ONLY = {"kv_slots": None, "quantize": None, "group_size": None, "compile": "auto", "kernels": "auto",
-                "dtype": "float32", "device": "cpu"}
+def engine_config(cfg: MLPerfConfig, longest: int):  # noqa: ANN201 - EngineConfig
+    """The run's engine: what --max-seqs / --max-model-len ask, else a batch of samples x beams
+    sequences (cfg.batching.max_batch_size x num_beams) as long as the longest prompt + max_new_tokens."""
+    import dataclasses
+
+    asked = cfg.engine
+    return dataclasses.replace(asked, max_seqs=asked.max_seqs or cfg.batching.max_batch_size * cfg.gen.num_beams,
+                               max_len=asked.max_len or longest + cfg.gen.max_new_tokens)
 
 
 def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202
@@ -270,39 +275,23 @@ _ENGINE_THREAD_TORCH_THREADS = [None]  # what torch.get_num_threads() said on th
 def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202 - Engine
     import torch
 
-    from gptj.engine import Engine, EngineConfig
-    from gptj.engine.kv import groups_from_memory
-    from gptj.parallel import lockstep
-    from gptj.runtime import parse_dtype
+    from gptj.runtime.build import build_engine, load_model
 
     # On the engine's own thread too: torch keeps OpenMP's thread count per thread (a thread takes
     # the process-wide value only when it first computes), so set it where the steps run.
     torch.set_num_threads(threads)
     _ENGINE_THREAD_TORCH_THREADS[0] = torch.get_num_threads()
     bars = None if cfg.progress else False  # --quiet: none; else gptj.weights.io.auto_progress decides
-    model = lockstep.load_model(model_dir, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
-                                group_size=cfg.group_size, progress=bars)
+    spec = cfg.spec.at(model_dir)
+    model = load_model(spec, progress=bars)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
                         f"the model's {model.config.n_positions} positions")
-    # KV memory for max_batch_size samples: a prompt slot each (as long as the longest prompt) and a
-    # tail of max_new_tokens per beam; as many as fit in 80% of the free memory if fewer. --kv-slots
-    # sets the number of sequences (samples x beams) directly.
-    K = cfg.gen.num_beams
-    samples = cfg.batching.max_batch_size
-    slot_len = longest + cfg.gen.max_new_tokens
-    if cfg.kv_slots is None:
-        samples = min(samples, groups_from_memory(model.config, model.transformer.wte.weight.dtype,
-                                                  model.transformer.wte.weight.device, slot_len, cfg.gen.max_new_tokens, K,
-                                                  fraction=0.8))
-    n_seqs = cfg.kv_slots or samples * K
-    if n_seqs < K:
-        raise GptjError(f"KV memory holds {n_seqs} sequences, fewer than num_beams {K}; "
-                        "use a smaller --dtype or fewer beams")
-    engine_config = EngineConfig(n_slots=n_seqs, slot_len=slot_len, max_new_tokens=cfg.gen.max_new_tokens,
-                                 n_prompts=max(1, n_seqs // K), max_batch_size=cfg.batching.max_batch_size * K,
-                                 compile=cfg.compile, kernels=cfg.kernels, progress=bars)
-    return Engine(model, engine_config)
+    engine = engine_config(cfg, longest)
+    if engine.max_seqs < cfg.gen.num_beams:
+        raise GptjError(f"--max-seqs {engine.max_seqs} is fewer than num_beams {cfg.gen.num_beams} (a sample's "
+                        "beams run together)")
+    return build_engine(model, engine, kernels=spec.kernels, progress=bars)
 
 
 def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend
@@ -348,7 +337,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
         log_dir.mkdir(parents=True, exist_ok=True)
         notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
         if remote is not None:
-            ignored = [f"--{k.replace('_', '-')}" for k, v in _ENGINE_ONLY.items() if getattr(cfg, k) != v]
+            from gptj.runtime.flags import flags_given
+
+            ignored = flags_given(cfg.spec, cfg.engine)
             notes.insert(0, f"samples ran on a remote gptj server: {remote.url}, model {remote.model!r}, "
                             f"{cfg.server_concurrency} requests in flight at most; its dtype, device and batching "
                             "are the server's" + (f" ({', '.join(ignored)} did not apply)" if ignored else ""))

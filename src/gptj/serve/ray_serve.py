@@ -38,6 +38,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import RayServeException
 
+from gptj.engine.config import DEFAULT_MAX_SEQS
 from gptj.errors import GptjError
 from gptj.serve.app import ServerState, create_app
 from gptj.serve.completions import APIError
@@ -71,7 +72,7 @@ class GPTJModel:
             from gptj.parallel.launch import LeadRanks
 
             self.ranks = await asyncio.to_thread(LeadRanks, lockstep.follower_job, tp * pp,
-                                                 {"tp": tp, "pp": pp, "threads": share}, cfg.device)
+                                                 {"tp": tp, "pp": pp, "threads": share}, cfg.model.device)
             await asyncio.to_thread(lockstep.configure, tp, pp)
         self.state = ServerState(self.cfg)
         await self.state.load_startup_models()
@@ -340,7 +341,9 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
     deployment = GPTJModel.options(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
-        max_ongoing_requests=cfg.max_batch_size + cfg.max_queue,  # beyond that the replica answers 429
+        # beyond that the replica answers 429 (its engine's running sequences, if not asked, are sized
+        # from memory on the node: the engine's largest default bounds them)
+        max_ongoing_requests=(cfg.engine.max_seqs or DEFAULT_MAX_SEQS) + cfg.max_queue,
         health_check_period_s=2.0, health_check_timeout_s=60.0,
         max_constructor_retry_count=replicas,  # a folder that does not load will not load on a retry either
         graceful_shutdown_timeout_s=cfg.drain_timeout_s)

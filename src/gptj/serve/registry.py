@@ -1,6 +1,8 @@
 """What the server serves: named models, each an engine on its own loop thread, and its limits.
 
-`ServerConfig` is the server's typed config (the CLI maps `gptj serve` flags onto it).
+`ServerConfig` is the server's typed config (the CLI maps `gptj serve` flags onto it): how each
+model runs (a ModelSpec, gptj.runtime.spec) and how big its engine is (an EngineConfig), then the
+server's own settings.
 A `ServedModel` owns one `EngineLoop`; the HTTP layer submits token ids to it and never touches a
 tensor. Its `outstanding` count (engine requests submitted and not yet finished) is only changed on
 the event loop's thread, which makes the admission check (backpressure) race-free.
@@ -9,6 +11,7 @@ the event loop's thread, which makes the admission check (backpressure) race-fre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import heapq
@@ -19,11 +22,24 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gptj.errors import GptjError
+from gptj.runtime.spec import ModelSpec
 from gptj.serve.protocol import MODEL_NAME
+
+if TYPE_CHECKING:
+    from gptj.engine.config import EngineConfig
+
+
+def serve_engine_config(**settings) -> EngineConfig:  # noqa: ANN003 - EngineConfig's fields
+    """A served model's engine: prompts prefilled in chunks by default (runtime.flags.SERVE_PREFILL_CHUNK)."""
+    from gptj.engine.config import EngineConfig
+    from gptj.runtime.flags import SERVE_PREFILL_CHUNK
+
+    return EngineConfig(**{"prefill_chunk": SERVE_PREFILL_CHUNK} | settings)
 
 
 @dataclass(frozen=True)
@@ -31,9 +47,10 @@ class ServerConfig:
     models: tuple[tuple[str, str], ...] = ()  # (name, checkpoint folder), loaded at start
     host: str = "127.0.0.1"
     port: int = 8000
-    max_batch_size: int = 8  # sequences per engine step (beams count each)
+    model: ModelSpec = field(default_factory=ModelSpec)  # how every model runs (its path: each of `models`)
+    engine: EngineConfig = field(default_factory=serve_engine_config)  # each model's engine
     batch_wait_ms: float = 0.0  # an idle engine waits this long for more requests before a step
-    max_queue: int = 64  # engine requests waiting beyond a full batch; more get 429
+    max_queue: int = 64  # engine requests waiting beyond the running ones; more get 429
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish
     # a connection must finish each request's headers, and then its body, within this (else closed / 408)
@@ -46,29 +63,21 @@ class ServerConfig:
     public_docs: bool = False
     admin_token: str | None = None  # enables /admin routes (same header)
     model_root: str | None = None  # admin loads must lie under it (default: the working directory)
-    dtype: str = "float32"
-    device: str = "cpu"
-    quantize: str | None = None
-    group_size: int | None = None
-    kv_slots: int | None = None  # sequences in KV memory (default: max_batch_size, as memory allows)
-    max_model_len: int | None = None  # prompt + new tokens (default: the model's n_positions)
-    prefill_chunk: int | None = 512  # prompt tokens prefilled per engine step (None: whole prompts)
-    compile: str = "auto"
-    kernels: str = "auto"
     # torch compute threads, set where the engine is built (None: leave torch's setting; `gptj serve`
     # passes the usable cores less runtime.RESERVED_CORES); split over the ranks under --tp/--pp
     threads: int | None = None
+    # `gptj serve --max-batch-size`'s old name for engine.max_seqs (sequences per step, beams count each)
+    max_batch_size: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_batch_size: int | None) -> None:
+        if max_batch_size is not None:
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, max_seqs=max_batch_size))
         if self.threads is not None:
             from gptj.runtime import compute_threads
 
             compute_threads(self.threads)  # a bad value fails here, in one line
-        for name in ("max_batch_size", "max_queue"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "max_batch_size" else 0):
-                raise GptjError(f"server {name} must be a {'positive' if name == 'max_batch_size' else 'non-negative'}"
-                                f" integer, got {value!r}")
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise GptjError(f"server max_queue must be a non-negative integer, got {self.max_queue!r}")
         if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
                 or self.max_connections < 1:
             raise GptjError(f"server max_connections must be an integer >= 1, got {self.max_connections!r}")
@@ -199,16 +208,18 @@ class ServedModel:
             self._idle = asyncio.Event()
             await self._idle.wait()
 
-    # what /metrics reads (from the scraping thread: len() of the engine's containers is atomic)
+    # what /metrics reads (from the scraping thread): the engine's stats(), never its fields
+    def stats(self):  # noqa: ANN201 - gptj.engine.config.EngineStats
+        return self.engine.stats()
+
     def queue_depth(self) -> int:
-        return self.loop.pending + len(self.engine.waiting)
+        return self.loop.pending + self.stats().waiting
 
     def running_sequences(self) -> int:
-        return sum(r.n_seqs for r in list(self.engine.running))
+        return self.stats().running_seqs
 
     def kv_usage(self) -> float:
-        tails = self.engine.pool.tails
-        return 1.0 - tails.free / tails.n
+        return self.stats().kv_usage
 
     def shutdown(self) -> None:
         self.loop.shutdown()
@@ -217,28 +228,12 @@ class ServedModel:
 def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
     """Load `path` and make its engine (on the engine's own thread: see EngineLoop). Module-level,
     so that under --tp / --pp rank 0 can hand it to the other ranks (gptj.parallel.lockstep)."""
-    from gptj.engine import Engine, EngineConfig
-    from gptj.engine.kv import groups_from_memory
-    from gptj.parallel import lockstep
-    from gptj.runtime import parse_dtype, set_threads
+    from gptj.runtime.build import build_engine, load_model, set_rank_threads
 
     # Here, on the thread that runs the engine, before it computes: OpenMP keeps a count per thread.
-    if cfg.threads is not None:
-        import torch.distributed as dist
-
-        set_threads(max(1, cfg.threads // (dist.get_world_size() if lockstep.active() else 1)))  # each rank builds
-
-    model = lockstep.load_model(path, parse_dtype(cfg.dtype), cfg.device, quantize=cfg.quantize,
-                                group_size=cfg.group_size)
-    n_positions = model.config.n_positions
-    max_len = min(cfg.max_model_len or n_positions, n_positions)
-    w = model.transformer.wte.weight
-    # Each sequence holds a prompt slot and a tail of up to max_len new tokens.
-    n_seqs = cfg.kv_slots or min(cfg.max_batch_size, groups_from_memory(model.config, w.dtype, w.device, max_len,
-                                                                        max_len, 1, fraction=0.8))
-    return Engine(model, EngineConfig(n_slots=n_seqs, slot_len=max_len, max_new_tokens=max_len,
-                                      max_batch_size=min(cfg.max_batch_size, n_seqs),
-                                      prefill_chunk=cfg.prefill_chunk, compile=cfg.compile, kernels=cfg.kernels))
+    set_rank_threads(cfg.threads)
+    spec = cfg.model.at(path)
+    return build_engine(load_model(spec), cfg.engine, kernels=spec.kernels)
 
 
 def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
@@ -251,9 +246,9 @@ def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
     tokenizer = tokenizer_for_model(path)
     loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg), batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
-    return ServedModel(name, str(path), engine, loop, tokenizer, engine.pool.prompt_len,
-                       engine.model.config.vocab_size, capacity=engine.max_batch_size + cfg.max_queue,
-                       max_token_bytes=token_bytes_bound(tokenizer))
+    stats = engine.stats()
+    return ServedModel(name, str(path), engine, loop, tokenizer, stats.max_len, engine.model.config.vocab_size,
+                       capacity=stats.max_seqs + cfg.max_queue, max_token_bytes=token_bytes_bound(tokenizer))
 
 
 def token_bytes_bound(tokenizer) -> int | None:  # noqa: ANN001 - gptj.tokenizer.Tokenizer

@@ -10,11 +10,14 @@
     gflop_s        2 x matmul weights x tokens/s, plus attention's 4 x n_layer x n_embd x context
     peak_rss_mb    the process's peak resident memory (VmHWM), model loading included
 
-How it is timed: the prompts are submitted to `Engine` as requests with fixed lengths
-(eos_token_id=None, min_new_tokens = max_new_tokens = new_tokens) and the engine is stepped by
-hand, exactly what `Engine.generate` does; the first `step()` (admission + prefill of every
-prompt + first token) is the prefill time, the remaining steps the decode time. Warm-up runs
-the whole generation `warmup` times first; figures are medians over `repeats` runs.
+How it is timed: the model is loaded and its engine built as every command does
+(gptj.runtime.build), sized to hold the batch and prefill it in one step (`engine_config`). The
+prompts are submitted as requests with fixed lengths (eos_token_id=None, min_new_tokens =
+max_new_tokens = new_tokens) and the engine is stepped by hand, exactly what `Engine.generate`
+does; the first `step()` (admission + prefill of every prompt + first token) is the prefill
+time, the remaining steps the decode time. Warm-up runs the whole generation `warmup` times
+first; figures are medians over `repeats` runs. Each run has prompts of its own, so that no run
+reuses another's KV blocks (prefix caching).
 
 torch is imported inside functions so `gptj --help` stays fast.
 """
@@ -22,7 +25,7 @@ torch is imported inside functions so `gptj --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import math
 import statistics
@@ -32,14 +35,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptj.errors import GptjError
+from gptj.runtime import flags
 
 if TYPE_CHECKING:
     import torch
 
     from gptj.config import GPTJConfig
+    from gptj.engine.config import EngineConfig
     from gptj.model import GPTJForCausalLM
+    from gptj.runtime.spec import ModelSpec
 
-QUANTIZE_CHOICES = ("int8", "int4")
 REQUIRED_KEYS = ("prefill_ms", "decode_tok_s", "weights_gb_s", "gflop_s", "peak_rss_mb")
 
 
@@ -126,26 +131,6 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return torch.randint(0, min(vocab_size, 50256), (n, length), generator=g).tolist()
 
 
-# --- loading --------------------------------------------------------------------------------
-
-
-def load_for_bench(model_dir: str | Path, dtype: str = "bfloat16", quantize: str | None = None,
-                   device: str = "cpu") -> GPTJForCausalLM:
-    """`load_model`, passing `quantize` through when this gptj's load_model supports it."""
-    from gptj.runtime import parse_dtype, resolve_device
-    from gptj.weights.io import load_model
-
-    kwargs: dict[str, Any] = {}
-    if quantize is not None:
-        if quantize not in QUANTIZE_CHOICES:
-            raise GptjError(f"unknown quantization {quantize!r} (choose from {', '.join(QUANTIZE_CHOICES)})")
-        if "quantize" not in inspect.signature(load_model).parameters:
-            raise GptjError(f"quantize={quantize!r} needs gptj.quant, which this gptj does not have "
-                            "(load_model takes no quantize argument)")
-        kwargs["quantize"] = quantize
-    return load_model(model_dir, dtype=parse_dtype(dtype), device=resolve_device(device), **kwargs)
-
-
 # --- timing -----------------------------------------------------------------------------------
 
 
@@ -163,7 +148,7 @@ def time_engine_run(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
     decode is the remaining new_tokens - 1 steps.
     """
     from gptj.decode import GenerationConfig
-    from gptj.engine.core import FAILED
+    from gptj.engine.request import FAILED
 
     gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None)
     reqs = [engine.add_request(p, gen) for p in prompts]
@@ -173,7 +158,7 @@ def time_engine_run(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
     _sync(engine.device)
     t1 = time.perf_counter()
     if any(r.status == "waiting" for r in reqs):
-        raise GptjError("the engine did not admit the whole batch in one step (not enough KV slots?)")
+        raise GptjError("the engine did not admit the whole batch in one step (not enough KV blocks?)")
     while any(not r.done for r in reqs):
         engine.step()
     _sync(engine.device)
@@ -186,24 +171,32 @@ def time_engine_run(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
     return t1 - t0, t2 - t1
 
 
-def engine_config(**settings: Any) -> Any:
-    """An EngineConfig from the settings this version of the engine knows (others are dropped)."""
-    import dataclasses
+def engine_config(batch_size: int, prompt_len: int, new_tokens: int, num_beams: int = 1,
+                  asked: EngineConfig | None = None) -> EngineConfig:
+    """The bench's engine: it holds the whole batch (batch_size x num_beams sequences of prompt_len
+    + new_tokens) and admits (prefills) it in one step, unless `asked` (the engine flags) says
+    otherwise: what it sets wins.
 
-    from gptj.engine import EngineConfig
+    Its KV blocks, unless asked: the batch's, plus the room the scheduler keeps free while it
+    admits beside running requests (a block per new sequence and a 1 % watermark:
+    gptj.engine.scheduler), so that the whole batch is admitted in the first step."""
+    from gptj.engine.config import EngineConfig
 
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in settings.items() if k in known})
+    asked = asked or EngineConfig()
+    seqs = asked.max_seqs or batch_size * num_beams
+    max_len = asked.max_len or prompt_len + new_tokens
+    blocks = seqs * -(-max_len // asked.block_size) + seqs
+    return dataclasses.replace(asked, max_seqs=seqs, max_len=max_len,
+                               kv_blocks=asked.kv_blocks or blocks + blocks // 99 + 1,
+                               max_prefill_tokens=max(asked.max_prefill_tokens, batch_size * prompt_len))
 
 
 def make_engine(model: GPTJForCausalLM, batch_size: int, prompt_len: int, new_tokens: int,
-                num_beams: int = 1, **engine_settings: Any) -> Any:
-    """An engine that holds the whole batch and admits (prefills) it in one step."""
-    from gptj.engine import Engine
+                num_beams: int = 1, asked: EngineConfig | None = None, kernels: str = "auto") -> Any:
+    """An engine that holds the whole batch and admits (prefills) it in one step (gptj.runtime.build)."""
+    from gptj.runtime.build import build_engine
 
-    return Engine(model, engine_config(n_slots=batch_size * num_beams, n_prompts=batch_size,
-                                       slot_len=prompt_len + new_tokens, max_new_tokens=new_tokens,
-                                       max_prefill_tokens=max(1, batch_size * prompt_len), **engine_settings))
+    return build_engine(model, engine_config(batch_size, prompt_len, new_tokens, num_beams, asked), kernels=kernels)
 
 
 def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: int, repeats: int) -> None:
@@ -215,7 +208,8 @@ def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: i
 
 
 def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
-                    warmup: int = 1, repeats: int = 3, seed: int = 0, **engine_settings: Any) -> dict[str, Any]:
+                    warmup: int = 1, repeats: int = 3, seed: int = 0, engine: EngineConfig | None = None,
+                    kernels: str = "auto") -> dict[str, Any]:
     """`run_latency`'s measurements on a model already loaded (figures only, no settings echo)."""
     import torch
 
@@ -224,13 +218,16 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
     if prompt_len + new_tokens > config.n_positions:
         raise GptjError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the model's "
                         f"{config.n_positions} positions")
-    prompts = random_prompts(batch_size, prompt_len, config.vocab_size, seed)
-    engine = make_engine(model, batch_size, prompt_len, new_tokens, **engine_settings)
-    for _ in range(warmup):
-        time_engine_run(engine, prompts, new_tokens)
+    runner = make_engine(model, batch_size, prompt_len, new_tokens, asked=engine, kernels=kernels)
+
+    def prompts(run: int) -> list[list[int]]:  # each run its own, so none reuses another's cached prefix
+        return random_prompts(batch_size, prompt_len, config.vocab_size, seed + run)
+
+    for i in range(warmup):
+        time_engine_run(runner, prompts(i), new_tokens)
     prefill, decode = [], []
-    for _ in range(repeats):
-        p, d = time_engine_run(engine, prompts, new_tokens)
+    for i in range(warmup, warmup + repeats):
+        p, d = time_engine_run(runner, prompts(i), new_tokens)
         prefill.append(p)
         decode.append(d)
     prefill_s, decode_s = statistics.median(prefill), statistics.median(decode)
@@ -261,7 +258,7 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
         "params": model_params(config),
         "threads": torch.get_num_threads(),
     }
-    device = engine.device
+    device = model.transformer.wte.weight.device
     if device.type == "cuda":
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 1e6
     return out
@@ -269,22 +266,35 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
 
 def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                 dtype: str = "bfloat16", quantize: str | None = None, device: str = "cpu",
-                warmup: int = 1, repeats: int = 3, compile: str = "auto", kernels: str = "auto") -> dict[str, Any]:
+                warmup: int = 1, repeats: int = 3, compile: str = "auto", kernels: str = "auto",  # noqa: A002
+                spec: ModelSpec | None = None, engine: EngineConfig | None = None) -> dict[str, Any]:
     """Load `model_dir` and measure prefill and decode on the engine (see the module docstring).
 
-    Returns a flat dict: the figures (prefill_ms, prefill_tok_s, decode_tok_s, decode_step_ms,
-    weights_gb_s, kv_gb_s, gflop_s, prefill_gflop_s, peak_rss_mb, ...) and the settings.
+    spec: how the model runs (default: from dtype, quantize, device, compile, kernels); engine:
+    the engine flags asked (see `engine_config`). Returns a flat dict: the figures (prefill_ms,
+    prefill_tok_s, decode_tok_s, decode_step_ms, weights_gb_s, kv_gb_s, gflop_s, prefill_gflop_s,
+    peak_rss_mb, ...) and the settings.
     """
+    from gptj.runtime.build import load_model
+    from gptj.runtime.spec import ModelSpec
+
     _check_settings(batch_size, prompt_len, new_tokens, warmup, repeats)
+    if spec is None:
+        spec = ModelSpec(path=str(model_dir), dtype=dtype, device=device, quantize=quantize, kernels=kernels,
+                         compile=compile)
+    if engine is None:
+        from gptj.engine.config import EngineConfig
+
+        engine = EngineConfig(kernels=spec.kernels, compile=spec.compile)
     t0 = time.perf_counter()
-    model = load_for_bench(model_dir, dtype=dtype, quantize=quantize, device=device)
+    model = load_model(spec)
     load_s = time.perf_counter() - t0
-    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats,
-                              compile=compile, kernels=kernels)
+    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats, engine=engine,
+                              kernels=spec.kernels)
     settings = {"model": str(model_dir), "batch_size": batch_size, "prompt_len": prompt_len,
-                "new_tokens": new_tokens, "dtype": dtype, "quantize": quantize,
+                "new_tokens": new_tokens, "dtype": spec.dtype, "quantize": spec.quantize,
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
-                "compile": compile, "kernels": kernels, "load_s": load_s}
+                "compile": spec.compile, "kernels": spec.kernels, "load_s": load_s}
     return figures | settings
 
 
@@ -310,23 +320,8 @@ def format_latency(r: dict[str, Any]) -> str:
 # --- CLI ------------------------------------------------------------------------------------
 
 
-def _int_at_least(low: int):  # noqa: ANN202 - an argparse type function
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` (with its `latency` benchmark) to the CLI's subcommands."""
-    from gptj.runtime import DTYPE_NAMES
-
     p = subparsers.add_parser("bench", help="measure speed: prefill, decode tok/s, memory bandwidth",
                               description="Benchmarks of gptj's engine.")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True, parser_class=type(p))
@@ -335,31 +330,39 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Prefill time and decode tokens/s of one batch of random prompts on the engine, with the "
                     "weight bandwidth and FLOP rate they imply and the peak memory (gpt-fast's figures).")
     q.add_argument("--model", required=True, help="model directory (HF / gptj format)")
-    q.add_argument("--batch-size", type=_int_at_least(1), default=1)
-    q.add_argument("--prompt-len", type=_int_at_least(1), default=128, help="prompt tokens per sequence")
-    q.add_argument("--new-tokens", type=_int_at_least(2), default=64, help="new tokens per sequence (>= 2)")
-    q.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
-    q.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="weight-only quantization (default: none)")
-    q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    q.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the decode attention: auto = below float32 (default), on, off")
-    q.add_argument("--kernels", choices=("auto", "off"), default="auto",
-                   help="fused blocks and oneDNN-packed bfloat16 weights below float32 (auto) or the plain model")
-    q.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs first")
-    q.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs (median reported)")
+    q.add_argument("--batch-size", type=flags.positive, default=1)
+    q.add_argument("--prompt-len", type=flags.positive, default=128, help="prompt tokens per sequence")
+    q.add_argument("--new-tokens", type=_at_least_two, default=64, help="new tokens per sequence (>= 2)")
+    flags.add_model_flags(q, dtype="bfloat16", quantize_help="weight-only quantization (default: none)")
+    flags.add_engine_flags(q, max_seqs_help="sequences running at once (default: batch-size)")
+    q.add_argument("--warmup", type=flags.nonnegative, default=1, help="untimed runs first")
+    q.add_argument("--repeats", type=flags.positive, default=3, help="timed runs (median reported)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
-    q.add_argument("--threads", type=_int_at_least(1), help="torch compute threads (default: the usable cores)")
+    flags.add_threads_flag(q)
     p.set_defaults(func=cmd_bench)
     return p
+
+
+def _at_least_two(text: str) -> int:
+    value = flags.positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}")
+    return value
+
+
+def bench_config(args: argparse.Namespace) -> tuple[ModelSpec, EngineConfig]:
+    """`gptj bench latency`'s ModelSpec and EngineConfig (the batch's, unless the engine flags say)."""
+    return flags.model_spec(args), engine_config(args.batch_size, args.prompt_len, args.new_tokens,
+                                                 asked=flags.engine_config(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command != "latency":
         raise GptjError(f"unknown benchmark {args.bench_command!r}")
+    spec, engine = bench_config(args)
     result = run_latency(args.model, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                         new_tokens=args.new_tokens, dtype=args.dtype, quantize=args.quantize,
-                         device=args.device, warmup=args.warmup, repeats=args.repeats, compile=args.compile,
-                         kernels=args.kernels)
+                         new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, spec=spec,
+                         engine=engine)
     if args.json:
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                           for k, v in result.items()}))

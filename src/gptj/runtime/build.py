@@ -1,0 +1,100 @@
+"""From a spec to a running engine, in two calls every command makes:
+
+    model = load_model(spec)                                  read -> quantize -> shard
+    engine = build_engine(model, engine_config, spec.kernels) plan the KV -> prepare kernels -> Engine
+
+Under --tp / --pp (gptj.parallel.lockstep configured) each rank loads its share and builds its own
+engine; the ranks must schedule alike, so they plan their KV memory within the least free memory
+of any rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
+from gptj.errors import GptjError
+from gptj.parallel import lockstep
+from gptj.runtime.device import resolve_device
+from gptj.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from gptj.engine import Engine
+    from gptj.model import GPTJForCausalLM
+
+
+def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM:
+    """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
+    files when present), under --pp its stage (both: its stage's shard), quantized after
+    splitting if asked. progress: bars on stderr (None: for a big model on a terminal).
+
+    Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
+    int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
+    each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
+    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
+    from gptj.weights.io import load_model as load_whole
+
+    if spec.path is None:
+        raise GptjError("no model folder given")
+    if not lockstep.active():
+        if spec.world > 1:
+            raise GptjError(f"--tp {spec.tp} --pp {spec.pp} runs on {spec.world} ranks: start it with gptj "
+                            "(which spawns them) or torchrun")
+        return load_whole(spec.path, dtype=spec.torch_dtype, device=resolve_device(spec.device),
+                          quantize=spec.quantize, group_size=spec.group_size, progress=progress)
+    from gptj.parallel.launch import rank_device
+    from gptj.parallel.tp import load_rank, shard_file
+
+    rank = lockstep.check_plan(spec.tp, spec.pp)
+    device = resolve_device(rank_device(spec.device))
+    t = rank % spec.tp
+    if spec.tp > 1 and shard_file(spec.path, t, spec.tp).is_file():
+        model = lockstep.split_model(load_rank(spec.path, t, spec.tp, spec.torch_dtype, device,
+                                               group=lockstep.tp_group()), rank, sharded=True)
+    else:
+        model = lockstep.split_model(load_whole(spec.path, dtype=spec.torch_dtype, device=device,
+                                                progress=progress), rank)
+    if spec.quantize:
+        from gptj.quant import quantize_model
+
+        quantize_model(model, spec.quantize, spec.group_size, skip=("lm_head",) if spec.tp > 1 else ())
+    return model
+
+
+def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | None = None) -> KVPlan:
+    """The KV plan of `model`'s engine (its KV in its float dtype, on its device, its rank's heads):
+    plan_kv within the free memory now, or `free_bytes`; under --tp / --pp, the least of any rank."""
+    w = model.transformer.wte.weight
+    if free_bytes is None and config.kv_blocks is None:
+        free_bytes = available_memory_bytes(w.device)
+        if lockstep.active():
+            free_bytes = lockstep.least(free_bytes)
+    return plan_kv(model.config, w.dtype, w.device, config, n_head=model.config.n_head // lockstep.plan()[0],
+                   free_bytes=free_bytes)
+
+
+def build_engine(model: GPTJForCausalLM, config: EngineConfig, kernels: str = "auto",
+                 progress: bool | None = None, free_bytes: int | None = None) -> Engine:
+    """The engine for `model`: its KV plan (plan_for), then the serving kernels prepared for up to
+    plan.max_seqs rows (gptj.kernels.prepare_for_serving: `kernels` "auto" or "off"), then
+    Engine with the plan's numbers fixed in its config (so the engine sizes nothing again)."""
+    from gptj.engine import Engine
+    from gptj.kernels import prepare_for_serving
+
+    plan = plan_for(model, config, free_bytes)
+    prepare_for_serving(model, kernels, max_rows=plan.max_seqs, progress=progress)
+    fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
+    return Engine(model, fixed)
+
+
+def set_rank_threads(threads: int | None) -> None:
+    """torch's compute threads on this thread: `threads` split over the ranks of a parallel job
+    (each rank builds its own engine), or left as they are when None."""
+    if threads is None:
+        return
+    from gptj.runtime.threads import set_threads
+
+    set_threads(max(1, threads // (torch.distributed.get_world_size() if lockstep.active() else 1)))

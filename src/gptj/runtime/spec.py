@@ -1,0 +1,94 @@
+"""What model to run and how (`ModelSpec`), and how big its engine is (`kv_plan`).
+
+A ModelSpec is validated once, when it is made: every command (generate, serve, mlperf, bench)
+makes one from its flags (gptj.runtime.flags) and hands it to gptj.runtime.build. The engine's
+size is asked for with an `EngineConfig` (gptj.engine.config) and decided by `plan_kv`, the one
+sizing rule; `kv_plan` is that rule applied to a spec's model.
+
+torch is imported inside the functions so that `gptj --help` starts without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gptj.errors import GptjError
+
+if TYPE_CHECKING:
+    import torch
+
+    from gptj.config import GPTJConfig
+    from gptj.engine.config import EngineConfig, KVPlan
+
+
+def _positive(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GptjError(f"{what} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to run a model: which checkpoint, its float dtype and device, weight-only quantization,
+    tensor x pipeline parallel ranks, and the serving kernels (gptj.kernels) and torch.compile modes."""
+
+    path: str | None = None  # the model folder (None: a template, e.g. serve's for each --model)
+    dtype: str = "float32"  # activations, float weights and the KV cache (aliases: fp32, bf16, fp16)
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto (resolved where the model loads: a rank's, a node's)
+    quantize: str | None = None  # weight-only linears, on load (gptj.quant.QUANT_MODES)
+    group_size: int | None = None  # int4 group size (None: the loader's default)
+    tp: int = 1  # tensor-parallel ranks
+    pp: int = 1  # pipeline stages
+    kernels: str = "auto"  # fused blocks and packed weights below float32 (auto), or the plain model (off)
+    compile: str = "auto"  # torch.compile the decode attention: auto (below float32), on, off
+
+    def __post_init__(self) -> None:
+        from gptj.engine.config import COMPILE_MODES, KERNEL_MODES
+        from gptj.runtime.device import dtype_name, parse_dtype
+
+        if self.path is not None:
+            object.__setattr__(self, "path", str(self.path))
+        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
+        if not isinstance(self.device, str) or not self.device:
+            raise GptjError(f"device must be a name (cpu, cuda, cuda:N or auto), got {self.device!r}")
+        if self.quantize is not None:
+            from gptj.quant import check_mode
+
+            check_mode(self.quantize)
+        if self.group_size is not None:
+            _positive("group_size", self.group_size)
+        _positive("tp", self.tp)
+        _positive("pp", self.pp)
+        if self.kernels not in KERNEL_MODES:
+            raise GptjError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.compile not in COMPILE_MODES:
+            raise GptjError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        from gptj.runtime.device import parse_dtype
+
+        return parse_dtype(self.dtype)
+
+    @property
+    def world(self) -> int:
+        """Ranks one model runs on (tp x pp)."""
+        return self.tp * self.pp
+
+    def at(self, path: object) -> ModelSpec:
+        """This spec for the model folder `path`."""
+        return dataclasses.replace(self, path=str(path))
+
+
+def kv_plan(spec: ModelSpec, model_config: GPTJConfig, engine: EngineConfig, free_bytes: int | None = None,
+            device: torch.device | str | None = None) -> KVPlan:
+    """The engine's size for `spec`'s model: plan_kv with the spec's KV dtype (its float dtype) and
+    this rank's heads (n_head / tp). free_bytes: the free memory to plan within (None: measured
+    now on `device`, default the spec's)."""
+    from gptj.engine.config import plan_kv
+    from gptj.runtime.device import resolve_device
+
+    device = resolve_device(spec.device) if device is None else device
+    return plan_kv(model_config, spec.torch_dtype, device, engine, n_head=model_config.n_head // spec.tp,
+                   free_bytes=free_bytes)
