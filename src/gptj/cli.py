@@ -125,7 +125,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prompts, gen, spec, engine config)
     """What `gptj generate` runs: its tokenizer, prompts (token ids), GenerationConfig, ModelSpec and
-    EngineConfig (its prompts all at once, as the KV memory allows; the rest wait)."""
+    EngineConfig (its prompts all at once, as the KV memory allows; the rest wait). Sequences may be
+    as long as the model's context (the KV blocks a beam search takes beyond its sequences' own
+    length, for its shared prompt, fit then; plan_kv bounds them by the free memory)."""
     from gptj.decode import GenerationConfig
 
     if not args.prompt and not args.prompt_ids:
@@ -140,8 +142,7 @@ def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prom
     for i, p in enumerate(prompts):
         if not p:
             raise GptjError(f"prompt {i + 1} is empty")
-    engine = flags.engine_config(args, max_seqs=len(prompts) * gen.num_beams,
-                                 max_len=max(map(len, prompts)) + gen.max_new_tokens)
+    engine = flags.engine_config(args, max_seqs=len(prompts) * gen.num_beams)
     return tok, prompts, gen, flags.model_spec(args), engine
 
 
