@@ -1,7 +1,8 @@
-"""Files users hand in, and folders gptj writes: read with one-line errors, write atomically."""
+"""Files users hand in, and files and folders gptj writes: read with one-line errors, write atomically."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,35 @@ def read_text(path: Path, what: str = "input file") -> str:
         raise GptjError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
+# --- single files: a reader sees the old file or the whole new one, never half of it ---------------
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: object) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+# --- folders: filled beside their target, then moved into place ------------------------------------
+#
 # A temporary folder's name records its owner: `.TARGET.tmp-HOST-PID-XXXXXXXX` (XXXXXXXX:
 # mkdtemp's random part), so that a later run can tell a leftover of a killed run (its pid dead on
 # this host) from a folder a live run is still filling. One without an owner it can check (another
