@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gptj import quant, quant_report
+from gptj import quant
+from gptj.bench import quant_report
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.model import build_model
@@ -69,7 +70,7 @@ def test_dequant_path_in_chunks(monkeypatch, mode):
     m = quantized(lin, mode)
     x = torch.randn(quant.KERNEL_MAX_ROWS[mode] + 1, 64)
     whole = m(x)
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)
     assert len(list(quant._row_chunks(560, 64))) == 3
     torch.testing.assert_close(m(x), whole, rtol=1e-6, atol=1e-6)
 
@@ -114,7 +115,7 @@ def test_cpu_kernel_layout_unpacks_and_packs_by_chunks(monkeypatch):
         q = torch.randint(0, 16, (n, 64), dtype=torch.uint8)
         whole = quant._pack_cpu_int4(q)
         assert torch.equal(quant._unpack_cpu_int4(whole, layout), q)
-        monkeypatch.setattr(quant, "_PACK_CHUNK_ROWS", 256)
+        monkeypatch.setattr(quant.ops, "_PACK_CHUNK_ROWS", 256)
         assert torch.equal(quant._pack_cpu_int4(q), whole)
         assert torch.equal(quant._pack_cpu_int4(quant.pack_int4(q), portable=True), whole)
         monkeypatch.undo()

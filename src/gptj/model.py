@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptj.config import GPTJConfig
+from gptj.kernels.policy import exact
 
 ROPE_BASE = 10000.0
 
@@ -67,11 +68,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q: (B, H, T, D); k, v: (B, H, S, D); mask: additive float32, broadcastable to (B, H, T, S), or None.
     Returns (B, H, T, D) in v's dtype.
 
-    float32 runs this exact math. bfloat16/float16 go through torch's fused SDPA instead (softmax
-    accumulated in float32 inside the kernel), which never materialises float32 copies of the
-    keys and values — the same formula, a different rounding; tests bound the difference.
+    float32 runs this exact math (gptj.kernels.policy.exact). bfloat16/float16 go through torch's
+    fused SDPA instead (softmax accumulated in float32 inside the kernel), which never materialises
+    float32 copies of the keys and values — the same formula, a different rounding; tests bound the
+    difference.
     """
-    if q.dtype != torch.float32 and q.dtype == k.dtype == v.dtype:
+    if not exact(q.dtype) and q.dtype == k.dtype == v.dtype:
         bool_mask = None if mask is None else mask == 0  # additive 0 / min -> True where allowed
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])

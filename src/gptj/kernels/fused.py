@@ -1,11 +1,13 @@
 """Serving kernels: fused GPT-J blocks and bfloat16 Linear weights repacked for oneDNN on CPU.
 
+Which of these a model gets, and which kernel each call runs, is decided by gptj.kernels.policy.
+
 Fused blocks. GPT-J feeds attention and MLP the same LayerNorm output, so q, k, v and fc_in are
 one matmul (7 E x E weights for gptj-6b) and, in bfloat16, out_proj and fc_out are one more
 (their inputs concatenated): two or three weight-streaming calls per layer instead of six, each
 on a bigger matrix (the kernels' per-call cost and small-matrix inefficiency dominate decode on
 small models). Rotary runs on q and k together, in place. `fuse_model` does this for models whose
-weights are not float32 (bfloat16 or quantized); float32 stays the exact, unfused math.
+weights are not float32 (bfloat16 or quantized); float32 stays the exact, unfused math (policy.fusable).
 
 torch's `F.linear` in bfloat16 on CPU reads a plain row-major weight; at the few rows of a decode
 step it reaches about half the memory bandwidth of the same weight in oneDNN's blocked layout
@@ -25,56 +27,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gptj import native
+from gptj.kernels.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, fusable, linear_path, pack_layout
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-
-PACK_MODES = ("auto", "off")
-
-
-def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation)."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-NATIVE_MAX_ROWS = 8  # a native-layout linear runs gptj.native's GEMV up to here, F.linear above
-NATIVE_LAYOUT_MAX_ROWS = 4  # engines of at most this many rows per step take the native layout: bf16 GEMV
-# 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096 (benchmarks/native_gemv.py)
+from gptj.quant import Int4Linear, Int8Linear
 
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward in bfloat16 on CPU, in one of two layouts chosen when it is built.
 
     "onednn": the weight reordered for oneDNN (fast at any number of rows).
-    "native": the plain weight, read by gptj.native's AVX-512 GEMV up to NATIVE_MAX_ROWS rows (1.4-1.8x
-    oneDNN at 1-2 rows) and by F.linear above. Chosen when the engine never runs more rows than that
-    per step (batch-1 latency); holding both layouts would double the weights' memory.
+    "native": the plain weight, read by gptj.native's AVX-512 GEMV at few rows (1.4-1.8x oneDNN at 1-2
+    rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
+    policy.NATIVE_LAYOUT_MAX_ROWS per step (batch-1 latency); holding both layouts would double the
+    weights' memory.
     """
 
     def __init__(self, linear: nn.Linear, layout: str = "onednn") -> None:
         super().__init__()
-        if layout not in ("onednn", "native"):
+        if layout not in (ONEDNN, NATIVE):
             raise ValueError(f"unknown layout {layout!r}")
         self.in_features, self.out_features, self.layout = linear.in_features, linear.out_features, layout
         w = linear.weight.detach().contiguous()
         # Buffers (counted by memory and bandwidth reports) that state_dict() leaves out.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1) if layout == "onednn" else w,
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1) if layout == ONEDNN else w,
                              persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise RuntimeError(f"PackedLinear takes bfloat16 CPU input, got {x.dtype} on {x.device}")
-        if self.layout == "onednn":
+        if self.layout == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if x.numel() <= NATIVE_MAX_ROWS * self.in_features:
-            from gptj import native
-
+        if linear_path(x.device, x.dtype, x.numel() // self.in_features, "native-layout") == NATIVE:
             return native.linear_bf16(x, self.packed, self.bias)
         return torch.nn.functional.linear(x, self.packed, self.bias)
 
@@ -88,8 +73,8 @@ class PackedLinear(nn.Module):
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
     """Swap the model's bfloat16 CPU nn.Linear modules for PackedLinear in place; return how many.
 
-    max_rows: the most rows a matmul will see at decode (None: unbounded). At most
-    NATIVE_LAYOUT_MAX_ROWS and with gptj.native available, the native layout; otherwise oneDNN's.
+    max_rows: the most rows a matmul will see at decode (None: unbounded); it picks the layout
+    (policy.pack_layout: gptj.native's for few rows where it is available, otherwise oneDNN's).
 
     mode "off" (or a model that is not bfloat16 on a CPU with oneDNN bf16) leaves it unchanged.
     Quantized layers (gptj.quant) are not nn.Linear and keep their own kernels.
@@ -98,11 +83,7 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
         raise ValueError(f"pack mode must be one of {', '.join(PACK_MODES)}, got {mode!r}")
     if mode == "off":
         return 0
-    layout = "onednn"
-    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS:
-        from gptj import native
-
-        layout = "native" if native.available() else "onednn"
+    layout = pack_layout(max_rows)
     # (parent, name) pairs only: a list of the linears themselves would keep every plain weight
     # alive until the end, holding the model twice while it is repacked.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
@@ -112,11 +93,8 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     return len(targets)
 
 
-
 def _linear_parts(m: nn.Module) -> dict[str, torch.Tensor]:
     """A linear's tensors in a concatenable form: weight rows (portable layout), per-row scales, bias."""
-    from gptj.quant import Int4Linear, Int8Linear
-
     if type(m) is nn.Linear:
         parts = {"weight": m.weight.detach()}
     elif isinstance(m, Int8Linear):
@@ -138,8 +116,6 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
     Each output is the same dot product as before (quantized rows keep their own scales), only
     done in one call. The result has a bias (zeros where a part had none).
     """
-    from gptj.quant import Int4Linear, Int8Linear
-
     first = mods[0]
     if any(type(m) is not type(first) for m in mods) or any(m.in_features != first.in_features for m in mods):
         raise TypeError("fused linears must share type and in_features")
@@ -215,11 +191,11 @@ class FusedBlock(nn.Module):
 
 
 def _fusable(block: nn.Module) -> bool:
-    """A float block below float32, or a block with quantized projections."""
+    """A float block below float32, or a block with quantized projections (policy.fusable)."""
     if not isinstance(block, Block):
         return False
     q = block.attn.q_proj
-    return type(q) is not nn.Linear or q.weight.dtype != torch.float32
+    return fusable(q.weight.dtype if type(q) is nn.Linear else None)  # None: quantized
 
 
 def fuse_model(model: nn.Module, mode: str = "auto") -> int:

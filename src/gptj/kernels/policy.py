@@ -1,0 +1,157 @@
+"""Which kernel runs: the one rule, per device, dtype and row count. Nothing else re-derives it.
+
+float32 is the exact path everywhere: the plain eager math of gptj.model (HF's formulas), never
+fused, packed, compiled or sent to a native kernel. Lower precision takes the fast paths:
+
+  linear layers (`linear_path`; `weight` names what the layer holds)
+  device  weight                      rows (tokens in the call)        path
+  cpu     float, native layout        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native bf16 GEMV
+          (PackedLinear "native")     more                             TORCH        F.linear
+  cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
+          (PackedLinear "onednn")
+  cpu     int8                        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native int8 GEMV
+                                      <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
+                                      more                             DEQUANTIZE   dequantize + F.linear
+  cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
+                                      more                             DEQUANTIZE
+  cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
+  cuda    anything else               any                              TORCH / DEQUANTIZE (a placeholder:
+                                                                       torch's own kernels, no CUDA work yet)
+  NATIVE needs gptj.native built and loaded here (`native_available`); where it is not, the next
+  row down runs. A module may still fall back further when its weight could not be packed for the
+  kernel (Int4Linear without a CPU/CUDA int4 layout dequantizes).
+
+  building a model for serving (gptj.kernels.prepare_for_serving)
+  `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
+  `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16
+  `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
+                 and gptj.native is available, else oneDNN's
+
+  attention
+  `exact`             float32: gptj.model.attention's exact math; below: torch's fused SDPA
+  `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 KV on CPU
+                      (kernels "auto"), else torch.compile'd sums below float32 (compile "auto") or
+                      always ("on"), else the eager formulas
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptj import native
+
+PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this table, "off" keeps the model as loaded
+
+# Linear paths (see the table above).
+TORCH = "torch"  # F.linear on the weight as it is (float32: the exact path)
+NATIVE = "native"  # gptj.native's AVX-512 GEMV
+ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
+WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
+DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
+
+WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4")
+
+# gptj.native's GEMV beats the alternatives up to 8 rows: bf16 1.4-1.8x oneDNN at 1-2 rows
+# (benchmarks/native_gemv.py), int8 1.4-3x torch._weight_int8pack_mm.
+NATIVE_MAX_ROWS = 8
+# An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
+# bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
+# both layouts would double the weights' memory, so the layout is chosen once, when packing.
+NATIVE_LAYOUT_MAX_ROWS = 4
+
+# Weight-only kernels: calls with at most this many rows use torch's kernel; bigger ones dequantize
+# the weight (a chunk at a time) and use F.linear. Measured with a throwaway script on this
+# project's 2-core AVX512 CPU box (min of 7 runs; the box was shared, so +-50%), forcing each path
+# on 4096x4096, 16384x4096 (fc_in) and 4096x16384 (fc_out) layers:
+#   4096x4096, bf16, ms      rows: 1     8    64   128   256   512  1024
+#   int8 kernel                    0.7   7.9   32    64     -     -     -
+#   int8 dequantize + F.linear      23    26   40    48     -     -     -
+#   int4 kernel                    0.5     -   14    25    50   101   337
+#   int4 dequantize + F.linear       -     -   44    58    65   186   377
+#   bfloat16 F.linear (unquantized) 2.1    -   16    24    72    95     -
+# int8: the kernel wins up to 64 rows, dequantizing from 128 on, for all three shapes. int4: the
+# CPU kernel stays close to a bfloat16 GEMM per row and dequantizing its layout is expensive, so
+# the crossover is between 512 and 1024 rows. float32 activations: the kernels run in bfloat16
+# and win to even more rows, but the dequantize path keeps float32 precision, so the bfloat16
+# crossovers are used for every activation dtype.
+KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
+
+
+def exact(dtype: torch.dtype) -> bool:
+    """Whether `dtype` runs the exact path (float32), not the fast one."""
+    return dtype == torch.float32
+
+
+def native_available() -> bool:
+    """gptj.native's kernels are built and loaded here (gptj.native caches the answer; GPTJ_NATIVE=0 says no)."""
+    return native.available()
+
+
+def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation)."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_layout(max_rows: int | None) -> str:
+    """The layout a packable linear takes for an engine of at most `max_rows` rows per step
+    (None: unbounded): NATIVE or ONEDNN."""
+    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS and native_available():
+        return NATIVE
+    return ONEDNN
+
+
+def fusable(dtype: torch.dtype | None) -> bool:
+    """Whether a block whose projections hold float weights of `dtype` (None: quantized ones) is
+    fused for serving: quantized or below float32, never the exact float32 math."""
+    return dtype is None or not exact(dtype)
+
+
+def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str) -> str:
+    """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
+    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, DEQUANTIZE, TORCH."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if weight == "onednn-layout":
+        return ONEDNN
+    if weight == "native-layout":
+        return NATIVE if rows <= NATIVE_MAX_ROWS and native_available() else TORCH
+    if weight == "int8":
+        if kind != "cpu":
+            return DEQUANTIZE
+        if rows <= NATIVE_MAX_ROWS and native_available():
+            return NATIVE
+        return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
+    if weight == "int4":
+        if rows > KERNEL_MAX_ROWS["int4"]:
+            return DEQUANTIZE
+        if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):
+            return WEIGHT_ONLY
+        return DEQUANTIZE
+    raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """How the engine's decode attention runs: gptj.native's kernel first where it fits the call
+    (`native`), otherwise the torch.compile'd sums (`compiled`) or the eager formulas."""
+
+    native: bool
+    compiled: bool
+
+
+def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mode: str,
+                   compile_mode: str) -> AttentionPath:
+    """The decode attention for KV of `kv_dtype` on `device`, under the engine's kernels mode
+    ("auto" / "off") and compile mode ("auto": below float32, "on", "off")."""
+    on_cpu = torch.device(device).type == "cpu"
+    use_native = kernels_mode == "auto" and on_cpu and kv_dtype == torch.bfloat16 and native_available()
+    compiled = compile_mode == "on" or (compile_mode == "auto" and not exact(kv_dtype))
+    return AttentionPath(native=use_native, compiled=compiled)

@@ -1,0 +1,69 @@
+"""Weight-only quantization: int8 per output channel, int4 per group, as module swaps.
+
+  ops      the tensor math: quantize / dequantize int8 and int4, the int4 layouts
+  format   the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
+  linear   Int8Linear / Int4Linear and the model-level swaps (quantize_model, swap_quantized_modules)
+
+Which kernel a quantized layer's call runs is gptj.kernels.policy's (KERNEL_MAX_ROWS lives there).
+"""
+
+from gptj import native
+from gptj.kernels.policy import KERNEL_MAX_ROWS, native_available
+from gptj.quant.format import (
+    QUANT_MODES,
+    QUANT_VERSION,
+    check_mode,
+    check_quantization,
+    fitting_group_size,
+    is_quant_param,
+    make_quantization,
+    quantize_state_dict,
+    quantize_weight,
+    quantized_specs,
+    same_request,
+)
+from gptj.quant.linear import (
+    KERNEL_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    is_quantized,
+    linear_names,
+    prepare_model,
+    quantize_model,
+    swap_quantized_modules,
+)
+from gptj.quant.ops import (
+    DEFAULT_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    SCALE_DTYPE,
+    _pack_cpu_int4,
+    _row_chunks,
+    _unpack_cpu_int4,
+    check_group_size,
+    cpu_int4_layout,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+# tests/conftest.py resets `_NATIVE` (once quant's own cache of gptj.native) and tests/test_kernels.py
+# calls `_native()`. The native check is now gptj.kernels.policy's, and gptj.native caches its own
+# answer, so `_NATIVE` holds nothing and `_native()` only reports that check.
+_NATIVE: list = []
+
+
+def _native():  # noqa: ANN202 - the gptj.native module, or None where its kernels cannot be used
+    return native if native_available() else None
+
+
+__all__ = [
+    "QUANT_MODES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
+    "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
+    "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",
+    "quantized_specs", "swap_quantized_modules", "prepare_model", "is_quantized", "linear_names",
+    "cpu_int4_layout",
+]

@@ -1,0 +1,206 @@
+"""The quantized checkpoint's format: its tensors, config.json's `quantization` entry, its modes.
+
+Checkpoint layout (portable: plain safetensors, no kernel-specific packing), for a
+quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
+
+  int8:  M.weight        int8     (out, in)
+         M.weight_scale  bfloat16 (out,)
+  int4:  M.weight        uint8    (out, in / 2)  two 4-bit values per byte, HIGH nibble first:
+                                  byte[n, j] = q[n, 2j] << 4 | q[n, 2j + 1]
+                                  (the input layout of torch._convert_weight_to_int4pack on CUDA)
+         M.weight_scale  bfloat16 (out, in / group_size)
+         M.weight_zero   bfloat16 (out, in / group_size)
+  both:  M.bias          the model's float dtype, as before (fc_in, fc_out, lm_head)
+
+config.json records `"quantization": {"version": 1, "mode": "int8"|"int4", "group_size": null|g,
+"modules": [every quantized module name]}`; the format is read from there, never guessed.
+HF transformers cannot load these checkpoints (it does not know this format); gptj can.
+
+QUANT_MODES is the one list of quantization modes: the CLI, the benchmarks and the runtime take
+their choices from here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptj.errors import CheckpointError, GptjError
+from gptj.quant.ops import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, check_group_size, quantize_int4, quantize_int8
+
+QUANT_MODES = ("int8", "int4")
+QUANT_VERSION = 1
+_QUANT_KEYS = {"version", "mode", "group_size", "modules"}
+
+
+def check_mode(mode: object) -> str:
+    if mode not in QUANT_MODES:
+        raise GptjError(f"unknown quantization mode {mode!r} (choose from {', '.join(QUANT_MODES)})")
+    return mode  # type: ignore[return-value]
+
+
+def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None) -> dict[str, torch.Tensor]:
+    """One float weight -> its checkpoint tensors: {"weight", "weight_scale"[, "weight_zero"]}."""
+    check_mode(mode)
+    if mode == "int8":
+        q, s = quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    packed, s, z = quantize_int4(w, group_size if group_size is not None else DEFAULT_GROUP_SIZE)
+    return {"weight": packed, "weight_scale": s, "weight_zero": z}
+
+
+def _float_meta_model(config: Any) -> nn.Module:
+    from gptj.model import build_model
+
+    return build_model(config.replace(quantization=None), device="meta")
+
+
+def _in_features(config: Any) -> dict[str, int]:
+    """Module name -> in_features of every nn.Linear of a GPT-J with `config`."""
+    return {n: m.in_features for n, m in _float_meta_model(config).named_modules() if isinstance(m, nn.Linear)}
+
+
+def fitting_group_size(in_features: Mapping[str, int]) -> int:
+    """The default int4 group for layers with these inputs (module name -> in_features):
+    DEFAULT_GROUP_SIZE where it divides them all, else the largest supported size that does
+    (the tiny preset's 64 inputs take 64); GptjError naming a layer if none does."""
+    fits = [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in in_features.values())]
+    if DEFAULT_GROUP_SIZE in fits:
+        return DEFAULT_GROUP_SIZE
+    if not fits:
+        name, k = next((n, k) for n, k in in_features.items() if k % min(INT4_GROUP_SIZES))  # none fits: one fails 32
+        raise GptjError(f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the {k} inputs of "
+                        f"{name} (skip that layer, or use int8)")
+    return max(fits)
+
+
+def make_quantization(config: Any, mode: str, group_size: int | None = None,
+                      skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The `quantization` entry of config.json for quantizing a float GPT-J with `config`.
+
+    mode: "int8" (per output channel; group_size must be None) or "int4" (group_size in
+    32/64/128/256 dividing every quantized layer's inputs; by default 128, or where 128 does not
+    divide them (small models) the largest size that does, see `fitting_group_size`). skip: module
+    names or fnmatch patterns kept in float (e.g. "lm_head", "transformer.h.0.*"). wte is never quantized.
+    """
+    check_mode(mode)
+    if mode == "int8":
+        if group_size is not None:
+            raise GptjError("int8 quantization is per output channel: a group size applies to int4 only")
+    elif group_size is not None:
+        group_size = check_group_size(group_size)
+    if isinstance(skip, str):
+        skip = (skip,)
+    in_features = _in_features(config)
+    modules = [n for n in in_features if not any(fnmatch.fnmatchcase(n, p) for p in skip)]
+    if not modules:
+        raise GptjError("nothing to quantize: every linear layer is skipped")
+    if mode == "int4" and group_size is None:
+        group_size = fitting_group_size({n: in_features[n] for n in modules})
+    if mode == "int4":
+        for n in modules:
+            if in_features[n] % group_size:
+                raise GptjError(f"int4 group size {group_size} does not divide the {in_features[n]} inputs of {n} "
+                                f"(choose a group size that does, or skip it)")
+    return {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(modules)}
+
+
+def check_quantization(q: object, config: Any, source: str = "config") -> dict[str, Any]:
+    """Validate a recorded `quantization` entry against the model's shape; CheckpointError if bad."""
+    if not isinstance(q, Mapping):
+        raise CheckpointError(f"{source}: 'quantization' must be an object, got {type(q).__name__}")
+    unknown, missing = set(q) - _QUANT_KEYS, _QUANT_KEYS - set(q)
+    if unknown:
+        raise CheckpointError(f"{source}: 'quantization' has unknown field {sorted(unknown)[0]!r}")
+    if missing:
+        raise CheckpointError(f"{source}: 'quantization' is missing field {sorted(missing)[0]!r}")
+    if q["version"] != QUANT_VERSION:
+        raise CheckpointError(f"{source}: quantization version {q['version']!r} is not supported "
+                              f"(this gptj reads version {QUANT_VERSION})")
+    mode, group_size, modules = q["mode"], q["group_size"], q["modules"]
+    try:
+        check_mode(mode)
+        if mode == "int8" and group_size is not None:
+            raise GptjError("int8 quantization has no group size (it is per output channel)")
+        if mode == "int4":
+            check_group_size(group_size)
+    except GptjError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+        raise CheckpointError(f"{source}: quantization 'modules' must be a non-empty list of module names")
+    in_features = _in_features(config)
+    for m in modules:
+        if m not in in_features:
+            raise CheckpointError(f"{source}: quantization names {m!r}, not a linear layer of this model")
+        if mode == "int4" and in_features[m] % group_size:
+            raise CheckpointError(f"{source}: int4 group size {group_size} does not divide the inputs of {m}")
+    return {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(set(modules))}
+
+
+def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None) -> bool:
+    """Whether asking for (mode, group_size) is satisfied by a checkpoint quantized as `recorded`."""
+    check_mode(mode)
+    if mode == "int8" and group_size is not None:
+        raise GptjError("int8 quantization is per output channel: a group size applies to int4 only")
+    if mode == "int4" and group_size is not None:
+        check_group_size(group_size)
+    return recorded["mode"] == mode and (group_size is None or recorded["group_size"] == group_size)
+
+
+def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name -> (shape, dtype) of every tensor of a checkpoint with `config` (dtype None: any float).
+
+    For a float config these are the float tensors; a config with `quantization` replaces each
+    quantized weight with its quantized tensors.
+    """
+    meta = _float_meta_model(config)
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
+        n: (tuple(t.shape), None) for n, t in meta.state_dict().items()}
+    q = config.quantization
+    if not q:
+        return specs
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    modules = set(q["modules"])
+    for name, spec in specs.items():
+        module, _, leaf = name.rpartition(".")
+        if module in modules and leaf == "weight":
+            N, K = spec[0]
+            if q["mode"] == "int8":
+                out[name] = ((N, K), torch.int8)
+                out[f"{module}.weight_scale"] = ((N,), None)
+            else:
+                G = K // q["group_size"]
+                out[name] = ((N, K // 2), torch.uint8)
+                out[f"{module}.weight_scale"] = ((N, G), None)
+                out[f"{module}.weight_zero"] = ((N, G), None)
+        else:
+            out[name] = spec
+    return out
+
+
+def is_quant_param(name: str) -> bool:
+    """Scales and zeros: float tensors kept as bfloat16 whatever the model's dtype."""
+    return name.endswith((".weight_scale", ".weight_zero"))
+
+
+def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], config: Any, mode: str,
+                        group_size: int | None = None, skip: Sequence[str] = ()
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A float state dict -> (the quantized checkpoint's tensors, the `quantization` dict)."""
+    if config.quantization:
+        raise GptjError("the config is already quantized")
+    q = make_quantization(config, mode, group_size, skip)
+    weights = {f"{m}.weight" for m in q["modules"]}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if name in weights:
+            module = name[: -len(".weight")]
+            for leaf, qt in quantize_weight(t, mode, q["group_size"]).items():
+                out[f"{module}.{leaf}"] = qt
+        else:
+            out[name] = t
+    return out, q

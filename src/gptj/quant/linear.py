@@ -1,0 +1,347 @@
+"""The quantized linear modules (Int8Linear, Int4Linear) and the model-level swaps that use them.
+
+The model stays the plain-math GPT-J of `gptj.model`; `quantize_model` replaces its `nn.Linear`
+layers (q/k/v/out_proj, mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) with
+`Int8Linear` / `Int4Linear`. Activations keep the model's float dtype; only the weights are
+quantized, gpt-fast style. The buffers are the checkpoint's tensors (gptj.quant.format).
+
+Kernels. Which one a call runs is gptj.kernels.policy's `linear_path`, by device, dtype and rows:
+gptj.native's int8 GEMV for a few rows on CPU; torch's weight-only kernels
+(torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu) in bfloat16 up to
+KERNEL_MAX_ROWS[mode] rows (activations of other dtypes are cast to bfloat16 for the call: the
+kernels' float32 paths are not vectorized and measured 10-30x slower than their bfloat16 paths,
+slower than a float32 F.linear on the unquantized weight); otherwise (prefill, CUDA, odd shapes)
+the weight dequantized to the activation dtype, a chunk of output rows at a time, and F.linear:
+weight-only kernels pay for decode (memory bound), not for big prefills (compute bound). CUDA int4
+with bfloat16 activations and few rows: torch._weight_int4pack_mm when it packs (guarded; not
+tested here: this project's CI has no GPU). The packed layout the CPU int4 kernel wants is made at
+load time, on the device (see `Int4Linear.prepare`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptj import native
+from gptj.errors import GptjError
+from gptj.kernels.policy import DEQUANTIZE, NATIVE, WEIGHT_ONLY, linear_path
+from gptj.quant.format import _float_meta_model, make_quantization
+from gptj.quant.ops import (
+    DEFAULT_GROUP_SIZE,
+    SCALE_DTYPE,
+    _cpu_int4_kernel_ok,
+    _dequant_int4_values,
+    _pack_cpu_int4,
+    _row_chunks,
+    _unpack_cpu_int4,
+    check_group_size,
+    cpu_int4_layout,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+KERNEL_DTYPE = torch.bfloat16  # the CPU kernels run in bfloat16 (their float32 paths are 10-30x slower)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A quantized linear's (rows, out) product plus its bias, in x's leading shape."""
+    if m.bias is not None:
+        y = y + m.bias.to(y.dtype)
+    return y.view(*x.shape[:-1], m.out_features)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias, q int8 per output channel. Buffers as in the checkpoint."""
+
+    mode = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
+                             if bias else None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                dtype=linear.weight.dtype)
+        m.weight, m.weight_scale = quantize_int8(linear.weight.detach())
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m.prepare()
+
+    def prepare(self) -> Int8Linear:
+        """Make the module ready for its device (int8 needs no packing: scales to bfloat16)."""
+        if self.weight_scale.dtype != SCALE_DTYPE:
+            self.weight_scale = self.weight_scale.to(SCALE_DTYPE)
+        return self
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        return self.prepare()  # .to(float32) would cast the scales: they stay bfloat16 values
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.weight, self.weight_scale, dtype)
+
+    def use_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a call on x runs a kernel (gptj.native's or torch's), not the dequantized matmul."""
+        return linear_path(x.device, x.dtype, _rows(x), "int8") != DEQUANTIZE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        path = linear_path(x.device, x.dtype, _rows(x), "int8")
+        if path == NATIVE:
+            if x.dtype == KERNEL_DTYPE and self.bias is not None and self.bias.dtype == KERNEL_DTYPE:
+                # bfloat16 in and out: the kernel adds the bias (one rounding, no extra pass)
+                y = native.linear_int8(x2, self.weight, self.weight_scale, self.bias)
+                return y.view(*x.shape[:-1], self.out_features)
+            y = native.linear_int8(x2.to(KERNEL_DTYPE), self.weight, self.weight_scale).to(x.dtype)
+        elif path == WEIGHT_ONLY:
+            y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
+            y = y.to(x.dtype)
+        else:
+            y = self._dequant_linear(x2)
+        return _finish(self, y, x)
+
+    def _dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
+        dt = x2.dtype
+        chunks = list(_row_chunks(self.out_features, self.in_features))
+        if len(chunks) == 1:
+            return F.linear(x2, self.weight.to(dt)) * self.weight_scale.to(dt)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=dt, device=x2.device)
+        for a, b in chunks:
+            y[:, a:b] = F.linear(x2, self.weight[a:b].to(dt)) * self.weight_scale[a:b].to(dt)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ ((q - 8) * scale + zero).T + bias, q 4-bit per group of `group_size` inputs.
+
+    `state_dict()` always gives the portable checkpoint layout. In memory, after `prepare()` on
+    CPU, `weight` holds the CPU kernel's packed layout instead (same shape and dtype) when this
+    process knows how to unpack it (`cpu_int4_layout()`), so no second copy is kept; `layout`
+    says which ("portable" or "cpu").
+    """
+
+    mode = "int4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = DEFAULT_GROUP_SIZE,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        check_group_size(group_size)
+        if in_features % group_size or in_features % 2:
+            raise GptjError(f"int4 group size {group_size} does not divide in_features {in_features}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        G = in_features // group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, G, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("weight_zero", torch.zeros(out_features, G, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
+                             if bias else None)
+        self.layout = "portable"
+        self._kernel_weight: torch.Tensor | None = None  # packed for the kernel (CPU or CUDA)
+        self._scales_and_zeros: torch.Tensor | None = None  # (groups, out, 2) bfloat16, as the kernels want
+        self._prepared = False
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size,
+                device=linear.weight.device, dtype=linear.weight.dtype)
+        m.weight, m.weight_scale, m.weight_zero = quantize_int4(linear.weight.detach(), group_size)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m.prepare()
+
+    # layouts
+
+    def nibbles(self) -> torch.Tensor:
+        """The 4-bit values, uint8 (out, in), whatever the layout in memory."""
+        if self.layout == "cpu":
+            return _unpack_cpu_int4(self.weight, cpu_int4_layout())
+        return unpack_int4(self.weight)
+
+    def portable_weight(self) -> torch.Tensor:
+        return self.weight if self.layout == "portable" else pack_int4(self.nibbles())
+
+    def _to_portable(self) -> None:
+        if self.layout != "portable":
+            self.weight = self.portable_weight()
+            self.layout = "portable"
+        self._kernel_weight = self._scales_and_zeros = None
+        self._prepared = False
+
+    def prepare(self) -> Int4Linear:
+        """Pack the weight for the kernel of its device (once; again after a move or a load)."""
+        if self._prepared or self.weight.device.type == "meta":
+            return self
+        for name in ("weight_scale", "weight_zero"):
+            if getattr(self, name).dtype != SCALE_DTYPE:
+                setattr(self, name, getattr(self, name).to(SCALE_DTYPE))
+        self._to_portable()
+        sz = torch.stack((self.weight_scale, self.weight_zero), dim=-1).transpose(0, 1).contiguous()
+        device = self.weight.device
+        if device.type == "cpu" and _cpu_int4_kernel_ok(self.out_features):
+            packed = _pack_cpu_int4(self.weight, portable=True)
+            self._scales_and_zeros = sz
+            if cpu_int4_layout() is not None:
+                self.weight, self.layout = packed, "cpu"  # the only copy
+            else:
+                self._kernel_weight = packed  # unknown layout: keep the portable copy for unpacking
+        elif device.type == "cuda" and hasattr(torch, "_convert_weight_to_int4pack"):
+            inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+            if inner is not None and self.out_features % 8 == 0:
+                try:  # torch >= 2.5 takes the portable uint8 (out, in/2) layout; not tested here (no GPU)
+                    self._kernel_weight = torch._convert_weight_to_int4pack(self.weight.contiguous(), inner)
+                    self._scales_and_zeros = sz
+                except (RuntimeError, NotImplementedError):
+                    self._kernel_weight = None
+        self._prepared = True
+        return self
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        self._to_portable()  # the packed layouts are device specific
+        super()._apply(fn, recurse)
+        return self.prepare()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.portable_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        self._to_portable()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequant_int4_values(self.nibbles(), self.weight_scale, self.weight_zero, dtype)
+
+    # forward
+
+    def use_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a call on x runs torch's int4 kernel: where the policy says so and the weight packed
+        for it (on CUDA, only if torch could pack it)."""
+        if self._scales_and_zeros is None or linear_path(x.device, x.dtype, _rows(x), "int4") != WEIGHT_ONLY:
+            return False
+        return x.device.type == "cpu" or self._kernel_weight is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._prepared:
+            self.prepare()
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel(x):
+            if x.device.type == "cpu":
+                w = self.weight if self.layout == "cpu" else self._kernel_weight
+                y = torch._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), w, self.group_size,
+                                                      self._scales_and_zeros)
+            else:
+                y = torch._weight_int4pack_mm(x2.contiguous(), self._kernel_weight, self.group_size,
+                                              self._scales_and_zeros)
+            y = y.to(x.dtype)
+        else:
+            y = self._dequant_linear(x2)
+        return _finish(self, y, x)
+
+    def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
+        if self.layout == "cpu":  # a, b are multiples of 256 (or b = out_features): whole blocks
+            return _unpack_cpu_int4(self.weight[a:b], cpu_int4_layout())
+        return unpack_int4(self.weight[a:b])
+
+    def _dequant_rows(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows a:b of the weight in `dtype`: one fused multiply-add, zero' = zero - 8 * scale."""
+        s = self.weight_scale[a:b].float()
+        zp = (self.weight_zero[a:b].float() - 8 * s).to(dtype)
+        q = self._nibbles_rows(a, b).view(b - a, s.shape[1], self.group_size).to(dtype)
+        return torch.addcmul(zp[..., None], q, s.to(dtype)[..., None]).view(b - a, self.in_features)
+
+    def _dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
+        dt = x2.dtype
+        chunks = list(_row_chunks(self.out_features, self.in_features))
+        if len(chunks) == 1:
+            return F.linear(x2, self._dequant_rows(0, self.out_features, dt))
+        y = torch.empty(x2.shape[0], self.out_features, dtype=dt, device=x2.device)
+        for a, b in chunks:
+            y[:, a:b] = F.linear(x2, self._dequant_rows(a, b, dt))
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, group_size={self.group_size}, layout={self.layout}")
+
+
+QuantLinear = (Int8Linear, Int4Linear)
+
+
+def linear_names(model_or_config: Any) -> list[str]:
+    """Names of every linear layer of a model (or of a float model with this config), in module order."""
+    model = model_or_config if isinstance(model_or_config, nn.Module) else _float_meta_model(model_or_config)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear | Int8Linear | Int4Linear)]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def swap_quantized_modules(model: nn.Module, quantization: Mapping[str, Any]) -> nn.Module:
+    """Replace the linears `quantization` names with EMPTY quantized modules on the same device
+    (for loading a quantized state dict with `load_state_dict(assign=True)`; then `prepare_model`)."""
+    for name in quantization["modules"]:
+        lin = model.get_submodule(name)
+        if not isinstance(lin, nn.Linear):
+            raise GptjError(f"{name} is not a float nn.Linear (already quantized?)")
+        kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
+        if quantization["mode"] == "int8":
+            new = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
+        else:
+            new = Int4Linear(lin.in_features, lin.out_features, lin.bias is not None, quantization["group_size"], **kw)
+        _set_module(model, name, new)
+    return model
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Pack every quantized module for its device (after loading)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.prepare()
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int | None = None,
+                   skip: Sequence[str] = ()) -> dict[str, Any]:
+    """Quantize a float GPT-J in place (module swaps); returns the `quantization` dict, also set on
+    `model.config` so that saving the model records it. lm_head is quantized unless skipped.
+    A pipeline stage (`gptj.parallel.pp`) quantizes the layers it holds."""
+    if is_quantized(model):
+        raise GptjError("the model is already quantized")
+    q = make_quantization(model.config, mode, group_size, skip)
+    present = dict(model.named_modules())
+    with torch.no_grad():
+        for name in q["modules"]:
+            lin = present.get(name)
+            if lin is None:  # a layer of another pipeline stage
+                continue
+            new = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, q["group_size"])
+            _set_module(model, name, new)
+    model.config = model.config.replace(quantization=q)
+    return q

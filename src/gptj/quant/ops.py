@@ -1,0 +1,207 @@
+"""Weight-only quantization's tensor math: quantize / dequantize int8 and int4, and pack int4.
+
+Schemes (all scales and zeros are bfloat16 VALUES, the dtype the kernels consume):
+
+  int8  per output channel, symmetric, range [-127, 127] (-128 is never used):
+            scale[n] = max_k |w[n, k]| / 127  (rounded UP to bfloat16, so nothing clips)
+            q[n, k]  = clamp(round(w[n, k] / scale[n]), -127, 127)
+            w ~= q * scale                                  |w - w~| <= scale / 2
+  int4  per group of `group_size` consecutive inputs (32, 64, 128 or 256; default 128, or the
+        largest that divides the layers' inputs where 128 does not),
+        asymmetric with a float zero point, as the tinygemm kernels (CPU and CUDA) define it:
+            w ~= (q - 8) * scale + zero,   q in [0, 15]     |w - w~| <= scale / 2
+        scale ~= (max - min) / 15 and zero ~= min + 8 * scale, both bfloat16, chosen so that
+        [zero - 8 * scale, zero + 7 * scale] covers the group's [min, max].
+
+Two int4 layouts: the portable one of the checkpoint (`pack_int4`, see gptj.quant.format) and the
+CPU kernel's packed one, made at load time (`_pack_cpu_int4`, probed by `cpu_int4_layout`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+
+from gptj.errors import GptjError
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels (CPU and CUDA) accept
+DEFAULT_GROUP_SIZE = 128
+SCALE_DTYPE = torch.bfloat16  # scales and zeros: bfloat16 values (the kernels need them in the activation dtype)
+
+# Largest weight chunk (elements) dequantized at once in the big-rows path: bounds the
+# temporary to 32 MiB of bfloat16 (a 4096x4096 layer in one go; lm_head in 13 chunks).
+DEQUANT_CHUNK_ELEMENTS = 4096 * 4096
+
+
+# --- quantizing tensors ------------------------------------------------------------------------
+
+
+def _ceil_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Positive float32 values rounded UP to the nearest bfloat16 (exactly representable) value."""
+    bits = x.float().contiguous().view(torch.int32)
+    bits = (bits + 0xFFFF) & -0x10000  # clear the low 16 bits, rounding toward +inf (x > 0)
+    return bits.view(torch.float32).to(SCALE_DTYPE)
+
+
+def _row_chunks(n_rows: int, n_cols: int) -> Iterable[tuple[int, int]]:
+    """Row ranges of about DEQUANT_CHUNK_ELEMENTS elements; boundaries at multiples of 256 rows
+    (whole blocks of the CPU int4 layout, so a chunk of its packed rows unpacks on its own)."""
+    step = max(256, DEQUANT_CHUNK_ELEMENTS // max(1, n_cols) // 256 * 256)
+    for a in range(0, n_rows, step):
+        yield a, min(n_rows, a + step)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (out, in), scale bfloat16 (out,)) with w ~= q * scale[:, None], |error| <= scale / 2.
+
+    Computed in float32 a chunk of rows at a time (no float32 copy of a big weight).
+    """
+    if w.dim() != 2 or not w.is_floating_point():
+        raise GptjError(f"int8 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=SCALE_DTYPE, device=w.device)
+    for a, b in _row_chunks(*w.shape):
+        wf = w[a:b].float()
+        s = _ceil_bf16((wf.abs().amax(dim=1) / 127).clamp_(min=2.0**-120))
+        q[a:b] = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[a:b] = s
+    return q, scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(out, in) values 0..15 -> the portable layout: uint8 (out, in / 2), high nibble first."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The portable layout uint8 (out, in / 2) -> uint8 values 0..15 (out, in)."""
+    return torch.stack((packed >> 4, packed & 15), dim=-1).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 (out, in/2), scale bf16 (out, groups), zero bf16 (out, groups)).
+
+    w ~= (q - 8) * scale + zero per group of `group_size` inputs, |error| <= scale / 2.
+    """
+    if w.dim() != 2 or not w.is_floating_point():
+        raise GptjError(f"int4 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    check_group_size(group_size)
+    if K % group_size:
+        raise GptjError(f"int4 group size {group_size} does not divide the weight's {K} inputs")
+    G = K // group_size
+    packed = torch.empty(N, K // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(N, G, dtype=SCALE_DTYPE, device=w.device)
+    zero = torch.empty(N, G, dtype=SCALE_DTYPE, device=w.device)
+    for a, b in _row_chunks(N, K):
+        wf = w[a:b].float().view(b - a, G, group_size)
+        lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
+        s0 = _ceil_bf16(((hi - lo) / 15).clamp_(min=2.0**-120)).float()
+        z = (lo + 8 * s0).to(SCALE_DTYPE).float()  # bfloat16 rounding moves the range a little:
+        s = _ceil_bf16(torch.maximum(s0, torch.maximum((z - lo) / 8, (hi - z) / 7)))  # widen to cover it
+        sf = s.float()
+        q = torch.round((wf - z[..., None]) / sf[..., None]).add_(8).clamp_(0, 15)
+        packed[a:b] = pack_int4(q.view(b - a, K))
+        scale[a:b] = s
+        zero[a:b] = z.to(SCALE_DTYPE)
+    return packed, scale, zero
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale in float32, rounded once to `dtype`."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q - 8) * scale + zero in float32 from the portable layout, rounded once to `dtype`."""
+    return _dequant_int4_values(unpack_int4(packed), scale, zero, dtype)
+
+
+def _dequant_int4_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    N, K = q.shape
+    G = scale.shape[1]
+    w = (q.view(N, G, K // G).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return w.view(N, K).to(dtype)
+
+
+
+def check_group_size(group_size: object) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise GptjError(f"bad int4 group size {group_size!r} (choose from {', '.join(map(str, INT4_GROUP_SIZES))})")
+    return group_size
+
+
+
+# --- the CPU int4 kernel's packed layout ---------------------------------------------------------
+#
+# torch._convert_weight_to_int4pack_for_cpu(int32 (N, K) values 0..15, innerKTiles) returns
+# uint8 (N, K/2) in a layout that depends on the CPU build (AVX512: blocks of 64 rows, AVX2: 32,
+# ...). To avoid keeping a second, portable copy of every int4 weight in memory, we unpack it
+# for the big-rows path and for state_dict(). The layout is not documented, so it is probed
+# once per process against candidates; if none matches, modules keep the portable copy too.
+
+_PACK_CHUNK_ROWS = 4096  # a multiple of every block size: packing by chunks = packing at once
+
+
+def _pack_cpu_int4(q: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """Values 0..15 (N, K), or the portable layout (N, K/2) if `portable`, -> the CPU kernel's
+    packed uint8 (N, K/2), a chunk of rows at a time (small int32 temporaries)."""
+    N = q.shape[0]
+    K = q.shape[1] * (2 if portable else 1)
+    out = torch.empty(N, K // 2, dtype=torch.uint8)
+    for a in range(0, N, _PACK_CHUNK_ROWS):
+        b = min(N, a + _PACK_CHUNK_ROWS)
+        rows = unpack_int4(q[a:b]) if portable else q[a:b]
+        out[a:b] = torch._convert_weight_to_int4pack_for_cpu(rows.to(torch.int32), 1)
+    return out
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+    """Inverse of `_pack_cpu_int4` for `layout` = (block rows, full blocks store rows i and i + block/2
+    in one byte (else rows 2i and 2i + 1)); partial blocks at the end store row pairs (2i, 2i + 1)."""
+    block, split = layout
+    N, K = packed.shape[0], packed.shape[1] * 2
+    flat = packed.reshape(-1)
+    out = torch.empty(N, K, dtype=torch.uint8, device=packed.device)
+    n_full = N // block
+    if n_full:
+        blk = flat[: n_full * block * K // 2].view(n_full, K, block // 2)
+        if split:
+            rows = torch.cat((blk & 15, blk >> 4), dim=2)
+        else:
+            rows = torch.stack((blk & 15, blk >> 4), dim=3).view(n_full, K, block)
+        out[: n_full * block] = rows.permute(0, 2, 1).reshape(n_full * block, K)
+    tail = N - n_full * block
+    if tail:
+        blk = flat[n_full * block * K // 2:].view(K, tail // 2)
+        out[n_full * block:] = torch.stack((blk & 15, blk >> 4), dim=2).view(K, tail).t()
+    return out
+
+
+@functools.cache
+def cpu_int4_layout() -> tuple[int, bool] | None:
+    """The CPU int4 kernel's packed layout in this process (probed), or None if unknown."""
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randint(0, 16, (n, 64), generator=gen, dtype=torch.uint8)
+              for n in (16, 32, 48, 64, 80, 112, 128, 176)]
+    try:
+        packed = [_pack_cpu_int4(q) for q in probes]
+    except (RuntimeError, NotImplementedError):
+        return None
+    for layout in ((64, True), (32, True), (64, False), (32, False), (16, False)):
+        if all(torch.equal(_unpack_cpu_int4(p, layout), q) for p, q in zip(packed, probes)):
+            return layout
+    return None
+
+
+def _cpu_int4_kernel_ok(out_features: int) -> bool:
+    """torch >= 2.6 has the CPU int4 ops under these names; the packing wants out_features % 16 == 0."""
+    return (hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+            and out_features % 16 == 0)
