@@ -197,3 +197,14 @@ def test_bfloat16_paged_attention_matches_the_gathered_reference(kernel_path, bl
         # float32 sums over <= 100 keys of bf16 products: differences of a few float32 ulps, then the
         # output's rounding to bfloat16 (relative 2^-8)
         torch.testing.assert_close(got[n], want, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_a_request_alone_in_exactly_the_memory_it_can_need_completes(model):
+    """kv_blocks = the bound validate() uses: the request never waits on itself (no preemption)."""
+    prompt, gen = prompts_of([21], seed=30)[0], GenerationConfig(max_new_tokens=19, num_beams=4, eos_token_id=None)
+    need = Engine(model, EngineConfig(max_seqs=4, block_size=8)).blocks_needed(len(prompt), gen)
+    engine = Engine(model, EngineConfig(max_seqs=4, block_size=8, kv_blocks=need))
+    assert engine.generate([prompt], gen) == generate(model, [prompt], gen)
+    assert engine.stats().preemptions == 0 and all_free(engine)
+    with pytest.raises(Exception, match="needs"):
+        Engine(model, EngineConfig(max_seqs=4, block_size=8, kv_blocks=need - 1)).add_request(prompt, gen)

@@ -81,11 +81,10 @@ class Engine:
                             f"{plan.block_size} tokens; the engine has {plan.n_blocks}")
 
     def blocks_needed(self, prompt_len: int, gen: GenerationConfig) -> int:
-        """The most blocks a request can ever hold at once: its prompt's, then each beam's own."""
-        per = self.kv.blocks_for
-        if gen.num_beams == 1:
-            return per(prompt_len + gen.max_new_tokens)
-        return per(prompt_len) + gen.num_beams * (per(gen.max_new_tokens) + 1)
+        """The most blocks a request can ever hold at once: the prompt's full blocks (shared by its
+        beams), and each beam's own from there to its last token."""
+        shared = prompt_len // self.plan.block_size
+        return shared + gen.num_beams * (self.kv.blocks_for(prompt_len + gen.max_new_tokens) - shared)
 
     def add_request(self, prompt: Seq[int], gen: GenerationConfig, request_id: str | None = None,
                     on_token: Callable[[Request, int], None] | None = None,

@@ -91,9 +91,14 @@ class Scheduler:
         B = self.kv.block_size
         while True:
             needs = 0
+            writers: dict[int, int] = {}  # a partly filled last block -> how many of the sequences write it
             for seq in req.seqs:
-                if seq.length == len(seq.blocks) * B or self.kv.ref[seq.blocks[seq.length // B]] > 1:
+                if seq.length == len(seq.blocks) * B:
                     needs += 1
+                else:
+                    writers[seq.blocks[-1]] = writers.get(seq.blocks[-1], 0) + 1
+            # each writer of a shared block copies it, except the last one when nobody else holds it
+            needs += sum(k - (self.kv.ref[b] == k) for b, k in writers.items())
             if needs <= self.kv.free:
                 break
             victim = self.running[-1]
