@@ -44,7 +44,8 @@ class ModelSpec:
     compile: str = "auto"  # torch.compile the decode attention: auto (below float32), on, off
 
     def __post_init__(self) -> None:
-        from gptj.engine.config import COMPILE_MODES, KERNEL_MODES
+        from gptj.engine.config import COMPILE_MODES
+        from gptj.kernels.policy import PACK_MODES
         from gptj.runtime.device import dtype_name, parse_dtype
 
         if self.path is not None:
@@ -60,8 +61,8 @@ class ModelSpec:
             _positive("group_size", self.group_size)
         _positive("tp", self.tp)
         _positive("pp", self.pp)
-        if self.kernels not in KERNEL_MODES:
-            raise GptjError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.kernels not in PACK_MODES:
+            raise GptjError(f"kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
         if self.compile not in COMPILE_MODES:
             raise GptjError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
