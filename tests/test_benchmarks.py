@@ -193,6 +193,14 @@ def check_train_step(out: dict, err: str) -> None:
         assert positive(out[key]), (key, out[key])
 
 
+def check_paged_kv(out: dict, err: str) -> None:
+    new = out["runs"]["new"]
+    assert new["most_running"] >= 1 and positive(new["offline_samples_per_s"])
+    assert positive(new["decode_b1_tokens_per_s"]) and positive(new["decode_b8_tokens_per_s"])
+    assert out["prefix_same_tokens"] is True and positive(out["prefix_ttft_speedup"])
+    assert "old" not in out["runs"] and "new_over_old" not in out  # no --old-src: this tree alone
+
+
 def check_compare_peers_without_peers(out: dict, err: str) -> None:
     """A peer that cannot be imported is one line on stderr; gptj is still measured."""
     notes = [line for line in err.splitlines() if line.startswith("# skipping")]
@@ -223,6 +231,7 @@ SMOKE: dict[str, Job] = {
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
     "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
+    "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
     "ray_serve.py": Job("ray_serve.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",

@@ -443,15 +443,15 @@ def test_schema_fuzzing_of_every_route_finds_no_5xx(models):
 
 def test_engine_error_fails_only_that_request(models):
     with server_thread({"tiny": models / "tiny"}) as thread:
-        engine = thread.state.models["tiny"].engine
-        real = engine._prefill
+        runner = thread.state.models["tiny"].engine.runner  # the engine's only caller of the model
+        real = runner._prefill
 
-        def faulty(reqs, *args):
-            if reqs[0].prompt[0] == 666:
+        def faulty(chunk, *args):
+            if chunk.request.prompt[0] == 666:
                 raise RuntimeError("injected fault")
-            return real(reqs, *args)
+            return real(chunk, *args)
 
-        engine._prefill = faulty
+        runner._prefill = faulty
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": [666, 1], "max_tokens": 4})
         assert status == 500 and out["error"]["type"] == "server_error" and "injected fault" in out["error"]["message"]
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": [666, 1], "max_tokens": 4, "stream": True})

@@ -1,21 +1,26 @@
-"""Decode-step attention (one new token per sequence), eager or compiled with torch.compile.
+"""Decode attention over paged KV memory (one new token per sequence), and the paged memory itself.
 
-Two shapes occur in a decode step (see engine/kv.py):
+`PagedKV` holds every layer's keys and values in blocks (n_blocks, H, B, D); `PagedBatch` is the
+cache one forward pass sees: it writes the new keys/values into their blocks and attends. A
+decode step's requests are groups (`DecodeGroup`):
 
-    one sequence   q (H, D) over its own keys/values k, v (H, L, D)        greedy and sampled requests
-    a beam group   q (N, H, D) over a shared prompt pk, pv (H, P, D) and   beam search
-                   its own tails tk, tv (N, H, T, D); softmax over [prompt | tail]
+    one sequence   q (H, D) over its own blocks                                   greedy, sampled
+    a beam group   q (N, H, D) over the prompt's blocks, shared, then each beam's  beam search
+                   own blocks; softmax over [shared | own]
 
-Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.model.attention's exact
-math and the beam groups matmuls plus float32 products; at these shapes (a single query row per
-head) torch's batched matmuls and CPU SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys x
-64 where a compiled loop takes ~150 us. So the compiled form writes the same formula as
-products and sums, which inductor turns into one pass over the keys and one over the values.
+With gptj.native (bfloat16 on an AVX-512 CPU) one call computes every group of a step, reading
+the blocks in place and a shared prompt once per 8 beams. Otherwise each group's blocks are
+gathered into one tensor and computed by the forms below. Scores and softmax are float32 (HF's
+rule). Eagerly, float32 runs gptj.model.attention's exact math and the beam groups matmuls plus
+float32 products; at these shapes (a single query row per head) torch's batched matmuls and CPU
+SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys x 64 where a compiled loop takes ~150
+us. So the compiled form writes the same formula as products and sums, which inductor turns into
+one pass over the keys and one over the values.
 
-Each group calls these on its own tensors, so a request's result never depends on what else
-shares the step (batch invariance holds in either mode). The compiled form rounds differently
-from the eager one; `DecodeAttention("auto")` therefore compiles only below float32 and leaves
-float32 on the exact eager math.
+Each group is computed on its own tensors, so a request's result never depends on what else
+shares the step (batch invariance holds in every mode). Which form runs is
+gptj.kernels.policy.attention_path's choice: compiled only below float32 under "auto" (the compiled
+form rounds differently from the eager one), native only for bfloat16 on CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from gptj.config import GPTJConfig
 from gptj.engine.config import COMPILE_MODES
 from gptj.errors import GptjError
+from gptj.kernels.policy import attention_path, exact
 from gptj.model import attention
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,7 @@ def one_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
     Below float32: matmuls in the dtype, scores and softmax in float32 (CPU SDPA is 2x slower
     for a single query row)."""
-    if q.dtype == torch.float32:
+    if exact(q.dtype):
         return attention(q[None, :, None], k[None], v[None], None)[0, :, 0]
     s = torch.matmul(q[:, None, :], k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))  # (H, 1, L)
     return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)[:, 0]
@@ -52,9 +58,8 @@ def group_eager(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.T
                 tv: torch.Tensor) -> torch.Tensor:
     """q (N, H, D) over [shared prompt pk, pv (H, P, D) | own tails tk, tv (N, H, T, D)] -> (N, H, D)."""
     scale = math.sqrt(q.shape[-1])
-    exact = q.dtype == torch.float32
     qh = q.transpose(0, 1)  # (H, N, D): all of the group's sequences against the prompt in one matmul
-    s_prompt = torch.matmul(qh.float() if exact else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
+    s_prompt = torch.matmul(qh.float() if exact(q.dtype) else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
     # The tails are short (<= max_new_tokens): float32 products and sums beat many tiny batched matmuls.
     s_tail = (q.float()[:, :, None, :] * tk.float()).sum(-1).transpose(0, 1)  # (H, N, T)
     probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1)  # float32
@@ -97,18 +102,19 @@ class DecodeAttention:
     # 62-150 us vs eager 194-567 us from 40 to 160 keys, so compiled forms are used at every length.
     min_context = 0
 
-    def __init__(self, mode: str, kv_dtype: torch.dtype, native: bool = False) -> None:
+    def __init__(self, mode: str, kv_dtype: torch.dtype, native: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        """native: the engine's kernels mode is "auto" (gptj.native where the policy allows it)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-        self.native, self._kernels = False, None
-        if native and kv_dtype == torch.bfloat16:
+        # gptj.native's kernel reads a shared prompt once for all beams: 2x the compiled form at
+        # GPT-J 6B's head shapes (16 x 256, 800-token prompt, 4 beams: 1.75 vs 3.78 ms per layer).
+        path = attention_path(device, kv_dtype, "auto" if native else "off", mode)
+        self.native, self.compiled = path.native, path.compiled
+        if self.native:
             from gptj import native as _native
 
             self._kernels = _native
-            # gptj.native's kernel reads a shared prompt once for all beams: 2x the compiled form at
-            # GPT-J 6B's head shapes (16 x 256, 800-token prompt, 4 beams: 1.75 vs 3.78 ms per layer).
-            self.native = _native.available()
-        self.compiled = mode == "on" or (mode == "auto" and kv_dtype != torch.float32)
         self._one, self._group = one_eager, group_eager
         if self.compiled:
             try:

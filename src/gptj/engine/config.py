@@ -16,9 +16,9 @@ import torch
 
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
+from gptj.kernels.policy import PACK_MODES
 
 COMPILE_MODES = ("auto", "on", "off")
-KERNEL_MODES = ("auto", "off")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MAX_SEQS = 256  # running sequences per step when nothing else bounds them (vLLM's max_num_seqs)
 
@@ -46,8 +46,8 @@ class EngineConfig:
                             f"got {self.block_size!r}")
         if self.max_prefill_tokens < 1:
             raise GptjError(f"engine max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
-        if self.kernels not in KERNEL_MODES:
-            raise GptjError(f"engine kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.kernels not in PACK_MODES:
+            raise GptjError(f"engine kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
         if self.compile not in COMPILE_MODES:
             raise GptjError(f"engine compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if not 0 < self.memory_fraction <= 1:

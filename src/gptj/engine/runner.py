@@ -34,7 +34,7 @@ class ModelRunner:
         self.device = w.device
         kv_dtype = w.dtype  # the activations' dtype (weights may be quantized)
         self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads)
-        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto")
+        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto", device=w.device)
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()

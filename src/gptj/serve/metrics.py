@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (its own registry, so several apps can share a process).
 
-Counters and histograms are updated by the handlers as requests finish; the engine gauges (queue
-depth, running sequences, KV use, tokens/s) are read from the served models when /metrics is
-scraped, so they are current without a polling thread.
+Counters and histograms are updated by the handlers as requests finish; the engine's figures (queue
+depth, running sequences, KV blocks used and cached, the prefix cache's hit rate, preemptions,
+tokens/s) are read from each served model's engine stats() when /metrics is scraped, so they are
+current without a polling thread.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 10.0
@@ -29,18 +30,36 @@ class _EngineCollector:
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
         queue = GaugeMetricFamily("gptj_queue_depth", "Requests waiting to be scheduled", labels=["model"])
         running = GaugeMetricFamily("gptj_running_sequences", "Sequences in the running batch", labels=["model"])
-        kv = GaugeMetricFamily("gptj_kv_usage_ratio", "Share of KV sequence slots in use", labels=["model"])
+        kv = GaugeMetricFamily("gptj_kv_usage_ratio", "Share of KV blocks in use", labels=["model"])
+        blocks = GaugeMetricFamily("gptj_kv_blocks", "KV blocks by state: used (held by a request), cached "
+                                   "(holding a reusable prefix), total", labels=["model", "state"])
+        hit_rate = GaugeMetricFamily("gptj_prefix_cache_hit_rate",
+                                     "Share of prompt tokens found in the prefix cache since the start", labels=["model"])
+        hits = CounterMetricFamily("gptj_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                                   labels=["model"])
+        queried = CounterMetricFamily("gptj_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                      labels=["model"])
+        preempted = CounterMetricFamily("gptj_preemptions", "Requests whose KV blocks were taken back for older ones",
+                                        labels=["model"])
         outstanding = GaugeMetricFamily("gptj_outstanding_requests", "Engine requests admitted and unfinished",
                                         labels=["model"])
         rate = GaugeMetricFamily("gptj_generation_tokens_per_second",
                                  f"New tokens per second over the last {RATE_WINDOW_S:g} s", labels=["model"])
         for m in list(self.models()):
+            st = m.stats()  # gptj.engine.config.EngineStats: a snapshot
             queue.add_metric([m.name], m.queue_depth())
-            running.add_metric([m.name], m.running_sequences())
-            kv.add_metric([m.name], m.kv_usage())
+            running.add_metric([m.name], st.running_seqs)
+            kv.add_metric([m.name], st.kv_usage)
+            blocks.add_metric([m.name, "used"], st.blocks_total - st.blocks_free)
+            blocks.add_metric([m.name, "cached"], st.blocks_cached)
+            blocks.add_metric([m.name, "total"], st.blocks_total)
+            hit_rate.add_metric([m.name], st.prefix_hit_rate)
+            hits.add_metric([m.name], st.prefix_hit_tokens)
+            queried.add_metric([m.name], st.prefix_queried_tokens)
+            preempted.add_metric([m.name], st.preemptions)
             outstanding.add_metric([m.name], m.outstanding)
             rate.add_metric([m.name], self.rate(m.name))
-        yield from (queue, running, kv, outstanding, rate)
+        yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, outstanding, rate)
 
 
 class ServerMetrics:
