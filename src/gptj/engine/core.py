@@ -122,11 +122,6 @@ class Engine:
         self.updater.retire(req, ABORTED, "abort")
         return True
 
-    def abort_all(self) -> int:
-        """Abort every request not yet done; how many."""
-        ids = list(self.requests)
-        return sum(self.abort(rid) for rid in ids)
-
     # --- state ---
 
     @property

@@ -79,7 +79,6 @@ class Request:
     # --- the engine's state ---
     seqs: list[Sequence] = field(default_factory=list)  # one per beam (greedy, sampled: one)
     shared: int = 0  # leading blocks every sequence of the group shares (beam search: the prompt's full ones)
-    n_computed: int = 0  # tokens (prompt, then recomputed output) whose keys/values are stored
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its context's full blocks
     registered: int = 0  # of its blocks, how many are in the prefix cache (or were found there)
@@ -97,14 +96,14 @@ class Request:
         return self.status in DONE
 
     @property
+    def n_computed(self) -> int:
+        """Tokens whose keys and values are stored (while prefilling: of its context so far)."""
+        return self.seqs[0].length if self.seqs else 0
+
+    @property
     def n_prefilled(self) -> int:
         """Prompt tokens in KV (chunked prefill: < len(prompt) for a while)."""
         return min(self.n_computed, len(self.prompt))
-
-    @property
-    def context(self) -> list[int]:
-        """The tokens a greedy or sampled sequence has seen: its prompt and its output so far."""
-        return self.prompt + self.output
 
 
 # --- operations: what a loop (or a parallel job's leader) applies to an engine ---------------------

@@ -156,7 +156,7 @@ class Scheduler:
         kv.hold(hits)
         req.seqs = [Sequence(hits + kv.allocate(new), len(hits) * kv.block_size)]
         req.shared = 0
-        req.n_computed = req.cached_tokens = len(hits) * kv.block_size
+        req.cached_tokens = len(hits) * kv.block_size
         req.registered = len(hits)
         kv.count_lookup(len(ctx) if reuse else 0, req.cached_tokens)
         return True
@@ -165,7 +165,6 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.status = WAITING
-        req.n_computed = 0
         req.preemptions += 1
         req.next_tokens = []  # computed again from its context
         req.beam = None  # beam search starts over

@@ -68,7 +68,7 @@ class Updater:
         """A prefill chunk's keys and values are in its blocks: count them, cache full prompt blocks."""
         self.prefill_tokens += end - start
         seq = req.seqs[0]
-        seq.length = req.n_computed = end
+        seq.length = end
         full = min(end // self.kv.block_size, len(req.block_keys))
         for i in range(req.registered, full):
             self.kv.register(seq.blocks[i], req.block_keys[i])

@@ -494,6 +494,17 @@ static inline __m512 bf16_16(const uint16_t *p)
 
 #define ATT_QB 8 /* queries per pass over the keys */
 
+/* s[0 .. L) <- softmax(s), in place, float32 */
+static inline void softmax_f32(float *s, int L)
+{
+    float mx = s[0];
+    for (int t = 1; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+    float sum = 0.0f;
+    for (int t = 0; t < L; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    const float inv = 1.0f / sum;
+    for (int t = 0; t < L; t++) s[t] *= inv;
+}
+
 static void attend_head(const float *q, int N, int H, int D, int h,
                         const uint16_t *pk, const uint16_t *pv, long psh, long pst, int P,
                         const uint16_t *tk, const uint16_t *tv, long tsn, long tsh, long tst, int T,
@@ -525,12 +536,7 @@ static void attend_head(const float *q, int N, int H, int D, int h,
                 for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
                 sn[P + t] = _mm512_reduce_add_ps(a) * scale;
             }
-            float mx = sn[0];
-            for (int t = 1; t < L; t++) mx = sn[t] > mx ? sn[t] : mx;
-            float sum = 0.0f;
-            for (int t = 0; t < L; t++) { sn[t] = expf(sn[t] - mx); sum += sn[t]; }
-            const float inv = 1.0f / sum;
-            for (int t = 0; t < L; t++) sn[t] *= inv;
+            softmax_f32(sn, L);
             float *on = out + ((long)n * H + h) * D;
             for (int d = 0; d < D; d++) on[d] = 0.0f;
         }
@@ -626,12 +632,7 @@ static void paged_head(const float *q, int H, int D, int h, const uint16_t *kc, 
                 for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
                 sn[sl + t] = _mm512_reduce_add_ps(a) * scale;
             }
-            float mx = sn[0];
-            for (int t = 1; t < L; t++) mx = sn[t] > mx ? sn[t] : mx;
-            float sum = 0.0f;
-            for (int t = 0; t < L; t++) { sn[t] = expf(sn[t] - mx); sum += sn[t]; }
-            const float inv = 1.0f / sum;
-            for (int t = 0; t < L; t++) sn[t] *= inv;
+            softmax_f32(sn, L);
             float *on = out + ((long)n * H + h) * D;
             for (int d = 0; d < D; d++) on[d] = 0.0f;
         }

@@ -81,11 +81,6 @@ def split_model(model: Any, rank: int, sharded: bool = False) -> Any:  # GPTJFor
     return model
 
 
-def plan() -> tuple[int, int]:
-    """The configured (tp, pp): (1, 1) outside a parallel job."""
-    return (_state["tp"], _state["pp"]) if active() else (1, 1)
-
-
 def check_plan(tp: int, pp: int) -> int:
     """This rank, after checking that the job was configured for `tp` x `pp` ranks."""
     world = dist.get_world_size()

@@ -72,7 +72,7 @@ def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | Non
         free_bytes = available_memory_bytes(w.device)
         if lockstep.active():
             free_bytes = lockstep.least(free_bytes)
-    return plan_kv(model.config, w.dtype, w.device, config, n_head=model.config.n_head // lockstep.plan()[0],
+    return plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads,
                    free_bytes=free_bytes)
 
 
