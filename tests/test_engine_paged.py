@@ -208,3 +208,22 @@ def test_a_request_alone_in_exactly_the_memory_it_can_need_completes(model):
     assert engine.stats().preemptions == 0 and all_free(engine)
     with pytest.raises(Exception, match="needs"):
         Engine(model, EngineConfig(max_seqs=4, block_size=8, kv_blocks=need - 1)).add_request(prompt, gen)
+
+
+def test_a_younger_request_waits_for_blocks_keeping_them_and_nothing_is_computed_twice(model):
+    """Two beam requests fit at admission but not as they grow: the younger waits (stalls) while
+    the older finishes, keeping its blocks; nothing is preempted or recomputed."""
+    prompts = prompts_of([16, 16], seed=31)
+    gen = GenerationConfig(max_new_tokens=24, num_beams=3, eos_token_id=None)
+    need = Engine(model, EngineConfig(max_seqs=8, block_size=8)).blocks_needed(16, gen)
+    # the older always fits beside what the younger can hold when the blocks run out
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=8, kv_blocks=need + need // 2, prefix_caching=False))
+    reqs = [engine.add_request(p, gen) for p in prompts]
+    while engine.has_work:
+        engine.step()
+        engine.kv.check()
+    st = engine.stats()
+    assert [r.output for r in reqs] == [generate(model, [p], gen)[0] for p in prompts]
+    assert st.stalls > 0 and st.preemptions == 0
+    assert st.prefill_tokens == 32  # each prompt computed once
+    assert all_free(engine)

@@ -138,6 +138,7 @@ class EngineStats:
     prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int  # of which found
     preemptions: int  # times a request's blocks were taken back for older ones
+    stalls: int  # request-steps a prefilled request waited for a free block (keeping its own)
     prefill_tokens: int  # tokens prefilled (computed, not found in the prefix cache), since the start
     steps: int
 

@@ -146,7 +146,7 @@ class Engine:
                            max_seqs=self.plan.max_seqs, max_len=self.plan.max_len, blocks_total=kv.n_blocks,
                            blocks_free=kv.free, blocks_cached=kv.cached, prefix_queried_tokens=kv.queried_tokens,
                            prefix_hit_tokens=kv.hit_tokens, preemptions=s.preemptions,
-                           prefill_tokens=self.updater.prefill_tokens, steps=self.steps)
+                           stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps)
 
     # --- offline use ---
 

@@ -5,11 +5,15 @@ Order of a step (first come, first served; nobody skips ahead of an older reques
     1. decode    every running request that has its prompt stored gets its sequences' next token.
                  Each sequence needs room for it: a new block when its last one is full, or its own
                  copy of a block it shares with another beam (copy-on-write). When the free blocks
-                 run out, the youngest running request is preempted: its blocks are released and it
-                 waits at the head of the queue to be computed again (greedy and sampled requests
-                 keep their tokens and recompute prompt + output; beam search starts over).
+                 run out, a request younger than the oldest running one waits a step, keeping its
+                 blocks (older requests finish and free theirs; nothing is computed twice). Only
+                 the oldest request preempts: the youngest running request's blocks are released
+                 and it waits at the head of the queue to be computed again (greedy and sampled
+                 requests keep their tokens and recompute prompt + output; beam search starts over).
+                 The oldest always goes on, and fits alone (Engine.validate), so all finish.
     2. prefill   requests admitted before and still prefilling (prefill_chunk) get their next chunk.
-    3. admit     waiting requests, oldest first, while the running-sequence cap, the prompt-token
+    3. admit     (none while a running request waits for blocks) waiting requests, oldest first,
+                 while the running-sequence cap, the prompt-token
                  budget and the free blocks allow: a request takes the blocks of the longest prefix
                  of its prompt found in the prefix cache and new blocks for the rest, and is
                  prefilled in this step (within prefill_chunk).
@@ -39,6 +43,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # before the forward: (src, dst, tokens)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    stalled: list[Request] = field(default_factory=list)  # prefilled, but no free block for their next token
 
     @property
     def empty(self) -> bool:
@@ -55,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the youngest
         self.preemptions = 0
+        self.stalls = 0  # request-steps skipped for want of a free block
 
     @property
     def running_seqs(self) -> int:
@@ -82,12 +88,14 @@ class Scheduler:
         for req in self.running:
             if not prefilled(req) and (budget is None or budget > 0):
                 budget = self._prefill(req, budget, out)
-        self._admit(budget, out)
+        if not out.stalled:  # new requests would take the blocks the stalled ones wait for
+            self._admit(budget, out)
         return out
 
     def _room_for_next_token(self, req: Request, out: SchedulerOutput) -> None:
-        """Make every sequence of `req` able to store its next token, preempting younger requests
-        (or `req` itself, when it is the youngest) while the blocks do not suffice."""
+        """Make every sequence of `req` able to store its next token. When the free blocks do not
+        suffice, `req` stalls this step if an older request runs; the oldest preempts the youngest
+        requests until they do."""
         B = self.kv.block_size
         while True:
             needs = 0
@@ -101,6 +109,10 @@ class Scheduler:
             needs += sum(k - (self.kv.ref[b] == k) for b, k in writers.items())
             if needs <= self.kv.free:
                 break
+            if req is not self.running[0]:
+                out.stalled.append(req)
+                self.stalls += 1
+                return
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.kernels.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, fusable, linear_path, pack_layout
+from gptj.kernels.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, pack_layout
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Int4Linear, Int8Linear
 
@@ -183,11 +183,18 @@ class FusedBlock(nn.Module):
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
         a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
         a = a.transpose(1, 2).reshape(B, T, E)
-        g = gelu_new(y[..., 3 * E:])
+        g = fast_gelu(y[..., 3 * E:])
         out = self.w_out(torch.cat([a, g], dim=-1)) if self.w_out is not None else self.out_proj(a) + self.fc_out(g)
         if self.reduce is not None:
             out = self.reduce(out)
         return out + h
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """gelu_new below float32 in one pass: torch's tanh GELU computes in float32 and rounds once
+    (gelu_new's six ops round after each), so it is as close to the float32 result or closer.
+    Float32 keeps gelu_new's exact (HF's) ops."""
+    return gelu_new(x) if exact(x.dtype) else torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def _fusable(block: nn.Module) -> bool:

@@ -41,6 +41,8 @@ class _EngineCollector:
                                       labels=["model"])
         preempted = CounterMetricFamily("gptj_preemptions", "Requests whose KV blocks were taken back for older ones",
                                         labels=["model"])
+        stalls = CounterMetricFamily("gptj_kv_stalls", "Request-steps a request waited for a free KV block",
+                                     labels=["model"])
         outstanding = GaugeMetricFamily("gptj_outstanding_requests", "Engine requests admitted and unfinished",
                                         labels=["model"])
         rate = GaugeMetricFamily("gptj_generation_tokens_per_second",
@@ -57,9 +59,10 @@ class _EngineCollector:
             hits.add_metric([m.name], st.prefix_hit_tokens)
             queried.add_metric([m.name], st.prefix_queried_tokens)
             preempted.add_metric([m.name], st.preemptions)
+            stalls.add_metric([m.name], st.stalls)
             outstanding.add_metric([m.name], m.outstanding)
             rate.add_metric([m.name], self.rate(m.name))
-        yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, outstanding, rate)
+        yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, stalls, outstanding, rate)
 
 
 class ServerMetrics:
