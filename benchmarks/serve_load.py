@@ -347,17 +347,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN201
-    """`gptj serve --model MODEL --port P` as a subprocess, until GET /health answers 200."""
+def spawned(name: str, command, timeout_s: float, env: dict[str, str] | None = None):  # noqa: ANN001, ANN201
+    """A server started as `command(port)` (a list of arguments) with `env` added, until GET /health
+    answers 200; yields its URL and stops it (SIGTERM, then SIGKILL after 60 s) on the way out. Its
+    log is a temporary file kept only when it fails."""
     import urllib.error
     import urllib.request
 
     port = free_port()
-    cmd = [sys.executable, "-m", "gptj.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           *shlex.split(serve_args)]
-    log = tempfile.NamedTemporaryFile("w+b", prefix="gptj-serve-", suffix=".log", delete=False)
+    cmd = command(port)
+    log = tempfile.NamedTemporaryFile("w+b", prefix=f"{name}-", suffix=".log", delete=False)
     print(f"starting: {' '.join(shlex.quote(c) for c in cmd)} (log: {log.name})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     failed = True
     try:
@@ -366,7 +367,7 @@ def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN2
             if proc.poll() is not None:
                 log.seek(0)
                 tail = log.read().decode("utf-8", "replace").strip().splitlines()[-5:]
-                raise SystemExit(f"serve_load: the server exited ({proc.returncode}) before it was ready:\n"
+                raise SystemExit(f"serve_load: {name} exited ({proc.returncode}) before it was ready:\n"
                                  + "\n".join(tail))
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -375,7 +376,7 @@ def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN2
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"serve_load: the server was not ready within {timeout_s:g} s (log: {log.name})")
+                raise SystemExit(f"serve_load: {name} was not ready within {timeout_s:g} s (log: {log.name})")
             time.sleep(0.2)
         yield url
         failed = False
@@ -390,6 +391,12 @@ def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN2
         log.close()
         if not failed:  # kept only to explain a failure
             os.unlink(log.name)
+
+
+def spawned_server(model: str, serve_args: str, timeout_s: float):  # noqa: ANN201
+    """`gptj serve --model MODEL --port P` as a subprocess (see `spawned`)."""
+    return spawned("gptj-serve", lambda port: [sys.executable, "-m", "gptj.cli", "serve", "--model", model, "--host",
+                                               "127.0.0.1", "--port", str(port), *shlex.split(serve_args)], timeout_s)
 
 
 def table(results: list[LoadResult]) -> str:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from gptj.config import GPTJConfig
 from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig
 from gptj.engine.kv import KVCacheManager, block_keys
@@ -163,14 +164,17 @@ def test_block_keys_chain_the_whole_prefix():
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
-def test_bfloat16_paged_attention_matches_the_gathered_reference(kernel_path, block_size):
+@pytest.mark.parametrize("heads", [(4, 16), (3, 48), (2, 256)], ids=lambda hd: f"{hd[0]}x{hd[1]}")
+def test_bfloat16_paged_attention_matches_the_gathered_reference(kernel_path, block_size, heads):
     """Decode attention over scattered blocks (native kernel or the fallback) = attention over the
-    same keys gathered into one tensor, in float32 arithmetic."""
+    same keys gathered into one tensor, in float32 arithmetic. Head sizes: the test model's 16, one
+    with a 16-wide tail past 32s (48), GPT-J 6B's 256."""
     from gptj.engine import attention as att
 
     torch.manual_seed(0)
-    H, D, n_blocks = CFG.n_head, CFG.head_dim, 40
-    kv = att.PagedKV(CFG, n_blocks, block_size, torch.bfloat16, "cpu", n_head=H)
+    H, D, n_blocks = *heads, 40
+    cfg = GPTJConfig(n_layer=1, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=256)
+    kv = att.PagedKV(cfg, n_blocks, block_size, torch.bfloat16, "cpu", n_head=H)
     kv.k[0].normal_()
     kv.v[0].normal_()
     perm = torch.randperm(n_blocks).tolist()

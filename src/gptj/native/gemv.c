@@ -35,6 +35,7 @@
 */
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -493,16 +494,50 @@ static inline __m512 bf16_16(const uint16_t *p)
 }
 
 #define ATT_QB 8 /* queries per pass over the keys */
+#define ATT_MAXD 512 /* the paged kernel's largest head_dim */
 
-/* s[0 .. L) <- softmax(s), in place, float32 */
+/* e^x, 16 lanes, for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r, |r| <= ln2/2,
+   e^r by its Taylor series to r^7 (relative error < 5e-9, below float32's 6e-8 rounding), times 2^n.
+   x below -87.3 gives 2^-126-ish, not 0: negligible beside the maximum's e^0 = 1. */
+static inline __m512 exp_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2 = hi + lo (Cody-Waite) */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[0 .. L) <- softmax(s), in place, float32, 16 lanes at a time */
 static inline void softmax_f32(float *s, int L)
 {
-    float mx = s[0];
-    for (int t = 1; t < L; t++) mx = s[t] > mx ? s[t] : mx;
-    float sum = 0.0f;
-    for (int t = 0; t < L; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
-    const float inv = 1.0f / sum;
-    for (int t = 0; t < L; t++) s[t] *= inv;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+        _mm512_mask_storeu_ps(s + t, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+    }
 }
 
 static void attend_head(const float *q, int N, int H, int D, int h,
@@ -594,100 +629,151 @@ int attend_group_bf16(const float *q, int N, int H, int D,
    beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of q (N, H, D) float32 and reads
        its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
        then each row n's  otab[n * omax ..]    holding olen[g] tokens (its own blocks)
-   out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens; scores, softmax and sums
-   in float32 as attend_group_bf16. Work items are (group, head) pairs, spread over threads. */
+   out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens. q holds bfloat16 values
+   (a bfloat16 model's queries): scores are vdpbf16ps dot products (exact products, float32 sums),
+   16 keys at a time with one transposed reduction; softmax (vectorized exp) and value sums in
+   float32. Work items are (group, range of heads) pairs spread over threads; an item walks its
+   blocks in address order, every head of a block (B x D rows each, one after another) serving
+   all the group's queries while it is in cache, so the KV memory is read as a stream rather than
+   one head's 2-8 KiB at a time across the whole pool. */
 
-static void paged_head(const float *q, int H, int D, int h, const uint16_t *kc, const uint16_t *vc, int B,
-                       int r0, int nr, const int *stab, int sl, const int *otab, int omax, int ol,
-                       float *out, float scale, float *s)
+/* q (D float32, bfloat16 values) as D / 32 vectors of 32 bfloat16 (zeros past D) */
+static inline void q_bf16(const float *q, int D, __m512bh *qb)
+{
+    for (int d = 0; d < D; d += 32) {
+        const __m512 lo = _mm512_loadu_ps(q + d), hi = d + 16 < D ? _mm512_loadu_ps(q + d + 16) : _mm512_setzero_ps();
+        qb[d / 32] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
+}
+
+/* dst[c] = scale * q . k[c] for the n <= 16 keys k[c] = kr + c * D: vdpbf16ps (products exact in
+   float32, summed in float32), 16 independent sums, then one transposed reduction (hsum16) for all
+   16 scores instead of one horizontal sum per key */
+static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D, float scale, float *dst)
+{
+    __m512 a[16];
+    for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+        for (int c = 0; c < n; c++)
+            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
+    }
+    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
+}
+
+/* o[0 .. D) += sum_c p[c] * v[c] for the n values v[c] = vr + c * D, p float32 (up to 256 of D
+   at a time: the sums stay in registers over the n values) */
+static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, float *o)
+{
+    for (int d0 = 0; d0 < D; d0 += 256) {
+        const int dn = D - d0 < 256 ? D - d0 : 256;
+        __m512 acc[16];
+        for (int i = 0; i < dn / 16; i++) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
+        for (int c = 0; c < n; c++) {
+            const __m512 pc = _mm512_set1_ps(p[c]);
+            for (int i = 0; i < dn / 16; i++)
+                acc[i] = _mm512_fmadd_ps(pc, bf16_16(vr + (long)c * D + d0 + i * 16), acc[i]);
+        }
+        for (int i = 0; i < dn / 16; i++) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
+    }
+}
+
+/* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
+   holds every head's rows, B x D each, one after another), every head's rows of a block serving
+   all the group's queries (up to ATT_QB at a time) while they are in cache. s: ATT_QB x (h1 - h0) x L. */
+static void paged_group(const float *q, int H, int D, int h0, int h1, const uint16_t *kc, const uint16_t *vc,
+                        int B, int r0, int nr, const int *stab, int sl, const int *otab, int omax, int ol,
+                        float *out, float scale, float *s)
 {
     const long hs = (long)B * D, bs = (long)H * hs;
-    const int L = sl + ol;
+    const int L = sl + ol, nh = h1 - h0;
+    __m512bh qb[ATT_QB][ATT_MAXD / 32];
+#define QB(i) qb[i]
+#define S(i, h) (s + ((long)(i) * nh + ((h) - h0)) * L)
+#define Q(n, h) (q + ((long)(n) * H + (h)) * D)
+#define O(n, h) (out + ((long)(n) * H + (h)) * D)
     for (int n0 = r0; n0 < r0 + nr; n0 += ATT_QB) {
         const int nb = r0 + nr - n0 < ATT_QB ? r0 + nr - n0 : ATT_QB;
-        /* shared scores: each key row read once for the block's queries */
-        for (int j = 0; j * B < sl; j++) {
-            const uint16_t *kb = kc + stab[j] * bs + h * hs;
+        for (int j = 0; j * B < sl; j++) { /* shared blocks: scores of every query */
             const int tn = sl - j * B < B ? sl - j * B : B;
-            for (int tt = 0; tt < tn; tt++) {
-                const uint16_t *kr = kb + (long)tt * D;
-                __m512 a[ATT_QB];
-                for (int i = 0; i < nb; i++) a[i] = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 16) {
-                    __m512 kv = bf16_16(kr + d);
-                    for (int i = 0; i < nb; i++)
-                        a[i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
-                }
-                for (int i = 0; i < nb; i++) s[(long)i * L + j * B + tt] = _mm512_reduce_add_ps(a[i]) * scale;
-            }
-        }
-        /* own scores and the softmax, per query */
-        for (int i = 0; i < nb; i++) {
-            const int n = n0 + i;
-            const float *qn = q + ((long)n * H + h) * D;
-            float *sn = s + (long)i * L;
-            for (int t = 0; t < ol; t++) {
-                const uint16_t *kr = kc + otab[(long)n * omax + t / B] * bs + h * hs + (long)(t % B) * D;
-                __m512 a = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
-                sn[sl + t] = _mm512_reduce_add_ps(a) * scale;
-            }
-            softmax_f32(sn, L);
-            float *on = out + ((long)n * H + h) * D;
-            for (int d = 0; d < D; d++) on[d] = 0.0f;
-        }
-        /* shared values: each value row read once for the block's queries */
-        for (int j = 0; j * B < sl; j++) {
-            const uint16_t *vb = vc + stab[j] * bs + h * hs;
-            const int tn = sl - j * B < B ? sl - j * B : B;
-            for (int tt = 0; tt < tn; tt++) {
-                const uint16_t *vr = vb + (long)tt * D;
-                for (int d = 0; d < D; d += 16) {
-                    __m512 vv = bf16_16(vr + d);
-                    for (int i = 0; i < nb; i++) {
-                        float *o = out + ((long)(n0 + i) * H + h) * D + d;
-                        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(s[(long)i * L + j * B + tt]), vv,
-                                                            _mm512_loadu_ps(o)));
-                    }
+            for (int h = h0; h < h1; h++) {
+                const uint16_t *kb = kc + stab[j] * bs + h * hs;
+                for (int i = 0; i < nb; i++) {
+                    q_bf16(Q(n0 + i, h), D, QB(i));
+                    for (int c = 0; c < tn; c += 16)
+                        scores16(QB(i), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
                 }
             }
         }
-        for (int i = 0; i < nb; i++) {
+        for (int i = 0; i < nb; i++) { /* each query's own blocks */
             const int n = n0 + i;
-            float *on = out + ((long)n * H + h) * D;
-            for (int t = 0; t < ol; t++) {
-                const uint16_t *vr = vc + otab[(long)n * omax + t / B] * bs + h * hs + (long)(t % B) * D;
-                const __m512 p = _mm512_set1_ps(s[(long)i * L + sl + t]);
-                for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(on + d, _mm512_fmadd_ps(p, bf16_16(vr + d), _mm512_loadu_ps(on + d)));
+            for (int j = 0; j * B < ol; j++) {
+                const int tn = ol - j * B < B ? ol - j * B : B;
+                for (int h = h0; h < h1; h++) {
+                    const uint16_t *kb = kc + otab[(long)n * omax + j] * bs + h * hs;
+                    q_bf16(Q(n, h), D, QB(0));
+                    for (int c = 0; c < tn; c += 16)
+                        scores16(QB(0), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
+                }
+            }
+            for (int h = h0; h < h1; h++) {
+                softmax_f32(S(i, h), L);
+                memset(O(n, h), 0, sizeof(float) * D);
+            }
+        }
+        for (int j = 0; j * B < sl; j++) { /* shared values */
+            const int tn = sl - j * B < B ? sl - j * B : B;
+            for (int h = h0; h < h1; h++) {
+                const uint16_t *vb = vc + stab[j] * bs + h * hs;
+                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, tn, D, O(n0 + i, h));
+            }
+        }
+        for (int i = 0; i < nb; i++) { /* own values */
+            const int n = n0 + i;
+            for (int j = 0; j * B < ol; j++) {
+                const int tn = ol - j * B < B ? ol - j * B : B;
+                for (int h = h0; h < h1; h++)
+                    values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, tn, D, O(n, h));
             }
         }
     }
+#undef QB
+#undef S
+#undef Q
+#undef O
 }
 
 int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, const uint16_t *vc, int B,
                       int G, const int *row0, const int *stab, const int *soff, const int *slen,
                       const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
 {
-    if (D % 16 || G < 1 || N < 1 || B < 1) return -1;
+    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || H < 1) return -1;
     long maxL = 0;
     for (int g = 0; g < G; g++) {
         if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
         if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
     }
+    /* work items: (group, range of heads); a group's heads are split only as far as it takes to
+       give every thread about two items (a group's heads together read each block in one sweep) */
+    int parts = nthreads > 1 ? (2 * nthreads + G - 1) / G : 1;
+    if (parts > H) parts = H;
+    const int hper = (H + parts - 1) / parts;
+    parts = (H + hper - 1) / hper;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *s = malloc(sizeof(float) * ATT_QB * maxL);
+        float *s = malloc(sizeof(float) * ATT_QB * hper * maxL);
         if (!s) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (long w = 0; w < (long)G * H; w++) {
-            const int g = (int)(w / H), h = (int)(w % H);
-            if (s) paged_head(q, H, D, h, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
-                              otab, omax, olen[g], out, scale, s);
+        for (long w = 0; w < (long)G * parts; w++) {
+            const int g = (int)(w / parts), h0 = (int)(w % parts) * hper;
+            const int h1 = h0 + hper < H ? h0 + hper : H;
+            if (s) paged_group(q, H, D, h0, h1, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
+                               otab, omax, olen[g], out, scale, s);
         }
         free(s);
     }

