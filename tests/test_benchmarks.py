@@ -201,6 +201,17 @@ def check_paged_kv(out: dict, err: str) -> None:
     assert "old" not in out["runs"] and "new_over_old" not in out  # no --old-src: this tree alone
 
 
+def check_serve_vs_vllm(out: dict, err: str) -> None:
+    """No --vllm-python: gptj alone, said on stderr; every concurrency measured, no ratio made up."""
+    assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
+    (only,) = out["rounds"]
+    assert only["order"] == ["gptj"] and "vllm" not in only and out["ratios"] == []
+    for c in ("1", "2"):
+        res = only["gptj"][c]
+        assert res["completed"] == int(c) and res["failed"] == 0 and res["total_output_tokens"] == 4 * int(c)
+        assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
+
+
 def check_compare_peers_without_peers(out: dict, err: str) -> None:
     """A peer that cannot be imported is one line on stderr; gptj is still measured."""
     notes = [line for line in err.splitlines() if line.startswith("# skipping")]
@@ -236,6 +247,8 @@ SMOKE: dict[str, Job] = {
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
+    "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--work-dir", str(tmp)],
+                            check_serve_vs_vllm),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
     "train_step.py": Job("train_step.py", lambda m, tmp: ["--smoke", "--json"], check_train_step),
