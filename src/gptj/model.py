@@ -62,11 +62,13 @@ def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
     return x * cos + rotate_every_two(x) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v with scores and softmax in float32, as HF GPTJAttention._attn.
 
     q: (B, H, T, D); k, v: (B, H, S, D); mask: additive float32, broadcastable to (B, H, T, S), or None.
-    Returns (B, H, T, D) in v's dtype.
+    causal: mask is the plain causal mask of T queries over S = T keys (the fused kernel then skips
+    the masked half instead of reading a mask). Returns (B, H, T, D) in v's dtype.
 
     float32 runs this exact math (gptj.kernels.policy.exact). bfloat16/float16 go through torch's
     fused SDPA instead (softmax accumulated in float32 inside the kernel), which never materialises
@@ -74,6 +76,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     difference.
     """
     if not exact(q.dtype) and q.dtype == k.dtype == v.dtype:
+        if causal and q.shape[-2] == k.shape[-2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         bool_mask = None if mask is None else mask == 0  # additive 0 / min -> True where allowed
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])

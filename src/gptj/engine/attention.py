@@ -285,7 +285,7 @@ class PagedBatch:
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
         if start == 0:  # nothing stored before: this call's keys are all of them
-            return attention(q, k, v, causal)
+            return attention(q, k, v, causal, causal=True)
         keys, values = self.kv.gather(layer, blocks[:-(-end // B)], end)
         return attention(q, keys[None], values[None], causal)
 

@@ -679,6 +679,13 @@ static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, 
     }
 }
 
+/* the cache lines of [p, p + bytes) toward L1: a block's head rows one block ahead of their use
+   (the blocks of a table lie anywhere in the pool: the hardware prefetchers cannot guess the next) */
+static inline void prefetch_span(const uint16_t *p, long bytes)
+{
+    for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+
 /* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
    holds every head's rows, B x D each, one after another), every head's rows of a block serving
    all the group's queries (up to ATT_QB at a time) while they are in cache. s: ATT_QB x (h1 - h0) x L. */
@@ -699,6 +706,7 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
             const int tn = sl - j * B < B ? sl - j * B : B;
             for (int h = h0; h < h1; h++) {
                 const uint16_t *kb = kc + stab[j] * bs + h * hs;
+                if ((j + 1) * B < sl) prefetch_span(kc + stab[j + 1] * bs + h * hs, hs * 2);
                 for (int i = 0; i < nb; i++) {
                     q_bf16(Q(n0 + i, h), D, QB(i));
                     for (int c = 0; c < tn; c += 16)
@@ -712,6 +720,7 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
                 const int tn = ol - j * B < B ? ol - j * B : B;
                 for (int h = h0; h < h1; h++) {
                     const uint16_t *kb = kc + otab[(long)n * omax + j] * bs + h * hs;
+                    if ((j + 1) * B < ol) prefetch_span(kc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
                     q_bf16(Q(n, h), D, QB(0));
                     for (int c = 0; c < tn; c += 16)
                         scores16(QB(0), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
@@ -726,6 +735,7 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
             const int tn = sl - j * B < B ? sl - j * B : B;
             for (int h = h0; h < h1; h++) {
                 const uint16_t *vb = vc + stab[j] * bs + h * hs;
+                if ((j + 1) * B < sl) prefetch_span(vc + stab[j + 1] * bs + h * hs, hs * 2);
                 for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, tn, D, O(n0 + i, h));
             }
         }
@@ -733,8 +743,10 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
             const int n = n0 + i;
             for (int j = 0; j * B < ol; j++) {
                 const int tn = ol - j * B < B ? ol - j * B : B;
-                for (int h = h0; h < h1; h++)
+                for (int h = h0; h < h1; h++) {
+                    if ((j + 1) * B < ol) prefetch_span(vc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
                     values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, tn, D, O(n, h));
+                }
             }
         }
     }
