@@ -12,7 +12,7 @@ The model is --model DIR, or a GPT-J of about 0.2 B parameters (8 layers, n_embd
 once under --work-dir. (vLLM's CPU attention has no kernel for the tiny preset's heads of 16.)
 
 The load (serve_load.py's measures): --input-len random token ids per prompt (the same prompts for
-both servers), --max-tokens new tokens with ignore_eos, greedy, streamed; at each --concurrency C,
+both servers; each load and the warm-up draw their own, so none is found in a prefix cache), --max-tokens new tokens with ignore_eos, greedy, streamed; at each --concurrency C,
 C clients each sending --requests-per-client requests one after another. A round starts each
 server in turn (the order alternates between rounds), runs every concurrency on it after one
 warm-up request, and stops it. Reported per round, server and concurrency: output tokens/s, TTFT
@@ -51,22 +51,24 @@ def ensure_model(work_dir: Path, shape: dict) -> Path:
     return out
 
 
-def load_args(url: str, concurrency: int, args: argparse.Namespace) -> argparse.Namespace:
+def load_args(url: str, concurrency: int, args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """serve_load's arguments for one load. Each load draws its own prompts (seed): a prompt seen
+    before would be served from the prefix cache, which both servers keep."""
     n = concurrency * args.requests_per_client
     argv = ["--url", url, "--rates", "inf", "--max-concurrency", str(concurrency), "--num-prompts", str(n),
             "--dataset", "random", "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
-            "--ignore-eos", "--warmup", "0", "--seed", str(args.seed), "--json"]
+            "--ignore-eos", "--warmup", "0", "--seed", str(seed), "--json"]
     return serve_load.build_parser().parse_args(argv)
 
 
 def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]:
     """Every concurrency against one running server: {C: serve_load's result}."""
     out = {}
-    warm = load_args(url, 1, args)
+    warm = load_args(url, 1, args, seed=args.seed + 1_000_000)
     warm.num_prompts, warm.warmup = 1, 1  # first-call costs out of the way, not counted
     asyncio.run(serve_load.bench(url, warm))
-    for c in args.concurrency:
-        report = asyncio.run(serve_load.bench(url, load_args(url, c, args)))
+    for c in args.concurrency:  # the same prompts for every server and round
+        report = asyncio.run(serve_load.bench(url, load_args(url, c, args, seed=args.seed + c)))
         res = report["results"][0]
         if res.failed:
             raise SystemExit(f"serve_vs_vllm: {name} failed {res.failed} requests at concurrency {c}: {res.errors}")

@@ -167,15 +167,8 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
     if len(jobs) > served.capacity:
         raise APIError(400, f"the request needs {len(jobs)} engine requests; this server admits at most "
                             f"{served.capacity} at once", "n")
-    _engine_check(served, jobs[0])  # the engine's own limits (beam width); lengths were checked above
+    # the engine's own limits (beam width, KV blocks) are checked once, where each job is submitted
     return Plan(ids, texts, jobs, n_choices, [c // body.n for c in range(n_choices)])
-
-
-def _engine_check(served: ServedModel, job: Job) -> None:
-    try:
-        served.engine.validate(job.prompt, job.gen)
-    except GptjError as e:
-        raise APIError(400, str(e)) from None
 
 
 class _Choice:
