@@ -231,3 +231,33 @@ def test_a_younger_request_waits_for_blocks_keeping_them_and_nothing_is_computed
     assert st.stalls > 0 and st.preemptions == 0
     assert st.prefill_tokens == 32  # each prompt computed once
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("heads", [(4, 16), (3, 48), (2, 256)], ids=lambda hd: f"{hd[0]}x{hd[1]}")
+@pytest.mark.parametrize("start", [0, 13])
+def test_bfloat16_paged_prefill_matches_the_reference(kernel_path, block_size, heads, start):
+    """A prompt chunk's causal attention over paged blocks (native kernel or the SDPA fallback) =
+    float32 attention over the same keys: from position 0, and after 13 stored tokens. 37 queries
+    span tiles of 16 and a partial one."""
+    from gptj.engine import attention as att
+
+    torch.manual_seed(1)
+    (H, D), T = heads, 37
+    cfg = GPTJConfig(n_layer=1, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=256)
+    kv = att.PagedKV(cfg, 40, block_size, torch.bfloat16, "cpu", n_head=H)
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    end = start + T
+    blocks = torch.randperm(40)[:-(-end // block_size)].tolist()
+    q, k, v = (torch.randn(1, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    batch = att.PagedBatch(kv, att.DecodeAttention("off", torch.bfloat16, native=True), prefill_blocks=blocks,
+                           prefill_start=start)
+    got = batch.attend(0, q, k, v, None)[0].float()  # stores k, v at start .. end - 1, then attends
+    keys, values = (x.float() for x in kv.gather(0, blocks, end))  # (H, end, D), this chunk's included
+    torch.testing.assert_close(keys[:, start:], k[0].float())
+    s = q[0].float() @ keys.transpose(1, 2) / D ** 0.5  # (H, T, end)
+    s = s.masked_fill(torch.arange(end)[None, :] > torch.arange(start, end)[:, None], float("-inf"))
+    want = torch.softmax(s, -1) @ values
+    # float32 sums of exact bf16 products: a few float32 ulps, then the output's bfloat16 rounding (2^-8)
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)

@@ -9,7 +9,8 @@ decode step's requests are groups (`DecodeGroup`):
                    own blocks; softmax over [shared | own]
 
 With gptj.native (bfloat16 on an AVX-512 CPU) one call computes every group of a step, reading
-the blocks in place and a shared prompt once per 8 beams. Otherwise each group's blocks are
+the blocks in place and a shared prompt once per 8 beams; a prompt chunk's prefill likewise
+attends over its blocks in place (causal, no mask, no gathered copy). Otherwise each group's blocks are
 gathered into one tensor and computed by the forms below. Scores and softmax are float32 (HF's
 rule). Eagerly, float32 runs gptj.model.attention's exact math and the beam groups matmuls plus
 float32 products; at these shapes (a single query row per head) torch's batched matmuls and CPU
@@ -141,6 +142,12 @@ class DecodeAttention:
         """q (N, H, D) over paged blocks, every group at once (gptj.native.attention_paged) -> float32."""
         return self._kernels.attention_paged(q, kc, vc, *tables)
 
+    def prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int
+                ) -> torch.Tensor:
+        """A prompt chunk's queries q (T, H, D) from position `start`, causal over the blocks of `table`
+        (gptj.native.prefill_paged; where native_paged holds) -> (T, H, D) bfloat16."""
+        return self._kernels.prefill_paged(q, kc, vc, table, start)
+
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, k):
             return self._kernels.attention_group(q[None], k, v)[0].to(v.dtype)
@@ -246,6 +253,7 @@ class PagedBatch:
         self._native = None
         if self.groups and decode.native_paged(kv.k[0]):
             self._native = _native_tables(self.groups)
+        self._native_prefill = not self.groups and decode.native_paged(kv.k[0])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -282,6 +290,9 @@ class PagedBatch:
         blocks = torch.tensor(self.prefill_blocks, device=q.device, dtype=torch.long)
         kc[blocks[pos // B], :, pos % B] = k[0].transpose(0, 1)  # (T, H, D)
         vc[blocks[pos // B], :, pos % B] = v[0].transpose(0, 1)
+        if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
+            table = blocks[:-(-end // B)].to(torch.int32)
+            return self.decode.prefill(q[0].transpose(0, 1), kc, vc, table, start)[None].transpose(1, 2)
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
         if start == 0:  # nothing stored before: this call's keys are all of them

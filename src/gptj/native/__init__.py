@@ -201,11 +201,11 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
-_gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = None
+_gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = _prefill_paged = None
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged
+    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _attend_group = lib.attend_group_bf16
@@ -215,6 +215,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     _attend_paged = lib.attend_paged_bf16
     _attend_paged.argtypes = [P, I, I, I, P, P, I, I, P, P, P, P, P, I, P, P, ctypes.c_float, I]
     _attend_paged.restype = I
+    _prefill_paged = lib.prefill_paged_bf16
+    _prefill_paged.argtypes = [P, L, I, I, I, P, P, I, P, I, P, L, ctypes.c_float, I]
+    _prefill_paged.restype = I
 
 
 def _openmp_runtimes() -> list[str]:
@@ -390,4 +393,34 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
                        olen.data_ptr(), out.data_ptr(), 1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"attention_paged: native kernel failed ({rc})")
+    return out
+
+
+def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of a prompt chunk over paged keys/values already stored (the chunk's too).
+
+    q (T, H, D) bfloat16 on CPU, the queries of positions start .. start + T - 1, each head's D
+    values contiguous (any stride between tokens: a view into the fused q|k|v projection serves);
+    kc, vc (n_blocks, H, B, D) bfloat16, contiguous; table: the sequence's blocks, int32, at least
+    ceil((start + T) / B) of them. Returns (T, H, D) bfloat16: float32 scores (bfloat16 products),
+    softmax and sums, rounded once. Block ids are the caller's to keep in range.
+    """
+    if _prefill_paged is None:
+        _lib_or_raise("prefill_paged")
+    T, H, D = q.shape
+    n_blocks, _, B, _ = kc.shape
+    if D % 16 or D > 512 or q.dtype is not _bf16 or kc.dtype is not _bf16 or kc.shape != (n_blocks, H, B, D):
+        raise _bad("prefill_paged", "needs bfloat16 queries and key/value blocks (n_blocks, H, B, D), D a multiple "
+                                    "of 16 up to 512")
+    if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu and q.is_cpu):
+        raise _bad("prefill_paged", "key and value blocks must be contiguous CPU tensors of one shape")
+    if table.dtype is not torch.int32 or not table.is_contiguous() or table.numel() * B < start + T:
+        raise _bad("prefill_paged", f"the block table must be contiguous int32 covering {start + T} positions")
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    out = torch.empty((T, H, D), dtype=_bf16)
+    rc = _prefill_paged(q.data_ptr(), q.stride(0), T, H, D, kc.data_ptr(), vc.data_ptr(), B, table.data_ptr(),
+                        int(start), out.data_ptr(), H * D, 1.0 / float(D) ** 0.5, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"prefill_paged: native kernel failed ({rc})")
     return out

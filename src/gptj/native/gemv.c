@@ -652,11 +652,14 @@ static inline void q_bf16(const float *q, int D, __m512bh *qb)
 static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D, float scale, float *dst)
 {
     __m512 a[16];
+#pragma GCC unroll 16
     for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
         const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
-        for (int c = 0; c < n; c++)
-            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
+#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+        for (int c = 0; c < 16; c++)
+            if (c < n)
+                a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
     }
     const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
     _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
@@ -667,15 +670,20 @@ static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D
 static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, float *o)
 {
     for (int d0 = 0; d0 < D; d0 += 256) {
-        const int dn = D - d0 < 256 ? D - d0 : 256;
+        const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
         __m512 acc[16];
-        for (int i = 0; i < dn / 16; i++) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
+#pragma GCC unroll 16 /* whole: the sums stay in registers */
+        for (int i = 0; i < 16; i++)
+            if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
         for (int c = 0; c < n; c++) {
             const __m512 pc = _mm512_set1_ps(p[c]);
-            for (int i = 0; i < dn / 16; i++)
-                acc[i] = _mm512_fmadd_ps(pc, bf16_16(vr + (long)c * D + d0 + i * 16), acc[i]);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                if (i < nk) acc[i] = _mm512_fmadd_ps(pc, bf16_16(vr + (long)c * D + d0 + i * 16), acc[i]);
         }
-        for (int i = 0; i < dn / 16; i++) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (i < nk) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
     }
 }
 
@@ -786,6 +794,110 @@ int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, c
             const int h1 = h0 + hper < H ? h0 + hper : H;
             if (s) paged_group(q, H, D, h0, h1, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
                                otab, omax, olen[g], out, scale, s);
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Paged prefill attention (engine/attention.py, PagedBatch, a prompt chunk): T queries at
+   positions start .. start + T - 1 of one sequence, each attending causally over positions
+   0 .. its own, whose keys/values are already stored in the blocks of table tab (this chunk's
+   included). q bfloat16 at q[t * sq + h * D + d]; kc, vc (n_blocks, H, B, D) bfloat16; out
+   bfloat16 at out[t * so + h * D + d], rounded to nearest even. Scores by vdpbf16ps (exact
+   products, float32 sums) 16 keys at a time with one transposed reduction; softmax and value sums
+   in float32 (values converted to float32 once per 16 keys and used by every query of the tile).
+   Work items are (head, tile of PF_QT queries) pairs spread over threads. */
+
+#define PF_QT 16 /* queries per tile */
+
+static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0, int nq, const uint16_t *kc,
+                         const uint16_t *vc, int B, const int *tab, int start, uint16_t *out, long so,
+                         float scale, float *s, float *vf, float *o)
+{
+    const long hs = (long)B * D, bs = (long)H * hs;
+    const int pos0 = start + p0, Lmax = pos0 + nq; /* keys of the tile's last query */
+    __m512bh qb[PF_QT][ATT_MAXD / 32];
+    for (int i = 0; i < nq; i++)
+        for (int d = 0; d < D; d += 32)
+            qb[i][d / 32] = (__m512bh)_mm512_maskz_loadu_epi16(D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu,
+                                                                 q + (long)(p0 + i) * sq + (long)h * D + d);
+    /* scores: key chunks of up to 16 within a block; query i sees keys < pos0 + i + 1 */
+    for (int c0 = 0; c0 < Lmax;) {
+        const int j = c0 / B, off = c0 % B;
+        int n = B - off < 16 ? B - off : 16;
+        if (Lmax - c0 < n) n = Lmax - c0;
+        const uint16_t *kr = kc + tab[j] * bs + h * hs + (long)off * D;
+        if (off == 0 && (j + 1) * B < Lmax) prefetch_span(kc + tab[j + 1] * bs + h * hs, hs * 2);
+        for (int i = 0; i < nq; i++) {
+            const int ni = pos0 + i + 1 - c0 < n ? pos0 + i + 1 - c0 : n;
+            if (ni > 0) scores16(qb[i], kr, ni, D, scale, s + (long)i * Lmax + c0);
+        }
+        c0 += n;
+    }
+    for (int i = 0; i < nq; i++) {
+        softmax_f32(s + (long)i * Lmax, pos0 + i + 1);
+        memset(o + (long)i * D, 0, sizeof(float) * D);
+    }
+    /* values: each chunk of up to 16 rows converted to float32 once, then summed into every query's output */
+    for (int c0 = 0; c0 < Lmax;) {
+        const int j = c0 / B, off = c0 % B;
+        int n = B - off < 16 ? B - off : 16;
+        if (Lmax - c0 < n) n = Lmax - c0;
+        const uint16_t *vr = vc + tab[j] * bs + h * hs + (long)off * D;
+        if (off == 0 && (j + 1) * B < Lmax) prefetch_span(vc + tab[j + 1] * bs + h * hs, hs * 2);
+        for (int c = 0; c < n; c++)
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(vf + (long)c * D + d, bf16_16(vr + (long)c * D + d));
+        for (int i = 0; i < nq; i++) {
+            const int ni = pos0 + i + 1 - c0 < n ? pos0 + i + 1 - c0 : n;
+            const float *p = s + (long)i * Lmax + c0;
+            float *oi = o + (long)i * D;
+            for (int d0 = 0; d0 < D && ni > 0; d0 += 256) {
+                const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
+                __m512 acc[16];
+#pragma GCC unroll 16 /* whole: the sums stay in registers */
+                for (int k = 0; k < 16; k++)
+                    if (k < nk) acc[k] = _mm512_loadu_ps(oi + d0 + k * 16);
+                for (int c = 0; c < ni; c++) {
+                    const __m512 pc = _mm512_set1_ps(p[c]);
+#pragma GCC unroll 16
+                    for (int k = 0; k < 16; k++)
+                        if (k < nk) acc[k] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(vf + (long)c * D + d0 + k * 16), acc[k]);
+                }
+#pragma GCC unroll 16
+                for (int k = 0; k < 16; k++)
+                    if (k < nk) _mm512_storeu_ps(oi + d0 + k * 16, acc[k]);
+            }
+        }
+        c0 += n;
+    }
+    for (int i = 0; i < nq; i++)
+        for (int d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(out + (long)(p0 + i) * so + (long)h * D + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + (long)i * D + d)));
+}
+
+int prefill_paged_bf16(const uint16_t *q, long sq, int T, int H, int D, const uint16_t *kc, const uint16_t *vc,
+                       int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
+{
+    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 1 || start < 0) return -1;
+    const long L = (long)start + T, tiles = (T + PF_QT - 1) / PF_QT;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(sizeof(float) * ((long)PF_QT * L + 16L * D + (long)PF_QT * D));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < (long)H * tiles; w++) {
+            /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
+            const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
+            const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
+            if (s) prefill_tile(q, sq, H, D, h, p0, nq, kc, vc, B, tab, start, out, so, scale,
+                                s, s + (long)PF_QT * L, s + (long)PF_QT * L + 16L * D);
         }
         free(s);
     }
