@@ -16,6 +16,7 @@ from gptj.config import get_preset
 from gptj.engine.config import EngineConfig
 from gptj.errors import GptjError
 from gptj.mlperf import run as mlperf_run
+from gptj.runtime.flags import SERVE_PREFILL_CHUNK
 from gptj.runtime.spec import ModelSpec, kv_plan
 from gptj.weights.io import random_state_dict, resolve_config, save_checkpoint
 
@@ -111,7 +112,7 @@ def test_what_no_flag_says_comes_from_each_commands_work(tiny):
     # bench admits its whole batch in one step: its blocks, plus the room the scheduler keeps free
     assert engine.kv_blocks > 5 * 2
     spec, engine = through("serve", tiny)
-    assert (engine.max_seqs, engine.max_len, engine.prefill_chunk) == (None, None, 512)
+    assert (engine.max_seqs, engine.max_len, engine.prefill_chunk) == (None, None, SERVE_PREFILL_CHUNK)
     p = plan(tiny, spec, engine)
     assert p.max_len == resolve_config(tiny).n_positions and p.max_seqs >= 1
 

@@ -97,7 +97,7 @@ BLOCK_SIZES = _Lazy("gptj.engine.config", "BLOCK_SIZES")
 
 # gptj serve's --prefill-chunk: long prompts prefilled this many tokens per engine step, so that they
 # do not stall the running requests (docs/PERFORMANCE.md, "Chunked prefill"); elsewhere whole prompts.
-SERVE_PREFILL_CHUNK = 512
+SERVE_PREFILL_CHUNK = 2048
 
 GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the largest that divides every "
                    "quantized layer's inputs)")
@@ -144,8 +144,8 @@ def add_parallel_flags(p: Any) -> None:
 def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | None = None,
                      max_seqs_help: str | None = None) -> None:
     """How big the engine is. batch_alias: --max-batch-size also names --max-seqs (gptj serve's
-    old name). prefill_chunk: the command's default (serve: 512, so long prompts do not stall the
-    running ones; elsewhere whole prompts)."""
+    old name). prefill_chunk: the command's default (serve: SERVE_PREFILL_CHUNK, so long prompts do not
+    stall the running ones for long; elsewhere whole prompts)."""
     names = ("--max-seqs", "--max-batch-size") if batch_alias else ("--max-seqs",)
     p.add_argument(*names, dest="max_seqs", type=positive, metavar="N",
                    help=max_seqs_help or "sequences running at once, beams counted each (default: the command's "
