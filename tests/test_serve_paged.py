@@ -25,3 +25,6 @@ def test_metrics_report_kv_blocks_and_prefix_hits(tmp_path):
         assert metric(server.url, "gptj_prefix_cache_hit_rate", model="tiny") == hits / queried
         assert metric(server.url, "gptj_kv_blocks", model="tiny", state="cached") >= hits // 16
         assert metric(server.url, "gptj_kv_blocks", model="tiny", state="used") == 0  # all returned
+        # two requests in ample memory: none waited for a block, none was preempted
+        assert metric(server.url, "gptj_kv_stalls_total", model="tiny") == 0
+        assert metric(server.url, "gptj_preemptions_total", model="tiny") == 0
