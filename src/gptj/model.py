@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptj.config import GPTJConfig
-from gptj.kernels.policy import exact
+from gptj.policy import exact
 
 ROPE_BASE = 10000.0
 
@@ -70,7 +70,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     causal: mask is the plain causal mask of T queries over S = T keys (the fused kernel then skips
     the masked half instead of reading a mask). Returns (B, H, T, D) in v's dtype.
 
-    float32 runs this exact math (gptj.kernels.policy.exact). bfloat16/float16 go through torch's
+    float32 runs this exact math (gptj.policy.exact). bfloat16/float16 go through torch's
     fused SDPA instead (softmax accumulated in float32 inside the kernel), which never materialises
     float32 copies of the keys and values — the same formula, a different rounding; tests bound the
     difference.

@@ -20,7 +20,7 @@ one pass over the keys and one over the values.
 
 Each group is computed on its own tensors, so a request's result never depends on what else
 shares the step (batch invariance holds in every mode). Which form runs is
-gptj.kernels.policy.attention_path's choice: compiled only below float32 under "auto" (the compiled
+gptj.policy.attention_path's choice: compiled only below float32 under "auto" (the compiled
 form rounds differently from the eager one), native only for bfloat16 on CPU.
 """
 
@@ -36,7 +36,7 @@ import torch
 from gptj.config import GPTJConfig
 from gptj.engine.config import COMPILE_MODES
 from gptj.errors import GptjError
-from gptj.kernels.policy import attention_path, exact
+from gptj.policy import attention_path, exact
 from gptj.model import attention
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
-from gptj.kernels.policy import PACK_MODES
+from gptj.policy import PACK_MODES
 
 COMPILE_MODES = ("auto", "on", "off")
 BLOCK_SIZES = (8, 16, 32, 64, 128)

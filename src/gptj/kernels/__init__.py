@@ -1,17 +1,17 @@
-"""Serving kernels: `policy` (which kernel runs, per device, dtype and row count) and `fused` (the
-fused blocks and packed linears that prepare_for_serving builds from a loaded model).
+"""Serving kernels: `fused` (the fused blocks and packed linears that prepare_for_serving builds
+from a loaded model), and the names of gptj.policy (which kernel runs, per device, dtype and row
+count) that its users reach for here.
 
-The two sit on either side of the model: gptj.model and gptj.quant ask `policy` (below them), while
-`fused` builds on gptj.model and gptj.quant (above them). So this package's own import stays as
-light as `policy`: importing gptj.kernels.policy from gptj.model runs this file, which must not
-import the model back. The names of `fused` load on first use (PEP 562's module __getattr__).
+gptj.policy sits below the model (gptj.model and gptj.quant ask it); `fused` builds on gptj.model
+and gptj.quant. The names of `fused` load on first use (PEP 562's module __getattr__), so importing
+this package stays as light as gptj.policy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gptj.kernels.policy import NATIVE_LAYOUT_MAX_ROWS, NATIVE_MAX_ROWS, PACK_MODES, can_pack
+from gptj.policy import NATIVE_LAYOUT_MAX_ROWS, NATIVE_MAX_ROWS, PACK_MODES, can_pack
 
 _FUSED = ("FusedBlock", "PackedLinear", "concat_in_features", "concat_out_features", "fuse_model", "pack_model",
           "prepare_for_serving")

@@ -1,6 +1,6 @@
 """Serving kernels: fused GPT-J blocks and bfloat16 Linear weights repacked for oneDNN on CPU.
 
-Which of these a model gets, and which kernel each call runs, is decided by gptj.kernels.policy.
+Which of these a model gets, and which kernel each call runs, is decided by gptj.policy.
 
 Fused blocks. GPT-J feeds attention and MLP the same LayerNorm output, so q, k, v and fc_in are
 one matmul (7 E x E weights for gptj-6b) and, in bfloat16, out_proj and fc_out are one more
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.kernels.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, pack_layout
+from gptj.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, pack_layout
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Int4Linear, Int8Linear
 

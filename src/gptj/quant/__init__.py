@@ -4,11 +4,11 @@
   format   the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
   linear   Int8Linear / Int4Linear and the model-level swaps (quantize_model, swap_quantized_modules)
 
-Which kernel a quantized layer's call runs is gptj.kernels.policy's (KERNEL_MAX_ROWS lives there).
+Which kernel a quantized layer's call runs is gptj.policy's (KERNEL_MAX_ROWS lives there).
 """
 
 from gptj import native
-from gptj.kernels.policy import KERNEL_MAX_ROWS, native_available
+from gptj.policy import KERNEL_MAX_ROWS, native_available
 from gptj.quant.format import (
     QUANT_MODES,
     QUANT_VERSION,
@@ -51,7 +51,7 @@ from gptj.quant.ops import (
 )
 
 # tests/conftest.py resets `_NATIVE` (once quant's own cache of gptj.native) and tests/test_kernels.py
-# calls `_native()`. The native check is now gptj.kernels.policy's, and gptj.native caches its own
+# calls `_native()`. The native check is now gptj.policy's, and gptj.native caches its own
 # answer, so `_NATIVE` holds nothing and `_native()` only reports that check.
 _NATIVE: list = []
 

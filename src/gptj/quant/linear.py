@@ -5,7 +5,7 @@ layers (q/k/v/out_proj, mlp.fc_in/fc_out and lm_head; the embedding `wte` stays 
 `Int8Linear` / `Int4Linear`. Activations keep the model's float dtype; only the weights are
 quantized, gpt-fast style. The buffers are the checkpoint's tensors (gptj.quant.format).
 
-Kernels. Which one a call runs is gptj.kernels.policy's `linear_path`, by device, dtype and rows:
+Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
 gptj.native's int8 GEMV for a few rows on CPU; torch's weight-only kernels
 (torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu) in bfloat16 up to
 KERNEL_MAX_ROWS[mode] rows (activations of other dtypes are cast to bfloat16 for the call: the
@@ -29,7 +29,7 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.kernels.policy import DEQUANTIZE, NATIVE, WEIGHT_ONLY, linear_path
+from gptj.policy import DEQUANTIZE, NATIVE, WEIGHT_ONLY, linear_path
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,

@@ -89,7 +89,7 @@ def _dtype_names() -> tuple[str, ...]:
 
 QUANT_MODES = _Lazy("gptj.quant", "QUANT_MODES")
 COMPILE_MODES = _Lazy("gptj.engine.config", "COMPILE_MODES")
-KERNEL_MODES = _Lazy("gptj.kernels.policy", "PACK_MODES")
+KERNEL_MODES = _Lazy("gptj.policy", "PACK_MODES")
 BLOCK_SIZES = _Lazy("gptj.engine.config", "BLOCK_SIZES")
 
 

@@ -45,7 +45,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         from gptj.engine.config import COMPILE_MODES
-        from gptj.kernels.policy import PACK_MODES
+        from gptj.policy import PACK_MODES
         from gptj.runtime.device import dtype_name, parse_dtype
 
         if self.path is not None:
