@@ -261,3 +261,29 @@ def test_bfloat16_paged_prefill_matches_the_reference(kernel_path, block_size, h
     want = torch.softmax(s, -1) @ values
     # float32 sums of exact bf16 products: a few float32 ulps, then the output's bfloat16 rounding (2^-8)
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_blocks_to_admit_is_the_fewest_blocks_free_beyond_the_watermark():
+    from gptj.engine.config import admission_watermark, blocks_to_admit
+
+    for needed in (1, 2, 50, 98, 99, 100, 101, 1000, 12345):
+        n = blocks_to_admit(needed)
+        assert n - admission_watermark(n) >= needed  # room for them beyond what the scheduler keeps free
+        assert (n - 1) - admission_watermark(n - 1) < needed  # and no block more
+
+
+def test_an_engine_sized_by_blocks_to_admit_admits_its_whole_batch_in_one_step(model):
+    """The scheduler's admission rule and blocks_to_admit agree: with blocks_to_admit(needed) blocks
+    a batch is admitted in one step; with one block fewer its last request waits."""
+    from gptj.engine.config import blocks_to_admit
+
+    prompts = prompts_of([20, 9, 31, 14], seed=40)
+    gen = GenerationConfig(max_new_tokens=6, eos_token_id=None)
+    probe = Engine(model, EngineConfig(max_seqs=4, block_size=8))
+    # the last admission binds: every prompt's blocks, and a spare block for the last one's first token
+    needed = sum(probe.kv.blocks_for(len(p)) for p in prompts) + 1
+    for kv_blocks, admitted in ((blocks_to_admit(needed), 4), (blocks_to_admit(needed) - 1, 3)):
+        engine = Engine(model, EngineConfig(max_seqs=4, block_size=8, kv_blocks=kv_blocks, prefix_caching=False))
+        reqs = [engine.add_request(p, gen) for p in prompts]
+        engine.step()
+        assert engine.stats().running == admitted and sum(bool(r.output) for r in reqs) == admitted

@@ -178,16 +178,16 @@ def engine_config(batch_size: int, prompt_len: int, new_tokens: int, num_beams: 
     otherwise: what it sets wins.
 
     Its KV blocks, unless asked: the batch's, plus the room the scheduler keeps free while it
-    admits beside running requests (a block per new sequence and a 1 % watermark:
-    gptj.engine.scheduler), so that the whole batch is admitted in the first step."""
-    from gptj.engine.config import EngineConfig
+    admits beside running requests (a block per new sequence, and gptj.engine.config's admission
+    watermark), so that the whole batch is admitted in the first step."""
+    from gptj.engine.config import EngineConfig, blocks_to_admit
 
     asked = asked or EngineConfig()
     seqs = asked.max_seqs or batch_size * num_beams
     max_len = asked.max_len or prompt_len + new_tokens
     blocks = seqs * -(-max_len // asked.block_size) + seqs
     return dataclasses.replace(asked, max_seqs=seqs, max_len=max_len,
-                               kv_blocks=asked.kv_blocks or blocks + blocks // 99 + 1,
+                               kv_blocks=asked.kv_blocks or blocks_to_admit(blocks),
                                max_prefill_tokens=max(asked.max_prefill_tokens, batch_size * prompt_len))
 
 

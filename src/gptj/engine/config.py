@@ -99,6 +99,21 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def admission_watermark(n_blocks: int) -> int:
+    """Blocks the scheduler keeps free when it admits a request beside running ones, so that they
+    can grow a while before anyone waits for a block (vLLM keeps 1 %)."""
+    return max(1, n_blocks // 100)
+
+
+def blocks_to_admit(needed: int) -> int:
+    """The fewest blocks of which `needed` are free beyond the admission watermark: a pool that
+    admits requests holding `needed` blocks all in one step."""
+    n = needed + 1
+    while n - admission_watermark(n) < needed:
+        n += 1
+    return n
+
+
 def plan_kv(model_config: GPTJConfig, kv_dtype: torch.dtype, device: torch.device | str, cfg: EngineConfig,
             n_head: int | None = None, free_bytes: int | None = None) -> KVPlan:
     """The engine's KV blocks and limits; the only place they are derived.

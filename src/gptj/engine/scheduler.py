@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from gptj.engine.config import EngineConfig, KVPlan
+from gptj.engine.config import EngineConfig, KVPlan, admission_watermark
 from gptj.engine.kv import KVCacheManager, block_keys
 from gptj.engine.request import RUNNING, WAITING, Request, Sequence
 
@@ -54,9 +54,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, plan: KVPlan, config: EngineConfig) -> None:
         self.kv, self.plan = kv, plan
         self.max_prefill_tokens, self.prefill_chunk = config.max_prefill_tokens, config.prefill_chunk
-        # Blocks kept free when admitting beside running requests, so that they can grow a while
-        # before anyone is preempted (vLLM keeps 1 %).
-        self.watermark = max(1, plan.n_blocks // 100)
+        self.watermark = admission_watermark(plan.n_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the youngest
         self.preemptions = 0
