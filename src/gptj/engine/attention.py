@@ -10,8 +10,8 @@ decode step's requests are groups (`DecodeGroup`):
 
 With gptj.native (bfloat16 on an AVX-512 CPU) one call computes every group of a step, reading
 the blocks in place and a shared prompt once per 8 beams; a prompt chunk's prefill likewise
-attends over its blocks in place (causal, no mask, no gathered copy). Otherwise each group's blocks are
-gathered into one tensor and computed by the forms below. Scores and softmax are float32 (HF's
+attends over its blocks in place (causal, no mask, no gathered copy). Otherwise each group's
+blocks are gathered into one tensor and computed by the forms below. Scores and softmax are float32 (HF's
 rule). Eagerly, float32 runs gptj.model.attention's exact math and the beam groups matmuls plus
 float32 products; at these shapes (a single query row per head) torch's batched matmuls and CPU
 SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys x 64 where a compiled loop takes ~150
@@ -254,6 +254,7 @@ class PagedBatch:
         if self.groups and decode.native_paged(kv.k[0]):
             self._native = _native_tables(self.groups)
         self._native_prefill = not self.groups and decode.native_paged(kv.k[0])
+        self._slots: tuple[torch.Tensor, ...] | None = None  # where the prefill's tokens go: made at the first layer
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -284,20 +285,23 @@ class PagedBatch:
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         T, start = q.shape[2], self.prefill_start
         end = start + T
-        B = self.kv.block_size
         kc, vc = self.kv.k[layer], self.kv.v[layer]
-        pos = torch.arange(start, end, device=q.device)
-        blocks = torch.tensor(self.prefill_blocks, device=q.device, dtype=torch.long)
-        kc[blocks[pos // B], :, pos % B] = k[0].transpose(0, 1)  # (T, H, D)
-        vc[blocks[pos // B], :, pos % B] = v[0].transpose(0, 1)
+        if self._slots is None:  # the same for every layer of this forward
+            B = self.kv.block_size
+            pos = torch.arange(start, end, device=q.device)
+            table = torch.tensor(self.prefill_blocks[:-(-end // B)], device=q.device, dtype=torch.long)
+            self._slots = (table[pos // B], pos % B, table, table.to(torch.int32), pos)
+        rows, offsets, table, table32, pos = self._slots
+        kc[rows, :, offsets] = k[0].transpose(0, 1)  # (T, H, D)
+        vc[rows, :, offsets] = v[0].transpose(0, 1)
         if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
-            table = blocks[:-(-end // B)].to(torch.int32)
-            return self.decode.prefill(q[0].transpose(0, 1), kc, vc, table, start)[None].transpose(1, 2)
+            out = self.decode.prefill(q[0].transpose(0, 1), kc, vc, table32, start)  # (T, H, D)
+            return out[None].transpose(1, 2)
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
         if start == 0:  # nothing stored before: this call's keys are all of them
             return attention(q, k, v, causal, causal=True)
-        keys, values = self.kv.gather(layer, blocks[:-(-end // B)], end)
+        keys, values = self.kv.gather(layer, table, end)
         return attention(q, keys[None], values[None], causal)
 
     def advance(self, n: int) -> None:

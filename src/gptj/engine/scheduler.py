@@ -13,10 +13,10 @@ Order of a step (first come, first served; nobody skips ahead of an older reques
                  The oldest always goes on, and fits alone (Engine.validate), so all finish.
     2. prefill   requests admitted before and still prefilling (prefill_chunk) get their next chunk.
     3. admit     (none while a running request waits for blocks) waiting requests, oldest first,
-                 while the running-sequence cap, the prompt-token
-                 budget and the free blocks allow: a request takes the blocks of the longest prefix
-                 of its prompt found in the prefix cache and new blocks for the rest, and is
-                 prefilled in this step (within prefill_chunk).
+                 while the running-sequence cap, the prompt-token budget and the free blocks
+                 allow: a request takes the blocks of the longest prefix of its prompt found in
+                 the prefix cache and new blocks for the rest, and is prefilled in this step
+                 (within prefill_chunk).
 """
 
 from __future__ import annotations

@@ -665,9 +665,10 @@ static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D
     _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
 }
 
-/* o[0 .. D) += sum_c p[c] * v[c] for the n values v[c] = vr + c * D, p float32 (up to 256 of D
-   at a time: the sums stay in registers over the n values) */
-static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, float *o)
+/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = rows + c * D, bfloat16 (vr) or float32
+   (vf, when vr is NULL); p float32. Up to 256 of D at a time: the sums stay in registers over the
+   n rows. (Inlined with a constant vr or vf: each caller gets its own loop.) */
+static inline void values_acc(const float *p, const uint16_t *vr, const float *vf, int n, int D, float *o)
 {
     for (int d0 = 0; d0 < D; d0 += 256) {
         const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
@@ -677,9 +678,11 @@ static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, 
             if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
         for (int c = 0; c < n; c++) {
             const __m512 pc = _mm512_set1_ps(p[c]);
+            const long r = (long)c * D + d0;
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++)
-                if (i < nk) acc[i] = _mm512_fmadd_ps(pc, bf16_16(vr + (long)c * D + d0 + i * 16), acc[i]);
+                if (i < nk)
+                    acc[i] = _mm512_fmadd_ps(pc, vr ? bf16_16(vr + r + i * 16) : _mm512_loadu_ps(vf + r + i * 16), acc[i]);
         }
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
@@ -744,7 +747,7 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
             for (int h = h0; h < h1; h++) {
                 const uint16_t *vb = vc + stab[j] * bs + h * hs;
                 if ((j + 1) * B < sl) prefetch_span(vc + stab[j + 1] * bs + h * hs, hs * 2);
-                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, tn, D, O(n0 + i, h));
+                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, NULL, tn, D, O(n0 + i, h));
             }
         }
         for (int i = 0; i < nb; i++) { /* own values */
@@ -753,7 +756,7 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
                 const int tn = ol - j * B < B ? ol - j * B : B;
                 for (int h = h0; h < h1; h++) {
                     if ((j + 1) * B < ol) prefetch_span(vc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
-                    values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, tn, D, O(n, h));
+                    values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, NULL, tn, D, O(n, h));
                 }
             }
         }
@@ -851,24 +854,7 @@ static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0
             for (int d = 0; d < D; d += 16) _mm512_storeu_ps(vf + (long)c * D + d, bf16_16(vr + (long)c * D + d));
         for (int i = 0; i < nq; i++) {
             const int ni = pos0 + i + 1 - c0 < n ? pos0 + i + 1 - c0 : n;
-            const float *p = s + (long)i * Lmax + c0;
-            float *oi = o + (long)i * D;
-            for (int d0 = 0; d0 < D && ni > 0; d0 += 256) {
-                const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
-                __m512 acc[16];
-#pragma GCC unroll 16 /* whole: the sums stay in registers */
-                for (int k = 0; k < 16; k++)
-                    if (k < nk) acc[k] = _mm512_loadu_ps(oi + d0 + k * 16);
-                for (int c = 0; c < ni; c++) {
-                    const __m512 pc = _mm512_set1_ps(p[c]);
-#pragma GCC unroll 16
-                    for (int k = 0; k < 16; k++)
-                        if (k < nk) acc[k] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(vf + (long)c * D + d0 + k * 16), acc[k]);
-                }
-#pragma GCC unroll 16
-                for (int k = 0; k < 16; k++)
-                    if (k < nk) _mm512_storeu_ps(oi + d0 + k * 16, acc[k]);
-            }
+            if (ni > 0) values_acc(s + (long)i * Lmax + c0, NULL, vf, ni, D, o + (long)i * D);
         }
         c0 += n;
     }
