@@ -19,7 +19,7 @@ def force_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("GPTJ_NATIVE", "0")
     monkeypatch.setattr(native, "_state", {})  # load() looks again, and finds GPTJ_NATIVE=0
-    for bound in ("_gemv_int8", "_gemv_bf16", "_attend_group"):
+    for bound in native.BOUND:
         monkeypatch.setattr(native, bound, None)
     monkeypatch.setattr(quant, "_NATIVE", [])  # quant's own cache of native.available()
     assert not native.available()

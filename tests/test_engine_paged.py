@@ -250,7 +250,8 @@ def test_bfloat16_paged_prefill_matches_the_reference(kernel_path, block_size, h
     kv.v[0].normal_()
     end = start + T
     blocks = torch.randperm(40)[:-(-end // block_size)].tolist()
-    q, k, v = (torch.randn(1, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    qkv = torch.randn(1, T, 3, H, D, dtype=torch.bfloat16)  # as the fused block's projection lays them out
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (1, H, T, D) views
     batch = att.PagedBatch(kv, att.DecodeAttention("off", torch.bfloat16, native=True), prefill_blocks=blocks,
                            prefill_start=start)
     got = batch.attend(0, q, k, v, None)[0].float()  # stores k, v at start .. end - 1, then attends

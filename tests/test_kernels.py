@@ -64,9 +64,11 @@ def test_float32_models_stay_unfused_and_bad_modes_are_refused():
     assert kernels.fuse_model(bf16, "off") == 0 and kernels.pack_model(bf16, "off") == 0
 
 
-def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_one(kernel_path):
-    """At most 2 rows per decode step: gptj.native's GEMV layout where available, else oneDNN's."""
-    cfg = CFGS["partial-rotary"]
+@pytest.mark.parametrize("name", list(CFGS))
+def test_bfloat16_fused_and_packed_model_stays_as_close_to_float32_as_the_plain_one(kernel_path, name):
+    """At most 2 rows per decode step: gptj.native's GEMV layout where available, else oneDNN's;
+    GELU by gptj.native or torch, rotary too where its width is a multiple of 16 (full-rotary)."""
+    cfg = CFGS[name]
     ref = random_model(cfg)
     plain = random_model(cfg, torch.bfloat16)
     served = random_model(cfg, torch.bfloat16)

@@ -273,3 +273,89 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
     if not can_run:
         assert WHY_NOT and "\n" not in WHY_NOT
     assert "GPTJ_NATIVE=0" in native.unavailable_reason({"GPTJ_NATIVE": "0"})
+
+
+# --- a fused block's elementwise steps ------------------------------------------------------------
+
+U_BF16 = 2.0**-8  # bfloat16's unit roundoff: rounding to nearest moves a value by <= 2^-8 of it
+
+
+def _gelu64(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh u) in float64, as x / (1 + e^(-2u)) (the same function, without the cancellation
+    that leaves nothing of it below x = -7 even in float64)."""
+    x = x.double()
+    u = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)
+    return x / (1 + torch.exp(-2 * u))
+
+
+@needs_native
+def test_gelu_is_the_float64_value_rounded_once_to_bfloat16():
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.linspace(-14, 8, 40001).bfloat16().unique(), (3 * torch.randn(5000, generator=g)).bfloat16(),
+                   torch.tensor([0.0, -0.0, 1e4, -1e4, 100.0, -100.0]).bfloat16()])
+    got, want = native.gelu(x).double(), _gelu64(x)
+    # float32 inside (exp to 5e-9, a few roundings: ~1e-6 of the value), then one rounding to bfloat16
+    normal = want.abs() >= 2.0**-120
+    assert ((got - want).abs() <= (U_BF16 + 1e-6) * want.abs())[normal].all()
+    # values below 2^-120 (x < -10): e^(-2u) overflows float32 there and gives -0
+    assert ((got - want).abs() <= 2.0**-120)[~normal].all()
+    # torch's own tanh GELU agrees wherever it has no cancellation (x > -3)
+    ok = x > -3
+    torch.testing.assert_close(got[ok], F.gelu(x[ok], approximate="tanh").double(), rtol=2 * U_BF16, atol=0)
+
+
+@needs_native
+def test_gelu_reads_and_writes_strided_rows_in_place():
+    g = torch.Generator().manual_seed(6)
+    y = torch.randn(2, 5, 70, generator=g).bfloat16()  # [q k v | fc_in] of a fused block, say
+    out = torch.full((2, 5, 50), 7.0).bfloat16()
+    native.gelu(y[..., 30:], out=out[..., 10:])
+    assert torch.equal(out[..., 10:], native.gelu(y[..., 30:].contiguous()))
+    assert (out[..., :10] == 7).all()  # nothing outside the view written
+    with pytest.raises(ValueError, match="shape"):
+        native.gelu(y, out=out)
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.gelu(y.float())
+    with pytest.raises(ValueError, match="rows of contiguous"):
+        native.gelu(y[..., :5], out=torch.empty(5, 2, 10).bfloat16().transpose(0, 1)[..., ::2])
+
+
+@needs_native
+@pytest.mark.parametrize("R, D", [(16, 16), (32, 64), (64, 256)])
+def test_rotary_rotates_q_and_k_pairs_in_place(R, D):
+    from gptj.model import rope_table, rotary_tables, rotate_every_two
+
+    g = torch.Generator().manual_seed(R + D)
+    T, H = 9, 3
+    qkv = torch.randn(T, 3, H, D, generator=g).bfloat16()
+    sin, cos = (t.reshape(T, R) for t in rotary_tables(rope_table(64, R), torch.arange(20, 20 + T)[None], torch.bfloat16))
+    before = qkv.clone()
+    native.rotary_(qkv.view(T, 3 * H, D)[:, :2 * H], sin, cos)
+    x = before[:, :2, :, :R].double()
+    s, c = sin.double()[:, None, None], cos.double()[:, None, None]
+    want = x * c + rotate_every_two(x) * s
+    # exact bfloat16 products, one float32 sum (2^-24 of the terms), one rounding to bfloat16
+    terms = (x * c).abs() + (rotate_every_two(x) * s).abs()
+    assert ((qkv[:, :2, :, :R].double() - want).abs() <= U_BF16 * want.abs() + 2.0**-23 * terms).all()
+    assert torch.equal(qkv[:, :2, :, R:], before[:, :2, :, R:]) and torch.equal(qkv[:, 2], before[:, 2])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.rotary_(qkv.view(T, 3 * H, D), sin[:, :8], cos[:, :8])
+
+
+@needs_native
+def test_store_kv_puts_each_token_in_its_block_row():
+    g = torch.Generator().manual_seed(7)
+    N, H, D, B = 11, 3, 32, 4
+    qkv = torch.randn(N, 3, H, D, generator=g).bfloat16()
+    k, v = qkv[:, 1], qkv[:, 2]  # (N, H, D) views, each token's heads side by side
+    kc, vc = torch.zeros(6, H, B, D).bfloat16(), torch.zeros(6, H, B, D).bfloat16()
+    blocks = torch.tensor([5, 5, 5, 5, 0, 0, 0, 0, 3, 3, 2])
+    offsets = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 3])
+    native.store_kv(k, v, kc, vc, blocks, offsets)
+    wk, wv = torch.zeros_like(kc), torch.zeros_like(vc)
+    wk[blocks, :, offsets], wv[blocks, :, offsets] = k, v
+    assert torch.equal(kc, wk) and torch.equal(vc, wv)
+    with pytest.raises(ValueError, match="int64"):
+        native.store_kv(k, v, kc, vc, blocks.int(), offsets)
+    with pytest.raises(ValueError, match="heads contiguous"):
+        native.store_kv(k.transpose(0, 1), v.transpose(0, 1), kc, vc, blocks[:3], offsets[:3])

@@ -27,6 +27,10 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
                  and gptj.native is available, else oneDNN's
 
+  a fused block's elementwise steps (GELU, rotary; the engine's KV stores)
+  `native_elementwise`  gptj.native's for bfloat16 on CPU where it is available (one pass, float32
+                        inside, rounded once), else torch's ops
+
   attention
   `exact`             float32: gptj.model.attention's exact math; below: torch's fused SDPA
   `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 KV on CPU
@@ -87,6 +91,12 @@ def exact(dtype: torch.dtype) -> bool:
 def native_available() -> bool:
     """gptj.native's kernels are built and loaded here (gptj.native caches the answer; GPTJ_NATIVE=0 says no)."""
     return native.available()
+
+
+def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a fused block's GELU and rotary, and the engine's KV stores, of `dtype` activations
+    on `device` run gptj.native's one-pass kernels (bfloat16 on CPU) instead of torch's ops."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and native_available()
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:

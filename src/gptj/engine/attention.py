@@ -148,6 +148,19 @@ class DecodeAttention:
         (gptj.native.prefill_paged; where native_paged holds) -> (T, H, D) bfloat16."""
         return self._kernels.prefill_paged(q, kc, vc, table, start)
 
+    def store(self, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor) -> None:
+        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n], of
+        kc, vc (n_blocks, H, B, D); by gptj.native where the blocks are its and each token's heads
+        lie side by side (the fused block's q|k|v), else by indexing."""
+        D = k.shape[-1]
+        if (self.native_paged(kc) and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == D
+                and blocks.dtype == offsets.dtype == torch.int64):
+            self._kernels.store_kv(k, v, kc, vc, blocks, offsets)
+        else:
+            kc[blocks, :, offsets] = k
+            vc[blocks, :, offsets] = v
+
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, k):
             return self._kernels.attention_group(q[None], k, v)[0].to(v.dtype)
@@ -262,8 +275,7 @@ class PagedBatch:
         if not self.groups:
             return self._prefill(layer, q, k, v)
         kc, vc = self.kv.k[layer], self.kv.v[layer]
-        kc[self._wb, :, self._wo] = k[:, :, 0]  # (N, H, D): every row's new key in its block
-        vc[self._wb, :, self._wo] = v[:, :, 0]
+        self.decode.store(kc, vc, k[:, :, 0], v[:, :, 0], self._wb, self._wo)  # (N, H, D): each row's new key, value
         if self._native is not None:
             return self.decode.paged(q[:, :, 0], kc, vc, self._native)[:, :, None].to(v.dtype)
         out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
@@ -292,8 +304,7 @@ class PagedBatch:
             table = torch.tensor(self.prefill_blocks[:-(-end // B)], device=q.device, dtype=torch.long)
             self._slots = (table[pos // B], pos % B, table, table.to(torch.int32), pos)
         rows, offsets, table, table32, pos = self._slots
-        kc[rows, :, offsets] = k[0].transpose(0, 1)  # (T, H, D)
-        vc[rows, :, offsets] = v[0].transpose(0, 1)
+        self.decode.store(kc, vc, k[0].transpose(0, 1), v[0].transpose(0, 1), rows, offsets)  # (T, H, D)
         if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
             out = self.decode.prefill(q[0].transpose(0, 1), kc, vc, table32, start)  # (T, H, D)
             return out[None].transpose(1, 2)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, pack_layout
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, native_elementwise,
+                         pack_layout)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Int4Linear, Int8Linear
 
@@ -176,18 +177,40 @@ class FusedBlock(nn.Module):
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         E = H * D  # n_embd, or this rank's heads under tensor parallelism
         y = self.w_in(self.ln_1(h))  # (B, T, 3E + inner)
+        fast = native_elementwise(y.device, y.dtype)
         qkv = y[..., :3 * E].view(B, T, 3, H, D)
         if R:
-            qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos: (B, T, 1, R) -> (B, T, 1, 1, R)
-            qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
+            rotary_qk_(qkv, sin, cos, fast)
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
         a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
-        a = a.transpose(1, 2).reshape(B, T, E)
-        g = fast_gelu(y[..., 3 * E:])
-        out = self.w_out(torch.cat([a, g], dim=-1)) if self.w_out is not None else self.out_proj(a) + self.fc_out(g)
+        x = torch.empty((B, T, y.shape[-1] - 2 * E), dtype=y.dtype, device=y.device)  # [attention | gelu]
+        x[..., :E] = a.transpose(1, 2).reshape(B, T, E)
+        gelu_into(y[..., 3 * E:], x[..., E:], fast)
+        out = self.w_out(x) if self.w_out is not None else self.out_proj(x[..., :E]) + self.fc_out(x[..., E:])
         if self.reduce is not None:
             out = self.reduce(out)
         return out + h
+
+
+def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool) -> None:
+    """Rotary on q and k of qkv (B, T, 3, H, D) in place; sin, cos (B, T, 1, R) from
+    gptj.model.rotary_tables. fast: gptj.native's one pass (policy.native_elementwise), where the
+    rotary width suits it."""
+    B, T, _, H, D = qkv.shape
+    R = sin.shape[-1]
+    if fast and R % 16 == 0:
+        native.rotary_(qkv.view(B * T, 3 * H, D)[:, :2 * H], sin.reshape(B * T, R), cos.reshape(B * T, R))
+        return
+    qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
+    qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
+
+
+def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
+    """out = fast_gelu(x); fast: by gptj.native in one pass (policy.native_elementwise)."""
+    if fast:
+        native.gelu(x, out=out)
+    else:
+        out.copy_(fast_gelu(x))
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["attention_group", "attention_paged", "available", "linear_bf16", "linear_int8", "load",
-           "unavailable_reason"]
+__all__ = ["attention_group", "attention_paged", "available", "gelu", "linear_bf16", "linear_int8", "load",
+           "prefill_paged", "rotary_", "store_kv", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -202,10 +202,13 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
 _gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = _prefill_paged = None
+_gelu = _rotary = _store_kv = None
+BOUND = ("_gemv_int8", "_gemv_bf16", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary",
+         "_store_kv")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged
+    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary, _store_kv
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _attend_group = lib.attend_group_bf16
@@ -218,6 +221,15 @@ def _bind(lib: ctypes.CDLL) -> None:
     _prefill_paged = lib.prefill_paged_bf16
     _prefill_paged.argtypes = [P, L, I, I, I, P, P, I, P, I, P, L, ctypes.c_float, I]
     _prefill_paged.restype = I
+    _gelu = lib.gelu_bf16
+    _gelu.argtypes = [P, L, P, L, L, L, I]
+    _gelu.restype = None
+    _rotary = lib.rotary_bf16
+    _rotary.argtypes = [P, L, I, I, I, I, P, P, I]
+    _rotary.restype = None
+    _store_kv = lib.store_kv_bf16
+    _store_kv.argtypes = [P, L, P, L, I, I, I, P, P, I, P, P, I]
+    _store_kv.restype = None
 
 
 def _openmp_runtimes() -> list[str]:
@@ -424,3 +436,83 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     if rc != 0:
         raise RuntimeError(f"prefill_paged: native kernel failed ({rc})")
     return out
+
+
+# --- a fused block's elementwise steps ----------------------------------------------------------------
+
+def _rows(x: torch.Tensor, name: str, what: str, write: bool = False) -> torch.Tensor:
+    """x (..., N) bfloat16 on CPU as a (M, N) view with contiguous rows: a copy if no such view
+    exists, an error if x is written to (`write`) and none exists."""
+    if not isinstance(x, torch.Tensor) or x.dtype is not _bf16 or not x.is_cpu:
+        raise _bad(name, f"{what} must be a bfloat16 CPU tensor")
+    try:
+        x2 = x.view(-1, x.shape[-1])
+        if x2.stride(-1) == 1:
+            return x2
+    except RuntimeError:
+        pass
+    if write:
+        raise _bad(name, f"{what} must be viewable as rows of contiguous values")
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def gelu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU's tanh form of bfloat16 x (..., N), float32 inside and rounded once: x / (1 + e^(-2u)),
+    u = sqrt(2 / pi) (x + 0.044715 x^3) — 0.5 x (1 + tanh u) without its cancellation below 0.
+    x's rows may be strided (a view into a wider matrix); so may `out` (same shape, x itself or
+    not overlapping it), which receives the result. Returns out."""
+    if _gelu is None:
+        _lib_or_raise("gelu")
+    x2 = _rows(x, "gelu", "x")
+    if out is None:
+        out = torch.empty(x.shape, dtype=_bf16)
+    if out.shape != x.shape:
+        raise _bad("gelu", f"out must have shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    y2 = _rows(out, "gelu", "out", write=True)
+    M, N = x2.shape
+    if M and N:
+        _gelu(x2.data_ptr(), x2.stride(0), y2.data_ptr(), y2.stride(0), M, N, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """GPT-J's rotary embedding in place on the first R dims of each head: x (M, heads, D) bfloat16
+    whose heads lie one after another (a token's q and k heads side by side serve), any stride
+    between tokens; sin, cos (M, R) bfloat16 (gptj.model.rotary_tables', each angle repeated for
+    its pair), R a multiple of 16. float32 inside, rounded once. Returns x."""
+    if _rotary is None:
+        _lib_or_raise("rotary_")
+    M, nh, D = x.shape
+    R = sin.shape[-1]
+    if x.dtype is not _bf16 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != D:
+        raise _bad("rotary_", "x must be a bfloat16 CPU (tokens, heads, D) view with each token's heads contiguous")
+    if R % 16 or R > D or sin.shape != (M, R) or cos.shape != (M, R):
+        raise _bad("rotary_", f"sin and cos must be ({M}, R) with R a multiple of 16 up to {D}")
+    sin, cos = sin.contiguous(), cos.contiguous()
+    if sin.dtype is not _bf16 or cos.dtype is not _bf16:
+        raise _bad("rotary_", "sin and cos must be bfloat16")
+    if M:
+        _rotary(x.data_ptr(), x.stride(0), M, nh, D, R, sin.data_ptr(), cos.data_ptr(), torch.get_num_threads())
+    return x
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor,
+             offsets: torch.Tensor) -> None:
+    """kc[blocks[n], :, offsets[n]] = k[n] and vc likewise, for N tokens: k, v (N, H, D) bfloat16 views
+    with each token's heads contiguous (any stride between tokens); kc, vc (n_blocks, H, B, D)
+    contiguous; blocks, offsets (N,) int64. Ids and offsets are the caller's to keep in range."""
+    if _store_kv is None:
+        _lib_or_raise("store_kv")
+    N, H, D = k.shape
+    for t in (k, v):
+        if t.shape != (N, H, D) or t.dtype is not _bf16 or not t.is_cpu or t.stride(2) != 1 or t.stride(1) != D:
+            raise _bad("store_kv", "k and v must be bfloat16 CPU (N, H, D) views with each token's heads contiguous")
+    if kc.dtype is not _bf16 or vc.shape != kc.shape or kc.shape[1] != H or kc.shape[3] != D or not (
+            kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu):
+        raise _bad("store_kv", f"key and value blocks must be contiguous bfloat16 (n_blocks, {H}, B, {D})")
+    for t in (blocks, offsets):
+        if t.dtype is not torch.int64 or t.shape != (N,) or not t.is_contiguous():
+            raise _bad("store_kv", f"blocks and offsets must be contiguous int64 ({N},)")
+    if N:
+        _store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), N, H, D, kc.data_ptr(), vc.data_ptr(),
+                  kc.shape[2], blocks.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
