@@ -173,7 +173,10 @@ def load() -> ctypes.CDLL | None:
         if "lib" not in _state:
             lib = _open()
             if lib is not None:
-                _bind(lib)
+                try:
+                    _bind(lib)
+                except AttributeError:  # a library without every kernel: not the source's build
+                    lib = None
             _state["lib"] = lib
     return _state["lib"]  # type: ignore[return-value]
 
@@ -413,9 +416,11 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
 
     q (T, H, D) bfloat16 on CPU, the queries of positions start .. start + T - 1, each head's D
     values contiguous (any stride between tokens: a view into the fused q|k|v projection serves);
-    kc, vc (n_blocks, H, B, D) bfloat16, contiguous; table: the sequence's blocks, int32, at least
-    ceil((start + T) / B) of them. Returns (T, H, D) bfloat16: float32 scores (bfloat16 products),
-    softmax and sums, rounded once. Block ids are the caller's to keep in range.
+    kc, vc (n_blocks, H, B, D) bfloat16, contiguous, B even; table: the sequence's blocks, int32, at
+    least ceil((start + T) / B) of them. Returns (T, H, D) bfloat16: float32 scores (exact bfloat16
+    products) and softmax; the probabilities rounded to bfloat16 (as HF rounds them to the values'
+    dtype) and summed against the values in float32, rounded once. Block ids are the caller's to
+    keep in range.
     """
     if _prefill_paged is None:
         _lib_or_raise("prefill_paged")
@@ -426,6 +431,8 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
                                     "of 16 up to 512")
     if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu and q.is_cpu):
         raise _bad("prefill_paged", "key and value blocks must be contiguous CPU tensors of one shape")
+    if B % 2:
+        raise _bad("prefill_paged", f"blocks must hold an even number of tokens, got {B}")
     if table.dtype is not torch.int32 or not table.is_contiguous() or table.numel() * B < start + T:
         raise _bad("prefill_paged", f"the block table must be contiguous int32 covering {start + T} positions")
     if q.stride(2) != 1 or q.stride(1) != D:

@@ -807,85 +807,155 @@ int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, c
    Paged prefill attention (engine/attention.py, PagedBatch, a prompt chunk): T queries at
    positions start .. start + T - 1 of one sequence, each attending causally over positions
    0 .. its own, whose keys/values are already stored in the blocks of table tab (this chunk's
-   included). q bfloat16 at q[t * sq + h * D + d]; kc, vc (n_blocks, H, B, D) bfloat16; out
-   bfloat16 at out[t * so + h * D + d], rounded to nearest even. Scores by vdpbf16ps (exact
-   products, float32 sums) 16 keys at a time with one transposed reduction; softmax and value sums
-   in float32 (values converted to float32 once per 16 keys and used by every query of the tile).
-   Work items are (head, tile of PF_QT queries) pairs spread over threads. */
+   included). One work item per (head, tile of PF_QT = 16 queries); the lanes of every vector are
+   the tile's 16 queries:
+   - the tile's queries are packed once as D/2 vectors of 16 pairs (q[i][2p], q[i][2p + 1]);
+   - scores, 16 keys at a time: acc[c] += vdpbf16ps(packed pair p, key c's pair p broadcast), so one
+     vector holds key c's scores against all 16 queries (exact bfloat16 products, float32 sums) with
+     no horizontal sums; the causal mask is a lane mask on the keys past the tile's first query;
+   - softmax over the keys is element-wise across those vectors (max, exp, sum) for 16 queries at once;
+   - values: the probabilities are rounded to bfloat16, as HF rounds them to the values' dtype before
+     its matmul, and packed in pairs of keys per query; value rows are interleaved in pairs (d-lanes),
+     and out[i][d .. d + 16] += vdpbf16ps(value pair, query i's probability pair broadcast), float32.
+   q bfloat16 at q[t * sq + h * D + d]; kc, vc (n_blocks, H, B, D) bfloat16, B even; out bfloat16 at
+   out[t * so + h * D + d], rounded to nearest even once. */
 
 #define PF_QT 16 /* queries per tile */
 
+static const int16_t PAIR_IDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* 32 bfloat16 (a[0], b[0], a[1], b[1], ...) from 16 floats a and 16 floats b, each rounded once */
+static inline __m512i pairs_bf16(__m512 a, __m512 b)
+{
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(PAIR_IDX), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* scratch per thread: st (L, 16) float scores / probabilities; pp (L / 2 + 1, 16) probability pairs;
+   vp (L / 2 + 1, D) value pairs; qp (D / 2, 16) query pairs */
 static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0, int nq, const uint16_t *kc,
                          const uint16_t *vc, int B, const int *tab, int start, uint16_t *out, long so,
-                         float scale, float *s, float *vf, float *o)
+                         float scale, float *st, uint32_t *pp, uint16_t *vp, uint32_t *qp)
 {
     const long hs = (long)B * D, bs = (long)H * hs;
-    const int pos0 = start + p0, Lmax = pos0 + nq; /* keys of the tile's last query */
-    __m512bh qb[PF_QT][ATT_MAXD / 32];
-    for (int i = 0; i < nq; i++)
-        for (int d = 0; d < D; d += 32)
-            qb[i][d / 32] = (__m512bh)_mm512_maskz_loadu_epi16(D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu,
-                                                                 q + (long)(p0 + i) * sq + (long)h * D + d);
-    /* scores: key chunks of up to 16 within a block; query i sees keys < pos0 + i + 1 */
-    for (int c0 = 0; c0 < Lmax;) {
+    const int pos0 = start + p0, L = pos0 + nq, D2 = D / 2; /* keys of the tile's last query */
+    for (int p = 0; p < D2; p++)
+        for (int i = 0; i < PF_QT; i++)
+            qp[p * PF_QT + i] = i < nq ? ((const uint32_t *)(q + (long)(p0 + i) * sq + (long)h * D))[p] : 0;
+    /* scores */
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int c0 = 0; c0 < L;) {
         const int j = c0 / B, off = c0 % B;
         int n = B - off < 16 ? B - off : 16;
-        if (Lmax - c0 < n) n = Lmax - c0;
-        const uint16_t *kr = kc + tab[j] * bs + h * hs + (long)off * D;
-        if (off == 0 && (j + 1) * B < Lmax) prefetch_span(kc + tab[j + 1] * bs + h * hs, hs * 2);
-        for (int i = 0; i < nq; i++) {
-            const int ni = pos0 + i + 1 - c0 < n ? pos0 + i + 1 - c0 : n;
-            if (ni > 0) scores16(qb[i], kr, ni, D, scale, s + (long)i * Lmax + c0);
+        if (L - c0 < n) n = L - c0;
+        const uint32_t *kr = (const uint32_t *)(kc + tab[j] * bs + h * hs + (long)off * D);
+        if (off == 0 && (j + 1) * B < L) prefetch_span(kc + tab[j + 1] * bs + h * hs, hs * 2);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+        for (int p = 0; p < D2; p++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * PF_QT);
+#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+            for (int c = 0; c < 16; c++)
+                if (c < n) acc[c] = _mm512_dpbf16_ps(acc[c], qv, (__m512bh)_mm512_set1_epi32((int)kr[(long)c * D2 + p]));
+        }
+        for (int c = 0; c < n; c++) {
+            const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
+            const __mmask16 seen = kp <= pos0 ? 0xFFFF : (__mmask16)(0xFFFFu << (kp - pos0));
+            const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[c], vscale);
+            mx = _mm512_max_ps(mx, sv);
+            _mm512_storeu_ps(st + (long)kp * PF_QT, sv);
         }
         c0 += n;
     }
-    for (int i = 0; i < nq; i++) {
-        softmax_f32(s + (long)i * Lmax, pos0 + i + 1);
-        memset(o + (long)i * D, 0, sizeof(float) * D);
+    /* softmax: e^(s - max), 0 where masked; then probabilities rounded to bfloat16 in pairs of keys */
+    __m512 sum = _mm512_setzero_ps();
+    for (int kp = 0; kp < L; kp++) {
+        const __m512 sv = _mm512_loadu_ps(st + (long)kp * PF_QT);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_UQ), exp_ps(_mm512_sub_ps(sv, mx)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(st + (long)kp * PF_QT, e);
     }
-    /* values: each chunk of up to 16 rows converted to float32 once, then summed into every query's output */
-    for (int c0 = 0; c0 < Lmax;) {
-        const int j = c0 / B, off = c0 % B;
-        int n = B - off < 16 ? B - off : 16;
-        if (Lmax - c0 < n) n = Lmax - c0;
-        const uint16_t *vr = vc + tab[j] * bs + h * hs + (long)off * D;
-        if (off == 0 && (j + 1) * B < Lmax) prefetch_span(vc + tab[j + 1] * bs + h * hs, hs * 2);
-        for (int c = 0; c < n; c++)
-            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(vf + (long)c * D + d, bf16_16(vr + (long)c * D + d));
-        for (int i = 0; i < nq; i++) {
-            const int ni = pos0 + i + 1 - c0 < n ? pos0 + i + 1 - c0 : n;
-            if (ni > 0) values_acc(s + (long)i * Lmax + c0, NULL, vf, ni, D, o + (long)i * D);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    for (int kp = 0; kp < L; kp += 2) {
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
+        const __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
+        _mm512_storeu_si512(pp + (long)(kp / 2) * PF_QT, pairs_bf16(a, b));
+    }
+    /* value rows interleaved in pairs: vp[k][2d + r] = v[2k + r][d] (B even: a pair never spans blocks) */
+    for (int kp = 0; kp < L; kp += 2) {
+        const uint16_t *v0 = vc + tab[kp / B] * bs + h * hs + (long)(kp % B) * D;
+        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(vc + tab[kp / B + 1] * bs + h * hs, hs * 2);
+        for (int d = 0; d < D; d += 16) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + d));
+            const __m256i hi = kp + 1 < L ? _mm256_loadu_si256((const __m256i *)(v0 + D + d)) : _mm256_setzero_si256();
+            _mm512_storeu_si512(vp + (long)(kp / 2) * 2 * D + 2 * d, _mm512_permutexvar_epi16(
+                _mm512_loadu_si512(PAIR_IDX), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
         }
-        c0 += n;
     }
-    for (int i = 0; i < nq; i++)
-        for (int d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(out + (long)(p0 + i) * so + (long)h * D + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + (long)i * D + d)));
+    /* out[i][d] = sum over pairs k of vdpbf16ps: 4 queries x 4 vectors of 16 d's at a time */
+    const int npairs = (L + 1) / 2;
+    for (int i0 = 0; i0 < nq; i0 += 4) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int nd = (D - d0 < 64 ? D - d0 : 64) / 16;
+            __m512 o[4][4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) o[i][v] = _mm512_setzero_ps();
+            for (int k = 0; k < npairs; k++) {
+                const uint32_t *pk = pp + (long)k * PF_QT + i0;
+                const uint16_t *vk = vp + (long)k * 2 * D + 2 * d0;
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    if (v < nd) {
+                        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vk + 32 * v);
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++)
+                            o[i][v] = _mm512_dpbf16_ps(o[i][v], vv, (__m512bh)_mm512_set1_epi32((int)pk[i]));
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++)
+                    if (i0 + i < nq && v < nd)
+                        _mm256_storeu_si256((__m256i *)(out + (long)(p0 + i0 + i) * so + (long)h * D + d0 + 16 * v),
+                                            (__m256i)_mm512_cvtneps_pbh(o[i][v]));
+        }
+    }
 }
 
 int prefill_paged_bf16(const uint16_t *q, long sq, int T, int H, int D, const uint16_t *kc, const uint16_t *vc,
                        int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
 {
-    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 1 || start < 0) return -1;
+    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 2 || B % 2 || start < 0) return -1;
     const long L = (long)start + T, tiles = (T + PF_QT - 1) / PF_QT;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *s = malloc(sizeof(float) * ((long)PF_QT * L + 16L * D + (long)PF_QT * D));
-        if (!s) {
+        /* st (L, 16) floats | pp (L / 2 + 1, 16) pairs | vp (L / 2 + 1, 2D) bf16 | qp (D / 2, 16) pairs */
+        const long n_st = L * PF_QT, n_pp = (L / 2 + 1) * PF_QT, n_vp = (L / 2 + 1) * 2 * D;
+        char *buf = malloc(sizeof(float) * n_st + sizeof(uint32_t) * n_pp + sizeof(uint16_t) * n_vp
+                           + sizeof(uint32_t) * (D / 2) * PF_QT + 64);
+        if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
+        float *st = (float *)buf;
+        uint32_t *pp = (uint32_t *)(st + n_st);
+        uint16_t *vp = (uint16_t *)(pp + n_pp);
+        uint32_t *qp = (uint32_t *)(vp + n_vp);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)H * tiles; w++) {
             /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
             const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
             const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
-            if (s) prefill_tile(q, sq, H, D, h, p0, nq, kc, vc, B, tab, start, out, so, scale,
-                                s, s + (long)PF_QT * L, s + (long)PF_QT * L + 16L * D);
+            if (buf) prefill_tile(q, sq, H, D, h, p0, nq, kc, vc, B, tab, start, out, so, scale, st, pp, vp, qp);
         }
-        free(s);
+        free(buf);
     }
     return failed ? -2 : 0;
 }
