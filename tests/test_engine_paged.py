@@ -252,8 +252,8 @@ def test_bfloat16_paged_prefill_matches_the_reference(kernel_path, block_size, h
     blocks = torch.randperm(40)[:-(-end // block_size)].tolist()
     qkv = torch.randn(1, T, 3, H, D, dtype=torch.bfloat16)  # as the fused block's projection lays them out
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (1, H, T, D) views
-    batch = att.PagedBatch(kv, att.DecodeAttention("off", torch.bfloat16, native=True), prefill_blocks=blocks,
-                           prefill_start=start)
+    batch = att.PagedBatch(kv, att.DecodeAttention("off", torch.bfloat16, native=True),
+                           segments=[att.PrefillSegment(blocks, start, T)])
     got = batch.attend(0, q, k, v, None)[0].float()  # stores k, v at start .. end - 1, then attends
     keys, values = (x.float() for x in kv.gather(0, blocks, end))  # (H, end, D), this chunk's included
     torch.testing.assert_close(keys[:, start:], k[0].float())

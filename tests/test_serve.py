@@ -444,14 +444,14 @@ def test_schema_fuzzing_of_every_route_finds_no_5xx(models):
 def test_engine_error_fails_only_that_request(models):
     with server_thread({"tiny": models / "tiny"}) as thread:
         runner = thread.state.models["tiny"].engine.runner  # the engine's only caller of the model
-        real = runner._prefill
+        real = runner._forward
 
-        def faulty(chunk, *args):
-            if chunk.request.prompt[0] == 666:
+        def faulty(decode, prefill, *args):
+            if any(chunk.request.prompt[0] == 666 for chunk in prefill):
                 raise RuntimeError("injected fault")
-            return real(chunk, *args)
+            return real(decode, prefill, *args)
 
-        runner._prefill = faulty
+        runner._forward = faulty
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": [666, 1], "max_tokens": 4})
         assert status == 500 and out["error"]["type"] == "server_error" and "injected fault" in out["error"]["message"]
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": [666, 1], "max_tokens": 4, "stream": True})

@@ -231,6 +231,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor
     return pos[:, -T:]
 
 
+def kept_positions(h: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """h (B, T, E) at the positions whose logits are computed (see GPTJForCausalLM.forward)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return h[:, logits_to_keep]
+    return h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+
+
 class GPTJForCausalLM(nn.Module):
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
@@ -255,8 +262,9 @@ class GPTJForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
-        """Logits (B, T', vocab) in float32 for the T new tokens (the last `logits_to_keep` if > 0).
+                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits (B, T', vocab) in float32 for the T new tokens: all, the last `logits_to_keep` if
+        it is > 0, or those at the positions it lists if it is a tensor (HF's convention).
 
         input_ids: (B, T) new tokens. attention_mask: (B, past + T), 1 for tokens, 0 for padding;
         None means no padding. position_ids: (B, T); by default derived from the mask.
@@ -289,9 +297,7 @@ class GPTJForCausalLM(nn.Module):
             h = block(h, sin, cos, mask, cache, i)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep > 0:
-            h = h[:, -logits_to_keep:]
-        return self.lm_head(self.transformer.ln_f(h)).float()
+        return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
 
     @property
     def kv_heads(self) -> int:

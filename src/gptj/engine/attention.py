@@ -196,9 +196,9 @@ class PagedKV:
     def __init__(self, config: GPTJConfig, n_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, n_head: int | None = None) -> None:
         shape = (n_blocks, n_head or config.n_head, block_size, config.head_dim)
-        try:
-            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-            self.v = [torch.empty_like(t) for t in self.k]
+        try:  # zeros, not empty: every page is touched now, not by the first requests (a page fault each)
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+            self.v = [torch.zeros_like(t) for t in self.k]
         except (RuntimeError, MemoryError) as e:
             gb = 2 * config.n_layer * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 1e9
             raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_blocks} blocks of {block_size} tokens): "
@@ -243,77 +243,105 @@ class DecodeGroup:
         return len(self.own)
 
 
+@dataclass
+class PrefillSegment:
+    """A prompt chunk in a forward: its tokens are at positions start .. start + length - 1 of the
+    sequence whose blocks are `blocks` (its first `start` tokens already stored)."""
+
+    blocks: list[int]
+    start: int
+    length: int
+
+
 class PagedBatch:
     """The KV cache one forward pass sees (model.py calls `attend` once per layer).
 
-    Decode (T = 1): row r's new key/value goes to block write_blocks[r] at write_offsets[r]; each
-    group attends over its own blocks only — no padding — so requests of any lengths share the
-    forward and a request's result does not depend on what shares it.
-    Prefill (one row, T tokens from `start`): the keys/values go to the request's blocks; the
-    queries attend causally over everything stored before them and themselves.
+    The forward's tokens, in order: one per decode row (row r's new key/value goes to block
+    write_blocks[r] at write_offsets[r]; each group attends over its own blocks only), then each
+    prefill segment's tokens (stored in its sequence's blocks; its queries attend causally over
+    everything stored before them and themselves). No padding: requests of any lengths share a
+    forward, and a request's result does not depend on what shares it. The model may lay the
+    tokens out as (rows, 1) or (1, tokens); `attend` reads them in that flat order.
     """
 
     per_sequence = True  # the model builds no padding mask
 
     def __init__(self, kv: PagedKV, decode: DecodeAttention, *, groups: Sequence[DecodeGroup] = (),
                  write_blocks: Sequence[int] = (), write_offsets: Sequence[int] = (),
-                 prefill_blocks: Sequence[int] = (), prefill_start: int = 0) -> None:
-        self.kv, self.decode, self.groups = kv, decode, list(groups)
-        self.prefill_blocks, self.prefill_start = list(prefill_blocks), prefill_start
+                 segments: Sequence[PrefillSegment] = ()) -> None:
+        self.kv, self.decode, self.groups, self.segments = kv, decode, list(groups), list(segments)
         device = kv.k[0].device
+        self.n_decode = len(write_blocks)
         self._wb = torch.tensor(list(write_blocks), device=device, dtype=torch.long)
         self._wo = torch.tensor(list(write_offsets), device=device, dtype=torch.long)
-        self._native = None
-        if self.groups and decode.native_paged(kv.k[0]):
-            self._native = _native_tables(self.groups)
-        self._native_prefill = not self.groups and decode.native_paged(kv.k[0])
-        self._slots: tuple[torch.Tensor, ...] | None = None  # where the prefill's tokens go: made at the first layer
+        native = decode.native_paged(kv.k[0])
+        self._native = _native_tables(self.groups) if self.groups and native else None
+        self._native_prefill = native
+        B = kv.block_size
+        self._slots = []  # per segment: where its tokens go, and its block table (the same for every layer)
+        for seg in self.segments:
+            end = seg.start + seg.length
+            pos = torch.arange(seg.start, end, device=device)
+            table = torch.tensor(seg.blocks[:-(-end // B)], device=device, dtype=torch.long)
+            self._slots.append((table[pos // B], pos % B, table, table.to(torch.int32) if native else None, pos))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """q, k, v: (B, H, T, D) -> (B, H, T, D)."""
-        if not self.groups:
-            return self._prefill(layer, q, k, v)
+        """q, k, v: (B, H, T, D), B * T tokens in the order above -> (B, H, T, D)."""
+        Bq, H, T, D = q.shape
+        qt, kt, vt = (x.transpose(1, 2).reshape(Bq * T, H, D) for x in (q, k, v))  # (tokens, H, D)
+        out = torch.empty((Bq * T, H, D), dtype=v.dtype, device=v.device)
         kc, vc = self.kv.k[layer], self.kv.v[layer]
-        self.decode.store(kc, vc, k[:, :, 0], v[:, :, 0], self._wb, self._wo)  # (N, H, D): each row's new key, value
+        n = self.n_decode
+        if n:
+            self.decode.store(kc, vc, kt[:n], vt[:n], self._wb, self._wo)  # each row's new key, value
+            out[:n] = self._decode(layer, qt[:n])
+        for seg, slots in zip(self.segments, self._slots):
+            out[n:n + seg.length] = self._prefill(layer, seg, slots, qt[n:n + seg.length], kt[n:n + seg.length],
+                                                  vt[n:n + seg.length])
+            n += seg.length
+        return out.view(Bq, T, H, D).transpose(1, 2)
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D): each decode row's query over its group's blocks -> (N, H, D)."""
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
         if self._native is not None:
-            return self.decode.paged(q[:, :, 0], kc, vc, self._native)[:, :, None].to(v.dtype)
-        out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
+            return self.decode.paged(q, kc, vc, self._native).to(vc.dtype)
+        out = torch.empty(q.shape, dtype=vc.dtype, device=vc.device)
         row = 0
         for g in self.groups:
             n = g.rows
             pk, pv = self.kv.gather(layer, g.shared, g.shared_len)
             if not g.own_len:  # one sequence: all of it is "shared"
-                out[row, :, 0] = self.decode.one(q[row, :, 0], pk, pv)
+                out[row] = self.decode.one(q[row], pk, pv)
             else:
                 tables = torch.tensor(g.own, device=q.device, dtype=torch.long)  # (n, m)
                 H, D = kc.shape[1], kc.shape[3]
                 tk = kc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
                 tv = vc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]
-                out[row:row + n, :, 0] = self.decode.group(q[row:row + n, :, 0], pk, pv, tk, tv)
+                out[row:row + n] = self.decode.group(q[row:row + n], pk, pv, tk, tv)
             row += n
         return out
 
-    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        T, start = q.shape[2], self.prefill_start
+    def _prefill(self, layer: int, seg: PrefillSegment, slots: tuple, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        """A segment's q, k, v (T, H, D): store k, v, then causal attention -> (T, H, D)."""
+        T, start = seg.length, seg.start
         end = start + T
         kc, vc = self.kv.k[layer], self.kv.v[layer]
-        if self._slots is None:  # the same for every layer of this forward
-            B = self.kv.block_size
-            pos = torch.arange(start, end, device=q.device)
-            table = torch.tensor(self.prefill_blocks[:-(-end // B)], device=q.device, dtype=torch.long)
-            self._slots = (table[pos // B], pos % B, table, table.to(torch.int32), pos)
-        rows, offsets, table, table32, pos = self._slots
-        self.decode.store(kc, vc, k[0].transpose(0, 1), v[0].transpose(0, 1), rows, offsets)  # (T, H, D)
+        rows, offsets, table, table32, pos = slots
+        self.decode.store(kc, vc, k, v, rows, offsets)
         if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
-            out = self.decode.prefill(q[0].transpose(0, 1), kc, vc, table32, start)  # (T, H, D)
-            return out[None].transpose(1, 2)
+            return self.decode.prefill(q, kc, vc, table32, start)
+        qh = q.transpose(0, 1)[None]  # (1, H, T, D)
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
         if start == 0:  # nothing stored before: this call's keys are all of them
-            return attention(q, k, v, causal, causal=True)
-        keys, values = self.kv.gather(layer, table, end)
-        return attention(q, keys[None], values[None], causal)
+            out = attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, causal=True)
+        else:
+            keys, values = self.kv.gather(layer, table, end)
+            out = attention(qh, keys[None], values[None], causal)
+        return out[0].transpose(0, 1)
 
     def advance(self, n: int) -> None:
         pass  # lengths are the engine's bookkeeping

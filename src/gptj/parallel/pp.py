@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptj.errors import GptjError
-from gptj.model import GPTJForCausalLM, KVCache, rotary_tables
+from gptj.model import GPTJForCausalLM, KVCache, kept_positions, rotary_tables
 
 
 def check_split(n_layer: int, world: int) -> None:
@@ -47,7 +47,7 @@ class Pipeline:
         return [slice(bounds[i], bounds[i + 1]) for i in range(m)]
 
     def run(self, model: GPTJForCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None, cache: object, logits_to_keep: int) -> torch.Tensor:
+            mask: torch.Tensor | None, cache: object, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
         E, V = model.config.n_embd, model.config.vocab_size
         dtype, device = model.transformer.wte.weight.dtype, input_ids.device
@@ -71,14 +71,13 @@ class Pipeline:
                 sending.append((dist.isend(h, dst=self.peers[self.rank + 1], group=self.group), h))
                 self.sends += 1
                 continue
-            if logits_to_keep > 0:
-                h = h[:, -logits_to_keep:]
-            outs.append(model.lm_head(model.transformer.ln_f(h)).float())
+            outs.append(model.lm_head(model.transformer.ln_f(kept_positions(h, logits_to_keep))).float())
         for work, _ in sending:
             work.wait()
         if cache is not None:
             cache.advance(T)
-        kept = logits_to_keep if logits_to_keep > 0 else T
+        kept = (len(logits_to_keep) if isinstance(logits_to_keep, torch.Tensor)
+                else logits_to_keep if logits_to_keep > 0 else T)
         logits = torch.cat(outs) if last else torch.empty((B, kept, V), dtype=torch.float32, device=device)
         dist.broadcast(logits, src=self.peers[-1], group=self.group)
         return logits
