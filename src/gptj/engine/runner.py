@@ -4,8 +4,8 @@ into logits (`RunnerOutput`), changing no request.
 A step is one forward per prompt chunk, the decoding sequences' next tokens riding with the first
 (each at its own position, each request attending over its own blocks; one forward alone when no
 prompt is being prefilled): the decode rows add a few rows to a chunk's matmuls instead of reading
-every weight once more. A chunk is a forward of its own: a whole 2,048-token step in one forward
-measured slower on CPU (its activations no longer stay in the caches). Logits are computed only
+every weight once more. Each further chunk is a forward of its own (all of a step's chunks in one
+forward was tried and measured no faster). Logits are computed only
 where a token is chosen (and over a chunk whose prompt log-probabilities were asked for). A
 forward that raises fails only the requests it ran (decode rows and chunk apart); the others go on.
 """
