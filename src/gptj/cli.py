@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 EXIT_USER_ERROR = 1
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command that SIGPIPE ended
+EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
 
 
 def _silence_stdout() -> None:
@@ -424,7 +425,8 @@ def mlperf_config(args: argparse.Namespace):  # noqa: ANN201 - gptj.mlperf.confi
     from gptj.decode import GenerationConfig
     from gptj.mlperf.config import MLPerfConfig
 
-    if not args.model and not args.server:
+    server = args.server
+    if not args.model and not server:
         raise GptjError("give --model DIR to run in this process, or --server URL to run against a gptj server")
     gen = GenerationConfig.mlperf(num_beams=args.num_beams, min_new_tokens=args.min_new_tokens,
                                   max_new_tokens=args.max_new_tokens)
@@ -434,11 +436,14 @@ def mlperf_config(args: argparse.Namespace):  # noqa: ANN201 - gptj.mlperf.confi
         log_dir=Path(args.log_dir) if args.log_dir else None,
         user_conf=Path(args.user_conf) if args.user_conf else None, target_qps=args.target_qps,
         target_latency_ms=args.target_latency_ms, min_duration_ms=args.min_duration_ms,
-        min_query_count=args.min_query_count, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+        min_query_count=args.min_query_count, max_query_count=args.max_query_count,
+        performance_sample_count=args.performance_sample_count, round=args.round,
+        audit_config=Path(args.audit_config) if args.audit_config else None,
+        max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         gen=gen, spec=flags.model_spec(args), engine=flags.engine_config(args), threads=args.threads,
         progress=not args.quiet,
         argv=["gptj", *sys.argv[1:]] if args.argv is None else args.argv,
-        server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency,
+        server=server, server_model=args.server_model, server_concurrency=args.server_concurrency,
     )
 
 
@@ -509,6 +514,37 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
     return None
 
 
+def cmd_submission(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from gptj.mlperf.rules import DEFAULT_ROUND
+    from gptj.mlperf.submission import SubmissionConfig, submit
+
+    shared = mlperf_config(args)
+    if args.max_query_count is None:  # an official run has no cap (LoadGen logs one as an error)
+        shared = dataclasses.replace(shared, max_query_count=0)
+    sub = SubmissionConfig(
+        out=Path(args.out), submitter=args.submitter, system_name=args.system_name, division=args.division,
+        category=args.category, benchmark=args.benchmark, run=shared, round=args.round or DEFAULT_ROUND,
+        runs_dir=Path(args.runs_dir) if args.runs_dir else None,
+        system_desc=Path(args.system_desc) if args.system_desc else None,
+        mlperf_inference=Path(args.mlperf_inference) if args.mlperf_inference else None,
+        assemble_only=args.assemble_only, force=args.force)
+    try:
+        tree, checker = submit(sub, on_run=lambda planned, result: _mlperf_report(result))
+    except KeyboardInterrupt as e:  # as gptj mlperf: one line, exit 130, leave at once
+        print("gptj submission: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    print(f"submission: {tree}")
+    if checker is None:
+        print("not checked: give --mlperf-inference DIR (a checkout of github.com/mlcommons/inference) to run "
+              "MLCommons' submission checker")
+        return 0
+    print(f"MLCommons' checker: {checker.summary} ({len(checker.errors)} error lines; its output: {checker.log})")
+    return 0 if checker.passed else EXIT_CHECKER_ERRORS
+
+
 def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
     from gptj.mlperf.evaluate import format_report
 
@@ -572,6 +608,41 @@ def _add_replica_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     p.add_argument("--cpus-per-replica", type=_positive_float, help="Ray CPUs per replica, and its torch threads "
                                                                     "unless --threads (default 1)")
     p.add_argument("--gpus-per-replica", type=_nonnegative_float, help="Ray GPUs per replica (default 0)")
+
+
+def _add_mlperf_run_flags(p) -> None:  # noqa: ANN001 - a parser
+    """How `gptj mlperf` and `gptj submission` run LoadGen and the model."""
+    p.add_argument("--dataset", help="cnn_eval.json (default: gptj's bundled sample set)")
+    p.add_argument("--max-examples", type=_positive, help="use only the first N examples")
+    p.add_argument("--target-qps", type=_positive_float, help="Offline expected / Server target QPS")
+    p.add_argument("--target-latency-ms", type=_positive_float,
+                   help="SingleStream expected / Server target latency")
+    _add_run_length_flags(p)
+    p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
+    p.add_argument("--batch-wait-ms", type=_nonnegative_float,
+                   help="Server: how long a batch waits for more samples (default 40)")
+    flags.add_engine_flags(p, max_seqs_help="sequences running at once (default: max-batch-size x num-beams, as "
+                                            "the KV memory allows)")
+    flags.add_model_flags(p)
+    p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
+    p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    flags.add_threads_flag(p)
+
+
+def _add_run_length_flags(p) -> None:  # noqa: ANN001 - a parser
+    """LoadGen's run-length settings, over its built-in mlperf.conf (gptj mlperf, gptj submission)."""
+    p.add_argument("--min-duration-ms", type=_nonnegative, help="LoadGen min_duration_ms (official: 600000)")
+    p.add_argument("--min-query-count", type=_positive,
+                   help="LoadGen min_query_count; a SingleStream or Server run stops there too unless "
+                        "--max-query-count says otherwise")
+    p.add_argument("--max-query-count", type=_nonnegative,
+                   help="LoadGen max_query_count: stop a SingleStream or Server run there (0: no cap)")
+    p.add_argument("--performance-sample-count", type=_positive,
+                   help="LoadGen performance_sample_count_override (official: 13368; at most the data set's size)")
+    p.add_argument("--round", metavar="VERSION", help="an MLPerf round's seeds (v5.0, the last round with GPT-J; "
+                                                      "default: LoadGen's built-in mlperf.conf's)")
 
 
 # --- parser ------------------------------------------------------------------------
@@ -644,28 +715,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --server: requests in flight at once (default 64)")
     p.add_argument("--scenario", choices=("Offline", "Server", "SingleStream"), default="Offline")
     p.add_argument("--mode", choices=("performance", "accuracy"), default="accuracy")
-    p.add_argument("--dataset", help="cnn_eval.json (default: gptj's bundled sample set)")
-    p.add_argument("--max-examples", type=_positive, help="use only the first N examples")
     p.add_argument("--log-dir", help="results folder (default: mlperf-logs/<time>-<scenario>-<mode>)")
     p.add_argument("--user-conf", help="LoadGen user.conf (applied over the built-in mlperf.conf)")
-    p.add_argument("--target-qps", type=_positive_float, help="Offline expected / Server target QPS")
-    p.add_argument("--target-latency-ms", type=_positive_float,
-                   help="SingleStream expected / Server target latency")
-    p.add_argument("--min-duration-ms", type=_nonnegative, help="LoadGen min_duration_ms (official: 600000)")
-    p.add_argument("--min-query-count", type=_positive, help="LoadGen min_query_count")
-    p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
-    p.add_argument("--batch-wait-ms", type=_nonnegative_float,
-                   help="Server: how long a batch waits for more samples (default 40)")
-    flags.add_engine_flags(p, max_seqs_help="sequences running at once (default: max-batch-size x num-beams, as "
-                                            "the KV memory allows)")
-    flags.add_model_flags(p)
-    p.add_argument("--num-beams", type=_positive, default=4, help="official: 4")
-    p.add_argument("--min-new-tokens", type=_nonnegative, default=30, help="official: 30")
-    p.add_argument("--max-new-tokens", type=_positive, default=128, help="official: 128")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    flags.add_threads_flag(p)
+    p.add_argument("--audit-config", metavar="FILE",
+                   help="a compliance test's audit.config (MLCommons' compliance/TESTnn/); kept in the run's folder. "
+                        "Without it, an audit.config in the working directory is ignored")
+    _add_mlperf_run_flags(p)
     flags.add_parallel_flags(p)
     p.set_defaults(func=cmd_mlperf, argv=None)
+
+    p = sub.add_parser("submission", help="make an MLPerf gptj submission: every run it needs, the official tree, "
+                                          "MLCommons' checker",
+                       description="Run what an MLPerf Inference gptj submission needs (each required scenario's "
+                                   "performance and accuracy runs, and the closed division's compliance tests), "
+                                   "reusing runs already made, and write the official tree <out>/<division>/"
+                                   "<submitter>/. With --mlperf-inference, MLCommons' submission checker then "
+                                   "checks it (exit 3 when it finds errors).")
+    p.add_argument("--model", required=True, help="model directory (HF / gptj format)")
+    p.add_argument("--out", required=True, help="the submission's root folder")
+    p.add_argument("--submitter", required=True, help="the organization (names a folder)")
+    p.add_argument("--system-name", required=True, help="the system (names systems/<name>.json and folders)")
+    p.add_argument("--division", required=True, choices=("closed", "open"))
+    p.add_argument("--category", required=True, choices=("edge", "datacenter"),
+                   help="edge: SingleStream + Offline; datacenter: Server + Offline")
+    p.add_argument("--benchmark", default="gptj-99", choices=("gptj-99", "gptj-99.9"))
+    p.add_argument("--runs-dir", help="where the runs and their untruncated logs go (default: mlperf-runs/"
+                                      "<system>-<benchmark>-<division>); runs already there are reused")
+    p.add_argument("--system-desc", metavar="FILE",
+                   help="the system description to complete (default: <runs-dir>/system_desc.json; when missing, "
+                        "gptj writes what this machine says and names the fields left to fill). A file from "
+                        "`mlperf-sysinfo capture` works too")
+    p.add_argument("--mlperf-inference", metavar="DIR",
+                   help="a checkout of github.com/mlcommons/inference: its compliance tests (the closed division "
+                        "needs them) and its submission checker")
+    p.add_argument("--assemble-only", action="store_true", help="run nothing: assemble the runs in --runs-dir "
+                                                                 "(a missing or different run is an error)")
+    p.add_argument("--force", action="store_true", help="replace an existing <out>/<division>/<submitter>")
+    _add_mlperf_run_flags(p)
+    p.set_defaults(func=cmd_submission, argv=None, scenario="Offline", mode="accuracy", log_dir=None, user_conf=None,
+                   audit_config=None, server=None, server_model=None, server_concurrency=64)
 
     p = sub.add_parser("evaluate", help="score an MLPerf accuracy log (ROUGE)",
                        description="Score mlperf_log_accuracy.json as MLCommons' gptj evaluation does: ROUGE-1/2/L/"

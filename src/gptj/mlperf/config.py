@@ -32,6 +32,11 @@ class MLPerfConfig:
     target_latency_ms: float | None = None
     min_duration_ms: int | None = None
     min_query_count: int | None = None
+    # None: min_query_count's, when given (a run issues what it asked), else LoadGen's (no cap)
+    max_query_count: int | None = None
+    performance_sample_count: int | None = None  # None: mlperf.conf's (13,368), at most the data set's size
+    audit_config: Path | None = None  # a compliance test's audit.config (None: none, whatever the cwd holds)
+    round: str | None = None  # an MLPerf round's seeds (rules.ROUNDS); None: LoadGen's built-in mlperf.conf's
     max_batch_size: int | None = None  # samples per batch (the SUT's; the engine runs x num_beams sequences)
     batch_wait_ms: float | None = None
     gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
@@ -61,6 +66,37 @@ class MLPerfConfig:
             compute_threads(self.threads)  # a bad value fails here, in one line
         if self.user_conf is not None and not Path(self.user_conf).is_file():
             raise GptjError(f"{self.user_conf}: user.conf not found")
+        if self.audit_config is not None and not Path(self.audit_config).is_file():
+            raise GptjError(f"{self.audit_config}: audit config not found")
+        if self.round is not None:
+            from gptj.mlperf.rules import get_round
+
+            get_round(self.round)
+        if self.min_query_count is not None and self.max_query_count and self.max_query_count < self.min_query_count:
+            raise GptjError(f"--max-query-count {self.max_query_count} is below --min-query-count "
+                            f"{self.min_query_count}")
+
+    def identity(self) -> dict:
+        """What makes two runs the same run (JSON values): recorded in run.json, compared when a
+        submission reuses or assembles runs already made. Not where the logs go, threads or bars."""
+        import hashlib
+
+        def path(p: Path | str | None) -> str | None:
+            return None if p is None else str(Path(p).resolve())
+
+        def content(p: Path | None) -> str | None:
+            return None if p is None else hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
+
+        return {
+            "scenario": self.scenario, "mode": self.mode, "model": path(self.model), "server": self.server,
+            "dataset": path(self.dataset), "max_examples": self.max_examples, "round": self.round,
+            "generation": dataclasses.asdict(self.gen),
+            "spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "path"},
+            "user_conf": content(self.user_conf), "audit_config": content(self.audit_config),
+            "run_length": {k: getattr(self, k) for k in (
+                "target_qps", "target_latency_ms", "min_duration_ms", "min_query_count", "max_query_count",
+                "performance_sample_count")},
+        }
 
     @property
     def batching(self) -> Batching:

@@ -319,7 +319,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
     system = system_description(cfg)
     atomic_write_json(d / "system.json", system)
     atomic_write_json(d / "run.json", {
-        "command": cfg.argv, "settings": _settings_dict(cfg), "notes": result.notes, "remote": result.remote,
+        "command": cfg.argv, "identity": cfg.identity(), "settings": _settings_dict(cfg), "notes": result.notes, "remote": result.remote,
         "official_generation": not any("generation settings" in n for n in result.notes),
         "threads": result.threads.to_json() if result.threads is not None else None,
         "interrupted": result.interrupted,

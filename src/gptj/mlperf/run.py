@@ -68,19 +68,26 @@ def default_log_dir(scenario: str, mode: str) -> Path:
 
 
 def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_latency_s: float | None = None):
-    """LoadGen settings: its built-in gptj mlperf.conf, then user.conf, then the flags.
+    """LoadGen settings: its built-in gptj mlperf.conf (with the round's seeds, cfg.round), then
+    user.conf, then the flags.
 
+    `performance_sample_count`: the data set's size (the most performance samples there can be).
     `expected_latency_s` (SingleStream): the calibrated latency, used when neither
     --target-latency-ms nor user.conf gives one."""
     import mlperf_loadgen as lg
 
     settings = lg.TestSettings()
+    settings.FromConfig("", MODEL_NAME, cfg.scenario, 0)  # the built-in mlperf.conf
+    if cfg.round is not None:
+        from gptj.mlperf.rules import apply_seeds
+
+        apply_seeds(settings, cfg.round)
     if cfg.user_conf is not None:
         settings.FromConfig(str(cfg.user_conf), MODEL_NAME, cfg.scenario, 1)
-    else:
-        settings.FromConfig("", MODEL_NAME, cfg.scenario, 0)  # only the built-in mlperf.conf
     settings.scenario = getattr(lg.TestScenario, cfg.scenario)
     settings.mode = lg.TestMode.AccuracyOnly if cfg.mode == "accuracy" else lg.TestMode.PerformanceOnly
+    if cfg.performance_sample_count is not None:
+        settings.performance_sample_count_override = cfg.performance_sample_count
     # The real set has 13,368 samples; a smaller set is used whole.
     if settings.performance_sample_count_override == 0 or settings.performance_sample_count_override > \
             performance_sample_count:
@@ -98,7 +105,39 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
         settings.min_duration_ms = cfg.min_duration_ms
     if cfg.min_query_count is not None:
         settings.min_query_count = cfg.min_query_count
+    cap = query_cap(cfg)
+    if cap is not None:
+        settings.max_query_count = cap
     return settings
+
+
+def query_cap(cfg: MLPerfConfig) -> int | None:
+    """LoadGen's max_query_count: --max-query-count; else, when --min-query-count is given, that
+    count (LoadGen would otherwise round a SingleStream or Server run up to whole passes over the
+    performance samples, or to 2 x min duration / expected latency). Offline has one query: its
+    samples follow min_query_count and the expected QPS, and no cap applies."""
+    if cfg.scenario == "Offline" or cfg.mode == "accuracy":
+        return None
+    cap = cfg.max_query_count if cfg.max_query_count is not None else cfg.min_query_count
+    return cap or None  # 0: no cap
+
+
+AUDIT_CONFIG = "audit.config"
+
+
+def audit_config_path(cfg: MLPerfConfig, log_dir: Path) -> Path:
+    """The audit config LoadGen reads for this run: --audit-config, copied into the run's folder
+    (which keeps it); else a path in that folder where none is, so that an audit.config left in the
+    working directory (LoadGen's default place to look) changes nothing."""
+    import shutil
+
+    path = log_dir.resolve() / AUDIT_CONFIG
+    if cfg.audit_config is not None:
+        if Path(cfg.audit_config).resolve() != path:
+            shutil.copyfile(cfg.audit_config, path)
+    else:
+        path.unlink(missing_ok=True)  # a former compliance run's, in a folder used again
+    return path
 
 
 def user_conf_sets_expected_latency(path: Path | None) -> bool:
@@ -147,8 +186,17 @@ def calibrate_latency(backend, dataset, gen: GenerationConfig,  # noqa: ANN001 -
 
 
 def planned_queries(settings, scenario: str, performance_samples: int) -> tuple[int, str]:  # noqa: ANN001
-    """The fewest queries (Offline: samples in its one query) LoadGen will issue in a performance
-    run, as its test_settings_internal.cc and GenerateQueries derive them, and how."""
+    """The queries (Offline: samples in its one query) LoadGen will issue in a performance run, as
+    its test_settings_internal.cc and GenerateQueries derive them, and how; a SingleStream or
+    Server run stops at max_query_count (when set)."""
+    n, how = _uncapped_queries(settings, scenario, performance_samples)
+    cap = int(settings.max_query_count)
+    if scenario != "Offline" and cap and n > cap:
+        return cap, (how + "; " if how else "") + f"LoadGen's {n:,} stopped at max_query_count {cap:,}"
+    return n, how
+
+
+def _uncapped_queries(settings, scenario: str, performance_samples: int) -> tuple[int, str]:  # noqa: ANN001
     asked = int(settings.min_query_count)
     duration_s = settings.min_duration_ms / 1000
     n_perf = max(1, performance_samples)
@@ -194,7 +242,8 @@ def count_note(cfg: MLPerfConfig, settings, performance_samples: int) -> str | N
     n, how = planned_queries(settings, cfg.scenario, performance_samples)
     asked = int(settings.min_query_count)
     if n <= asked:
-        return None
+        return None if n == asked or cfg.scenario == "Offline" else \
+            f"LoadGen issues {n:,} queries, fewer than the {asked:,} asked: {how}"
     what = "samples in its query" if cfg.scenario == "Offline" else "queries"
     source = "--min-query-count" if cfg.min_query_count is not None else "mlperf.conf's min_query_count"
     return f"LoadGen raises the {what} to {n:,} from the {asked:,} asked ({source}): {how}"
@@ -210,7 +259,13 @@ def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dic
     out: dict = {"min_query_count": {"value": int(settings.min_query_count),
                                      "source": src(cfg.min_query_count, "--min-query-count")},
                  "min_duration_ms": {"value": int(settings.min_duration_ms),
-                                     "source": src(cfg.min_duration_ms, "--min-duration-ms")}}
+                                     "source": src(cfg.min_duration_ms, "--min-duration-ms")},
+                 "performance_sample_count": {"value": int(settings.performance_sample_count_override),
+                                              "source": src(cfg.performance_sample_count,
+                                                            "--performance-sample-count")}}
+    if settings.max_query_count:
+        out["max_query_count"] = {"value": int(settings.max_query_count),
+                                  "source": "--max-query-count" if cfg.max_query_count else "--min-query-count"}
     if cfg.scenario == "Offline":
         out["expected_qps"] = {"value": settings.offline_expected_qps, "source": src(cfg.target_qps, "--target-qps")}
     elif cfg.scenario == "Server":
@@ -368,6 +423,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
         log_settings.log_output.outdir = str(log_dir)
         log_settings.log_output.copy_summary_to_stdout = False
         log_settings.enable_trace = False
+        audit = audit_config_path(cfg, log_dir)
     except BaseException:
         for opened in {id(b): b for b in (remote, backend) if b is not None}.values():
             opened.close()
@@ -377,7 +433,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, performance_samples)
     sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
-    finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario)
+    finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario, audit)
     interrupted = sut.interrupted
     if finished:
         sut.stop()
@@ -430,7 +486,7 @@ INTERRUPT_GRACE_S = {"Offline": 60.0, "Server": 3.0, "SingleStream": 3.0}
 _LOADGEN_FLUSH_S = 0.1  # LoadGen's logging thread writes and flushes its logs every 10 ms
 
 
-def _run_loadgen(sut, qsl, settings, log_settings, scenario: str) -> bool:  # noqa: ANN001
+def _run_loadgen(sut, qsl, settings, log_settings, scenario: str, audit: Path) -> bool:  # noqa: ANN001
     """LoadGen's StartTest on a thread of its own, so that Ctrl-C reaches this (main) thread: its
     C++ loop holds the thread that calls it, where Python could not run the signal handler.
 
@@ -446,7 +502,7 @@ def _run_loadgen(sut, qsl, settings, log_settings, scenario: str) -> bool:  # no
 
     def start() -> None:
         try:
-            lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings)
+            lg.StartTestWithLogSettings(sut.sut, qsl.qsl, settings, log_settings, str(audit))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             errors.append(e)
         finally:

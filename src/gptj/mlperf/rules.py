@@ -1,0 +1,78 @@
+"""What MLPerf Inference requires of a gptj submission, per round: plain facts, cited, in one place.
+
+Sources (facts, not code): MLCommons' submission checker, tools/submission/submission_checker/
+constants.py of mlcommons/inference (b66003e, Aug 2026), and LoadGen's built-in mlperf.conf.
+
+- The checker knows gptj-99 / gptj-99.9 only in its "v5.0" tables: v5.1 (and later) dropped
+  GPT-J, so `--version v5.1` crashes its loader on a closed gptj result and fails every open one
+  ("model not known"). v5.0 is the round a gptj submission can target; the others are refused here.
+- LoadGen's built-in mlperf.conf (LoadGen >= 4.1 reads no mlperf.conf file) holds gptj's settings:
+  performance_sample_count 13,368, equal-issue mode, min duration 600 s, Offline min_query_count
+  13,368, Server target latency 20 s, inferred token latencies (scaling factor 69). Only the seeds
+  change from round to round; a run for a round sets that round's seeds (the checker's "seeds").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptj.errors import GptjError
+
+BENCHMARKS = ("gptj-99", "gptj-99.9")
+DIVISIONS = ("closed", "open")
+CATEGORIES = ("edge", "datacenter")
+STATUSES = ("available", "preview", "rdi")  # the checker's VALID_AVAILABILITIES
+
+
+@dataclass(frozen=True)
+class Round:
+    name: str
+    seeds: dict[str, int]  # LoadGen TestSettings attribute -> the round's value
+    scenarios: dict[str, tuple[str, ...]]  # category -> required scenarios (closed: exactly these)
+    compliance: tuple[str, ...]  # compliance tests a closed gptj result needs
+    dataset_size: int = 13368  # the accuracy run must cover all of it (every division)
+    performance_sample_count: int = 13368  # at least this many performance samples
+    min_duration_ms: int = 600000  # every scenario
+    min_query_count: dict[str, int] | None = None  # per scenario (SingleStream, Server; Offline 1)
+
+
+ROUNDS = {
+    "v5.0": Round(
+        name="v5.0",
+        seeds={"qsl_rng_seed": 6023615788873153749, "sample_index_rng_seed": 15036839855038426416,
+               "schedule_rng_seed": 9933818062894767841},
+        scenarios={"datacenter": ("Offline", "Server"), "edge": ("Offline", "SingleStream")},
+        compliance=("TEST06",),
+        min_query_count={"SingleStream": 1024, "Server": 270336, "Offline": 1},
+    ),
+}
+DEFAULT_ROUND = "v5.0"
+
+# Rounds whose checker has no gptj: asking for one is an error that says so.
+DROPPED = ("v5.1", "v6.0", "v6.1")
+
+
+def get_round(name: str) -> Round:
+    if name in ROUNDS:
+        return ROUNDS[name]
+    if name in DROPPED:
+        raise GptjError(f"MLPerf Inference {name} has no GPT-J benchmark (its submission checker knows gptj-99 and "
+                        f"gptj-99.9 only in round v5.0): use --round v5.0")
+    raise GptjError(f"unknown MLPerf round {name!r} (gptj can target: {', '.join(ROUNDS)})")
+
+
+def apply_seeds(settings, round_name: str) -> None:  # noqa: ANN001 - a LoadGen TestSettings
+    """Give LoadGen's settings the round's seeds (everything else of gptj's conf is LoadGen's own)."""
+    for key, value in get_round(round_name).seeds.items():
+        setattr(settings, key, value)
+
+
+def required_scenarios(round_name: str, category: str) -> tuple[str, ...]:
+    if category not in CATEGORIES:
+        raise GptjError(f"unknown category {category!r} (choose from {', '.join(CATEGORIES)})")
+    return get_round(round_name).scenarios[category]
+
+
+def compliance_tests(round_name: str, division: str) -> tuple[str, ...]:
+    """The compliance tests the checker reads for a gptj result (it checks none in the open division)."""
+    return get_round(round_name).compliance if division == "closed" else ()

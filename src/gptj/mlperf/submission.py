@@ -1,0 +1,405 @@
+"""`gptj submission`: the runs an MLPerf gptj submission needs, and the official tree made from them.
+
+    plan      the round's required scenarios for the category: a performance and an accuracy run each,
+              and (closed division) the compliance tests the checker reads (v5.0: TEST06)
+    runs      each in its own folder under runs_dir (<Scenario>/<performance|accuracy|TEST06>), made with
+              `gptj mlperf`'s run(); a complete run with the same identity is reused, so a stopped
+              submission goes on where it stopped and runs made before can be assembled
+    assemble  <out>/<division>/<submitter>/{code,documentation,measurements,results,systems,compliance},
+              filled beside its target and moved into place whole; accuracy logs truncated as MLCommons'
+              truncate_accuracy_log.py does (the untouched originals stay in runs_dir)
+    check     MLCommons' submission checker, when a checkout of mlcommons/inference is given
+
+Everything that can be wrong with the input (system description, a run of other settings, a missing
+run, a round without GPT-J) is found before the first run starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gptj.errors import GptjError
+from gptj.files import atomic_write_text, move_into_place, temp_sibling
+from gptj.mlperf import rules
+from gptj.mlperf.config import MLPerfConfig
+
+EOS_TOKEN_ID = 50256  # GPT-J's end of text (TEST06's EOS check)
+MAX_ACCURACY_LOG_BYTES = 10 * 1024  # the checker's MAX_ACCURACY_LOG_SIZE
+TRUNCATE_KEEP_CHARS = 4096  # head and tail kept by MLCommons' truncate_accuracy_log.py
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+IMPLEMENTATION = "gptj"
+
+
+@dataclass
+class SubmissionConfig:
+    out: Path
+    submitter: str
+    system_name: str
+    division: str
+    category: str
+    benchmark: str
+    run: MLPerfConfig  # the settings every run shares (its scenario, mode, log_dir, audit_config are set per run)
+    round: str = rules.DEFAULT_ROUND
+    runs_dir: Path | None = None  # None: mlperf-runs/<system>-<benchmark>-<division>
+    system_desc: Path | None = None  # None: <runs_dir>/system_desc.json
+    mlperf_inference: Path | None = None  # a checkout of mlcommons/inference: compliance tests, the checker
+    assemble_only: bool = False
+    force: bool = False  # replace an existing <out>/<division>/<submitter>
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for what, value in (("--submitter", self.submitter), ("--system-name", self.system_name)):
+            if not NAME_RE.fullmatch(value or ""):
+                raise GptjError(f"{what} {value!r}: use letters, digits, '_', '.' and '-' (it names folders)")
+        for what, value, allowed in (("--division", self.division, rules.DIVISIONS),
+                                     ("--category", self.category, rules.CATEGORIES),
+                                     ("--benchmark", self.benchmark, rules.BENCHMARKS)):
+            if value not in allowed:
+                raise GptjError(f"{what} {value!r}: choose from {', '.join(allowed)}")
+        rules.get_round(self.round)
+        if self.runs_dir is None:
+            self.runs_dir = Path("mlperf-runs") / f"{self.system_name}-{self.benchmark}-{self.division}"
+        if self.system_desc is None:
+            self.system_desc = Path(self.runs_dir) / "system_desc.json"
+
+    @property
+    def tree(self) -> Path:
+        return Path(self.out) / self.division / self.submitter
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    scenario: str
+    kind: str  # performance, accuracy, or a compliance test (TEST06)
+    cfg: MLPerfConfig
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.cfg.log_dir)
+
+    @property
+    def label(self) -> str:
+        return f"{self.scenario} {self.kind}"
+
+
+def compliance_dir(sub: SubmissionConfig, test: str) -> Path:
+    if sub.mlperf_inference is None:
+        raise GptjError(f"the {sub.division} division needs MLCommons' compliance test {test}: give a checkout of "
+                        "github.com/mlcommons/inference with --mlperf-inference DIR")
+    path = Path(sub.mlperf_inference) / "compliance" / test
+    if not (path / "audit.config").is_file() or not (path / "run_verification.py").is_file():
+        raise GptjError(f"{path}: no {test} audit.config and run_verification.py there (is --mlperf-inference a "
+                        "checkout of github.com/mlcommons/inference?)")
+    return path
+
+
+def plan(sub: SubmissionConfig) -> list[PlannedRun]:
+    """Every run the submission needs, in the order they run."""
+    runs = []
+    for scenario in rules.required_scenarios(sub.round, sub.category):
+        kinds = [("performance", "performance", None), ("accuracy", "accuracy", None)]
+        kinds += [(test, "performance", compliance_dir(sub, test) / "audit.config")
+                  for test in rules.compliance_tests(sub.round, sub.division)]
+        for kind, mode, audit in kinds:
+            cfg = dataclasses.replace(sub.run, scenario=scenario, mode=mode, round=sub.round, audit_config=audit,
+                                      log_dir=Path(sub.runs_dir) / scenario / kind)
+            runs.append(PlannedRun(scenario, kind, cfg))
+    return runs
+
+
+# --- a run already made: complete, and the run asked for? -------------------------------------------
+
+
+def _differences(found: dict, wanted: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(found) | set(wanted)):
+        a, b = found.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} (wanted {b!r})")
+    return out
+
+
+def run_status(run: PlannedRun) -> tuple[str, str]:
+    """("done" | "missing" | "incomplete" | "different", why) for the run's folder."""
+    folder = run.folder
+    if not folder.exists():
+        return "missing", f"{folder}: no such run"
+    try:
+        made = json.loads((folder / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "incomplete", f"{folder}: no readable run.json (the run did not finish)"
+    needed = ["mlperf_log_summary.txt", "mlperf_log_detail.txt", "mlperf_log_accuracy.json"]
+    if run.kind == "accuracy":
+        needed.append("accuracy.txt")
+    absent = [n for n in needed if not (folder / n).is_file() or (folder / n).stat().st_size == 0]
+    if made.get("interrupted") or absent:
+        why = "was interrupted" if made.get("interrupted") else f"lacks {', '.join(absent)}"
+        return "incomplete", f"{folder}: the run {why}"
+    identity = made.get("identity")
+    if not isinstance(identity, dict):
+        return "different", f"{folder}: run.json has no identity (made by an older gptj); run it again"
+    diff = _differences(identity, run.cfg.identity())
+    if diff:
+        return "different", f"{folder}: not the {run.label} run asked for: {'; '.join(diff[:3])}"
+    return "done", ""
+
+
+# --- the tree ---------------------------------------------------------------------------------------
+
+
+def truncate_accuracy_log(src: Path, dst: Path) -> str:
+    """Copy an accuracy log as MLCommons' truncate_accuracy_log.py leaves it: whole when small,
+    else its first and last TRUNCATE_KEEP_CHARS characters around "\\n\\n...\\n\\n". Returns the
+    sha256 of the whole file (the `hash=` line of accuracy.txt)."""
+    data = src.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    text = data.decode("utf-8")
+    if len(data) > MAX_ACCURACY_LOG_BYTES:
+        text = text[:TRUNCATE_KEEP_CHARS] + "\n\n...\n\n" + text[-TRUNCATE_KEEP_CHARS:]
+    dst.write_text(text, encoding="utf-8")
+    return digest
+
+
+def user_conf_text(runs: list[PlannedRun], scenario: str) -> str:
+    """The scenario's settings over mlperf.conf, in user.conf's syntax (what the runs were given)."""
+    perf = next(r.cfg for r in runs if r.scenario == scenario and r.kind == "performance")
+    made = json.loads((Path(perf.log_dir) / "run.json").read_text(encoding="utf-8"))
+    asked = (made.get("run_length") or {}).get("asked") or {}
+    keys = {"min_query_count": "min_query_count", "min_duration_ms": "min_duration",
+            "performance_sample_count": "performance_sample_count_override", "max_query_count": "max_query_count",
+            "expected_qps": "target_qps", "target_qps": "target_qps", "target_latency_ms": "target_latency",
+            "expected_latency_ms": "target_latency"}
+    lines = [f"# {IMPLEMENTATION}: what the {scenario} runs set over LoadGen's built-in mlperf.conf "
+             f"({perf.round} seeds)"]
+    for key, conf_key in keys.items():
+        if key in asked and asked[key]["source"] not in ("mlperf.conf", "user.conf / mlperf.conf"):
+            lines.append(f"{rules_model()}.{scenario}.{conf_key} = {asked[key]['value']:g}")
+    return "\n".join(lines) + "\n"
+
+
+def rules_model() -> str:
+    from gptj.mlperf.config import MODEL_NAME
+
+    return MODEL_NAME
+
+
+def _weights(cfg: MLPerfConfig) -> tuple[str, str]:
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(cfg.spec.dtype, cfg.spec.dtype)
+    if cfg.spec.quantize:
+        return f"{cfg.spec.quantize} (linears), {dtype} (others)", \
+            f"weight-only {cfg.spec.quantize} quantization of the linear layers, per output channel, on load"
+    return dtype, "none" if dtype == "fp32" else f"cast to {dtype}"
+
+
+def implementation_json(cfg: MLPerfConfig) -> dict:
+    weights, transformations = _weights(cfg)
+    return {"input_data_types": "int64 (token ids)", "retraining": "No",
+            "starting_weights_filename": Path(cfg.model).name if cfg.model is not None else "served model",
+            "weight_data_types": weights, "weight_transformations": transformations}
+
+
+def measurements_readme(sub: SubmissionConfig, runs: list[PlannedRun], scenario: str) -> str:
+    import gptj
+
+    lines = [f"# {sub.benchmark} {scenario} on {sub.system_name}", "",
+             f"Implementation: gptj {gptj.__version__} (`pip install gptj`; its source is in `code/gptj`), "
+             f"LoadGen's built-in mlperf.conf with the {sub.round} seeds, and `user.conf` here.", "",
+             "## How the runs were made", ""]
+    for run in runs:
+        if run.scenario != scenario:
+            continue
+        made = json.loads((run.folder / "run.json").read_text(encoding="utf-8"))
+        lines += [f"- {run.kind}: `{' '.join(map(str, made.get('command') or []))}`"]
+        for note in made.get("notes") or []:
+            lines.append(f"  - note: {note}")
+    lines += ["", "The submission was assembled with:", "", f"    {' '.join(sub.run.argv)}", ""]
+    return "\n".join(lines)
+
+
+def _copy_source(dst: Path) -> None:
+    """The implementation's source (gptj's Python and C files) into code/gptj."""
+    import gptj
+
+    root = Path(gptj.__file__).parent
+    for src in sorted(root.rglob("*")):
+        if src.is_file() and src.suffix in (".py", ".c") and "__pycache__" not in src.parts:
+            target = dst / src.relative_to(root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, target)
+
+
+def _verify_test06(sub: SubmissionConfig, run: PlannedRun, out: Path) -> None:
+    """MLCommons' TEST06 verification of the run's accuracy log, written to out/TEST06."""
+    script = compliance_dir(sub, "TEST06") / "run_verification.py"
+    cmd = [sys.executable, str(script), "-c", str(run.folder), "-o", str(out), "-s", run.scenario,
+           "-e", str(EOS_TOKEN_ID), "-d", "int64"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    if done.returncode != 0 or not (out / "TEST06" / "verify_accuracy.txt").is_file():
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise GptjError(f"TEST06 verification of {run.folder} failed: {last[0]}")
+
+
+def assemble(sub: SubmissionConfig, runs: list[PlannedRun], system: dict) -> Path:
+    """Write <out>/<division>/<submitter> from the runs (all done), whole or not at all."""
+    target = sub.tree
+    if target.exists() and not sub.force:
+        raise GptjError(f"{target} exists; --force replaces it")
+    tmp = temp_sibling(target)
+    try:
+        system_dir = tmp / "systems"
+        system_dir.mkdir()
+        (system_dir / f"{sub.system_name}.json").write_text(json.dumps(system, indent=2) + "\n", encoding="utf-8")
+        _copy_source(tmp / "code" / IMPLEMENTATION)
+        doc = tmp / "documentation"
+        doc.mkdir()
+        (doc / "calibration.md").write_text(calibration_text(sub.run), encoding="utf-8")
+        for scenario in rules.required_scenarios(sub.round, sub.category):
+            rel = Path(sub.system_name) / sub.benchmark / scenario
+            meas = tmp / "measurements" / rel
+            meas.mkdir(parents=True)
+            (meas / f"{sub.system_name}_{IMPLEMENTATION}_{scenario}.json").write_text(
+                json.dumps(implementation_json(sub.run), indent=2) + "\n", encoding="utf-8")
+            (meas / "user.conf").write_text(user_conf_text(runs, scenario), encoding="utf-8")
+            (meas / "README.md").write_text(measurements_readme(sub, runs, scenario), encoding="utf-8")
+            for run in (r for r in runs if r.scenario == scenario):
+                if run.kind == "performance":
+                    dst = tmp / "results" / rel / "performance" / "run_1"
+                    dst.mkdir(parents=True)
+                    for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+                        shutil.copyfile(run.folder / name, dst / name)
+                elif run.kind == "accuracy":
+                    dst = tmp / "results" / rel / "accuracy"
+                    dst.mkdir(parents=True)
+                    for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+                        shutil.copyfile(run.folder / name, dst / name)
+                    digest = truncate_accuracy_log(run.folder / "mlperf_log_accuracy.json",
+                                                   dst / "mlperf_log_accuracy.json")
+                    text = (run.folder / "accuracy.txt").read_text(encoding="utf-8").rstrip("\n")
+                    (dst / "accuracy.txt").write_text(f"{text}\nhash={digest}\n", encoding="utf-8")
+                else:  # a compliance test: MLCommons' verification writes its folder
+                    dst = tmp / "compliance" / rel
+                    dst.mkdir(parents=True, exist_ok=True)
+                    _verify_test06(sub, run, dst)
+        move_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def calibration_text(cfg: MLPerfConfig) -> str:
+    if cfg.spec.quantize:
+        how = (f"The linear layers' weights are quantized to {cfg.spec.quantize} per output channel when the model "
+               "loads, from the weights alone: no calibration data is used.")
+    else:
+        how = "No quantization: the weights run as given (cast to the run's dtype); no calibration data is used."
+    return f"# Calibration\n\n{how}\n"
+
+
+# --- the checker ------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckerResult:
+    passed: bool
+    summary: str  # its SUMMARY line (or why there is none)
+    log: Path
+    errors: list[str]
+
+
+def run_checker(inference: Path, submission_root: Path, round_name: str, log: Path) -> CheckerResult:
+    """MLCommons' submission checker on `submission_root` (its output kept in `log`)."""
+    tools = Path(inference) / "tools" / "submission"
+    if not (tools / "submission_checker" / "main.py").is_file():
+        raise GptjError(f"{tools}: no submission_checker there (is --mlperf-inference a checkout of "
+                        "github.com/mlcommons/inference?)")
+    csv = log.with_suffix(".csv")
+    cmd = [sys.executable, "-m", "submission_checker.main", "--input", str(Path(submission_root).resolve()),
+           "--version", round_name, "--csv", str(csv.resolve())]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tools.resolve())}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(log.parent.resolve()), env=env)
+    output = done.stdout + done.stderr
+    atomic_write_text(log, f"$ {' '.join(cmd)}\n{output}")
+    summary = next((line.split("SUMMARY:", 1)[1].strip() for line in output.splitlines() if "SUMMARY:" in line),
+                   f"no SUMMARY line (exit {done.returncode})")
+    errors = [line for line in output.splitlines() if " ERROR]" in line]
+    return CheckerResult(done.returncode == 0 and summary == "submission looks OK", summary, log, errors)
+
+
+# --- the whole job ----------------------------------------------------------------------------------
+
+
+def check_division(sub: SubmissionConfig) -> None:
+    """The closed division runs MLPerf's generation settings (the open one may change anything)."""
+    if sub.division != "closed":
+        return
+    from gptj.mlperf.run import official_differences
+
+    diff = official_differences(sub.run.gen)
+    if diff:
+        raise GptjError(f"the closed division runs MLPerf's generation settings; these differ: {', '.join(diff)}")
+    if sub.run.max_examples is not None:
+        raise GptjError("the closed division's accuracy run covers the whole data set: drop --max-examples")
+
+
+def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[str, str]]]:
+    """Everything checked before the first run: (system description, runs, each run's status)."""
+    from gptj.mlperf import sysdesc
+
+    check_division(sub)
+    if sub.tree.exists() and not sub.force:
+        raise GptjError(f"{sub.tree} exists; --force replaces it")
+    flags = {"submitter": sub.submitter, "system_name": sub.system_name, "division": sub.division,
+             "system_type": sub.category}
+    Path(sub.system_desc).parent.mkdir(parents=True, exist_ok=True)
+    system = sysdesc.resolve(Path(sub.system_desc), sysdesc.probe(sub.run.spec.device), flags)
+    if sub.mlperf_inference is not None and not (Path(sub.mlperf_inference) / "tools" / "submission").is_dir():
+        raise GptjError(f"{sub.mlperf_inference}: not a checkout of github.com/mlcommons/inference "
+                        "(no tools/submission)")
+    runs = plan(sub)
+    statuses = [run_status(r) for r in runs]
+    problems = [why for r, (state, why) in zip(runs, statuses)
+                if state == "different" or (sub.assemble_only and state != "done")]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        hint = "" if sub.assemble_only else "; remove that folder to make the run again"
+        raise GptjError(f"{problems[0]}{more}{hint}")
+    return system, runs, statuses
+
+
+def submit(sub: SubmissionConfig, on_run=None, say=None):  # noqa: ANN001, ANN201
+    """Make the runs still missing, assemble the tree, run the checker when it is at hand.
+
+    `on_run(planned, result)` after each run made; `say(line)` for progress lines.
+    Returns (tree folder, CheckerResult or None)."""
+    from gptj.mlperf.run import run as run_one
+
+    say = say or (lambda line: print(line, file=sys.stderr))
+    system, runs, statuses = prepare(sub)
+    for i, (planned, (state, _)) in enumerate(zip(runs, statuses), 1):
+        if state == "done":
+            say(f"[{i}/{len(runs)}] {planned.label}: reusing {planned.folder}")
+            continue
+        if planned.folder.exists():  # an interrupted or unfinished run of ours: made again from scratch
+            shutil.rmtree(planned.folder)
+        say(f"[{i}/{len(runs)}] {planned.label} -> {planned.folder}")
+        result = run_one(planned.cfg)
+        if on_run is not None:
+            on_run(planned, result)
+    tree = assemble(sub, runs, system)
+    say(f"submission tree: {tree}")
+    checker = None
+    if sub.mlperf_inference is not None:
+        checker = run_checker(Path(sub.mlperf_inference), Path(sub.out), sub.round,
+                              Path(sub.runs_dir) / "checker.log")
+    return tree, checker
