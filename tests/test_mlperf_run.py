@@ -81,7 +81,8 @@ def test_offline_accuracy_answers_every_sample_once_as_generate_does(model_dir, 
 def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario, extra):
     log_dir = tmp_path / scenario
     args = ["--scenario", scenario, "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
-            "--max-new-tokens", "4", "--max-examples", "12", "--min-duration-ms", "200", "--min-query-count", "24"]
+            "--max-new-tokens", "4", "--max-examples", "12", "--min-duration-ms", "200", "--min-query-count", "24",
+            "--max-query-count", "0"]  # no cap: LoadGen's own count, which gptj predicts
     assert mlperf(model_dir, log_dir, *args, *extra) == 0
     out = capsys.readouterr().out
     assert "Result is" in out
@@ -100,7 +101,7 @@ def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario,
     assert "min query count" in summary and "asked 24 (--min-query-count)" in summary
     # LoadGen's query count is the one gptj predicts (and notes when above the 24 asked).
     cfg = MLPerfConfig(model=model_dir, scenario=scenario, mode="performance", min_duration_ms=200, min_query_count=24,
-                       target_qps=float(extra[1]) if extra[0] == "--target-qps" else None,
+                       max_query_count=0, target_qps=float(extra[1]) if extra[0] == "--target-qps" else None,
                        target_latency_ms=float(extra[1]) if extra[0] == "--target-latency-ms" else None)
     planned, _ = planned_queries(mlperf_run.test_settings(cfg, 12), scenario, 12)
     if scenario == "Offline":
@@ -123,7 +124,8 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(mod
     few samples and gives LoadGen that latency instead."""
     log_dir = tmp_path / "ss"
     args = ["--scenario", "SingleStream", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
-            "--max-new-tokens", "4", "--max-examples", "6", "--min-duration-ms", "1000", "--min-query-count", "10"]
+            "--max-new-tokens", "4", "--max-examples", "6", "--min-duration-ms", "1000", "--min-query-count", "10",
+            "--max-query-count", "0"]  # no cap: LoadGen's own count (test_mlperf_submission checks the cap)
     assert mlperf(model_dir, log_dir, *args) == 0
     err = capsys.readouterr().err
     assert "timing 3 samples" in err
@@ -134,7 +136,7 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(mod
     assert used["target_qps"] == pytest.approx(1000 / expected["value"], rel=1e-3)  # LoadGen took it
     # LoadGen's count follows from the timed latency, as gptj predicts it and says so.
     cfg = MLPerfConfig(model=model_dir, scenario="SingleStream", mode="performance", min_duration_ms=1000,
-                       min_query_count=10)
+                       min_query_count=10, max_query_count=0)
     planned, _ = planned_queries(mlperf_run.test_settings(cfg, 6, expected["value"] / 1000), "SingleStream", 6)
     assert used["min_query_count"] == planned == used["result_query_count"]
     summary = (log_dir / "summary.md").read_text()

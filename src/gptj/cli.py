@@ -864,6 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is not None and "argv" in vars(args) and args.argv is None:
+        args.argv = ["gptj", *argv]  # the command a run records (run.json, a submission's README)
     try:
         if getattr(args, "threads", None) is not None and args.command not in _OWN_THREADS:
             from gptj.runtime import set_threads

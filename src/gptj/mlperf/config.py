@@ -36,6 +36,9 @@ class MLPerfConfig:
     max_query_count: int | None = None
     performance_sample_count: int | None = None  # None: mlperf.conf's (13,368), at most the data set's size
     audit_config: Path | None = None  # a compliance test's audit.config (None: none, whatever the cwd holds)
+    # LoadGen's use_token_latencies: it logs each answer's token count, and its first token (TEST06
+    # checks both); beam search reports an answer's first token when the search ends
+    token_latencies: bool = False
     round: str | None = None  # an MLPerf round's seeds (rules.ROUNDS); None: LoadGen's built-in mlperf.conf's
     max_batch_size: int | None = None  # samples per batch (the SUT's; the engine runs x num_beams sequences)
     batch_wait_ms: float | None = None
@@ -90,6 +93,7 @@ class MLPerfConfig:
         return {
             "scenario": self.scenario, "mode": self.mode, "model": path(self.model), "server": self.server,
             "dataset": path(self.dataset), "max_examples": self.max_examples, "round": self.round,
+            "token_latencies": self.token_latencies,
             "generation": dataclasses.asdict(self.gen),
             "spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "path"},
             "user_conf": content(self.user_conf), "audit_config": content(self.audit_config),

@@ -86,6 +86,8 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
         settings.FromConfig(str(cfg.user_conf), MODEL_NAME, cfg.scenario, 1)
     settings.scenario = getattr(lg.TestScenario, cfg.scenario)
     settings.mode = lg.TestMode.AccuracyOnly if cfg.mode == "accuracy" else lg.TestMode.PerformanceOnly
+    if cfg.token_latencies:
+        settings.use_token_latencies = True
     if cfg.performance_sample_count is not None:
         settings.performance_sample_count_override = cfg.performance_sample_count
     # The real set has 13,368 samples; a smaller set is used whole.
@@ -432,7 +434,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
     total = len(dataset) if cfg.mode == "accuracy" else None
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, performance_samples)
-    sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update)
+    sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update,
+              first_token_at_end=cfg.token_latencies and cfg.gen.num_beams > 1)
     finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario, audit)
     interrupted = sut.interrupted
     if finished:

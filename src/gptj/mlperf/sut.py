@@ -151,8 +151,11 @@ class SUTStats:
 
 class SUT:
     def __init__(self, backend: Backend, dataset: Dataset, gen: GenerationConfig, batching: Batching,
-                 on_complete: Callable[[int], None] | None = None) -> None:
+                 on_complete: Callable[[int], None] | None = None, first_token_at_end: bool = False) -> None:
+        """`first_token_at_end`: report each answer's first token to LoadGen with the answer (beam
+        search has no final token before it ends; LoadGen's use_token_latencies wants one)."""
         self.backend, self.dataset, self.gen, self.batching = backend, dataset, gen, batching
+        self.first_token_at_end = first_token_at_end
         self.stats = SUTStats()
         self._lock = threading.Lock()  # completions arrive on the engine's thread
         self.error: BaseException | None = None
@@ -255,6 +258,9 @@ class SUT:
             if error is not None:
                 with self._lock:
                     self.error = self.error or GptjError(f"sample {item.index}: {error}")
+            if self.first_token_at_end:
+                lg.FirstTokenComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.itemsize if len(a) else 0,
+                                                              min(1, len(a)))])
             lg.QuerySamplesComplete([lg.QuerySampleResponse(item.sample_id, a.ctypes.data, a.nbytes, len(a))])
         with self._lock:
             st = self.stats

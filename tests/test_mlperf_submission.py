@@ -1,0 +1,362 @@
+"""`gptj submission`: the official tree, checked by MLCommons' own submission checker; its bad
+input; and the LoadGen options submitters reach for (query counts, audit.config).
+
+MLCommons' checker and compliance tests are used from the project's sibling folder
+../shared/mlperf-inference (a copy of github.com/mlcommons/inference's tools/submission and
+compliance/); the tests that need them skip, saying so, where it is absent."""
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptj.cli import EXIT_CHECKER_ERRORS, main
+from gptj.config import get_preset
+from gptj.mlperf import rules, submission, sysdesc
+from gptj.weights.io import random_state_dict, save_checkpoint
+
+INFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "mlperf-inference"
+needs_inference = pytest.mark.skipif(
+    not (INFERENCE / "tools" / "submission" / "submission_checker" / "main.py").is_file(),
+    reason=f"MLCommons' submission checker is not at {INFERENCE} (a copy of github.com/mlcommons/inference)")
+
+# Short runs of a tiny model on the bundled 30-sample set: each flag below shortens what an
+# official run must have, and the checker's errors about exactly that are the only ones allowed (64
+# queries: the fewest with which LoadGen's early stopping can judge a SingleStream run).
+SHORT = ["--min-duration-ms", "200", "--min-query-count", "64", "--num-beams", "1", "--max-new-tokens", "12",
+         "--min-new-tokens", "0", "--target-qps", "50", "--quiet"]
+ALLOWED_ERRORS = {
+    # the bundled set has 30 samples: the official run has 13,368 performance samples ...
+    "performance sample count": r"performance_sample_count, found 30, needs to be >= 13368",
+    # ... and its accuracy run covers all 13,368 (the checker's spelling)
+    "accuracy data set size": r"accurcy run does not cover all dataset, accuracy samples: 30, dataset size: 13368",
+    # --min-duration-ms 200 (official: 600 s)
+    "min duration": r"Test duration less than 600s in user config\. expected=600000, found=200",
+    # the checker's v5.0 tables lack gptj in OFFLINE_MIN_SPQ_SINCE_V4: its min_query_count_check raises
+    # on every Offline gptj result, full-length or not (see test_the_checker_knows_gptj_only_in_v5_0)
+    "checker: Offline min query count": r"Execution occurred in running check \S+/Offline/performance/run_1/"
+                                        r"mlperf_log_detail\.txt\. Running min_query_count_check in PerformanceCheck",
+    # the consequences of the above, as the checker sums them up
+    "a check group failed": r"Some (performance|accuracy) checks Checks failed for: ",
+    "no result": r"NoResults ",
+    "summary": r"SUMMARY: submission has errors",
+}
+ALLOWED_CLOSED = {
+    # random weights: ROUGE is 0 (in the open division the checker only warns)
+    "accuracy target": r"accuracy not met",
+}
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cfg = get_preset("tiny")
+    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
+
+
+def complete_desc(path: Path, **fields) -> Path:
+    """A system description with what no program knows filled in (as a submitter would)."""
+    data = {"status": "available", "cooling": "air", "host_memory_configuration": "1x 24 GB (virtual machine)",
+            "host_storage_type": "SSD", "host_networking": "Ethernet", "host_network_card_count": "1", **fields}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def submit(model_dir, root: Path, *extra: str, division="open", category="edge", desc=True):
+    runs = root / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    if desc:
+        complete_desc(runs / "system_desc.json")
+    return main(["submission", "--model", str(model_dir), "--out", str(root / "out"), "--runs-dir", str(runs),
+                 "--submitter", "gptjteam", "--system-name", "cpu2", "--division", division, "--category", category,
+                 "--round", "v5.0", *SHORT, *extra])
+
+
+def checker_errors(log: Path) -> list[str]:
+    text = log.read_text()
+    assert "Traceback" not in text, text[-2000:]
+    return [line.split(" ERROR] ", 1)[1] for line in text.splitlines() if " ERROR] " in line]
+
+
+def unexpected(errors: list[str], allowed: dict[str, str]) -> list[str]:
+    return [e for e in errors if not any(re.search(p, e) for p in allowed.values())]
+
+
+@needs_inference
+def test_open_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_satisfies(model_dir, tmp_path,
+                                                                                        capsys):
+    rc = submit(model_dir, tmp_path, "--mlperf-inference", str(INFERENCE))
+    out = capsys.readouterr()
+    assert rc == EXIT_CHECKER_ERRORS, out.err[-2000:]
+    assert "MLCommons' checker: submission has errors" in out.out
+    log = tmp_path / "runs" / "checker.log"
+    errors = checker_errors(log)
+    assert unexpected(errors, ALLOWED_ERRORS) == []
+    text = log.read_text()
+    tree = tmp_path / "out" / "open" / "gptjteam"
+    for scenario in ("Offline", "SingleStream"):
+        # every structural check group passed (the folder layout, the system, the measurements)
+        assert f"All system checks checks passed for: {tree}/results/cpu2" in text
+        assert f"All measurement checks checks passed for: {tree}/measurements/cpu2/gptj-99/{scenario}/" \
+               f"cpu2_gptj_{scenario}.json" in text
+        # the round's seeds, and the SingleStream run's early stopping, are right
+        assert "rng_seed is wrong" not in text and "Early stopping condition was not met" not in text
+        # accuracy.txt parses: the checker warns about each of the four scores (random weights)
+        assert len(re.findall(rf"{scenario}/accuracy/mlperf_log_detail\.txt accuracy not met", text)) == 4
+        acc = tree / "results" / "cpu2" / "gptj-99" / scenario / "accuracy"
+        original = tmp_path / "runs" / scenario / "accuracy" / "mlperf_log_accuracy.json"
+        digest = hashlib.sha256(original.read_bytes()).hexdigest()
+        assert (acc / "accuracy.txt").read_text().splitlines()[-1] == f"hash={digest}"
+        assert (acc / "mlperf_log_accuracy.json").stat().st_size <= submission.MAX_ACCURACY_LOG_BYTES
+        meas = tree / "measurements" / "cpu2" / "gptj-99" / scenario
+        assert f"gptj.{scenario}.min_duration = 200" in (meas / "user.conf").read_text()
+        assert "gptj submission" in (meas / "README.md").read_text()
+    assert json.loads((tree / "systems" / "cpu2.json").read_text())["framework"].startswith("gptj ")
+    assert (tree / "code" / "gptj" / "mlperf" / "submission.py").is_file()
+
+    # Assembling again reuses every run (none is made), and gives the same tree (the READMEs name the
+    # command that assembled it).
+    def files():
+        return {p.relative_to(tree): p.read_bytes() for p in tree.rglob("*") if p.is_file() and p.name != "README.md"}
+
+    before = files()
+    assert submit(model_dir, tmp_path, "--assemble-only", "--force") == 0
+    err = capsys.readouterr().err
+    assert err.count("reusing") == 4 and "->" not in err
+    assert files() == before
+    assert "--assemble-only" in (tree / "measurements" / "cpu2" / "gptj-99" / "Offline" / "README.md").read_text()
+
+
+@needs_inference
+def test_closed_division_writes_the_compliance_tests_the_checker_reads(model_dir, tmp_path, capsys, monkeypatch):
+    # Closed runs MLPerf's generation settings (4 beams, up to 128 tokens: minutes on 2 cores). What this
+    # test checks is the compliance folders, so it lets the short settings through; that the closed
+    # division refuses them is test_bad_input's.
+    from gptj.mlperf import run as mlperf_run
+
+    monkeypatch.setattr(mlperf_run, "official_differences", lambda gen: [])
+    rc = submit(model_dir, tmp_path, "--mlperf-inference", str(INFERENCE), "--max-examples", "8",
+                division="closed")
+    assert rc == EXIT_CHECKER_ERRORS, capsys.readouterr().err[-2000:]
+    log = tmp_path / "runs" / "checker.log"
+    allowed = {**ALLOWED_ERRORS, **ALLOWED_CLOSED,
+               "performance sample count": r"performance_sample_count, found 8, needs to be >= 13368",
+               "accuracy data set size": r"accurcy run does not cover all dataset, accuracy samples: 8, "}
+    assert unexpected(checker_errors(log), allowed) == []
+    text = log.read_text()
+    tree = tmp_path / "out" / "closed" / "gptjteam"
+    for scenario in ("Offline", "SingleStream"):
+        assert f"All compliance check checks passed for: {tree}/compliance/cpu2/gptj-99/{scenario}/" in text
+        verify = (tree / "compliance" / "cpu2" / "gptj-99" / scenario / "TEST06" / "verify_accuracy.txt").read_text()
+        assert "EOS check pass: True" in verify and "Sample length check pass: True" in verify
+        assert ("First token check pass: Skipped" if scenario == "Offline" else "First token check pass: True") \
+            in verify
+        # the compliance run ran with TEST06's audit.config, kept in its folder; the result runs did not
+        runs = tmp_path / "runs" / scenario
+        assert (runs / "TEST06" / "audit.config").read_bytes() == \
+            (INFERENCE / "compliance" / "TEST06" / "audit.config").read_bytes()
+        assert not (runs / "performance" / "audit.config").exists()
+
+
+def _tree_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty field", "the system description needs cooling"),
+    ("bad status", "status is 'shipping'"),
+    ("contradicts a flag", "submitter is 'someone-else' but the command says 'gptjteam'"),
+    ("round without gptj", "MLPerf Inference v5.1 has no GPT-J benchmark"),
+    ("closed, unofficial generation", "the closed division runs MLPerf's generation settings; these differ: "
+                                      "max_new_tokens=12"),
+    ("closed without compliance tests", "needs MLCommons' compliance test TEST06: give a checkout"),
+])
+def test_bad_input_is_one_line_before_any_run(model_dir, tmp_path, capsys, case, message):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    desc = {"empty field": {"cooling": ""}, "bad status": {"status": "shipping"},
+            "contradicts a flag": {"submitter": "someone-else"}}.get(case, {})
+    complete_desc(runs / "system_desc.json", **desc)
+    extra = ["--round", "v5.1"] if case == "round without gptj" else []
+    division = "closed" if case.startswith("closed") else "open"
+    if case == "closed without compliance tests":
+        extra = ["--num-beams", "4", "--max-new-tokens", "128", "--min-new-tokens", "30"]
+    rc = main(["submission", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--runs-dir", str(runs),
+               "--submitter", "gptjteam", "--system-name", "cpu2", "--division", division, "--category", "edge",
+               *SHORT, *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # nothing written ...
+    assert sorted(p.name for p in runs.iterdir()) == ["system_desc.json"]  # ... and no run made
+
+
+def test_a_missing_description_is_written_for_the_submitter_to_complete(model_dir, tmp_path, capsys):
+    rc = submit(model_dir, tmp_path, desc=False)
+    err = capsys.readouterr().err.strip()
+    written = tmp_path / "runs" / "system_desc.json"
+    assert rc == 1 and len(err.splitlines()) == 1 and f"{written}: wrote the system description" in err
+    data = json.loads(written.read_text())
+    assert set(sysdesc.REQUIRED) <= set(data)
+    assert data["submitter"] == "gptjteam" and data["system_type"] == "edge" and data["division"] == "open"
+    blanks = [k for k in sysdesc.MEANINGFUL if not str(data[k]).strip()]
+    assert "status" in blanks and "cooling" in blanks and all(k in err for k in blanks)
+    assert not (tmp_path / "out").exists()
+
+
+def test_assembling_names_a_missing_run_or_a_run_of_other_settings(model_dir, tmp_path, capsys):
+    assert submit(model_dir, tmp_path) == 0
+    tree = tmp_path / "out" / "open" / "gptjteam"
+    before = {p: p.read_bytes() for p in _tree_files(tree)}
+    runs = tmp_path / "runs"
+
+    def assemble(*extra):
+        rc = submit(model_dir, tmp_path, "--assemble-only", "--force", *extra)
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and len(err.splitlines()) == 1, err
+        assert {p: p.read_bytes() for p in _tree_files(tree)} == before  # the tree is untouched
+        return err
+
+    capsys.readouterr()
+    # other settings than the runs were made with
+    assert "not the Offline performance run asked for: generation.max_new_tokens 12 (wanted 8)" in \
+        assemble("--max-new-tokens", "8")
+    # a run of the wrong scenario where another belongs
+    shutil.rmtree(runs / "SingleStream" / "performance")
+    shutil.copytree(runs / "Offline" / "performance", runs / "SingleStream" / "performance")
+    assert "not the SingleStream performance run asked for: scenario 'Offline' (wanted 'SingleStream')" in assemble()
+    # a missing run
+    shutil.rmtree(runs / "SingleStream" / "performance")
+    assert f"{runs / 'SingleStream' / 'performance'}: no such run" in assemble()
+    # an interrupted one
+    shutil.copytree(runs / "Offline" / "accuracy", runs / "SingleStream" / "performance")
+    made = json.loads((runs / "Offline" / "accuracy" / "run.json").read_text())
+    made["interrupted"] = {"loadgen_finished": False}
+    (runs / "Offline" / "accuracy" / "run.json").write_text(json.dumps(made))
+    assert "Offline/accuracy: the run was interrupted" in assemble()
+
+
+def test_truncation_keeps_head_and_tail_and_hashes_the_whole_log(tmp_path):
+    entries = [{"seq_id": i, "qsl_idx": i, "data": f"{i:064x}" * 4, "token_count": 16} for i in range(200)]
+    src = tmp_path / "mlperf_log_accuracy.json"
+    src.write_text(json.dumps(entries, indent=1))
+    dst = tmp_path / "truncated.json"
+    digest = submission.truncate_accuracy_log(src, dst)
+    text, whole = dst.read_text(), src.read_text()
+    assert digest == hashlib.sha256(src.read_bytes()).hexdigest()
+    keep = submission.TRUNCATE_KEEP_CHARS
+    assert text == whole[:keep] + "\n\n...\n\n" + whole[-keep:]
+    assert len(text.encode()) <= submission.MAX_ACCURACY_LOG_BYTES
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(entries[:3]))
+    submission.truncate_accuracy_log(small, dst)
+    assert dst.read_text() == small.read_text()  # a small log is kept whole
+
+
+def test_the_probed_description_has_every_field_the_checker_requires():
+    probed = sysdesc.probe("cpu")
+    assert set(sysdesc.REQUIRED) <= set(probed)
+    assert probed["accelerators_per_node"] == "0" and probed["accelerator_model_name"] == sysdesc.NOT_APPLICABLE
+    assert int(probed["host_processor_core_count"]) >= 1 and probed["framework"].startswith("gptj ")
+    # what no program can know stays blank, to be filled by the submitter
+    assert probed["cooling"] == "" and probed["host_memory_configuration"] == ""
+    desc = sysdesc.merge(probed, {"status": "Available", "cooling": "air", "host_memory_configuration": "8x 32 GB",
+                                  "host_storage_type": "SSD", "host_networking": "Ethernet",
+                                  "host_network_card_count": "1", "framework": ""},
+                         {"submitter": "a", "system_name": "b", "division": "open", "system_type": "edge"}, "f")
+    assert desc["framework"] == probed["framework"]  # an empty value does not erase a probed one
+    sysdesc.check(desc, "f")
+    for bad, message in ((dict(number_of_nodes="one"), "number_of_nodes must be a whole number"),
+                         (dict(is_network="false"), "is_network is for the network division")):
+        with pytest.raises(Exception, match=message):
+            sysdesc.check({**desc, **bad}, "f")
+
+
+@needs_inference
+def test_the_checker_knows_gptj_only_in_v5_0(monkeypatch):
+    """rules.py's facts about the checker: gptj in round v5.0 only, and its Offline defect."""
+    monkeypatch.syspath_prepend(str(INFERENCE / "tools" / "submission"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    from submission_checker import constants
+
+    for name in rules.BENCHMARKS:
+        assert name in constants.MODEL_CONFIG["v5.0"]["models"]
+        for dropped in rules.DROPPED:
+            assert name not in constants.MODEL_CONFIG[dropped]["models"]
+        assert name not in constants.OFFLINE_MIN_SPQ_SINCE_V4
+        assert constants.MODEL_CONFIG["v5.0"]["performance-sample-count"][name] == \
+            rules.ROUNDS["v5.0"].performance_sample_count
+        assert constants.MODEL_CONFIG["v5.0"]["dataset-size"][name] == rules.ROUNDS["v5.0"].dataset_size
+    for category, scenarios in rules.ROUNDS["v5.0"].scenarios.items():
+        assert sorted(constants.MODEL_CONFIG["v5.0"][f"required-scenarios-{category}"]["gptj-99"]) == \
+            sorted(scenarios)
+    assert constants.MODEL_CONFIG["v5.0"]["seeds"] == rules.ROUNDS["v5.0"].seeds
+    assert "gptj-99" in constants.MODEL_CONFIG["v5.0"]["models_TEST06"]
+
+
+# --- gptj mlperf: the options a submitter reaches for ------------------------------------------------
+
+
+def detail(log_dir: Path) -> dict:
+    out = {}
+    for line in (log_dir / "mlperf_log_detail.txt").read_text().splitlines():
+        if line.startswith(":::MLLOG"):
+            record = json.loads(line[len(":::MLLOG"):])
+            out.setdefault(record["key"], record["value"])
+    return out
+
+
+def mlperf(model_dir, log_dir, *extra):
+    return main(["mlperf", "--model", str(model_dir), "--log-dir", str(log_dir), "--mode", "performance",
+                 "--num-beams", "1", "--max-new-tokens", "4", "--min-new-tokens", "0", "--quiet", *extra])
+
+
+@pytest.mark.parametrize("scenario", ["SingleStream", "Server"])
+def test_min_query_count_is_what_a_short_run_issues(model_dir, tmp_path, scenario):
+    extra = ["--target-latency-ms", "20"] if scenario == "SingleStream" else ["--target-qps", "200"]
+    assert mlperf(model_dir, tmp_path / "a", "--scenario", scenario, "--min-duration-ms", "100",
+                  "--min-query-count", "7", *extra) == 0
+    d = detail(tmp_path / "a")
+    # without the cap, LoadGen rounds up to whole passes over the 30 samples (equal-issue mode)
+    assert d["result_query_count"] == 7 and d["effective_max_query_count"] == 7
+    assert mlperf(model_dir, tmp_path / "b", "--scenario", scenario, "--min-duration-ms", "100",
+                  "--min-query-count", "7", "--max-query-count", "0", "--performance-sample-count", "10", *extra) == 0
+    d = detail(tmp_path / "b")
+    # no cap (0): LoadGen's own count, more than asked (whole passes, or the Server schedule)
+    assert d["effective_performance_sample_count"] == 10 and d["result_query_count"] > 7
+
+
+def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(model_dir, tmp_path, monkeypatch):
+    stray = tmp_path / "cwd"
+    stray.mkdir()
+    # an audit config that would change the run: accuracy logging, more queries, no equal issue
+    (stray / "audit.config").write_text("*.*.mode = 2\n*.*.accuracy_log_sampling_target = 100\n"
+                                        "*.*.min_query_count = 11\n*.*.sample_concatenate_permutation = 0\n")
+    args = ["--scenario", "SingleStream", "--target-latency-ms", "20", "--min-duration-ms", "100",
+            "--min-query-count", "5", "--round", "v5.0"]
+    assert mlperf(model_dir, tmp_path / "clean", *args) == 0
+    monkeypatch.chdir(stray)
+    assert mlperf(model_dir, tmp_path / "stray", *args) == 0
+    clean, with_stray = detail(tmp_path / "clean"), detail(tmp_path / "stray")
+    for key in ("effective_min_query_count", "result_query_count", "effective_sample_concatenate_permutation",
+                "effective_accuracy_log_sampling_target", "effective_qsl_rng_seed"):
+        assert with_stray[key] == clean[key], key
+    assert with_stray["effective_qsl_rng_seed"] == rules.ROUNDS["v5.0"].seeds["qsl_rng_seed"]
+    text = (tmp_path / "stray" / "mlperf_log_detail.txt").read_text()
+    assert "Found Audit Config" not in text and not (tmp_path / "stray" / "audit.config").exists()
+
+    assert mlperf(model_dir, tmp_path / "audited", *args, "--audit-config", str(stray / "audit.config")) == 0
+    audited = detail(tmp_path / "audited")
+    assert audited["effective_sample_concatenate_permutation"] is False
+    assert audited["effective_accuracy_log_sampling_target"] == 100
+    assert (tmp_path / "audited" / "audit.config").read_text() == (stray / "audit.config").read_text()
