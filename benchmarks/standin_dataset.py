@@ -23,6 +23,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the JSON file to write")
     p.add_argument("--samples", type=int, default=FULL_DATASET_SIZE, help=f"default {FULL_DATASET_SIZE}")
+    p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
     args = p.parse_args()
     base = json.loads(Path(DEFAULT_DATASET).read_text(encoding="utf-8"))
     out = []
@@ -31,7 +32,11 @@ def main() -> None:
         e["instruction"] = f"{e['instruction'].rstrip()} (stand-in sample {i})\n"
         out.append(e)
     atomic_write_json(args.out, out)
-    print(f"{args.out}: {len(out)} samples built from {len(base)} bundled ones")
+    if args.json:
+        print(json.dumps({"out": args.out, "samples": len(out), "bundled": len(base),
+                          "distinct_prompts": len({(e["instruction"], e["input"]) for e in out})}))
+    else:
+        print(f"{args.out}: {len(out)} samples built from {len(base)} bundled ones")
 
 
 if __name__ == "__main__":

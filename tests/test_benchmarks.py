@@ -186,6 +186,14 @@ def check_soak(out: dict, err: str) -> None:
     assert sum(out["statuses"].values()) == out["attempts"]["total"] and out["statuses"]["200"] == 8
 
 
+def check_standin_dataset(out: dict, err: str) -> None:
+    from gptj.mlperf.dataset import Dataset
+
+    assert (out["samples"], out["bundled"], out["distinct_prompts"]) == (45, 30, 45), out
+    dataset = Dataset.load(out["out"])  # a cnn_eval.json gptj reads
+    assert len(dataset) == 45 and len(set(map(tuple, dataset.input_ids))) == 45
+
+
 def check_train_step(out: dict, err: str) -> None:
     # random weights: the first loss is about ln(vocab), the same for both models (the script checks that)
     assert abs(out["initial_loss"] - math.log(50400)) < 1.0, out["initial_loss"]
@@ -251,6 +259,8 @@ SMOKE: dict[str, Job] = {
                             check_serve_vs_vllm),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
+    "standin_dataset.py": Job("standin_dataset.py", lambda m, tmp: ["--samples", "45", "--out", str(tmp / "s.json"),
+                                                                    "--json"], check_standin_dataset),
     "train_step.py": Job("train_step.py", lambda m, tmp: ["--smoke", "--json"], check_train_step),
 }
 # more runs of a script, for a path its smoke run does not take
