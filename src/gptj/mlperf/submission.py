@@ -29,7 +29,7 @@ from pathlib import Path
 from gptj.errors import GptjError
 from gptj.files import atomic_write_text, move_into_place, temp_sibling
 from gptj.mlperf import rules
-from gptj.mlperf.config import MLPerfConfig
+from gptj.mlperf.config import MODEL_NAME, MLPerfConfig
 
 EOS_TOKEN_ID = 50256  # GPT-J's end of text (TEST06's EOS check)
 MAX_ACCURACY_LOG_BYTES = 10 * 1024  # the checker's MAX_ACCURACY_LOG_SIZE
@@ -184,14 +184,8 @@ def user_conf_text(runs: list[PlannedRun], scenario: str) -> str:
              f"({perf.round} seeds)"]
     for key, conf_key in keys.items():
         if key in asked and asked[key]["source"] not in ("mlperf.conf", "user.conf / mlperf.conf"):
-            lines.append(f"{rules_model()}.{scenario}.{conf_key} = {asked[key]['value']:g}")
+            lines.append(f"{MODEL_NAME}.{scenario}.{conf_key} = {asked[key]['value']:g}")
     return "\n".join(lines) + "\n"
-
-
-def rules_model() -> str:
-    from gptj.mlperf.config import MODEL_NAME
-
-    return MODEL_NAME
 
 
 def _weights(cfg: MLPerfConfig) -> tuple[str, str]:

@@ -226,18 +226,11 @@ def check(desc: dict[str, object], source: str) -> None:
         raise GptjError(f"{source}: is_network is for the network division; leave it out")
 
 
-def template(probed: dict[str, object], flags: dict[str, str]) -> dict[str, object]:
-    """What gptj writes for the submitter to complete: the probe, the flags, and the blanks to fill."""
-    out = merge(probed, {}, flags, "")
-    out.setdefault("status", "")
-    return out
-
-
 def resolve(path: Path, probed: dict[str, object], flags: dict[str, str]) -> dict[str, object]:
     """The system description to submit: `path` merged over the probe and checked. A missing
     `path` is written as a template (the probe, the flags, blanks to fill) and that is an error."""
     if not Path(path).is_file():
-        desc = template(probed, flags)
+        desc = merge(probed, {}, flags, str(path))  # the probe, the flags, and the blanks to fill
         atomic_write_json(path, desc)
         blanks = ", ".join(k for k in MEANINGFUL if _blank(desc.get(k)))
         raise GptjError(f"{path}: wrote the system description this machine gives; fill in {blanks} and run again")
