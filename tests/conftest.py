@@ -36,3 +36,27 @@ def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     else:
         force_fallback(monkeypatch)
     return request.param
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """`gptj mlperf` and `gptj submission` set torch's thread count for the whole process: the test
+    gives the next one its count back. Modules that run them in-process use it for every test."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A checkpoint folder of the tiny preset with random weights, one per test module.
+
+    std 0.3 (not HF's 0.02) keeps the random model's logits far apart, so float rounding
+    differences between a batch and a single prompt cannot flip a near-tie."""
+    from gptj.config import get_preset
+    from gptj.weights.io import random_state_dict, save_checkpoint
+
+    cfg = get_preset("tiny")
+    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")

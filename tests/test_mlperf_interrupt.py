@@ -15,21 +15,13 @@ import time
 
 import pytest
 
-from gptj.config import get_preset
 from gptj.mlperf.dataset import Dataset
-from gptj.weights.io import random_state_dict, save_checkpoint
 
 HANG_GUARD_S = 600  # only so that a regression cannot hang the suite; no speed is asserted
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = get_preset("tiny")
-    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
-
-
-def interrupt_run(model_dir, log_dir, *extra):
-    cmd = [sys.executable, "-m", "gptj.cli", "mlperf", "--model", str(model_dir), "--log-dir", str(log_dir),
+def interrupt_run(tiny_checkpoint, log_dir, *extra):
+    cmd = [sys.executable, "-m", "gptj.cli", "mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(log_dir),
            "--quiet", "--num-beams", "1", "--min-new-tokens", "0", "--max-new-tokens", "8",
            "--min-duration-ms", "600000", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -54,9 +46,9 @@ def interrupt_run(model_dir, log_dir, *extra):
     ("SingleStream", ["--target-latency-ms", "1"]),  # 1.2 million queries expected
     ("Server", ["--target-qps", "5", "--tp", "2"]),  # rank 0 leads LoadGen's run, rank 1 follows it
 ])
-def test_ctrl_c_stops_cleanly_with_readable_logs(model_dir, tmp_path, scenario, extra):
+def test_ctrl_c_stops_cleanly_with_readable_logs(tiny_checkpoint, tmp_path, scenario, extra):
     log_dir = tmp_path / scenario
-    code, out, err = interrupt_run(model_dir, log_dir, "--scenario", scenario, "--mode", "performance", *extra)
+    code, out, err = interrupt_run(tiny_checkpoint, log_dir, "--scenario", scenario, "--mode", "performance", *extra)
     assert code == 130, err[-3000:]
     assert "terminate called" not in err and "Traceback" not in err and "Fatal Python" not in err
     lines = [line for line in err.splitlines() if not line.startswith("note: ")]
@@ -85,11 +77,11 @@ def test_ctrl_c_stops_cleanly_with_readable_logs(model_dir, tmp_path, scenario, 
         assert not info["loadgen_finished"]
 
 
-def test_ctrl_c_in_an_accuracy_run_ends_loadgens_test_and_scores_nothing(model_dir, tmp_path):
+def test_ctrl_c_in_an_accuracy_run_ends_loadgens_test_and_scores_nothing(tiny_checkpoint, tmp_path):
     """SingleStream accuracy: the bundled set (30 samples), each long (4 beams, 128 tokens); once interrupted the rest
     are answered at once, so LoadGen ends its test and every log of it is whole."""
     log_dir = tmp_path / "acc"
-    code, out, err = interrupt_run(model_dir, log_dir, "--scenario", "SingleStream", "--mode", "accuracy",
+    code, out, err = interrupt_run(tiny_checkpoint, log_dir, "--scenario", "SingleStream", "--mode", "accuracy",
                                    "--num-beams", "4", "--min-new-tokens", "128", "--max-new-tokens", "128")
     assert code == 130 and "terminate called" not in err and "Traceback" not in err, err[-3000:]
     run = json.loads((log_dir / "run.json").read_text())

@@ -7,21 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from gptj.cli import main
 from gptj.decode import GenerationConfig
 from gptj.errors import GptjError
 from gptj.mlperf.remote import HTTPBackend, parse_server_url, request_body
 
-
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    """`gptj mlperf` sets torch's thread count for the process; later tests get theirs back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
+# `gptj mlperf` sets torch's thread count for the process: each test gives the next one its count back
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
 
 # --- a fake server ---------------------------------------------------------------------------
@@ -460,28 +453,17 @@ def test_cli_accuracy_run_against_the_fake(tmp_path, capsys):
 # --- against a real gptj server --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # As in test_mlperf_run: std 0.3 keeps the random model's logits apart, so batching differences
-    # between the server and the in-process engine cannot flip a near-tie.
-    from gptj.config import get_preset
-    from gptj.weights.io import random_state_dict, save_checkpoint
-
-    cfg = get_preset("tiny")
-    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
-
-
 @pytest.mark.parametrize("scenario, gen_args", [
     ("Offline", ["--num-beams", "4", "--max-new-tokens", "12", "--min-new-tokens", "3"]),
     ("Server", ["--num-beams", "1", "--max-new-tokens", "6", "--min-new-tokens", "0"]),  # streams (first tokens)
 ])
-def test_a_run_over_the_network_equals_the_run_in_process(model_dir, tmp_path, capsys, scenario, gen_args):
+def test_a_run_over_the_network_equals_the_run_in_process(tiny_checkpoint, tmp_path, capsys, scenario, gen_args):
     from serve_util import running_server
 
     common = ["--scenario", scenario, "--mode", "accuracy", "--max-examples", "3", "--target-qps", "100", "--quiet",
               *gen_args]
-    assert main(["mlperf", "--model", str(model_dir), "--log-dir", str(tmp_path / "local"), *common]) == 0
-    with running_server({"tiny": model_dir}, max_batch_size=8) as url:
+    assert main(["mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(tmp_path / "local"), *common]) == 0
+    with running_server({"tiny": tiny_checkpoint}, max_batch_size=8) as url:
         assert main(["mlperf", "--server", url, "--log-dir", str(tmp_path / "remote"), "--server-concurrency", "3",
                      *common]) == 0
     capsys.readouterr()

@@ -7,34 +7,19 @@ import pytest
 import torch
 
 from gptj.cli import main
-from gptj.config import get_preset
 from gptj.decode import GenerationConfig, generate
 from gptj.mlperf.dataset import Dataset
 from gptj.mlperf import run as mlperf_run  # its test_settings() is no pytest test
 from gptj.mlperf.run import MLPerfConfig, planned_queries
 from gptj.runtime import RESERVED_CORES
-from gptj.weights.io import load_model, random_state_dict, save_checkpoint
+from gptj.weights.io import load_model
+
+# `gptj mlperf` sets torch's thread count for the process: each test gives the next one its count back
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
 
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    """`gptj mlperf` sets torch's thread count for the process; later tests get theirs back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # std 0.3 (not HF's 0.02) keeps the random model's logits far apart, so float rounding
-    # differences between a batch and a single prompt cannot flip a near-tie.
-    cfg = get_preset("tiny")
-    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
-
-
-def mlperf(model_dir, log_dir, *extra):
-    return main(["mlperf", "--model", str(model_dir), "--log-dir", str(log_dir), "--quiet", *extra])
+def mlperf(tiny_checkpoint, log_dir, *extra):
+    return main(["mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(log_dir), "--quiet", *extra])
 
 
 def read_accuracy_log(log_dir):
@@ -42,18 +27,18 @@ def read_accuracy_log(log_dir):
     return {e["qsl_idx"]: np.frombuffer(bytes.fromhex(e["data"]), np.int64).tolist() for e in entries}, entries
 
 
-def test_offline_accuracy_answers_every_sample_once_as_generate_does(model_dir, tmp_path, capsys):
+def test_offline_accuracy_answers_every_sample_once_as_generate_does(tiny_checkpoint, tmp_path, capsys):
     log_dir = tmp_path / "acc"
     args = ["--scenario", "Offline", "--mode", "accuracy", "--max-new-tokens", "24", "--min-new-tokens", "4",
             "--max-batch-size", "4"]
-    assert mlperf(model_dir, log_dir, *args) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     out = capsys.readouterr().out
     assert "ROUGE" in out.upper() and "summary.md" in out
     answers, entries = read_accuracy_log(log_dir)
     dataset = Dataset.load()
     assert sorted(e["qsl_idx"] for e in entries) == list(range(len(dataset)))  # each exactly once
 
-    model = load_model(model_dir)
+    model = load_model(tiny_checkpoint)
     gen = GenerationConfig.mlperf(max_new_tokens=24, min_new_tokens=4)
     with torch.inference_mode():
         for i, prompt in enumerate(dataset.input_ids):
@@ -78,12 +63,12 @@ def test_offline_accuracy_answers_every_sample_once_as_generate_does(model_dir, 
     ("Server", ["--target-qps", "400", "--max-batch-size", "8", "--batch-wait-ms", "20"]),
     ("SingleStream", ["--target-latency-ms", "20"]),
 ])
-def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario, extra):
+def test_performance_runs_write_a_summary(tiny_checkpoint, tmp_path, capsys, scenario, extra):
     log_dir = tmp_path / scenario
     args = ["--scenario", scenario, "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
             "--max-new-tokens", "4", "--max-examples", "12", "--min-duration-ms", "200", "--min-query-count", "24",
             "--max-query-count", "0"]  # no cap: LoadGen's own count, which gptj predicts
-    assert mlperf(model_dir, log_dir, *args, *extra) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args, *extra) == 0
     out = capsys.readouterr().out
     assert "Result is" in out
     summary = (log_dir / "summary.md").read_text()
@@ -100,7 +85,7 @@ def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario,
     assert used["min_duration_ms"] == 200
     assert "min query count" in summary and "asked 24 (--min-query-count)" in summary
     # LoadGen's query count is the one gptj predicts (and notes when above the 24 asked).
-    cfg = MLPerfConfig(model=model_dir, scenario=scenario, mode="performance", min_duration_ms=200, min_query_count=24,
+    cfg = MLPerfConfig(model=tiny_checkpoint, scenario=scenario, mode="performance", min_duration_ms=200, min_query_count=24,
                        max_query_count=0, target_qps=float(extra[1]) if extra[0] == "--target-qps" else None,
                        target_latency_ms=float(extra[1]) if extra[0] == "--target-latency-ms" else None)
     planned, _ = planned_queries(mlperf_run.test_settings(cfg, 12), scenario, 12)
@@ -118,7 +103,7 @@ def test_performance_runs_write_a_summary(model_dir, tmp_path, capsys, scenario,
         assert sut["max_batch"] == 1
 
 
-def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(model_dir, tmp_path, capsys):
+def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(tiny_checkpoint, tmp_path, capsys):
     """With no --target-latency-ms, LoadGen's 10 ms default would set SingleStream's query count
     (2 x min duration / expected latency: 210 here, whatever --min-query-count says); gptj times a
     few samples and gives LoadGen that latency instead."""
@@ -126,7 +111,7 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(mod
     args = ["--scenario", "SingleStream", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
             "--max-new-tokens", "4", "--max-examples", "6", "--min-duration-ms", "1000", "--min-query-count", "10",
             "--max-query-count", "0"]  # no cap: LoadGen's own count (test_mlperf_submission checks the cap)
-    assert mlperf(model_dir, log_dir, *args) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     err = capsys.readouterr().err
     assert "timing 3 samples" in err
     run = json.loads((log_dir / "run.json").read_text())
@@ -135,7 +120,7 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(mod
     assert expected["source"] == "timed on 2 samples" and expected["value"] > 0
     assert used["target_qps"] == pytest.approx(1000 / expected["value"], rel=1e-3)  # LoadGen took it
     # LoadGen's count follows from the timed latency, as gptj predicts it and says so.
-    cfg = MLPerfConfig(model=model_dir, scenario="SingleStream", mode="performance", min_duration_ms=1000,
+    cfg = MLPerfConfig(model=tiny_checkpoint, scenario="SingleStream", mode="performance", min_duration_ms=1000,
                        min_query_count=10, max_query_count=0)
     planned, _ = planned_queries(mlperf_run.test_settings(cfg, 6, expected["value"] / 1000), "SingleStream", 6)
     assert used["min_query_count"] == planned == used["result_query_count"]
@@ -144,11 +129,11 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(mod
     assert "expected latency: asked" in summary and "(timed on 2 samples)" in summary
 
 
-def test_flags_a_scenario_has_no_use_for_are_named(model_dir, tmp_path, capsys):
+def test_flags_a_scenario_has_no_use_for_are_named(tiny_checkpoint, tmp_path, capsys):
     log_dir = tmp_path / "ss"
     args = ["--scenario", "SingleStream", "--mode", "accuracy", "--num-beams", "1", "--min-new-tokens", "0",
             "--max-new-tokens", "2", "--max-examples", "2", "--target-qps", "5", "--max-batch-size", "4"]
-    assert mlperf(model_dir, log_dir, *args) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     err = capsys.readouterr().err
     assert "--target-qps does not apply to SingleStream" in err and "--max-batch-size / --batch-wait-ms" in err
     assert "--target-qps: an accuracy run issues every sample once" in err
@@ -157,13 +142,13 @@ def test_flags_a_scenario_has_no_use_for_are_named(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("threads", [None, 2])
-def test_compute_threads_are_chosen_honoured_and_recorded(model_dir, tmp_path, capsys, threads):
+def test_compute_threads_are_chosen_honoured_and_recorded(tiny_checkpoint, tmp_path, capsys, threads):
     import os
 
     log_dir = tmp_path / "t"
     args = ["--scenario", "Offline", "--mode", "accuracy", "--num-beams", "1", "--min-new-tokens", "0",
             "--max-new-tokens", "2", "--max-examples", "2"] + (["--threads", str(threads)] if threads else [])
-    assert mlperf(model_dir, log_dir, *args) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     recorded = json.loads((log_dir / "run.json").read_text())["threads"]
     cores = len(os.sched_getaffinity(0))
     if threads is None:  # the usable cores less the one kept for LoadGen and the SUT
@@ -176,14 +161,14 @@ def test_compute_threads_are_chosen_honoured_and_recorded(model_dir, tmp_path, c
     assert f"- compute threads: {recorded['compute']} ({recorded['why']})" in summary
 
 
-def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):
+def test_greedy_reports_first_tokens(tiny_checkpoint, tmp_path, capsys):
     """With token latencies asked for in user.conf, LoadGen's summary has first-token latencies."""
     log_dir = tmp_path / "tok"
     (tmp_path / "user.conf").write_text("gptj.Server.use_token_latencies = 1\ngptj.Server.target_qps = 50\n")
     args = ["--scenario", "Server", "--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0",
             "--max-new-tokens", "3", "--max-examples", "4", "--min-duration-ms", "100", "--min-query-count", "8",
             "--user-conf", str(tmp_path / "user.conf")]
-    assert mlperf(model_dir, log_dir, *args) == 0
+    assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     sut = json.loads((log_dir / "run.json").read_text())["sut"]
     assert sut["first_tokens"] == sut["samples"] >= 8  # FirstTokenComplete for every greedy sample
     summary = (log_dir / "mlperf_log_summary.txt").read_text()
@@ -196,8 +181,8 @@ def test_greedy_reports_first_tokens(model_dir, tmp_path, capsys):
     ("not-gptj", "not a GPT-J config"),
     ("missing-model", "no such file or directory"),
 ])
-def test_bad_inputs_fail_in_one_line(model_dir, tmp_path, capsys, setup, message):
-    args = ["mlperf", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs"), "--quiet"]
+def test_bad_inputs_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, setup, message):
+    args = ["mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(tmp_path / "logs"), "--quiet"]
     if setup == "missing-dataset":
         args += ["--dataset", str(tmp_path / "no-such.json")]
     elif setup == "malformed-dataset":
@@ -215,7 +200,7 @@ def test_bad_inputs_fail_in_one_line(model_dir, tmp_path, capsys, setup, message
 
 
 @pytest.mark.parametrize("quiet", [True, False])
-def test_quiet_silences_the_model_load_bars(model_dir, tmp_path, capsys, monkeypatch, quiet):
+def test_quiet_silences_the_model_load_bars(tiny_checkpoint, tmp_path, capsys, monkeypatch, quiet):
     """Loading and preparing a big model draws bars on a terminal; --quiet draws none (this tiny
     model counts as big here, and stderr as a terminal)."""
     import sys
@@ -224,7 +209,7 @@ def test_quiet_silences_the_model_load_bars(model_dir, tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(weights_io, "PROGRESS_MIN_PARAMS", 0)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    args = ["mlperf", "--model", str(model_dir), "--log-dir", str(tmp_path / "run"), "--max-examples", "1",
+    args = ["mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(tmp_path / "run"), "--max-examples", "1",
             "--num-beams", "1", "--max-new-tokens", "2", "--min-new-tokens", "0", "--dtype", "bfloat16",
             "--compile", "off"] + (["--quiet"] if quiet else [])
     assert main(args) == 0
@@ -232,14 +217,14 @@ def test_quiet_silences_the_model_load_bars(model_dir, tmp_path, capsys, monkeyp
     assert ("preparing kernels" in err) is not quiet and ("tensor/s" in err or "tensor]" in err) is not quiet, err
 
 
-def test_truncated_prompts_are_counted_in_the_summary_and_run_json(model_dir, tmp_path, capsys):
+def test_truncated_prompts_are_counted_in_the_summary_and_run_json(tiny_checkpoint, tmp_path, capsys):
     """Inputs over 1919 tokens are cut as the reference cuts them; the run says how many were."""
     long = " ".join(["word"] * 2500)  # a token each, and the template's own: over 1919
     (tmp_path / "eval.json").write_text(json.dumps([
         {"instruction": "Summarize the following news article:", "input": long, "output": "a summary"},
         {"instruction": "Summarize the following news article:", "input": "A short article.", "output": "short"}]))
     log_dir = tmp_path / "run"
-    assert mlperf(model_dir, log_dir, "--dataset", str(tmp_path / "eval.json"), "--num-beams", "1",
+    assert mlperf(tiny_checkpoint, log_dir, "--dataset", str(tmp_path / "eval.json"), "--num-beams", "1",
                   "--min-new-tokens", "0", "--max-new-tokens", "2") == 0
     run = json.loads((log_dir / "run.json").read_text())
     assert run["dataset"] == {"path": str(tmp_path / "eval.json"), "samples": 2, "max_input_tokens": 1919,

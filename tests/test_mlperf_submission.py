@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from gptj.cli import EXIT_CHECKER_ERRORS, main
-from gptj.config import get_preset
 from gptj.mlperf import rules, submission, sysdesc
-from gptj.weights.io import random_state_dict, save_checkpoint
+
+# `gptj mlperf` sets torch's thread count for the process: each test gives the next one its count back
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
 INFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "mlperf-inference"
 needs_inference = pytest.mark.skipif(
@@ -52,19 +52,6 @@ ALLOWED_CLOSED = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = get_preset("tiny")
-    return save_checkpoint(random_state_dict(cfg, seed=5, std=0.3), cfg, tmp_path_factory.mktemp("m") / "tiny")
-
-
 def complete_desc(path: Path, **fields) -> Path:
     """A system description with what no program knows filled in (as a submitter would)."""
     data = {"status": "available", "cooling": "air", "host_memory_configuration": "1x 24 GB (virtual machine)",
@@ -73,12 +60,12 @@ def complete_desc(path: Path, **fields) -> Path:
     return path
 
 
-def submit(model_dir, root: Path, *extra: str, division="open", category="edge", desc=True):
+def submit(tiny_checkpoint, root: Path, *extra: str, division="open", category="edge", desc=True):
     runs = root / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     if desc:
         complete_desc(runs / "system_desc.json")
-    return main(["submission", "--model", str(model_dir), "--out", str(root / "out"), "--runs-dir", str(runs),
+    return main(["submission", "--model", str(tiny_checkpoint), "--out", str(root / "out"), "--runs-dir", str(runs),
                  "--submitter", "gptjteam", "--system-name", "cpu2", "--division", division, "--category", category,
                  "--round", "v5.0", *SHORT, *extra])
 
@@ -94,9 +81,9 @@ def unexpected(errors: list[str], allowed: dict[str, str]) -> list[str]:
 
 
 @needs_inference
-def test_open_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_satisfies(model_dir, tmp_path,
+def test_open_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_satisfies(tiny_checkpoint, tmp_path,
                                                                                         capsys):
-    rc = submit(model_dir, tmp_path, "--mlperf-inference", str(INFERENCE))
+    rc = submit(tiny_checkpoint, tmp_path, "--mlperf-inference", str(INFERENCE))
     out = capsys.readouterr()
     assert rc == EXIT_CHECKER_ERRORS, out.err[-2000:]
     assert "MLCommons' checker: submission has errors" in out.out
@@ -131,7 +118,7 @@ def test_open_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_s
         return {p.relative_to(tree): p.read_bytes() for p in tree.rglob("*") if p.is_file() and p.name != "README.md"}
 
     before = files()
-    assert submit(model_dir, tmp_path, "--assemble-only", "--force") == 0
+    assert submit(tiny_checkpoint, tmp_path, "--assemble-only", "--force") == 0
     err = capsys.readouterr().err
     assert err.count("reusing") == 4 and "->" not in err
     assert files() == before
@@ -139,14 +126,14 @@ def test_open_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_s
 
 
 @needs_inference
-def test_closed_division_writes_the_compliance_tests_the_checker_reads(model_dir, tmp_path, capsys, monkeypatch):
+def test_closed_division_writes_the_compliance_tests_the_checker_reads(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     # Closed runs MLPerf's generation settings (4 beams, up to 128 tokens: minutes on 2 cores). What this
     # test checks is the compliance folders, so it lets the short settings through; that the closed
     # division refuses them is test_bad_input's.
     from gptj.mlperf import run as mlperf_run
 
     monkeypatch.setattr(mlperf_run, "official_differences", lambda gen: [])
-    rc = submit(model_dir, tmp_path, "--mlperf-inference", str(INFERENCE), "--max-examples", "8",
+    rc = submit(tiny_checkpoint, tmp_path, "--mlperf-inference", str(INFERENCE), "--max-examples", "8",
                 division="closed")
     assert rc == EXIT_CHECKER_ERRORS, capsys.readouterr().err[-2000:]
     log = tmp_path / "runs" / "checker.log"
@@ -182,7 +169,7 @@ def _tree_files(root: Path) -> list[Path]:
                                       "max_new_tokens=12"),
     ("closed without compliance tests", "needs MLCommons' compliance test TEST06: give a checkout"),
 ])
-def test_bad_input_is_one_line_before_any_run(model_dir, tmp_path, capsys, case, message):
+def test_bad_input_is_one_line_before_any_run(tiny_checkpoint, tmp_path, capsys, case, message):
     runs = tmp_path / "runs"
     runs.mkdir()
     desc = {"empty field": {"cooling": ""}, "bad status": {"status": "shipping"},
@@ -192,7 +179,7 @@ def test_bad_input_is_one_line_before_any_run(model_dir, tmp_path, capsys, case,
     division = "closed" if case.startswith("closed") else "open"
     if case == "closed without compliance tests":
         extra = ["--num-beams", "4", "--max-new-tokens", "128", "--min-new-tokens", "30"]
-    rc = main(["submission", "--model", str(model_dir), "--out", str(tmp_path / "out"), "--runs-dir", str(runs),
+    rc = main(["submission", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"), "--runs-dir", str(runs),
                "--submitter", "gptjteam", "--system-name", "cpu2", "--division", division, "--category", "edge",
                *SHORT, *extra])
     err = capsys.readouterr().err.strip()
@@ -201,8 +188,8 @@ def test_bad_input_is_one_line_before_any_run(model_dir, tmp_path, capsys, case,
     assert sorted(p.name for p in runs.iterdir()) == ["system_desc.json"]  # ... and no run made
 
 
-def test_a_missing_description_is_written_for_the_submitter_to_complete(model_dir, tmp_path, capsys):
-    rc = submit(model_dir, tmp_path, desc=False)
+def test_a_missing_description_is_written_for_the_submitter_to_complete(tiny_checkpoint, tmp_path, capsys):
+    rc = submit(tiny_checkpoint, tmp_path, desc=False)
     err = capsys.readouterr().err.strip()
     written = tmp_path / "runs" / "system_desc.json"
     assert rc == 1 and len(err.splitlines()) == 1 and f"{written}: wrote the system description" in err
@@ -214,14 +201,14 @@ def test_a_missing_description_is_written_for_the_submitter_to_complete(model_di
     assert not (tmp_path / "out").exists()
 
 
-def test_assembling_names_a_missing_run_or_a_run_of_other_settings(model_dir, tmp_path, capsys):
-    assert submit(model_dir, tmp_path) == 0
+def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoint, tmp_path, capsys):
+    assert submit(tiny_checkpoint, tmp_path) == 0
     tree = tmp_path / "out" / "open" / "gptjteam"
     before = {p: p.read_bytes() for p in _tree_files(tree)}
     runs = tmp_path / "runs"
 
     def assemble(*extra):
-        rc = submit(model_dir, tmp_path, "--assemble-only", "--force", *extra)
+        rc = submit(tiny_checkpoint, tmp_path, "--assemble-only", "--force", *extra)
         err = capsys.readouterr().err.strip()
         assert rc == 1 and len(err.splitlines()) == 1, err
         assert {p: p.read_bytes() for p in _tree_files(tree)} == before  # the tree is untouched
@@ -316,27 +303,27 @@ def detail(log_dir: Path) -> dict:
     return out
 
 
-def mlperf(model_dir, log_dir, *extra):
-    return main(["mlperf", "--model", str(model_dir), "--log-dir", str(log_dir), "--mode", "performance",
+def mlperf(tiny_checkpoint, log_dir, *extra):
+    return main(["mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(log_dir), "--mode", "performance",
                  "--num-beams", "1", "--max-new-tokens", "4", "--min-new-tokens", "0", "--quiet", *extra])
 
 
 @pytest.mark.parametrize("scenario", ["SingleStream", "Server"])
-def test_min_query_count_is_what_a_short_run_issues(model_dir, tmp_path, scenario):
+def test_min_query_count_is_what_a_short_run_issues(tiny_checkpoint, tmp_path, scenario):
     extra = ["--target-latency-ms", "20"] if scenario == "SingleStream" else ["--target-qps", "200"]
-    assert mlperf(model_dir, tmp_path / "a", "--scenario", scenario, "--min-duration-ms", "100",
+    assert mlperf(tiny_checkpoint, tmp_path / "a", "--scenario", scenario, "--min-duration-ms", "100",
                   "--min-query-count", "7", *extra) == 0
     d = detail(tmp_path / "a")
     # without the cap, LoadGen rounds up to whole passes over the 30 samples (equal-issue mode)
     assert d["result_query_count"] == 7 and d["effective_max_query_count"] == 7
-    assert mlperf(model_dir, tmp_path / "b", "--scenario", scenario, "--min-duration-ms", "100",
+    assert mlperf(tiny_checkpoint, tmp_path / "b", "--scenario", scenario, "--min-duration-ms", "100",
                   "--min-query-count", "7", "--max-query-count", "0", "--performance-sample-count", "10", *extra) == 0
     d = detail(tmp_path / "b")
     # no cap (0): LoadGen's own count, more than asked (whole passes, or the Server schedule)
     assert d["effective_performance_sample_count"] == 10 and d["result_query_count"] > 7
 
 
-def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(model_dir, tmp_path, monkeypatch):
+def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(tiny_checkpoint, tmp_path, monkeypatch):
     stray = tmp_path / "cwd"
     stray.mkdir()
     # an audit config that would change the run: accuracy logging, more queries, no equal issue
@@ -344,9 +331,9 @@ def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(model_dir,
                                         "*.*.min_query_count = 11\n*.*.sample_concatenate_permutation = 0\n")
     args = ["--scenario", "SingleStream", "--target-latency-ms", "20", "--min-duration-ms", "100",
             "--min-query-count", "5", "--round", "v5.0"]
-    assert mlperf(model_dir, tmp_path / "clean", *args) == 0
+    assert mlperf(tiny_checkpoint, tmp_path / "clean", *args) == 0
     monkeypatch.chdir(stray)
-    assert mlperf(model_dir, tmp_path / "stray", *args) == 0
+    assert mlperf(tiny_checkpoint, tmp_path / "stray", *args) == 0
     clean, with_stray = detail(tmp_path / "clean"), detail(tmp_path / "stray")
     for key in ("effective_min_query_count", "result_query_count", "effective_sample_concatenate_permutation",
                 "effective_accuracy_log_sampling_target", "effective_qsl_rng_seed"):
@@ -355,7 +342,7 @@ def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(model_dir,
     text = (tmp_path / "stray" / "mlperf_log_detail.txt").read_text()
     assert "Found Audit Config" not in text and not (tmp_path / "stray" / "audit.config").exists()
 
-    assert mlperf(model_dir, tmp_path / "audited", *args, "--audit-config", str(stray / "audit.config")) == 0
+    assert mlperf(tiny_checkpoint, tmp_path / "audited", *args, "--audit-config", str(stray / "audit.config")) == 0
     audited = detail(tmp_path / "audited")
     assert audited["effective_sample_concatenate_permutation"] is False
     assert audited["effective_accuracy_log_sampling_target"] == 100
