@@ -346,4 +346,9 @@ def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(tiny_check
     audited = detail(tmp_path / "audited")
     assert audited["effective_sample_concatenate_permutation"] is False
     assert audited["effective_accuracy_log_sampling_target"] == 100
+    # what gptj reports asking for is what LoadGen used: the audit config's count, over the flag's
+    asked = json.loads((tmp_path / "audited" / "run.json").read_text())["run_length"]["asked"]
+    assert audited["effective_min_query_count"] == 11
+    assert asked["min_query_count"] == {"value": 11, "source": "--audit-config"}
+    assert asked["min_duration_ms"]["source"] == "--min-duration-ms"  # a key the audit config leaves alone
     assert (tmp_path / "audited" / "audit.config").read_text() == (stray / "audit.config").read_text()

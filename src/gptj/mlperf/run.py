@@ -69,7 +69,7 @@ def default_log_dir(scenario: str, mode: str) -> Path:
 
 def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_latency_s: float | None = None):
     """LoadGen settings: its built-in gptj mlperf.conf (with the round's seeds, cfg.round), then
-    user.conf, then the flags.
+    user.conf, then the flags, then --audit-config (last, as LoadGen applies it).
 
     `performance_sample_count`: the data set's size (the most performance samples there can be).
     `expected_latency_s` (SingleStream): the calibrated latency, used when neither
@@ -110,7 +110,23 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
     cap = query_cap(cfg)
     if cap is not None:
         settings.max_query_count = cap
+    if cfg.audit_config is not None:  # LoadGen applies it over all of the above: so the plan does too
+        settings.FromConfig(str(cfg.audit_config), MODEL_NAME, cfg.scenario, 1)
     return settings
+
+
+def audited_keys(cfg: MLPerfConfig) -> set[str]:
+    """The settings --audit-config sets for this run's scenario (`model.scenario.key = value` lines,
+    `*` matching any model or scenario)."""
+    if cfg.audit_config is None:
+        return set()
+    keys = set()
+    for line in Path(cfg.audit_config).read_text().splitlines():
+        name = line.split("#", 1)[0].split("=", 1)[0].strip()
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] in ("*", MODEL_NAME) and parts[1] in ("*", cfg.scenario):
+            keys.add(parts[2])
+    return keys
 
 
 def query_cap(cfg: MLPerfConfig) -> int | None:
@@ -247,24 +263,33 @@ def count_note(cfg: MLPerfConfig, settings, performance_samples: int) -> str | N
         return None if n == asked or cfg.scenario == "Offline" else \
             f"LoadGen issues {n:,} queries, fewer than the {asked:,} asked: {how}"
     what = "samples in its query" if cfg.scenario == "Offline" else "queries"
-    source = "--min-query-count" if cfg.min_query_count is not None else "mlperf.conf's min_query_count"
+    if "min_query_count" in audited_keys(cfg):
+        source = "the audit config's min_query_count"
+    elif cfg.min_query_count is not None:
+        source = "--min-query-count"
+    else:
+        source = "mlperf.conf's min_query_count"
     return f"LoadGen raises the {what} to {n:,} from the {asked:,} asked ({source}): {how}"
 
 
 def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dict:  # noqa: ANN001
     """The run-length settings asked for (after mlperf.conf, user.conf, the flags), each with its source."""
     conf = "user.conf / mlperf.conf" if cfg.user_conf is not None else "mlperf.conf"
+    audited = audited_keys(cfg)
 
-    def src(flag_value: object, flag: str) -> str:
+    def src(flag_value: object, flag: str, key: str = "") -> str:
+        if key in audited:
+            return "--audit-config"
         return flag if flag_value is not None else conf
 
     out: dict = {"min_query_count": {"value": int(settings.min_query_count),
-                                     "source": src(cfg.min_query_count, "--min-query-count")},
+                                     "source": src(cfg.min_query_count, "--min-query-count", "min_query_count")},
                  "min_duration_ms": {"value": int(settings.min_duration_ms),
-                                     "source": src(cfg.min_duration_ms, "--min-duration-ms")},
+                                     "source": src(cfg.min_duration_ms, "--min-duration-ms", "min_duration")},
                  "performance_sample_count": {"value": int(settings.performance_sample_count_override),
                                               "source": src(cfg.performance_sample_count,
-                                                            "--performance-sample-count")}}
+                                                            "--performance-sample-count",
+                                                            "performance_sample_count_override")}}
     if settings.max_query_count:
         out["max_query_count"] = {"value": int(settings.max_query_count),
                                   "source": "--max-query-count" if cfg.max_query_count else "--min-query-count"}
