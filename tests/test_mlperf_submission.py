@@ -219,7 +219,7 @@ def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoi
     assert "not the Offline performance run asked for: generation.max_new_tokens 12 (wanted 8)" in \
         assemble("--max-new-tokens", "8")
     # a run of the wrong scenario where another belongs
-    shutil.rmtree(runs / "SingleStream" / "performance")
+    shutil.move(runs / "SingleStream" / "performance", tmp_path / "ss-performance")
     shutil.copytree(runs / "Offline" / "performance", runs / "SingleStream" / "performance")
     assert "not the SingleStream performance run asked for: scenario 'Offline' (wanted 'SingleStream')" in assemble()
     # a missing run
@@ -231,6 +231,18 @@ def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoi
     made["interrupted"] = {"loadgen_finished": False}
     (runs / "Offline" / "accuracy" / "run.json").write_text(json.dumps(made))
     assert "Offline/accuracy: the run was interrupted" in assemble()
+    shutil.rmtree(runs / "SingleStream" / "performance")
+    shutil.move(tmp_path / "ss-performance", runs / "SingleStream" / "performance")
+    made["interrupted"] = None
+    (runs / "Offline" / "accuracy" / "run.json").write_text(json.dumps(made))
+    # a run LoadGen judged INVALID (here: an Offline query done before the min duration), which the checker rejects
+    summary = runs / "Offline" / "performance" / "mlperf_log_summary.txt"
+    text = summary.read_text()
+    assert "Result is : VALID" in text and "Min duration satisfied : Yes" in text
+    summary.write_text(text.replace("Result is : VALID", "Result is : INVALID")
+                       .replace("Min duration satisfied : Yes", "Min duration satisfied : NO"))
+    err = assemble()
+    assert "Offline performance" in err and "is INVALID (min duration not satisfied)" in err and "--target-qps" in err
 
 
 def test_truncation_keeps_head_and_tail_and_hashes_the_whole_log(tmp_path):

@@ -367,7 +367,41 @@ def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[s
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         hint = "" if sub.assemble_only else "; remove that folder to make the run again"
         raise GptjError(f"{problems[0]}{more}{hint}")
+    for r, (state, _) in zip(runs, statuses):  # a run made before that LoadGen judged INVALID
+        if state == "done" and (reason := invalid_reason(r)) is not None:
+            raise GptjError(reason)
     return system, runs, statuses
+
+
+# LoadGen's summary lines for what makes a performance run INVALID, and what to change for each.
+_INVALID_BECAUSE = {
+    "Min duration satisfied": "min duration",
+    "Min queries satisfied": "min query count",
+    "Early stopping satisfied": "early stopping",
+}
+
+
+def invalid_reason(planned: PlannedRun) -> str | None:
+    """Why LoadGen judged a performance run INVALID (None: VALID, or not a result performance run).
+    The checker rejects an INVALID result, so the submission stops here with what to change."""
+    if planned.kind != "performance":
+        return None
+    from gptj.mlperf.report import parse_loadgen_summary
+
+    summary = parse_loadgen_summary(planned.folder / "mlperf_log_summary.txt")
+    if "INVALID" not in summary.get("result_line", ""):
+        return None
+    failed = [what for key, what in _INVALID_BECAUSE.items() if summary.get(key, "").upper().startswith("NO")]
+    hint = ""
+    if "min duration" in failed and planned.scenario == "Offline":
+        measured = summary.get("Samples per second", "?")
+        hint = (f": its query was done before the min duration, at {measured} samples/s; remove the folder and "
+                "give --target-qps above that, with a margin")
+    elif "min duration" in failed:
+        hint = ("; its queries were done before the min duration: remove the folder and give --target-latency-ms "
+                "below the latency it measured")
+    return f"{planned.label} in {planned.folder} is INVALID ({', '.join(failed) or 'see its summary'} not " \
+           f"satisfied){hint}"
 
 
 def submit(sub: SubmissionConfig, on_run=None, say=None):  # noqa: ANN001, ANN201
@@ -389,6 +423,8 @@ def submit(sub: SubmissionConfig, on_run=None, say=None):  # noqa: ANN001, ANN20
         result = run_one(planned.cfg)
         if on_run is not None:
             on_run(planned, result)
+        if (reason := invalid_reason(planned)) is not None:
+            raise GptjError(reason)
     tree = assemble(sub, runs, system)
     say(f"submission tree: {tree}")
     checker = None
