@@ -23,6 +23,7 @@ from gptj.runtime.flags import nonnegative_float as _nonnegative_float
 from gptj.runtime.flags import positive as _positive
 from gptj.runtime.flags import positive_float as _positive_float
 from gptj.runtime.flags import probability as _probability
+from gptj.runtime.flags import unit_interval as _unit_interval
 
 if TYPE_CHECKING:
     from gptj.serve import ServerConfig
@@ -121,6 +122,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size,
                   tp=args.tp)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from gptj.mlperf.dataset import Dataset
+    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.weights.io import calibrate
+
+    dataset = Dataset.load(args.dataset, tokenizer=_tokenizer_for(args.model), max_examples=args.samples)
+    prompts = dataset.input_ids
+    name = Path(dataset.path).name
+    record = calibrate(args.model, prompts, name, alpha=args.alpha, dtype=parse_dtype(args.dtype),
+                       device=resolve_device(args.device))
+    print(f"calibrated {args.model} for w8a8 on {record['samples']} prompts ({record['tokens']:,} tokens) of {name}, "
+          f"alpha {record['alpha']:g}: wrote calibration.safetensors and config.json's 'calibration' "
+          f"(use --quantize w8a8)")
     return 0
 
 
@@ -679,6 +696,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, help="also write per-rank tensor-parallel shards (tp{N}/rank{r}.safetensors)")
     flags.add_threads_flag(p)
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("calibrate", help="calibrate a float model for w8a8 (SmoothQuant factors)",
+                       description="Run calibration prompts through the float model, record each linear's input "
+                                   "|max| per channel, and store SmoothQuant's smoothing factors in the model folder "
+                                   "(calibration.safetensors, recorded in config.json), so that --quantize w8a8 "
+                                   "can load it. MLPerf's closed division allows calibrating on its calibration "
+                                   "list (cnn_dailymail_calibration.json).")
+    p.add_argument("--model", required=True, help="a float model directory (HF / gptj format); written to")
+    p.add_argument("--dataset", help="prompts in cnn_eval.json's format (default: the bundled MLPerf sample set)")
+    p.add_argument("--samples", type=_positive, help="use the first N (default: all)")
+    p.add_argument("--alpha", type=_unit_interval, default=None,
+                   help="migration strength: s = max|X|^alpha / max|W|^(1 - alpha) (default 0.5)")
+    flags.add_dtype_flag(p, "bfloat16", help="dtype the float model runs in while calibrating (default bfloat16)")
+    flags.add_device_flag(p)
+    flags.add_threads_flag(p)
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text from prompts",
                        description="Generate from one or more prompts (together they form one batch).")

@@ -75,8 +75,10 @@ def validate(c: GPTJConfig) -> None:
     _check_int("eos_token_id", c.eos_token_id, 0, c.vocab_size - 1, inside)
     if c.pad_token_id is not None:
         _check_int("pad_token_id", c.pad_token_id, 0, c.vocab_size - 1, inside + " or null")
-    if c.quantization is not None and not isinstance(c.quantization, dict):
-        raise ConfigError(f"config field 'quantization' must be an object or absent, got {c.quantization!r}")
+    for name in ("quantization", "calibration"):
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config field {name!r} must be an object or absent, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class GPTJConfig:
     pad_token_id: int | None = None
     # Quantization recorded in the checkpoint (None for plain weights); set by later tools.
     quantization: dict[str, Any] | None = None
+    # W8A8 calibration of a float checkpoint (its factors in calibration.safetensors; gptj.quant.calibrate).
+    calibration: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -130,7 +134,7 @@ class GPTJConfig:
         }
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "quantization" and value is None:
+            if f.name in ("quantization", "calibration") and value is None:
                 continue
             d[f.name] = value
         d["rotary_dim"] = self.rope_dim  # HF 5 wants an int; rotary over the whole head is rotary_dim = head_dim

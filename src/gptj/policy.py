@@ -14,6 +14,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE
+  cpu     w8a8 (int8 x int8)          any                              INT_MM       torch._int_mm (VNNI), int32 sums
+  cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
+                                      else                             DEQUANTIZE   the same products in float32
   cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
   cuda    anything else               any                              TORCH / DEQUANTIZE (a placeholder:
                                                                        torch's own kernels, no CUDA work yet)
@@ -54,8 +57,9 @@ NATIVE = "native"  # gptj.native's AVX-512 GEMV
 ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
 WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
+INT_MM = "int-mm"  # int8 activations x int8 weights, exact int32 sums (torch._int_mm)
 
-WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4")
+WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8")
 
 # gptj.native's GEMV beats the alternatives up to 8 rows: bf16 1.4-1.8x oneDNN at 1-2 rows
 # (benchmarks/native_gemv.py), int8 1.4-3x torch._weight_int8pack_mm.
@@ -81,6 +85,16 @@ NATIVE_LAYOUT_MAX_ROWS = 4
 # and win to even more rows, but the dequantize path keeps float32 precision, so the bfloat16
 # crossovers are used for every activation dtype.
 KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
+
+# W8A8 on CPU: torch._int_mm (oneDNN's u8s8 VNNI GEMM) at every row count. Its int32 sums are exact,
+# so a row's result is the same whatever else is in the call (batch invariance by construction).
+# Measured on this project's 2-core AVX512-VNNI box, 1 thread, 4096 x 4096 int8 (min of 5 runs), ms:
+#   rows                                1     16    64   128   256
+#   torch._int_mm                      1.8   2.2   4.0   6.0  10.4
+#   torch._weight_int8pack_mm (int8)   0.5   3.4  13.1     -     -
+#   bfloat16 F.linear                  1.7   2.3   5.8  10.3  18.6
+# CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8.
+INT_MM_CUDA_MIN_ROWS = 17
 
 
 def exact(dtype: torch.dtype) -> bool:
@@ -125,9 +139,11 @@ def fusable(dtype: torch.dtype | None) -> bool:
     return dtype is None or not exact(dtype)
 
 
-def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str) -> str:
+def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str,
+                features: tuple[int, int] = (8, 8)) -> str:
     """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
-    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, DEQUANTIZE, TORCH."""
+    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, INT_MM, DEQUANTIZE,
+    TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both divisible by 8)."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if weight == "onednn-layout":
         return ONEDNN
@@ -139,6 +155,10 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
         if rows <= NATIVE_MAX_ROWS and native_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
+    if weight == "w8a8":
+        if kind == "cpu" or (kind == "cuda" and rows >= INT_MM_CUDA_MIN_ROWS and not (features[0] | features[1]) % 8):
+            return INT_MM
+        return DEQUANTIZE
     if weight == "int4":
         if rows > KERNEL_MAX_ROWS["int4"]:
             return DEQUANTIZE

@@ -31,7 +31,7 @@ from gptj import native
 from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, native_elementwise,
                          pack_layout)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-from gptj.quant import Int4Linear, Int8Linear
+from gptj.quant import Int4Linear, Int8Linear, W8A8Linear
 
 
 class PackedLinear(nn.Module):
@@ -100,6 +100,8 @@ def _linear_parts(m: nn.Module) -> dict[str, torch.Tensor]:
         parts = {"weight": m.weight.detach()}
     elif isinstance(m, Int8Linear):
         parts = {"weight": m.weight, "weight_scale": m.weight_scale}
+    elif isinstance(m, W8A8Linear):
+        parts = {"weight": m.weight, "weight_scale": m.weight_scale}  # input_smooth: shared, see concat_out_features
     elif isinstance(m, Int4Linear):
         parts = {"weight": m.portable_weight(), "weight_scale": m.weight_scale, "weight_zero": m.weight_zero}
     else:
@@ -115,11 +117,15 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
     """One linear computing all of `mods` (same type and input) side by side: y = [m0(x) | m1(x) | ...].
 
     Each output is the same dot product as before (quantized rows keep their own scales), only
-    done in one call. The result has a bias (zeros where a part had none).
+    done in one call. The result has a bias (zeros where a part had none). W8A8 layers must share
+    their smoothing factors (calibration gives linears that read one tensor the same ones), as
+    their input is quantized once for all of them.
     """
     first = mods[0]
     if any(type(m) is not type(first) for m in mods) or any(m.in_features != first.in_features for m in mods):
         raise TypeError("fused linears must share type and in_features")
+    if isinstance(first, W8A8Linear) and any(not torch.equal(m.input_smooth, first.input_smooth) for m in mods):
+        raise TypeError("fused W8A8 linears must share their smoothing factors")
     parts = [_linear_parts(m) for m in mods]
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     n_out = sum(m.out_features for m in mods)
@@ -131,6 +137,9 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
         return new
     if isinstance(first, Int8Linear):
         new = Int8Linear(first.in_features, n_out, True, device="meta")
+    elif isinstance(first, W8A8Linear):
+        new = W8A8Linear(first.in_features, n_out, True, device="meta")
+        new.input_smooth = first.input_smooth
     else:
         new = Int4Linear(first.in_features, n_out, True, first.group_size, device="meta")
     for k, t in cat.items():

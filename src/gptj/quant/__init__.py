@@ -1,8 +1,10 @@
-"""Weight-only quantization: int8 per output channel, int4 per group, as module swaps.
+"""Quantization as module swaps: weight-only int8 per output channel and int4 per group, and W8A8
+(int8 weights and per-token int8 activations, with calibrated SmoothQuant factors).
 
-  ops      the tensor math: quantize / dequantize int8 and int4, the int4 layouts
-  format   the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
-  linear   Int8Linear / Int4Linear and the model-level swaps (quantize_model, swap_quantized_modules)
+  ops        the tensor math: quantize / dequantize int8 and int4, the int4 layouts, W8A8's rows and factors
+  format     the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
+  linear     Int8Linear / Int4Linear / W8A8Linear and the model-level swaps (quantize_model, swap_quantized_modules)
+  calibrate  W8A8's calibration: input |max| per channel over prompts, the smoothing factors, their file
 
 Which kernel a quantized layer's call runs is gptj.policy's (KERNEL_MAX_ROWS lives there).
 """
@@ -16,6 +18,7 @@ from gptj.quant.format import (
     check_quantization,
     fitting_group_size,
     is_quant_param,
+    linear_in_features,
     make_quantization,
     quantize_state_dict,
     quantize_weight,
@@ -27,6 +30,7 @@ from gptj.quant.linear import (
     Int4Linear,
     Int8Linear,
     QuantLinear,
+    W8A8Linear,
     is_quantized,
     linear_names,
     prepare_model,
@@ -37,6 +41,7 @@ from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
     INT4_GROUP_SIZES,
     SCALE_DTYPE,
+    SMOOTH_ALPHA,
     _pack_cpu_int4,
     _row_chunks,
     _unpack_cpu_int4,
@@ -47,6 +52,8 @@ from gptj.quant.ops import (
     pack_int4,
     quantize_int4,
     quantize_int8,
+    quantize_rows_int8,
+    smoothing_factors,
     unpack_int4,
 )
 
@@ -62,6 +69,7 @@ def _native():  # noqa: ANN202 - the gptj.native module, or None where its kerne
 
 __all__ = [
     "QUANT_MODES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
+    "W8A8Linear", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
     "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",
     "quantized_specs", "swap_quantized_modules", "prepare_model", "is_quantized", "linear_names",

@@ -10,10 +10,14 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
                                   (the input layout of torch._convert_weight_to_int4pack on CUDA)
          M.weight_scale  bfloat16 (out, in / group_size)
          M.weight_zero   bfloat16 (out, in / group_size)
+  w8a8:  M.weight        int8     (out, in)       of W * input_smooth (per input column)
+         M.weight_scale  bfloat16 (out,)
+         M.input_smooth  bfloat16 (in,)          SmoothQuant's factors: the layer runs on x / input_smooth
   both:  M.bias          the model's float dtype, as before (fc_in, fc_out, lm_head)
 
-config.json records `"quantization": {"version": 1, "mode": "int8"|"int4", "group_size": null|g,
-"modules": [every quantized module name]}`; the format is read from there, never guessed.
+config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8", "group_size": null|g,
+"modules": [every quantized module name]}`, and for w8a8 its `"calibration"` (how the factors were
+made, gptj.quant.calibrate); the format is read from there, never guessed.
 HF transformers cannot load these checkpoints (it does not know this format); gptj can.
 
 QUANT_MODES is the one list of quantization modes: the CLI, the benchmarks and the runtime take
@@ -30,11 +34,19 @@ import torch
 from torch import nn
 
 from gptj.errors import CheckpointError, GptjError
-from gptj.quant.ops import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, check_group_size, quantize_int4, quantize_int8
+from gptj.quant.ops import (
+    DEFAULT_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    SCALE_DTYPE,
+    check_group_size,
+    quantize_int4,
+    quantize_int8,
+)
 
-QUANT_MODES = ("int8", "int4")
+QUANT_MODES = ("int8", "int4", "w8a8")
 QUANT_VERSION = 1
 _QUANT_KEYS = {"version", "mode", "group_size", "modules"}
+_W8A8_KEYS = _QUANT_KEYS | {"calibration"}
 
 
 def check_mode(mode: object) -> str:
@@ -43,9 +55,17 @@ def check_mode(mode: object) -> str:
     return mode  # type: ignore[return-value]
 
 
-def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None) -> dict[str, torch.Tensor]:
-    """One float weight -> its checkpoint tensors: {"weight", "weight_scale"[, "weight_zero"]}."""
+def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None,
+                    smooth: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One float weight -> its checkpoint tensors: {"weight", "weight_scale"[, "weight_zero" | "input_smooth"]}.
+    smooth: w8a8's smoothing factors (in,) for this layer (required for w8a8)."""
     check_mode(mode)
+    if mode == "w8a8":
+        if smooth is None:
+            raise GptjError("w8a8 quantization needs the layer's smoothing factors (gptj calibrate)")
+        smooth = smooth.to(device=w.device, dtype=SCALE_DTYPE)
+        q, s = quantize_int8(w, smooth)
+        return {"weight": q, "weight_scale": s, "input_smooth": smooth}
     if mode == "int8":
         q, s = quantize_int8(w)
         return {"weight": q, "weight_scale": s}
@@ -59,7 +79,7 @@ def _float_meta_model(config: Any) -> nn.Module:
     return build_model(config.replace(quantization=None), device="meta")
 
 
-def _in_features(config: Any) -> dict[str, int]:
+def linear_in_features(config: Any) -> dict[str, int]:
     """Module name -> in_features of every nn.Linear of a GPT-J with `config`."""
     return {n: m.in_features for n, m in _float_meta_model(config).named_modules() if isinstance(m, nn.Linear)}
 
@@ -79,23 +99,27 @@ def fitting_group_size(in_features: Mapping[str, int]) -> int:
 
 
 def make_quantization(config: Any, mode: str, group_size: int | None = None,
-                      skip: Sequence[str] = ()) -> dict[str, Any]:
+                      skip: Sequence[str] = (), calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `quantization` entry of config.json for quantizing a float GPT-J with `config`.
 
     mode: "int8" (per output channel; group_size must be None) or "int4" (group_size in
     32/64/128/256 dividing every quantized layer's inputs; by default 128, or where 128 does not
     divide them (small models) the largest size that does, see `fitting_group_size`). skip: module
     names or fnmatch patterns kept in float (e.g. "lm_head", "transformer.h.0.*"). wte is never quantized.
+    calibration: w8a8's record of how its smoothing factors were made (gptj.quant.calibrate.make_record).
     """
     check_mode(mode)
-    if mode == "int8":
+    if (mode == "w8a8") != (calibration is not None):
+        raise GptjError("w8a8 quantization needs its calibration record" if mode == "w8a8" else
+                        f"{mode} quantization takes no calibration (w8a8 does)")
+    if mode in ("int8", "w8a8"):
         if group_size is not None:
-            raise GptjError("int8 quantization is per output channel: a group size applies to int4 only")
+            raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
     elif group_size is not None:
         group_size = check_group_size(group_size)
     if isinstance(skip, str):
         skip = (skip,)
-    in_features = _in_features(config)
+    in_features = linear_in_features(config)
     modules = [n for n in in_features if not any(fnmatch.fnmatchcase(n, p) for p in skip)]
     if not modules:
         raise GptjError("nothing to quantize: every linear layer is skipped")
@@ -106,14 +130,18 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
             if in_features[n] % group_size:
                 raise GptjError(f"int4 group size {group_size} does not divide the {in_features[n]} inputs of {n} "
                                 f"(choose a group size that does, or skip it)")
-    return {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(modules)}
+    out = {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(modules)}
+    if mode == "w8a8":
+        out["calibration"] = dict(calibration)
+    return out
 
 
 def check_quantization(q: object, config: Any, source: str = "config") -> dict[str, Any]:
     """Validate a recorded `quantization` entry against the model's shape; CheckpointError if bad."""
     if not isinstance(q, Mapping):
         raise CheckpointError(f"{source}: 'quantization' must be an object, got {type(q).__name__}")
-    unknown, missing = set(q) - _QUANT_KEYS, _QUANT_KEYS - set(q)
+    keys = _W8A8_KEYS if q.get("mode") == "w8a8" else _QUANT_KEYS
+    unknown, missing = set(q) - keys, keys - set(q)
     if unknown:
         raise CheckpointError(f"{source}: 'quantization' has unknown field {sorted(unknown)[0]!r}")
     if missing:
@@ -124,28 +152,36 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
     mode, group_size, modules = q["mode"], q["group_size"], q["modules"]
     try:
         check_mode(mode)
-        if mode == "int8" and group_size is not None:
-            raise GptjError("int8 quantization has no group size (it is per output channel)")
+        if mode in ("int8", "w8a8") and group_size is not None:
+            raise GptjError(f"{mode} quantization has no group size (it is per output channel)")
         if mode == "int4":
             check_group_size(group_size)
     except GptjError as e:
         raise CheckpointError(f"{source}: {e}") from None
+    calibration = None
+    if mode == "w8a8":
+        from gptj.quant.calibrate import check_record
+
+        calibration = check_record(q["calibration"], f"{source}: quantization")
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise CheckpointError(f"{source}: quantization 'modules' must be a non-empty list of module names")
-    in_features = _in_features(config)
+    in_features = linear_in_features(config)
     for m in modules:
         if m not in in_features:
             raise CheckpointError(f"{source}: quantization names {m!r}, not a linear layer of this model")
         if mode == "int4" and in_features[m] % group_size:
             raise CheckpointError(f"{source}: int4 group size {group_size} does not divide the inputs of {m}")
-    return {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(set(modules))}
+    out = {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(set(modules))}
+    if calibration is not None:
+        out["calibration"] = calibration
+    return out
 
 
 def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None) -> bool:
     """Whether asking for (mode, group_size) is satisfied by a checkpoint quantized as `recorded`."""
     check_mode(mode)
-    if mode == "int8" and group_size is not None:
-        raise GptjError("int8 quantization is per output channel: a group size applies to int4 only")
+    if mode in ("int8", "w8a8") and group_size is not None:
+        raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
     if mode == "int4" and group_size is not None:
         check_group_size(group_size)
     return recorded["mode"] == mode and (group_size is None or recorded["group_size"] == group_size)
@@ -169,9 +205,11 @@ def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype
         module, _, leaf = name.rpartition(".")
         if module in modules and leaf == "weight":
             N, K = spec[0]
-            if q["mode"] == "int8":
+            if q["mode"] in ("int8", "w8a8"):
                 out[name] = ((N, K), torch.int8)
                 out[f"{module}.weight_scale"] = ((N,), None)
+                if q["mode"] == "w8a8":
+                    out[f"{module}.input_smooth"] = ((K,), None)
             else:
                 G = K // q["group_size"]
                 out[name] = ((N, K // 2), torch.uint8)
@@ -183,23 +221,26 @@ def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype
 
 
 def is_quant_param(name: str) -> bool:
-    """Scales and zeros: float tensors kept as bfloat16 whatever the model's dtype."""
-    return name.endswith((".weight_scale", ".weight_zero"))
+    """Scales, zeros and smoothing factors: float tensors kept as bfloat16 whatever the model's dtype."""
+    return name.endswith((".weight_scale", ".weight_zero", ".input_smooth"))
 
 
 def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], config: Any, mode: str,
-                        group_size: int | None = None, skip: Sequence[str] = ()
+                        group_size: int | None = None, skip: Sequence[str] = (),
+                        smooth: Mapping[str, torch.Tensor] | None = None,
+                        calibration: Mapping[str, Any] | None = None
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A float state dict -> (the quantized checkpoint's tensors, the `quantization` dict)."""
+    """A float state dict -> (the quantized checkpoint's tensors, the `quantization` dict).
+    w8a8: `smooth` {module: factors} and its `calibration` record (gptj.quant.calibrate)."""
     if config.quantization:
         raise GptjError("the config is already quantized")
-    q = make_quantization(config, mode, group_size, skip)
+    q = make_quantization(config, mode, group_size, skip, calibration)
     weights = {f"{m}.weight" for m in q["modules"]}
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         if name in weights:
             module = name[: -len(".weight")]
-            for leaf, qt in quantize_weight(t, mode, q["group_size"]).items():
+            for leaf, qt in quantize_weight(t, mode, q["group_size"], (smooth or {}).get(module)).items():
                 out[f"{module}.{leaf}"] = qt
         else:
             out[name] = t

@@ -1,9 +1,10 @@
-"""The quantized linear modules (Int8Linear, Int4Linear) and the model-level swaps that use them.
+"""The quantized linear modules (Int8Linear, Int4Linear, W8A8Linear) and the model-level swaps that use them.
 
 The model stays the plain-math GPT-J of `gptj.model`; `quantize_model` replaces its `nn.Linear`
 layers (q/k/v/out_proj, mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) with
-`Int8Linear` / `Int4Linear`. Activations keep the model's float dtype; only the weights are
-quantized, gpt-fast style. The buffers are the checkpoint's tensors (gptj.quant.format).
+`Int8Linear` / `Int4Linear` (activations keep the model's float dtype; only the weights are
+quantized, gpt-fast style) or `W8A8Linear` (the activations too, per token at each call,
+SmoothQuant style). The buffers are the checkpoint's tensors (gptj.quant.format).
 
 Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
 gptj.native's int8 GEMV for a few rows on CPU; torch's weight-only kernels
@@ -29,7 +30,7 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.policy import DEQUANTIZE, NATIVE, WEIGHT_ONLY, linear_path
+from gptj.policy import DEQUANTIZE, INT_MM, NATIVE, WEIGHT_ONLY, linear_path
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
@@ -45,6 +46,7 @@ from gptj.quant.ops import (
     pack_int4,
     quantize_int4,
     quantize_int8,
+    quantize_rows_int8,
     unpack_int4,
 )
 
@@ -127,6 +129,77 @@ class Int8Linear(nn.Module):
         for a, b in chunks:
             y[:, a:b] = F.linear(x2, self.weight[a:b].to(dt)) * self.weight_scale[a:b].to(dt)
         return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class W8A8Linear(nn.Module):
+    """y = sx * sw * (qx @ qw.T) + bias: int8 activations (per token, quantized at each call from
+    x / input_smooth) times int8 weights (per output channel, of W * input_smooth), see gptj.quant.ops.
+
+    The integer sums are exact (int32), so each row's output is the same whatever rows share the
+    call. Buffers as in the checkpoint: weight int8 (out, in), weight_scale bf16 (out,),
+    input_smooth bf16 (in,), bias."""
+
+    mode = "w8a8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("input_smooth", torch.ones(in_features, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
+                             if bias else None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> W8A8Linear:
+        """smooth (in,): the calibrated smoothing factors (gptj.quant.calibrate); None: none (all 1)."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                dtype=linear.weight.dtype)
+        if smooth is not None:
+            m.input_smooth = smooth.to(device=linear.weight.device, dtype=SCALE_DTYPE)
+        m.weight, m.weight_scale = quantize_int8(linear.weight.detach(), m.input_smooth)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m.prepare()
+
+    def prepare(self) -> W8A8Linear:
+        """Scales and smoothing factors as bfloat16 values; the float32 divisor used at each call."""
+        for name in ("weight_scale", "input_smooth"):
+            if getattr(self, name).dtype != SCALE_DTYPE:
+                setattr(self, name, getattr(self, name).to(SCALE_DTYPE))
+        self._inv_smooth = None if self.input_smooth.device.type == "meta" else 1 / self.input_smooth.float()
+        return self
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        return self.prepare()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.prepare()
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight it stands for: (q * scale) / smooth per input column."""
+        return (dequantize_int8(self.weight, self.weight_scale) / self.input_smooth.float()[None, :]).to(dtype)
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qx int8 (rows, in), sx float32 (rows, 1)) for the rows x2 (rows, in)."""
+        return quantize_rows_int8(x2.float() * self._inv_smooth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        qx, sx = self.quantize_input(x2)
+        path = linear_path(x.device, x.dtype, _rows(x), "w8a8", (self.in_features, self.out_features))
+        if path == INT_MM:
+            acc = torch._int_mm(qx, self.weight.t()).float()
+        else:  # the same products in float32 (exact while each sum stays below 2**24)
+            acc = F.linear(qx.float(), self.weight.float())
+        y = (acc * sx * self.weight_scale.float()).to(x.dtype)
+        return _finish(self, y, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -285,13 +358,13 @@ class Int4Linear(nn.Module):
                 f"bias={self.bias is not None}, group_size={self.group_size}, layout={self.layout}")
 
 
-QuantLinear = (Int8Linear, Int4Linear)
+QuantLinear = (Int8Linear, Int4Linear, W8A8Linear)
 
 
 def linear_names(model_or_config: Any) -> list[str]:
     """Names of every linear layer of a model (or of a float model with this config), in module order."""
     model = model_or_config if isinstance(model_or_config, nn.Module) else _float_meta_model(model_or_config)
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear | Int8Linear | Int4Linear)]
+    return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, *QuantLinear))]
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -309,6 +382,8 @@ def swap_quantized_modules(model: nn.Module, quantization: Mapping[str, Any]) ->
         kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
         if quantization["mode"] == "int8":
             new = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
+        elif quantization["mode"] == "w8a8":
+            new = W8A8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
         else:
             new = Int4Linear(lin.in_features, lin.out_features, lin.bias is not None, quantization["group_size"], **kw)
         _set_module(model, name, new)
@@ -327,21 +402,31 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int | None = None,
-                   skip: Sequence[str] = ()) -> dict[str, Any]:
+def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, skip: Sequence[str] = (),
+                   smooth: Mapping[str, torch.Tensor] | None = None,
+                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Quantize a float GPT-J in place (module swaps); returns the `quantization` dict, also set on
     `model.config` so that saving the model records it. lm_head is quantized unless skipped.
-    A pipeline stage (`gptj.parallel.pp`) quantizes the layers it holds."""
+    A pipeline stage (`gptj.parallel.pp`) quantizes the layers it holds.
+    w8a8: `smooth` {module: factors} for every layer it quantizes, and their `calibration` record
+    (gptj.quant.calibrate)."""
     if is_quantized(model):
         raise GptjError("the model is already quantized")
-    q = make_quantization(model.config, mode, group_size, skip)
+    q = make_quantization(model.config, mode, group_size, skip, calibration)
     present = dict(model.named_modules())
     with torch.no_grad():
         for name in q["modules"]:
             lin = present.get(name)
             if lin is None:  # a layer of another pipeline stage
                 continue
-            new = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, q["group_size"])
+            if mode == "w8a8":
+                if smooth is None or name not in smooth:
+                    raise GptjError(f"w8a8: no smoothing factors for {name} (gptj calibrate)")
+                new = W8A8Linear.from_float(lin, smooth[name])
+            elif mode == "int8":
+                new = Int8Linear.from_float(lin)
+            else:
+                new = Int4Linear.from_float(lin, q["group_size"])
             _set_module(model, name, new)
     model.config = model.config.replace(quantization=q)
     return q

@@ -53,17 +53,22 @@ def _row_chunks(n_rows: int, n_cols: int) -> Iterable[tuple[int, int]]:
         yield a, min(n_rows, a + step)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 (out, in), scale bfloat16 (out,)) with w ~= q * scale[:, None], |error| <= scale / 2.
 
+    smooth (in,): quantize w * smooth[None, :] instead (W8A8's smoothed weight, see below).
     Computed in float32 a chunk of rows at a time (no float32 copy of a big weight).
     """
     if w.dim() != 2 or not w.is_floating_point():
         raise GptjError(f"int8 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    if smooth is not None and smooth.shape != (w.shape[1],):
+        raise GptjError(f"smoothing factors of shape {tuple(smooth.shape)} for a weight of {w.shape[1]} inputs")
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scale = torch.empty(w.shape[0], dtype=SCALE_DTYPE, device=w.device)
     for a, b in _row_chunks(*w.shape):
         wf = w[a:b].float()
+        if smooth is not None:
+            wf = wf * smooth.float()[None, :]  # not in place: .float() of a float32 weight is the weight itself
         s = _ceil_bf16((wf.abs().amax(dim=1) / 127).clamp_(min=2.0**-120))
         q[a:b] = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         scale[a:b] = s
@@ -127,6 +132,41 @@ def _dequant_int4_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     G = scale.shape[1]
     w = (q.view(N, G, K // G).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
     return w.view(N, K).to(dtype)
+
+
+
+# --- W8A8: int8 activations (per token, dynamic) x int8 weights (per output channel) ------------
+#
+#   y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] * qw[n, k]      (the sum exact, in int32)
+#   x'      = x / smooth      qx, sx = quantize_rows_int8(x')       (per token, at run time)
+#   W'      = W * smooth      qw, sw = quantize_int8(W, smooth)     (per output channel, once)
+# smooth (per input channel, SmoothQuant) moves the activations' outlier channels into the weights:
+# x' @ W'.T = x @ W.T exactly before rounding. Every row is quantized on its own and the integer
+# sums are exact, so a row's result does not depend on the other rows of the call.
+
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: s = max|X|^a / max|W|^(1 - a)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (m, k), scale float32 (m, 1)) with x ~= q * scale, per row, symmetric, |error| <= scale / 2.
+
+    scale = max_k |x[m, k]| / 127 in float32 (a zero row gets a tiny scale and q = 0)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp_(min=2.0**-120)
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def smoothing_factors(act_absmax: torch.Tensor, weight_absmax: torch.Tensor,
+                      alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """Per input channel s = max|X|^alpha / max|W|^(1 - alpha) (SmoothQuant, Xiao et al. 2023, eq. 4),
+    as bfloat16 values; 1 where a channel never saw an activation or has no weight."""
+    if not 0 <= alpha <= 1:
+        raise GptjError(f"smoothing alpha must be in [0, 1], got {alpha}")
+    a, w = act_absmax.float(), weight_absmax.float()
+    s = a.pow(alpha) / w.pow(1 - alpha)
+    s = torch.where((a > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s))
+    return s.clamp_(2.0**-20, 2.0**20).to(SCALE_DTYPE)
+
 
 
 

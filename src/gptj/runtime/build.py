@@ -60,6 +60,9 @@ def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM
     if spec.quantize:
         from gptj.quant import quantize_model
 
+        if spec.quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
+            raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
+
         quantize_model(model, spec.quantize, spec.group_size, skip=("lm_head",) if spec.tp > 1 else ())
     return model
 

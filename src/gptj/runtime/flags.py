@@ -50,6 +50,17 @@ positive, nonnegative = number(int, True), number(int, False)
 positive_float, nonnegative_float = number(float, True), number(float, False)
 
 
+def unit_interval(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def probability(text: str) -> float:
     """argparse type: a number in (0, 1]."""
     try:
@@ -111,7 +122,8 @@ def add_device_flag(p: Any, help: str = "cpu, cuda, cuda:N or auto") -> None:  #
     p.add_argument("--device", default="cpu", help=help)
 
 
-def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load (weight-only)") -> None:  # noqa: A002
+def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load (int8 / int4: weight-only; w8a8: "  # noqa: A002
+                                           "int8 activations too, after `gptj calibrate`)") -> None:
     p.add_argument("--quantize", choices=QUANT_MODES, metavar="MODE", help=f"{help}: %(choices)s")
     p.add_argument("--group-size", type=positive, help=GROUP_SIZE_HELP)
 

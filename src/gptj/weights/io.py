@@ -34,7 +34,7 @@ from tqdm import tqdm
 from gptj import quant
 from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
-from gptj.files import move_into_place, temp_sibling
+from gptj.files import atomic_write_json, move_into_place, temp_sibling
 from gptj.model import GPTJForCausalLM, build_model
 from gptj.runtime import all_finite, dtype_name
 from gptj.weights import hf, mtj
@@ -156,7 +156,8 @@ def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
                        device: torch.device | str = "cpu", progress: bool = False,
-                       desc: str = "loading", quantize: Mapping | None = None) -> dict[str, torch.Tensor]:
+                       desc: str = "loading", quantize: Mapping | None = None,
+                       smooth: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor once, check name/shape/dtype/finiteness, convert to dtype and device.
 
     `dtype` applies to float tensors only: quantized weights keep int8/uint8 and their scales and
@@ -197,7 +198,8 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
             if not all_finite(tensor):
                 raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
             module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
-            for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"]).items():
+            for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"],
+                                                 (smooth or {}).get(module)).items():
                 out[f"{module}.{leaf}"] = t
             del tensor
         else:
@@ -248,7 +250,10 @@ def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: i
             raise GptjError(f"{where}: already quantized as {have}; cannot quantize it as {want} "
                             f"(quantize the float checkpoint instead)")
         return None
-    return quant.make_quantization(config, quantize, group_size)
+    if quantize == "w8a8" and config.calibration is None:
+        raise GptjError(f"{where}: w8a8 needs a calibration: run `gptj calibrate --model {where}` first")
+    return quant.make_quantization(config, quantize, group_size,
+                                   calibration=config.calibration if quantize == "w8a8" else None)
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -267,10 +272,20 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if progress and not hf_dir:  # a slim checkpoint's reader draws its own bar (per leaf across shards)
         cfg, items = read_checkpoint(path, config, progress=True, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=path)
-    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress and hf_dir, quantize=q)
+    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress and hf_dir, quantize=q,
+                            smooth=w8a8_factors(q, cfg, path))
     if q is not None:
-        cfg = cfg.replace(quantization=q)
+        cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     return model_from_state_dict(cfg, sd, device)
+
+
+def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLike) -> dict | None:
+    """The smoothing factors a w8a8 quantization `q` of the float checkpoint in `folder` needs (else None)."""
+    if q is None or q["mode"] != "w8a8":
+        return None
+    from gptj.quant.calibrate import load_factors
+
+    return load_factors(Path(folder), q["modules"], quant.linear_in_features(config))
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -319,10 +334,12 @@ def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, 
     The state dict is checked (names, shapes, finiteness) before anything is written. A quantized
     model's state dict is saved with its config: `save_checkpoint(model.state_dict(), model.config, out)`.
     `extra(folder)` writes more files (a trainer's state) into the folder before it is moved into place.
+    A W8A8 calibration record is not kept: its factors belong to the weights it was made on (calibrate again).
     """
     items = ((n, tuple(t.shape), (lambda t=t: t), Path("<memory>")) for n, t in state_dict.items())
     sd = checked_state_dict(config, items, dtype=dtype)
-    return _write_checkpoint(sd, config, Path(out), overwrite, progress, max_shard_bytes, with_tokenizer, extra)
+    return _write_checkpoint(sd, config.replace(calibration=None), Path(out), overwrite, progress, max_shard_bytes,
+                             with_tokenizer, extra)
 
 
 def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: Path, overwrite: bool,
@@ -381,15 +398,51 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     own_bar = progress and detect_format(Path(src)) == "hf"
-    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading", quantize=q)
+    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading", quantize=q,
+                            smooth=w8a8_factors(q, cfg, src))
     if q is not None:
-        cfg = cfg.replace(quantization=q)
-    extra = None
+        cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
+    extras = []
+    if cfg.calibration is not None:  # a calibrated float checkpoint keeps its factors
+        from gptj.quant.calibrate import CALIBRATION_FILE
+
+        extras.append(lambda folder: shutil.copyfile(Path(src) / CALIBRATION_FILE, folder / CALIBRATION_FILE))
     if tp is not None and tp > 1:
         from gptj.parallel.tp import check_plan, write_shards
 
         if q is not None:
             raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
         check_plan(cfg, tp)
-        extra = lambda folder: write_shards(sd, cfg, folder, tp)  # noqa: E731
+        extras.append(lambda folder: write_shards(sd, cfg, folder, tp))
+
+    def extra(folder: Path) -> None:
+        for write in extras:
+            write(folder)
+
     return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
+
+
+def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str, alpha: float | None = None,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict:
+    """W8A8 calibration of the float checkpoint in `folder` (gptj.quant.calibrate) on `prompts`
+    (token ids, from `dataset`): writes its smoothing factors to folder/calibration.safetensors and
+    their record to config.json's `calibration` (each file replaced atomically, the factors first);
+    returns the record. Then `--quantize w8a8` can load it."""
+    from gptj.quant.calibrate import input_absmax, make_record, save_factors, smoothing
+
+    folder = Path(folder)
+    if detect_format(folder) != "hf":
+        raise GptjError(f"{folder}: calibration needs a model folder with config.json (gptj convert makes one)")
+    cfg = GPTJConfig.from_json_file(folder / CONFIG)
+    if cfg.quantization is not None:
+        raise GptjError(f"{folder}: already quantized ({cfg.quantization['mode']}): calibrate the float checkpoint")
+    alpha = quant.SMOOTH_ALPHA if alpha is None else alpha
+    model = load_model(folder, dtype=dtype, device=device)
+    absmax, tokens = input_absmax(model, prompts)
+    smooth = smoothing(model, absmax, alpha)
+    record = make_record(alpha, dataset, len(prompts), tokens)
+    save_factors(smooth, folder)
+    config_json = json.loads((folder / CONFIG).read_text())
+    config_json["calibration"] = record
+    atomic_write_json(folder / CONFIG, config_json)
+    return record

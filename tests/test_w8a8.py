@@ -1,0 +1,217 @@
+"""W8A8 (int8 activations x int8 weights, SmoothQuant factors): the layer against its dequantized
+reference within int8 rounding, exact integer sums on every path, batch invariance, calibration,
+the calibrated and the quantized checkpoints, and refusals."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptj import policy, quant
+from gptj.cli import main
+from gptj.config import GPTJConfig
+from gptj.decode import GenerationConfig, generate
+from gptj.engine import Engine, EngineConfig
+from gptj.errors import GptjError
+from gptj.kernels import prepare_for_serving
+from gptj.quant import calibrate as cal
+from gptj.quant import linear as qlinear
+from gptj.weights.io import calibrate, convert, load_model, random_state_dict, save_checkpoint
+
+CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)
+
+
+def make_linear(n_in, n_out, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn(n_out, generator=g) * 0.1)
+    return lin
+
+
+def outlier_input(rows, n_in, seed=1):
+    """Activations with two outlier channels (x40), as LLM activations have (SmoothQuant's premise)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n_in, generator=g)
+    x[:, 5] *= 40
+    x[:, 17] *= 40
+    return x
+
+
+def test_a_w8a8_layer_is_its_dequantized_weight_within_the_activation_rounding():
+    lin = make_linear(256, 96)
+    x = outlier_input(7, 256)
+    smooth = quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0))
+    m = quant.W8A8Linear.from_float(lin, smooth)
+    y = m(x)
+    # y - x @ W~.T = sum_k (qx*sx - x/s)_k * (qw*sw)_nk, and |qx*sx - x/s| <= sx / 2 per element
+    _, sx = quant.quantize_rows_int8(x / m.input_smooth.float())
+    w_q = m.weight.float() * m.weight_scale.float()[:, None]  # (out, in): the smoothed weight as stored
+    bound = sx / 2 * w_q.abs().sum(1)[None, :]
+    ref = F.linear(x, m.dequantized_weight(), lin.bias)
+    fp32 = 256 * 2**-24 * (x.abs() / m.input_smooth.float()) @ w_q.abs().t()  # float32 sums: K ulps of their terms
+    assert ((y - ref).abs() <= bound + fp32).all()
+    # ... and the dequantized weight is the float one within int8 weight rounding (scale / 2 per element)
+    assert ((m.dequantized_weight() - lin.weight).abs()
+            <= (m.weight_scale.float()[:, None] / 2 + 1e-7) / m.input_smooth.float()[None, :] * 1.0001).all()
+
+
+def test_smoothing_moves_the_outliers_into_the_weights():
+    """The point of calibration: with outlier channels, smoothed W8A8 is several times closer to the float layer."""
+    lin = make_linear(256, 96, seed=3)
+    x = outlier_input(32, 256, seed=4)
+    ref = lin(x)
+    plain = quant.W8A8Linear.from_float(lin)  # no smoothing (factors 1)
+    smooth = quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0))
+    smoothed = quant.W8A8Linear.from_float(lin, smooth)
+    err_plain = (plain(x) - ref).abs().mean()
+    err_smooth = (smoothed(x) - ref).abs().mean()
+    assert err_smooth < err_plain / 3
+
+
+def test_the_integer_sums_are_exact_on_the_kernel_and_on_the_fallback(monkeypatch):
+    lin = make_linear(64, 48)
+    x = outlier_input(9, 64)
+    m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
+    assert policy.linear_path("cpu", torch.float32, 9, "w8a8") == policy.INT_MM
+    kernel = m(x)
+    # the fallback (CUDA's few rows, other devices): the same products in float32, exact below 2**24
+    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: policy.DEQUANTIZE)
+    assert 127 * 127 * 64 < 2 ** 24
+    assert torch.equal(m(x), kernel)
+
+
+def test_each_row_is_the_same_whatever_rows_share_the_call():
+    lin = make_linear(128, 64)
+    x = outlier_input(13, 128)
+    m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
+    together = m(x)
+    for i in range(13):
+        assert torch.equal(m(x[i:i + 1]), together[i:i + 1])
+    assert torch.equal(m(x[3:11]), together[3:11])
+
+
+def test_policy_sends_w8a8_to_int_mm_on_cpu_and_cuda_only_where_it_takes_the_shape():
+    assert policy.linear_path("cpu", torch.bfloat16, 1, "w8a8") == policy.INT_MM
+    assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4096)) == policy.INT_MM
+    assert policy.linear_path("cuda", torch.bfloat16, 8, "w8a8", (4096, 4096)) == policy.DEQUANTIZE
+    assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4100)) == policy.DEQUANTIZE
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A float checkpoint (std 0.3: logits far apart), calibrated on 6 prompts of the bundled set."""
+    folder = save_checkpoint(random_state_dict(CFG, seed=7, std=0.3), CFG, tmp_path_factory.mktemp("w") / "float")
+    prompts = [torch.randint(0, 50000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (40, 25, 60, 33, 12, 50)]
+    record = calibrate(folder, prompts, "test prompts", dtype=torch.float32)
+    return folder, record
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_calibration_is_recorded_and_its_factors_are_shared_by_the_linears_of_one_input(calibrated):
+    folder, record = calibrated
+    config = json.loads((folder / "config.json").read_text())
+    assert config["calibration"] == record and record["tokens"] == 40 + 25 + 60 + 33 + 12 + 50
+    model = load_model(folder, quantize="w8a8")
+    block = model.transformer.h[1]
+    smooth = block.attn.q_proj.input_smooth
+    for m in (block.attn.k_proj, block.attn.v_proj, block.mlp.fc_in):
+        assert torch.equal(m.input_smooth, smooth)  # they read ln_1's output: one factor vector
+    assert not torch.equal(block.mlp.fc_out.input_smooth, torch.ones_like(block.mlp.fc_out.input_smooth))
+    assert model.config.quantization["calibration"] == record and model.config.calibration is None
+
+
+def test_a_quantized_checkpoint_round_trips_and_gives_the_same_tokens(calibrated, tmp_path):
+    folder, record = calibrated
+    on_load = load_model(folder, quantize="w8a8")
+    out = convert(folder, tmp_path / "q", quantize="w8a8")
+    saved = load_model(out)
+    assert saved.config.quantization["mode"] == "w8a8" and saved.config.quantization["calibration"] == record
+    a, b = on_load.state_dict(), saved.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    gen = GenerationConfig(max_new_tokens=10)
+    prompts = prompts_of([9, 21])
+    assert generate(on_load, prompts, gen) == generate(saved, prompts, gen)
+    again = save_checkpoint(saved.state_dict(), saved.config, tmp_path / "again")
+    assert generate(load_model(again), prompts, gen) == generate(saved, prompts, gen)
+    # a plain (float) convert keeps the calibration with its factors
+    kept = convert(folder, tmp_path / "float-copy")
+    assert (kept / cal.CALIBRATION_FILE).read_bytes() == (folder / cal.CALIBRATION_FILE).read_bytes()
+    assert generate(load_model(kept, quantize="w8a8"), prompts, gen) == generate(saved, prompts, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype):
+    folder, _ = calibrated
+    model = load_model(folder, dtype=dtype, quantize="w8a8")
+    prepare_for_serving(model)  # fused q|k|v|fc_in: their input quantized once, with their shared factors
+    assert isinstance(model.transformer.h[0].w_in, quant.W8A8Linear)
+    prompts = prompts_of([5, 17, 1, 30, 8])
+    gens = [GenerationConfig(max_new_tokens=12), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=4),
+            GenerationConfig(max_new_tokens=9, min_new_tokens=9), GenerationConfig(max_new_tokens=14),
+            GenerationConfig(max_new_tokens=10, num_beams=2)]
+    engine = Engine(model, EngineConfig(max_seqs=16))
+    together = engine.generate(prompts, gens)
+    assert max(engine.decode_batch_sizes) > 4
+    for prompt, gen, got in zip(prompts, gens, together):
+        assert got == Engine(model, EngineConfig(max_seqs=4)).generate([prompt], gen)[0]
+
+
+def test_the_fused_block_computes_what_the_plain_w8a8_block_does(calibrated):
+    folder, _ = calibrated
+    plain = load_model(folder, quantize="w8a8")
+    fused = load_model(folder, quantize="w8a8")
+    prepare_for_serving(fused)
+    ids = torch.tensor([prompts_of([24])[0]])
+    with torch.no_grad():
+        a, b = plain(ids), fused(ids)
+    # float32: the same integer sums; only the float epilogue's order of operations may differ
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_w8a8_without_a_calibration_is_one_line(tmp_path, capsys):
+    folder = save_checkpoint(random_state_dict(CFG, seed=1), CFG, tmp_path / "m")
+    rc = main(["generate", "--model", str(folder), "--quantize", "w8a8", "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and "gptj calibrate --model" in err
+    with pytest.raises(GptjError, match="needs its calibration record"):
+        quant.make_quantization(CFG, "w8a8")
+    with pytest.raises(GptjError, match="takes no calibration"):
+        quant.make_quantization(CFG, "int8", calibration=cal.make_record(0.5, "x", 1, 1))
+
+
+def test_calibrate_refuses_a_quantized_model_and_a_bad_alpha(calibrated, tmp_path, capsys):
+    folder, _ = calibrated
+    q = convert(folder, tmp_path / "q", quantize="int8")
+    assert main(["calibrate", "--model", str(q), "--samples", "1"]) == 1
+    assert "already quantized (int8)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--model", str(folder), "--alpha", "1.5"])
+    assert e.value.code == 2 and "expected a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_gptj_calibrate_on_the_bundled_samples(tmp_path, capsys):
+    folder = save_checkpoint(random_state_dict(CFG, seed=2, std=0.3), CFG, tmp_path / "m")
+    assert main(["calibrate", "--model", str(folder), "--samples", "2", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated" in out and "on 2 prompts" in out
+    record = json.loads((folder / "config.json").read_text())["calibration"]
+    assert record["samples"] == 2 and record["method"] == "smoothquant" and record["alpha"] == 0.5
+    model = load_model(folder, quantize="w8a8")
+    assert all(isinstance(m, quant.W8A8Linear) for n, m in model.named_modules() if n in quant.linear_names(CFG))
+    assert len(generate(model, prompts_of([6]), GenerationConfig(max_new_tokens=4, eos_token_id=None))[0]) == 4
