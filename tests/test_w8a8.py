@@ -15,7 +15,7 @@ from gptj.config import GPTJConfig
 from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig
 from gptj.errors import GptjError
-from gptj.kernels import prepare_for_serving
+from gptj.kernels import fused, prepare_for_serving
 from gptj.quant import calibrate as cal
 from gptj.quant import linear as qlinear
 from gptj.weights.io import calibrate, convert, load_model, random_state_dict, save_checkpoint
@@ -152,12 +152,37 @@ def test_a_quantized_checkpoint_round_trips_and_gives_the_same_tokens(calibrated
     assert generate(load_model(kept, quantize="w8a8"), prompts, gen) == generate(saved, prompts, gen)
 
 
+@pytest.fixture(params=["onednn", "int_mm"])
+def w8a8_kernel(request, monkeypatch):
+    """Serving's kernel for W8A8 layers: oneDNN's packed int8 GEMM (skips where this CPU's torch lacks
+    it) or, as where it is missing, the layer as loaded (torch._int_mm)."""
+    if request.param == "onednn":
+        if not policy.can_pack_int8("cpu"):
+            pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
+    else:
+        monkeypatch.setattr(fused, "can_pack_int8", lambda device: False)
+    return request.param
+
+
+def test_the_packed_layer_gives_the_plain_layers_numbers(w8a8_kernel):
+    lin = make_linear(256, 96)
+    x = outlier_input(7, 256)
+    m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
+    holder = nn.Sequential(m)
+    assert fused.pack_model(holder) == (1 if w8a8_kernel == "onednn" else 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(holder(x.to(dtype)), m(x.to(dtype)))
+    rows = torch.cat([holder(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(rows, holder(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype):
+def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype, w8a8_kernel):
     folder, _ = calibrated
     model = load_model(folder, dtype=dtype, quantize="w8a8")
     prepare_for_serving(model)  # fused q|k|v|fc_in: their input quantized once, with their shared factors
-    assert isinstance(model.transformer.h[0].w_in, quant.W8A8Linear)
+    want = fused.PackedW8A8Linear if w8a8_kernel == "onednn" else quant.W8A8Linear
+    assert isinstance(model.transformer.h[0].w_in, want) and isinstance(model.lm_head, want)
     prompts = prompts_of([5, 17, 1, 30, 8])
     gens = [GenerationConfig(max_new_tokens=12), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=4),
             GenerationConfig(max_new_tokens=9, min_new_tokens=9), GenerationConfig(max_new_tokens=14),

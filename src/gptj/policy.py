@@ -14,7 +14,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE
-  cpu     w8a8 (int8 x int8)          any                              INT_MM       torch._int_mm (VNNI), int32 sums
+  cpu     w8a8, oneDNN layout         any                              ONEDNN       oneDNN's u8 x s8 GEMM (VNNI), int32 sums
+          (PackedW8A8Linear)
+  cpu     w8a8 (int8 x int8)          any                              INT_MM       torch._int_mm, int32 sums
   cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
                                       else                             DEQUANTIZE   the same products in float32
   cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
@@ -27,6 +29,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   building a model for serving (gptj.kernels.prepare_for_serving)
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
   `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16
+  `can_pack_int8` a W8A8 linear is packed for oneDNN's int8 GEMM on a CPU that has it
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
                  and gptj.native is available, else oneDNN's
 
@@ -86,13 +89,16 @@ NATIVE_LAYOUT_MAX_ROWS = 4
 # crossovers are used for every activation dtype.
 KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
 
-# W8A8 on CPU: torch._int_mm (oneDNN's u8s8 VNNI GEMM) at every row count. Its int32 sums are exact,
-# so a row's result is the same whatever else is in the call (batch invariance by construction).
-# Measured on this project's 2-core AVX512-VNNI box, 1 thread, 4096 x 4096 int8 (min of 5 runs), ms:
-#   rows                                1     16    64   128   256
-#   torch._int_mm                      1.8   2.2   4.0   6.0  10.4
-#   torch._weight_int8pack_mm (int8)   0.5   3.4  13.1     -     -
-#   bfloat16 F.linear                  1.7   2.3   5.8  10.3  18.6
+# W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
+# whatever else is in the call (batch invariance by construction). Serving packs the weight for
+# oneDNN's u8 x s8 GEMM (torch.ops.onednn.qlinear_*, activations shifted to uint8 with zero point
+# 128); a model as loaded runs torch._int_mm, which reorders the weight at every call. Measured on
+# this project's 2-core AVX512-VNNI box, 1 thread, a 16384 x 4096 int8 weight (fc_in), best of 5, ms:
+#   rows                                  1     4     8    16    32    64   128   256
+#   oneDNN packed u8 x s8 (serving)     1.8   2.1   2.7   3.6   6.2  10.2  18.6  35.5
+#   torch._int_mm (as loaded)           2.4  10.5  11.3  12.5  14.4  18.6  27.2  44.4
+#   gptj.native int8 GEMV (bf16 x int8) 1.7   2.4   4.9   7.7     -     -     -     -
+# (oneDNN's s8 x s8 variant of the same op took about 1 s a call here: never used.)
 # CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8.
 INT_MM_CUDA_MIN_ROWS = 17
 
@@ -123,6 +129,13 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def can_pack_int8(device: torch.device | str) -> bool:
+    """oneDNN's int8 GEMM on packed weights (torch.ops.onednn.qlinear_prepack) runs W8A8 on this CPU."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 def pack_layout(max_rows: int | None) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from gptj.policy import NATIVE_LAYOUT_MAX_ROWS, NATIVE_MAX_ROWS, PACK_MODES, can_pack
 
-_FUSED = ("FusedBlock", "PackedLinear", "concat_in_features", "concat_out_features", "fuse_model", "pack_model",
+_FUSED = ("FusedBlock", "PackedLinear", "PackedW8A8Linear", "concat_in_features", "concat_out_features", "fuse_model", "pack_model",
           "prepare_for_serving")
 
 __all__ = ["NATIVE_LAYOUT_MAX_ROWS", "NATIVE_MAX_ROWS", "PACK_MODES", "can_pack", *_FUSED]

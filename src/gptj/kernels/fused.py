@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, can_pack, exact, fusable, linear_path, native_elementwise,
-                         pack_layout)
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, can_pack, can_pack_int8, exact, fusable, linear_path,
+                         native_elementwise, pack_layout)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-from gptj.quant import Int4Linear, Int8Linear, W8A8Linear
+from gptj.quant import Int4Linear, Int8Linear, W8A8Linear, quantize_rows_int8
 
 
 class PackedLinear(nn.Module):
@@ -71,6 +71,42 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 {self.layout}"
 
 
+class PackedW8A8Linear(nn.Module):
+    """A W8A8Linear's forward on oneDNN's int8 GEMM, its weight packed once (CPU, policy.can_pack_int8).
+
+    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale), shifted to
+    uint8 with zero point 128 (the u8 x s8 form oneDNN runs fast), and multiplied with the packed
+    int8 weight; oneDNN returns sum * weight_scale in float32 (the sum exact in int32), then x's
+    scale and the bias follow, in W8A8Linear's order: the same numbers as the module it replaces.
+    Like PackedLinear it serves, and is not saved, moved or cast."""
+
+    def __init__(self, m: W8A8Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = m.in_features, m.out_features
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(m.weight, None), persistent=False)
+        self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
+        self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
+        self.register_buffer("inv_smooth", 1 / m.input_smooth.float(), persistent=False)
+        self.register_buffer("bias", None if m.bias is None else m.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        qx, sx = quantize_rows_int8(x2.float() * self.inv_smooth)
+        qu = (qx.to(torch.int16) + 128).to(torch.uint8)
+        acc = torch.ops.onednn.qlinear_pointwise(qu, 1.0, 128, self.packed, self.weight_scale, self.zero_points,
+                                                 None, 1.0, 0, torch.float32, "none", [], "")
+        y = (acc * sx).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        raise RuntimeError("a PackedW8A8Linear cannot be moved or cast; load the checkpoint again instead")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 onednn"
+
+
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
     """Swap the model's bfloat16 CPU nn.Linear modules for PackedLinear in place; return how many.
 
@@ -78,7 +114,8 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     (policy.pack_layout: gptj.native's for few rows where it is available, otherwise oneDNN's).
 
     mode "off" (or a model that is not bfloat16 on a CPU with oneDNN bf16) leaves it unchanged.
-    Quantized layers (gptj.quant) are not nn.Linear and keep their own kernels.
+    W8A8 layers on a CPU with oneDNN's int8 GEMM become PackedW8A8Linear (any float dtype); the other
+    quantized layers (gptj.quant) keep their own kernels.
     """
     if mode not in PACK_MODES:
         raise ValueError(f"pack mode must be one of {', '.join(PACK_MODES)}, got {mode!r}")
@@ -88,9 +125,12 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     # (parent, name) pairs only: a list of the linears themselves would keep every plain weight
     # alive until the end, holding the model twice while it is repacked.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device)]
+               if (type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device))
+               or (type(child) is W8A8Linear and can_pack_int8(child.weight.device))]
     for parent, name in targets:
-        setattr(parent, name, PackedLinear(getattr(parent, name), layout))  # the plain weight is freed here
+        child = getattr(parent, name)
+        packed = PackedW8A8Linear(child) if type(child) is W8A8Linear else PackedLinear(child, layout)
+        setattr(parent, name, packed)  # the plain weight is freed here
     return len(targets)
 
 

@@ -198,7 +198,7 @@ class W8A8Linear(nn.Module):
             acc = torch._int_mm(qx, self.weight.t()).float()
         else:  # the same products in float32 (exact while each sum stays below 2**24)
             acc = F.linear(qx.float(), self.weight.float())
-        y = (acc * sx * self.weight_scale.float()).to(x.dtype)
+        y = (acc * self.weight_scale.float() * sx).to(x.dtype)  # the order oneDNN's packed kernel takes
         return _finish(self, y, x)
 
     def extra_repr(self) -> str:
