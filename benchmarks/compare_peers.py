@@ -68,7 +68,9 @@ MODELS = {
     "wide": GPTJConfig(n_embd=4096, n_layer=2, n_head=16, rotary_dim=64),
     "tiny": get_preset("tiny"),  # a smoke test of this script, not a benchmark
 }
-ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-fp32")
+ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w8a8", "hf-fp32", "hf-bf16", "ct2-int8",
+                "ct2-fp32")
+CALIBRATION_SAMPLES = 8  # gptj-w8a8: the model folder is calibrated once, on the bundled set's first prompts
 MLPERF = GenerationConfig.mlperf()  # beam 4, 30..128 new tokens, early stopping, EOS 50256
 
 
@@ -270,6 +272,16 @@ def missing_peer(family: str) -> str | None:
     return None
 
 
+def calibrate_folder(model_dir: Path) -> None:
+    """W8A8's smoothing factors for a benchmark model, from the bundled set's first prompts (gptj calibrate)."""
+    from gptj.mlperf.dataset import Dataset
+    from gptj.weights.io import calibrate
+
+    data = Dataset.load(max_examples=CALIBRATION_SAMPLES)
+    note(f"calibrating {model_dir} for w8a8 on {len(data)} prompts of {data.path.name}")
+    calibrate(model_dir, data.input_ids, data.path.name, dtype=torch.bfloat16)
+
+
 def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: int,
                 ct2_offline_batch: int = 1) -> list[Impl]:
     has_quant = "quantize" in inspect.signature(load_model).parameters
@@ -278,8 +290,10 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
 
     def gptj_model(kind: str) -> torch.nn.Module:
         if kind not in gptj_models:
-            dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4") else torch.float32
-            kwargs = {"quantize": kind} if kind.startswith("int") else {}
+            dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4", "w8a8") else torch.float32
+            kwargs = {"quantize": kind} if kind in ("int8", "int4", "w8a8") else {}
+            if kind == "w8a8" and not json.loads((model_dir / "config.json").read_text()).get("calibration"):
+                calibrate_folder(model_dir)
             gptj_models[kind] = load_model(model_dir, dtype=dtype, **kwargs)
         return gptj_models[kind]
 
@@ -290,7 +304,7 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
             continue
         try:
             if family == "gptj":
-                if kind in ("int8", "int4") and not has_quant:
+                if kind in ("int8", "int4", "w8a8") and not has_quant:
                     note(f"skipping {v}: load_model takes no quantize argument (gptj.quant not present)")
                     continue
                 impl = gptj_impl(v, gptj_model(kind))

@@ -240,3 +240,15 @@ def test_gptj_calibrate_on_the_bundled_samples(tmp_path, capsys):
     model = load_model(folder, quantize="w8a8")
     assert all(isinstance(m, quant.W8A8Linear) for n, m in model.named_modules() if n in quant.linear_names(CFG))
     assert len(generate(model, prompts_of([6]), GenerationConfig(max_new_tokens=4, eos_token_id=None))[0]) == 4
+
+
+def test_the_quantization_report_covers_w8a8(calibrated):
+    from gptj.bench.quant_report import quantization_report
+
+    folder, _ = calibrated
+    report = quantization_report(folder, modes=["int8", "w8a8"], prompts=prompts_of([20, 12]), dtype=torch.float32)
+    w8a8, int8 = report["modes"]["w8a8"], report["modes"]["int8"]
+    assert report["positions"] == 32 and 0 <= w8a8["top1_agreement"] <= 1
+    # the int8 checkpoint's bytes plus one bfloat16 smoothing factor per input of every linear
+    assert w8a8["weight_bytes"] == int8["weight_bytes"] + 2 * sum(quant.linear_in_features(CFG).values())
+    assert w8a8["mean_abs_logit_error"] > 0  # activations are rounded too: not the float model

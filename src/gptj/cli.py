@@ -800,10 +800,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    p = sub.add_parser("quant-report", help="accuracy of int8/int4 weight-only quantization vs float32",
-                       description="Teacher-forced next-token top-1 agreement and logit error of each weight-only "
+    p = sub.add_parser("quant-report", help="accuracy of int8/int4/w8a8 quantization vs float32",
+                       description="Teacher-forced next-token top-1 agreement and logit error of each "
                                    "quantization mode against the float32 model, on the first prompts of the "
-                                   "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick).")
+                                   "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick). "
+                                   "w8a8 needs a calibrated folder (gptj calibrate); calibrated on the same "
+                                   "bundled prompts, its figures are in-sample.")
     p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
     p.add_argument("--modes", type=_modes, default=["int8", "int4"], help="comma-separated (default: int8,int4)")
     p.add_argument("--group-size", type=_positive, help=flags.GROUP_SIZE_HELP)

@@ -1,4 +1,4 @@
-"""`gptj quant-report`: how close each weight-only quantization mode (gptj.quant) stays to the
+"""`gptj quant-report`: how close each quantization mode (gptj.quant) stays to the
 float32 model, teacher-forced on real prompts. It loads checkpoints, so it sits above both
 gptj.quant and gptj.weights (which imports gptj.quant for quantized checkpoints)."""
 
