@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from gptj.config import GPTJConfig
-from gptj.engine.config import COMPILE_MODES
+from gptj.engine.config import COMPILE_MODES, KV_SCALE_DTYPE, kv_bytes_per_token
 from gptj.errors import GptjError
 from gptj.policy import attention_path, exact
 from gptj.model import attention
@@ -191,38 +191,84 @@ class PagedKV:
     """Every layer's keys and values in blocks of B tokens: k[layer], v[layer] (n_blocks, H, B, D).
 
     Which block holds what is engine/kv.py's bookkeeping; a sequence's token t lies in block
-    blocks[t // B], row t % B. n_head: this rank's heads (tensor parallel)."""
+    blocks[t // B], row t % B. n_head: this rank's heads (tensor parallel).
+
+    `dtype` is the storage (engine.config.kv_storage). int8 (`quantized`): each token's head vector
+    of D values is stored as round(x / s) with s = max |x| / 127 in k_scale / v_scale[layer]
+    (n_blocks, H, B), float32, and read back as q * s in `compute` (the model's dtype): |error| <= s / 2."""
 
     def __init__(self, config: GPTJConfig, n_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, n_head: int | None = None) -> None:
+                 device: torch.device | str, n_head: int | None = None, compute: torch.dtype | None = None) -> None:
         shape = (n_blocks, n_head or config.n_head, block_size, config.head_dim)
+        self.quantized = dtype == torch.int8
+        self.compute = compute or (torch.float32 if self.quantized else dtype)
         try:  # zeros, not empty: every page is touched now, not by the first requests (a page fault each)
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
             self.v = [torch.zeros_like(t) for t in self.k]
+            if self.quantized:
+                self.k_scale = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) for _ in self.k]
+                self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
         except (RuntimeError, MemoryError) as e:
-            gb = 2 * config.n_layer * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 1e9
+            gb = n_blocks * block_size * kv_bytes_per_token(config, dtype, shape[1]) / 1e9
             raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_blocks} blocks of {block_size} tokens): "
                             f"{str(e).splitlines()[0]}") from None
         self.block_size = block_size
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k, *self.v, *(self.k_scale + self.v_scale if self.quantized else ()))
+
     def copy(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Copy-on-write: block dst gets the first n tokens of block src, for each (src, dst, n)."""
         for src, dst, n in copies:
-            for t in (*self.k, *self.v):
+            for t in self._tensors():
                 t[dst, :, :n] = t[src, :, :n]
 
-    def gather(self, layer: int, blocks: Sequence[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` keys and values of a block table as (H, length, D) tensors."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+              decode: DecodeAttention) -> None:
+        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n]
+        (quantized first when the storage is int8; otherwise by DecodeAttention.store)."""
         kc, vc = self.k[layer], self.v[layer]
-        if len(blocks) == 0 or length == 0:
-            return kc[0, :, :0], vc[0, :, :0]
-        if len(blocks) == 1:
-            b = int(blocks[0])
-            return kc[b, :, :length], vc[b, :, :length]
-        index = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, device=kc.device, dtype=torch.long)
+        if not self.quantized:
+            decode.store(kc, vc, k, v, blocks, offsets)
+            return
+        for x, cache, scales in ((k, kc, self.k_scale[layer]), (v, vc, self.v_scale[layer])):
+            q, s = quantize_heads(x)
+            cache[blocks, :, offsets] = q
+            scales[blocks, :, offsets] = s
+
+    def blocks(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks `index` (any shape I) as (*I, H, B, D) in the compute dtype."""
+        kc, vc = self.k[layer][index], self.v[layer][index]
+        if not self.quantized:
+            return kc, vc
+        return (dequantize_heads(kc, self.k_scale[layer][index], self.compute),
+                dequantize_heads(vc, self.v_scale[layer][index], self.compute))
+
+    def gather(self, layer: int, blocks: Sequence[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of a block table as (H, length, D) tensors (compute dtype)."""
+        kc = self.k[layer]
         H, D = kc.shape[1], kc.shape[3]
-        return (kc[index].transpose(0, 1).reshape(H, -1, D)[:, :length],
-                vc[index].transpose(0, 1).reshape(H, -1, D)[:, :length])
+        if len(blocks) == 0 or length == 0:
+            empty = torch.empty((H, 0, D), dtype=self.compute, device=kc.device)
+            return empty, empty
+        if len(blocks) == 1 and not self.quantized:
+            b = int(blocks[0])
+            return kc[b, :, :length], self.v[layer][b, :, :length]
+        index = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, device=kc.device, dtype=torch.long)
+        k, v = self.blocks(layer, index)
+        return (k.transpose(0, 1).reshape(H, -1, D)[:, :length], v.transpose(0, 1).reshape(H, -1, D)[:, :length])
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (int8 (..., D), float32 scale (...)): per head vector, symmetric, s = max |x| / 127."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1) / 127).clamp_(min=2.0**-120)
+    return torch.round(xf / s[..., None]).clamp_(-127, 127).to(torch.int8), s
+
+
+def dequantize_heads(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * s, computed in float32 and rounded once to `dtype`."""
+    return (q.float() * s[..., None]).to(dtype)
 
 
 @dataclass
@@ -291,10 +337,9 @@ class PagedBatch:
         Bq, H, T, D = q.shape
         qt, kt, vt = (x.transpose(1, 2).reshape(Bq * T, H, D) for x in (q, k, v))  # (tokens, H, D)
         out = torch.empty((Bq * T, H, D), dtype=v.dtype, device=v.device)
-        kc, vc = self.kv.k[layer], self.kv.v[layer]
         n = self.n_decode
         if n:
-            self.decode.store(kc, vc, kt[:n], vt[:n], self._wb, self._wo)  # each row's new key, value
+            self.kv.store(layer, kt[:n], vt[:n], self._wb, self._wo, self.decode)  # each row's new key, value
             out[:n] = self._decode(layer, qt[:n])
         for seg, slots in zip(self.segments, self._slots):
             out[n:n + seg.length] = self._prefill(layer, seg, slots, qt[n:n + seg.length], kt[n:n + seg.length],
@@ -307,7 +352,7 @@ class PagedBatch:
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         if self._native is not None:
             return self.decode.paged(q, kc, vc, self._native).to(vc.dtype)
-        out = torch.empty(q.shape, dtype=vc.dtype, device=vc.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         row = 0
         for g in self.groups:
             n = g.rows
@@ -317,8 +362,9 @@ class PagedBatch:
             else:
                 tables = torch.tensor(g.own, device=q.device, dtype=torch.long)  # (n, m)
                 H, D = kc.shape[1], kc.shape[3]
-                tk = kc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
-                tv = vc[tables].transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]
+                ok, ov = self.kv.blocks(layer, tables)  # (n, m, H, B, D)
+                tk = ok.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
+                tv = ov.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]
                 out[row:row + n] = self.decode.group(q[row:row + n], pk, pv, tk, tv)
             row += n
         return out
@@ -330,13 +376,13 @@ class PagedBatch:
         end = start + T
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         rows, offsets, table, table32, pos = slots
-        self.decode.store(kc, vc, k, v, rows, offsets)
+        self.kv.store(layer, k, v, rows, offsets, self.decode)
         if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
             return self.decode.prefill(q, kc, vc, table32, start)
         qh = q.transpose(0, 1)[None]  # (1, H, T, D)
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)
-        if start == 0:  # nothing stored before: this call's keys are all of them
+        if start == 0 and not self.kv.quantized:  # nothing stored before: this call's keys are all of them
             out = attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, causal=True)
         else:
             keys, values = self.kv.gather(layer, table, end)

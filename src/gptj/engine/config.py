@@ -19,6 +19,11 @@ from gptj.errors import GptjError
 from gptj.policy import PACK_MODES
 
 COMPILE_MODES = ("auto", "on", "off")
+# KV storage: "auto" the model's float dtype; "int8" int8 keys and values with a float32 scale per
+# token and head (max |x| / 127 of that head's D values, as vLLM's and TensorRT-LLM's int8 / fp8 KV
+# caches scale theirs): (D + 4) bytes where bfloat16 takes 2 D, so 1.97x the tokens at GPT-J's D = 256.
+KV_DTYPES = ("auto", "int8")
+KV_SCALE_DTYPE = torch.float32
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MAX_SEQS = 256  # running sequences per step when nothing else bounds them (vLLM's max_num_seqs)
 
@@ -35,6 +40,7 @@ class EngineConfig:
     prefill_chunk: int | None = None  # prompt tokens prefilled per step, in chunks; None: whole prompts
     kernels: str = "auto"  # decode attention by gptj.native when it can ("auto"), or never ("off")
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
+    kv_dtype: str = "auto"  # KV storage (KV_DTYPES): the model's float dtype, or int8 with per-token-head scales
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_len", "kv_blocks", "prefill_chunk"):
@@ -50,6 +56,8 @@ class EngineConfig:
             raise GptjError(f"engine kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
         if self.compile not in COMPILE_MODES:
             raise GptjError(f"engine compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise GptjError(f"engine kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 0 < self.memory_fraction <= 1:
             raise GptjError(f"engine memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
@@ -78,10 +86,19 @@ class KVPlan:
         return self.n_blocks * self.block_bytes
 
 
+def kv_storage(model_dtype: torch.dtype, kv_dtype: str = "auto") -> torch.dtype:
+    """The dtype KV memory holds: the model's float dtype, or int8 (EngineConfig.kv_dtype)."""
+    return torch.int8 if kv_dtype == "int8" else model_dtype
+
+
 def kv_bytes_per_token(config: GPTJConfig, dtype: torch.dtype, n_head: int | None = None) -> int:
-    """Bytes of keys + values one token takes over all layers (n_head: this rank's heads)."""
+    """Bytes of keys + values one token takes over all layers (n_head: this rank's heads); `dtype`
+    the storage (kv_storage): int8 adds one KV_SCALE_DTYPE scale per head."""
     heads = n_head or config.n_head
-    return 2 * config.n_layer * heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_head = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.int8:
+        per_head += torch.empty((), dtype=KV_SCALE_DTYPE).element_size()
+    return 2 * config.n_layer * heads * per_head
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -114,9 +131,10 @@ def blocks_to_admit(needed: int) -> int:
     return n
 
 
-def plan_kv(model_config: GPTJConfig, kv_dtype: torch.dtype, device: torch.device | str, cfg: EngineConfig,
+def plan_kv(model_config: GPTJConfig, model_dtype: torch.dtype, device: torch.device | str, cfg: EngineConfig,
             n_head: int | None = None, free_bytes: int | None = None) -> KVPlan:
-    """The engine's KV blocks and limits; the only place they are derived.
+    """The engine's KV blocks and limits; the only place they are derived. KV storage: cfg.kv_dtype
+    over the model's float dtype (kv_storage).
 
     n_blocks: `kv_blocks` when given; else enough for `max_seqs` (default DEFAULT_MAX_SEQS) sequences
     of max_len tokens, but at most memory_fraction of the free memory, and at least one sequence of
@@ -126,7 +144,7 @@ def plan_kv(model_config: GPTJConfig, kv_dtype: torch.dtype, device: torch.devic
     device = torch.device(device)
     B = cfg.block_size
     max_len = min(cfg.max_len or model_config.n_positions, model_config.n_positions)
-    block_bytes = kv_bytes_per_token(model_config, kv_dtype, n_head) * B
+    block_bytes = kv_bytes_per_token(model_config, kv_storage(model_dtype, cfg.kv_dtype), n_head) * B
     per_seq = math.ceil(max_len / B)
     if cfg.kv_blocks is not None:
         n_blocks = cfg.kv_blocks

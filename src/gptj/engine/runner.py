@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptj.engine.attention import DecodeAttention, DecodeGroup, PagedBatch, PagedKV, PrefillSegment
-from gptj.engine.config import EngineConfig, KVPlan
+from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.model import GPTJForCausalLM
@@ -36,8 +36,9 @@ class ModelRunner:
         self.model = model
         w = model.transformer.wte.weight
         self.device = w.device
-        kv_dtype = w.dtype  # the activations' dtype (weights may be quantized)
-        self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads)
+        kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8
+        self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
+                          compute=w.dtype)
         self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto", device=w.device)
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:

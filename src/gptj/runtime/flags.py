@@ -102,6 +102,7 @@ QUANT_MODES = _Lazy("gptj.quant", "QUANT_MODES")
 COMPILE_MODES = _Lazy("gptj.engine.config", "COMPILE_MODES")
 KERNEL_MODES = _Lazy("gptj.policy", "PACK_MODES")
 BLOCK_SIZES = _Lazy("gptj.engine.config", "BLOCK_SIZES")
+KV_DTYPES = _Lazy("gptj.engine.config", "KV_DTYPES")
 
 
 # --- declaring the flags ----------------------------------------------------------------------
@@ -169,6 +170,9 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
                         "max-model-len tokens, within --kv-memory-fraction of the free memory)")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, metavar="N",
                    help="tokens per KV block: %(choices)s (default 16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, metavar="DTYPE",
+                   help="KV memory's storage: auto (the model's dtype, default) or int8 (a scale per token and "
+                        "head: about twice the sequences in the same memory)")
     p.add_argument("--kv-memory-fraction", type=probability, metavar="F",
                    help="of the free memory after loading, at most, for KV blocks (default 0.5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -201,7 +205,7 @@ def model_spec(args: argparse.Namespace, path: object = None) -> ModelSpec:
 
 # flag (dest) -> EngineConfig field
 _ENGINE_FLAGS = {"max_seqs": "max_seqs", "max_model_len": "max_len", "kv_blocks": "kv_blocks",
-                 "block_size": "block_size", "kv_memory_fraction": "memory_fraction"}
+                 "block_size": "block_size", "kv_memory_fraction": "memory_fraction", "kv_dtype": "kv_dtype"}
 
 
 def engine_config(args: argparse.Namespace, **workload: Any) -> EngineConfig:
