@@ -75,7 +75,7 @@ def tiny(tmp_path_factory) -> str:
 def check_compare_peers(out: dict, err: str) -> None:
     res = out["results"]["tiny"]
     assert positive(out["bandwidth_gb_s"])
-    expected = ["gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4"]
+    expected = ["gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w8a8"]
     for family, module in (("hf", "transformers"), ("ct2", "ctranslate2")):
         if installed(module):
             expected += [f"{family}-fp32", f"{family}-bf16" if family == "hf" else f"{family}-int8"]
@@ -91,6 +91,12 @@ def check_compare_peers(out: dict, err: str) -> None:
         assert positive(res["offline"][name]["samples_s"]) and res["offline"][name]["new_tokens"] == 8
     w = res["weight_bytes"]
     assert w["gptj-fp32"] > w["gptj-bf16"] > w["gptj-int8"] > w["gptj-int4"] > 0
+    # the same int8 weights, plus a bfloat16 smoothing factor per input of every linear
+    from gptj.config import get_preset
+    from gptj.quant import linear_in_features
+
+    assert w["gptj-w8a8"] - w["gptj-int8"] == 2 * sum(linear_in_features(get_preset("tiny")).values())
+    assert "calibrating" in err and "for w8a8 on 8 prompts" in err
     # the same weights in float32: the peers' tokens are gptj's (the script's own claim)
     fp32_pairs = {k: v for k, v in res["identical_tokens"].items() if k.startswith("gptj-fp32 vs ")}
     assert len(fp32_pairs) == 3 * (installed("transformers") + installed("ctranslate2"))
@@ -201,6 +207,15 @@ def check_train_step(out: dict, err: str) -> None:
         assert positive(out[key]), (key, out[key])
 
 
+def check_kv_int8(out: dict, err: str) -> None:
+    cap = out["capacity_sequences"]
+    # 256-value heads: (256 + 4) bytes in int8 against 512 in bfloat16
+    assert cap["int8"] >= 1.9 * cap["auto"] and cap["ratio"] == round(cap["int8"] / cap["auto"], 3)
+    agree = out["top1_agreement_int8_vs_bf16"]
+    assert agree["positions"] > 100 and 0 <= agree["agreement"] <= 1
+    assert positive(out["offline_samples_per_s"]["auto"]) and positive(out["offline_samples_per_s"]["int8"])
+
+
 def check_paged_kv(out: dict, err: str) -> None:
     new = out["runs"]["new"]
     assert new["most_running"] >= 1 and positive(new["offline_samples_per_s"])
@@ -247,6 +262,7 @@ SMOKE: dict[str, Job] = {
     "engine_thread.py": Job("engine_thread.py", lambda m, tmp: ["--model", m, "--dtype", "float32", "--smoke",
                                                                 "--json"], check_engine_thread),
     "generate_vs_hf.py": Job("generate_vs_hf.py", lambda m, tmp: ["--smoke", "--json"], check_generate_vs_hf),
+    "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
     "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
