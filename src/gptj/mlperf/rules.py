@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from gptj.errors import GptjError
 
 BENCHMARKS = ("gptj-99", "gptj-99.9")
+# The closed division allows quantization calibrated on MLPerf's calibration list for gpt-j only
+# (mlcommons/inference, language/gpt-j: 1,000 CNN-DailyMail training-set articles), never on the
+# evaluation set.
+CALIBRATION_LIST = "cnn_dailymail_calibration.json"
 DIVISIONS = ("closed", "open")
 CATEGORIES = ("edge", "datacenter")
 STATUSES = ("available", "preview", "rdi")  # the checker's VALID_AVAILABILITIES

@@ -343,6 +343,26 @@ def check_division(sub: SubmissionConfig) -> None:
     diff = official_differences(sub.run.gen)
     if diff:
         raise GptjError(f"the closed division runs MLPerf's generation settings; these differ: {', '.join(diff)}")
+    calibration = _w8a8_calibration(sub.run)
+    if calibration is not None and calibration.get("dataset") != rules.CALIBRATION_LIST:
+        raise GptjError(f"the closed division allows quantization calibrated on MLPerf's calibration list "
+                        f"({rules.CALIBRATION_LIST}); this w8a8 model was calibrated on {calibration.get('dataset')!r} "
+                        f"(gptj calibrate --dataset {rules.CALIBRATION_LIST})")
+
+
+def _w8a8_calibration(run: MLPerfConfig) -> dict | None:
+    """The calibration record of the W8A8 model a run loads (None: not W8A8, or no local folder)."""
+    folder = run.model
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # loading reports a bad config.json
+    quantization = config.get("quantization") or {}
+    if quantization.get("mode") == "w8a8":
+        return quantization.get("calibration") or {}
+    return (config.get("calibration") or {}) if run.spec.quantize == "w8a8" else None
 
 
 def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[str, str]]]:
