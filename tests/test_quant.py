@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gptj import quant
+from gptj import policy, quant
 from gptj.bench import quant_report
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
@@ -32,6 +32,11 @@ def make_linear(n_in, n_out, bias, seed=0):
     return lin
 
 
+def dequant_rows(mode):
+    """The fewest rows whose call dequantizes the weight (gptj.policy.linear_path), native kernels or not."""
+    return (policy.NATIVE_INT8_MAX_ROWS if mode == "int8" else quant.KERNEL_MAX_ROWS[mode]) + 1
+
+
 def quantized(lin, mode):
     return quant.Int8Linear.from_float(lin) if mode == "int8" else quant.Int4Linear.from_float(lin, G)
 
@@ -52,7 +57,7 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
     matmul) against the float32 product with the dequantized weight, native kernels on and off."""
     lin = make_linear(128, 96, bias)
     m = quantized(lin, mode)
-    rows = 3 if path == "kernel" else quant.KERNEL_MAX_ROWS[mode] + 1
+    rows = 3 if path == "kernel" else dequant_rows(mode)
     x = torch.randn(1, rows, 128).to(dtype)
     assert m.use_kernel(x) == (path == "kernel")
     y = m(x)
@@ -68,7 +73,7 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
 def test_dequant_path_in_chunks(monkeypatch, mode):
     lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
     m = quantized(lin, mode)
-    x = torch.randn(quant.KERNEL_MAX_ROWS[mode] + 1, 64)
+    x = torch.randn(dequant_rows(mode), 64)
     whole = m(x)
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)
     assert len(list(quant._row_chunks(560, 64))) == 3

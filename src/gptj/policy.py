@@ -9,8 +9,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (PackedLinear "native")     more                             TORCH        F.linear
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
-  cpu     int8                        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native int8 GEMV
-                                      <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
+  cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512)    NATIVE       gptj.native int8 GEMV, 8-row tiles
+          (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE
@@ -67,6 +67,16 @@ WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8")
 # gptj.native's GEMV beats the alternatives up to 8 rows: bf16 1.4-1.8x oneDNN at 1-2 rows
 # (benchmarks/native_gemv.py), int8 1.4-3x torch._weight_int8pack_mm.
 NATIVE_MAX_ROWS = 8
+# gptj.native's int8 GEMV runs any number of rows, 8 at a time over the weight. It stays ahead of
+# dequantizing the weight for F.linear up to about 512 rows. Measured with a throwaway script at 2
+# threads on the 2-core AVX512 box (best of 3, ms; the dequantize path is what KERNEL_MAX_ROWS
+# below sends bigger calls to):
+#   rows                       16    32    64   128   256   512   768
+#   16384 x 4096  native      3.6   6.2  12.7  26.1  50.9 100.7 156.6
+#                 dequantize 41.2  44.3  48.1  56.2  78.9 118.9 158.4
+#   4096 x 16384  native        -     -     -     -  49.2 102.9 190.9
+#                 dequantize    -     -     -     -  78.7 109.8 151.9
+NATIVE_INT8_MAX_ROWS = 512
 # An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
 # both layouts would double the weights' memory, so the layout is chosen once, when packing.
@@ -165,7 +175,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return DEQUANTIZE
-        if rows <= NATIVE_MAX_ROWS and native_available():
+        if rows <= NATIVE_INT8_MAX_ROWS and native_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
     if weight == "w8a8":
