@@ -8,7 +8,9 @@ Measured, for a bfloat16 model with random weights (std --std) and GPT-J's head 
     capacity    sequences of --max-len tokens the same KV memory (--budget-gib) holds: plan_kv's answer
     agreement   teacher-forced top-1 agreement of int8 KV with bfloat16 KV over every position of the
                 first --prompts bundled MLPerf prompts (the engine's prompt logprobs; the prompt's
-                attention reads the stored keys, so int8 rounding is in every position)
+                attention reads the stored keys, so int8 rounding is in every position); and, as
+                yardsticks on the same weights in float32: bfloat16 (model and KV) against float32,
+                and int8 KV against float32 KV in the float32 model
     offline     samples/s of the first --prompts prompts, beam 4, --new-tokens new tokens, all
                 submitted at once, each KV dtype alternated --rounds times (best round kept)
 
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = GPTJConfig(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 256), rotary_dim=64,
                      n_inner=4 * args.width, n_positions=2048)
-    model = model_from_state_dict(cfg, random_state_dict(cfg, seed=0, dtype=torch.bfloat16, std=args.std))
+    weights = random_state_dict(cfg, seed=0, dtype=torch.bfloat16, std=args.std)
+    model = model_from_state_dict(cfg, weights)
     prompts = Dataset.load(max_examples=args.prompts).input_ids
     budget = int(args.budget_gib * 2**30)
 
@@ -57,15 +60,20 @@ def main(argv: list[str] | None = None) -> None:
                        free_bytes=budget * 2)  # memory_fraction 0.5 of twice the budget: the budget
         capacity[kv] = plan.n_blocks // plan.blocks_per_seq
 
-    def top1(kv: str) -> list[int]:
+    def top1(kv: str, model: torch.nn.Module = model) -> list[int]:
         engine = Engine(model, EngineConfig(max_seqs=4, max_len=2048, kv_dtype=kv))
         reqs = [engine.add_request(p, GenerationConfig(max_new_tokens=1), prompt_logprobs=1) for p in prompts]
         while engine.has_work:
             engine.step()
         return [t.top[0][0] for r in reqs for t in r.prompt_token_logprobs if t is not None]
 
+    def agree(a: list[int], b: list[int]) -> float:
+        return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
+
     ref, got = top1("auto"), top1("int8")
-    agreement = sum(a == b for a, b in zip(ref, got)) / len(ref)
+    fp32 = model_from_state_dict(cfg, {k: v.float() for k, v in weights.items()})
+    ref32, got32 = top1("auto", fp32), top1("int8", fp32)
+    del fp32
 
     gen = GenerationConfig.mlperf(max_new_tokens=args.new_tokens, min_new_tokens=min(30, args.new_tokens))
     offline: dict[str, float] = {}
@@ -82,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         "model": {"n_embd": args.width, "layers": args.layers, "heads": cfg.n_head, "std": args.std},
         "capacity_sequences": {"budget_gib": args.budget_gib, "max_len": args.max_len, **capacity,
                                "ratio": round(capacity["int8"] / capacity["auto"], 3)},
-        "top1_agreement_int8_vs_bf16": {"positions": len(ref), "agreement": round(agreement, 4)},
+        "top1_agreement_int8_vs_bf16": {"positions": len(ref), "agreement": agree(got, ref),
+                                         "yardstick_bf16_vs_fp32": agree(ref, ref32),
+                                         "int8_vs_fp32_kv_in_fp32_model": agree(got32, ref32)},
         "offline_samples_per_s": {k: round(v, 4) for k, v in offline.items()} | {
             "ratio": round(offline["int8"] / offline["auto"], 3)},
     }, indent=2))
