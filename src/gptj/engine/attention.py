@@ -37,6 +37,7 @@ from gptj.config import GPTJConfig
 from gptj.engine.config import COMPILE_MODES, KV_SCALE_DTYPE, kv_bytes_per_token
 from gptj.errors import GptjError
 from gptj.policy import attention_path, exact
+from gptj.quant.ops import quantize_rows_int8
 from gptj.model import attention
 
 log = logging.getLogger(__name__)
@@ -260,10 +261,10 @@ class PagedKV:
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> (int8 (..., D), float32 scale (...)): per head vector, symmetric, s = max |x| / 127."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=-1) / 127).clamp_(min=2.0**-120)
-    return torch.round(xf / s[..., None]).clamp_(-127, 127).to(torch.int8), s
+    """x (..., D) -> (int8 (..., D), float32 scale (...)): per head vector, symmetric, s = max |x| / 127
+    (gptj.quant's per-row rounding, each head vector a row)."""
+    q, s = quantize_rows_int8(x)
+    return q, s[..., 0]
 
 
 def dequantize_heads(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -122,8 +122,9 @@ def save_factors(smooth: Mapping[str, torch.Tensor], folder: Path) -> Path:
 
     from gptj.files import atomic_write_bytes
 
-    return atomic_write_bytes(Path(folder) / CALIBRATION_FILE,
-                              save({f"{n}.input_smooth": t.clone() for n, t in sorted(smooth.items())}))  # one copy each: safetensors refuses shared storage
+    # one copy per layer: the layers of an input group share one tensor, and safetensors refuses shared storage
+    tensors = {f"{n}.input_smooth": t.clone() for n, t in sorted(smooth.items())}
+    return atomic_write_bytes(Path(folder) / CALIBRATION_FILE, save(tensors))
 
 
 def load_factors(folder: Path, modules: Iterable[str], in_features: Mapping[str, int]) -> dict[str, torch.Tensor]:

@@ -64,6 +64,15 @@ def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], m.out_features)
 
 
+def _int8_buffers(m: nn.Module, in_features: int, out_features: int, bias: bool,
+                  device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    """An int8-weight linear's checkpoint buffers: weight int8 (out, in), weight_scale (out,), bias."""
+    m.in_features, m.out_features = in_features, out_features
+    m.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+    m.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
+    m.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None)
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, q int8 per output channel. Buffers as in the checkpoint."""
 
@@ -72,11 +81,7 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
-                             if bias else None)
+        _int8_buffers(self, in_features, out_features, bias, device, dtype)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
@@ -147,12 +152,8 @@ class W8A8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
+        _int8_buffers(self, in_features, out_features, bias, device, dtype)
         self.register_buffer("input_smooth", torch.ones(in_features, dtype=SCALE_DTYPE, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
-                             if bias else None)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> W8A8Linear:
