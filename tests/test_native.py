@@ -178,7 +178,7 @@ def test_switched_off_or_unsupported_gives_none(monkeypatch: pytest.MonkeyPatch,
     assert native._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setattr(native, "SOURCES", (bad,))
     assert native._open({"GPTJ_CACHE_DIR": str(tmp_path / "c")}) is None
     assert not any((tmp_path / "c").glob("*"))  # no partial files left behind
 
@@ -191,7 +191,7 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setattr(native, "_cpu_flags", lambda *a: set(native.REQUIRED_CPU_FLAGS))
     src = tmp_path / "tiny.c"
     src.write_text("int gemv_tiny(void) { return 7; }\n")
-    monkeypatch.setattr(native, "SOURCE", src)
+    monkeypatch.setattr(native, "SOURCES", (src,))
     env = {"GPTJ_CACHE_DIR": str(tmp_path / "cache")}
     path = native._build(env)
     assert path is not None and path.parent == tmp_path / "cache" and path.suffix == ".so"

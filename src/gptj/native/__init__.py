@@ -8,9 +8,10 @@ software prefetch, at about the streaming rate for one row (benchmarks/native_ge
 it): float32 FMAs (int8, one row of x) or AVX512-BF16 dot products, float32 accumulation, x used
 as given (never quantized).
 
-`load()` compiles `gemv.c` with gcc the first time it is needed, into a cache folder
+`load()` compiles the C files next to this one (gemv.c, attention.c, elementwise.c; simd.h their
+shared helpers) with gcc the first time it is needed, into a cache folder
 (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if that cannot be written)
-under a name that hashes the source, the flags, the compiler, the machine type and the CPU's
+under a name that hashes the sources, the flags, the compiler, the machine type and the CPU's
 flags, writing it atomically, and loads it with ctypes. It returns None, and never raises, when
 the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU without AVX-512
 F/BW/VL/BF16, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
@@ -40,7 +41,9 @@ import torch
 __all__ = ["attention_group", "attention_paged", "available", "gelu", "linear_bf16", "linear_int8", "load",
            "prefill_paged", "rotary_", "store_kv", "unavailable_reason"]
 
-SOURCE = Path(__file__).with_name("gemv.c")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
+HEADERS = (HERE / "simd.h",)  # included by every source: part of what the build's name hashes
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
 # What the kernels execute; `-march=native` may use more, but only on the CPU that built it (the
 # cache name holds the CPU's flags, so another CPU type builds its own copy).
@@ -72,6 +75,10 @@ def cache_dir(env: dict[str, str] | os._Environ | None = None) -> Path:
     return Path(base) if base else Path.home() / ".cache" / "gptj" / "native"
 
 
+def _source_bytes() -> bytes:
+    return b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS) if p.exists())
+
+
 def _library_name(source: bytes, compiler: str, flags: set[str]) -> str:
     h = hashlib.sha256()
     for part in (source, " ".join(CFLAGS).encode(), compiler.encode(), platform.machine().encode(),
@@ -90,13 +97,13 @@ def _compiler_id(cc: str) -> str:
 
 
 def _compile(cc: str, target: Path) -> bool:
-    """Compile SOURCE into target: into a temporary file beside it, then renamed into place
+    """Compile SOURCES into target: into a temporary file beside it, then renamed into place
     (atomic: a concurrent process sees no file or the whole file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)],
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return False
@@ -119,7 +126,7 @@ def _build(env: dict[str, str] | os._Environ | None = None) -> Path | None:
     cc_path = shutil.which(env.get("CC") or "gcc")
     if cc_path is None:
         return None
-    name = _library_name(SOURCE.read_bytes(), _compiler_id(cc_path), flags)
+    name = _library_name(_source_bytes(), _compiler_id(cc_path), flags)
     folders = [cache_dir(env), Path(tempfile.gettempdir()) / f"gptj-native-{os.getuid()}"]
     for folder in folders:  # the second where the cache folder cannot be written
         target = folder / name
@@ -197,9 +204,9 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     if shutil.which(env.get("CC") or "gcc") is None:
-        return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCE.name}"
+        return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCES[0].parent}"
     if load() is None:
-        return f"{SOURCE.name} failed to build or load"
+        return f"the kernels in {SOURCES[0].parent} failed to build or load"
     return None
 
 

@@ -1,0 +1,452 @@
+/* gptj.native's attention kernels: decode over a shared prompt and tails (attend_group_bf16), paged
+   decode of a whole batch (attend_paged_bf16) and paged causal prefill of a prompt chunk
+   (prefill_paged_bf16). engine/attention.py says when each runs. */
+
+#include "simd.h"
+
+/* ---------------------------------------------------------------------------------------------
+   Decode attention of a group of N queries (beams) that share a prompt and own a tail each:
+       out[n, h] = softmax_t(scale * q[n, h] . k[t]) @ v[t],  t over [prompt | tail of n]
+   q (N, H, D) float32 contiguous; out (N, H, D) float32. Keys/values bfloat16, d contiguous:
+       prompt  pk[h * psh + t * pst + d], t < P (shared by every query; read once per block of 8)
+       tail    tk[n * tsn + h * tsh + t * tst + d], t < T
+   Scores, softmax and sums in float32. D must be a multiple of 16. Heads split across threads. */
+
+#define ATT_QB 8 /* queries per pass over the keys */
+#define ATT_MAXD 512 /* the paged kernel's largest head_dim */
+
+/* s[0 .. L) <- softmax(s), in place, float32, 16 lanes at a time */
+static inline void softmax_f32(float *s, int L)
+{
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+        _mm512_mask_storeu_ps(s + t, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int t = 0; t < L; t += 16) {
+        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+    }
+}
+
+static void attend_head(const float *q, int N, int H, int D, int h,
+                        const uint16_t *pk, const uint16_t *pv, long psh, long pst, int P,
+                        const uint16_t *tk, const uint16_t *tv, long tsn, long tsh, long tst, int T,
+                        float *out, float scale, float *s)
+{
+    const int L = P + T;
+    for (int n0 = 0; n0 < N; n0 += ATT_QB) {
+        const int nb = N - n0 < ATT_QB ? N - n0 : ATT_QB;
+        /* prompt scores: each key row read once for the block's queries */
+        for (int t = 0; t < P; t++) {
+            const uint16_t *kr = pk + h * psh + t * pst;
+            __m512 a[ATT_QB];
+            for (int i = 0; i < nb; i++) a[i] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                __m512 kv = bf16_16(kr + d);
+                for (int i = 0; i < nb; i++)
+                    a[i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
+            }
+            for (int i = 0; i < nb; i++) s[(long)i * L + t] = _mm512_reduce_add_ps(a[i]) * scale;
+        }
+        /* tail scores and the softmax, per query */
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            const float *qn = q + ((long)n * H + h) * D;
+            float *sn = s + (long)i * L;
+            for (int t = 0; t < T; t++) {
+                const uint16_t *kr = tk + n * tsn + h * tsh + t * tst;
+                __m512 a = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
+                sn[P + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+            softmax_f32(sn, L);
+            float *on = out + ((long)n * H + h) * D;
+            for (int d = 0; d < D; d++) on[d] = 0.0f;
+        }
+        /* prompt values: each value row read once for the block's queries */
+        for (int t = 0; t < P; t++) {
+            const uint16_t *vr = pv + h * psh + t * pst;
+            for (int d = 0; d < D; d += 16) {
+                __m512 vv = bf16_16(vr + d);
+                for (int i = 0; i < nb; i++) {
+                    float *o = out + ((long)(n0 + i) * H + h) * D + d;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(s[(long)i * L + t]), vv, _mm512_loadu_ps(o)));
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            const int n = n0 + i;
+            float *on = out + ((long)n * H + h) * D;
+            for (int t = 0; t < T; t++) {
+                const uint16_t *vr = tv + n * tsn + h * tsh + t * tst;
+                const __m512 p = _mm512_set1_ps(s[(long)i * L + P + t]);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(on + d, _mm512_fmadd_ps(p, bf16_16(vr + d), _mm512_loadu_ps(on + d)));
+            }
+        }
+    }
+}
+
+int attend_group_bf16(const float *q, int N, int H, int D,
+                      const uint16_t *pk, const uint16_t *pv, long psh, long pst, int P,
+                      const uint16_t *tk, const uint16_t *tv, long tsn, long tsh, long tst, int T,
+                      float *out, float scale, int nthreads)
+{
+    if (D % 16 || P + T < 1 || N < 1) return -1;
+    const long L = P + T;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(sizeof(float) * ATT_QB * L);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int h = 0; h < H; h++)
+            if (s) attend_head(q, N, H, D, h, pk, pv, psh, pst, P, tk, tv, tsn, tsh, tst, T, out, scale, s);
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Paged decode attention of a whole decode batch in one call (engine/attention.py, PagedBatch).
+   Keys/values live in blocks: kc, vc bfloat16 (n_blocks, H, B, D) contiguous, so token t of a
+   block table lies in block tab[t / B] at row t % B. Group g (a request: one sequence, or the
+   beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of q (N, H, D) float32 and reads
+       its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
+       then each row n's  otab[n * omax ..]    holding olen[g] tokens (its own blocks)
+   out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens. q holds bfloat16 values
+   (a bfloat16 model's queries): scores are vdpbf16ps dot products (exact products, float32 sums),
+   16 keys at a time with one transposed reduction; softmax (vectorized exp) and value sums in
+   float32. Work items are (group, range of heads) pairs spread over threads; an item walks its
+   blocks in address order, every head of a block (B x D rows each, one after another) serving
+   all the group's queries while it is in cache, so the KV memory is read as a stream rather than
+   one head's 2-8 KiB at a time across the whole pool. */
+
+/* q (D float32, bfloat16 values) as D / 32 vectors of 32 bfloat16 (zeros past D) */
+static inline void q_bf16(const float *q, int D, __m512bh *qb)
+{
+    for (int d = 0; d < D; d += 32) {
+        const __m512 lo = _mm512_loadu_ps(q + d), hi = d + 16 < D ? _mm512_loadu_ps(q + d + 16) : _mm512_setzero_ps();
+        qb[d / 32] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
+}
+
+/* dst[c] = scale * q . k[c] for the n <= 16 keys k[c] = kr + c * D: vdpbf16ps (products exact in
+   float32, summed in float32), 16 independent sums, then one transposed reduction (hsum16) for all
+   16 scores instead of one horizontal sum per key */
+static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D, float scale, float *dst)
+{
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+        for (int c = 0; c < 16; c++)
+            if (c < n)
+                a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
+    }
+    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
+}
+
+/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = rows + c * D, bfloat16 (vr) or float32
+   (vf, when vr is NULL); p float32. Up to 256 of D at a time: the sums stay in registers over the
+   n rows. (Inlined with a constant vr or vf: each caller gets its own loop.) */
+static inline void values_acc(const float *p, const uint16_t *vr, const float *vf, int n, int D, float *o)
+{
+    for (int d0 = 0; d0 < D; d0 += 256) {
+        const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
+        __m512 acc[16];
+#pragma GCC unroll 16 /* whole: the sums stay in registers */
+        for (int i = 0; i < 16; i++)
+            if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
+        for (int c = 0; c < n; c++) {
+            const __m512 pc = _mm512_set1_ps(p[c]);
+            const long r = (long)c * D + d0;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                if (i < nk)
+                    acc[i] = _mm512_fmadd_ps(pc, vr ? bf16_16(vr + r + i * 16) : _mm512_loadu_ps(vf + r + i * 16), acc[i]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (i < nk) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
+    }
+}
+
+/* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
+   holds every head's rows, B x D each, one after another), every head's rows of a block serving
+   all the group's queries (up to ATT_QB at a time) while they are in cache. s: ATT_QB x (h1 - h0) x L. */
+static void paged_group(const float *q, int H, int D, int h0, int h1, const uint16_t *kc, const uint16_t *vc,
+                        int B, int r0, int nr, const int *stab, int sl, const int *otab, int omax, int ol,
+                        float *out, float scale, float *s)
+{
+    const long hs = (long)B * D, bs = (long)H * hs;
+    const int L = sl + ol, nh = h1 - h0;
+    __m512bh qb[ATT_QB][ATT_MAXD / 32];
+#define QB(i) qb[i]
+#define S(i, h) (s + ((long)(i) * nh + ((h) - h0)) * L)
+#define Q(n, h) (q + ((long)(n) * H + (h)) * D)
+#define O(n, h) (out + ((long)(n) * H + (h)) * D)
+    for (int n0 = r0; n0 < r0 + nr; n0 += ATT_QB) {
+        const int nb = r0 + nr - n0 < ATT_QB ? r0 + nr - n0 : ATT_QB;
+        for (int j = 0; j * B < sl; j++) { /* shared blocks: scores of every query */
+            const int tn = sl - j * B < B ? sl - j * B : B;
+            for (int h = h0; h < h1; h++) {
+                const uint16_t *kb = kc + stab[j] * bs + h * hs;
+                if ((j + 1) * B < sl) prefetch_span(kc + stab[j + 1] * bs + h * hs, hs * 2);
+                for (int i = 0; i < nb; i++) {
+                    q_bf16(Q(n0 + i, h), D, QB(i));
+                    for (int c = 0; c < tn; c += 16)
+                        scores16(QB(i), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) { /* each query's own blocks */
+            const int n = n0 + i;
+            for (int j = 0; j * B < ol; j++) {
+                const int tn = ol - j * B < B ? ol - j * B : B;
+                for (int h = h0; h < h1; h++) {
+                    const uint16_t *kb = kc + otab[(long)n * omax + j] * bs + h * hs;
+                    if ((j + 1) * B < ol) prefetch_span(kc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
+                    q_bf16(Q(n, h), D, QB(0));
+                    for (int c = 0; c < tn; c += 16)
+                        scores16(QB(0), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
+                }
+            }
+            for (int h = h0; h < h1; h++) {
+                softmax_f32(S(i, h), L);
+                memset(O(n, h), 0, sizeof(float) * D);
+            }
+        }
+        for (int j = 0; j * B < sl; j++) { /* shared values */
+            const int tn = sl - j * B < B ? sl - j * B : B;
+            for (int h = h0; h < h1; h++) {
+                const uint16_t *vb = vc + stab[j] * bs + h * hs;
+                if ((j + 1) * B < sl) prefetch_span(vc + stab[j + 1] * bs + h * hs, hs * 2);
+                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, NULL, tn, D, O(n0 + i, h));
+            }
+        }
+        for (int i = 0; i < nb; i++) { /* own values */
+            const int n = n0 + i;
+            for (int j = 0; j * B < ol; j++) {
+                const int tn = ol - j * B < B ? ol - j * B : B;
+                for (int h = h0; h < h1; h++) {
+                    if ((j + 1) * B < ol) prefetch_span(vc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
+                    values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, NULL, tn, D, O(n, h));
+                }
+            }
+        }
+    }
+#undef QB
+#undef S
+#undef Q
+#undef O
+}
+
+int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, const uint16_t *vc, int B,
+                      int G, const int *row0, const int *stab, const int *soff, const int *slen,
+                      const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
+{
+    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || H < 1) return -1;
+    long maxL = 0;
+    for (int g = 0; g < G; g++) {
+        if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
+        if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
+    }
+    /* work items: (group, range of heads); a group's heads are split only as far as it takes to
+       give every thread about two items (a group's heads together read each block in one sweep) */
+    int parts = nthreads > 1 ? (2 * nthreads + G - 1) / G : 1;
+    if (parts > H) parts = H;
+    const int hper = (H + parts - 1) / parts;
+    parts = (H + hper - 1) / hper;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = malloc(sizeof(float) * ATT_QB * hper * maxL);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < (long)G * parts; w++) {
+            const int g = (int)(w / parts), h0 = (int)(w % parts) * hper;
+            const int h1 = h0 + hper < H ? h0 + hper : H;
+            if (s) paged_group(q, H, D, h0, h1, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
+                               otab, omax, olen[g], out, scale, s);
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Paged prefill attention (engine/attention.py, PagedBatch, a prompt chunk): T queries at
+   positions start .. start + T - 1 of one sequence, each attending causally over positions
+   0 .. its own, whose keys/values are already stored in the blocks of table tab (this chunk's
+   included). One work item per (head, tile of PF_QT = 16 queries); the lanes of every vector are
+   the tile's 16 queries:
+   - the tile's queries are packed once as D/2 vectors of 16 pairs (q[i][2p], q[i][2p + 1]);
+   - scores, 16 keys at a time: acc[c] += vdpbf16ps(packed pair p, key c's pair p broadcast), so one
+     vector holds key c's scores against all 16 queries (exact bfloat16 products, float32 sums) with
+     no horizontal sums; the causal mask is a lane mask on the keys past the tile's first query;
+   - softmax over the keys is element-wise across those vectors (max, exp, sum) for 16 queries at once;
+   - values: the probabilities are rounded to bfloat16, as HF rounds them to the values' dtype before
+     its matmul, and packed in pairs of keys per query; value rows are interleaved in pairs (d-lanes),
+     and out[i][d .. d + 16] += vdpbf16ps(value pair, query i's probability pair broadcast), float32.
+   q bfloat16 at q[t * sq + h * D + d]; kc, vc (n_blocks, H, B, D) bfloat16, B even; out bfloat16 at
+   out[t * so + h * D + d], rounded to nearest even once. */
+
+#define PF_QT 16 /* queries per tile */
+
+static const int16_t PAIR_IDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* 32 bfloat16 (a[0], b[0], a[1], b[1], ...) from 16 floats a and 16 floats b, each rounded once */
+static inline __m512i pairs_bf16(__m512 a, __m512 b)
+{
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(PAIR_IDX), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* scratch per thread: st (L, 16) float scores / probabilities; pp (L / 2 + 1, 16) probability pairs;
+   vp (L / 2 + 1, D) value pairs; qp (D / 2, 16) query pairs */
+static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0, int nq, const uint16_t *kc,
+                         const uint16_t *vc, int B, const int *tab, int start, uint16_t *out, long so,
+                         float scale, float *st, uint32_t *pp, uint16_t *vp, uint32_t *qp)
+{
+    const long hs = (long)B * D, bs = (long)H * hs;
+    const int pos0 = start + p0, L = pos0 + nq, D2 = D / 2; /* keys of the tile's last query */
+    for (int p = 0; p < D2; p++)
+        for (int i = 0; i < PF_QT; i++)
+            qp[p * PF_QT + i] = i < nq ? ((const uint32_t *)(q + (long)(p0 + i) * sq + (long)h * D))[p] : 0;
+    /* scores */
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int c0 = 0; c0 < L;) {
+        const int j = c0 / B, off = c0 % B;
+        int n = B - off < 16 ? B - off : 16;
+        if (L - c0 < n) n = L - c0;
+        const uint32_t *kr = (const uint32_t *)(kc + tab[j] * bs + h * hs + (long)off * D);
+        if (off == 0 && (j + 1) * B < L) prefetch_span(kc + tab[j + 1] * bs + h * hs, hs * 2);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+        for (int p = 0; p < D2; p++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * PF_QT);
+#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+            for (int c = 0; c < 16; c++)
+                if (c < n) acc[c] = _mm512_dpbf16_ps(acc[c], qv, (__m512bh)_mm512_set1_epi32((int)kr[(long)c * D2 + p]));
+        }
+        for (int c = 0; c < n; c++) {
+            const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
+            const __mmask16 seen = kp <= pos0 ? 0xFFFF : (__mmask16)(0xFFFFu << (kp - pos0));
+            const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[c], vscale);
+            mx = _mm512_max_ps(mx, sv);
+            _mm512_storeu_ps(st + (long)kp * PF_QT, sv);
+        }
+        c0 += n;
+    }
+    /* softmax: e^(s - max), 0 where masked; then probabilities rounded to bfloat16 in pairs of keys */
+    __m512 sum = _mm512_setzero_ps();
+    for (int kp = 0; kp < L; kp++) {
+        const __m512 sv = _mm512_loadu_ps(st + (long)kp * PF_QT);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_UQ), exp_ps(_mm512_sub_ps(sv, mx)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(st + (long)kp * PF_QT, e);
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    for (int kp = 0; kp < L; kp += 2) {
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
+        const __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
+        _mm512_storeu_si512(pp + (long)(kp / 2) * PF_QT, pairs_bf16(a, b));
+    }
+    /* value rows interleaved in pairs: vp[k][2d + r] = v[2k + r][d] (B even: a pair never spans blocks) */
+    for (int kp = 0; kp < L; kp += 2) {
+        const uint16_t *v0 = vc + tab[kp / B] * bs + h * hs + (long)(kp % B) * D;
+        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(vc + tab[kp / B + 1] * bs + h * hs, hs * 2);
+        for (int d = 0; d < D; d += 16) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + d));
+            const __m256i hi = kp + 1 < L ? _mm256_loadu_si256((const __m256i *)(v0 + D + d)) : _mm256_setzero_si256();
+            _mm512_storeu_si512(vp + (long)(kp / 2) * 2 * D + 2 * d, _mm512_permutexvar_epi16(
+                _mm512_loadu_si512(PAIR_IDX), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        }
+    }
+    /* out[i][d] = sum over pairs k of vdpbf16ps: 4 queries x 4 vectors of 16 d's at a time */
+    const int npairs = (L + 1) / 2;
+    for (int i0 = 0; i0 < nq; i0 += 4) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int nd = (D - d0 < 64 ? D - d0 : 64) / 16;
+            __m512 o[4][4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) o[i][v] = _mm512_setzero_ps();
+            for (int k = 0; k < npairs; k++) {
+                const uint32_t *pk = pp + (long)k * PF_QT + i0;
+                const uint16_t *vk = vp + (long)k * 2 * D + 2 * d0;
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    if (v < nd) {
+                        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vk + 32 * v);
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++)
+                            o[i][v] = _mm512_dpbf16_ps(o[i][v], vv, (__m512bh)_mm512_set1_epi32((int)pk[i]));
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++)
+                    if (i0 + i < nq && v < nd)
+                        _mm256_storeu_si256((__m256i *)(out + (long)(p0 + i0 + i) * so + (long)h * D + d0 + 16 * v),
+                                            (__m256i)_mm512_cvtneps_pbh(o[i][v]));
+        }
+    }
+}
+
+int prefill_paged_bf16(const uint16_t *q, long sq, int T, int H, int D, const uint16_t *kc, const uint16_t *vc,
+                       int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
+{
+    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 2 || B % 2 || start < 0) return -1;
+    const long L = (long)start + T, tiles = (T + PF_QT - 1) / PF_QT;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* st (L, 16) floats | pp (L / 2 + 1, 16) pairs | vp (L / 2 + 1, 2D) bf16 | qp (D / 2, 16) pairs */
+        const long n_st = L * PF_QT, n_pp = (L / 2 + 1) * PF_QT, n_vp = (L / 2 + 1) * 2 * D;
+        char *buf = malloc(sizeof(float) * n_st + sizeof(uint32_t) * n_pp + sizeof(uint16_t) * n_vp
+                           + sizeof(uint32_t) * (D / 2) * PF_QT + 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *st = (float *)buf;
+        uint32_t *pp = (uint32_t *)(st + n_st);
+        uint16_t *vp = (uint16_t *)(pp + n_pp);
+        uint32_t *qp = (uint32_t *)(vp + n_vp);
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < (long)H * tiles; w++) {
+            /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
+            const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
+            const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
+            if (buf) prefill_tile(q, sq, H, D, h, p0, nq, kc, vc, B, tab, start, out, so, scale, st, pp, vp, qp);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}

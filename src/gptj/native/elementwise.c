@@ -1,0 +1,77 @@
+#include "simd.h"
+
+/* ---- A fused block's elementwise steps, bfloat16 in and out, float32 inside, rounded once ------------
+
+   Rows may lie anywhere (a row stride each), so the kernels read q/k/v and fc_in's columns in
+   place from the fused projection's output and write where the next matmul reads. Rows are
+   split across threads; each element is computed alone, so results do not depend on the
+   thread count. */
+
+/* y[m, n] = gelu_tanh(x[m, n]) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the same
+   function as 0.5 x (1 + tanh(u)) without its cancellation for negative x. e^(-2u) by exp_ps
+   (relative error < 5e-9; below -87.3 it gives ~2^-126, so y = x; above ~88.7 it overflows to
+   infinity, so y = -0, as the exact value underflows float32). */
+static inline __m512 gelu16(__m512 x)
+{
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715f), x),
+                                   _mm512_set1_ps(-1.5957691216057308f)); /* -2 sqrt(2/pi) */
+    const __m512 e = exp_ps(u);
+    return _mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+}
+
+void gelu_bf16(const uint16_t *x, long sx, uint16_t *y, long sy, long M, long N, int nthreads)
+{
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (long m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * sx;
+        uint16_t *yr = y + m * sy;
+        for (long n = 0; n < N; n += 16) {
+            const __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, xr + n)), 16));
+            _mm256_mask_storeu_epi16(yr + n, k, (__m256i)_mm512_cvtneps_pbh(gelu16(v)));
+        }
+    }
+}
+
+/* GPT-J's rotary embedding, in place, on the first R dims of nh heads of D per token:
+       x[2i]   <- x[2i]   cos[2i]   - x[2i+1] sin[2i]
+       x[2i+1] <- x[2i+1] cos[2i+1] + x[2i]   sin[2i+1]
+   x of token t at x + t * sx (its heads one after another); sin, cos (T, R) bfloat16, each
+   angle repeated for its pair (gptj.model.rotary_tables). R a multiple of 16. */
+void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16_t *sin, const uint16_t *cos,
+                 int nthreads)
+{
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set_epi32(0, (int)0x80000000, 0, (int)0x80000000, 0,
+        (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0,
+        (int)0x80000000)); /* lane 2i: -x[2i+1]; lane 2i+1: +x[2i] */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)T * nh * R >= 32768)
+    for (int t = 0; t < T; t++) {
+        for (int r = 0; r < R; r += 16) {
+            const __m512 s = bf16_16(sin + (long)t * R + r), c = bf16_16(cos + (long)t * R + r);
+            for (int h = 0; h < nh; h++) {
+                uint16_t *p = x + t * sx + (long)h * D + r;
+                const __m512 v = bf16_16(p);
+                const __m512 w = _mm512_xor_ps(_mm512_permute_ps(v, 0xB1), sign); /* pairs swapped, evens negated */
+                _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(w, s, _mm512_mul_ps(v, c))));
+            }
+        }
+    }
+}
+
+/* Store N tokens' keys and values into their blocks: for token n and head h,
+   kc[blk[n], h, off[n], :] = k[n * sk + h * D + :] (and v likewise). kc, vc (n_blocks, H, B, D). */
+void store_kv_bf16(const uint16_t *k, long sk, const uint16_t *v, long sv, int N, int H, int D, uint16_t *kc,
+                   uint16_t *vc, int B, const int64_t *blk, const int64_t *off, int nthreads)
+{
+    const long hs = (long)B * D, bs = (long)H * hs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)N * H * D >= 32768)
+    for (int n = 0; n < N; n++) {
+        const long dst = blk[n] * bs + off[n] * D;
+        for (int h = 0; h < H; h++) {
+            memcpy(kc + dst + h * hs, k + n * sk + (long)h * D, sizeof(uint16_t) * D);
+            memcpy(vc + dst + h * hs, v + n * sv + (long)h * D, sizeof(uint16_t) * D);
+        }
+    }
+}
