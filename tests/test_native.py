@@ -359,3 +359,31 @@ def test_store_kv_puts_each_token_in_its_block_row():
         native.store_kv(k, v, kc, vc, blocks.int(), offsets)
     with pytest.raises(ValueError, match="heads contiguous"):
         native.store_kv(k.transpose(0, 1), v.transpose(0, 1), kc, vc, blocks[:3], offsets[:3])
+
+
+@needs_native
+@pytest.mark.parametrize("K", [16, 1000, 5120])
+def test_w8a8_rounding_is_gptj_quants_to_the_bit(K):
+    """quantize_rows_u8 gives quantize_rows_int8's q (+ 128) and scale, on strided rows, with and
+    without smoothing, a zero row included; scale_rows gives torch's two bfloat16 roundings."""
+    from gptj.quant.ops import quantize_rows_int8
+
+    g = torch.Generator().manual_seed(K)
+    wide = (torch.randn(9, K + 48, generator=g) * torch.rand(9, 1, generator=g) * 8).bfloat16()
+    x = wide[:, 16:16 + K]  # rows strided, not contiguous
+    x[3] = 0
+    inv = torch.rand(K, generator=g) + 0.5
+    for smooth in (inv, None):
+        qu, s = native.quantize_rows_u8(x, smooth)
+        q, s_ref = quantize_rows_int8(x.float() * (1 if smooth is None else smooth))
+        assert qu.dtype == torch.uint8 and torch.equal(qu.int() - 128, q.int()) and torch.equal(s, s_ref)
+    acc = torch.randn(9, 40, generator=g) * 300
+    bias = torch.randn(40, generator=g).bfloat16()
+    out = torch.zeros(9, 64).bfloat16()
+    native.scale_rows(acc, s, bias, out=out[:, 8:48])
+    assert torch.equal(out[:, 8:48], (acc * s).bfloat16() + bias) and not out[:, :8].any() and not out[:, 48:].any()
+    assert torch.equal(native.scale_rows(acc, s), (acc * s).bfloat16())
+    with pytest.raises(ValueError, match="inv_smooth"):
+        native.quantize_rows_u8(x, inv[:-1])
+    with pytest.raises(ValueError, match="row_scale"):
+        native.scale_rows(acc, s[:-1])

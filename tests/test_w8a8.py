@@ -176,6 +176,19 @@ def test_the_packed_layer_gives_the_plain_layers_numbers(w8a8_kernel):
     assert torch.equal(rows, holder(x))
 
 
+def test_the_packed_layer_runs_its_rows_in_chunks_on_both_kernel_paths(kernel_path, monkeypatch):
+    """bfloat16 with gptj.native: one-pass rounding and scaling around the GEMM, CHUNK_ROWS rows at a
+    time; without: torch's ops over the whole call. Both are the plain layer's numbers."""
+    if not policy.can_pack_int8("cpu"):
+        pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
+    lin = make_linear(256, 96)
+    x = outlier_input(7, 256).bfloat16()
+    m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.float().abs().amax(0), lin.weight.abs().amax(0)))
+    packed = fused.PackedW8A8Linear(m)
+    monkeypatch.setattr(packed, "CHUNK_ROWS", 3)  # three chunks, the last one short
+    assert torch.equal(packed(x), m(x)) and torch.equal(packed(x.view(7, 1, 256)), m(x).view(7, 1, 96))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype, w8a8_kernel):
     folder, _ = calibrated

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["attention_group", "attention_paged", "available", "gelu", "linear_bf16", "linear_int8", "load",
-           "prefill_paged", "rotary_", "store_kv", "unavailable_reason"]
+           "prefill_paged", "quantize_rows_u8", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
@@ -212,13 +212,14 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
 _gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = _prefill_paged = None
-_gelu = _rotary = _store_kv = None
+_gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
 BOUND = ("_gemv_int8", "_gemv_bf16", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary",
-         "_store_kv")  # what a test clears to take the native path away
+         "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary, _store_kv
+    global _quantize_rows, _scale_rows
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _attend_group = lib.attend_group_bf16
@@ -240,6 +241,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     _store_kv = lib.store_kv_bf16
     _store_kv.argtypes = [P, L, P, L, I, I, I, P, P, I, P, P, I]
     _store_kv.restype = None
+    _quantize_rows = lib.quantize_rows_u8
+    _quantize_rows.argtypes = [P, L, P, P, P, L, L, I]
+    _quantize_rows.restype = None
+    _scale_rows = lib.scale_rows_bf16
+    _scale_rows.argtypes = [P, L, P, P, P, L, L, L, I]
+    _scale_rows.restype = None
 
 
 def _openmp_runtimes() -> list[str]:
@@ -530,3 +537,51 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
     if N:
         _store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), N, H, D, kc.data_ptr(), vc.data_ptr(),
                   kc.shape[2], blocks.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
+
+
+# --- W8A8 linears: the activations' rounding before oneDNN's int8 GEMM, and its sums after ------------
+
+def quantize_rows_u8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bfloat16 (rows may be strided) times inv_smooth (K,) float32, rounded per row as
+    gptj.quant.ops.quantize_rows_int8 rounds it (the same q and scale), in one pass per row.
+    Returns (q + 128 as uint8 (M, K), scale float32 (M, 1)): oneDNN's u8 form, zero point 128."""
+    if _quantize_rows is None:
+        _lib_or_raise("quantize_rows_u8")
+    x2 = _rows(x, "quantize_rows_u8", "x")
+    M, K = x2.shape
+    if x.dim() != 2:
+        raise _bad("quantize_rows_u8", f"x must be (M, K), got {tuple(x.shape)}")
+    if inv_smooth is not None and (inv_smooth.dtype is not torch.float32 or inv_smooth.shape != (K,)
+                                   or not inv_smooth.is_contiguous() or not inv_smooth.is_cpu):
+        raise _bad("quantize_rows_u8", f"inv_smooth must be a contiguous float32 CPU tensor of shape ({K},)")
+    qu = torch.empty((M, K), dtype=torch.uint8)
+    scale = torch.empty((M, 1), dtype=torch.float32)
+    if M and K:
+        _quantize_rows(x2.data_ptr(), x2.stride(0), None if inv_smooth is None else inv_smooth.data_ptr(),
+                       qu.data_ptr(), scale.data_ptr(), M, K, torch.get_num_threads())
+    return qu, scale
+
+
+def scale_rows(acc: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16(acc * row_scale) + bias, each step rounded to bfloat16 (W8A8Linear's order): acc (M, N)
+    float32 with contiguous rows, row_scale (M, 1) float32, bias (N,) bfloat16 or None. Into `out`
+    ((M, N) bfloat16, rows may be strided) when given. Returns out."""
+    if _scale_rows is None:
+        _lib_or_raise("scale_rows")
+    if acc.dtype is not torch.float32 or acc.dim() != 2 or acc.stride(-1) != 1 or not acc.is_cpu:
+        raise _bad("scale_rows", "acc must be a float32 CPU (M, N) tensor with contiguous rows")
+    M, N = acc.shape
+    if row_scale.dtype is not torch.float32 or row_scale.numel() != M or not row_scale.is_contiguous():
+        raise _bad("scale_rows", f"row_scale must be a contiguous float32 tensor of {M} values")
+    if bias is not None:
+        _check_vec(bias, N, "bias", "scale_rows")
+    if out is None:
+        out = torch.empty((M, N), dtype=_bf16)
+    if out.shape != (M, N):
+        raise _bad("scale_rows", f"out must have shape {(M, N)}, got {tuple(out.shape)}")
+    y2 = _rows(out, "scale_rows", "out", write=True)
+    if M and N:
+        _scale_rows(acc.data_ptr(), acc.stride(0), row_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                    y2.data_ptr(), y2.stride(0), M, N, torch.get_num_threads())
+    return out

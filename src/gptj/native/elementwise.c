@@ -75,3 +75,62 @@ void store_kv_bf16(const uint16_t *k, long sk, const uint16_t *v, long sv, int N
         }
     }
 }
+
+/* ---- W8A8 linears (kernels/fused.py, PackedW8A8Linear): the activations' int8 rounding before
+   oneDNN's u8 x s8 GEMM, and its float32 sums back to bfloat16 after ---------------------------- */
+
+/* Row m of x (M, K) bfloat16, at x + m * sx, times inv_smooth[k] (float32; NULL: 1) is x'; then, as
+   gptj.quant.ops.quantize_rows_int8 rounds it: s = max_k |x'| / 127 (at least 2^-120),
+   q = round(x' / s) to nearest even, clamped to [-127, 127]. Stored as q + 128 (uint8: oneDNN's
+   u8 with zero point 128) in qu (M, K) contiguous, and s in scale[m]. Two passes over each row
+   (the maximum, then the rounding), the row in L1 between them. */
+void quantize_rows_u8(const uint16_t *x, long sx, const float *inv_smooth, uint8_t *qu, float *scale, long M,
+                      long K, int nthreads)
+{
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= 32768)
+    for (long m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * sx;
+        __m512 mx = _mm512_setzero_ps();
+        for (long k = 0; k < K; k += 16) {
+            const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            __m512 v = load_bf16x16(xr + k, t);
+            if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        }
+        float s = _mm512_reduce_max_ps(mx) / 127.0f;
+        if (!(s >= 0x1p-120f)) s = 0x1p-120f;
+        scale[m] = s;
+        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        const __m512i zp = _mm512_set1_epi32(128);
+        uint8_t *qr = qu + m * K;
+        for (long k = 0; k < K; k += 16) {
+            const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            __m512 v = load_bf16x16(xr + k, t);
+            if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
+            v = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_mask_storeu_epi8(qr + k, t, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), zp)));
+        }
+    }
+}
+
+/* y[m, n] = bfloat16(bfloat16(acc[m, n] * rs[m]) + bias[n]) (no bias: the first rounding only),
+   each rounding to nearest even: W8A8Linear's `(acc * sx).to(dtype)` then `+ bias`. acc (M, N)
+   float32 at acc + m * sa; y (M, N) bfloat16 at y + m * sy. */
+void scale_rows_bf16(const float *acc, long sa, const float *rs, const uint16_t *bias, uint16_t *y, long sy, long M,
+                     long N, int nthreads)
+{
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (long m = 0; m < M; m++) {
+        const __m512 r = _mm512_set1_ps(rs[m]);
+        for (long n = 0; n < N; n += 16) {
+            const __mmask16 t = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(t, acc + m * sa + n), r));
+            if (bias) {
+                const __m512 once = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(once, load_bf16x16(bias + n, t)));
+            }
+            _mm256_mask_storeu_epi16(y + m * sy + n, t, h);
+        }
+    }
+}
