@@ -6,6 +6,7 @@ import torch
 from gptj.config import GPTJConfig
 from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig
+from gptj.engine import attention as att
 from gptj.engine.kv import KVCacheManager, block_keys
 from test_engine import CFG, MIXED, all_free, held_blocks, prompts_of  # noqa: F401 - the model fixture too
 from test_engine import model  # noqa: F401
@@ -163,44 +164,77 @@ def test_block_keys_chain_the_whole_prefix():
     assert block_keys([1, 2, 3, 4], 2) == a
 
 
+def fill_pool(kv, storage: str) -> None:
+    """Random keys and values in every block: bfloat16 N(0, 1); or int8 with a power-of-two scale per
+    token and head (2^-8 .. 2^-4) and 127 in each head vector, so that q * scale is a bfloat16 number
+    (the fallback's gathered bfloat16 and the kernel's float32 see the same values) and storing a
+    dequantized vector again gives back the same q and scale."""
+    if storage == "bfloat16":
+        kv.k[0].normal_()
+        kv.v[0].normal_()
+        return
+    for q, s in ((kv.k[0], kv.k_scale[0]), (kv.v[0], kv.v_scale[0])):
+        q.copy_(torch.randint(-127, 128, q.shape, dtype=torch.int8))
+        q[..., 0] = 127
+        s.copy_(2.0 ** torch.randint(-8, -3, s.shape).float())
+
+
+def pool_values(kv, blocks, length):
+    """(keys, values) (H, length, D) of a block table in float32: what the pool stands for."""
+    if not kv.quantized:
+        return (x.float() for x in kv.gather(0, blocks, length))
+    index = torch.tensor(blocks)
+    H, D = kv.k[0].shape[1], kv.k[0].shape[3]
+    return (att.dequantize_heads(c[index], sc[index], torch.float32).transpose(0, 1).reshape(H, -1, D)[:, :length]
+            for c, sc in ((kv.k[0], kv.k_scale[0]), (kv.v[0], kv.v_scale[0])))
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "int8"])
 @pytest.mark.parametrize("block_size", [8, 32])
 @pytest.mark.parametrize("heads", [(4, 16), (3, 48), (2, 256)], ids=lambda hd: f"{hd[0]}x{hd[1]}")
-def test_bfloat16_paged_attention_matches_the_gathered_reference(kernel_path, block_size, heads):
+def test_paged_attention_matches_the_gathered_reference(kernel_path, block_size, heads, storage):
     """Decode attention over scattered blocks (native kernel or the fallback) = attention over the
-    same keys gathered into one tensor, in float32 arithmetic. Head sizes: the test model's 16, one
-    with a 16-wide tail past 32s (48), GPT-J 6B's 256."""
-    from gptj.engine import attention as att
-
+    same keys gathered into one tensor, in float32 arithmetic, for a bfloat16 model with bfloat16 or
+    int8 KV. Head sizes: the test model's 16, one with a 16-wide tail past 32s (48), GPT-J 6B's 256."""
     torch.manual_seed(0)
     H, D, n_blocks = *heads, 40
     cfg = GPTJConfig(n_layer=1, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=256)
-    kv = att.PagedKV(cfg, n_blocks, block_size, torch.bfloat16, "cpu", n_head=H)
-    kv.k[0].normal_()
-    kv.v[0].normal_()
+    kv = att.PagedKV(cfg, n_blocks, block_size, getattr(torch, storage), "cpu", n_head=H, compute=torch.bfloat16)
+    fill_pool(kv, storage)
     perm = torch.randperm(n_blocks).tolist()
     groups = [att.DecodeGroup(perm[:3], 3 * block_size - 5, [[]], 0),  # one sequence, partial last block
               att.DecodeGroup(perm[3:5], 2 * block_size, [perm[5:7], perm[7:9], perm[9:11]], block_size + 3)]
     q = torch.randn(4, H, 1, D, dtype=torch.bfloat16)
-    decode = att.DecodeAttention("off", torch.bfloat16, native=True)
+    decode = att.DecodeAttention("off", kv.k[0].dtype, native=True, compute=torch.bfloat16)
+    assert decode.native == (kernel_path == "native")
     # this step's token: the last of each row (group 0 at 3B - 6: block 2; group 1 at own B + 2: own block 1)
     batch = att.PagedBatch(kv, decode, groups=groups, write_blocks=[perm[2], perm[6], perm[8], perm[10]],
                            write_offsets=[block_size - 6, 2, 2, 2])
     # write nothing new: this step's k, v are what the blocks already hold at those positions
-    k_now = torch.stack([kv.k[0][b, :, o] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())])[:, :, None]
-    v_now = torch.stack([kv.v[0][b, :, o] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())])[:, :, None]
+    now = [[x[:, -1] for x in pool_values(kv, [b], o + 1)] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())]
+    k_now, v_now = (torch.stack([kv_[i] for kv_ in now])[:, :, None].bfloat16() for i in (0, 1))
     got = batch.attend(0, q, k_now, v_now, None)[:, :, 0].float()
     rows = []
     for g in groups:
-        pk, pv = kv.gather(0, g.shared, g.shared_len)
         for own in g.own:
-            ok, ov = kv.gather(0, own, g.own_len) if g.own_len else (pk[:, :0], pv[:, :0])
-            rows.append((torch.cat([pk, ok], 1).float(), torch.cat([pv, ov], 1).float()))
+            pk, pv = pool_values(kv, g.shared + own, g.shared_len + g.own_len)
+            rows.append((pk, pv))
     for n, (k, v) in enumerate(rows):
-        s = (q[n, :, 0].float()[:, None, :] * k).sum(-1) / D ** 0.5
-        want = (torch.softmax(s, -1)[..., None] * v).sum(-2)
-        # float32 sums over <= 100 keys of bf16 products: differences of a few float32 ulps, then the
-        # output's rounding to bfloat16 (relative 2^-8)
-        torch.testing.assert_close(got[n], want, rtol=2 ** -7, atol=2 ** -7)
+        qn = q[n, :, 0].float()
+        s = (qn[:, None, :] * k).sum(-1) / D ** 0.5  # (H, L)
+        p = torch.softmax(s, -1)
+        want = (p[..., None] * v).sum(-2)
+        # Each path's roundings, at most: scores to bfloat16 (the eager fallback's matmul: 2^-9 of each,
+        # delta <= 2^-9 max|s|; the kernels sum in float32, far less), and for int8 blocks on the kernel
+        # q to int16 per head (each score by <= sum|k| max|q| / 65534 / sqrt(D)): the probabilities move
+        # by factors within e^(+-2 delta), the output by <= 2.01 delta max|v|. Then probabilities rounded
+        # to bfloat16 (2^-8 p.|v|), the output's rounding (2^-8 of it), float32 sums (2^-20 max|v|).
+        delta = 2.0**-9 * s.abs().amax(-1)
+        if storage == "int8" and decode.native:
+            delta = delta + k.abs().sum(-1).amax(-1) * qn.abs().amax(-1) / 65534 / D ** 0.5
+        vmax = v.abs().amax((1, 2))[:, None]
+        bound = 2.0**-8 * (want.abs() + p @ v.abs()) + (2.01 * delta[:, None] + 2.0**-20) * vmax
+        assert ((got[n] - want).abs() <= bound).all(), float(((got[n] - want).abs() / bound).max())
 
 
 def test_a_request_alone_in_exactly_the_memory_it_can_need_completes(model):
@@ -233,29 +267,32 @@ def test_a_younger_request_waits_for_blocks_keeping_them_and_nothing_is_computed
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "int8"])
 @pytest.mark.parametrize("block_size", [8, 32])
 @pytest.mark.parametrize("heads", [(4, 16), (3, 48), (2, 256)], ids=lambda hd: f"{hd[0]}x{hd[1]}")
 @pytest.mark.parametrize("start", [0, 13])
-def test_bfloat16_paged_prefill_matches_the_reference(kernel_path, block_size, heads, start):
+def test_paged_prefill_matches_the_reference(kernel_path, block_size, heads, start, storage):
     """A prompt chunk's causal attention over paged blocks (native kernel or the SDPA fallback) =
-    float32 attention over the same keys: from position 0, and after 13 stored tokens. 37 queries
-    span tiles of 16 and a partial one."""
-    from gptj.engine import attention as att
-
+    float32 attention over the same keys: from position 0, and after 13 stored tokens; bfloat16 or
+    int8 KV (fill_pool's: the chunk's keys stored again come back unchanged). 37 queries span tiles
+    of 16 and a partial one."""
     torch.manual_seed(1)
     (H, D), T = heads, 37
     cfg = GPTJConfig(n_layer=1, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=256)
-    kv = att.PagedKV(cfg, 40, block_size, torch.bfloat16, "cpu", n_head=H)
-    kv.k[0].normal_()
-    kv.v[0].normal_()
+    kv = att.PagedKV(cfg, 40, block_size, getattr(torch, storage), "cpu", n_head=H, compute=torch.bfloat16)
+    fill_pool(kv, storage)
     end = start + T
     blocks = torch.randperm(40)[:-(-end // block_size)].tolist()
-    qkv = torch.randn(1, T, 3, H, D, dtype=torch.bfloat16)  # as the fused block's projection lays them out
+    if storage == "bfloat16":
+        qkv = torch.randn(1, T, 3, H, D, dtype=torch.bfloat16)  # as the fused block's projection lays them out
+    else:  # this chunk's keys and values: what the pool holds at its positions (stored again unchanged)
+        held = [x.transpose(0, 1)[start:end] for x in pool_values(kv, blocks, end)]  # (T, H, D)
+        qkv = torch.stack([torch.randn(T, H, D), *held], 1)[None].bfloat16()
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (1, H, T, D) views
-    batch = att.PagedBatch(kv, att.DecodeAttention("off", torch.bfloat16, native=True),
-                           segments=[att.PrefillSegment(blocks, start, T)])
+    decode = att.DecodeAttention("off", kv.k[0].dtype, native=True, compute=torch.bfloat16)
+    batch = att.PagedBatch(kv, decode, segments=[att.PrefillSegment(blocks, start, T)])
     got = batch.attend(0, q, k, v, None)[0].float()  # stores k, v at start .. end - 1, then attends
-    keys, values = (x.float() for x in kv.gather(0, blocks, end))  # (H, end, D), this chunk's included
+    keys, values = pool_values(kv, blocks, end)  # (H, end, D), this chunk's included
     torch.testing.assert_close(keys[:, start:], k[0].float())
     s = q[0].float() @ keys.transpose(1, 2) / D ** 0.5  # (H, T, end)
     s = s.masked_fill(torch.arange(end)[None, :] > torch.arange(start, end)[:, None], float("-inf"))

@@ -48,12 +48,12 @@ def test_the_same_memory_holds_at_least_1_8x_the_sequences_at_gptj_6b_shapes():
         EngineConfig(kv_dtype="fp8")
 
 
-def test_int8_kv_memory_is_int8_with_its_scales(model):
+def test_int8_kv_memory_is_int8_with_its_scales(model, kernel_path):
     engine = Engine(model, EngineConfig(max_seqs=4, kv_dtype="int8"))
     kv = engine.runner.kv
     assert isinstance(kv, PagedKV) and kv.quantized and kv.k[0].dtype == torch.int8
     assert kv.k_scale[0].shape == kv.k[0].shape[:3] and kv.compute == torch.bfloat16
-    assert not engine.runner.attention.native  # gptj.native's kernels read bfloat16 blocks only
+    assert engine.runner.attention.native == (kernel_path == "native")  # gptj.native reads int8 blocks too
 
 
 def test_teacher_forced_top1_agrees_with_float_kv_on_the_bundled_prompts():
@@ -79,7 +79,7 @@ def test_teacher_forced_top1_agrees_with_float_kv_on_the_bundled_prompts():
     assert agreement >= sum(a == b for a, b in zip(ref, bf16)) / len(ref)
 
 
-def test_int8_kv_requests_together_equal_each_alone(model):
+def test_int8_kv_requests_together_equal_each_alone(model, kernel_path):
     prompts = prompts_of([5, 40, 1, 23, 9])
     gens = [GenerationConfig(max_new_tokens=12), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=4),
             GenerationConfig(max_new_tokens=9, min_new_tokens=9), GenerationConfig(max_new_tokens=14, do_sample=True,
@@ -92,7 +92,7 @@ def test_int8_kv_requests_together_equal_each_alone(model):
         assert got == Engine(model, EngineConfig(max_seqs=4, kv_dtype="int8")).generate([prompt], gen)[0]
 
 
-def test_chunked_prefill_and_a_cached_prefix_read_the_same_int8_keys(model):
+def test_chunked_prefill_and_a_cached_prefix_read_the_same_int8_keys(model, kernel_path):
     prompt = prompts_of([70])[0]
     gen = GenerationConfig(max_new_tokens=10)
     whole = Engine(model, EngineConfig(max_seqs=2, kv_dtype="int8")).generate([prompt], gen)[0]

@@ -39,7 +39,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
 
   attention
   `exact`             float32: gptj.model.attention's exact math; below: torch's fused SDPA
-  `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 KV on CPU
+  `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 or int8 KV of a
+                      bfloat16 model on CPU
                       (kernels "auto"), else torch.compile'd sums below float32 (compile "auto") or
                       always ("on"), else the eager formulas
 """
@@ -201,10 +202,14 @@ class AttentionPath:
 
 
 def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mode: str,
-                   compile_mode: str) -> AttentionPath:
-    """The decode attention for KV of `kv_dtype` on `device`, under the engine's kernels mode
-    ("auto" / "off") and compile mode ("auto": below float32, "on", "off")."""
+                   compile_mode: str, compute: torch.dtype | None = None) -> AttentionPath:
+    """The decode attention for KV stored as `kv_dtype` and computed in `compute` (the model's float
+    dtype; None: kv_dtype) on `device`, under the engine's kernels mode ("auto" / "off") and compile
+    mode ("auto": below float32, "on", "off"). gptj.native's kernels read bfloat16 blocks and int8
+    ones (with their scales) for a bfloat16 model."""
+    compute = kv_dtype if compute is None else compute
     on_cpu = torch.device(device).type == "cpu"
-    use_native = kernels_mode == "auto" and on_cpu and kv_dtype == torch.bfloat16 and native_available()
-    compiled = compile_mode == "on" or (compile_mode == "auto" and not exact(kv_dtype))
+    use_native = (kernels_mode == "auto" and on_cpu and compute == torch.bfloat16
+                  and kv_dtype in (torch.bfloat16, torch.int8) and native_available())
+    compiled = compile_mode == "on" or (compile_mode == "auto" and not exact(compute))
     return AttentionPath(native=use_native, compiled=compiled)

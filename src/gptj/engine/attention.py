@@ -8,10 +8,12 @@ decode step's requests are groups (`DecodeGroup`):
     a beam group   q (N, H, D) over the prompt's blocks, shared, then each beam's  beam search
                    own blocks; softmax over [shared | own]
 
-With gptj.native (bfloat16 on an AVX-512 CPU) one call computes every group of a step, reading
-the blocks in place and a shared prompt once per 8 beams; a prompt chunk's prefill likewise
-attends over its blocks in place (causal, no mask, no gathered copy). Otherwise each group's
-blocks are gathered into one tensor and computed by the forms below. Scores and softmax are float32 (HF's
+With gptj.native (a bfloat16 model on an AVX-512 CPU, bfloat16 or int8 KV) one call computes
+every group of a step, reading the blocks in place and a shared prompt once per 8 beams; a prompt
+chunk's prefill likewise attends over its blocks in place (causal, no mask, no gathered copy), and
+the new keys and values are stored (int8: rounded) in one pass. Otherwise each group's blocks are
+gathered into one tensor (int8 blocks dequantized to the model's dtype) and computed by the forms
+below. Scores and softmax are float32 (HF's
 rule). Eagerly, float32 runs gptj.model.attention's exact math and the beam groups matmuls plus
 float32 products; at these shapes (a single query row per head) torch's batched matmuls and CPU
 SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys x 64 where a compiled loop takes ~150
@@ -94,9 +96,10 @@ def group_sums(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Te
 class DecodeAttention:
     """The engine's decode attention: `one` and `group`, compiled or eager by `mode`.
 
-    mode "auto" compiles when the KV dtype is below float32 (and torch.compile works here),
+    mode "auto" compiles when the compute dtype is below float32 (and torch.compile works here),
     "on" compiles whatever the dtype, "off" never does. native=True (the engine's kernels "auto"):
-    bfloat16 KV on CPU goes first to gptj.native's attention kernel when it is available. If
+    a bfloat16 model's KV on CPU (bfloat16 or int8 blocks) goes first to gptj.native's attention
+    kernels when they are available (policy.attention_path). If
     compiling or running a compiled form fails, it logs one warning and stays eager from then on.
     """
 
@@ -105,13 +108,14 @@ class DecodeAttention:
     min_context = 0
 
     def __init__(self, mode: str, kv_dtype: torch.dtype, native: bool = False,
-                 device: torch.device | str = "cpu") -> None:
-        """native: the engine's kernels mode is "auto" (gptj.native where the policy allows it)."""
+                 device: torch.device | str = "cpu", compute: torch.dtype | None = None) -> None:
+        """native: the engine's kernels mode is "auto" (gptj.native where the policy allows it).
+        kv_dtype: the KV storage; compute: the model's float dtype (None: kv_dtype)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
         # gptj.native's kernel reads a shared prompt once for all beams: 2x the compiled form at
         # GPT-J 6B's head shapes (16 x 256, 800-token prompt, 4 beams: 1.75 vs 3.78 ms per layer).
-        path = attention_path(device, kv_dtype, "auto" if native else "off", mode)
+        path = attention_path(device, kv_dtype, "auto" if native else "off", mode, compute)
         self.native, self.compiled = path.native, path.compiled
         if self.native:
             from gptj import native as _native
@@ -135,32 +139,36 @@ class DecodeAttention:
         return self.native and k.is_cpu and k.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
 
     def native_paged(self, kc: torch.Tensor) -> bool:
-        """Whether a decode batch over these key blocks (n_blocks, H, B, D) runs gptj.native's paged kernel."""
-        return self.native and kc.is_cpu and kc.dtype == torch.bfloat16 and kc.shape[-1] % 16 == 0
+        """Whether a decode batch over these key blocks (n_blocks, H, B, D) runs gptj.native's paged
+        kernel (bfloat16 blocks, or int8 ones with their scales)."""
+        return (self.native and kc.is_cpu and kc.dtype in (torch.bfloat16, torch.int8) and kc.shape[-1] % 16 == 0
+                and kc.shape[-1] <= 512)
 
-    def paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...]
-              ) -> torch.Tensor:
-        """q (N, H, D) over paged blocks, every group at once (gptj.native.attention_paged) -> float32."""
-        return self._kernels.attention_paged(q, kc, vc, *tables)
+    def paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+              scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
+        """q (N, H, D) over paged blocks, every group at once (gptj.native.attention_paged) -> float32.
+        scales: int8 blocks' (k_scale, v_scale)."""
+        return self._kernels.attention_paged(q, kc, vc, *tables, *scales)
 
-    def prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int
-                ) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
+                scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
         """A prompt chunk's queries q (T, H, D) from position `start`, causal over the blocks of `table`
         (gptj.native.prefill_paged; where native_paged holds) -> (T, H, D) bfloat16."""
-        return self._kernels.prefill_paged(q, kc, vc, table, start)
+        return self._kernels.prefill_paged(q, kc, vc, table, start, *scales)
+
+    def native_store(self, kc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor) -> bool:
+        """Whether gptj.native stores these keys and values (`store`): blocks it reads, bfloat16 keys and
+        values whose heads lie side by side (the fused block's q|k|v), int64 block ids."""
+        D = k.shape[-1]
+        return (self.native_paged(kc) and k.dtype == v.dtype == torch.bfloat16 and k.stride(-1) == v.stride(-1) == 1
+                and k.stride(-2) == v.stride(-2) == D and blocks.dtype == torch.int64)
 
     def store(self, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
-              offsets: torch.Tensor) -> None:
+              offsets: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
         """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n], of
-        kc, vc (n_blocks, H, B, D); by gptj.native where the blocks are its and each token's heads
-        lie side by side (the fused block's q|k|v), else by indexing."""
-        D = k.shape[-1]
-        if (self.native_paged(kc) and k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == D
-                and blocks.dtype == offsets.dtype == torch.int64):
-            self._kernels.store_kv(k, v, kc, vc, blocks, offsets)
-        else:
-            kc[blocks, :, offsets] = k
-            vc[blocks, :, offsets] = v
+        kc, vc (n_blocks, H, B, D), int8 blocks rounded per head with their `scales`
+        (gptj.native.store_kv; where native_store holds)."""
+        self._kernels.store_kv(k, v, kc, vc, blocks, offsets, *scales)
 
     def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_native(q, k):
@@ -226,16 +234,24 @@ class PagedKV:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
               decode: DecodeAttention) -> None:
-        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n]
-        (quantized first when the storage is int8; otherwise by DecodeAttention.store)."""
+        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n]: by
+        gptj.native where DecodeAttention.native_store holds, else by indexing (int8 storage:
+        quantize_heads first; the native store rounds the same way)."""
         kc, vc = self.k[layer], self.v[layer]
-        if not self.quantized:
-            decode.store(kc, vc, k, v, blocks, offsets)
-            return
-        for x, cache, scales in ((k, kc, self.k_scale[layer]), (v, vc, self.v_scale[layer])):
-            q, s = quantize_heads(x)
-            cache[blocks, :, offsets] = q
-            scales[blocks, :, offsets] = s
+        if decode.native_store(kc, k, v, blocks):
+            decode.store(kc, vc, k, v, blocks, offsets, self.scales(layer))
+        elif not self.quantized:
+            kc[blocks, :, offsets] = k
+            vc[blocks, :, offsets] = v
+        else:
+            for x, cache, scales in ((k, kc, self.k_scale[layer]), (v, vc, self.v_scale[layer])):
+                q, s = quantize_heads(x)
+                cache[blocks, :, offsets] = q
+                scales[blocks, :, offsets] = s
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int8 blocks' (k_scale, v_scale) of a layer; (None, None) for float blocks."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
     def blocks(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks `index` (any shape I) as (*I, H, B, D) in the compute dtype."""
@@ -352,7 +368,7 @@ class PagedBatch:
         """q (N, H, D): each decode row's query over its group's blocks -> (N, H, D)."""
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         if self._native is not None:
-            return self.decode.paged(q, kc, vc, self._native).to(vc.dtype)
+            return self.decode.paged(q, kc, vc, self._native, self.kv.scales(layer)).to(self.kv.compute)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         row = 0
         for g in self.groups:
@@ -379,7 +395,7 @@ class PagedBatch:
         rows, offsets, table, table32, pos = slots
         self.kv.store(layer, k, v, rows, offsets, self.decode)
         if self._native_prefill:  # over the blocks in place: no mask, no gathered copy of the keys
-            return self.decode.prefill(q, kc, vc, table32, start)
+            return self.decode.prefill(q, kc, vc, table32, start, self.kv.scales(layer))
         qh = q.transpose(0, 1)[None]  # (1, H, T, D)
         causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
         causal.masked_fill_(torch.arange(end, device=q.device)[None, :] > pos[:, None], torch.finfo(torch.float32).min)

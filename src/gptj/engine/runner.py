@@ -39,7 +39,8 @@ class ModelRunner:
         kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8
         self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
-        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto", device=w.device)
+        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto", device=w.device,
+                                         compute=w.dtype)
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()

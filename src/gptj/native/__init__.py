@@ -47,7 +47,7 @@ HEADERS = (HERE / "simd.h",)  # included by every source: part of what the build
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
 # What the kernels execute; `-march=native` may use more, but only on the CPU that built it (the
 # cache name holds the CPU's flags, so another CPU type builds its own copy).
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded CDLL or None, once load() has run
@@ -226,11 +226,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     _attend_group.argtypes = [P, I, I, I, P, P, L, L, I, P, P, L, L, L, I, P, ctypes.c_float, I]
     _attend_group.restype = I
-    _attend_paged = lib.attend_paged_bf16
-    _attend_paged.argtypes = [P, I, I, I, P, P, I, I, P, P, P, P, P, I, P, P, ctypes.c_float, I]
+    _attend_paged = lib.attend_paged
+    _attend_paged.argtypes = [P, I, I, I, P, P, P, P, I, I, P, P, P, P, P, I, P, P, ctypes.c_float, I]
     _attend_paged.restype = I
-    _prefill_paged = lib.prefill_paged_bf16
-    _prefill_paged.argtypes = [P, L, I, I, I, P, P, I, P, I, P, L, ctypes.c_float, I]
+    _prefill_paged = lib.prefill_paged
+    _prefill_paged.argtypes = [P, L, I, I, I, P, P, P, P, I, P, I, P, L, ctypes.c_float, I]
     _prefill_paged.restype = I
     _gelu = lib.gelu_bf16
     _gelu.argtypes = [P, L, P, L, L, L, I]
@@ -238,8 +238,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     _rotary = lib.rotary_bf16
     _rotary.argtypes = [P, L, I, I, I, I, P, P, I]
     _rotary.restype = None
-    _store_kv = lib.store_kv_bf16
-    _store_kv.argtypes = [P, L, P, L, I, I, I, P, P, I, P, P, I]
+    _store_kv = lib.store_kv
+    _store_kv.argtypes = [P, L, P, L, I, I, I, P, P, P, P, I, P, P, I]
     _store_kv.restype = None
     _quantize_rows = lib.quantize_rows_u8
     _quantize_rows.argtypes = [P, L, P, P, P, L, L, I]
@@ -391,11 +391,35 @@ def attention_group(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: tor
     return out
 
 
+def _pages(name: str, kc: torch.Tensor, vc: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None) -> tuple[int, int, int, int, int, int]:
+    """Validated paged KV blocks: kc, vc (n_blocks, H, B, D) contiguous on CPU, bfloat16 without
+    scales or int8 with k_scale, v_scale (n_blocks, H, B) float32. Returns (n_blocks, H, B, D, and
+    the scales' pointers or 0 for bfloat16)."""
+    shape = kc.shape
+    if len(shape) != 4 or vc.shape != shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu
+                                                    and vc.is_cpu):
+        raise _bad(name, "key and value blocks must be contiguous CPU tensors of one shape (n_blocks, H, B, D)")
+    n_blocks, H, B, D = shape
+    if D % 16 or D > 512:
+        raise _bad(name, f"head_dim must be a multiple of 16 up to 512, got {D}")
+    if kc.dtype is _bf16 and vc.dtype is _bf16 and k_scale is None and v_scale is None:
+        return n_blocks, H, B, D, 0, 0
+    if kc.dtype is _i8 and vc.dtype is _i8 and k_scale is not None and v_scale is not None:
+        for t in (k_scale, v_scale):
+            if t.dtype is not torch.float32 or t.shape != shape[:3] or not t.is_contiguous() or not t.is_cpu:
+                raise _bad(name, f"int8 blocks need contiguous float32 scales of shape {tuple(shape[:3])}")
+        return n_blocks, H, B, D, k_scale.data_ptr(), v_scale.data_ptr()
+    raise _bad(name, "blocks must be bfloat16 (no scales) or int8 with k_scale and v_scale")
+
+
 def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: torch.Tensor, stab: torch.Tensor,
-                    soff: torch.Tensor, slen: torch.Tensor, otab: torch.Tensor, olen: torch.Tensor) -> torch.Tensor:
+                    soff: torch.Tensor, slen: torch.Tensor, otab: torch.Tensor, olen: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of a whole batch over paged keys/values, float32 scores and softmax.
 
-    q (N, H, D); kc, vc (n_blocks, H, B, D) bfloat16, contiguous. int32 CPU tensors, contiguous:
+    q (N, H, D); kc, vc (n_blocks, H, B, D) contiguous: bfloat16, or int8 whose values are
+    q * k_scale, v_scale (n_blocks, H, B) float32. int32 CPU tensors, contiguous:
     row0 (G + 1,) the first query row of each group (row0[G] = N); stab the groups' shared block
     tables one after another, group g's from soff[g], holding slen[g] tokens; otab (N, omax) each
     row's own blocks, holding olen[g] tokens for the rows of group g. Returns (N, H, D) float32.
@@ -404,11 +428,9 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
     if _attend_paged is None:
         _lib_or_raise("attention_paged")
     N, H, D = q.shape
-    n_blocks, _, B, _ = kc.shape
-    if D % 16 or kc.dtype is not _bf16 or vc.dtype is not _bf16 or kc.shape != (n_blocks, H, B, D):
-        raise _bad("attention_paged", "needs bfloat16 key/value blocks (n_blocks, H, B, D), D a multiple of 16")
-    if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu):
-        raise _bad("attention_paged", "key and value blocks must be contiguous CPU tensors of one shape")
+    _, h, B, d, ks, vs = _pages("attention_paged", kc, vc, k_scale, v_scale)
+    if (h, d) != (H, D):
+        raise _bad("attention_paged", f"blocks of {h} heads of {d} do not match queries of {H} heads of {D}")
     ints = (row0, stab, soff, slen, otab, olen)
     if any(t.dtype is not torch.int32 or not t.is_contiguous() for t in ints):
         raise _bad("attention_paged", "tables and lengths must be contiguous int32 tensors")
@@ -417,7 +439,7 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
         raise _bad("attention_paged", f"tables do not match {G} groups of {N} rows")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty((N, H, D), dtype=torch.float32)
-    rc = _attend_paged(qf.data_ptr(), N, H, D, kc.data_ptr(), vc.data_ptr(), B, G, row0.data_ptr(),
+    rc = _attend_paged(qf.data_ptr(), N, H, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B, G, row0.data_ptr(),
                        stab.data_ptr(), soff.data_ptr(), slen.data_ptr(), otab.data_ptr(), otab.shape[1],
                        olen.data_ptr(), out.data_ptr(), 1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
@@ -425,26 +447,24 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
     return out
 
 
-def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
+def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a prompt chunk over paged keys/values already stored (the chunk's too).
 
     q (T, H, D) bfloat16 on CPU, the queries of positions start .. start + T - 1, each head's D
     values contiguous (any stride between tokens: a view into the fused q|k|v projection serves);
-    kc, vc (n_blocks, H, B, D) bfloat16, contiguous, B even; table: the sequence's blocks, int32, at
-    least ceil((start + T) / B) of them. Returns (T, H, D) bfloat16: float32 scores (exact bfloat16
-    products) and softmax; the probabilities rounded to bfloat16 (as HF rounds them to the values'
-    dtype) and summed against the values in float32, rounded once. Block ids are the caller's to
-    keep in range.
+    kc, vc (n_blocks, H, B, D), B even: bfloat16, or int8 with scales (as attention_paged's); table:
+    the sequence's blocks, int32, at least ceil((start + T) / B) of them. Returns (T, H, D)
+    bfloat16: float32 scores (exact bfloat16 products) and softmax; the probabilities rounded to
+    bfloat16 (as HF rounds them to the values' dtype) and summed against the values in float32,
+    rounded once. Block ids are the caller's to keep in range.
     """
     if _prefill_paged is None:
         _lib_or_raise("prefill_paged")
     T, H, D = q.shape
-    n_blocks, _, B, _ = kc.shape
-    if D % 16 or D > 512 or q.dtype is not _bf16 or kc.dtype is not _bf16 or kc.shape != (n_blocks, H, B, D):
-        raise _bad("prefill_paged", "needs bfloat16 queries and key/value blocks (n_blocks, H, B, D), D a multiple "
-                                    "of 16 up to 512")
-    if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu and q.is_cpu):
-        raise _bad("prefill_paged", "key and value blocks must be contiguous CPU tensors of one shape")
+    _, h, B, d, ks, vs = _pages("prefill_paged", kc, vc, k_scale, v_scale)
+    if q.dtype is not _bf16 or not q.is_cpu or (h, d) != (H, D):
+        raise _bad("prefill_paged", f"queries must be bfloat16 on CPU with the blocks' {h} heads of {d}")
     if B % 2:
         raise _bad("prefill_paged", f"blocks must hold an even number of tokens, got {B}")
     if table.dtype is not torch.int32 or not table.is_contiguous() or table.numel() * B < start + T:
@@ -452,7 +472,7 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
     out = torch.empty((T, H, D), dtype=_bf16)
-    rc = _prefill_paged(q.data_ptr(), q.stride(0), T, H, D, kc.data_ptr(), vc.data_ptr(), B, table.data_ptr(),
+    rc = _prefill_paged(q.data_ptr(), q.stride(0), T, H, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B, table.data_ptr(),
                         int(start), out.data_ptr(), H * D, 1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"prefill_paged: native kernel failed ({rc})")
@@ -518,25 +538,27 @@ def rotary_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tens
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor,
-             offsets: torch.Tensor) -> None:
+             offsets: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """kc[blocks[n], :, offsets[n]] = k[n] and vc likewise, for N tokens: k, v (N, H, D) bfloat16 views
     with each token's heads contiguous (any stride between tokens); kc, vc (n_blocks, H, B, D)
-    contiguous; blocks, offsets (N,) int64. Ids and offsets are the caller's to keep in range."""
+    contiguous, bfloat16, or int8 with scales (as attention_paged's): then each head vector is
+    rounded as gptj.quant.ops.quantize_rows_int8 rounds a row, its scale stored at the same place of
+    k_scale / v_scale. blocks, offsets (N,) int64. Ids and offsets are the caller's to keep in range."""
     if _store_kv is None:
         _lib_or_raise("store_kv")
     N, H, D = k.shape
     for t in (k, v):
         if t.shape != (N, H, D) or t.dtype is not _bf16 or not t.is_cpu or t.stride(2) != 1 or t.stride(1) != D:
             raise _bad("store_kv", "k and v must be bfloat16 CPU (N, H, D) views with each token's heads contiguous")
-    if kc.dtype is not _bf16 or vc.shape != kc.shape or kc.shape[1] != H or kc.shape[3] != D or not (
-            kc.is_contiguous() and vc.is_contiguous() and kc.is_cpu and vc.is_cpu):
-        raise _bad("store_kv", f"key and value blocks must be contiguous bfloat16 (n_blocks, {H}, B, {D})")
+    _, h, B, d, ks, vs = _pages("store_kv", kc, vc, k_scale, v_scale)
+    if (h, d) != (H, D):
+        raise _bad("store_kv", f"blocks of {h} heads of {d} do not match keys of {H} heads of {D}")
     for t in (blocks, offsets):
         if t.dtype is not torch.int64 or t.shape != (N,) or not t.is_contiguous():
             raise _bad("store_kv", f"blocks and offsets must be contiguous int64 ({N},)")
     if N:
-        _store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), N, H, D, kc.data_ptr(), vc.data_ptr(),
-                  kc.shape[2], blocks.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
+        _store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), N, H, D, kc.data_ptr(), vc.data_ptr(), ks, vs,
+                  B, blocks.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
 
 
 # --- W8A8 linears: the activations' rounding before oneDNN's int8 GEMM, and its sums after ------------

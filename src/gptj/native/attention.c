@@ -1,6 +1,7 @@
 /* gptj.native's attention kernels: decode over a shared prompt and tails (attend_group_bf16), paged
-   decode of a whole batch (attend_paged_bf16) and paged causal prefill of a prompt chunk
-   (prefill_paged_bf16). engine/attention.py says when each runs. */
+   decode of a whole batch (attend_paged) and paged causal prefill of a prompt chunk
+   (prefill_paged), the paged ones over bfloat16 or int8 blocks. engine/attention.py says when each
+   runs. */
 
 #include "simd.h"
 
@@ -122,51 +123,109 @@ int attend_group_bf16(const float *q, int N, int H, int D,
 
 /* ---------------------------------------------------------------------------------------------
    Paged decode attention of a whole decode batch in one call (engine/attention.py, PagedBatch).
-   Keys/values live in blocks: kc, vc bfloat16 (n_blocks, H, B, D) contiguous, so token t of a
-   block table lies in block tab[t / B] at row t % B. Group g (a request: one sequence, or the
-   beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of q (N, H, D) float32 and reads
+   Keys/values live in blocks (n_blocks, H, B, D) contiguous, so token t of a block table lies in
+   block tab[t / B] at row t % B: bfloat16, or int8 with a float32 scale per (block, head, row) in
+   ks, vs (n_blocks, H, B) (engine/attention.py's PagedKV: the value is q * scale). Group g (a
+   request: one sequence, or the beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of
+   q (N, H, D) float32 and reads
        its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
        then each row n's  otab[n * omax ..]    holding olen[g] tokens (its own blocks)
    out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens. q holds bfloat16 values
-   (a bfloat16 model's queries): scores are vdpbf16ps dot products (exact products, float32 sums),
-   16 keys at a time with one transposed reduction; softmax (vectorized exp) and value sums in
-   float32. Work items are (group, range of heads) pairs spread over threads; an item walks its
+   (a bfloat16 model's queries). Scores, 16 keys at a time with one transposed reduction (hsum16):
+   - bfloat16 keys: vdpbf16ps dot products (exact products, float32 sums);
+   - int8 keys: q rounded per head to int16 (s_q = max |q| / 32767: a relative error of 2^-16 of the
+     largest, below bfloat16's own 2^-9), vpdpwssd against the keys sign-extended to int16 (exact
+     int32 sums: |sum| <= 32767 * 127 * 512 < 2^31), times s_q and each key's scale.
+   Softmax (vectorized exp) and value sums in float32; an int8 value row's scale is folded into its
+   probability. Work items are (group, range of heads) pairs spread over threads; an item walks its
    blocks in address order, every head of a block (B x D rows each, one after another) serving
    all the group's queries while it is in cache, so the KV memory is read as a stream rather than
    one head's 2-8 KiB at a time across the whole pool. */
 
-/* q (D float32, bfloat16 values) as D / 32 vectors of 32 bfloat16 (zeros past D) */
-static inline void q_bf16(const float *q, int D, __m512bh *qb)
+typedef struct { /* one layer's paged keys and values */
+    const void *k, *v;     /* (n_blocks, H, B, D): bfloat16, or int8 when ks is set */
+    const float *ks, *vs;  /* (n_blocks, H, B) scales of int8 blocks; NULL for bfloat16 */
+    int H, B, D;
+} pages_t;
+
+/* where head h of block blk starts: its B rows of D keys (k) or values (v), and their scales */
+static inline const void *rows_at(const pages_t *kv, const void *base, int blk, int h)
 {
-    for (int d = 0; d < D; d += 32) {
-        const __m512 lo = _mm512_loadu_ps(q + d), hi = d + 16 < D ? _mm512_loadu_ps(q + d + 16) : _mm512_setzero_ps();
-        qb[d / 32] = _mm512_cvtne2ps_pbh(hi, lo);
-    }
+    return (const char *)base + ((long)blk * kv->H + h) * kv->B * kv->D * (kv->ks ? 1 : 2);
 }
 
-/* dst[c] = scale * q . k[c] for the n <= 16 keys k[c] = kr + c * D: vdpbf16ps (products exact in
-   float32, summed in float32), 16 independent sums, then one transposed reduction (hsum16) for all
-   16 scores instead of one horizontal sum per key */
-static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D, float scale, float *dst)
+static inline const float *scales_at(const float *base, const pages_t *kv, int blk, int h)
+{
+    return base + ((long)blk * kv->H + h) * kv->B;
+}
+
+/* a query as the key dot products want it: D / 32 vectors of 32 bfloat16, or of 32 int16 with
+   scale *qs (int8 keys); zeros past D */
+static inline void q_prepare(const float *q, int D, int int16, __m512i *qv, float *qs)
+{
+    if (!int16) {
+        for (int d = 0; d < D; d += 32) {
+            const __m512 lo = _mm512_loadu_ps(q + d), hi = d + 16 < D ? _mm512_loadu_ps(q + d + 16) : _mm512_setzero_ps();
+            qv[d / 32] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+        *qs = 1.0f;
+        return;
+    }
+    __m512 mx = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+    const float top = _mm512_reduce_max_ps(mx), s = top > 0 ? top / 32767.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / s);
+    for (int d = 0; d < D; d += 32) {
+        const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)));
+        const __m256i hi = d + 16 < D ? _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d + 16), inv)))
+                                      : _mm256_setzero_si256();
+        qv[d / 32] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    *qs = s;
+}
+
+/* dst[c] = scale * q . k[c] for the n <= 16 keys of rows kr (row c at c * D), 16 independent sums
+   reduced together by hsum16; int8 keys: times qs and the key's scale ks[c] */
+static inline void scores16(const __m512i *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
+                            float *dst)
 {
     __m512 a[16];
+    const __mmask16 m16 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    if (!ks) {
+        const uint16_t *k = kr;
 #pragma GCC unroll 16
-    for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
+        for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 32) {
+            const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+            for (int c = 0; c < 16; c++)
+                if (c < n)
+                    a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, k + (long)c * D + d), (__m512bh)qv[d / 32]);
+        }
+        _mm512_mask_storeu_ps(dst, m16, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
+        return;
+    }
+    const int8_t *k = kr;
+    __m512i ai[16];
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) ai[c] = _mm512_setzero_si512();
     for (int d = 0; d < D; d += 32) {
         const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
-#pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
+#pragma GCC unroll 16
         for (int c = 0; c < 16; c++)
             if (c < n)
-                a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
+                ai[c] = _mm512_dpwssd_epi32(ai[c], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k + (long)c * D + d)), qv[d / 32]);
     }
-    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) a[c] = _mm512_cvtepi32_ps(ai[c]);
+    const __m512 sums = _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale * qs));
+    _mm512_mask_storeu_ps(dst, m16, _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(m16, ks)));
 }
 
-/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = rows + c * D, bfloat16 (vr) or float32
-   (vf, when vr is NULL); p float32. Up to 256 of D at a time: the sums stay in registers over the
-   n rows. (Inlined with a constant vr or vf: each caller gets its own loop.) */
-static inline void values_acc(const float *p, const uint16_t *vr, const float *vf, int n, int D, float *o)
+/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = vr + c * D: bfloat16, or int8 times
+   vs[c] (folded into p[c]); p float32. Up to 256 of D at a time: the sums stay in registers over
+   the n rows. */
+static inline void values_acc(const float *p, const void *vr, const float *vs, int n, int D, float *o)
 {
     for (int d0 = 0; d0 < D; d0 += 256) {
         const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
@@ -174,13 +233,22 @@ static inline void values_acc(const float *p, const uint16_t *vr, const float *v
 #pragma GCC unroll 16 /* whole: the sums stay in registers */
         for (int i = 0; i < 16; i++)
             if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
-        for (int c = 0; c < n; c++) {
-            const __m512 pc = _mm512_set1_ps(p[c]);
-            const long r = (long)c * D + d0;
+        if (!vs) {
+            for (int c = 0; c < n; c++) {
+                const __m512 pc = _mm512_set1_ps(p[c]);
+                const uint16_t *r = (const uint16_t *)vr + (long)c * D + d0;
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++)
-                if (i < nk)
-                    acc[i] = _mm512_fmadd_ps(pc, vr ? bf16_16(vr + r + i * 16) : _mm512_loadu_ps(vf + r + i * 16), acc[i]);
+                for (int i = 0; i < 16; i++)
+                    if (i < nk) acc[i] = _mm512_fmadd_ps(pc, bf16_16(r + i * 16), acc[i]);
+            }
+        } else {
+            for (int c = 0; c < n; c++) {
+                const __m512 pc = _mm512_set1_ps(p[c] * vs[c]);
+                const int8_t *r = (const int8_t *)vr + (long)c * D + d0;
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++)
+                    if (i < nk) acc[i] = _mm512_fmadd_ps(pc, i8_16(r + i * 16), acc[i]);
+            }
         }
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
@@ -190,42 +258,47 @@ static inline void values_acc(const float *p, const uint16_t *vr, const float *v
 
 /* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
    holds every head's rows, B x D each, one after another), every head's rows of a block serving
-   all the group's queries (up to ATT_QB at a time) while they are in cache. s: ATT_QB x (h1 - h0) x L. */
-static void paged_group(const float *q, int H, int D, int h0, int h1, const uint16_t *kc, const uint16_t *vc,
-                        int B, int r0, int nr, const int *stab, int sl, const int *otab, int omax, int ol,
-                        float *out, float scale, float *s)
+   all the group's queries (up to ATT_QB at a time) while they are in cache. Scratch: s
+   ATT_QB x (h1 - h0) x L scores; qv, qs the block of queries prepared (q_prepare), ATT_QB x (h1 - h0). */
+static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
+                        const int *otab, int omax, int ol, float *out, float scale, float *s, __m512i *qv, float *qs)
 {
-    const long hs = (long)B * D, bs = (long)H * hs;
-    const int L = sl + ol, nh = h1 - h0;
-    __m512bh qb[ATT_QB][ATT_MAXD / 32];
-#define QB(i) qb[i]
+    const int H = kv->H, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0, nv = (D + 31) / 32;
+    const long head_bytes = (long)B * D * (kv->ks ? 1 : 2);
+    const int i8 = kv->ks != NULL;
 #define S(i, h) (s + ((long)(i) * nh + ((h) - h0)) * L)
-#define Q(n, h) (q + ((long)(n) * H + (h)) * D)
+#define QV(i, h) (qv + ((long)(i) * nh + ((h) - h0)) * nv)
+#define QS(i, h) qs[(long)(i) * nh + ((h) - h0)]
 #define O(n, h) (out + ((long)(n) * H + (h)) * D)
+#define KS(blk, h) (i8 ? scales_at(kv->ks, kv, blk, h) : NULL)
+#define VS(blk, h) (i8 ? scales_at(kv->vs, kv, blk, h) : NULL)
     for (int n0 = r0; n0 < r0 + nr; n0 += ATT_QB) {
         const int nb = r0 + nr - n0 < ATT_QB ? r0 + nr - n0 : ATT_QB;
+        for (int i = 0; i < nb; i++)
+            for (int h = h0; h < h1; h++) q_prepare(q + ((long)(n0 + i) * H + h) * D, D, i8, QV(i, h), &QS(i, h));
         for (int j = 0; j * B < sl; j++) { /* shared blocks: scores of every query */
             const int tn = sl - j * B < B ? sl - j * B : B;
             for (int h = h0; h < h1; h++) {
-                const uint16_t *kb = kc + stab[j] * bs + h * hs;
-                if ((j + 1) * B < sl) prefetch_span(kc + stab[j + 1] * bs + h * hs, hs * 2);
-                for (int i = 0; i < nb; i++) {
-                    q_bf16(Q(n0 + i, h), D, QB(i));
+                const char *kb = rows_at(kv, kv->k, stab[j], h);
+                const float *ks = KS(stab[j], h);
+                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->k, stab[j + 1], h), head_bytes);
+                for (int i = 0; i < nb; i++)
                     for (int c = 0; c < tn; c += 16)
-                        scores16(QB(i), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
-                }
+                        scores16(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
+                                 tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
             }
         }
         for (int i = 0; i < nb; i++) { /* each query's own blocks */
             const int n = n0 + i;
             for (int j = 0; j * B < ol; j++) {
-                const int tn = ol - j * B < B ? ol - j * B : B;
+                const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
                 for (int h = h0; h < h1; h++) {
-                    const uint16_t *kb = kc + otab[(long)n * omax + j] * bs + h * hs;
-                    if ((j + 1) * B < ol) prefetch_span(kc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
-                    q_bf16(Q(n, h), D, QB(0));
+                    const char *kb = rows_at(kv, kv->k, blk, h);
+                    const float *ks = KS(blk, h);
+                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->k, otab[(long)n * omax + j + 1], h), head_bytes);
                     for (int c = 0; c < tn; c += 16)
-                        scores16(QB(0), kb + (long)c * D, tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
+                        scores16(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
+                                 tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
                 }
             }
             for (int h = h0; h < h1; h++) {
@@ -236,60 +309,69 @@ static void paged_group(const float *q, int H, int D, int h0, int h1, const uint
         for (int j = 0; j * B < sl; j++) { /* shared values */
             const int tn = sl - j * B < B ? sl - j * B : B;
             for (int h = h0; h < h1; h++) {
-                const uint16_t *vb = vc + stab[j] * bs + h * hs;
-                if ((j + 1) * B < sl) prefetch_span(vc + stab[j + 1] * bs + h * hs, hs * 2);
-                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, NULL, tn, D, O(n0 + i, h));
+                const void *vb = rows_at(kv, kv->v, stab[j], h);
+                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->v, stab[j + 1], h), head_bytes);
+                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, VS(stab[j], h), tn, D, O(n0 + i, h));
             }
         }
         for (int i = 0; i < nb; i++) { /* own values */
             const int n = n0 + i;
             for (int j = 0; j * B < ol; j++) {
-                const int tn = ol - j * B < B ? ol - j * B : B;
+                const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
                 for (int h = h0; h < h1; h++) {
-                    if ((j + 1) * B < ol) prefetch_span(vc + otab[(long)n * omax + j + 1] * bs + h * hs, hs * 2);
-                    values_acc(S(i, h) + sl + j * B, vc + otab[(long)n * omax + j] * bs + h * hs, NULL, tn, D, O(n, h));
+                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->v, otab[(long)n * omax + j + 1], h), head_bytes);
+                    values_acc(S(i, h) + sl + j * B, rows_at(kv, kv->v, blk, h), VS(blk, h), tn, D, O(n, h));
                 }
             }
         }
     }
-#undef QB
 #undef S
-#undef Q
+#undef QV
+#undef QS
 #undef O
+#undef KS
+#undef VS
 }
 
-int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, const uint16_t *vc, int B,
-                      int G, const int *row0, const int *stab, const int *soff, const int *slen,
-                      const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
+/* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales */
+int attend_paged(const float *q, int N, int H, int D, const void *kc, const void *vc, const float *ks, const float *vs,
+                 int B, int G, const int *row0, const int *stab, const int *soff, const int *slen, const int *otab,
+                 int omax, const int *olen, float *out, float scale, int nthreads)
 {
-    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || H < 1) return -1;
+    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || H < 1 || (!ks != !vs)) return -1;
     long maxL = 0;
     for (int g = 0; g < G; g++) {
         if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
         if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
     }
+    const pages_t kv = {kc, vc, ks, vs, H, B, D};
     /* work items: (group, range of heads); a group's heads are split only as far as it takes to
        give every thread about two items (a group's heads together read each block in one sweep) */
     int parts = nthreads > 1 ? (2 * nthreads + G - 1) / G : 1;
     if (parts > H) parts = H;
     const int hper = (H + parts - 1) / parts;
     parts = (H + hper - 1) / hper;
+    const long nq = (long)ATT_QB * hper, nv = (D + 31) / 32;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *s = malloc(sizeof(float) * ATT_QB * hper * maxL);
-        if (!s) {
+        /* scores (nq x maxL floats) | prepared queries (nq x nv vectors, 64-byte aligned) | their scales */
+        char *buf = aligned_alloc(64, ((sizeof(float) * nq * maxL + 63) / 64) * 64 + nq * nv * 64 + sizeof(float) * nq);
+        if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
+        float *s = (float *)buf;
+        __m512i *qv = (__m512i *)(buf + ((sizeof(float) * nq * maxL + 63) / 64) * 64);
+        float *qs = (float *)(qv + nq * nv);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)G * parts; w++) {
             const int g = (int)(w / parts), h0 = (int)(w % parts) * hper;
             const int h1 = h0 + hper < H ? h0 + hper : H;
-            if (s) paged_group(q, H, D, h0, h1, kc, vc, B, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g],
-                               otab, omax, olen[g], out, scale, s);
+            if (buf) paged_group(q, &kv, h0, h1, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g], otab, omax,
+                                 olen[g], out, scale, s, qv, qs);
         }
-        free(s);
+        free(buf);
     }
     return failed ? -2 : 0;
 }
@@ -304,12 +386,15 @@ int attend_paged_bf16(const float *q, int N, int H, int D, const uint16_t *kc, c
    - scores, 16 keys at a time: acc[c] += vdpbf16ps(packed pair p, key c's pair p broadcast), so one
      vector holds key c's scores against all 16 queries (exact bfloat16 products, float32 sums) with
      no horizontal sums; the causal mask is a lane mask on the keys past the tile's first query;
+     int8 keys are widened to bfloat16 first (exactly: every integer up to 256 is one) and their
+     scale multiplies the sums;
    - softmax over the keys is element-wise across those vectors (max, exp, sum) for 16 queries at once;
    - values: the probabilities are rounded to bfloat16, as HF rounds them to the values' dtype before
-     its matmul, and packed in pairs of keys per query; value rows are interleaved in pairs (d-lanes),
-     and out[i][d .. d + 16] += vdpbf16ps(value pair, query i's probability pair broadcast), float32.
-   q bfloat16 at q[t * sq + h * D + d]; kc, vc (n_blocks, H, B, D) bfloat16, B even; out bfloat16 at
-   out[t * so + h * D + d], rounded to nearest even once. */
+     its matmul (an int8 value row's scale multiplied in first), and packed in pairs of keys per
+     query; value rows are interleaved in pairs (d-lanes), int8 ones widened to bfloat16, and
+     out[i][d .. d + 16] += vdpbf16ps(value pair, query i's probability pair broadcast), float32.
+   q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even;
+   out bfloat16 at out[t * so + h * D + d], rounded to nearest even once. */
 
 #define PF_QT 16 /* queries per tile */
 
@@ -322,13 +407,21 @@ static inline __m512i pairs_bf16(__m512 a, __m512 b)
     return _mm512_permutexvar_epi16(_mm512_loadu_si512(PAIR_IDX), (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-/* scratch per thread: st (L, 16) float scores / probabilities; pp (L / 2 + 1, 16) probability pairs;
-   vp (L / 2 + 1, D) value pairs; qp (D / 2, 16) query pairs */
-static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0, int nq, const uint16_t *kc,
-                         const uint16_t *vc, int B, const int *tab, int start, uint16_t *out, long so,
-                         float scale, float *st, uint32_t *pp, uint16_t *vp, uint32_t *qp)
+/* 16 values of a row as bfloat16: bfloat16 rows as stored, int8 rows widened (exact) */
+static inline __m256i row16_bf16(const pages_t *kv, const void *row, int d)
 {
-    const long hs = (long)B * D, bs = (long)H * hs;
+    if (kv->ks) return (__m256i)_mm512_cvtneps_pbh(i8_16((const int8_t *)row + d));
+    return _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
+}
+
+/* scratch per thread: st (L, 16) float scores / probabilities; pp (L / 2 + 1, 16) probability pairs;
+   vp (L / 2 + 1, D) value pairs; qp (D / 2, 16) query pairs; kw (16, D) int8 keys widened */
+static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, int p0, int nq, const int *tab,
+                         int start, uint16_t *out, long so, float scale, float *st, uint32_t *pp, uint16_t *vp,
+                         uint32_t *qp, uint16_t *kw)
+{
+    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL;
+    const long head_bytes = (long)B * D * (i8 ? 1 : 2);
     const int pos0 = start + p0, L = pos0 + nq, D2 = D / 2; /* keys of the tile's last query */
     for (int p = 0; p < D2; p++)
         for (int i = 0; i < PF_QT; i++)
@@ -340,8 +433,15 @@ static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0
         const int j = c0 / B, off = c0 % B;
         int n = B - off < 16 ? B - off : 16;
         if (L - c0 < n) n = L - c0;
-        const uint32_t *kr = (const uint32_t *)(kc + tab[j] * bs + h * hs + (long)off * D);
-        if (off == 0 && (j + 1) * B < L) prefetch_span(kc + tab[j + 1] * bs + h * hs, hs * 2);
+        const char *rows = rows_at(kv, kv->k, tab[j], h);
+        const uint32_t *kr = (const uint32_t *)(rows + (long)off * D * (i8 ? 1 : 2));
+        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], h), head_bytes);
+        if (i8) { /* the n keys widened to bfloat16 */
+            for (int c = 0; c < n; c++)
+                for (int d = 0; d < D; d += 16)
+                    _mm256_storeu_si256((__m256i *)(kw + (long)c * D + d), row16_bf16(kv, (const int8_t *)kr + (long)c * D, d));
+            kr = (const uint32_t *)kw;
+        }
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
@@ -351,10 +451,11 @@ static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0
             for (int c = 0; c < 16; c++)
                 if (c < n) acc[c] = _mm512_dpbf16_ps(acc[c], qv, (__m512bh)_mm512_set1_epi32((int)kr[(long)c * D2 + p]));
         }
+        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
         for (int c = 0; c < n; c++) {
             const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
             const __mmask16 seen = kp <= pos0 ? 0xFFFF : (__mmask16)(0xFFFFu << (kp - pos0));
-            const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[c], vscale);
+            const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[c], ks ? _mm512_set1_ps(scale * ks[c]) : vscale);
             mx = _mm512_max_ps(mx, sv);
             _mm512_storeu_ps(st + (long)kp * PF_QT, sv);
         }
@@ -370,17 +471,23 @@ static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0
     }
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
     for (int kp = 0; kp < L; kp += 2) {
-        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
-        const __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
+        __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
+        if (i8) { /* the value rows' scales (kp, kp + 1 share a block: B is even) */
+            const float *vs = scales_at(kv->vs, kv, tab[kp / B], h) + kp % B;
+            a = _mm512_mul_ps(a, _mm512_set1_ps(vs[0]));
+            if (kp + 1 < L) b = _mm512_mul_ps(b, _mm512_set1_ps(vs[1]));
+        }
         _mm512_storeu_si512(pp + (long)(kp / 2) * PF_QT, pairs_bf16(a, b));
     }
     /* value rows interleaved in pairs: vp[k][2d + r] = v[2k + r][d] (B even: a pair never spans blocks) */
     for (int kp = 0; kp < L; kp += 2) {
-        const uint16_t *v0 = vc + tab[kp / B] * bs + h * hs + (long)(kp % B) * D;
-        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(vc + tab[kp / B + 1] * bs + h * hs, hs * 2);
+        const char *v0 = (const char *)rows_at(kv, kv->v, tab[kp / B], h) + (long)(kp % B) * D * (i8 ? 1 : 2);
+        const char *v1 = v0 + (long)D * (i8 ? 1 : 2);
+        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(rows_at(kv, kv->v, tab[kp / B + 1], h), head_bytes);
         for (int d = 0; d < D; d += 16) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + d));
-            const __m256i hi = kp + 1 < L ? _mm256_loadu_si256((const __m256i *)(v0 + D + d)) : _mm256_setzero_si256();
+            const __m256i lo = row16_bf16(kv, v0, d);
+            const __m256i hi = kp + 1 < L ? row16_bf16(kv, v1, d) : _mm256_setzero_si256();
             _mm512_storeu_si512(vp + (long)(kp / 2) * 2 * D + 2 * d, _mm512_permutexvar_epi16(
                 _mm512_loadu_si512(PAIR_IDX), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
         }
@@ -419,18 +526,20 @@ static void prefill_tile(const uint16_t *q, long sq, int H, int D, int h, int p0
     }
 }
 
-int prefill_paged_bf16(const uint16_t *q, long sq, int T, int H, int D, const uint16_t *kc, const uint16_t *vc,
-                       int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
+/* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales */
+int prefill_paged(const uint16_t *q, long sq, int T, int H, int D, const void *kc, const void *vc, const float *ks,
+                  const float *vs, int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
 {
-    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 2 || B % 2 || start < 0) return -1;
+    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 2 || B % 2 || start < 0 || (!ks != !vs)) return -1;
     const long L = (long)start + T, tiles = (T + PF_QT - 1) / PF_QT;
+    const pages_t kv = {kc, vc, ks, vs, H, B, D};
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* st (L, 16) floats | pp (L / 2 + 1, 16) pairs | vp (L / 2 + 1, 2D) bf16 | qp (D / 2, 16) pairs */
+        /* st (L, 16) floats | pp (L / 2 + 1, 16) pairs | vp (L / 2 + 1, 2D) bf16 | qp (D / 2, 16) pairs | kw (16, D) */
         const long n_st = L * PF_QT, n_pp = (L / 2 + 1) * PF_QT, n_vp = (L / 2 + 1) * 2 * D;
         char *buf = malloc(sizeof(float) * n_st + sizeof(uint32_t) * n_pp + sizeof(uint16_t) * n_vp
-                           + sizeof(uint32_t) * (D / 2) * PF_QT + 64);
+                           + sizeof(uint32_t) * (D / 2) * PF_QT + sizeof(uint16_t) * PF_QT * D + 64);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -439,12 +548,13 @@ int prefill_paged_bf16(const uint16_t *q, long sq, int T, int H, int D, const ui
         uint32_t *pp = (uint32_t *)(st + n_st);
         uint16_t *vp = (uint16_t *)(pp + n_pp);
         uint32_t *qp = (uint32_t *)(vp + n_vp);
+        uint16_t *kw = (uint16_t *)(qp + (D / 2) * PF_QT);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)H * tiles; w++) {
             /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
             const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
             const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
-            if (buf) prefill_tile(q, sq, H, D, h, p0, nq, kc, vc, B, tab, start, out, so, scale, st, pp, vp, qp);
+            if (buf) prefill_tile(q, sq, &kv, h, p0, nq, tab, start, out, so, scale, st, pp, vp, qp, kw);
         }
         free(buf);
     }

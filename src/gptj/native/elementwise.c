@@ -60,18 +60,62 @@ void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16
     }
 }
 
-/* Store N tokens' keys and values into their blocks: for token n and head h,
-   kc[blk[n], h, off[n], :] = k[n * sk + h * D + :] (and v likewise). kc, vc (n_blocks, H, B, D). */
-void store_kv_bf16(const uint16_t *k, long sk, const uint16_t *v, long sv, int N, int H, int D, uint16_t *kc,
-                   uint16_t *vc, int B, const int64_t *blk, const int64_t *off, int nthreads)
+/* ---- int8 rounding of rows: int8 KV (store_kv) and W8A8's activations (quantize_rows_u8) ---------- */
+
+/* A row x of K bfloat16 values times inv_smooth[k] (float32; NULL: 1) is x'; rounded as
+   gptj.quant.ops.quantize_rows_int8 rounds a row: s = max_k |x'| / 127 (at least 2^-120),
+   q = round(x' / s) to nearest even, clamped to [-127, 127]. row_scale gives s; row_round stores
+   q + zp as bytes (zp 0: int8; 128: oneDNN's uint8 with zero point 128). */
+static inline float row_scale(const uint16_t *x, const float *inv_smooth, long K)
+{
+    __m512 mx = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 v = load_bf16x16(x + k, t);
+        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
+    const float s = _mm512_reduce_max_ps(mx) / 127.0f;
+    return s >= 0x1p-120f ? s : 0x1p-120f;
+}
+
+static inline void row_round(const uint16_t *x, const float *inv_smooth, long K, float s, int zp, uint8_t *q)
+{
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i z = _mm512_set1_epi32(zp);
+    for (long k = 0; k < K; k += 16) {
+        const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 v = load_bf16x16(x + k, t);
+        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
+        v = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_mask_storeu_epi8(q + k, t, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), z)));
+    }
+}
+
+/* Store N tokens' keys and values into their blocks: for token n and head h, block blk[n], row
+   off[n] of kc, vc (n_blocks, H, B, D) gets k[n * sk + h * D + :] (and v likewise): as they are
+   (bfloat16 blocks, ks = vs = NULL), or rounded to int8 per head vector (row_round) with its
+   scale in ks, vs (n_blocks, H, B) float32. */
+void store_kv(const uint16_t *k, long sk, const uint16_t *v, long sv, int N, int H, int D, void *kc, void *vc,
+              float *ks, float *vs, int B, const int64_t *blk, const int64_t *off, int nthreads)
 {
     const long hs = (long)B * D, bs = (long)H * hs;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)N * H * D >= 32768)
     for (int n = 0; n < N; n++) {
         const long dst = blk[n] * bs + off[n] * D;
         for (int h = 0; h < H; h++) {
-            memcpy(kc + dst + h * hs, k + n * sk + (long)h * D, sizeof(uint16_t) * D);
-            memcpy(vc + dst + h * hs, v + n * sv + (long)h * D, sizeof(uint16_t) * D);
+            const uint16_t *kr = k + n * sk + (long)h * D, *vr = v + n * sv + (long)h * D;
+            if (!ks) {
+                memcpy((uint16_t *)kc + dst + h * hs, kr, sizeof(uint16_t) * D);
+                memcpy((uint16_t *)vc + dst + h * hs, vr, sizeof(uint16_t) * D);
+                continue;
+            }
+            const long at = (blk[n] * H + h) * B + off[n];
+            ks[at] = row_scale(kr, NULL, D);
+            vs[at] = row_scale(vr, NULL, D);
+            row_round(kr, NULL, D, ks[at], 0, (uint8_t *)kc + dst + h * hs);
+            row_round(vr, NULL, D, vs[at], 0, (uint8_t *)vc + dst + h * hs);
         }
     }
 }
@@ -79,38 +123,16 @@ void store_kv_bf16(const uint16_t *k, long sk, const uint16_t *v, long sv, int N
 /* ---- W8A8 linears (kernels/fused.py, PackedW8A8Linear): the activations' int8 rounding before
    oneDNN's u8 x s8 GEMM, and its float32 sums back to bfloat16 after ---------------------------- */
 
-/* Row m of x (M, K) bfloat16, at x + m * sx, times inv_smooth[k] (float32; NULL: 1) is x'; then, as
-   gptj.quant.ops.quantize_rows_int8 rounds it: s = max_k |x'| / 127 (at least 2^-120),
-   q = round(x' / s) to nearest even, clamped to [-127, 127]. Stored as q + 128 (uint8: oneDNN's
-   u8 with zero point 128) in qu (M, K) contiguous, and s in scale[m]. Two passes over each row
-   (the maximum, then the rounding), the row in L1 between them. */
+/* Row m of x (M, K) bfloat16, at x + m * sx, rounded with inv_smooth (row_scale, row_round) into
+   qu (M, K) contiguous as q + 128, its scale in scale[m]. Two passes over each row (the maximum,
+   then the rounding), the row in L1 between them. */
 void quantize_rows_u8(const uint16_t *x, long sx, const float *inv_smooth, uint8_t *qu, float *scale, long M,
                       long K, int nthreads)
 {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= 32768)
     for (long m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * sx;
-        __m512 mx = _mm512_setzero_ps();
-        for (long k = 0; k < K; k += 16) {
-            const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-            __m512 v = load_bf16x16(xr + k, t);
-            if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-        }
-        float s = _mm512_reduce_max_ps(mx) / 127.0f;
-        if (!(s >= 0x1p-120f)) s = 0x1p-120f;
-        scale[m] = s;
-        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-        const __m512i zp = _mm512_set1_epi32(128);
-        uint8_t *qr = qu + m * K;
-        for (long k = 0; k < K; k += 16) {
-            const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-            __m512 v = load_bf16x16(xr + k, t);
-            if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
-            v = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            _mm_mask_storeu_epi8(qr + k, t, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), zp)));
-        }
+        scale[m] = row_scale(x + m * sx, inv_smooth, K);
+        row_round(x + m * sx, inv_smooth, K, scale[m], 128, qu + m * K);
     }
 }
 

@@ -21,6 +21,12 @@ static inline float bf16_to_f32(uint16_t h)
     return f;
 }
 
+/* 16 int8 -> 16 float32 (exact) */
+static inline __m512 i8_16(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 /* 16 bfloat16 -> 16 float32 (exact) */
 static inline __m512 bf16_16(const uint16_t *p)
 {
@@ -74,7 +80,7 @@ static inline __m512 exp_ps(__m512 x)
 
 /* the cache lines of [p, p + bytes) toward L1: a block's head rows one block ahead of their use
    (the blocks of a table lie anywhere in the pool: the hardware prefetchers cannot guess the next) */
-static inline void prefetch_span(const uint16_t *p, long bytes)
+static inline void prefetch_span(const void *p, long bytes)
 {
     for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
