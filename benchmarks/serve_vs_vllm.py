@@ -18,6 +18,10 @@ server in turn (the order alternates between rounds), runs every concurrency on 
 warm-up request, and stops it. Reported per round, server and concurrency: output tokens/s, TTFT
 and TPOT p50/p99, and gptj / vLLM.
 
+--w8a8: gptj serves a calibrated copy of the model folder (`gptj calibrate` on the bundled set's
+first 8 prompts, made once beside it) with --quantize w8a8; vLLM serves the float folder, so it
+never sees the factors file.
+
 Without --vllm-python only gptj runs (what the smoke run in CI checks).
 """
 
@@ -51,6 +55,23 @@ def ensure_model(work_dir: Path, shape: dict) -> Path:
     return out
 
 
+def calibrated_copy(model: Path, work_dir: Path) -> Path:
+    """The model folder's copy with W8A8 smoothing factors (made once, under work_dir)."""
+    import shutil
+
+    import torch
+
+    from gptj.mlperf.dataset import Dataset
+    from gptj.weights.io import calibrate
+
+    out = work_dir / (model.name + "-w8a8")
+    if not (out / "config.json").exists() or not json.loads((out / "config.json").read_text()).get("calibration"):
+        shutil.copytree(model, out, dirs_exist_ok=True)
+        data = Dataset.load(max_examples=8)
+        calibrate(out, data.input_ids, data.path.name, dtype=torch.bfloat16)
+    return out
+
+
 def load_args(url: str, concurrency: int, args: argparse.Namespace, seed: int) -> argparse.Namespace:
     """serve_load's arguments for one load. Each load draws its own prompts (seed): a prompt seen
     before would be served from the prefix cache, which both servers keep."""
@@ -78,9 +99,11 @@ def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]
     return out
 
 
-def servers(model: Path, args: argparse.Namespace) -> dict:
-    """name -> a context manager starting that server (yields its URL)."""
-    gptj = lambda: serve_load.spawned_server(f"gptj={model}", args.gptj_args, args.startup_timeout)  # noqa: E731
+def servers(model: Path, args: argparse.Namespace, gptj_model: Path | None = None) -> dict:
+    """name -> a context manager starting that server (yields its URL). gptj serves gptj_model
+    (default: model)."""
+    served = gptj_model or model
+    gptj = lambda: serve_load.spawned_server(f"gptj={served}", args.gptj_args, args.startup_timeout)  # noqa: E731
     found = {"gptj": gptj}
     if args.vllm_python:
         env = dict(kv.split("=", 1) for kv in args.vllm_env)
@@ -134,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gptj-args", default="--dtype bfloat16", help="`gptj serve` flags (default: --dtype bfloat16)")
+    p.add_argument("--w8a8", action="store_true",
+                   help="gptj serves a calibrated copy of the model with --quantize w8a8 (vLLM the float model)")
     p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
                    help="`vllm serve` flags (default: --dtype bfloat16 --max-model-len 2048)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
@@ -165,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = ensure_model(args.work_dir, shape)
     if not args.vllm_python:
         print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
-    start = servers(args.model, args)
+    gptj_model = None
+    if args.w8a8:
+        gptj_model = calibrated_copy(args.model, args.work_dir)
+        args.gptj_args += " --quantize w8a8"
+    start = servers(args.model, args, gptj_model)
     rounds = []
     for i in range(args.rounds):
         order = list(start) if i % 2 == 0 else list(reversed(start))
@@ -174,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             with start[name]() as url:
                 r[name] = run_server(name, url, args)
         rounds.append(r)
-    report = {"model": str(args.model), "input_len": args.input_len, "max_tokens": args.max_tokens,
+    report = {"model": str(args.model), "gptj_model": str(gptj_model or args.model), "input_len": args.input_len, "max_tokens": args.max_tokens,
               "requests_per_client": args.requests_per_client, "gptj_args": args.gptj_args,
               "vllm_python": args.vllm_python,
               "vllm_args": args.vllm_args if args.vllm_python else None,

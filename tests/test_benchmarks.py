@@ -227,8 +227,10 @@ def check_paged_kv(out: dict, err: str) -> None:
 
 
 def check_serve_vs_vllm(out: dict, err: str) -> None:
-    """No --vllm-python: gptj alone, said on stderr; every concurrency measured, no ratio made up."""
+    """No --vllm-python: gptj alone, said on stderr; every concurrency measured, no ratio made up.
+    --w8a8: gptj served the calibrated copy, quantized."""
     assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
+    assert out["gptj_model"] == out["model"] + "-w8a8" and out["gptj_args"].endswith("--quantize w8a8")
     (only,) = out["rounds"]
     assert only["order"] == ["gptj"] and "vllm" not in only and out["ratios"] == []
     for c in ("1", "2"):
@@ -273,7 +275,7 @@ SMOKE: dict[str, Job] = {
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
-    "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--work-dir", str(tmp)],
+    "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--w8a8", "--work-dir", str(tmp)],
                             check_serve_vs_vllm),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
