@@ -239,6 +239,18 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
         assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
 
 
+def check_offline_vs_vllm(out: dict, err: str) -> None:
+    """No --vllm-python: gptj alone on both modes, every sample given its 3 new tokens, no ratio made up;
+    w8a8: gptj loaded the calibrated copy."""
+    assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
+    assert out["gptj_model"] == out["model"] + "-w8a8" and out["gptj"]["kv_dtype"] == "int8"
+    (only,) = out["rounds"]
+    assert only["order"] == ["gptj"] and "vllm" not in only and "gptj_over_vllm" not in only
+    for mode in ("beam", "greedy"):
+        res = only["gptj"][mode]
+        assert res["new_tokens"] == 3 * out["samples"] == 6 and positive(res["samples_s"])
+
+
 def check_compare_peers_without_peers(out: dict, err: str) -> None:
     """A peer that cannot be imported is one line on stderr; gptj is still measured."""
     notes = [line for line in err.splitlines() if line.startswith("# skipping")]
@@ -270,6 +282,8 @@ SMOKE: dict[str, Job] = {
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
     "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
+    "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
+                                                                  "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),
     "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
     "ray_serve.py": Job("ray_serve.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                         "--smoke", "--json"], check_ray_serve),
