@@ -10,7 +10,9 @@ Measured, for a bfloat16 model with random weights (std --std) and GPT-J's head 
                 first --prompts bundled MLPerf prompts (the engine's prompt logprobs; the prompt's
                 attention reads the stored keys, so int8 rounding is in every position); and, as
                 yardsticks on the same weights in float32: bfloat16 (model and KV) against float32,
-                and int8 KV against float32 KV in the float32 model
+                and int8 KV against float32 KV in the float32 model; and the noise floor: bfloat16
+                KV against itself with the attention computed by the fallback instead of
+                gptj.native (kernels "off": the same formula, other roundings)
     offline     samples/s of the first --prompts prompts, beam 4, --new-tokens new tokens, all
                 submitted at once, each KV dtype alternated --rounds times (best round kept)
 
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                        free_bytes=budget * 2)  # memory_fraction 0.5 of twice the budget: the budget
         capacity[kv] = plan.n_blocks // plan.blocks_per_seq
 
-    def top1(kv: str, model: torch.nn.Module = model) -> list[int]:
-        engine = Engine(model, EngineConfig(max_seqs=4, max_len=2048, kv_dtype=kv))
+    def top1(kv: str, model: torch.nn.Module = model, kernels: str = "auto") -> list[int]:
+        engine = Engine(model, EngineConfig(max_seqs=4, max_len=2048, kv_dtype=kv, kernels=kernels))
         reqs = [engine.add_request(p, GenerationConfig(max_new_tokens=1), prompt_logprobs=1) for p in prompts]
         while engine.has_work:
             engine.step()
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
 
     ref, got = top1("auto"), top1("int8")
+    other_kernel = top1("auto", kernels="off")  # bfloat16 KV again, attention by the fallback's formulas
     fp32 = model_from_state_dict(cfg, {k: v.float() for k, v in weights.items()})
     ref32, got32 = top1("auto", fp32), top1("int8", fp32)
     del fp32
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                "ratio": round(capacity["int8"] / capacity["auto"], 3)},
         "top1_agreement_int8_vs_bf16": {"positions": len(ref), "agreement": agree(got, ref),
                                          "yardstick_bf16_vs_fp32": agree(ref, ref32),
+                                         "noise_floor_bf16_kernels_off_vs_auto": agree(other_kernel, ref),
                                          "int8_vs_fp32_kv_in_fp32_model": agree(got32, ref32)},
         "offline_samples_per_s": {k: round(v, 4) for k, v in offline.items()} | {
             "ratio": round(offline["int8"] / offline["auto"], 3)},

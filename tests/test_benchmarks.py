@@ -213,7 +213,8 @@ def check_kv_int8(out: dict, err: str) -> None:
     assert cap["int8"] >= 1.9 * cap["auto"] and cap["ratio"] == round(cap["int8"] / cap["auto"], 3)
     agree = out["top1_agreement_int8_vs_bf16"]
     assert agree["positions"] > 100
-    for key in ("agreement", "yardstick_bf16_vs_fp32", "int8_vs_fp32_kv_in_fp32_model"):
+    for key in ("agreement", "yardstick_bf16_vs_fp32", "int8_vs_fp32_kv_in_fp32_model",
+                "noise_floor_bf16_kernels_off_vs_auto"):
         assert 0 <= agree[key] <= 1, key
     assert positive(out["offline_samples_per_s"]["auto"]) and positive(out["offline_samples_per_s"]["int8"])
 

@@ -156,12 +156,13 @@ class DecodeAttention:
         (gptj.native.prefill_paged; where native_paged holds) -> (T, H, D) bfloat16."""
         return self._kernels.prefill_paged(q, kc, vc, table, start, *scales)
 
-    def native_store(self, kc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor) -> bool:
+    def native_store(self, kc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                     offsets: torch.Tensor) -> bool:
         """Whether gptj.native stores these keys and values (`store`): blocks it reads, bfloat16 keys and
-        values whose heads lie side by side (the fused block's q|k|v), int64 block ids."""
+        values whose heads lie side by side (the fused block's q|k|v), int64 block ids and offsets."""
         D = k.shape[-1]
         return (self.native_paged(kc) and k.dtype == v.dtype == torch.bfloat16 and k.stride(-1) == v.stride(-1) == 1
-                and k.stride(-2) == v.stride(-2) == D and blocks.dtype == torch.int64)
+                and k.stride(-2) == v.stride(-2) == D and blocks.dtype == offsets.dtype == torch.int64)
 
     def store(self, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
               offsets: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
@@ -238,7 +239,7 @@ class PagedKV:
         gptj.native where DecodeAttention.native_store holds, else by indexing (int8 storage:
         quantize_heads first; the native store rounds the same way)."""
         kc, vc = self.k[layer], self.v[layer]
-        if decode.native_store(kc, k, v, blocks):
+        if decode.native_store(kc, k, v, blocks, offsets):
             decode.store(kc, vc, k, v, blocks, offsets, self.scales(layer))
         elif not self.quantized:
             kc[blocks, :, offsets] = k

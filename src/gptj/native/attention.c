@@ -184,29 +184,32 @@ static inline void q_prepare(const float *q, int D, int int16, __m512i *qv, floa
     *qs = s;
 }
 
-/* dst[c] = scale * q . k[c] for the n <= 16 keys of rows kr (row c at c * D), 16 independent sums
-   reduced together by hsum16; int8 keys: times qs and the key's scale ks[c] */
-static inline void scores16(const __m512i *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
-                            float *dst)
+/* dst[c] = scale * q . k[c] for the n <= 16 bfloat16 keys k[c] = kr + c * D: vdpbf16ps (products
+   exact in float32, summed in float32), 16 independent sums, then one transposed reduction (hsum16)
+   for all 16 scores instead of one horizontal sum per key */
+static inline void scores16(const __m512bh *qb, const uint16_t *kr, int n, int D, float scale, float *dst)
 {
     __m512 a[16];
-    const __mmask16 m16 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    if (!ks) {
-        const uint16_t *k = kr;
 #pragma GCC unroll 16
-        for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 32) {
-            const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+    for (int c = 0; c < 16; c++) a[c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
 #pragma GCC unroll 16 /* whole: the 16 sums stay in registers */
-            for (int c = 0; c < 16; c++)
-                if (c < n)
-                    a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, k + (long)c * D + d), (__m512bh)qv[d / 32]);
-        }
-        _mm512_mask_storeu_ps(dst, m16, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
-        return;
+        for (int c = 0; c < 16; c++)
+            if (c < n)
+                a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_maskz_loadu_epi16(m, kr + (long)c * D + d), qb[d / 32]);
     }
-    const int8_t *k = kr;
+    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale)));
+}
+
+/* scores16 for int8 keys: q as int16 (q_prepare, scale qs), vpdpwssd against the keys sign-extended
+   to int16 (exact int32 sums), then times qs, scale and each key's scale ks[c] */
+static inline void scores16_i8(const __m512i *qw, float qs, const int8_t *kr, const float *ks, int n, int D,
+                               float scale, float *dst)
+{
     __m512i ai[16];
+    __m512 a[16];
 #pragma GCC unroll 16
     for (int c = 0; c < 16; c++) ai[c] = _mm512_setzero_si512();
     for (int d = 0; d < D; d += 32) {
@@ -214,18 +217,18 @@ static inline void scores16(const __m512i *qv, float qs, const void *kr, const f
 #pragma GCC unroll 16
         for (int c = 0; c < 16; c++)
             if (c < n)
-                ai[c] = _mm512_dpwssd_epi32(ai[c], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k + (long)c * D + d)), qv[d / 32]);
+                ai[c] = _mm512_dpwssd_epi32(ai[c], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, kr + (long)c * D + d)), qw[d / 32]);
     }
 #pragma GCC unroll 16
     for (int c = 0; c < 16; c++) a[c] = _mm512_cvtepi32_ps(ai[c]);
+    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
     const __m512 sums = _mm512_mul_ps(hsum16(a, 1), _mm512_set1_ps(scale * qs));
-    _mm512_mask_storeu_ps(dst, m16, _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(m16, ks)));
+    _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(m, ks)));
 }
 
-/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = vr + c * D: bfloat16, or int8 times
-   vs[c] (folded into p[c]); p float32. Up to 256 of D at a time: the sums stay in registers over
-   the n rows. */
-static inline void values_acc(const float *p, const void *vr, const float *vs, int n, int D, float *o)
+/* o[0 .. D) += sum_c p[c] * v[c] for the n bfloat16 value rows v[c] = vr + c * D; p float32. Up to
+   256 of D at a time: the sums stay in registers over the n rows. */
+static inline void values_acc(const float *p, const uint16_t *vr, int n, int D, float *o)
 {
     for (int d0 = 0; d0 < D; d0 += 256) {
         const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
@@ -233,27 +236,53 @@ static inline void values_acc(const float *p, const void *vr, const float *vs, i
 #pragma GCC unroll 16 /* whole: the sums stay in registers */
         for (int i = 0; i < 16; i++)
             if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
-        if (!vs) {
-            for (int c = 0; c < n; c++) {
-                const __m512 pc = _mm512_set1_ps(p[c]);
-                const uint16_t *r = (const uint16_t *)vr + (long)c * D + d0;
+        for (int c = 0; c < n; c++) {
+            const __m512 pc = _mm512_set1_ps(p[c]);
+            const long r = (long)c * D + d0;
 #pragma GCC unroll 16
-                for (int i = 0; i < 16; i++)
-                    if (i < nk) acc[i] = _mm512_fmadd_ps(pc, bf16_16(r + i * 16), acc[i]);
-            }
-        } else {
-            for (int c = 0; c < n; c++) {
-                const __m512 pc = _mm512_set1_ps(p[c] * vs[c]);
-                const int8_t *r = (const int8_t *)vr + (long)c * D + d0;
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++)
-                    if (i < nk) acc[i] = _mm512_fmadd_ps(pc, i8_16(r + i * 16), acc[i]);
-            }
+            for (int i = 0; i < 16; i++)
+                if (i < nk) acc[i] = _mm512_fmadd_ps(pc, bf16_16(vr + r + i * 16), acc[i]);
         }
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (i < nk) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
     }
+}
+
+/* values_acc for int8 value rows, each times its scale vs[c] (folded into p[c]) */
+static inline void values_acc_i8(const float *p, const int8_t *vr, const float *vs, int n, int D, float *o)
+{
+    for (int d0 = 0; d0 < D; d0 += 256) {
+        const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);
+        for (int c = 0; c < n; c++) {
+            const __m512 pc = _mm512_set1_ps(p[c] * vs[c]);
+            const long r = (long)c * D + d0;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                if (i < nk) acc[i] = _mm512_fmadd_ps(pc, i8_16(vr + r + i * 16), acc[i]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (i < nk) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);
+    }
+}
+
+/* the n <= 16 keys of rows kr against a prepared query, either storage */
+static inline void scores_any(const __m512i *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
+                              float *dst)
+{
+    if (ks) scores16_i8(qv, qs, kr, ks, n, D, scale, dst);
+    else scores16((const __m512bh *)qv, kr, n, D, scale, dst);
+}
+
+static inline void values_any(const float *p, const void *vr, const float *vs, int n, int D, float *o)
+{
+    if (vs) values_acc_i8(p, vr, vs, n, D, o);
+    else values_acc(p, vr, n, D, o);
 }
 
 /* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
@@ -284,7 +313,7 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
                 if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->k, stab[j + 1], h), head_bytes);
                 for (int i = 0; i < nb; i++)
                     for (int c = 0; c < tn; c += 16)
-                        scores16(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
+                        scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
                                  tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
             }
         }
@@ -297,7 +326,7 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
                     const float *ks = KS(blk, h);
                     if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->k, otab[(long)n * omax + j + 1], h), head_bytes);
                     for (int c = 0; c < tn; c += 16)
-                        scores16(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
+                        scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
                                  tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
                 }
             }
@@ -311,7 +340,7 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
             for (int h = h0; h < h1; h++) {
                 const void *vb = rows_at(kv, kv->v, stab[j], h);
                 if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->v, stab[j + 1], h), head_bytes);
-                for (int i = 0; i < nb; i++) values_acc(S(i, h) + j * B, vb, VS(stab[j], h), tn, D, O(n0 + i, h));
+                for (int i = 0; i < nb; i++) values_any(S(i, h) + j * B, vb, VS(stab[j], h), tn, D, O(n0 + i, h));
             }
         }
         for (int i = 0; i < nb; i++) { /* own values */
@@ -320,7 +349,7 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
                 const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
                 for (int h = h0; h < h1; h++) {
                     if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->v, otab[(long)n * omax + j + 1], h), head_bytes);
-                    values_acc(S(i, h) + sl + j * B, rows_at(kv, kv->v, blk, h), VS(blk, h), tn, D, O(n, h));
+                    values_any(S(i, h) + sl + j * B, rows_at(kv, kv->v, blk, h), VS(blk, h), tn, D, O(n, h));
                 }
             }
         }
