@@ -387,3 +387,30 @@ def test_w8a8_rounding_is_gptj_quants_to_the_bit(K):
         native.quantize_rows_u8(x, inv[:-1])
     with pytest.raises(ValueError, match="row_scale"):
         native.scale_rows(acc, s[:-1])
+
+
+@needs_native
+def test_store_kv_rounds_int8_blocks_as_quantize_heads_does():
+    """int8 blocks: each token's head vectors rounded per head (gptj.quant's rounding) with the scale
+    beside them; other slots untouched. Blocks without their scales, or scales of the wrong shape,
+    are refused in one line."""
+    from gptj.engine.attention import quantize_heads
+
+    g = torch.Generator().manual_seed(8)
+    N, H, D, B = 7, 3, 48, 4
+    qkv = (torch.randn(N, 3, H, D, generator=g) * torch.logspace(-2, 1, N)[:, None, None, None]).bfloat16()
+    k, v = qkv[:, 1], qkv[:, 2]
+    kc, vc = torch.zeros(5, H, B, D, dtype=torch.int8), torch.zeros(5, H, B, D, dtype=torch.int8)
+    ks, vs = torch.zeros(5, H, B), torch.zeros(5, H, B)
+    blocks, offsets = torch.tensor([4, 4, 0, 2, 2, 2, 1]), torch.tensor([0, 3, 1, 0, 1, 2, 3])
+    native.store_kv(k, v, kc, vc, blocks, offsets, ks, vs)
+    for x, cache, scales in ((k, kc, ks), (v, vc, vs)):
+        q, s = quantize_heads(x)
+        assert torch.equal(cache[blocks, :, offsets], q) and torch.equal(scales[blocks, :, offsets], s)
+        untouched = torch.ones(5, B, dtype=torch.bool)
+        untouched[blocks, offsets] = False
+        assert not cache.transpose(1, 2)[untouched].any() and not scales.transpose(1, 2)[untouched].any()
+    with pytest.raises(ValueError, match="bfloat16 .no scales. or int8 with k_scale and v_scale"):
+        native.store_kv(k, v, kc, vc, blocks, offsets)
+    with pytest.raises(ValueError, match="float32 scales of shape"):
+        native.store_kv(k, v, kc, vc, blocks, offsets, ks[:, :, :2].contiguous(), vs)

@@ -15,8 +15,6 @@ from gptj.quant import QUANT_MODES, check_mode
 from gptj.weights.io import load_model, read_checkpoint
 
 
-
-
 def _report_prompts(prompts: Sequence[Sequence[int] | str] | None, n_prompts: int, max_tokens: int,
                     model_dir: Any) -> list[list[int]]:
     if prompts is None:

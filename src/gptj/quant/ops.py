@@ -168,8 +168,6 @@ def smoothing_factors(act_absmax: torch.Tensor, weight_absmax: torch.Tensor,
     return s.clamp_(2.0**-20, 2.0**20).to(SCALE_DTYPE)
 
 
-
-
 def check_group_size(group_size: object) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
         raise GptjError(f"bad int4 group size {group_size!r} (choose from {', '.join(map(str, INT4_GROUP_SIZES))})")
