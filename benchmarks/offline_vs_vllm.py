@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from _smoke import parse_args
+from serve_vs_vllm import add_vllm_args, calibrated_copy, check_vllm_args  # stdlib-only imports: fine in vLLM's venv
 
 MODES = ("beam", "greedy")
 BEAMS = 4
@@ -73,8 +74,7 @@ def vllm_worker(spec_path: str) -> None:
 
 
 def run_vllm(python: str, model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
-    env.update(kv.split("=", 1) for kv in args.vllm_env)
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.vllm_env)}
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "new_tokens": args.new_tokens,
@@ -132,9 +132,7 @@ def run_gptj(run, prompts: list[list[int]], modes: list[str]) -> dict:  # noqa: 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", help="the Python of vLLM's venv; without it only gptj runs")
-    p.add_argument("--model", type=Path, help="a GPT-J folder (default: serve_vs_vllm.py's ~0.2 B model)")
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
+    add_vllm_args(p, "a GPT-J folder (default: serve_vs_vllm.py's ~0.2 B model)")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
@@ -143,8 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gptj-quantize", choices=("none", "int8", "w8a8"), default="none")
     p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto", help="gptj's KV storage")
     p.add_argument("--threads", type=int, default=2, help="gptj's torch threads (0: leave as is)")
-    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for vLLM (repeatable); VLLM_CPU_KVCACHE_SPACE=4 unless given")
     p.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return p
 
@@ -160,22 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.samples < 1 or args.new_tokens < 1 or args.rounds < 1 or not set(args.modes) <= set(MODES):
         p.error(f"--samples, --new-tokens and --rounds must be >= 1; --modes from {', '.join(MODES)}")
-    if any("=" not in kv for kv in args.vllm_env):
-        p.error("--vllm-env takes KEY=VALUE")
-    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
-        p.error(f"--vllm-python {args.vllm_python}: not an executable")
-    from serve_vs_vllm import SHAPE, calibrated_copy, ensure_model  # benchmarks/ (a script's own folder is on sys.path)
-
+    check_vllm_args(p, args)
     from gptj.mlperf.dataset import Dataset
 
-    if args.model is None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
-        args.model = ensure_model(args.work_dir, shape)
     gptj_model = calibrated_copy(args.model, args.work_dir) if args.gptj_quantize == "w8a8" else args.model
     prompts = Dataset.load(max_examples=args.samples).input_ids
-    if not args.vllm_python:
-        print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
     run = gptj_runner(gptj_model, args)
     rounds = []
     for i in range(args.rounds):

@@ -55,6 +55,34 @@ def ensure_model(work_dir: Path, shape: dict) -> Path:
     return out
 
 
+def add_vllm_args(p: argparse.ArgumentParser, model_help: str) -> None:
+    """The flags of a comparison with vLLM-CPU (here and offline_vs_vllm.py): vLLM's venv and
+    environment, the model folder and where the default one is written."""
+    p.add_argument("--vllm-python", help="the Python of vLLM's venv; without it only gptj runs")
+    p.add_argument("--model", type=Path, help=model_help)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
+    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for vLLM (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1; "
+                        "VLLM_CPU_KVCACHE_SPACE=4 (GiB) unless given")
+
+
+def check_vllm_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """add_vllm_args' flags checked (p.error otherwise); VLLM_CPU_KVCACHE_SPACE=4 added unless given;
+    --model defaulted to the benchmark model (written once under --work-dir; a tiny one with --smoke)."""
+    if any("=" not in kv for kv in args.vllm_env):
+        p.error("--vllm-env takes KEY=VALUE")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        p.error(f"--vllm-python {args.vllm_python}: not an executable")
+    if not any(kv.startswith("VLLM_CPU_KVCACHE_SPACE=") for kv in args.vllm_env):
+        args.vllm_env.append("VLLM_CPU_KVCACHE_SPACE=4")
+    if args.model is None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
+        args.model = ensure_model(args.work_dir, shape)
+    if not args.vllm_python:
+        print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
+
+
 def calibrated_copy(model: Path, work_dir: Path) -> Path:
     """The model folder's copy with W8A8 smoothing factors (made once, under work_dir)."""
     import shutil
@@ -147,9 +175,7 @@ def table(rounds: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", help="the Python of vLLM's venv; without it only gptj runs")
-    p.add_argument("--model", type=Path, help="a GPT-J folder (default: the ~0.2 B model, written to --work-dir)")
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
+    add_vllm_args(p, "a GPT-J folder (default: the ~0.2 B model, written to --work-dir)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--input-len", type=int, default=600)
@@ -161,9 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gptj serves a calibrated copy of the model with --quantize w8a8 (vLLM the float model)")
     p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
                    help="`vllm serve` flags (default: --dtype bfloat16 --max-model-len 2048)")
-    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for vLLM (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1; "
-                        "VLLM_CPU_KVCACHE_SPACE=4 (GiB) unless given")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true")
     return p
@@ -178,18 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(p, SMOKE, argv)
     if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
         p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
-    if any("=" not in kv for kv in args.vllm_env):
-        p.error("--vllm-env takes KEY=VALUE")
-    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
-        p.error(f"--vllm-python {args.vllm_python}: not an executable")
-    if not any(kv.startswith("VLLM_CPU_KVCACHE_SPACE=") for kv in args.vllm_env):
-        args.vllm_env.append("VLLM_CPU_KVCACHE_SPACE=4")
-    if args.model is None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
-        args.model = ensure_model(args.work_dir, shape)
-    if not args.vllm_python:
-        print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
+    check_vllm_args(p, args)
     gptj_model = None
     if args.w8a8:
         gptj_model = calibrated_copy(args.model, args.work_dir)

@@ -572,10 +572,10 @@ def quantize_rows_u8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) ->
     Returns (q + 128 as uint8 (M, K), scale float32 (M, 1)): oneDNN's u8 form, zero point 128."""
     if _quantize_rows is None:
         _lib_or_raise("quantize_rows_u8")
+    if isinstance(x, torch.Tensor) and x.dim() != 2:
+        raise _bad("quantize_rows_u8", f"x must be (M, K), got {tuple(x.shape)}")
     x2 = _rows(x, "quantize_rows_u8", "x")
     M, K = x2.shape
-    if x.dim() != 2:
-        raise _bad("quantize_rows_u8", f"x must be (M, K), got {tuple(x.shape)}")
     if inv_smooth is not None and (inv_smooth.dtype is not torch.float32 or inv_smooth.shape != (K,)
                                    or not inv_smooth.is_contiguous() or not inv_smooth.is_cpu):
         raise _bad("quantize_rows_u8", f"inv_smooth must be a contiguous float32 CPU tensor of shape ({K},)")
