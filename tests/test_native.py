@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptj import native
+from gptj import cpu, native
 
 WHY_NOT = native.unavailable_reason()
 needs_native = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels unavailable: {WHY_NOT}")
@@ -172,7 +172,7 @@ def test_bad_arguments_raise_value_error() -> None:
 
 def test_switched_off_or_unsupported_gives_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     assert native._open({"GPTJ_NATIVE": "0", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
-    monkeypatch.setattr(native, "_cpu_flags", lambda *a: {"avx2", "avx512f"})
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
     assert native._open({"GPTJ_CACHE_DIR": str(tmp_path)}) is None
     monkeypatch.undo()
     assert native._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
@@ -188,7 +188,7 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     """The build cache, on any x86-64 CPU with gcc (a trivial source; the CPU's flags faked)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"native kernels are for x86-64, this is {platform.machine()}")
-    monkeypatch.setattr(native, "_cpu_flags", lambda *a: set(native.REQUIRED_CPU_FLAGS))
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset(native.REQUIRED_CPU_FLAGS))
     src = tmp_path / "tiny.c"
     src.write_text("int gemv_tiny(void) { return 7; }\n")
     monkeypatch.setattr(native, "SOURCES", (src,))
@@ -266,7 +266,7 @@ def test_attention_group_refuses_bad_inputs():
 def test_the_kernels_build_wherever_the_cpu_can_run_them():
     """On a CPU with the flags, gcc and GPTJ_NATIVE unset, a failing build is a failure, not a
     skip of every native test; elsewhere the reason is one line."""
-    flags = native._cpu_flags()
+    flags = cpu.flags()
     can_run = (platform.machine() in ("x86_64", "AMD64") and all(f in flags for f in native.REQUIRED_CPU_FLAGS)
                and shutil.which(os.environ.get("CC") or "gcc") is not None and not native._disabled())
     assert native.available() is can_run, WHY_NOT

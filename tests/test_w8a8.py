@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptj import policy, quant
+from cpu_kinds import fake_cpu
+
+from gptj import cpu, policy, quant
 from gptj.cli import main
 from gptj.config import GPTJConfig
 from gptj.decode import GenerationConfig, generate
@@ -73,16 +75,23 @@ def test_smoothing_moves_the_outliers_into_the_weights():
     assert err_smooth < err_plain / 3
 
 
-def test_the_integer_sums_are_exact_on_the_kernel_and_on_the_fallback(monkeypatch):
-    lin = make_linear(64, 48)
-    x = outlier_input(9, 64)
+@pytest.mark.parametrize("path", [policy.INT_MM, policy.DEQUANTIZE])
+@pytest.mark.parametrize("n_in", [64, 2048])
+def test_the_integer_sums_are_exact_on_every_path(path, n_in, monkeypatch):
+    """torch._int_mm (CPUs with VNNI) and the float32 sums (CPUs without, CUDA's few rows): the int32
+    sums, rounded once to float32, also where they pass 2**24 (2048 inputs of +-127)."""
+    if path == policy.INT_MM and not cpu.int8_sums_exact():
+        pytest.skip(f"torch._int_mm's int8 sums saturate on this {cpu.describe()} CPU (no AVX-512 VNNI)")
+    lin = make_linear(n_in, 48)
+    x = outlier_input(9, n_in)
+    x[0] = 1.0  # a row of +127 against the weight's +-127 rows below: sums of 2048 * 127**2 > 2**24
     m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
-    assert policy.linear_path("cpu", torch.float32, 9, "w8a8") == policy.INT_MM
-    kernel = m(x)
-    # the fallback (CUDA's few rows, other devices): the same products in float32, exact below 2**24
-    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: policy.DEQUANTIZE)
-    assert 127 * 127 * 64 < 2 ** 24
-    assert torch.equal(m(x), kernel)
+    m.weight[0], m.weight[1] = 127, -127
+    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: path)
+    qx, sx = m.quantize_input(x)
+    truth = (qx.long() @ m.weight.long().t()).float()
+    assert torch.equal(m(x), (truth * m.weight_scale.float() * sx).to(x.dtype) + m.bias)
+    assert n_in == 64 or truth.abs().max() > 2**24
 
 
 def test_each_row_is_the_same_whatever_rows_share_the_call():
@@ -95,7 +104,8 @@ def test_each_row_is_the_same_whatever_rows_share_the_call():
     assert torch.equal(m(x[3:11]), together[3:11])
 
 
-def test_policy_sends_w8a8_to_int_mm_on_cpu_and_cuda_only_where_it_takes_the_shape():
+def test_policy_sends_w8a8_to_int_mm_on_cpu_and_cuda_only_where_it_takes_the_shape(monkeypatch):
+    fake_cpu(monkeypatch, cpu.AVX512_VNNI)  # (CPUs without VNNI: tests/test_cpu.py)
     assert policy.linear_path("cpu", torch.bfloat16, 1, "w8a8") == policy.INT_MM
     assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4096)) == policy.INT_MM
     assert policy.linear_path("cuda", torch.bfloat16, 8, "w8a8", (4096, 4096)) == policy.DEQUANTIZE
@@ -152,14 +162,19 @@ def test_a_quantized_checkpoint_round_trips_and_gives_the_same_tokens(calibrated
     assert generate(load_model(kept, quantize="w8a8"), prompts, gen) == generate(saved, prompts, gen)
 
 
-@pytest.fixture(params=["onednn", "int_mm"])
+@pytest.fixture(params=[policy.SHIFTED, policy.SPLIT, "plain"])
 def w8a8_kernel(request, monkeypatch):
-    """Serving's kernel for W8A8 layers: oneDNN's packed int8 GEMM (skips where this CPU's torch lacks
-    it) or, as where it is missing, the layer as loaded (torch._int_mm)."""
-    if request.param == "onednn":
-        if not policy.can_pack_int8("cpu"):
-            pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
-    else:
+    """Serving's kernel for W8A8 layers: oneDNN's packed int8 GEMM in the form of a CPU with VNNI
+    (SHIFTED: skips where this CPU lacks it, as its sums would saturate) or without (SPLIT, with the
+    choices of an AVX2 CPU faked: on every machine), or, as where oneDNN's is missing, the layer as
+    loaded (torch._int_mm with VNNI, the exact float32 sums without)."""
+    if request.param != "plain" and not policy.can_pack_int8("cpu"):
+        pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
+    if request.param == policy.SHIFTED and not cpu.int8_sums_exact():
+        pytest.skip(f"the SHIFTED form needs AVX-512 VNNI: its int8 sums saturate on this {cpu.describe()} CPU")
+    if request.param == policy.SPLIT:
+        fake_cpu(monkeypatch, cpu.AVX2)
+    if request.param == "plain":
         monkeypatch.setattr(fused, "can_pack_int8", lambda device: False)
     return request.param
 
@@ -169,7 +184,8 @@ def test_the_packed_layer_gives_the_plain_layers_numbers(w8a8_kernel):
     x = outlier_input(7, 256)
     m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
     holder = nn.Sequential(m)
-    assert fused.pack_model(holder) == (1 if w8a8_kernel == "onednn" else 0)
+    assert fused.pack_model(holder) == (0 if w8a8_kernel == "plain" else 1)
+    assert w8a8_kernel == "plain" or holder[0].form == w8a8_kernel
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(holder(x.to(dtype)), m(x.to(dtype)))
     rows = torch.cat([holder(x[i:i + 1]) for i in range(7)])
@@ -194,7 +210,7 @@ def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype
     folder, _ = calibrated
     model = load_model(folder, dtype=dtype, quantize="w8a8")
     prepare_for_serving(model)  # fused q|k|v|fc_in: their input quantized once, with their shared factors
-    want = fused.PackedW8A8Linear if w8a8_kernel == "onednn" else quant.W8A8Linear
+    want = quant.W8A8Linear if w8a8_kernel == "plain" else fused.PackedW8A8Linear
     assert isinstance(model.transformer.h[0].w_in, want) and isinstance(model.lm_head, want)
     prompts = prompts_of([5, 17, 1, 30, 8])
     gens = [GenerationConfig(max_new_tokens=12), GenerationConfig.mlperf(max_new_tokens=10, min_new_tokens=4),

@@ -14,11 +14,16 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE
-  cpu     w8a8, oneDNN layout         any                              ONEDNN       oneDNN's u8 x s8 GEMM (VNNI), int32 sums
-          (PackedW8A8Linear)
-  cpu     w8a8 (int8 x int8)          any                              INT_MM       torch._int_mm, int32 sums
+  cpu     w8a8, oneDNN layout         any                              ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums, in
+          (PackedW8A8Linear)                                                        the form `w8a8_form` names for the CPU
+  cpu     w8a8 (int8 x int8)          any, CPU with VNNI               INT_MM       torch._int_mm, int32 sums
+                                      any, CPU without                 DEQUANTIZE   float32 products, exact (see below)
   cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
                                       else                             DEQUANTIZE   the same products in float32
+  W8A8's integer sums are exact on every path: oneDNN's (and so torch._int_mm's) u8 x s8 kernels sum
+  in int32 only on CPUs with AVX-512 VNNI (gptj.cpu.int8_sums_exact); without it they add pairs of
+  products in 16 bits, which saturate. There the packed layer takes the SPLIT form and the plain one
+  DEQUANTIZE, whose float32 sums run EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
   cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
   cuda    anything else               any                              TORCH / DEQUANTIZE (a placeholder:
                                                                        torch's own kernels, no CUDA work yet)
@@ -30,6 +35,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
   `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16
   `can_pack_int8` a W8A8 linear is packed for oneDNN's int8 GEMM on a CPU that has it
+  `w8a8_form`    ...in one GEMM of activations shifted to uint8 (SHIFTED, VNNI) or two halves (SPLIT)
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
                  and gptj.native is available, else oneDNN's
 
@@ -51,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptj import native
+from gptj import cpu, native
 
 PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this table, "off" keeps the model as loaded
 
@@ -113,6 +119,15 @@ KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
 # CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8.
 INT_MM_CUDA_MIN_ROWS = 17
 
+# The forms of the packed W8A8 GEMM (PackedW8A8Linear), both with int32 sums of the same products:
+SHIFTED = "shifted"  # q + 128 as uint8 (zero point 128), one GEMM: exact with VNNI's int32 dot products
+SPLIT = "split"  # q = p - n with p, n = max(+-q, 0) in [0, 127], stacked as twice the rows of one GEMM
+# with zero point 0: a pair of products is at most 2 * 127 * 127 = 32258 < 2**15, so the 16-bit pair
+# sums of CPUs without VNNI cannot saturate. It costs twice the rows' arithmetic, not the weight's reads.
+# float32 sums of int8 x int8 products (each at most 127**2) are exact while they stay below 2**24:
+# up to 1040 products; W8A8's DEQUANTIZE path sums this many inputs at a time, then adds in int32.
+EXACT_F32_INT8_TERMS = 1024
+
 
 def exact(dtype: torch.dtype) -> bool:
     """Whether `dtype` runs the exact path (float32), not the fast one."""
@@ -131,10 +146,12 @@ def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation)."""
+    """oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation on
+    AVX-512: torch's own test, which gptj.cpu's flags must pass too, so a ceiling applies)."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return False
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() or not (cpu.AVX512_CORE <= cpu.flags()
+                                                         or "avx_ne_convert" in cpu.flags()):
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -147,6 +164,12 @@ def can_pack_int8(device: torch.device | str) -> bool:
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def w8a8_form() -> str:
+    """The form of a packed W8A8 GEMM on this CPU: SHIFTED where oneDNN sums u8 x s8 in int32 (VNNI),
+    else SPLIT (see above; both exact)."""
+    return SHIFTED if cpu.int8_sums_exact() else SPLIT
 
 
 def pack_layout(max_rows: int | None) -> str:
@@ -180,7 +203,9 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
     if weight == "w8a8":
-        if kind == "cpu" or (kind == "cuda" and rows >= INT_MM_CUDA_MIN_ROWS and not (features[0] | features[1]) % 8):
+        if kind == "cpu":
+            return INT_MM if cpu.int8_sums_exact() else DEQUANTIZE
+        if kind == "cuda" and rows >= INT_MM_CUDA_MIN_ROWS and not (features[0] | features[1]) % 8:
             return INT_MM
         return DEQUANTIZE
     if weight == "int4":

@@ -124,8 +124,12 @@ class DecodeAttention:
         self._one, self._group = one_eager, group_eager
         if self.compiled:
             try:
-                self._one = torch.compile(one_sums, dynamic=True)
-                self._group = torch.compile(group_sums, dynamic=True)
+                # Only the lengths are symbolic (_mark_lengths): heads and head size stay static. With
+                # dynamic=True (every size symbolic) torch 2.13's inductor built a kernel that corrupted
+                # the heap on AVX-512 CPUs (bfloat16 and float32, 4 heads x 64, one_sums from 1 to 80
+                # keys: "double free or corruption"); test_engine_compile runs the forms in a subprocess.
+                self._one = torch.compile(one_sums, dynamic=None)
+                self._group = torch.compile(group_sums, dynamic=None)
             except Exception as e:  # noqa: BLE001 - torch.compile unavailable: eager it is
                 self._fall_back(e)
 
@@ -177,7 +181,7 @@ class DecodeAttention:
         if not self.compiled:
             return one_eager(q, k, v)
         try:
-            return self._one(q, k, v)
+            return self._one(q, *_mark_lengths((k, 1), (v, 1)))
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor
             self._fall_back(e)
             return one_eager(q, k, v)
@@ -189,10 +193,22 @@ class DecodeAttention:
         if not self.compiled:
             return group_eager(q, pk, pv, tk, tv)
         try:
+            q, pk, pv, tk, tv = _mark_lengths((q, 0), (pk, 1), (pv, 1), (tk, 0, 2), (tv, 0, 2))
             return self._group(q, pk, pv, tk, tv)
         except Exception as e:  # noqa: BLE001
             self._fall_back(e)
             return group_eager(q, pk, pv, tk, tv)
+
+
+def _mark_lengths(*tensor_dims: tuple) -> list[torch.Tensor]:
+    """The tensors, each with the dims named after it marked dynamic for torch.compile (the key
+    lengths and group sizes that change from step to step), so one compiled kernel serves them all."""
+    out = []
+    for t, *dims in tensor_dims:
+        for d in dims:
+            torch._dynamo.mark_dynamic(t, d)
+        out.append(t)
+    return out
 
 
 # --- paged keys and values --------------------------------------------------------------------------

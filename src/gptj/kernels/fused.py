@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, can_pack, can_pack_int8, exact, fusable, linear_path,
-                         native_elementwise, pack_layout)
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, can_pack, can_pack_int8, exact, fusable,
+                         linear_path, native_elementwise, pack_layout, w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Int4Linear, Int8Linear, W8A8Linear, quantize_rows_int8
 
@@ -74,11 +74,16 @@ class PackedLinear(nn.Module):
 class PackedW8A8Linear(nn.Module):
     """A W8A8Linear's forward on oneDNN's int8 GEMM, its weight packed once (CPU, policy.can_pack_int8).
 
-    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale), shifted to
-    uint8 with zero point 128 (the u8 x s8 form oneDNN runs fast), and multiplied with the packed
-    int8 weight; oneDNN returns sum * weight_scale in float32 (the sum exact in int32), then x's
-    scale and the bias follow, in W8A8Linear's order: the same numbers as the module it replaces.
-    Like PackedLinear it serves, and is not saved, moved or cast.
+    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale) and goes to
+    oneDNN's u8 x s8 GEMM (the form it runs fast) in the form policy.w8a8_form names for the CPU:
+
+      SHIFTED (CPUs with VNNI)  q + 128 with zero point 128; oneDNN returns sum * weight_scale in float32
+      SPLIT (CPUs without)      p = max(q, 0) and n = max(-q, 0), stacked as twice the rows, zero point
+                                0; sum = sum(p) - sum(n), each half's float32 exact below 2**24
+
+    The int32 sums are exact either way; then x's scale and the bias follow, in W8A8Linear's order:
+    the same numbers as the module it replaces (SPLIT: whenever each half's sum stays below 2**24,
+    else within float32's rounding of it). Like PackedLinear it serves, and is not saved, moved or cast.
 
     In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
     GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
@@ -88,23 +93,34 @@ class PackedW8A8Linear(nn.Module):
 
     CHUNK_ROWS = 256
 
-    def __init__(self, m: W8A8Linear) -> None:
+    def __init__(self, m: W8A8Linear, form: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = m.in_features, m.out_features
+        self.form = w8a8_form() if form is None else form
+        if self.form not in (SHIFTED, SPLIT):
+            raise ValueError(f"unknown W8A8 form {self.form!r}")
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(m.weight, None), persistent=False)
         self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
+        self.register_buffer("unit_scale", torch.ones(m.out_features), persistent=False)
         self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
         self.register_buffer("inv_smooth", 1 / m.input_smooth.float(), persistent=False)
         self.register_buffer("bias", None if m.bias is None else m.bias.detach(), persistent=False)
 
-    def _gemm(self, qu: torch.Tensor) -> torch.Tensor:
-        """oneDNN's u8 x s8 GEMM of rows qu (q + 128) -> float32 sums * weight_scale."""
-        return torch.ops.onednn.qlinear_pointwise(qu, 1.0, 128, self.packed, self.weight_scale, self.zero_points,
+    def _gemm(self, qu: torch.Tensor, zero_point: int = 128, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """oneDNN's u8 x s8 GEMM of uint8 rows qu (q + zero_point) -> float32 sums * scale (weight_scale)."""
+        scale = self.weight_scale if scale is None else scale
+        return torch.ops.onednn.qlinear_pointwise(qu, 1.0, zero_point, self.packed, scale, self.zero_points,
                                                   None, 1.0, 0, torch.float32, "none", [], "")
+
+    def _split_sums(self, qx: torch.Tensor) -> torch.Tensor:
+        """The SPLIT form: float32 sums of qx's products, from one GEMM of both halves (unit scales)."""
+        halves = self._gemm(torch.cat((qx, -qx)).clamp_(min=0).view(torch.uint8), 0, self.unit_scale)
+        rows = qx.shape[0]
+        return halves[:rows] - halves[rows:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if native_elementwise(x.device, x.dtype):
+        if self.form == SHIFTED and native_elementwise(x.device, x.dtype):
             y = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             for r in range(0, x2.shape[0], self.CHUNK_ROWS):
@@ -112,7 +128,10 @@ class PackedW8A8Linear(nn.Module):
                 native.scale_rows(self._gemm(qu), sx, bias, out=y[r:r + self.CHUNK_ROWS])
             return y.view(*x.shape[:-1], self.out_features)
         qx, sx = quantize_rows_int8(x2.float() * self.inv_smooth)
-        acc = self._gemm((qx.to(torch.int16) + 128).to(torch.uint8))
+        if self.form == SPLIT:
+            acc = self._split_sums(qx) * self.weight_scale
+        else:
+            acc = self._gemm((qx.to(torch.int16) + 128).to(torch.uint8))
         y = (acc * sx).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -122,7 +141,7 @@ class PackedW8A8Linear(nn.Module):
         raise RuntimeError("a PackedW8A8Linear cannot be moved or cast; load the checkpoint again instead")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 onednn {self.form}"
 
 
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from gptj import cpu
+
 __all__ = ["attention_group", "attention_paged", "available", "gelu", "linear_bf16", "linear_int8", "load",
            "prefill_paged", "quantize_rows_u8", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
@@ -48,23 +50,13 @@ HEADERS = (HERE / "simd.h",)  # included by every source: part of what the build
 # slower once the kernels were split into three files (int8 at 8 rows, 2 threads: 3.8 against 3.0 ms
 # for 28672 x 4096; the same code, placed elsewhere), and as fast with it as the single file was.
 CFLAGS = ("-O3", "-march=native", "-falign-loops=64", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
-# What the kernels execute; `-march=native` may use more, but only on the CPU that built it (the
-# cache name holds the CPU's flags, so another CPU type builds its own copy).
+# What the kernels execute (gptj.cpu's avx512-bf16 kind); `-march=native` may use more, but only on
+# the CPU that built it (the cache name holds the CPU's flags, so another CPU type builds its own copy).
+# gptj.cpu.flags() is what is checked: a ceiling set by ONEDNN_MAX_CPU_ISA switches these kernels off.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded CDLL or None, once load() has run
-
-
-def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _disabled(env: dict[str, str] | os._Environ | None = None) -> bool:
@@ -123,7 +115,7 @@ def _build(env: dict[str, str] | os._Environ | None = None) -> Path | None:
     env = os.environ if env is None else env
     if _disabled(env) or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    flags = _cpu_flags()
+    flags = cpu.flags()
     if not all(f in flags for f in REQUIRED_CPU_FLAGS):
         return None
     cc_path = shutil.which(env.get("CC") or "gcc")
@@ -203,9 +195,10 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
         return f"switched off (GPTJ_NATIVE={env.get('GPTJ_NATIVE')})"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu.flags()]
     if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.ceiling().upper()}" if cpu.ceiling() else ""
+        return f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs the {cpu.AVX512_BF16} kind)"
     if shutil.which(env.get("CC") or "gcc") is None:
         return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCES[0].parent}"
     if load() is None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.policy import DEQUANTIZE, INT_MM, NATIVE, WEIGHT_ONLY, linear_path
+from gptj.policy import DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, WEIGHT_ONLY, linear_path
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
@@ -43,6 +43,7 @@ from gptj.quant.ops import (
     check_group_size,
     cpu_int4_layout,
     dequantize_int8,
+    int8_sums,
     pack_int4,
     quantize_int4,
     quantize_int8,
@@ -197,8 +198,8 @@ class W8A8Linear(nn.Module):
         path = linear_path(x.device, x.dtype, _rows(x), "w8a8", (self.in_features, self.out_features))
         if path == INT_MM:
             acc = torch._int_mm(qx, self.weight.t()).float()
-        else:  # the same products in float32 (exact while each sum stays below 2**24)
-            acc = F.linear(qx.float(), self.weight.float())
+        else:  # the same products in float32, exact (where torch._int_mm's sums would not be, or it cannot run)
+            acc = int8_sums(qx, self.weight, EXACT_F32_INT8_TERMS)
         y = (acc * self.weight_scale.float() * sx).to(x.dtype)  # the order oneDNN's packed kernel takes
         return _finish(self, y, x)
 

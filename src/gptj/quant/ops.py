@@ -75,6 +75,26 @@ def quantize_int8(w: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[
     return q, scale
 
 
+def int8_sums(qx: torch.Tensor, qw: torch.Tensor, terms: int) -> torch.Tensor:
+    """qx (rows, K) int8 times qw (N, K) int8, transposed: float32 (rows, N), the exact integer sums
+    rounded once to float32 (as torch._int_mm's int32, converted), from float32 matmuls on any device.
+
+    A float32 sum of products of values in [-127, 127] is exact, in any order, while every partial
+    sum stays below 2**24: `terms` (at most 1040) inputs at a time; those partial sums are added in
+    int32. The weight is made float a chunk at a time (no float copy of a big weight)."""
+    if not 0 < terms <= 2**24 // 127**2:
+        raise ValueError(f"{terms} int8 products can sum past 2**24 in float32")
+    xf = qx.float()
+    if qx.shape[1] <= terms:
+        return torch.nn.functional.linear(xf, qw.float())
+    acc = torch.zeros(qx.shape[0], qw.shape[0], dtype=torch.int32, device=qx.device)
+    for a, b in _row_chunks(qw.shape[0], terms):
+        for k in range(0, qx.shape[1], terms):
+            part = torch.nn.functional.linear(xf[:, k:k + terms], qw[a:b, k:k + terms].float())
+            acc[:, a:b] += part.to(torch.int32)
+    return acc.float()
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(out, in) values 0..15 -> the portable layout: uint8 (out, in / 2), high nibble first."""
     q = q.to(torch.uint8)

@@ -1,0 +1,32 @@
+"""CPU kinds for tests that check the choices gptj makes on CPUs other than the one running them.
+
+Each kind's flags are what /proc/cpuinfo lists on such a CPU, cut to the ones gptj.cpu reads.
+`fake_cpu` makes gptj.cpu.flags() return them until the test ends, and takes gptj.native away as
+well where that kind cannot run it (conftest.force_fallback: its library is loaded once a process)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import force_fallback
+
+from gptj import cpu
+
+_BASE = frozenset({"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+_AVX512 = _BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+
+FLAGS = {
+    cpu.AVX512_BF16: _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_vbmi"},  # AMD Zen 4
+    cpu.AVX512_VNNI: _AVX512 | {"avx512_vnni"},  # Intel Cascade Lake
+    cpu.AVX512: _AVX512,  # Intel Skylake-SP
+    cpu.AVX2: _BASE,  # AMD Zen 2/3
+    cpu.OTHER: frozenset({"sse4_1", "sse4_2"}),
+}
+
+
+def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:
+    """gptj.cpu.flags() answers as a CPU of `kind` (one of gptj.cpu.KINDS) does."""
+    flags = FLAGS[kind]
+    monkeypatch.setattr(cpu, "flags", lambda: flags)
+    if kind != cpu.AVX512_BF16:
+        force_fallback(monkeypatch)
+    return flags

@@ -1,0 +1,141 @@
+"""gptj.cpu (what the CPU offers) and the choices gptj.policy makes for each kind of CPU, with its
+flags faked; and W8A8 on oneDNN's own kernels for CPUs without VNNI, run here under oneDNN's ceiling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cpu_kinds import FLAGS, fake_cpu
+
+from gptj import cpu, native, policy
+
+
+@pytest.mark.parametrize("kind", cpu.KINDS)
+def test_each_kind_is_named_from_its_flags(kind):
+    assert cpu.kind(FLAGS[kind]) == kind
+    assert cpu.int8_sums_exact(FLAGS[kind]) is (kind in (cpu.AVX512_BF16, cpu.AVX512_VNNI))
+
+
+def test_a_ceiling_takes_away_what_the_level_does_not_have():
+    zen4 = FLAGS[cpu.AVX512_BF16]
+    assert cpu.cap(zen4, None) == zen4
+    assert cpu.kind(cpu.cap(zen4, "avx2")) == cpu.AVX2
+    assert not any(f.startswith("avx512") for f in cpu.cap(zen4, "avx2_vnni_2"))
+    assert cpu.kind(cpu.cap(zen4, "avx512_core")) == cpu.AVX512
+    assert cpu.kind(cpu.cap(zen4, "avx512_core_vnni")) == cpu.AVX512_VNNI
+    assert cpu.kind(cpu.cap(zen4, "avx512_core_bf16")) == cpu.AVX512_BF16
+    assert cpu.kind(cpu.cap(zen4, "avx")) == cpu.OTHER
+    assert cpu.cap(FLAGS[cpu.AVX2], "avx512_core") == FLAGS[cpu.AVX2]  # a ceiling never adds
+
+
+@pytest.mark.parametrize(("value", "level"), [("AVX2", "avx2"), (" avx512_core_vnni ", "avx512_core_vnni"),
+                                              ("AVX512_CORE_AMX", "avx10_1_512_amx"), ("ALL", None),
+                                              ("DEFAULT", None), ("no-such-isa", None), ("", None)])
+def test_the_ceiling_is_read_as_onednn_reads_it(value, level):
+    assert cpu.ceiling({"ONEDNN_MAX_CPU_ISA": value}) == level
+    assert cpu.ceiling({}) is None
+
+
+def test_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f\nbugs\t\t: none\n")
+    assert cpu.read_flags(str(info)) == {"fpu", "avx2", "fma", "avx512f"}
+    assert cpu.read_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_this_machine_is_described_in_one_line():
+    line = cpu.describe()
+    assert line.split()[0] in cpu.KINDS and "\n" not in line
+    assert cpu.kind() == line.split()[0]
+
+
+# --- the policy's choices, per kind --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", cpu.KINDS)
+def test_w8a8_takes_an_exact_form_on_every_kind(kind, monkeypatch):
+    fake_cpu(monkeypatch, kind)
+    vnni = kind in (cpu.AVX512_BF16, cpu.AVX512_VNNI)
+    assert policy.w8a8_form() == (policy.SHIFTED if vnni else policy.SPLIT)
+    for rows in (1, 64, 4096):
+        assert policy.linear_path("cpu", torch.bfloat16, rows, "w8a8") == (policy.INT_MM if vnni else policy.DEQUANTIZE)
+    # CUDA's choice does not depend on the host CPU
+    assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4096)) == policy.INT_MM
+
+
+@pytest.mark.parametrize("kind", cpu.KINDS)
+def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
+    fake_cpu(monkeypatch, kind)
+    if kind == cpu.AVX512_BF16:
+        if native.unavailable_reason() is not None:
+            pytest.skip(f"native kernels unavailable here: {native.unavailable_reason()}")
+        assert policy.native_available()
+        return
+    reason = native.unavailable_reason()
+    assert not policy.native_available() and reason is not None and "\n" not in reason
+    if kind != cpu.OTHER:  # (switched off first by force_fallback: the reason names that)
+        monkeypatch.delenv("GPTJ_NATIVE")
+        assert "the CPU lacks" in native.unavailable_reason() and "avx512_bf16" in native.unavailable_reason()
+    assert policy.pack_layout(1) == policy.ONEDNN  # no native layout without the native kernels
+    if kind in (cpu.AVX2, cpu.OTHER):
+        assert not policy.can_pack(torch.bfloat16, "cpu")  # torch's oneDNN bfloat16 wants AVX-512
+    assert not policy.attention_path("cpu", torch.bfloat16, "auto", "auto").native
+
+
+# --- oneDNN's own kernels for CPUs without VNNI ----------------------------------------------------
+
+_PROBE = r"""
+import json, torch
+from gptj import cpu, native, policy, quant
+from gptj.kernels import fused
+g = torch.Generator().manual_seed(0)
+K, N = 1024, 96                      # each half's sum stays below 2**24: equal, not just close
+qx = torch.randint(-127, 128, (6, K), generator=g, dtype=torch.int8)
+qx[0], qx[1], qx[2, ::2], qx[2, 1::2] = 127, -127, 127, -127   # the pair sums that saturate 16 bits
+lin = torch.nn.Linear(K, N)
+m = quant.W8A8Linear.from_float(lin)
+m.weight[0], m.weight[1] = 127, -127
+sx = torch.rand(6, 1, generator=g) + 0.5
+x = qx.float() * sx / 127 * 127                # rows whose per-row rounding gives back qx
+q2, s2 = m.quantize_input(x)
+assert torch.equal(q2, qx)
+truth = (q2.long() @ m.weight.long().t()).float()
+want = (truth * m.weight_scale.float() * s2).to(torch.float32) + lin.bias.detach()
+def same(y): return bool(torch.equal(y, want))
+with torch.no_grad():
+    out = {"kind": cpu.kind(), "native": native.available(), "form": policy.w8a8_form(),
+           "path": policy.linear_path("cpu", torch.float32, 6, "w8a8"),
+           "plain": same(m(x)), "chosen_packed": same(fused.PackedW8A8Linear(m)(x)),
+           "split": same(fused.PackedW8A8Linear(m, policy.SPLIT)(x)),
+           "shifted": same(fused.PackedW8A8Linear(m, policy.SHIFTED)(x)),
+           "int_mm": bool(torch.equal(torch._int_mm(q2, m.weight.t()).float(), truth))}
+print(json.dumps(out))
+"""
+
+
+def _has_avx2() -> str | None:
+    have = cpu.read_flags()
+    return None if {"avx2", "fma"} <= have else "oneDNN's AVX2 kernels need an x86-64 CPU with AVX2"
+
+
+@pytest.mark.skipif(_has_avx2() is not None, reason=str(_has_avx2()))
+@pytest.mark.skipif(not policy.can_pack_int8("cpu"), reason="oneDNN's int8 GEMM is not in this torch build")
+@pytest.mark.parametrize(("isa", "kind"), [("AVX2", cpu.AVX2), ("AVX512_CORE", cpu.AVX512)])
+def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
+    """Under ONEDNN_MAX_CPU_ISA, oneDNN runs the kernels such a CPU runs (an AVX-512 ceiling on an
+    AVX2 CPU is AVX2's). gptj sees the ceiling and chooses SPLIT and the exact float32 sums: the
+    int32 sums come out exact, where the one-GEMM SHIFTED form and torch._int_mm saturate (why
+    they are not chosen there)."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["kind"] in ((kind, cpu.AVX2) if kind == cpu.AVX512 else (kind,)) and got["native"] is False
+    assert got["form"] == policy.SPLIT and got["path"] == policy.DEQUANTIZE
+    assert got["plain"] and got["chosen_packed"] and got["split"]
+    assert not got["shifted"] and not got["int_mm"]
