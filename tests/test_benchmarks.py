@@ -207,6 +207,15 @@ def check_train_step(out: dict, err: str) -> None:
         assert positive(out[key]), (key, out[key])
 
 
+def check_cpu_kinds(out: dict, err: str) -> None:
+    res = out["results"]
+    assert set(res) == {"AVX2"} and all(set(by_mode) == {"none", "w8a8"} for by_mode in res.values())
+    assert all(run["cpu"].startswith("avx2 (capped by ONEDNN_MAX_CPU_ISA=AVX2)") for run in res["AVX2"]["w8a8"].values())
+    for by_mode in res.values():
+        for runs in by_mode.values():
+            assert all(positive(r["decode_tok_s"]) and positive(r["prefill_tok_s"]) for r in runs.values())
+
+
 def check_kv_int8(out: dict, err: str) -> None:
     cap = out["capacity_sequences"]
     # 256-value heads: (256 + 4) bytes in int8 against 512 in bfloat16
@@ -279,6 +288,7 @@ SMOKE: dict[str, Job] = {
     "engine_thread.py": Job("engine_thread.py", lambda m, tmp: ["--model", m, "--dtype", "float32", "--smoke",
                                                                 "--json"], check_engine_thread),
     "generate_vs_hf.py": Job("generate_vs_hf.py", lambda m, tmp: ["--smoke", "--json"], check_generate_vs_hf),
+    "cpu_kinds.py": Job("cpu_kinds.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_cpu_kinds),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),

@@ -271,11 +271,27 @@ def test_gptj_calibrate_on_the_bundled_samples(tmp_path, capsys):
     assert len(generate(model, prompts_of([6]), GenerationConfig(max_new_tokens=4, eos_token_id=None))[0]) == 4
 
 
-def test_the_quantization_report_covers_w8a8(calibrated):
-    from gptj.bench.quant_report import quantization_report
+@pytest.mark.parametrize("kind", ["this CPU", cpu.AVX2])
+def test_the_quantization_report_covers_w8a8(calibrated, kind, monkeypatch):
+    """Accuracy and speed (with the serving kernels) of each mode, and the CPU's kind and W8A8 form
+    (this CPU's, and an AVX2 CPU's with its flags faked)."""
+    from gptj.bench.quant_report import format_report, quantization_report
 
+    if kind != "this CPU":
+        fake_cpu(monkeypatch, kind)
     folder, _ = calibrated
     report = quantization_report(folder, modes=["int8", "w8a8"], prompts=prompts_of([20, 12]), dtype=torch.float32)
+    hw = report["hardware"]
+    assert hw["cpu"] == cpu.describe() and f"{policy.w8a8_form()} form" in hw["w8a8_kernel"]
+    assert (kind == cpu.AVX2) <= (policy.w8a8_form() == policy.SPLIT and "no AVX-512 VNNI" in hw["w8a8_kernel"])
+    for r in report["modes"].values():
+        assert r["one_token_ms"] > 0 and r["prefill_tok_s"] > 0
+    fast = report["fastest"]
+    assert fast["one_token_ms"] == min(report["modes"], key=lambda m: report["modes"][m]["one_token_ms"])
+    assert fast["prefill_tok_s"] == max(report["modes"], key=lambda m: report["modes"][m]["prefill_tok_s"])
+    text = format_report(report)
+    assert f"CPU: {hw['cpu']}; w8a8 runs oneDNN u8 x s8, {policy.w8a8_form()} form" in text
+    assert f"one token {fast['one_token_ms']}, prefill {fast['prefill_tok_s']}" in text
     w8a8, int8 = report["modes"]["w8a8"], report["modes"]["int8"]
     assert report["positions"] == 32 and 0 <= w8a8["top1_agreement"] <= 1
     # the int8 checkpoint's bytes plus one bfloat16 smoothing factor per input of every linear

@@ -405,7 +405,7 @@ def cmd_quant_report(args: argparse.Namespace) -> int:
 
     report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,
                                  group_size=args.group_size, dtype=parse_dtype(args.dtype),
-                                 device=resolve_device(args.device))
+                                 device=resolve_device(args.device), speed=args.speed)
     print(json.dumps(report, indent=2) if args.json else format_report(report).rstrip())
     return 0
 
@@ -805,9 +805,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "quantization mode against the float32 model, on the first prompts of the "
                                    "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick). "
                                    "w8a8 needs a calibrated folder (gptj calibrate); calibrated on the same "
-                                   "bundled prompts, its figures are in-sample.")
+                                   "bundled prompts, its figures are in-sample. Each mode is also timed here "
+                                   "with the serving kernels (one token; one prompt), and the CPU's kind and "
+                                   "the W8A8 form it gets are named.")
     p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
-    p.add_argument("--modes", type=_modes, default=["int8", "int4"], help="comma-separated (default: int8,int4)")
+    p.add_argument("--modes", "--quantize", type=_modes, default=["int8", "int4"],
+                   help="comma-separated (default: int8,int4)")
+    p.add_argument("--no-speed", dest="speed", action="store_false",
+                   help="skip timing each mode with the serving kernels on this machine")
     p.add_argument("--group-size", type=_positive, help=flags.GROUP_SIZE_HELP)
     p.add_argument("--prompts", type=_positive, default=8, help="how many prompts of the sample set (default 8)")
     p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")

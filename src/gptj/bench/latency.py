@@ -295,6 +295,10 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
                 "new_tokens": new_tokens, "dtype": spec.dtype, "quantize": spec.quantize,
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
                 "compile": spec.compile, "kernels": spec.kernels, "load_s": load_s}
+    if settings["device"] == "cpu":
+        from gptj import cpu
+
+        settings["cpu"] = cpu.describe()  # which kind of CPU the kernels were chosen for (gptj.cpu)
     return figures | settings
 
 
@@ -303,7 +307,7 @@ def format_latency(r: dict[str, Any]) -> str:
     quant = f", {r['quantize']} weights" if r.get("quantize") else ""
     lines = [
         f"model      {r['model']} ({r['params'] / 1e9:.2f}B params), {r['dtype']}{quant}, "
-        f"{r['device']}, {r['threads']} threads",
+        f"{r['device']}" + (f" ({r['cpu']})" if r.get("cpu") else "") + f", {r['threads']} threads",
         f"settings   batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens; "
         f"median of {r['repeats']} after {r['warmup']} warm-up",
         f"prefill    {r['prefill_ms']:.1f} ms for the batch ({r['prefill_tok_s']:.0f} prompt tok/s, "

@@ -1,6 +1,13 @@
 """`gptj quant-report`: how close each quantization mode (gptj.quant) stays to the
-float32 model, teacher-forced on real prompts. It loads checkpoints, so it sits above both
-gptj.quant and gptj.weights (which imports gptj.quant for quantized checkpoints)."""
+float32 model, teacher-forced on real prompts, and how fast each one runs here. It loads
+checkpoints, so it sits above both gptj.quant and gptj.weights (which imports gptj.quant for
+quantized checkpoints).
+
+Speed, measured on this machine with the serving kernels (gptj.kernels.prepare_for_serving, as
+`gptj serve` and `gptj mlperf` build them): one token through the model (what a batch-1 decode
+step's linears cost: every weight read once) and one prompt of `max_tokens` tokens (prefill),
+best of SPEED_REPEATS after a warm-up, with no KV cache. Which kernels run depends on the CPU
+(gptj.cpu): the report names its kind and the W8A8 form it gets (gptj.policy.w8a8_form)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptj import cpu, policy
 from gptj.errors import GptjError
 from gptj.quant import QUANT_MODES, check_mode
 from gptj.weights.io import load_model, read_checkpoint
@@ -44,11 +52,44 @@ def _state_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+SPEED_REPEATS = 3
+
+
+def _speed(model: nn.Module, tokens: int, device: Any) -> dict[str, float]:
+    """one_token_ms and prefill_tok_s of `model` (already prepared for serving) on this machine."""
+    import time
+
+    def best(ids: torch.Tensor) -> float:
+        model(ids)  # warm-up (first-call packing, compiled kernels)
+        times = []
+        for _ in range(SPEED_REPEATS):
+            t0 = time.perf_counter()
+            model(ids)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    one = best(torch.zeros((1, 1), dtype=torch.long, device=device))
+    prompt = best(torch.zeros((1, tokens), dtype=torch.long, device=device))
+    return {"one_token_ms": one * 1e3, "prefill_tok_s": tokens / prompt}
+
+
+def hardware(device: Any) -> dict[str, str]:
+    """What the speed figures ran on: the device, and on CPU its kind and the W8A8 form it gets."""
+    if torch.device(device).type != "cpu":
+        return {"device": str(device)}
+    form = policy.w8a8_form()
+    why = ("AVX-512 VNNI: int32 sums in one GEMM" if form == policy.SHIFTED else
+           "no AVX-512 VNNI: exact, with twice the rows' arithmetic")
+    return {"device": "cpu", "cpu": cpu.describe(), "w8a8_kernel": f"oneDNN u8 x s8, {form} form ({why})"}
+
+
 @torch.inference_mode()
 def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prompts: Sequence[Any] | None = None,
                         n_prompts: int = 8, max_tokens: int = 128, group_size: int | None = None,
-                        dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", baseline: bool = True
-                        ) -> dict[str, Any]:
+                        dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", baseline: bool = True,
+                        speed: bool = True) -> dict[str, Any]:
     """Accuracy of each quantization mode against the float32 model, teacher-forced.
 
     Each prompt (default: the first `n_prompts` of the bundled MLPerf sample set, each cut to
@@ -56,7 +97,8 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
     through each quantized one (quantized on load from the float checkpoint at `model_dir`, its
     float parts and activations in `dtype`). At every position: whether the next-token argmax
     agrees, and the logit error. `baseline` adds the unquantized model in `dtype` as a yardstick
-    (what the dtype alone costs). Returns a JSON-able dict (see `format_report`).
+    (what the dtype alone costs). `speed`: time each one with the serving kernels too (see above).
+    Returns a JSON-able dict (see `format_report`).
     """
     cfg, _ = read_checkpoint(model_dir)
     if cfg.quantization:
@@ -69,7 +111,7 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
     report: dict[str, Any] = {
         "model": str(model_dir), "reference": "float32", "dtype": str(dtype).removeprefix("torch."),
         "prompts": len(ids), "positions": sum(len(p) for p in ids), "max_tokens": max_tokens,
-        "float32_weight_bytes": _state_bytes(ref_model), "modes": {},
+        "float32_weight_bytes": _state_bytes(ref_model), "modes": {}, "hardware": hardware(device),
     }
     del ref_model
     runs = ([None] if baseline and dtype != torch.float32 else []) + list(modes)
@@ -94,22 +136,42 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
             "mean_abs_logit_error": sum_err / n_logits,
             "weight_bytes": _state_bytes(model),
         }
+        if speed:
+            from gptj.kernels import prepare_for_serving
+
+            prepare_for_serving(model)
+            report["modes"][mode or report["dtype"]].update(_speed(model, max(map(len, ids)), device))
         del model
+    if speed:
+        report["fastest"] = {key: max(report["modes"], key=lambda m: sign * report["modes"][m][key])
+                             for key, sign in (("one_token_ms", -1), ("prefill_tok_s", 1))}
     return report
 
 
 def format_report(report: Mapping[str, Any]) -> str:
     """A quantization report as a small text table."""
-    row = "{:<10} {:>5} {:>11} {:>12} {:>13} {:>10}"
+    timed = "fastest" in report
+    row = "{:<10} {:>5} {:>11} {:>12} {:>13} {:>10}" + (" {:>12} {:>14}" if timed else "")
+    hw = report.get("hardware", {})
     lines = [f"{report['model']}: {report['prompts']} prompts, {report['positions']} positions "
              f"(teacher-forced, up to {report['max_tokens']} tokens each), {report['dtype']} activations "
              f"vs {report['reference']}",
-             row.format("mode", "group", "top-1 agree", "max |dlogit|", "mean |dlogit|", "weights"),
-             row.format("float32", "-", "1.0000", "0.0000", "0.00000", _gib(report["float32_weight_bytes"]))]
+             row.format("mode", "group", "top-1 agree", "max |dlogit|", "mean |dlogit|", "weights",
+                        *(("1-token ms", "prefill tok/s") if timed else ())),
+             row.format("float32", "-", "1.0000", "0.0000", "0.00000", _gib(report["float32_weight_bytes"]),
+                        *(("-", "-") if timed else ()))]
     for mode, r in report["modes"].items():
         lines.append(row.format(mode, r["group_size"] or "-", f"{r['top1_agreement']:.4f}",
                                 f"{r['max_abs_logit_error']:.4f}", f"{r['mean_abs_logit_error']:.5f}",
-                                _gib(r["weight_bytes"])))
+                                _gib(r["weight_bytes"]),
+                                *((f"{r['one_token_ms']:.2f}", f"{r['prefill_tok_s']:.0f}") if timed else ())))
+    if hw.get("cpu"):
+        lines.append(f"CPU: {hw['cpu']}; w8a8 runs {hw['w8a8_kernel']}")
+    if timed:
+        fast = report["fastest"]
+        lines.append(f"fastest here (serving kernels, {hw.get('device', 'cpu')}): one token {fast['one_token_ms']}, "
+                     f"prefill {fast['prefill_tok_s']}; speeds of the other CPU kinds: README, 'Which mode on "
+                     "which CPU'")
     return "\n".join(lines) + "\n"
 
 
