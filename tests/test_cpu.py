@@ -87,6 +87,16 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
     assert not policy.attention_path("cpu", torch.bfloat16, "auto", "auto").native
 
 
+@pytest.mark.parametrize("kind", cpu.KINDS)
+def test_the_decode_attention_is_compiled_on_cuda_only(kind, monkeypatch):
+    fake_cpu(monkeypatch, kind)
+    assert not policy.compile_trusted("cpu") and policy.compile_trusted("cuda")
+    for mode in ("auto", "on"):
+        assert not policy.attention_path("cpu", torch.bfloat16, "off", mode).compiled
+        assert policy.attention_path("cuda", torch.bfloat16, "off", mode).compiled
+    assert not policy.attention_path("cuda", torch.bfloat16, "off", "off").compiled
+
+
 # --- oneDNN's own kernels for CPUs without VNNI ----------------------------------------------------
 
 _PROBE = r"""

@@ -48,7 +48,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 or int8 KV of a
                       bfloat16 model on CPU
                       (kernels "auto"), else torch.compile'd sums below float32 (compile "auto") or
-                      always ("on"), else the eager formulas
+                      always ("on") where `compile_trusted` (CUDA, not CPU), else the eager formulas
 """
 
 from __future__ import annotations
@@ -236,5 +236,17 @@ def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mo
     on_cpu = torch.device(device).type == "cpu"
     use_native = (kernels_mode == "auto" and on_cpu and compute == torch.bfloat16
                   and kv_dtype in (torch.bfloat16, torch.int8) and native_available())
-    compiled = compile_mode == "on" or (compile_mode == "auto" and not exact(compute))
+    compiled = (compile_mode == "on" or (compile_mode == "auto" and not exact(compute))) and compile_trusted(device)
     return AttentionPath(native=use_native, compiled=compiled)
+
+
+def compile_trusted(device: torch.device | str) -> bool:
+    """Whether the decode attention's forms may be torch.compile'd on `device`: not on CPU. torch
+    2.13's inductor built wrong CPU code for them (engine.attention's one_sums / group_sums against the
+    eager forms, 1 to 40 keys, heads of 16 to 256): with 256-bit (AVX2) code wrong sums in 3 to 42 of
+    42 cases, with 512-bit (AVX-512) code kernels that corrupted the heap ("double free or
+    corruption"), in bfloat16 and float32, whichever sizes were marked dynamic. The eager forms are
+    no slower at GPT-J's heads (16 x 256, 800 keys, 2 threads, bfloat16: one query 544 us eager
+    against 766 us compiled with 256-bit code; a 4-beam group 1,504 against 1,703 us), and a
+    bfloat16 model on an AVX-512-BF16 CPU runs gptj.native's kernels anyway. CUDA compiles."""
+    return torch.device(device).type != "cpu"

@@ -23,7 +23,8 @@ one pass over the keys and one over the values.
 Each group is computed on its own tensors, so a request's result never depends on what else
 shares the step (batch invariance holds in every mode). Which form runs is
 gptj.policy.attention_path's choice: compiled only below float32 under "auto" (the compiled
-form rounds differently from the eager one), native only for bfloat16 on CPU.
+form rounds differently from the eager one) and only on CUDA (policy.compile_trusted: torch
+2.13's CPU code for these forms was wrong), native only for bfloat16 on CPU.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class DecodeAttention:
     """The engine's decode attention: `one` and `group`, compiled or eager by `mode`.
 
     mode "auto" compiles when the compute dtype is below float32 (and torch.compile works here),
-    "on" compiles whatever the dtype, "off" never does. native=True (the engine's kernels "auto"):
+    "on" compiles whatever the dtype, "off" never does; on CUDA only (policy.compile_trusted). native=True (the engine's kernels "auto"):
     a bfloat16 model's KV on CPU (bfloat16 or int8 blocks) goes first to gptj.native's attention
     kernels when they are available (policy.attention_path). If
     compiling or running a compiled form fails, it logs one warning and stays eager from then on.
@@ -124,12 +125,8 @@ class DecodeAttention:
         self._one, self._group = one_eager, group_eager
         if self.compiled:
             try:
-                # Only the lengths are symbolic (_mark_lengths): heads and head size stay static. With
-                # dynamic=True (every size symbolic) torch 2.13's inductor built a kernel that corrupted
-                # the heap on AVX-512 CPUs (bfloat16 and float32, 4 heads x 64, one_sums from 1 to 80
-                # keys: "double free or corruption"); test_engine_compile runs the forms in a subprocess.
-                self._one = torch.compile(one_sums, dynamic=None)
-                self._group = torch.compile(group_sums, dynamic=None)
+                self._one = torch.compile(one_sums, dynamic=True)
+                self._group = torch.compile(group_sums, dynamic=True)
             except Exception as e:  # noqa: BLE001 - torch.compile unavailable: eager it is
                 self._fall_back(e)
 
@@ -181,7 +178,7 @@ class DecodeAttention:
         if not self.compiled:
             return one_eager(q, k, v)
         try:
-            return self._one(q, *_mark_lengths((k, 1), (v, 1)))
+            return self._one(q, k, v)
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for inductor
             self._fall_back(e)
             return one_eager(q, k, v)
@@ -193,22 +190,10 @@ class DecodeAttention:
         if not self.compiled:
             return group_eager(q, pk, pv, tk, tv)
         try:
-            q, pk, pv, tk, tv = _mark_lengths((q, 0), (pk, 1), (pv, 1), (tk, 0, 2), (tv, 0, 2))
             return self._group(q, pk, pv, tk, tv)
         except Exception as e:  # noqa: BLE001
             self._fall_back(e)
             return group_eager(q, pk, pv, tk, tv)
-
-
-def _mark_lengths(*tensor_dims: tuple) -> list[torch.Tensor]:
-    """The tensors, each with the dims named after it marked dynamic for torch.compile (the key
-    lengths and group sizes that change from step to step), so one compiled kernel serves them all."""
-    out = []
-    for t, *dims in tensor_dims:
-        for d in dims:
-            torch._dynamo.mark_dynamic(t, d)
-        out.append(t)
-    return out
 
 
 # --- paged keys and values --------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load
 
 def add_kernel_flags(p: Any) -> None:
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", metavar="MODE",
-                   help="torch.compile the decode attention: auto = below float32 (default), on, off")
+                   help="torch.compile the decode attention on CUDA: auto = below float32 (default), on, off")
     p.add_argument("--kernels", choices=KERNEL_MODES, default="auto", metavar="MODE",
                    help="auto: fused blocks and oneDNN-packed bfloat16 weights below float32 (default); "
                         "off: the plain model")
