@@ -251,9 +251,10 @@ def test_dropped_stream_leaves_the_engine(server):
     engine = server.state.models[name].engine
     steps_before = engine.steps
     max_tokens = 1500
+    # read before the stream opens: once it has, the engine may count its first tokens before we look
+    tokens_before = metric(server.url, "gptj_generation_tokens_total", model=name)
     conn, resp = _open_stream(server.url, {"model": name, "prompt": "Once upon a time", "max_tokens": max_tokens,
                                            "temperature": 0, "ignore_eos": True})
-    tokens_before = metric(server.url, "gptj_generation_tokens_total", model=name)
     for _ in range(3):
         assert resp.readline().startswith(b"data: ")
         resp.readline()
