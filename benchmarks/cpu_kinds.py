@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--work-dir", type=Path)
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, {"width": 256, "layers": 1, "isas": "AVX2", "modes": "none,w8a8",
+    args = parse_args(ap, {"width": 256, "layers": 1, "isas": "AVX2", "modes": "w8a8",
                            "batch_sizes": "2", "prompt_len": 8, "new_tokens": 3, "repeats": 1}, argv)
     isas = args.isas.split(",")
     if unknown := [i for i in isas if i not in ISAS]:
