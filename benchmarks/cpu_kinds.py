@@ -3,8 +3,8 @@
     python benchmarks/cpu_kinds.py            # GPT-J's layer shapes (n_embd 4096, n_inner 16384), 2 layers
     python benchmarks/cpu_kinds.py --smoke    # a check that it runs
 
-For each CPU kind (--isas) and each mode (--modes: none = bfloat16 weights, int8, int4, w8a8 from a
-calibrated folder) it runs `gptj bench latency` in a process of its own, at each --batch-sizes, on a
+For each CPU kind (--isas) and each mode (--modes: none = bfloat16 weights, float32 = the exact
+float32 model, int8, int4, w8a8 from a calibrated folder; the quantized ones in bfloat16) it runs `gptj bench latency` in a process of its own, at each --batch-sizes, on a
 bfloat16 model with random weights and GPT-J's layer shapes, and prints decode tokens/s, prefill
 tokens/s and each mode's ratio to bfloat16 on the same kind, and the fastest mode per column.
 
@@ -54,7 +54,9 @@ def run_one(model: Path, isa: str, mode: str, batch: int, args: argparse.Namespa
     cmd = [sys.executable, "-m", "gptj.cli", "bench", "latency", "--model", str(model), "--batch-size", str(batch),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--warmup", "1",
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--json"]
-    if mode != "none":
+    if mode == "float32":
+        cmd += ["--dtype", "float32"]
+    elif mode != "none":
         cmd += ["--quantize", mode]
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
     proc = subprocess.run(cmd, env={**env, **ISAS[isa]}, capture_output=True, text=True, timeout=3600)
@@ -70,7 +72,7 @@ def table(results: dict) -> str:
         kinds = {r["cpu"] for runs in by_mode.values() for r in runs.values()}
         lines.append(f"{isa}: {', '.join(sorted(kinds))}")
         cols = [(b, key) for b in next(iter(by_mode.values())) for key in ("decode_tok_s", "prefill_tok_s")]
-        lines.append(X)
+        lines.append("  mode   " + "".join(f"{key.split('_')[0]} b{b}".rjust(20) for b, key in cols))
         for mode, runs in by_mode.items():
             base = by_mode.get("none", runs)
             cells = [f"{runs[b][key]:8.1f} ({runs[b][key] / base[b][key]:.2f}x)" for b, key in cols]
