@@ -41,12 +41,13 @@ ISAS = {  # name: the environment a process of that kind runs under ("native": t
 }
 
 
-def make_model(folder: Path, width: int, layers: int) -> Path:
-    """A bfloat16 model with GPT-J's head shapes (heads of 256), calibrated for w8a8 on 2 bundled prompts."""
+def make_model(folder: Path, width: int, layers: int, calibrated: bool) -> Path:
+    """A bfloat16 model with GPT-J's head shapes (heads of 256); `calibrated` for w8a8 on 2 bundled prompts."""
     cfg = GPTJConfig(n_layer=layers, n_embd=width, n_head=max(1, width // 256), rotary_dim=min(64, width // max(1, width // 256)),
                      n_inner=4 * width, n_positions=2048)
     path = save_checkpoint(random_state_dict(cfg, seed=0, dtype=torch.bfloat16, std=0.02), cfg, folder)
-    calibrate(path, Dataset.load(max_examples=2).input_ids, "2 bundled MLPerf prompts", dtype=torch.bfloat16)
+    if calibrated:
+        calibrate(path, Dataset.load(max_examples=2).input_ids, "2 bundled MLPerf prompts", dtype=torch.bfloat16)
     return path
 
 
@@ -95,14 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--work-dir", type=Path)
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, {"width": 256, "layers": 1, "isas": "AVX2", "modes": "w8a8",
+    args = parse_args(ap, {"width": 256, "layers": 1, "isas": "AVX2", "modes": "none",
                            "batch_sizes": "2", "prompt_len": 8, "new_tokens": 3, "repeats": 1}, argv)
     isas = args.isas.split(",")
     if unknown := [i for i in isas if i not in ISAS]:
         ap.error(f"unknown --isas {unknown[0]!r} (one of {', '.join(ISAS)})")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
-        model = make_model(Path(tmp) / "model", args.width, args.layers)
+        model = make_model(Path(tmp) / "model", args.width, args.layers, "w8a8" in args.modes.split(","))
         results = {isa: {mode: {b: run_one(model, isa, mode, b, args) for b in batches} for mode in args.modes.split(",")}
                    for isa in isas}
     print(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results})
