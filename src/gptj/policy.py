@@ -246,7 +246,8 @@ def compile_trusted(device: torch.device | str) -> bool:
     eager forms, 1 to 40 keys, heads of 16 to 256): with 256-bit (AVX2) code wrong sums in 3 to 42 of
     42 cases, with 512-bit (AVX-512) code kernels that corrupted the heap ("double free or
     corruption"), in bfloat16 and float32, whichever sizes were marked dynamic. The eager forms are
-    no slower at GPT-J's heads (16 x 256, 800 keys, 2 threads, bfloat16: one query 544 us eager
-    against 766 us compiled with 256-bit code; a 4-beam group 1,504 against 1,703 us), and a
+    no slower at GPT-J's heads (16 x 256, 800 keys, 2 threads, bfloat16, timed with a throwaway
+    script on the 2-core Zen 4: one query 544 us eager against 766 us compiled with 256-bit code;
+    a 4-beam group 1,504 against 1,703 us; 512-bit code, where it ran, 326 and 1,314 us), and a
     bfloat16 model on an AVX-512-BF16 CPU runs gptj.native's kernels anyway. CUDA compiles."""
     return torch.device(device).type != "cpu"
