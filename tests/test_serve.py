@@ -67,13 +67,17 @@ def text_of(ids):
     return TOK.decode(ids, skip_special_tokens=True)
 
 
-def metric(url, name, **labels):
+def metric(url, name, absent=None, **labels):
+    """The sample of `name` with `labels` on /metrics; `absent` where there is none (None: an error;
+    a counter has no sample for a model until it first counts)."""
     _, text, _ = call(url, "GET", "/metrics")
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.splitlines():
         m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             return float(m.group(2))
+    if absent is not None:
+        return absent
     raise AssertionError(f"{name}{{{want}}} not in /metrics")
 
 
@@ -252,7 +256,7 @@ def test_dropped_stream_leaves_the_engine(server):
     steps_before = engine.steps
     max_tokens = 1500
     # read before the stream opens: once it has, the engine may count its first tokens before we look
-    tokens_before = metric(server.url, "gptj_generation_tokens_total", model=name)
+    tokens_before = metric(server.url, "gptj_generation_tokens_total", absent=0.0, model=name)
     conn, resp = _open_stream(server.url, {"model": name, "prompt": "Once upon a time", "max_tokens": max_tokens,
                                            "temperature": 0, "ignore_eos": True})
     for _ in range(3):
