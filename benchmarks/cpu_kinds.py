@@ -4,8 +4,8 @@
     python benchmarks/cpu_kinds.py --smoke    # a check that it runs
 
 For each CPU kind (--isas) and each mode (--modes: none = bfloat16 weights, float32 = the exact
-float32 model, int8, int4, w8a8 from a calibrated folder; the quantized ones in bfloat16) it runs `gptj bench latency` in a process of its own, at each --batch-sizes, on a
-bfloat16 model with random weights and GPT-J's layer shapes, and prints decode tokens/s, prefill
+float32 model, int8, int4, w8a8 from a calibrated folder; the quantized ones in bfloat16) it runs
+`gptj bench latency` in a process of its own, at each --batch-sizes, on a bfloat16 model with random weights and GPT-J's layer shapes, and prints decode tokens/s, prefill
 tokens/s and each mode's ratio to bfloat16 on the same kind, and the fastest mode per column.
 
 The kinds other than this CPU's own ("native") are its code paths under a ceiling, on this CPU:
@@ -43,7 +43,8 @@ ISAS = {  # name: the environment a process of that kind runs under ("native": t
 
 def make_model(folder: Path, width: int, layers: int, calibrated: bool) -> Path:
     """A bfloat16 model with GPT-J's head shapes (heads of 256); `calibrated` for w8a8 on 2 bundled prompts."""
-    cfg = GPTJConfig(n_layer=layers, n_embd=width, n_head=max(1, width // 256), rotary_dim=min(64, width // max(1, width // 256)),
+    heads = max(1, width // 256)
+    cfg = GPTJConfig(n_layer=layers, n_embd=width, n_head=heads, rotary_dim=min(64, width // heads),
                      n_inner=4 * width, n_positions=2048)
     path = save_checkpoint(random_state_dict(cfg, seed=0, dtype=torch.bfloat16, std=0.02), cfg, folder)
     if calibrated:
@@ -103,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown --isas {unknown[0]!r} (one of {', '.join(ISAS)})")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
-        model = make_model(Path(tmp) / "model", args.width, args.layers, "w8a8" in args.modes.split(","))
-        results = {isa: {mode: {b: run_one(model, isa, mode, b, args) for b in batches} for mode in args.modes.split(",")}
+        modes = args.modes.split(",")
+        model = make_model(Path(tmp) / "model", args.width, args.layers, "w8a8" in modes)
+        results = {isa: {mode: {b: run_one(model, isa, mode, b, args) for b in batches} for mode in modes}
                    for isa in isas}
     print(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results})
           if args.json else table(results))

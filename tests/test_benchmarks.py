@@ -210,7 +210,8 @@ def check_train_step(out: dict, err: str) -> None:
 def check_cpu_kinds(out: dict, err: str) -> None:
     res = out["results"]
     assert set(res) == {"AVX2"} and all(set(by_mode) == {"none"} for by_mode in res.values())
-    assert all(run["cpu"].startswith("avx2 (capped by ONEDNN_MAX_CPU_ISA=AVX2)") for run in res["AVX2"]["none"].values())
+    runs = res["AVX2"]["none"].values()
+    assert all(run["cpu"].startswith("avx2 (capped by ONEDNN_MAX_CPU_ISA=AVX2)") for run in runs)
     for by_mode in res.values():
         for runs in by_mode.values():
             assert all(positive(r["decode_tok_s"]) and positive(r["prefill_tok_s"]) for r in runs.values())

@@ -7,7 +7,6 @@ import torch
 
 from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
-from gptj import policy
 from gptj.engine import attention as att
 from gptj.errors import GptjError
 from test_engine import CFG, MIXED, prompts_of

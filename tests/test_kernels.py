@@ -17,6 +17,8 @@ CFGS = {
     "full-rotary": GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=None, n_inner=256, n_positions=64),
 }
 
+NO_BF16_PACKING = "no oneDNN bfloat16 on this CPU (torch packs it for AVX-512 CPUs: policy.can_pack)"
+
 
 def random_model(cfg: GPTJConfig, dtype=torch.float32, seed=0):
     sd = random_state_dict(cfg, seed=seed, dtype=dtype, std=0.2)
@@ -93,7 +95,7 @@ def _layouts():
         reason is not None, reason=f"native kernels unavailable: {reason}"))]
 
 
-@pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU (torch packs it for AVX-512 CPUs: policy.can_pack)")
+@pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason=NO_BF16_PACKING)
 @pytest.mark.parametrize("layout", _layouts())
 def test_packed_linear_equals_f_linear_and_is_not_saved_or_moved(layout):
     torch.manual_seed(0)
@@ -139,7 +141,7 @@ def test_packed_model_runs_the_exact_decode_path_too(kernel_path):
     assert len(out[0]) == 4
 
 
-@pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 on this CPU (torch packs it for AVX-512 CPUs: policy.can_pack)")
+@pytest.mark.skipif(not kernels.can_pack(torch.bfloat16, "cpu"), reason=NO_BF16_PACKING)
 def test_pack_layout_follows_the_rows_a_step_can_have(kernel_path):
     few = random_model(CFGS["partial-rotary"], torch.bfloat16)
     kernels.pack_model(few, max_rows=1)

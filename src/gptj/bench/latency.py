@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gptj import cpu
 from gptj.errors import GptjError
 from gptj.runtime import flags
 
@@ -296,8 +297,6 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
                 "compile": spec.compile, "kernels": spec.kernels, "load_s": load_s}
     if settings["device"] == "cpu":
-        from gptj import cpu
-
         settings["cpu"] = cpu.describe()  # which kind of CPU the kernels were chosen for (gptj.cpu)
     return figures | settings
 

@@ -11,6 +11,7 @@ best of SPEED_REPEATS after a warm-up, with no KV cache. Which kernels run depen
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,8 +58,6 @@ SPEED_REPEATS = 3
 
 def _speed(model: nn.Module, tokens: int, device: Any) -> dict[str, float]:
     """one_token_ms and prefill_tok_s of `model` (already prepared for serving) on this machine."""
-    import time
-
     def best(ids: torch.Tensor) -> float:
         model(ids)  # warm-up (first-call packing, compiled kernels)
         times = []

@@ -98,7 +98,8 @@ class DecodeAttention:
     """The engine's decode attention: `one` and `group`, compiled or eager by `mode`.
 
     mode "auto" compiles when the compute dtype is below float32 (and torch.compile works here),
-    "on" compiles whatever the dtype, "off" never does; on CUDA only (policy.compile_trusted). native=True (the engine's kernels "auto"):
+    "on" compiles whatever the dtype, "off" never does; on CUDA only (policy.compile_trusted).
+    native=True (the engine's kernels "auto"):
     a bfloat16 model's KV on CPU (bfloat16 or int8 blocks) goes first to gptj.native's attention
     kernels when they are available (policy.attention_path). If
     compiling or running a compiled form fails, it logs one warning and stays eager from then on.
