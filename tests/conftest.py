@@ -8,7 +8,15 @@ any process the test starts, and the in-process caches that hold the loaded libr
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (the CUDA attention backend's) run under Triton's interpreter on CPU
+# tensors. It is read when a kernel is defined, so before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 KERNEL_PATHS = ("native", "fallback")
 

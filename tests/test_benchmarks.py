@@ -217,6 +217,20 @@ def check_cpu_kinds(out: dict, err: str) -> None:
             assert all(positive(r["decode_tok_s"]) and positive(r["prefill_tok_s"]) for r in runs.values())
 
 
+def check_gpu_check(out: dict, err: str) -> None:
+    """The CPU rehearsal: every step ran and gave a figure; the table names each."""
+    assert not [k for k, v in out.items() if isinstance(v, dict) and v.get("error")], out
+    assert positive(out["bandwidth"]["copy_gb_s"]) and out["bandwidth"]["device"] == "cpu"
+    for step in ("latency-b1", "latency-b32"):
+        assert positive(out[step]["decode_tok_s"]) and positive(out[step]["weights_gb_s"])
+    assert out["latency-b32"]["batch"] == 2
+    assert positive(out["offline"]["samples_s"]) and out["offline"]["samples"] == 4
+    assert positive(out["hf"]["samples_s"]) and out["hf"]["samples"] == 1 and out["hf"]["new_tokens"] >= 30
+    table = "\n".join(out["table"])
+    for row in ("copy bandwidth", "batch-1 decode", "batch-2 decode step", "MLPerf Offline", "HF one at a time"):
+        assert row in table, table
+
+
 def check_kv_int8(out: dict, err: str) -> None:
     cap = out["capacity_sequences"]
     # 256-value heads: (256 + 4) bytes in int8 against 512 in bfloat16
@@ -290,6 +304,8 @@ SMOKE: dict[str, Job] = {
                                                                 "--json"], check_engine_thread),
     "generate_vs_hf.py": Job("generate_vs_hf.py", lambda m, tmp: ["--smoke", "--json"], check_generate_vs_hf),
     "cpu_kinds.py": Job("cpu_kinds.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_cpu_kinds),
+    "gpu_check.py": Job("gpu_check.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "gpu-check")],
+                        check_gpu_check),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),

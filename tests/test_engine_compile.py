@@ -8,6 +8,8 @@ import torch
 from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
+from gptj.engine.attention.reference import ReferenceAttention, group_eager, one_eager
+from gptj.policy import attention_path
 from gptj.errors import GptjError
 from test_engine import CFG, MIXED, prompts_of
 
@@ -16,6 +18,7 @@ needs_compile = pytest.mark.skipif(
     reason="the decode attention is compiled on CUDA only: torch 2.13's CPU code for it was wrong "
            "(policy.compile_trusted); no GPU here")
 DEVICE = "cuda"  # where the compiled forms run (the tests that need it skip without one)
+pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
 
 
 def _inputs(dtype, N=3, H=4, P=37, T=5, D=16, seed=0):
@@ -40,7 +43,7 @@ def _float32_attention_bound(q, k, v):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, None), (torch.bfloat16, 2e-2)])
 def test_compiled_attention_equals_eager(dtype, tol):
     """float32: both within the float32 bound of the exact result (so of each other by twice it)."""
-    decode = att.DecodeAttention("on", dtype, device=DEVICE)
+    decode = ReferenceAttention(compiled=True)
     assert decode.compiled
     for T in (1, 5, 9):  # 1: the first step of a beam group; then growing tails
         q, pk, pv, tk, tv = (x.to(DEVICE) for x in _inputs(dtype, T=T, seed=T))
@@ -49,24 +52,24 @@ def test_compiled_attention_equals_eager(dtype, tol):
         bound = 2 * _float32_attention_bound(q, keys, values)
         rtol, atol = (0, bound) if tol is None else (tol, tol)
         torch.testing.assert_close(decode.group(q, pk, pv, tk, tv).float(),
-                                   att.group_eager(q, pk, pv, tk, tv).float(), rtol=rtol, atol=atol)
+                                   group_eager(q, pk, pv, tk, tv).float(), rtol=rtol, atol=atol)
         for L in (3, 40):
             bound = 2 * _float32_attention_bound(q[0], pk[:, :L], pv[:, :L])
             rtol, atol = (0, bound) if tol is None else (tol, tol)
             torch.testing.assert_close(decode.one(q[0], pk[:, :L], pv[:, :L]).float(),
-                                       att.one_eager(q[0], pk[:, :L], pv[:, :L]).float(), rtol=rtol, atol=atol)
+                                       one_eager(q[0], pk[:, :L], pv[:, :L]).float(), rtol=rtol, atol=atol)
     assert decode.compiled  # no fallback happened
 
 
 def test_auto_compiles_below_float32_only_and_modes_are_checked():
-    assert not att.DecodeAttention("auto", torch.float32, device=DEVICE).compiled
-    assert att.DecodeAttention("auto", torch.bfloat16, device=DEVICE).compiled
-    assert att.DecodeAttention("on", torch.float32, device=DEVICE).compiled
-    assert not att.DecodeAttention("off", torch.bfloat16, device=DEVICE).compiled
+    """(The reference backend's forms: kernels "off".)"""
+    def compiled(mode, dtype, device=DEVICE):
+        return attention_path(device, dtype, "off", mode).compiled
+
+    assert not compiled("auto", torch.float32) and compiled("auto", torch.bfloat16)
+    assert compiled("on", torch.float32) and not compiled("off", torch.bfloat16)
     # the CPU runs the eager forms whatever the mode (policy.compile_trusted)
-    assert not any(att.DecodeAttention(mode, torch.bfloat16).compiled for mode in ("auto", "on", "off"))
-    with pytest.raises(ValueError, match="one of auto, on, off"):
-        att.DecodeAttention("always", torch.float32)
+    assert not any(compiled(mode, torch.bfloat16, "cpu") for mode in ("auto", "on", "off"))
     with pytest.raises(GptjError, match="engine compile must be one of"):
         EngineConfig(compile="yes")
 
@@ -77,15 +80,15 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch, cap
 
     monkeypatch.setattr(torch, "compile", broken)
     with caplog.at_level(logging.WARNING, logger="gptj.engine.attention"):
-        decode = att.DecodeAttention("on", torch.float32, device=DEVICE)  # (built only: no GPU needed)
+        decode = ReferenceAttention(compiled=True)  # (built only: no GPU needed)
     assert not decode.compiled
     assert "torch.compile failed (RuntimeError: no C++ compiler)" in caplog.text
     q, pk, pv, tk, tv = _inputs(torch.float32)
-    assert torch.equal(decode.group(q, pk, pv, tk, tv), att.group_eager(q, pk, pv, tk, tv))
+    assert torch.equal(decode.group(q, pk, pv, tk, tv), group_eager(q, pk, pv, tk, tv))
 
 
 def test_a_compiled_form_failing_at_run_time_falls_back(caplog):
-    decode = att.DecodeAttention("off", torch.float32)
+    decode = ReferenceAttention(compiled=False)
     decode.compiled = True
 
     def fails(*args):
@@ -95,7 +98,7 @@ def test_a_compiled_form_failing_at_run_time_falls_back(caplog):
     q, pk, pv, tk, tv = _inputs(torch.float32)
     with caplog.at_level(logging.WARNING, logger="gptj.engine.attention"):
         out = decode.one(q[0], pk, pv)
-    assert torch.equal(out, att.one_eager(q[0], pk, pv))
+    assert torch.equal(out, one_eager(q[0], pk, pv))
     assert not decode.compiled and "inductor: cannot build" in caplog.text
 
 
@@ -103,26 +106,24 @@ def test_a_compiled_form_failing_at_run_time_falls_back(caplog):
 def test_compiled_engine_requests_together_equal_each_alone(monkeypatch):
     from hf_ref import make_pair
 
-    # Groups from 20 keys on are computed compiled (the rest eager): both kinds in one step.
-    monkeypatch.setattr(att.DecodeAttention, "min_context", 20)
     calls = []
     for name in ("one", "group"):
-        real = getattr(att.DecodeAttention, name)
-        monkeypatch.setattr(att.DecodeAttention, name,
+        real = getattr(ReferenceAttention, name)
+        monkeypatch.setattr(ReferenceAttention, name,
                             lambda self, *a, _real=real: (self.compiled and calls.append(1)) or _real(self, *a))
     model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0].to(DEVICE)
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    engine = Engine(model, EngineConfig(max_seqs=16, compile="on"))
+    engine = Engine(model, EngineConfig(max_seqs=16, compile="on", kernels="off"))
     assert engine.attention.compiled
     together = engine.generate(prompts, MIXED)
     assert calls  # the compiled forms ran
-    alone = [Engine(model, EngineConfig(max_seqs=8, compile="on")).generate([p], [g])[0]
+    alone = [Engine(model, EngineConfig(max_seqs=8, compile="on", kernels="off")).generate([p], [g])[0]
              for p, g in zip(prompts, MIXED)]
     assert together == alone
     assert engine.attention.compiled  # it really ran compiled
     # and the compiled float32 engine's greedy tokens are the exact path's on this model
     greedy = GenerationConfig(max_new_tokens=12)
-    eager = Engine(model, EngineConfig(max_seqs=4, compile="off")).generate(prompts[:3], greedy)
+    eager = Engine(model, EngineConfig(max_seqs=4, compile="off", kernels="off")).generate(prompts[:3], greedy)
     assert engine.generate(prompts[:3], greedy) == eager
 
 
@@ -145,7 +146,6 @@ def test_unwritten_kv_memory_is_never_read(monkeypatch, compile_mode):
     """KV pools filled with NaN before use: every request's tokens are unchanged."""
     from hf_ref import make_pair
 
-    monkeypatch.setattr(att.DecodeAttention, "min_context", 0)
     model = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)[0]
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
     clean = Engine(model, EngineConfig(max_seqs=16, compile=compile_mode)).generate(prompts, MIXED)
@@ -167,7 +167,7 @@ def test_bfloat16_engine_never_reads_unwritten_kv(monkeypatch, kernel_path):
         model = model_from_state_dict(CFG, random_state_dict(CFG, seed=4, dtype=torch.bfloat16, std=0.3))
         kernels.prepare_for_serving(model, "auto", max_rows=4)
         engine = Engine(model, EngineConfig(max_seqs=4, compile="off"))  # (compiled forms: tests above)
-        assert engine.attention.native is (kernel_path == "native")
+        assert (engine.attention.name == "cpu-native") is (kernel_path == "native")
         if kernels.can_pack(torch.bfloat16, "cpu"):
             assert model.lm_head.layout == ("native" if kernel_path == "native" else "onednn")
         return engine.generate(prompts, MIXED)

@@ -8,6 +8,7 @@ from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.kv import KVCacheManager, block_keys
+from gptj.policy import attention_path
 from test_engine import CFG, MIXED, all_free, held_blocks, prompts_of  # noqa: F401 - the model fixture too
 from test_engine import model  # noqa: F401
 
@@ -179,10 +180,15 @@ def fill_pool(kv, storage: str) -> None:
         s.copy_(2.0 ** torch.randint(-8, -3, s.shape).float())
 
 
+def backend_for(kv, head_dim):
+    """The engine's attention backend for a bfloat16 model over this pool (kernels "auto")."""
+    return att.make_backend(attention_path("cpu", kv.k[0].dtype, "auto", "off", torch.bfloat16, head_dim))
+
+
 def pool_values(kv, blocks, length):
     """(keys, values) (H, length, D) of a block table in float32: what the pool stands for."""
     if not kv.quantized:
-        return (x.float() for x in kv.gather(0, blocks, length))
+        return (x.float() for x in kv.gather(0, torch.tensor(blocks), length))
     index = torch.tensor(blocks)
     H, D = kv.k[0].shape[1], kv.k[0].shape[3]
     return (att.dequantize_heads(c[index], sc[index], torch.float32).transpose(0, 1).reshape(H, -1, D)[:, :length]
@@ -205,13 +211,15 @@ def test_paged_attention_matches_the_gathered_reference(kernel_path, block_size,
     groups = [att.DecodeGroup(perm[:3], 3 * block_size - 5, [[]], 0),  # one sequence, partial last block
               att.DecodeGroup(perm[3:5], 2 * block_size, [perm[5:7], perm[7:9], perm[9:11]], block_size + 3)]
     q = torch.randn(4, H, 1, D, dtype=torch.bfloat16)
-    decode = att.DecodeAttention("off", kv.k[0].dtype, native=True, compute=torch.bfloat16)
-    assert decode.native == (kernel_path == "native")
+    decode = backend_for(kv, D)
+    assert (decode.name == "cpu-native") == (kernel_path == "native")
     # this step's token: the last of each row (group 0 at 3B - 6: block 2; group 1 at own B + 2: own block 1)
-    batch = att.PagedBatch(kv, decode, groups=groups, write_blocks=[perm[2], perm[6], perm[8], perm[10]],
-                           write_offsets=[block_size - 6, 2, 2, 2])
+    meta = decode.build(kv, groups, write_blocks=[perm[2], perm[6], perm[8], perm[10]],
+                        write_offsets=[block_size - 6, 2, 2, 2])
+    batch = att.PagedBatch(kv, decode, meta)
     # write nothing new: this step's k, v are what the blocks already hold at those positions
-    now = [[x[:, -1] for x in pool_values(kv, [b], o + 1)] for b, o in zip(batch._wb.tolist(), batch._wo.tolist())]
+    now = [[x[:, -1] for x in pool_values(kv, [b], o + 1)]
+           for b, o in zip(meta.write_blocks.tolist(), meta.write_offsets.tolist())]
     k_now, v_now = (torch.stack([kv_[i] for kv_ in now])[:, :, None].bfloat16() for i in (0, 1))
     got = batch.attend(0, q, k_now, v_now, None)[:, :, 0].float()
     rows = []
@@ -230,7 +238,7 @@ def test_paged_attention_matches_the_gathered_reference(kernel_path, block_size,
         # by factors within e^(+-2 delta), the output by <= 2.01 delta max|v|. Then probabilities rounded
         # to bfloat16 (2^-8 p.|v|), the output's rounding (2^-8 of it), float32 sums (2^-20 max|v|).
         delta = 2.0**-9 * s.abs().amax(-1)
-        if storage == "int8" and decode.native:
+        if storage == "int8" and decode.name == "cpu-native":
             delta = delta + k.abs().sum(-1).amax(-1) * qn.abs().amax(-1) / 65534 / D ** 0.5
         vmax = v.abs().amax((1, 2))[:, None]
         bound = 2.0**-8 * (want.abs() + p @ v.abs()) + (2.01 * delta[:, None] + 2.0**-20) * vmax
@@ -289,8 +297,8 @@ def test_paged_prefill_matches_the_reference(kernel_path, block_size, heads, sta
         held = [x.transpose(0, 1)[start:end] for x in pool_values(kv, blocks, end)]  # (T, H, D)
         qkv = torch.stack([torch.randn(T, H, D), *held], 1)[None].bfloat16()
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (1, H, T, D) views
-    decode = att.DecodeAttention("off", kv.k[0].dtype, native=True, compute=torch.bfloat16)
-    batch = att.PagedBatch(kv, decode, segments=[att.PrefillSegment(blocks, start, T)])
+    decode = backend_for(kv, D)
+    batch = att.PagedBatch(kv, decode, decode.build(kv, segments=[att.PrefillSegment(blocks, start, T)]))
     got = batch.attend(0, q, k, v, None)[0].float()  # stores k, v at start .. end - 1, then attends
     keys, values = pool_values(kv, blocks, end)  # (H, end, D), this chunk's included
     torch.testing.assert_close(keys[:, start:], k[0].float())

@@ -157,14 +157,14 @@ def test_pack_layout_follows_the_rows_a_step_can_have(kernel_path):
 def test_each_kernel_choice_follows_native_availability(kernel_path):
     """What picks gptj.native (int8 linears, decode attention) sees it switched off or on."""
     from gptj import native, quant
-    from gptj.engine.attention import DecodeAttention
+    from gptj.policy import CPU_NATIVE, attention_path
 
     on = kernel_path == "native"
     assert native.available() is on and (native.unavailable_reason() is None) is on
     assert (quant._native() is not None) is on
-    assert DecodeAttention("off", torch.bfloat16, native=True).native is on
-    assert DecodeAttention("off", torch.float32, native=True).native is False  # bfloat16 KV only
-    assert DecodeAttention("off", torch.bfloat16, native=False).native is False
+    assert (attention_path("cpu", torch.bfloat16, "auto", "off").backend == CPU_NATIVE) is on
+    assert attention_path("cpu", torch.float32, "auto", "off").backend != CPU_NATIVE  # a bfloat16 model only
+    assert attention_path("cpu", torch.bfloat16, "off", "off").backend != CPU_NATIVE
     lin = Int8Linear.from_float(nn.Linear(64, 48).to(torch.bfloat16))
     x = torch.randn(2, 64).to(torch.bfloat16)
     want = F.linear(x.float(), lin.weight.float() * lin.weight_scale.float()[:, None], lin.bias.float())

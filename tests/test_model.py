@@ -95,6 +95,7 @@ def test_logits_to_keep_and_position_limit():
             model(torch.randint(0, cfg.vocab_size, (1, 9)))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_cpu(dtype):

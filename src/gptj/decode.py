@@ -343,8 +343,8 @@ class BeamSearch:
         B, K, L = batch_size, gen.num_beams, gen.max_new_tokens
         self.gen, self.B, self.K, self.L = gen, B, K, L
         self.n_steps = 0
-        self.finished = False
         dev = device
+        self.done_now = torch.zeros((), dtype=torch.bool, device=dev)  # every prompt done (on the device)
         # Running beams. All K start as the prompt; only beam 0 is live at first (the others score
         # -1e9) so the first step does not pick the same token K times.
         self.run_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
@@ -356,7 +356,6 @@ class BeamSearch:
         self.fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
         self.fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
         self.improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
-        self.any_finished = False  # some prompt has a finished hypothesis
         self.in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
         self.beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
 
@@ -380,21 +379,20 @@ class BeamSearch:
             ends = torch.ones_like(ends)
 
         # Finished hypotheses: merge the accepted candidates into the K best so far. Ties keep the
-        # older hypothesis first (same layout as HF's merge: old slots, then candidates). A step
-        # where no candidate ends (most steps) changes none of them: skipped.
-        if n_new == L or bool(ends.any()):
-            full = self.fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
-            accept = ends & self.in_top_k[None, :] & (self.improvable & ~full)[:, None]  # (B, 2K)
-            normalized = cand_scores / (n_new ** gen.length_penalty)  # float32, as HF
-            merged_scores = torch.cat([self.fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
-            best = torch.topk(merged_scores, K, dim=1).indices  # (B, K)
-            self.fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
-            self.fin_tokens = torch.take_along_dim(torch.cat([self.fin_tokens, cand_tokens], dim=1),
-                                                   best[:, :, None], dim=1)
-            self.fin_lens = torch.take_along_dim(torch.cat([self.fin_lens, torch.full_like(cand_beam, n_new)], dim=1),
-                                                 best, dim=1)
-            self.fin_valid = torch.take_along_dim(torch.cat([self.fin_valid, accept], dim=1), best, dim=1)
-            self.any_finished = self.any_finished or bool(accept.any())
+        # older hypothesis first (same layout as HF's merge: old slots, then candidates). Done every
+        # step, though most accept nothing (the valid ones then stay as they were): asking would
+        # cost a device-to-host sync per step.
+        full = self.fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
+        accept = ends & self.in_top_k[None, :] & (self.improvable & ~full)[:, None]  # (B, 2K)
+        normalized = cand_scores / (n_new ** gen.length_penalty)  # float32, as HF
+        merged_scores = torch.cat([self.fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
+        best = torch.topk(merged_scores, K, dim=1).indices  # (B, K)
+        self.fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
+        self.fin_tokens = torch.take_along_dim(torch.cat([self.fin_tokens, cand_tokens], dim=1),
+                                               best[:, :, None], dim=1)
+        self.fin_lens = torch.take_along_dim(torch.cat([self.fin_lens, torch.full_like(cand_beam, n_new)], dim=1),
+                                             best, dim=1)
+        self.fin_valid = torch.take_along_dim(torch.cat([self.fin_valid, accept], dim=1), best, dim=1)
 
         # Next running beams: the K best candidates that did not end (HF: ended ones get -1e9).
         penalized = cand_scores + ends.float() * _NEG
@@ -403,17 +401,21 @@ class BeamSearch:
         self.run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
         source_rows = (torch.take_along_dim(cand_beam, keep, dim=1) + self.beam_offset).view(-1)  # (B*K,)
         self.n_steps = n_new
-        self.finished = n_new == L
-        if self.any_finished and not self.finished:
-            # Can a running beam still beat the worst finished hypothesis? (HF's heuristic; it only
-            # matters once all K slots are full, so not before any hypothesis is.)
-            best_len = L if gen.early_stopping == "never" and gen.length_penalty > 0.0 else n_new
-            best_possible = self.run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
-            worst_finished = self.fin_scores.min(dim=1).values
-            self.improvable &= ~self.fin_valid.all(dim=1) | (best_possible > worst_finished)
-            done = ~self.improvable | (self.fin_valid.all(dim=1) & (gen.early_stopping is True))
-            self.finished = bool(done.all())
+        # Can a running beam still beat the worst finished hypothesis? (HF's heuristic; it only
+        # matters once all K slots are full: before that, improvable stays True.)
+        best_len = L if gen.early_stopping == "never" and gen.length_penalty > 0.0 else n_new
+        best_possible = self.run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
+        worst_finished = self.fin_scores.min(dim=1).values
+        self.improvable &= ~self.fin_valid.all(dim=1) | (best_possible > worst_finished)
+        done = ~self.improvable | (self.fin_valid.all(dim=1) & (gen.early_stopping is True))
+        self.done_now = done.all() | (n_new == L)
         return source_rows, self.run_tokens[:, :, step].reshape(B * K)
+
+    @property
+    def finished(self) -> bool:
+        """Every prompt is done (reads the device's flag: a sync; the engine reads done_now with the
+        rest of its step instead)."""
+        return self.n_steps == self.L or bool(self.done_now)
 
     def ranked(self, b: int) -> list[tuple[list[int], float]]:
         """Prompt b's finished hypotheses, best first: (new tokens, score) each."""

@@ -286,8 +286,9 @@ class GPTJForCausalLM(nn.Module):
             if position_ids is None:
                 position_ids = position_ids_from_mask(attention_mask, T)
             mask = causal_mask(attention_mask, T)
-        if int(position_ids.max()) >= self.config.n_positions:
-            raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
+            # (the engine's cache checks lengths at admission: no device-to-host sync per forward there)
+            if int(position_ids.max()) >= self.config.n_positions:
+                raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
 
         if self.pipeline is not None:  # this rank runs some of the layers (gptj.parallel.pp)
             return self.pipeline.run(self, input_ids, position_ids, mask, cache, logits_to_keep)

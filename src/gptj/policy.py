@@ -53,6 +53,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -219,30 +220,47 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
 
 @dataclass(frozen=True)
 class AttentionPath:
-    """How the engine's decode attention runs: gptj.native's kernel first where it fits the call
-    (`native`), otherwise the torch.compile'd sums (`compiled`) or the eager formulas."""
+    """The engine's attention backend (a name in gptj.engine.attention.BACKENDS), and whether the
+    reference backend's forms are torch.compile'd."""
 
-    native: bool
+    backend: str
     compiled: bool
 
 
+REFERENCE, CPU_NATIVE, CUDA = "reference", "cpu-native", "cuda"
+
+
+def triton_available() -> bool:
+    """Triton is installed (the CUDA attention backend's kernels are written in it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mode: str,
-                   compile_mode: str, compute: torch.dtype | None = None) -> AttentionPath:
-    """The decode attention for KV stored as `kv_dtype` and computed in `compute` (the model's float
-    dtype; None: kv_dtype) on `device`, under the engine's kernels mode ("auto" / "off") and compile
-    mode ("auto": below float32, "on", "off"). gptj.native's kernels read bfloat16 blocks and int8
-    ones (with their scales) for a bfloat16 model."""
+                   compile_mode: str, compute: torch.dtype | None = None, head_dim: int = 256) -> AttentionPath:
+    """The attention backend for KV stored as `kv_dtype` and computed in `compute` (the model's float
+    dtype; None: kv_dtype) on `device`, heads of `head_dim`, under the engine's kernels mode
+    ("auto" / "off") and compile mode ("auto": below float32, "on", "off"):
+
+        cpu-native  kernels "auto", CPU, a bfloat16 model, bfloat16 or int8 KV, heads a multiple of 16
+                    up to 512, gptj.native available
+        cuda        kernels "auto", CUDA, Triton installed (any float dtype, float or int8 KV)
+        reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted
+    """
     compute = kv_dtype if compute is None else compute
-    on_cpu = torch.device(device).type == "cpu"
-    use_native = (kernels_mode == "auto" and on_cpu and compute == torch.bfloat16
-                  and kv_dtype in (torch.bfloat16, torch.int8) and native_available())
+    kind = torch.device(device).type
+    if kernels_mode == "auto":
+        if (kind == "cpu" and compute == torch.bfloat16 and kv_dtype in (torch.bfloat16, torch.int8)
+                and head_dim % 16 == 0 and head_dim <= 512 and native_available()):
+            return AttentionPath(CPU_NATIVE, False)
+        if kind == "cuda" and triton_available():
+            return AttentionPath(CUDA, False)
     compiled = (compile_mode == "on" or (compile_mode == "auto" and not exact(compute))) and compile_trusted(device)
-    return AttentionPath(native=use_native, compiled=compiled)
+    return AttentionPath(REFERENCE, compiled)
 
 
 def compile_trusted(device: torch.device | str) -> bool:
     """Whether the decode attention's forms may be torch.compile'd on `device`: not on CPU. torch
-    2.13's inductor built wrong CPU code for them (engine.attention's one_sums / group_sums against the
+    2.13's inductor built wrong CPU code for them (engine.attention.reference's one_sums / group_sums against the
     eager forms, 1 to 40 keys, heads of 16 to 256): with 256-bit (AVX2) code wrong sums in 3 to 42 of
     42 cases, with 512-bit (AVX-512) code kernels that corrupted the heap ("double free or
     corruption"), in bfloat16 and float32, whichever sizes were marked dynamic. The eager forms are

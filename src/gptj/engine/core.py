@@ -125,7 +125,7 @@ class Engine:
     # --- state ---
 
     @property
-    def attention(self):  # noqa: ANN201 - gptj.engine.attention.DecodeAttention
+    def attention(self):  # noqa: ANN201 - gptj.engine.attention.AttentionBackend
         return self.runner.attention
 
     @property

@@ -1,6 +1,6 @@
 """KV memory as paged blocks: who holds which block, which blocks hold a reusable prefix, what to evict.
 
-The keys and values themselves are tensors the runner owns (engine/attention.py, `PagedKV`:
+The keys and values themselves are tensors the runner owns (engine/attention/kv_cache.py, `PagedKV`:
 per layer (n_blocks, H, block_size, D)); this file is the bookkeeping over block ids, pure Python.
 
     block table   each sequence lists its blocks in order: token t sits in blocks[t // B] at t % B

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptj.engine.attention import DecodeAttention, DecodeGroup, PagedBatch, PagedKV, PrefillSegment
+from gptj.engine.attention import DecodeGroup, PagedBatch, PagedKV, PrefillSegment, make_backend
 from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.model import GPTJForCausalLM
+from gptj.policy import attention_path
 
 
 @dataclass
@@ -39,8 +40,8 @@ class ModelRunner:
         kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8
         self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
-        self.attention = DecodeAttention(config.compile, kv_dtype, native=config.kernels == "auto", device=w.device,
-                                         compute=w.dtype)
+        self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
+                                                     model.config.head_dim))
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
@@ -99,7 +100,8 @@ class ModelRunner:
             tokens += context(req)[start:end]
         ids = torch.tensor(tokens, device=self.device)[None]  # (1, tokens)
         pos = torch.tensor(positions, device=self.device)[None]
-        cache = PagedBatch(self.kv, self.attention, groups=groups, write_blocks=wb, write_offsets=wo, segments=segments)
+        meta = self.attention.build(self.kv, groups, wb, wo, segments)  # the step's index tensors, once
+        cache = PagedBatch(self.kv, self.attention, meta)
         logits = self.model(ids, position_ids=pos, cache=cache,
                             logits_to_keep=torch.tensor(keep, device=self.device))[0]  # (kept, V)
         out.decode_rows += len(wb)

@@ -1,7 +1,8 @@
 """After the forward: store what was computed, choose each request's next token(s), retire the done.
 
-Greedy and sampled requests follow gptj.decode.greedy_or_sample (min_new_tokens on the raw logits,
-then the warps); a beam-search request follows gptj.decode.BeamSearch. Its beams start as one
+The tokens are engine/sampler.py's choice (greedy and sampled requests as
+gptj.decode.greedy_or_sample, beam-search requests by gptj.decode.BeamSearch), made for the whole
+step at once. Its beams start as one
 sequence (the prompt); at its first token the prompt's blocks are shared by all of them (held once
 per beam), and after each step every beam takes the block table of the beam it continues (its
 blocks held again, the old ones released) — the blocks are shared, not copied, until one is written
@@ -15,10 +16,11 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from gptj.decode import BeamSearch, block_eos, warp
+from gptj.decode import BeamSearch
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
 from gptj.engine.runner import RunnerOutput
+from gptj.engine.sampler import Choice, choose
 from gptj.engine.scheduler import Scheduler, SchedulerOutput
 
 
@@ -57,11 +59,12 @@ class Updater:
             if not req.done:
                 for seq in req.seqs:
                     seq.length += 1
-        for req, logits in result.logits.items():
-            if not req.done:
-                self._next(req, logits)
-                if req.done:
-                    finished.append(req)
+        live = [(req, self._prepare(req, logits)) for req, logits in result.logits.items() if not req.done]
+        choices = choose(live)  # every request's next token(s): batched, one device-to-host copy
+        for req, logits in live:
+            self._next(req, logits, choices[req])
+            if req.done:
+                finished.append(req)
         return finished
 
     def _stored(self, req: Request, start: int, end: int, prompt_logits: torch.Tensor | None) -> None:
@@ -78,31 +81,29 @@ class Updater:
             req.prompt_token_logprobs = ([None] if start == 0 else req.prompt_token_logprobs) + token_logprobs(
                 prompt_logits[:len(targets)], targets, req.prompt_logprobs)
 
-    def _next(self, req: Request, logits: torch.Tensor) -> None:
-        """Choose the next token(s) from this step's logits (1 or n_seqs rows, V); retire when done."""
+    def _prepare(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """A beam request's first token: its beams start from the prompt, which they share."""
+        if req.gen.num_beams > 1 and req.beam is None:
+            req.beam = BeamSearch(1, req.gen, self.device)
+            self._fork(req)
+            return logits.expand(req.n_seqs, -1)
+        return logits
+
+    def _next(self, req: Request, logits: torch.Tensor, choice: Choice) -> None:
+        """Apply the sampler's choice of this step (logits: the request's rows, for log-probabilities);
+        retire the request when it is done."""
         gen = req.gen
-        if gen.num_beams > 1:
-            if req.beam is None:  # its first token: every beam starts from the prompt, which they share
-                req.beam = BeamSearch(1, gen, self.device)
-                self._fork(req)
-                logits = logits.expand(req.n_seqs, -1)
-            source, next_tokens = req.beam.step(logits)
-            if req.beam.finished:
+        if req.beam is not None:
+            if choice.done:
                 req.hypotheses = req.beam.ranked(0)
                 req.output, req.score = req.hypotheses[0]
                 eos = gen.eos_token_id
                 self.retire(req, FINISHED, "stop" if eos is not None and req.output[-1:] == [eos] else "length")
                 return
-            self._reorder(req, source.tolist())
-            req.next_tokens = next_tokens.tolist()
+            self._reorder(req, choice.source)
+            req.next_tokens = choice.tokens
             return
-        # Greedy or sampled, as gptj.decode.greedy_or_sample: min_new_tokens on the raw logits first.
-        scores = block_eos(logits, len(req.output), gen)
-        if gen.sampling:
-            probs = torch.softmax(warp(scores, gen), dim=-1)
-            token = int(torch.multinomial(probs, num_samples=1, generator=req.generator)[0, 0])
-        else:
-            token = int(torch.argmax(scores[0]))
+        (token,) = choice.tokens
         req.output.append(token)
         if req.logprobs is not None:
             req.token_logprobs += token_logprobs(logits[:1], [token], req.logprobs)

@@ -1,6 +1,6 @@
 /* gptj.native's attention kernels: decode over a shared prompt and tails (attend_group_bf16), paged
    decode of a whole batch (attend_paged) and paged causal prefill of a prompt chunk
-   (prefill_paged), the paged ones over bfloat16 or int8 blocks. engine/attention.py says when each
+   (prefill_paged), the paged ones over bfloat16 or int8 blocks. engine/attention/cpu_native.py says when each
    runs. */
 
 #include "simd.h"
@@ -122,10 +122,10 @@ int attend_group_bf16(const float *q, int N, int H, int D,
 }
 
 /* ---------------------------------------------------------------------------------------------
-   Paged decode attention of a whole decode batch in one call (engine/attention.py, PagedBatch).
+   Paged decode attention of a whole decode batch in one call (engine/attention/cpu_native.py).
    Keys/values live in blocks (n_blocks, H, B, D) contiguous, so token t of a block table lies in
    block tab[t / B] at row t % B: bfloat16, or int8 with a float32 scale per (block, head, row) in
-   ks, vs (n_blocks, H, B) (engine/attention.py's PagedKV: the value is q * scale). Group g (a
+   ks, vs (n_blocks, H, B) (engine/attention/kv_cache.py's PagedKV: the value is q * scale). Group g (a
    request: one sequence, or the beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of
    q (N, H, D) float32 and reads
        its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
@@ -388,7 +388,7 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
 }
 
 /* ---------------------------------------------------------------------------------------------
-   Paged prefill attention (engine/attention.py, PagedBatch, a prompt chunk): T queries at
+   Paged prefill attention (engine/attention/cpu_native.py, a prompt chunk): T queries at
    positions start .. start + T - 1 of one sequence, each attending causally over positions
    0 .. its own, whose keys/values are already stored in the blocks of table tab (this chunk's
    included). One work item per (head, tile of PF_QT = 16 queries); the lanes of every vector are

@@ -1,0 +1,250 @@
+"""One GPU's check of gptj's CUDA path, as one prepared command: the CUDA tests, copy bandwidth, decode
+latency at batch 1 and 32, the MLPerf-shaped Offline run and HF's one-at-a-time reference way; then
+one table, with the GPU engine issue's targets.
+
+    python benchmarks/gpu_check.py --out gpu-check          # one H100 / H200: gptj-6b random weights, bf16
+    python benchmarks/gpu_check.py --smoke                  # a rehearsal on CPU (tiny model, tiny sizes)
+
+Each step runs as a process of its own, its output in OUT/<step>.log; a failed or timed-out step is
+reported in the table and the others still run. OUT/results.json holds every figure and the table.
+
+    tests        python -m pytest -m cuda, in one process (the tests that run on CUDA when there is a GPU)
+    bandwidth    a device-to-device copy of --copy-gib GiB: bytes read + written per second
+    model        gptj init --preset gptj-6b --dtype bfloat16 (kept in OUT/model for the next run)
+    latency-b1   gptj bench latency, batch 1, 128-token prompt
+    latency-b32  gptj bench latency, batch 32, 512-token prompts
+    offline      gptj mlperf --scenario Offline --mode performance: --samples samples (the bundled
+                 articles repeated, benchmarks/standin_dataset.py), official generation settings
+                 (4 beams, 30-128 new tokens)
+    hf           HF transformers' generate on the same model, one sample at a time, official settings
+                 (what the MLPerf reference implementation does)
+
+The published figure the Offline run is compared with is TensorRT-LLM's MLPerf Offline result for
+the GPU (H200: 37.4 samples/s, v4.1; H100: 31.1, v4.0); random weights generate as many tokens as
+real ones here (min = 30, and EOS is as likely as any token), so it is a like-for-like shape, not a
+like-for-like model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _smoke import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+TRT_LLM_OFFLINE = {"H200": 37.4, "H100": 31.1}  # samples/s, one GPU, MLPerf Inference v4.1 / v4.0
+
+
+def run_step(name: str, cmd: list[str], out: Path, timeout: float, env: dict | None = None) -> dict:
+    """Run one step as a process; its output in OUT/<name>.log. -> {ok, seconds, stdout, error}."""
+    log = out / f"{name}.log"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        ok, stdout, stderr = proc.returncode == 0, proc.stdout, proc.stderr
+        error = None if ok else f"exit {proc.returncode}: {(stderr.strip().splitlines() or [''])[-1][:200]}"
+    except subprocess.TimeoutExpired as e:
+        ok, stdout, stderr = False, e.stdout or "", e.stderr or ""
+        stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
+        error = f"timed out after {timeout:.0f} s"
+    log.write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
+    seconds = time.perf_counter() - t0
+    print(f"# {name}: {'ok' if ok else error} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    return {"ok": ok, "seconds": round(seconds, 1), "stdout": stdout, "error": error}
+
+
+def last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def gptj(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gptj.cli", *args]
+
+
+BANDWIDTH = """
+import json, sys, torch
+device, gib = sys.argv[1], float(sys.argv[2])
+n = int(gib * 2**30) // 2
+src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+dst = torch.empty_like(src)
+def sync():
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+import time
+times = []
+for _ in range(8):
+    sync(); t0 = time.perf_counter(); dst.copy_(src); sync(); times.append(time.perf_counter() - t0)
+t = sorted(times)[len(times) // 2]
+print(json.dumps({"copy_gb_s": 2 * src.numel() * 2 / t / 1e9, "device": torch.cuda.get_device_name() if
+                  device.startswith("cuda") else "cpu", "torch": torch.__version__}))
+"""
+
+HF = """
+import json, sys, time, torch
+from transformers import GPTJForCausalLM
+from gptj.decode import GenerationConfig
+from gptj.mlperf.dataset import Dataset
+model_dir, dataset, device, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+model = GPTJForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
+gen = GenerationConfig.mlperf()
+ids = Dataset.load(dataset).input_ids[:n]
+def sync():
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+new = 0
+with torch.inference_mode():
+    x = torch.tensor([ids[0]], device=device)
+    model.generate(x, max_new_tokens=2, num_beams=gen.num_beams, pad_token_id=gen.pad_token_id)  # warm-up
+    sync(); t0 = time.perf_counter()
+    for prompt in ids:
+        x = torch.tensor([prompt], device=device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen.max_new_tokens,
+                             min_new_tokens=gen.min_new_tokens, num_beams=gen.num_beams,
+                             early_stopping=gen.early_stopping, pad_token_id=gen.pad_token_id,
+                             eos_token_id=gen.eos_token_id, do_sample=False)
+        new += out.shape[1] - x.shape[1]
+    sync(); t = time.perf_counter() - t0
+print(json.dumps({"samples": len(ids), "seconds": t, "samples_s": len(ids) / t, "new_tokens": new}))
+"""
+
+
+def offline_samples_s(log_dir: Path) -> float | None:
+    """LoadGen's Offline result (samples per second) from its summary."""
+    summary = log_dir / "mlperf_log_summary.txt"
+    if not summary.is_file():
+        return None
+    for line in summary.read_text().splitlines():
+        if line.startswith("Samples per second:"):
+            return float(line.split(":")[1])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("gpu-check"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--preset", default="gptj-6b")
+    ap.add_argument("--copy-gib", type=float, default=2.0)
+    ap.add_argument("--b1-new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch-prompt-len", type=int, default=512)
+    ap.add_argument("--batch-new-tokens", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=256, help="Offline samples (the bundled prompts repeated)")
+    ap.add_argument("--max-batch-size", type=int, default=64, help="Offline: requests running at once")
+    ap.add_argument("--hf-samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="Offline and HF (official: 128)")
+    ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b32,offline,hf")
+    ap.add_argument("--step-timeout", type=float, default=240)
+    ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
+    args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
+                           "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
+                           "samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
+                           "steps": "bandwidth,model,latency-b1,latency-b32,offline,hf"}, argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    steps = args.steps.split(",")
+    model = out / "model"
+    res: dict = {"settings": {k: str(v) for k, v in vars(args).items()}}
+    common = ["--device", args.device, "--dtype", args.dtype]
+
+    if "tests" in steps:
+        r = run_step("tests", [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-m", "cuda", "-p",
+                                  "no:cacheprovider"],
+                     out, args.step_timeout)
+        tail = (r["stdout"].strip().splitlines() or [""])[-1]
+        res["tests"] = {"ok": r["ok"], "summary": tail, "error": r["error"]}
+    if "bandwidth" in steps:
+        r = run_step("bandwidth", [sys.executable, "-c", BANDWIDTH, args.device, str(args.copy_gib)], out,
+                     args.step_timeout)
+        res["bandwidth"] = {**(last_json(r["stdout"]) or {}), "error": r["error"]}
+    if "model" in steps and not (model / "config.json").is_file():
+        r = run_step("model", gptj("init", "--preset", args.preset, "--dtype", args.dtype, "--out", str(model),
+                                   "--force"), out, max(args.step_timeout, 600))
+        res["model"] = {"seconds": r["seconds"], "error": r["error"]}
+    for name, batch, prompt, new in (("latency-b1", 1, 128, args.b1_new_tokens),
+                                     ("latency-b32", args.batch, args.batch_prompt_len, args.batch_new_tokens)):
+        if name in steps:
+            r = run_step(name, gptj("bench", "latency", "--model", str(model), *common, "--batch-size", str(batch),
+                                    "--prompt-len", str(prompt), "--new-tokens", str(new), "--repeats", "2",
+                                    "--json"), out, args.step_timeout)
+            res[name] = {**(last_json(r["stdout"]) or {}), "batch": batch, "error": r["error"]}
+    dataset = out / f"dataset-{args.samples}.json"
+    if "offline" in steps or "hf" in steps:
+        run_step("dataset", [sys.executable, str(ROOT / "benchmarks" / "standin_dataset.py"), "--samples",
+                             str(args.samples), "--out", str(dataset)], out, args.step_timeout)
+    if "offline" in steps:
+        log_dir = out / "offline"
+        r = run_step("offline", gptj("mlperf", "--model", str(model), *common, "--dataset", str(dataset), "--scenario",
+                                     "Offline", "--mode", "performance", "--quiet", "--log-dir", str(log_dir),
+                                     "--max-new-tokens", str(args.max_new_tokens), "--target-qps", "1",
+                                     "--min-duration-ms", "1000", "--min-query-count", str(args.samples),
+                                     "--max-query-count", "0", "--performance-sample-count", str(args.samples),
+                                     "--max-batch-size", str(args.max_batch_size)),
+                     out, max(args.step_timeout, 300))
+        res["offline"] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"]}
+    if "hf" in steps:
+        r = run_step("hf", [sys.executable, "-c", HF, str(model), str(dataset), args.device, str(args.hf_samples)],
+                     out, args.step_timeout, env={"PYTHONPATH": str(ROOT / "src")})
+        res["hf"] = {**(last_json(r["stdout"]) or {}), "error": r["error"]}
+
+    res["table"] = table(res)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res) if args.json else "\n".join(res["table"]))
+    failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("error")]
+    return 1 if failed else 0
+
+
+def table(res: dict) -> list[str]:
+    """The figures and the targets (GPU engine issue): weights read at >= 70 % of copy bandwidth at
+    batch 1; a batch-32 step <= 2x a batch-1 step; Offline >= 50 % of TensorRT-LLM and >= 40x HF."""
+    rows: list[tuple[str, str, str]] = []
+    bw = res.get("bandwidth", {})
+    device = bw.get("device", "?")
+    rows.append(("device", f"{device}, torch {bw.get('torch', '?')}", ""))
+    if "tests" in res:
+        rows.append(("CUDA tests", res["tests"]["summary"] or str(res["tests"]["error"]), ""))
+    copy = bw.get("copy_gb_s")
+    if copy:
+        rows.append(("copy bandwidth (read + write)", f"{copy:.0f} GB/s", ""))
+    b1, b32 = res.get("latency-b1", {}), res.get("latency-b32", {})
+    if b1.get("decode_tok_s"):
+        frac = b1["weights_gb_s"] / copy if copy else math.nan
+        rows.append(("batch-1 decode", f"{b1['decode_tok_s']:.1f} tok/s, weights at {b1['weights_gb_s']:.0f} GB/s",
+                     f"{frac:.0%} of copy bandwidth (target >= 70 %)"))
+    if b1.get("decode_tok_s") and b32.get("decode_tok_s"):
+        step1, stepn = 1 / b1["decode_tok_s"], b32["batch"] / b32["decode_tok_s"]
+        rows.append((f"batch-{b32['batch']} decode step", f"{stepn * 1e3:.1f} ms ({b32['decode_tok_s']:.0f} tok/s)",
+                     f"{stepn / step1:.2f}x the batch-1 step (target <= 2x)"))
+    off, hf = res.get("offline", {}), res.get("hf", {})
+    if off.get("samples_s"):
+        trt = next((v for k, v in TRT_LLM_OFFLINE.items() if k in device), None)
+        vs = f"{off['samples_s'] / trt:.0%} of TensorRT-LLM's {trt} (target >= 50 %)" if trt else ""
+        rows.append((f"MLPerf Offline ({off['samples']} samples)", f"{off['samples_s']:.2f} samples/s", vs))
+    if hf.get("samples_s"):
+        ratio = f"gptj Offline {off['samples_s'] / hf['samples_s']:.1f}x (target >= 40x)" if off.get("samples_s") else ""
+        rows.append((f"HF one at a time ({hf['samples']} samples)", f"{hf['samples_s']:.3f} samples/s", ratio))
+    for k, v in res.items():
+        if isinstance(v, dict) and v.get("error"):
+            rows.append((f"{k}: FAILED", v["error"], ""))
+    width = max(len(r[0]) for r in rows)
+    return [f"{a.ljust(width)}  {b}" + (f"  [{c}]" if c else "") for a, b, c in rows]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

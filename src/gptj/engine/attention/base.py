@@ -1,0 +1,214 @@
+"""The attention backend interface: what a step hands a backend, and what a backend does with it.
+
+A step's forward carries decode rows (one new token per sequence) and prompt chunks. The runner
+describes them as plain data — `DecodeGroup`s (a request's rows: one sequence, or the beams of
+one request sharing their prompt's blocks), write slots (where each decode row's new key and
+value go) and `PrefillSegment`s — and the backend's `build` turns them into `StepMetadata`: device
+tensors made once per step (one host-to-device copy), which every layer then reads. Per layer
+the model calls `PagedBatch.attend`, which only delegates:
+
+    store    the step's new keys and values into their blocks       backend.store
+    decode   each decode row over its group's blocks                  backend.decode
+    prefill  each chunk's queries, causally over its sequence's blocks backend.prefill
+
+Backends (gptj.policy.attention_path names one; engine.attention.make_backend builds it):
+reference.py (torch's eager and compiled forms: the ground truth every other one is tested
+against), cpu_native.py (gptj.native's AVX-512 kernels), cuda.py (a Triton kernel for the whole
+decode batch). Scores and softmax are float32 in all of them (HF's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gptj.engine.attention.kv_cache import PagedKV
+
+
+@dataclass
+class DecodeGroup:
+    """A request's rows in a decode step: one row per sequence (beams: several).
+
+    Every row reads the group's shared blocks (holding shared_len tokens) and then its own blocks
+    (own_len tokens each, this step's token included). A single sequence has all its blocks
+    shared and none of its own."""
+
+    shared: list[int]
+    shared_len: int
+    own: list[list[int]]
+    own_len: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.own)
+
+
+@dataclass
+class PrefillSegment:
+    """A prompt chunk in a forward: its tokens are at positions start .. start + length - 1 of the
+    sequence whose blocks are `blocks` (its first `start` tokens already stored)."""
+
+    blocks: list[int]
+    start: int
+    length: int
+
+
+@dataclass
+class DecodeTables:
+    """Every decode group of a step as int32 tables (gptj.native's attention_paged and the CUDA
+    kernel read this layout): rows row0[g] .. row0[g + 1] - 1 are group g's; its shared blocks are
+    stab[soff[g]:], holding slen[g] tokens; row n's own blocks are otab[n] (padded with block 0),
+    holding olen[g] tokens."""
+
+    row0: torch.Tensor  # (G + 1,)
+    stab: torch.Tensor  # (sum of shared blocks, at least 1,)
+    soff: torch.Tensor  # (G,)
+    slen: torch.Tensor  # (G,)
+    otab: torch.Tensor  # (N, omax)
+    olen: torch.Tensor  # (G,)
+    max_rows: int  # the most rows of one group (a host int: kernels size their tiles by it)
+
+    def astuple(self) -> tuple[torch.Tensor, ...]:
+        return self.row0, self.stab, self.soff, self.slen, self.otab, self.olen
+
+
+@dataclass
+class SegmentSlots:
+    """A prefill segment's tensors: where each of its tokens goes, and its sequence's blocks."""
+
+    blocks: torch.Tensor  # (T,) the block of each token
+    offsets: torch.Tensor  # (T,) its row in that block
+    table: torch.Tensor  # (ceil(end / B),) the sequence's blocks up to the chunk's end
+    positions: torch.Tensor  # (T,)
+
+
+@dataclass
+class StepMetadata:
+    """What every layer of one forward reads: built once per step by `build_step`."""
+
+    write_blocks: torch.Tensor  # (N,) long: decode row r's new key and value go to this block ...
+    write_offsets: torch.Tensor  # (N,) long: ... at this row
+    groups: list[DecodeGroup]
+    group_blocks: list[tuple[torch.Tensor, torch.Tensor]]  # per group: shared blocks (m,), own (rows, m')
+    segments: list[PrefillSegment]
+    slots: list[SegmentSlots]
+    tables: DecodeTables | None = None  # made for backends that read them (reads_tables)
+    extra: dict = field(default_factory=dict)  # a backend's own per-step values
+
+    @property
+    def n_decode(self) -> int:
+        return len(self.write_blocks)
+
+
+def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    return list(torch.split(flat, list(sizes))) if sizes else []
+
+
+def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> DecodeTables:
+    """The groups' int32 tables, made on the host and copied to `device` at once."""
+    row0, stab, soff, slen, olen, own = [0], [], [], [], [], []
+    for g in groups:
+        soff.append(len(stab))
+        stab += g.shared
+        slen.append(g.shared_len)
+        olen.append(g.own_len)
+        own += g.own
+        row0.append(row0[-1] + g.rows)
+    omax = max(1, max(map(len, own)))
+    otab = [b for o in own for b in o + [0] * (omax - len(o))]
+    parts = (row0, stab or [0], soff, slen, otab, olen)
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    r, s, so, sl, ot, ol = _split(flat, [len(p) for p in parts])
+    return DecodeTables(r, s, so, sl, ot.view(len(own), omax), ol, max(g.rows for g in groups))
+
+
+def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequence[int],
+               write_offsets: Sequence[int], segments: Sequence[PrefillSegment],
+               tables: bool = False) -> StepMetadata:
+    """The step's metadata: every index tensor made on the host as one list and copied to the KV's
+    device in one go (no host-device round trip per group or per layer). tables: make DecodeTables."""
+    B, device = kv.block_size, kv.device
+    parts: list[list[int]] = [list(write_blocks), list(write_offsets)]
+    for g in groups:
+        width = max(1, max(map(len, g.own)))
+        parts += [g.shared, [b for o in g.own for b in o + [0] * (width - len(o))]]
+    for seg in segments:
+        end = seg.start + seg.length
+        table = seg.blocks[:-(-end // B)]
+        positions = list(range(seg.start, end))
+        parts += [[table[p // B] for p in positions], [p % B for p in positions], table, positions]
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.long).to(device, non_blocking=True)
+    views = _split(flat, [len(p) for p in parts])
+    wb, wo, rest = views[0], views[1], views[2:]
+    group_blocks = [(rest[2 * i], rest[2 * i + 1].view(g.rows, -1)) for i, g in enumerate(groups)]
+    rest = rest[2 * len(groups):]
+    slots = [SegmentSlots(*rest[4 * i:4 * i + 4]) for i in range(len(segments))]
+    return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots,
+                        decode_tables(groups, device) if tables and groups else None)
+
+
+class AttentionBackend:
+    """One way of computing attention over paged KV memory. Subclasses implement store, decode and
+    prefill; `build` makes the step's metadata (with DecodeTables if `reads_tables`)."""
+
+    name = "?"
+    reads_tables = False
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled  # torch.compile'd forms (the reference backend's, on CUDA)
+
+    def build(self, kv: PagedKV, groups: Sequence[DecodeGroup] = (), write_blocks: Sequence[int] = (),
+              write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = ()) -> StepMetadata:
+        return build_step(kv, groups, write_blocks, write_offsets, segments, tables=self.reads_tables)
+
+    def store(self, kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor) -> None:
+        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n]."""
+        kv.write(layer, k, v, blocks, offsets)
+
+    def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """q (N, H, D): each decode row's query over its group's blocks -> (N, H, D) in kv.compute."""
+        raise NotImplementedError
+
+    def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: StepMetadata, i: int) -> torch.Tensor:
+        """Segment i's q, k, v (T, H, D), its keys and values already stored: causal attention over
+        its sequence's blocks -> (T, H, D)."""
+        raise NotImplementedError
+
+
+class PagedBatch:
+    """The KV cache one forward pass sees (model.py calls `attend` once per layer).
+
+    The forward's tokens, in order: one per decode row, then each prefill segment's tokens. No
+    padding: requests of any lengths share a forward, and each attends over its own blocks only.
+    The model may lay the tokens out as (rows, 1) or (1, tokens); `attend` reads them in that flat
+    order.
+    """
+
+    per_sequence = True  # the model builds no padding mask, and leaves position checks to admission
+
+    def __init__(self, kv: PagedKV, backend: AttentionBackend, meta: StepMetadata) -> None:
+        self.kv, self.backend, self.meta = kv, backend, meta
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """q, k, v: (B, H, T, D), B * T tokens in the order above -> (B, H, T, D)."""
+        Bq, H, T, D = q.shape
+        qt, kt, vt = (x.transpose(1, 2).reshape(Bq * T, H, D) for x in (q, k, v))  # (tokens, H, D)
+        out = torch.empty((Bq * T, H, D), dtype=v.dtype, device=v.device)
+        meta, n = self.meta, self.meta.n_decode
+        if n:
+            self.backend.store(self.kv, layer, kt[:n], vt[:n], meta.write_blocks, meta.write_offsets)
+            out[:n] = self.backend.decode(self.kv, layer, qt[:n], meta)
+        for i, (seg, slots) in enumerate(zip(meta.segments, meta.slots)):
+            end = n + seg.length
+            self.backend.store(self.kv, layer, kt[n:end], vt[n:end], slots.blocks, slots.offsets)
+            out[n:end] = self.backend.prefill(self.kv, layer, qt[n:end], kt[n:end], vt[n:end], meta, i)
+            n = end
+        return out.view(Bq, T, H, D).transpose(1, 2)
+
+    def advance(self, n: int) -> None:
+        pass  # lengths are the engine's bookkeeping

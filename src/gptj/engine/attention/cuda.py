@@ -1,0 +1,138 @@
+"""The CUDA backend: the whole decode batch of a layer in one Triton kernel launch, reading the
+blocks in place; prompt chunks and stores as the reference does them (SDPA below float32).
+
+The kernel runs one program per (decode group, head). A group's rows — one sequence, or the beams
+of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
+once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
+the softmax online (flash-decoding's running max and sum, one pass over the keys and values);
+int8 blocks are read with their per-token-head scales. The step's groups come as the same int32
+DecodeTables gptj.native reads, made once per step and copied to the GPU in one go.
+
+The kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how it
+is tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gptj.engine.attention.base import StepMetadata
+from gptj.engine.attention.kv_cache import PagedKV
+from gptj.engine.attention.reference import ReferenceAttention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # policy.attention_path chooses this backend only where Triton is installed
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _softmax_tile(s, v, m, den, acc):
+        """One tile of keys into the running softmax: scores s (R, B), -inf where masked; values v
+        (R or 1, B, D) float32; running max m (R,), sum den (R,), weighted values acc (R, D)."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)  # the old sums' rescale (0 at the first tile: m = -inf)
+        p = tl.exp(s - m_new[:, None])
+        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
+                             row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
+                             omax, scale, D,
+                             s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
+                             B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                             QUANTIZED: tl.constexpr):
+        g = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.load(row0_ptr + g)
+        rows = first + tl.arange(0, BLOCK_R)
+        rmask = rows < tl.load(row0_ptr + g + 1)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        t = tl.arange(0, B)
+        q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max of each row's scores
+        den = tl.zeros([BLOCK_R], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)  # running sum of exp(score - m) * value
+
+        # the group's shared blocks: one (B, D) tile of keys and values for all of its rows
+        slen = tl.load(slen_ptr + g)
+        soff = tl.load(soff_ptr + g)
+        for j in range(0, tl.cdiv(slen, B)):
+            block = tl.load(stab_ptr + soff + j).to(tl.int64)
+            tmask = j * B + t < slen
+            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (B, D)
+            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                sat = block * s_sb + h * s_sh + t
+                k = k * tl.load(ks_ptr + sat, mask=tmask, other=0.0)[:, None]
+                v = v * tl.load(vs_ptr + sat, mask=tmask, other=0.0)[:, None]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (R, B)
+            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v[None, :, :], m, den, acc)
+
+        # each row's own blocks (beams: what they wrote since the prompt): an (R, B, D) tile
+        olen = tl.load(olen_ptr + g)
+        for j in range(0, tl.cdiv(olen, B)):
+            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
+            tmask = j * B + t < olen
+            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
+            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
+            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
+                smask = rmask[:, None] & tmask[None, :]
+                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
+                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
+            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
+            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
+
+        out = acc / den[:, None]
+        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
+
+
+def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                 max_rows: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) float32.
+
+    q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
+    int8 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
+    step's DecodeTables (row0, stab, soff, slen, otab, olen) on q's device; max_rows: the most rows
+    of one group. Block ids and lengths are the caller's to keep in range."""
+    if triton is None:
+        raise RuntimeError("the CUDA attention backend needs Triton (pip install triton)")
+    N, H, D = q.shape
+    B = kc.shape[2]
+    if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
+        raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
+    row0, stab, soff, slen, otab, olen = tables
+    out = torch.empty((N, H, D), dtype=torch.float32, device=q.device)
+    quantized = kc.dtype == torch.int8
+    ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
+    _paged_decode_kernel[(len(soff), H)](
+        q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
+        otab.shape[1], 1.0 / math.sqrt(D), D,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
+        B=B, BLOCK_R=triton.next_power_of_2(max_rows), BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized)
+    return out
+
+
+class CudaAttention(ReferenceAttention):
+    """Decode by the Triton kernel; prefill and stores as the reference backend."""
+
+    name = "cuda"
+    reads_tables = True
+
+    def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        tables = meta.tables
+        out = paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer))
+        return out.to(kv.compute)

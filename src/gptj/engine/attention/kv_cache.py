@@ -1,0 +1,104 @@
+"""The paged KV memory: every layer's keys and values in blocks (the tensors; engine/kv.py keeps the
+bookkeeping of which block holds what)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gptj.config import GPTJConfig
+from gptj.engine.config import KV_SCALE_DTYPE, kv_bytes_per_token
+from gptj.errors import GptjError
+from gptj.quant.ops import quantize_rows_int8
+
+
+class PagedKV:
+    """Every layer's keys and values in blocks of B tokens: k[layer], v[layer] (n_blocks, H, B, D).
+
+    Which block holds what is engine/kv.py's bookkeeping; a sequence's token t lies in block
+    blocks[t // B], row t % B. n_head: this rank's heads (tensor parallel).
+
+    `dtype` is the storage (engine.config.kv_storage). int8 (`quantized`): each token's head vector
+    of D values is stored as round(x / s) with s = max |x| / 127 in k_scale / v_scale[layer]
+    (n_blocks, H, B), float32, and read back as q * s in `compute` (the model's dtype): |error| <= s / 2."""
+
+    def __init__(self, config: GPTJConfig, n_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, n_head: int | None = None, compute: torch.dtype | None = None) -> None:
+        shape = (n_blocks, n_head or config.n_head, block_size, config.head_dim)
+        self.quantized = dtype == torch.int8
+        self.compute = compute or (torch.float32 if self.quantized else dtype)
+        try:  # zeros, not empty: every page is touched now, not by the first requests (a page fault each)
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+            self.v = [torch.zeros_like(t) for t in self.k]
+            if self.quantized:
+                self.k_scale = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) for _ in self.k]
+                self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
+        except (RuntimeError, MemoryError) as e:
+            gb = n_blocks * block_size * kv_bytes_per_token(config, dtype, shape[1]) / 1e9
+            raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_blocks} blocks of {block_size} tokens): "
+                            f"{str(e).splitlines()[0]}") from None
+        self.block_size = block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k, *self.v, *(self.k_scale + self.v_scale if self.quantized else ()))
+
+    def copy(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy-on-write: block dst gets the first n tokens of block src, for each (src, dst, n)."""
+        for src, dst, n in copies:
+            for t in self._tensors():
+                t[dst, :, :n] = t[src, :, :n]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor) -> None:
+        """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n], by
+        indexing (int8 storage: rounded by quantize_heads first). A backend's `store` may do it its
+        own way; this is the reference."""
+        kc, vc = self.k[layer], self.v[layer]
+        if not self.quantized:
+            kc[blocks, :, offsets] = k
+            vc[blocks, :, offsets] = v
+            return
+        for x, cache, scales in ((k, kc, self.k_scale[layer]), (v, vc, self.v_scale[layer])):
+            q, s = quantize_heads(x)
+            cache[blocks, :, offsets] = q
+            scales[blocks, :, offsets] = s
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int8 blocks' (k_scale, v_scale) of a layer; (None, None) for float blocks."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+
+    def blocks(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks `index` (any shape I) as (*I, H, B, D) in the compute dtype."""
+        kc, vc = self.k[layer][index], self.v[layer][index]
+        if not self.quantized:
+            return kc, vc
+        return (dequantize_heads(kc, self.k_scale[layer][index], self.compute),
+                dequantize_heads(vc, self.v_scale[layer][index], self.compute))
+
+    def gather(self, layer: int, index: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of a block table `index` (a long tensor on the KV's
+        device) as (H, length, D) tensors in the compute dtype."""
+        kc = self.k[layer]
+        H, D = kc.shape[1], kc.shape[3]
+        if len(index) == 0 or length == 0:
+            empty = torch.empty((H, 0, D), dtype=self.compute, device=kc.device)
+            return empty, empty
+        k, v = self.blocks(layer, index)
+        return (k.transpose(0, 1).reshape(H, -1, D)[:, :length], v.transpose(0, 1).reshape(H, -1, D)[:, :length])
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (int8 (..., D), float32 scale (...)): per head vector, symmetric, s = max |x| / 127
+    (gptj.quant's per-row rounding, each head vector a row)."""
+    q, s = quantize_rows_int8(x)
+    return q, s[..., 0]
+
+
+def dequantize_heads(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * s, computed in float32 and rounded once to `dtype`."""
+    return (q.float() * s[..., None]).to(dtype)

@@ -1,0 +1,155 @@
+"""The reference backend: torch's own ops, one decode group at a time. The ground truth every other
+backend is tested against, and what runs where none of them applies (float32 — exact —, kernels
+"off", CPUs without gptj.native, devices without a backend of their own).
+
+Each group's blocks are gathered into one tensor (int8 blocks dequantized to the model's dtype) and
+computed by the forms below:
+
+    one sequence   q (H, D) over its own blocks                                   greedy, sampled
+    a beam group   q (N, H, D) over the prompt's blocks, shared, then each beam's  beam search
+                   own blocks; softmax over [shared | own]
+
+Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.model.attention's exact
+math and the beam groups matmuls plus float32 products; at these shapes (a single query row per
+head) torch's batched matmuls and CPU SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys
+x 64 where a compiled loop takes ~150 us. So the compiled form (CUDA only:
+policy.compile_trusted) writes the same formula as products and sums, which inductor turns into
+one pass over the keys and one over the values. Each group is computed on its own tensors, so a
+request's result never depends on what else shares the step (batch invariance in every mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from gptj.engine.attention.base import AttentionBackend, StepMetadata
+from gptj.engine.attention.kv_cache import PagedKV
+from gptj.model import attention
+from gptj.policy import exact
+
+log = logging.getLogger(__name__)
+
+
+# --- eager ------------------------------------------------------------------------------------------
+
+def one_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (H, D), k, v (H, L, D) -> (H, D): gptj.model.attention on one query (float32: exact).
+
+    Below float32: matmuls in the dtype, scores and softmax in float32 (CPU SDPA is 2x slower
+    for a single query row)."""
+    if exact(q.dtype):
+        return attention(q[None, :, None], k[None], v[None], None)[0, :, 0]
+    s = torch.matmul(q[:, None, :], k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))  # (H, 1, L)
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)[:, 0]
+
+
+def group_eager(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
+                tv: torch.Tensor) -> torch.Tensor:
+    """q (N, H, D) over [shared prompt pk, pv (H, P, D) | own tails tk, tv (N, H, T, D)] -> (N, H, D)."""
+    scale = math.sqrt(q.shape[-1])
+    qh = q.transpose(0, 1)  # (H, N, D): all of the group's sequences against the prompt in one matmul
+    s_prompt = torch.matmul(qh.float() if exact(q.dtype) else qh, pk.transpose(-1, -2)).float()  # (H, N, P)
+    # The tails are short (<= max_new_tokens): float32 products and sums beat many tiny batched matmuls.
+    s_tail = (q.float()[:, :, None, :] * tk.float()).sum(-1).transpose(0, 1)  # (H, N, T)
+    probs = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) / scale, dim=-1)  # float32
+    P = pk.shape[1]
+    out = torch.matmul(probs[..., :P].to(pv.dtype), pv)  # (H, N, D)
+    out_tail = (probs[..., P:].transpose(0, 1)[..., None] * tv.float()).sum(-2)  # (N, H, D) float32
+    return out.transpose(0, 1) + out_tail.to(pv.dtype)
+
+
+# --- the compiled forms (the same formulas as products and sums) --------------------------------------
+
+def one_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    s = (k.float() * q.float()[:, None, :]).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))  # (H, L)
+    p = torch.softmax(s, dim=-1)
+    return (p[..., None] * v.float()).sum(-2).to(v.dtype)
+
+
+def group_sums(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
+               tv: torch.Tensor) -> torch.Tensor:
+    qf = q.float()[:, :, None, :]  # (N, H, 1, D)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s_prompt = (pk.float()[None] * qf).sum(-1)  # (N, H, P)
+    s_tail = (tk.float() * qf).sum(-1)  # (N, H, T)
+    p = torch.softmax(torch.cat([s_prompt, s_tail], dim=-1) * scale, dim=-1)
+    P = pk.shape[1]
+    out = (p[..., :P, None] * pv.float()[None]).sum(-2) + (p[..., P:, None] * tv.float()).sum(-2)
+    return out.to(pv.dtype)
+
+
+class ReferenceAttention(AttentionBackend):
+    """torch's forms, group by group; `compiled`: the torch.compile'd sums (policy.attention_path
+    decides). If compiling or running a compiled form fails, it logs one warning and stays eager."""
+
+    name = "reference"
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
+        self._one, self._group = one_eager, group_eager
+        if compiled:
+            try:
+                self._one = torch.compile(one_sums, dynamic=True)
+                self._group = torch.compile(group_sums, dynamic=True)
+            except Exception as e:  # noqa: BLE001 - torch.compile unavailable: eager it is
+                self._fall_back(e)
+
+    def _fall_back(self, error: Exception) -> None:
+        first = str(error).splitlines()[0] if str(error) else ""
+        log.warning("torch.compile failed (%s: %s); decode attention runs eagerly", type(error).__name__, first)
+        self.compiled = False
+        self._one, self._group = one_eager, group_eager
+
+    def one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.compiled:
+            try:
+                return self._one(q, k, v)
+            except Exception as e:  # noqa: BLE001 - e.g. no compiler for inductor
+                self._fall_back(e)
+        return one_eager(q, k, v)
+
+    def group(self, q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor,
+              tv: torch.Tensor) -> torch.Tensor:
+        if self.compiled:
+            try:
+                return self._group(q, pk, pv, tk, tv)
+            except Exception as e:  # noqa: BLE001
+                self._fall_back(e)
+        return group_eager(q, pk, pv, tk, tv)
+
+    def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=kv.compute, device=q.device)
+        H, D = q.shape[1], q.shape[2]
+        row = 0
+        for g, (shared, own) in zip(meta.groups, meta.group_blocks):
+            n = g.rows
+            pk, pv = kv.gather(layer, shared, g.shared_len)
+            if not g.own_len:  # one sequence: all of it is "shared"
+                out[row] = self.one(q[row], pk, pv)
+            else:
+                ok, ov = kv.blocks(layer, own)  # (n, m, H, B, D)
+                tk = ok.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
+                tv = ov.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]
+                out[row:row + n] = self.group(q[row:row + n], pk, pv, tk, tv)
+            row += n
+        return out
+
+    def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: StepMetadata, i: int) -> torch.Tensor:
+        """gptj.model.attention with a causal mask; over this call's keys when nothing was stored
+        before (and the blocks are not int8), else over the gathered blocks."""
+        seg, slots = meta.segments[i], meta.slots[i]
+        T, end = seg.length, seg.start + seg.length
+        qh = q.transpose(0, 1)[None]  # (1, H, T, D)
+        causal = torch.zeros((T, end), dtype=torch.float32, device=q.device)
+        keys_at = torch.arange(end, device=q.device)[None, :]
+        causal.masked_fill_(keys_at > slots.positions[:, None], torch.finfo(torch.float32).min)
+        if seg.start == 0 and not kv.quantized:  # nothing stored before: this call's keys are all of them
+            out = attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, causal=True)
+        else:
+            keys, values = kv.gather(layer, slots.table, end)
+            out = attention(qh, keys[None], values[None], causal)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,235 @@
+"""Every attention backend (gptj.engine.attention) against exact arithmetic and against the reference:
+decode over a paged pool (single sequences with partial blocks, beam groups sharing a prompt, a
+group with no shared block), float and int8 KV; the metadata a step builds; an engine on each
+backend gives the reference's tokens, and requests together equal each alone.
+
+The CUDA backend's Triton kernel runs here under Triton's interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1 without a GPU): in float32 and float16, since the interpreter has no bfloat16
+arithmetic (triton-lang/triton issues 4972, 11584). gptj.native's backend runs where the CPU has
+it (bfloat16). On a GPU the same tests run the compiled kernel on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptj import native, policy
+from gptj.config import GPTJConfig
+from gptj.decode import GenerationConfig
+from gptj.engine import Engine, EngineConfig
+from gptj.engine import attention as att
+from gptj.engine.attention.reference import ReferenceAttention
+from test_engine import CFG, MIXED, prompts_of
+from test_engine import model  # noqa: F401 - the fixture
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_reason() -> str | None:
+    """Why the CUDA backend's kernel cannot run here, or None."""
+    if not policy.triton_available():
+        return "Triton is not installed (the CUDA backend's kernels): pip install triton"
+    import triton
+
+    if DEVICE == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        return (f"Triton {triton.__version__}'s interpreter cannot run loops bounded by loaded values under "
+                "numpy 2.4 (3.9's can): pip install 'triton>=3.9'")
+    return None
+
+
+needs_triton = pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))
+needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (benchmarks/gpu_check.py runs it there)")
+pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
+# the unit roundoff of each compute dtype (bfloat16 keeps 8 significant bits, float16 11, float32 24)
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def backends() -> list:
+    """(backend, compute dtype) pairs this machine runs, each with a skip reason where it cannot."""
+    cuda_reason = triton_reason()
+    native_reason = native.unavailable_reason()
+    return [
+        pytest.param("cuda", torch.float32, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
+        pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
+        pytest.param("cpu-native", torch.bfloat16, marks=pytest.mark.skipif(
+            native_reason is not None or DEVICE != "cpu", reason=f"native kernels unavailable: {native_reason}")),
+        pytest.param("reference", torch.float32),
+        pytest.param("reference", torch.bfloat16),
+    ]
+
+
+def make_pool(H: int, D: int, B: int, n_blocks: int, storage: str, compute: torch.dtype, seed: int) -> att.PagedKV:
+    """Every block filled with random keys and values (int8: rounded as the engine stores them)."""
+    cfg = GPTJConfig(n_layer=1, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=512)
+    dtype = torch.int8 if storage == "int8" else compute
+    kv = att.PagedKV(cfg, n_blocks, B, dtype, DEVICE, n_head=H, compute=compute)
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(n_blocks * B, H, D, generator=g).to(compute).to(DEVICE) for _ in range(2))
+    slots = torch.arange(n_blocks * B, device=DEVICE)
+    kv.write(0, k, v, slots // B, slots % B)
+    return kv
+
+
+def exact_values(kv: att.PagedKV, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) (H, length, D) of a block table in float64: what the pool holds, exactly."""
+    index = torch.tensor(blocks, dtype=torch.long, device=DEVICE)
+    H, D = kv.k[0].shape[1], kv.k[0].shape[3]
+    out = []
+    for cache, scales in ((kv.k[0], kv.k_scale[0] if kv.quantized else None),
+                          (kv.v[0], kv.v_scale[0] if kv.quantized else None)):
+        x = cache[index].double()
+        if scales is not None:
+            x = x * scales[index].double()[..., None]
+        out.append(x.transpose(0, 1).reshape(H, -1, D)[:, :length])
+    return out[0], out[1]
+
+
+def groups_of(B: int, perm: list[int]) -> list[att.DecodeGroup]:
+    return [att.DecodeGroup(perm[:3], 3 * B - 5, [[]], 0),  # one sequence, its last block partial
+            att.DecodeGroup(perm[3:4], 1, [[]], 0),  # one sequence of one token
+            att.DecodeGroup(perm[4:6], 2 * B, [perm[6:8], perm[8:10], perm[10:12]], B + 3),  # 3 beams
+            att.DecodeGroup([], 0, [perm[12:13], perm[13:14]], 5)]  # 2 beams, a prompt shorter than a block
+
+
+@pytest.mark.parametrize("backend, compute", backends())
+@pytest.mark.parametrize("storage", ["float", "int8"])
+@pytest.mark.parametrize("B, H, D", [(8, 3, 48), (16, 2, 256)], ids=["B8-3x48", "B16-2x256"])
+def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, storage, B, H, D):
+    """Each row's attention over [its group's shared blocks | its own] against float64 over the same
+    stored values. Bound, from the arithmetic (u: the compute dtype's unit roundoff): scores rounded
+    to the dtype and keys/values dequantized to it move each score by <= u (max|s| + max sum|q k| /
+    sqrt(D)) =: delta, so the probabilities by factors within e^(+-2 delta) and the output by <= 2.01
+    delta max|v|; probabilities and values rounded to the dtype (<= 2u p.|v|) and the output's own
+    rounding (u |out|); float32 sums and the online softmax's rescales (<= (4 L + 16) 2^-24 max|v|)."""
+    if backend == "cpu-native" and D % 16:
+        pytest.skip("gptj.native reads heads of a multiple of 16")
+    kv = make_pool(H, D, B, 20, storage, compute, seed=B + D)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(1)).tolist()
+    groups = groups_of(B, perm)
+    impl = att.make_backend(policy.AttentionPath(backend, False))
+    meta = impl.build(kv, groups, [0] * 7, [0] * 7)
+    q = torch.randn(7, H, D, generator=torch.Generator().manual_seed(2)).to(compute).to(DEVICE)
+    got = impl.decode(kv, 0, q, meta).double()
+    assert got.shape == (7, H, D) and got.dtype == torch.float64
+    u = UNIT[compute]
+    row = 0
+    for g in groups:
+        for own in g.own:
+            k, v = exact_values(kv, g.shared + own, g.shared_len + g.own_len)
+            qn = q[row].double()
+            s = (qn[:, None, :] * k).sum(-1) / D**0.5  # (H, L)
+            p = torch.softmax(s, -1)
+            want = (p[..., None] * v).sum(-2)
+            delta = u * (s.abs().amax(-1) + (qn[:, None, :] * k).abs().sum(-1).amax(-1) / D**0.5)
+            vmax = v.abs().amax((1, 2))[:, None]
+            L = k.shape[1]
+            bound = u * (want.abs() + 2 * (p @ v.abs())) + (2.01 * delta[:, None] + (4 * L + 16) * 2.0**-24) * vmax
+            err = (got[row] - want).abs()
+            assert (err <= bound).all(), (row, float((err / bound).max()))
+            row += 1
+
+
+@needs_triton
+@pytest.mark.parametrize("storage", ["float", "int8"])
+def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage):
+    """Batch invariance: a group's rows computed with the whole step's groups equal the same group
+    computed alone, bit for bit (one program per group and head: nothing is shared across groups)."""
+    kv = make_pool(2, 64, 8, 20, storage, torch.float32, seed=3)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(4)).tolist()
+    groups = groups_of(8, perm)
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    q = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    together = impl.decode(kv, 0, q, impl.build(kv, groups, [0] * 7, [0] * 7))
+    row = 0
+    for g in groups:
+        alone = impl.decode(kv, 0, q[row:row + g.rows], impl.build(kv, [g], [0] * g.rows, [0] * g.rows))
+        assert torch.equal(alone, together[row:row + g.rows])
+        row += g.rows
+
+
+def test_a_step_builds_its_index_tensors_once_on_the_kvs_device():
+    """build: the write slots, each group's blocks and each segment's slots, all on the KV's device;
+    the DecodeTables a kernel reads (gptj.native's layout: int32, own tables padded with block 0)."""
+    kv = make_pool(2, 16, 8, 20, "float", torch.float32, seed=0)
+    groups = groups_of(8, list(range(20)))
+    seg = att.PrefillSegment([15, 16, 17], 5, 10)  # positions 5 .. 14: blocks 15 and 16
+    meta = att.build_step(kv, groups, [1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6], [seg], tables=True)
+    assert meta.write_blocks.tolist() == [1, 2, 3, 4, 5, 6, 7] and meta.n_decode == 7
+    shared, own = meta.group_blocks[2]
+    assert shared.tolist() == [4, 5] and own.tolist() == [[6, 7], [8, 9], [10, 11]]
+    slots = meta.slots[0]
+    assert slots.blocks.tolist() == [15, 15, 15, 16, 16, 16, 16, 16, 16, 16]
+    assert slots.offsets.tolist() == [5, 6, 7, 0, 1, 2, 3, 4, 5, 6] and slots.table.tolist() == [15, 16]
+    assert slots.positions.tolist() == list(range(5, 15))
+    t = meta.tables
+    assert t.row0.tolist() == [0, 1, 2, 5, 7] and t.soff.tolist() == [0, 3, 4, 6] and t.max_rows == 3
+    assert t.stab.tolist() == [0, 1, 2, 3, 4, 5] and t.slen.tolist() == [3 * 8 - 5, 1, 16, 0]
+    assert t.olen.tolist() == [0, 0, 11, 5] and t.otab.tolist()[2:] == [[6, 7], [8, 9], [10, 11], [12, 0], [13, 0]]
+    assert all(x.dtype == torch.int32 and x.device.type == DEVICE for x in t.astuple())
+    assert all(x.device.type == DEVICE for x in (meta.write_blocks, shared, own, slots.blocks, slots.table))
+
+
+def test_the_policy_names_one_backend_per_device_and_dtype(monkeypatch):
+    """cpu-native for a bfloat16 model on a CPU with gptj.native; cuda on CUDA with Triton; the
+    reference otherwise (kernels "off", float32 on CPU, Triton missing)."""
+    monkeypatch.setattr(policy, "native_available", lambda: True)
+    monkeypatch.setattr(policy, "triton_available", lambda: True)
+    path = policy.attention_path
+    assert path("cpu", torch.bfloat16, "auto", "auto").backend == policy.CPU_NATIVE
+    assert path("cpu", torch.int8, "auto", "auto", torch.bfloat16).backend == policy.CPU_NATIVE
+    assert path("cpu", torch.bfloat16, "auto", "auto", head_dim=40).backend == policy.REFERENCE
+    assert path("cpu", torch.float32, "auto", "auto").backend == policy.REFERENCE
+    assert path("cpu", torch.bfloat16, "off", "auto").backend == policy.REFERENCE
+    for dtype in (torch.bfloat16, torch.float32, torch.int8):
+        assert path("cuda", dtype, "auto", "auto", torch.bfloat16).backend == policy.CUDA
+    assert path("cuda", torch.bfloat16, "off", "auto") == policy.AttentionPath(policy.REFERENCE, True)
+    monkeypatch.setattr(policy, "triton_available", lambda: False)
+    assert path("cuda", torch.bfloat16, "auto", "off") == policy.AttentionPath(policy.REFERENCE, False)
+    assert set(att.BACKENDS) == {policy.REFERENCE, policy.CPU_NATIVE, policy.CUDA}
+
+
+@needs_triton
+def test_an_engine_on_the_cuda_backend_gives_the_references_tokens(model):  # noqa: F811 - the fixture
+    """float32: greedy, sampled and beam requests sharing steps, through the Triton kernel, give the
+    reference backend's tokens; and each request's tokens alone are its tokens together."""
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    model = model.to(DEVICE)
+
+    def engine(backend: str, max_seqs: int = 16) -> Engine:
+        e = Engine(model, EngineConfig(max_seqs=max_seqs, block_size=8, kernels="off"))
+        e.runner.attention = att.make_backend(policy.AttentionPath(backend, False))
+        return e
+
+    cuda = engine("cuda")
+    assert isinstance(cuda.attention, ReferenceAttention) and cuda.attention.name == "cuda"
+    together = cuda.generate(prompts, MIXED)
+    assert together == engine("reference").generate(prompts, MIXED)
+    for p, g, want in zip(prompts[:3], MIXED[:3], together[:3]):
+        assert engine("cuda", 8).generate([p], [g])[0] == want
+
+
+@needs_gpu
+def test_on_cuda_float32_tokens_are_hfs_and_bfloat16_is_batch_invariant():
+    """The engine on CUDA (the cuda backend): float32 greedy and MLPerf beam search give HF
+    transformers' tokens on the same GPU; bfloat16 requests together give their tokens alone."""
+    from hf_ref import EOS, cut_at_eos, make_pair
+
+    ours, hf = make_pair(CFG, seed=1, std=0.3, eos_bias=4.0)
+    ours, hf = ours.to("cuda"), hf.to("cuda")
+    prompts = prompts_of([5, 17, 30, 8])
+    engine = Engine(ours, EngineConfig(max_seqs=16))
+    assert engine.attention.name == "cuda"
+    for gen, hf_args in ((GenerationConfig(max_new_tokens=16), {}),
+                         (GenerationConfig.mlperf(max_new_tokens=24, min_new_tokens=6),
+                          dict(num_beams=4, min_new_tokens=6, early_stopping=True))):
+        got = engine.generate(prompts, gen)
+        for prompt, tokens in zip(prompts, got):
+            ids = torch.tensor([prompt], device="cuda")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen.max_new_tokens,
+                              do_sample=False, pad_token_id=EOS, eos_token_id=EOS, **hf_args)
+            assert tokens == cut_at_eos(out[0, len(prompt):].tolist())
+    bf16 = ours.to(torch.bfloat16)
+    together = Engine(bf16, EngineConfig(max_seqs=16)).generate(prompts, MIXED[:4])
+    alone = [Engine(bf16, EngineConfig(max_seqs=8)).generate([p], [g])[0] for p, g in zip(prompts, MIXED[:4])]
+    assert together == alone

@@ -1,0 +1,71 @@
+"""engine/sampler.py: the whole step's tokens in batched ops and one device-to-host read, and the
+same tokens as the per-request rules of gptj.decode (greedy_or_sample's, BeamSearch's)."""
+
+from __future__ import annotations
+
+import torch
+
+from gptj.decode import BeamSearch, GenerationConfig, block_eos, warp
+from gptj.engine.request import Request
+from gptj.engine.sampler import choose
+
+V = 50
+
+
+def request(rid: str, gen: GenerationConfig, output: list[int] | None = None) -> Request:
+    req = Request(rid, [1, 2, 3], gen)
+    req.output = list(output or [])
+    if gen.sampling and gen.seed is not None:
+        req.generator = torch.Generator().manual_seed(gen.seed)
+    return req
+
+
+def count_host_reads(monkeypatch) -> list[str]:
+    """Every tensor read back to the host (tolist, item, bool, int, float) from now on, by name."""
+    reads: list[str] = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
+    return reads
+
+
+def test_a_mixed_step_is_chosen_with_one_host_read_and_each_rule_as_alone(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    logits = {k: torch.randn(n, V, generator=g) for k, n in (("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 3))}
+    eos = int(logits["b"][0].argmax())  # b's best token is its EOS, blocked until 4 new tokens
+    gens = {"a": GenerationConfig(max_new_tokens=8),
+            "b": GenerationConfig(max_new_tokens=8, min_new_tokens=4, eos_token_id=eos),
+            "c": GenerationConfig(max_new_tokens=8, do_sample=True, seed=7, top_k=10, temperature=0.7),
+            "d": GenerationConfig(max_new_tokens=8, do_sample=True, seed=9, top_p=0.8),
+            "e": GenerationConfig(max_new_tokens=8, num_beams=3, eos_token_id=None)}
+    reqs = {k: request(k, gen, output=[5]) for k, gen in gens.items()}
+    reqs["e"].beam = BeamSearch(1, gens["e"], "cpu")
+    twin = BeamSearch(1, gens["e"], "cpu")  # the same search, stepped alone
+    reqs["e"].seqs = [None] * 3  # (n_seqs: its three beams)
+
+    reads = count_host_reads(monkeypatch)
+    choices = choose([(reqs[k], logits[k]) for k in "abcde"])
+    assert reads == ["tolist"]  # the whole step: one read
+    monkeypatch.undo()
+
+    assert choices[reqs["a"]].tokens == [int(logits["a"][0].argmax())]
+    want_b = int(block_eos(logits["b"], 1, gens["b"])[0].argmax())
+    assert choices[reqs["b"]].tokens == [want_b] and want_b != eos
+    for k in "cd":  # the request's own generator, as gptj.decode draws
+        probs = torch.softmax(warp(block_eos(logits[k], 1, gens[k]), gens[k]), dim=-1)
+        want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(gens[k].seed))[0, 0])
+        assert choices[reqs[k]].tokens == [want]
+    source, tokens = twin.step(logits["e"])
+    e = choices[reqs["e"]]
+    assert (e.source, e.tokens, e.done) == (source.tolist(), tokens.tolist(), False)
+
+
+def test_a_beam_search_is_done_when_its_last_token_is_chosen():
+    gen = GenerationConfig(max_new_tokens=2, num_beams=2, eos_token_id=None)
+    req = request("r", gen)
+    req.beam = BeamSearch(1, gen, "cpu")
+    req.seqs = [None] * 2
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    assert choose([(req, logits)])[req].done is False
+    assert choose([(req, logits)])[req].done is True and req.beam.finished
