@@ -19,6 +19,7 @@ from gptj.errors import GptjError
 from gptj.policy import PACK_MODES
 
 COMPILE_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (engine/graphs.py): auto = on CUDA with the cuda attention backend
 # KV storage: "auto" the model's float dtype; "int8" int8 keys and values with a float32 scale per
 # token and head (max |x| / 127 of that head's D values, as vLLM's and TensorRT-LLM's int8 / fp8 KV
 # caches scale theirs): (D + 4) bytes where bfloat16 takes 2 D, so 1.97x the tokens at GPT-J's D = 256.
@@ -41,6 +42,7 @@ class EngineConfig:
     kernels: str = "auto"  # decode attention by gptj.native when it can ("auto"), or never ("off")
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
     kv_dtype: str = "auto"  # KV storage (KV_DTYPES): the model's float dtype, or int8 with per-token-head scales
+    cuda_graphs: str = "auto"  # decode-only steps replayed from CUDA graphs (GRAPH_MODES)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_len", "kv_blocks", "prefill_chunk"):
@@ -56,6 +58,8 @@ class EngineConfig:
             raise GptjError(f"engine kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
         if self.compile not in COMPILE_MODES:
             raise GptjError(f"engine compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise GptjError(f"engine cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graphs!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise GptjError(f"engine kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 0 < self.memory_fraction <= 1:

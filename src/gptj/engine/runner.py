@@ -18,6 +18,7 @@ import torch
 
 from gptj.engine.attention import DecodeGroup, PagedBatch, PagedKV, PrefillSegment, make_backend
 from gptj.engine.config import EngineConfig, KVPlan, kv_storage
+from gptj.engine.graphs import DecodeInputs, GraphRunner
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.model import GPTJForCausalLM
@@ -38,10 +39,16 @@ class ModelRunner:
         w = model.transformer.wte.weight
         self.device = w.device
         kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8
-        self.kv = PagedKV(model.config, plan.n_blocks, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
+        # plan.n_blocks blocks for the sequences, and one more: the scratch block graphs' padding rows write
+        self.kv = PagedKV(model.config, plan.n_blocks + 1, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
                                                      model.config.head_dim))
+        self.graphs = None  # decode-only steps from captured CUDA graphs (engine/graphs.py)
+        one_process = model.pipeline is None and model.kv_heads == model.config.n_head  # no collectives to capture
+        if config.cuda_graphs == "auto" and w.device.type == "cuda" and self.attention.name == "cuda" and one_process:
+            self.graphs = GraphRunner(model, self.kv, self.attention, plan.max_seqs, plan.blocks_per_seq,
+                                      scratch=plan.n_blocks, capture=True)
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
@@ -73,21 +80,12 @@ class ModelRunner:
 
     def _forward(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
         """One forward of these decode requests' next tokens and these prompt chunks; logits into `out`."""
-        B = self.kv.block_size
-        groups, positions, tokens, wb, wo, keep = [], [], [], [], [], []
-        for req in decode:
-            L = req.seqs[0].length  # tokens stored; this step's token goes to position L
-            if req.n_seqs == 1:
-                groups.append(DecodeGroup(req.seqs[0].blocks, L + 1, [[]], 0))
-            else:  # the prompt's full blocks, shared by every beam, then each beam's own
-                s = req.shared
-                groups.append(DecodeGroup(req.seqs[0].blocks[:s], s * B, [q.blocks[s:] for q in req.seqs], L + 1 - s * B))
-            for seq in req.seqs:
-                wb.append(seq.blocks[L // B])
-                wo.append(L % B)
-            keep += range(len(tokens), len(tokens) + req.n_seqs)
-            positions += [L] * req.n_seqs
-            tokens += req.next_tokens
+        step = decode_inputs(decode, self.kv.block_size)
+        if not prefill and self.graphs is not None and len(step.tokens) <= self.graphs.max_rows:
+            logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
+            self._hand_out(decode, [], [], logits, out)
+            return
+        tokens, positions, keep = list(step.tokens), list(step.positions), list(range(len(step.tokens)))
         segments, kept = [], []  # per chunk: (first kept row, rows kept)
         for chunk in prefill:
             req, start, end = chunk.request, chunk.start, chunk.end
@@ -100,21 +98,48 @@ class ModelRunner:
             tokens += context(req)[start:end]
         ids = torch.tensor(tokens, device=self.device)[None]  # (1, tokens)
         pos = torch.tensor(positions, device=self.device)[None]
-        meta = self.attention.build(self.kv, groups, wb, wo, segments)  # the step's index tensors, once
-        cache = PagedBatch(self.kv, self.attention, meta)
+        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments)
+        cache = PagedBatch(self.kv, self.attention, meta)  # the step's index tensors, built once
         logits = self.model(ids, position_ids=pos, cache=cache,
                             logits_to_keep=torch.tensor(keep, device=self.device))[0]  # (kept, V)
-        out.decode_rows += len(wb)
+        self._hand_out(decode, prefill, kept, logits, out)
+
+    def _hand_out(self, decode: list[Request], prefill: list[PrefillChunk], kept: list[tuple[int, int]],
+                  logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Each request's rows of the forward's logits: the decode rows first, then each chunk's kept rows."""
         row = 0
         for req in decode:
             out.logits[req] = logits[row:row + req.n_seqs]
             row += req.n_seqs
+        out.decode_rows += row
         for chunk, (first, n_keep) in zip(prefill, kept):
             req = chunk.request
             if req.prompt_logprobs is not None and chunk.start < len(req.prompt):
                 out.prompt_logits[req] = logits[first:first + n_keep]
             if chunk.end == len(context(req)):
                 out.logits[req] = logits[first + n_keep - 1:first + n_keep]  # (1, V): its first (next) token
+
+
+def decode_inputs(reqs: list[Request], block_size: int) -> DecodeInputs:
+    """The decode rows of these running requests: each request's sequences, this step's token at
+    position L (its stored length), written to block L // B, row L % B of each sequence's blocks; a
+    beam request's rows share its prompt's full blocks (req.shared of them)."""
+    B = block_size
+    step = DecodeInputs([], [], [], [], [])
+    for req in reqs:
+        L = req.seqs[0].length
+        if req.n_seqs == 1:
+            step.groups.append(DecodeGroup(req.seqs[0].blocks, L + 1, [[]], 0))
+        else:
+            s = req.shared
+            step.groups.append(DecodeGroup(req.seqs[0].blocks[:s], s * B, [q.blocks[s:] for q in req.seqs],
+                                           L + 1 - s * B))
+        for seq in req.seqs:
+            step.write_blocks.append(seq.blocks[L // B])
+            step.write_offsets.append(L % B)
+        step.positions += [L] * req.n_seqs
+        step.tokens += req.next_tokens
+    return step
 
 
 def _fail(reqs: list[Request], error: Exception, out: RunnerOutput) -> None:

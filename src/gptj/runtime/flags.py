@@ -103,6 +103,7 @@ COMPILE_MODES = _Lazy("gptj.engine.config", "COMPILE_MODES")
 KERNEL_MODES = _Lazy("gptj.policy", "PACK_MODES")
 BLOCK_SIZES = _Lazy("gptj.engine.config", "BLOCK_SIZES")
 KV_DTYPES = _Lazy("gptj.engine.config", "KV_DTYPES")
+GRAPH_MODES = _Lazy("gptj.engine.config", "GRAPH_MODES")
 
 
 # --- declaring the flags ----------------------------------------------------------------------
@@ -175,6 +176,9 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
                         "head: about twice the sequences in the same memory)")
     p.add_argument("--kv-memory-fraction", type=probability, metavar="F",
                    help="of the free memory after loading, at most, for KV blocks (default 0.5)")
+    p.add_argument("--cuda-graphs", choices=GRAPH_MODES, metavar="MODE",
+                   help="decode-only steps replayed from CUDA graphs captured per batch size: auto (on CUDA, "
+                        "default) or off")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV blocks of a prompt prefix computed before")
     p.add_argument("--prefill-chunk", type=nonnegative, default=prefill_chunk,
@@ -205,7 +209,8 @@ def model_spec(args: argparse.Namespace, path: object = None) -> ModelSpec:
 
 # flag (dest) -> EngineConfig field
 _ENGINE_FLAGS = {"max_seqs": "max_seqs", "max_model_len": "max_len", "kv_blocks": "kv_blocks",
-                 "block_size": "block_size", "kv_memory_fraction": "memory_fraction", "kv_dtype": "kv_dtype"}
+                 "block_size": "block_size", "kv_memory_fraction": "memory_fraction", "kv_dtype": "kv_dtype",
+                 "cuda_graphs": "cuda_graphs"}
 
 
 def engine_config(args: argparse.Namespace, **workload: Any) -> EngineConfig:

@@ -94,7 +94,7 @@ if triton is not None:
             s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
 
-        out = acc / den[:, None]
+        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
 
 

@@ -1,0 +1,145 @@
+"""CUDA-graph decode: a decode-only step replayed from a graph captured for its batch-size bucket.
+
+At batch 1, GPT-J's 28 layers launch a few hundred kernels a step, each a few microseconds of the
+GPU's time but more of the host's: replaying them as one CUDA graph takes the host out of the step
+(vLLM's FULL_DECODE_ONLY; gpt-fast's torch.compile mode="reduce-overhead").
+
+A graph replays fixed addresses and shapes, so a decode-only step's inputs go into persistent
+buffers, one set per bucket (BUCKETS up to the engine's max_seqs): token ids, positions, write
+slots, and the attention backend's DecodeTables (shared tables up to rows x blocks_per_seq blocks,
+own tables (rows, blocks_per_seq)). The step's rows are padded up to the bucket: each padding row is
+a group of its own that writes its key and value into the scratch block (the KV pool's last block,
+which no sequence holds) and reads that one token back. A graph is captured for each (bucket,
+rows-per-group tile) at its first use — the kernel's tile of a group's rows is a compile-time size —
+and replayed after; its logits rows past the step's are dropped. The host's inputs reach the GPU
+in two copies (one int64, one int32 buffer), with no device-to-host sync in the step.
+
+Where graphs cannot be captured (CPU: the tests), the same padded step runs eagerly from the same
+buffers, so the padding and bucketing are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
+                                   StepMetadata)
+from gptj.model import GPTJForCausalLM
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows a graph is captured for
+
+
+def bucket_for(rows: int, max_rows: int) -> int:
+    """The smallest bucket that holds `rows` (the engine's max_seqs is the last bucket)."""
+    return next((b for b in BUCKETS if b >= rows and b < max_rows), max_rows)
+
+
+@dataclass
+class DecodeInputs:
+    """A decode-only step as host lists: the rows' tokens and positions, their write slots, their groups."""
+
+    tokens: list[int]
+    positions: list[int]
+    write_blocks: list[int]
+    write_offsets: list[int]
+    groups: list[DecodeGroup]
+
+
+class _Bucket:
+    """The persistent buffers of one bucket (rows, M blocks per sequence) and its captured graphs."""
+
+    def __init__(self, rows: int, M: int, device: torch.device) -> None:
+        self.rows, self.M = rows, M
+        # int64: ids, positions, write blocks, write offsets; int32: row0, stab, soff, slen, otab, olen
+        self.long_sizes = [rows] * 4
+        self.int_sizes = [rows + 1, rows * M, rows, rows, rows * M, rows]
+        self.longs = torch.zeros(sum(self.long_sizes), dtype=torch.long, device=device)
+        self.ints = torch.zeros(sum(self.int_sizes), dtype=torch.int32, device=device)
+        self.ids, self.positions, self.wb, self.wo = torch.split(self.longs, self.long_sizes)
+        row0, stab, soff, slen, otab, olen = torch.split(self.ints, self.int_sizes)
+        self.tables = (row0, stab, soff, slen, otab.view(rows, M), olen)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tile -> (graph, logits)
+
+    def fill(self, step: DecodeInputs, scratch: int) -> int:
+        """Write the step (padded to the bucket) into the buffers; -> the group tile (rows per group, a
+        power of two)."""
+        pad = self.rows - len(step.tokens)
+        groups = step.groups + [DecodeGroup([scratch], 1, [[]], 0)] * pad
+        row0, stab, soff, slen, own, olen = [0], [], [], [], [], []
+        for g in groups:
+            soff.append(len(stab))
+            stab += g.shared
+            slen.append(g.shared_len)
+            olen.append(g.own_len)
+            own += [o + [0] * (self.M - len(o)) for o in g.own]
+            row0.append(row0[-1] + g.rows)
+        # a bucket has as many groups as rows at most; fewer groups: empty ones (no rows) after them
+        empty = self.rows - len(groups)
+        row0 += [row0[-1]] * empty
+        soff, slen, olen = soff + [0] * empty, slen + [0] * empty, olen + [0] * empty
+        ints = [*row0, *stab, *[0] * (self.rows * self.M - len(stab)), *soff, *slen,
+                *[b for o in own for b in o], *olen]
+        longs = [*step.tokens, *[0] * pad, *step.positions, *[0] * pad, *step.write_blocks, *[scratch] * pad,
+                 *step.write_offsets, *[0] * pad]
+        self.longs.copy_(torch.tensor(longs, dtype=torch.long), non_blocking=True)
+        self.ints.copy_(torch.tensor(ints, dtype=torch.int32), non_blocking=True)
+        most = max(g.rows for g in groups)
+        return 1 << (most - 1).bit_length()
+
+    def metadata(self, tile: int) -> StepMetadata:
+        return StepMetadata(self.wb, self.wo, [], [], [], [], DecodeTables(*self.tables, max_rows=tile))
+
+
+class GraphRunner:
+    """Decode-only forwards from persistent buffers, captured as CUDA graphs per bucket (`capture`),
+    or run eagerly from the same buffers (CPU)."""
+
+    def __init__(self, model: GPTJForCausalLM, kv: PagedKV, backend: AttentionBackend, max_rows: int,
+                 blocks_per_seq: int, scratch: int, capture: bool) -> None:
+        if not backend.reads_tables or backend.name == "cpu-native":
+            raise ValueError(f"CUDA-graph decode needs the cuda attention backend, not {backend.name!r}")
+        self.model, self.kv, self.backend = model, kv, backend
+        self.max_rows, self.M, self.scratch, self.capture = max_rows, blocks_per_seq, scratch, capture
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captured = 0  # graphs captured so far (tests, stats)
+
+    def forward(self, step: DecodeInputs) -> torch.Tensor:
+        """The step's logits (rows, V) float32."""
+        rows = len(step.tokens)
+        size = bucket_for(rows, self.max_rows)
+        bucket = self.buckets.get(size)
+        if bucket is None:
+            bucket = self.buckets[size] = _Bucket(size, self.M, self.kv.device)
+        tile = bucket.fill(step, self.scratch)
+        if not self.capture:
+            return self._run(bucket, tile)[:rows]
+        if tile not in bucket.graphs:
+            bucket.graphs[tile] = self._capture(bucket, tile)
+        graph, logits = bucket.graphs[tile]
+        graph.replay()
+        return logits[:rows]
+
+    def _run(self, bucket: _Bucket, tile: int) -> torch.Tensor:
+        cache = PagedBatch(self.kv, self.backend, bucket.metadata(tile))
+        return self.model(bucket.ids[None], position_ids=bucket.positions[None], cache=cache)[0]
+
+    def _capture(self, bucket: _Bucket, tile: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (kernels compiled, allocator settled), then capture one forward.
+        The warm-up and the capture write only the step's own slots and the scratch block, as the
+        replay does."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(bucket, tile)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._run(bucket, tile)
+        self.captured += 1
+        return graph, logits
+

@@ -1,0 +1,79 @@
+"""engine/graphs.py: decode-only steps from persistent buffers, padded to batch-size buckets. On CPU
+(Triton's kernel under its interpreter) the padded step runs eagerly from the same buffers, so the
+padding and bucketing are checked here: padded steps give the unpadded engine's tokens. On a GPU the
+graphs are captured and replayed (the cuda-marked test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptj import policy
+from gptj.decode import GenerationConfig
+from gptj.engine import Engine, EngineConfig
+from gptj.engine import attention as att
+from gptj.engine.graphs import BUCKETS, GraphRunner, bucket_for
+from test_attention_backends import DEVICE, SHORT_MIXED, needs_gpu, needs_triton
+from test_engine import CFG, MIXED, prompts_of
+from test_engine import model  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
+
+
+def test_a_step_goes_to_the_smallest_bucket_that_holds_it():
+    assert [bucket_for(n, 512) for n in (1, 2, 3, 5, 9, 17, 33, 100, 512)] == [1, 2, 4, 8, 16, 24, 48, 128, 512]
+    assert bucket_for(17, 20) == 20 and bucket_for(20, 20) == 20  # max_seqs is the last bucket
+    assert list(BUCKETS) == sorted(BUCKETS)
+
+
+def graphed(model, capture: bool, **config) -> Engine:
+    """An engine on the cuda attention backend whose decode-only steps run through a GraphRunner."""
+    engine = Engine(model, EngineConfig(block_size=8, kernels="off", **config))
+    engine.runner.attention = backend = att.make_backend(policy.AttentionPath("cuda", False))
+    plan = engine.plan
+    engine.runner.graphs = GraphRunner(model, engine.runner.kv, backend, plan.max_seqs, plan.blocks_per_seq,
+                                       scratch=plan.n_blocks, capture=capture)
+    return engine
+
+
+@needs_triton
+def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(model, monkeypatch):  # noqa: F811 - the fixture
+    """Greedy, sampled and beam requests (up to 10 rows a step, padded up to buckets of 1 to 16)
+    give the tokens of the same engine without graphs; the scratch block is the pool's extra one."""
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    seen = []
+    forward = engine.runner.graphs.forward
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda step: seen.append(len(step.tokens)) or forward(step))
+    assert engine.runner.kv.k[0].shape[0] == engine.plan.n_blocks + 1
+    got = engine.generate(prompts, SHORT_MIXED)
+    # the reference backend's tokens (the cuda backend's, unpadded: test_attention_backends)
+    assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, SHORT_MIXED)
+    assert seen and {bucket_for(n, 16) for n in seen} - set(seen)  # decode steps ran padded
+    assert set(engine.runner.graphs.buckets) == {bucket_for(n, 16) for n in seen}
+
+
+def test_graphs_need_the_cuda_backend(model):  # noqa: F811 - the fixture
+    engine = Engine(model, EngineConfig(kernels="off"))
+    with pytest.raises(ValueError, match="needs the cuda attention backend, not 'reference'"):
+        GraphRunner(model, engine.runner.kv, engine.runner.attention, 4, 8, scratch=engine.plan.n_blocks,
+                    capture=False)
+    assert engine.runner.graphs is None  # CPU: no graphs unless asked
+    with pytest.raises(Exception, match="cuda_graphs must be one of auto, off"):
+        EngineConfig(cuda_graphs="on")
+
+
+@needs_gpu
+def test_captured_graphs_replay_the_eager_steps_tokens(model):  # noqa: F811 - the fixture
+    """On CUDA the engine captures a graph per bucket and gives the tokens of eager steps."""
+    cuda = model.to("cuda")
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    engine = Engine(cuda, EngineConfig(max_seqs=16, block_size=8))
+    assert engine.runner.graphs is not None and engine.attention.name == "cuda"
+    got = engine.generate(prompts, MIXED)
+    assert engine.runner.graphs.captured > 0
+    eager = Engine(cuda, EngineConfig(max_seqs=16, block_size=8, cuda_graphs="off"))
+    assert eager.runner.graphs is None and got == eager.generate(prompts, MIXED)
+    greedy = GenerationConfig(max_new_tokens=8)
+    assert Engine(cuda, EngineConfig(max_seqs=4)).generate(prompts[:1], greedy) == \
+        eager.generate(prompts[:1], greedy)
