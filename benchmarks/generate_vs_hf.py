@@ -24,7 +24,7 @@ import transformers
 
 from gptj.config import get_preset
 from gptj.decode import GenerationConfig, generate
-from gptj.runtime import parse_dtype
+from gptj.device import parse_dtype
 from gptj.weights.io import model_from_state_dict, random_state_dict
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)

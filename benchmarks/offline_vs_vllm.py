@@ -97,7 +97,7 @@ def gptj_runner(model: Path, args: argparse.Namespace):  # noqa: ANN201 - (mode,
     from gptj.bench.latency import engine_config
     from gptj.decode import GenerationConfig
     from gptj.runtime.build import build_engine
-    from gptj.runtime.threads import set_threads
+    from gptj.threads import set_threads
     from gptj.weights.io import load_model
 
     if args.threads:

@@ -502,7 +502,7 @@ def engine_baseline(model: str, serve_args: str, prompts: list[list[int]], args:
 
     served = build_parser().parse_args(["serve", "--model", model, *shlex.split(serve_args)])
     spec = flags.model_spec(served, path=model.partition("=")[2] or model)
-    engine = build_engine(load_model(spec), flags.engine_config(served), kernels=spec.kernels)
+    engine = build_engine(load_model(spec), flags.engine_config(served))
     K = args.beams
     gen = GenerationConfig(max_new_tokens=args.max_tokens, min_new_tokens=args.min_tokens, num_beams=K,
                            eos_token_id=None if args.ignore_eos else 50256)

@@ -63,7 +63,7 @@ COMMANDS = ("generate", "serve", "mlperf", "bench")
 def test_the_same_flags_give_the_same_spec_engine_and_plan_through_every_command(tiny):
     built = {c: through(c, tiny, *SAME) for c in COMMANDS}
     spec, engine = built["generate"]
-    assert spec == ModelSpec(path=str(tiny), dtype="bfloat16", quantize="int8", kernels="off", compile="off")
+    assert spec == ModelSpec(path=str(tiny), dtype="bfloat16", quantize="int8")
     assert (engine.max_seqs, engine.max_len, engine.block_size, engine.prefix_caching, engine.prefill_chunk,
             engine.memory_fraction, engine.kernels, engine.compile, engine.kv_blocks) == \
         (6, 96, 32, False, 64, 0.25, "off", "off", 20)
@@ -120,9 +120,15 @@ def test_what_no_flag_says_comes_from_each_commands_work(tiny):
 def test_a_model_spec_is_checked_once_in_one_line(tiny):
     assert ModelSpec(path=tiny, dtype="bf16").dtype == "bfloat16"
     for bad, message in (({"dtype": "float8"}, "unknown dtype"), ({"quantize": "int3"}, "quantization mode"),
-                         ({"tp": 0}, "tp must be"), ({"kernels": "on"}, "kernels must be"),
-                         ({"compile": "yes"}, "compile must be")):
+                         ({"tp": 0}, "tp must be")):
         with pytest.raises(GptjError, match=message):
+            ModelSpec(path=tiny, **bad)
+    # how the engine computes has one home, EngineConfig, checked there
+    for bad, message in (({"kernels": "on"}, "kernels must be"), ({"compile": "yes"}, "compile must be"),
+                         ({"cuda_graphs": "always"}, "cuda_graphs must be")):
+        with pytest.raises(GptjError, match=message):
+            EngineConfig(**bad)
+        with pytest.raises(TypeError):
             ModelSpec(path=tiny, **bad)
 
 
@@ -142,5 +148,5 @@ def test_the_built_engine_is_the_plan(tiny):
     spec, engine = through("generate", tiny, "--dtype", "float32", "--max-seqs", "3", "--max-model-len", "50")
     model = load_model(spec)
     p = plan_for(model, engine, free_bytes=FREE)
-    stats = build_engine(model, engine, kernels=spec.kernels, free_bytes=FREE).stats()
+    stats = build_engine(model, engine, free_bytes=FREE).stats()
     assert (stats.max_seqs, stats.max_len, stats.blocks_total) == (p.max_seqs, p.max_len, p.n_blocks) == (3, 50, 12)

@@ -11,7 +11,7 @@ from gptj.decode import GenerationConfig, generate
 from gptj.mlperf.dataset import Dataset
 from gptj.mlperf import run as mlperf_run  # its test_settings() is no pytest test
 from gptj.mlperf.run import MLPerfConfig, planned_queries
-from gptj.runtime import RESERVED_CORES
+from gptj.threads import RESERVED_CORES
 from gptj.weights.io import load_model
 
 # `gptj mlperf` sets torch's thread count for the process: each test gives the next one its count back

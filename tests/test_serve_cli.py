@@ -168,7 +168,7 @@ def test_serve_threads_default_leaves_a_core_to_the_event_loop(tiny, monkeypatch
     """`gptj serve` hands its thread count to the server config: --threads, or the usable cores less
     the one the event loop keeps (at least 1)."""
     import gptj.serve.server
-    from gptj.runtime import usable_cores
+    from gptj.threads import usable_cores
 
     seen = []
     monkeypatch.setattr(gptj.serve.server, "serve", lambda cfg, log_level="info": seen.append(cfg))

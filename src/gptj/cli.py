@@ -102,7 +102,7 @@ def _tokenizer(path: str | None):  # noqa: ANN202 - an explicit --tokenizer must
 
 def cmd_init(args: argparse.Namespace) -> int:
     from gptj.config import get_preset
-    from gptj.runtime import parse_dtype
+    from gptj.device import parse_dtype
     from gptj.weights.io import auto_progress, random_state_dict, save_checkpoint
 
     config = get_preset(args.preset)
@@ -114,20 +114,30 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from gptj.runtime import parse_dtype
+    from gptj.device import parse_dtype
     from gptj.weights.io import convert
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
+    shards = None
+    if args.tp is not None and args.tp > 1:  # each rank's shard beside the checkpoint (gptj.parallel.tp)
+        from gptj.parallel.tp import check_plan, write_shards
+
+        if args.quantize:
+            raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
+
+        def shards(folder, sd, cfg):  # noqa: ANN001, ANN202 - convert's `also`
+            check_plan(cfg, args.tp)
+            write_shards(sd, cfg, folder, args.tp)
     out = convert(args.src, args.out, fmt=args.fmt, dtype=dtype, config=args.config,
                   overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size,
-                  tp=args.tp)
+                  also=shards)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from gptj.mlperf.dataset import Dataset
-    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.device import parse_dtype, resolve_device
     from gptj.weights.io import calibrate
 
     dataset = Dataset.load(args.dataset, tokenizer=_tokenizer_for(args.model), max_examples=args.samples)
@@ -241,8 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from gptj.runtime import compute_threads
-    from gptj.runtime import RESERVED_CORES
+    from gptj.threads import compute_threads
+    from gptj.threads import RESERVED_CORES
 
     serve(replace(cfg, threads=compute_threads(args.threads, reserve=RESERVED_CORES)), log_level=args.log_level)
     return 0
@@ -386,7 +396,7 @@ def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
         lockstep.configure(spec.tp, spec.pp)
     model = load_model(spec)
     # Every rank sizes its engine the same way (ranks must schedule identically): see build_engine.
-    engine = build_engine(model, payload["engine"], kernels=spec.kernels)
+    engine = build_engine(model, payload["engine"])
     return engine.generate(payload["prompts"], payload["gen"])
 
 
@@ -401,7 +411,7 @@ def _modes(text: str) -> list[str]:
 
 def cmd_quant_report(args: argparse.Namespace) -> int:
     from gptj.bench.quant_report import format_report, quantization_report
-    from gptj.runtime import parse_dtype, resolve_device
+    from gptj.device import parse_dtype, resolve_device
 
     report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,
                                  group_size=args.group_size, dtype=parse_dtype(args.dtype),
@@ -908,7 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = ["gptj", *argv]  # the command a run records (run.json, a submission's README)
     try:
         if getattr(args, "threads", None) is not None and args.command not in _OWN_THREADS:
-            from gptj.runtime import set_threads
+            from gptj.threads import set_threads
 
             set_threads(args.threads)
         return args.func(args)

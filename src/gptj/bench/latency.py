@@ -193,11 +193,11 @@ def engine_config(batch_size: int, prompt_len: int, new_tokens: int, num_beams: 
 
 
 def make_engine(model: GPTJForCausalLM, batch_size: int, prompt_len: int, new_tokens: int,
-                num_beams: int = 1, asked: EngineConfig | None = None, kernels: str = "auto") -> Any:
+                num_beams: int = 1, asked: EngineConfig | None = None) -> Any:
     """An engine that holds the whole batch and admits (prefills) it in one step (gptj.runtime.build)."""
     from gptj.runtime.build import build_engine
 
-    return build_engine(model, engine_config(batch_size, prompt_len, new_tokens, num_beams, asked), kernels=kernels)
+    return build_engine(model, engine_config(batch_size, prompt_len, new_tokens, num_beams, asked))
 
 
 def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: int, repeats: int) -> None:
@@ -209,8 +209,8 @@ def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: i
 
 
 def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
-                    warmup: int = 1, repeats: int = 3, seed: int = 0, engine: EngineConfig | None = None,
-                    kernels: str = "auto") -> dict[str, Any]:
+                    warmup: int = 1, repeats: int = 3, seed: int = 0,
+                    engine: EngineConfig | None = None) -> dict[str, Any]:
     """`run_latency`'s measurements on a model already loaded (figures only, no settings echo)."""
     import torch
 
@@ -219,7 +219,7 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
     if prompt_len + new_tokens > config.n_positions:
         raise GptjError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the model's "
                         f"{config.n_positions} positions")
-    runner = make_engine(model, batch_size, prompt_len, new_tokens, asked=engine, kernels=kernels)
+    runner = make_engine(model, batch_size, prompt_len, new_tokens, asked=engine)
 
     def prompts(run: int) -> list[list[int]]:  # each run its own, so none reuses another's cached prefix
         return random_prompts(batch_size, prompt_len, config.vocab_size, seed + run)
@@ -281,21 +281,19 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
 
     _check_settings(batch_size, prompt_len, new_tokens, warmup, repeats)
     if spec is None:
-        spec = ModelSpec(path=str(model_dir), dtype=dtype, device=device, quantize=quantize, kernels=kernels,
-                         compile=compile)
+        spec = ModelSpec(path=str(model_dir), dtype=dtype, device=device, quantize=quantize)
     if engine is None:
         from gptj.engine.config import EngineConfig
 
-        engine = EngineConfig(kernels=spec.kernels, compile=spec.compile)
+        engine = EngineConfig(kernels=kernels, compile=compile)
     t0 = time.perf_counter()
     model = load_model(spec)
     load_s = time.perf_counter() - t0
-    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats, engine=engine,
-                              kernels=spec.kernels)
+    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats, engine=engine)
     settings = {"model": str(model_dir), "batch_size": batch_size, "prompt_len": prompt_len,
                 "new_tokens": new_tokens, "dtype": spec.dtype, "quantize": spec.quantize,
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
-                "compile": spec.compile, "kernels": spec.kernels, "load_s": load_s}
+                "compile": engine.compile, "kernels": engine.kernels, "load_s": load_s}
     if settings["device"] == "cpu":
         settings["cpu"] = cpu.describe()  # which kind of CPU the kernels were chosen for (gptj.cpu)
     return figures | settings

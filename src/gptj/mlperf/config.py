@@ -64,7 +64,7 @@ class MLPerfConfig:
         if self.mode not in MODES:
             raise GptjError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.threads is not None:
-            from gptj.runtime import compute_threads
+            from gptj.threads import compute_threads
 
             compute_threads(self.threads)  # a bad value fails here, in one line
         if self.user_conf is not None and not Path(self.user_conf).is_file():

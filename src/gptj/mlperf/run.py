@@ -36,7 +36,7 @@ def choose_threads(cfg: MLPerfConfig) -> Threads:
     import torch
 
     from gptj.parallel import lockstep
-    from gptj.runtime import RESERVED_CORES, compute_threads, usable_cores
+    from gptj.threads import RESERVED_CORES, compute_threads, usable_cores
 
     cores = usable_cores()
     if cfg.threads is not None:
@@ -373,7 +373,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     if engine.max_seqs < cfg.gen.num_beams:
         raise GptjError(f"--max-seqs {engine.max_seqs} is fewer than num_beams {cfg.gen.num_beams} (a sample's "
                         "beams run together)")
-    return build_engine(model, engine, kernels=spec.kernels, progress=bars)
+    return build_engine(model, engine, progress=bars)
 
 
 def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend

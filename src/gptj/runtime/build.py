@@ -1,7 +1,7 @@
 """From a spec to a running engine, in two calls every command makes:
 
     model = load_model(spec)                                  read -> quantize -> shard
-    engine = build_engine(model, engine_config, spec.kernels) plan the KV -> prepare kernels -> Engine
+    engine = build_engine(model, engine_config)               plan the KV -> prepare kernels -> Engine
 
 Under --tp / --pp (gptj.parallel.lockstep configured) each rank loads its share and builds its own
 engine; the ranks must schedule alike, so they plan their KV memory within the least free memory
@@ -18,7 +18,7 @@ import torch
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
 from gptj.parallel import lockstep
-from gptj.runtime.device import resolve_device
+from gptj.device import resolve_device
 from gptj.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -79,16 +79,16 @@ def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | Non
                    free_bytes=free_bytes)
 
 
-def build_engine(model: GPTJForCausalLM, config: EngineConfig, kernels: str = "auto",
-                 progress: bool | None = None, free_bytes: int | None = None) -> Engine:
+def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | None = None,
+                 free_bytes: int | None = None) -> Engine:
     """The engine for `model`: its KV plan (plan_for), then the serving kernels prepared for up to
-    plan.max_seqs rows (gptj.kernels.prepare_for_serving: `kernels` "auto" or "off"), then
+    plan.max_seqs rows (gptj.kernels.prepare_for_serving: config.kernels "auto" or "off"), then
     Engine with the plan's numbers fixed in its config (so the engine sizes nothing again)."""
     from gptj.engine import Engine
     from gptj.kernels import prepare_for_serving
 
     plan = plan_for(model, config, free_bytes)
-    prepare_for_serving(model, kernels, max_rows=plan.max_seqs, progress=progress)
+    prepare_for_serving(model, config.kernels, max_rows=plan.max_seqs, progress=progress)
     fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
     return Engine(model, fixed)
 
@@ -98,6 +98,6 @@ def set_rank_threads(threads: int | None) -> None:
     (each rank builds its own engine), or left as they are when None."""
     if threads is None:
         return
-    from gptj.runtime.threads import set_threads
+    from gptj.threads import set_threads
 
     set_threads(max(1, threads // (torch.distributed.get_world_size() if lockstep.active() else 1)))

@@ -93,7 +93,7 @@ class _Lazy:
 
 
 def _dtype_names() -> tuple[str, ...]:
-    from gptj.runtime.device import DTYPE_NAMES
+    from gptj.device import DTYPE_NAMES
 
     return DTYPE_NAMES
 
@@ -204,7 +204,7 @@ def model_spec(args: argparse.Namespace, path: object = None) -> ModelSpec:
         path = args.model
     return ModelSpec(path=None if path is None else str(path), dtype=args.dtype, device=args.device,
                      quantize=getattr(args, "quantize", None), group_size=getattr(args, "group_size", None),
-                     tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1), kernels=args.kernels, compile=args.compile)
+                     tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1))
 
 
 # flag (dest) -> EngineConfig field
@@ -216,7 +216,7 @@ _ENGINE_FLAGS = {"max_seqs": "max_seqs", "max_model_len": "max_len", "kv_blocks"
 def engine_config(args: argparse.Namespace, **workload: Any) -> EngineConfig:
     """The EngineConfig the flags ask for: each engine flag given wins; a setting no flag gives
     comes from `workload` (the command's own defaults: max_seqs, max_len, max_prefill_tokens),
-    else EngineConfig's default. --kernels and --compile apply to the engine too."""
+    else EngineConfig's default. --kernels and --compile are the engine's (their one home)."""
     from gptj.engine.config import EngineConfig
 
     settings = dict(workload)

@@ -31,7 +31,8 @@ def _positive(what: str, value: object) -> None:
 @dataclass(frozen=True)
 class ModelSpec:
     """How to run a model: which checkpoint, its float dtype and device, weight-only quantization,
-    tensor x pipeline parallel ranks, and the serving kernels (gptj.kernels) and torch.compile modes."""
+    tensor x pipeline parallel ranks. (How the engine computes — its kernels, torch.compile, CUDA
+    graphs — is the EngineConfig's: one home for those switches.)"""
 
     path: str | None = None  # the model folder (None: a template, e.g. serve's for each --model)
     dtype: str = "float32"  # activations, float weights and the KV cache (aliases: fp32, bf16, fp16)
@@ -40,13 +41,9 @@ class ModelSpec:
     group_size: int | None = None  # int4 group size (None: the loader's default)
     tp: int = 1  # tensor-parallel ranks
     pp: int = 1  # pipeline stages
-    kernels: str = "auto"  # fused blocks and packed weights below float32 (auto), or the plain model (off)
-    compile: str = "auto"  # torch.compile the decode attention: auto (below float32), on, off
 
     def __post_init__(self) -> None:
-        from gptj.engine.config import COMPILE_MODES
-        from gptj.policy import PACK_MODES
-        from gptj.runtime.device import dtype_name, parse_dtype
+        from gptj.device import dtype_name, parse_dtype
 
         if self.path is not None:
             object.__setattr__(self, "path", str(self.path))
@@ -61,14 +58,10 @@ class ModelSpec:
             _positive("group_size", self.group_size)
         _positive("tp", self.tp)
         _positive("pp", self.pp)
-        if self.kernels not in PACK_MODES:
-            raise GptjError(f"kernels must be one of {', '.join(PACK_MODES)}, got {self.kernels!r}")
-        if self.compile not in COMPILE_MODES:
-            raise GptjError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        from gptj.runtime.device import parse_dtype
+        from gptj.device import parse_dtype
 
         return parse_dtype(self.dtype)
 
@@ -88,7 +81,7 @@ def kv_plan(spec: ModelSpec, model_config: GPTJConfig, engine: EngineConfig, fre
     this rank's heads (n_head / tp). free_bytes: the free memory to plan within (None: measured
     now on `device`, default the spec's)."""
     from gptj.engine.config import plan_kv
-    from gptj.runtime.device import resolve_device
+    from gptj.device import resolve_device
 
     device = resolve_device(spec.device) if device is None else device
     return plan_kv(model_config, spec.torch_dtype, device, engine, n_head=model_config.n_head // spec.tp,

@@ -73,7 +73,7 @@ class ServerConfig:
         if max_batch_size is not None:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, max_seqs=max_batch_size))
         if self.threads is not None:
-            from gptj.runtime import compute_threads
+            from gptj.threads import compute_threads
 
             compute_threads(self.threads)  # a bad value fails here, in one line
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
@@ -233,7 +233,7 @@ def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
     # Here, on the thread that runs the engine, before it computes: OpenMP keeps a count per thread.
     set_rank_threads(cfg.threads)
     spec = cfg.model.at(path)
-    return build_engine(load_model(spec), cfg.engine, kernels=spec.kernels)
+    return build_engine(load_model(spec), cfg.engine)
 
 
 def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:

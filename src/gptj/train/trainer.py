@@ -70,7 +70,7 @@ class Ranks:
 def _setup_ranks(device: str) -> Ranks:
     """This process's place: a process group torchrun set up (env), one gptj spawned, or none."""
     from gptj.parallel.launch import backend_for, rank_device, under_torchrun
-    from gptj.runtime import resolve_device
+    from gptj.device import resolve_device
 
     started = False
     if not dist.is_initialized() and under_torchrun():

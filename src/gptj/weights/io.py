@@ -36,7 +36,7 @@ from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_write_json, move_into_place, temp_sibling
 from gptj.model import GPTJForCausalLM, build_model
-from gptj.runtime import all_finite, dtype_name
+from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj
 
 CONFIG = "config.json"
@@ -384,11 +384,12 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
 def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", dtype: torch.dtype | None = None,
             config: str | os.PathLike | GPTJConfig | None = None, overwrite: bool = False,
             progress: bool = False, quantize: str | None = None, group_size: int | None = None,
-            tp: int | None = None) -> Path:
+            also: Callable[[Path, dict[str, torch.Tensor], GPTJConfig], None] | None = None) -> Path:
     """Any supported checkpoint -> the canonical directory (nothing is left behind on failure).
 
-    `tp` N also writes per-rank tensor-parallel shards, DIR/tp{N}/rank{r}.safetensors, so that
-    each rank of `--tp N` reads only its own (gptj.parallel.tp).
+    `also(folder, state_dict, config)` writes more files into the folder before it is moved into
+    place (gptj convert --tp N: each rank's tensor-parallel shard, from gptj.parallel.tp); if it
+    raises, nothing is written.
 
     `quantize` ("int8" / "int4", `group_size` for int4) writes a quantized checkpoint (config.json
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
@@ -407,13 +408,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
         from gptj.quant.calibrate import CALIBRATION_FILE
 
         extras.append(lambda folder: shutil.copyfile(Path(src) / CALIBRATION_FILE, folder / CALIBRATION_FILE))
-    if tp is not None and tp > 1:
-        from gptj.parallel.tp import check_plan, write_shards
-
-        if q is not None:
-            raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
-        check_plan(cfg, tp)
-        extras.append(lambda folder: write_shards(sd, cfg, folder, tp))
+    if also is not None:
+        extras.append(lambda folder: also(folder, sd, cfg))
 
     def extra(folder: Path) -> None:
         for write in extras:

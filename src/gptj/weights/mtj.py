@@ -82,7 +82,7 @@ import torch
 from tqdm import tqdm
 
 from gptj.errors import CheckpointError
-from gptj.runtime import all_finite
+from gptj.device import all_finite
 
 __all__ = [
     "MtjLeaf",
