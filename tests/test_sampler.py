@@ -69,3 +69,36 @@ def test_a_beam_search_is_done_when_its_last_token_is_chosen():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
     assert choose([(req, logits)])[req].done is False
     assert choose([(req, logits)])[req].done is True and req.beam.finished
+
+
+def test_beam_searches_at_different_steps_advance_together_as_each_alone():
+    """BeamSearch.step_all (the sampler's batched pass) on searches started at different steps: the
+    same beams, tokens, hypotheses and done flags as stepping each alone, bit for bit. EOS is made
+    likely at some steps, so hypotheses finish, min_new_tokens blocks EOS early, and searches end."""
+    gen = GenerationConfig(num_beams=3, max_new_tokens=7, min_new_tokens=2, eos_token_id=7, early_stopping=True)
+    g = torch.Generator().manual_seed(3)
+    stream = []
+    for t in range(12):
+        x = torch.randn(3, V, generator=g)
+        if t % 3 == 2:
+            x[:, 7] += 3.0  # EOS among the top candidates
+        stream.append(x)
+    together = [BeamSearch(1, gen, "cpu") for _ in range(3)]
+    alone = [BeamSearch(1, gen, "cpu") for _ in range(3)]
+    starts = [0, 2, 3]  # search i takes its first token at step starts[i]
+    finished = set()
+    for t in range(12):
+        active = [i for i in range(3) if starts[i] <= t and i not in finished]
+        if not active:
+            break
+        got = BeamSearch.step_all([together[i] for i in active], [stream[t - starts[i]] for i in active])
+        for i, (source, tokens) in zip(active, got):
+            want_source, want_tokens = alone[i].step(stream[t - starts[i]])
+            assert torch.equal(source, want_source) and torch.equal(tokens, want_tokens)
+            assert bool(together[i].done_now) == bool(alone[i].done_now)
+            for name in ("fin_scores", "fin_tokens", "fin_lens", "fin_valid", "run_scores", "improvable"):
+                assert torch.equal(getattr(together[i], name), getattr(alone[i], name)), name
+            if together[i].finished:
+                finished.add(i)
+                assert together[i].ranked(0) == alone[i].ranked(0) and together[i].ranked(0)
+    assert finished == {0, 1, 2}

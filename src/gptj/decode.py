@@ -356,60 +356,101 @@ class BeamSearch:
         self.fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
         self.fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
         self.improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
-        self.in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
         self.beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
 
     def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (B*K, V) of the running beams -> (source_rows (B*K,), next_tokens (B*K,))."""
-        gen, B, K, L = self.gen, self.B, self.K, self.L
-        V = logits.shape[-1]
-        step = self.n_steps
-        n_new = step + 1  # new tokens of each candidate, this one included
+        return BeamSearch.step_all([self], [logits])[0]
+
+    @staticmethod
+    def step_all(searches: Sequence[BeamSearch], logits: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Advance searches of one GenerationConfig by a token each, in one batched pass: their
+        prompts stacked as rows, each row at its own step (the engine's requests start at different
+        times). logits[i]: search i's (B_i*K, V). -> each search's (source_rows, next_tokens), as
+        `step`. No device-to-host sync: each search's `done_now` stays on the device."""
+        gen = searches[0].gen
+        K, L = gen.num_beams, searches[0].L
+        if any(s.gen != gen for s in searches):
+            raise ValueError("BeamSearch.step_all advances searches of one GenerationConfig")
+
+        def stacked(name: str) -> torch.Tensor:
+            parts = [getattr(s, name) for s in searches]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        run_tokens, run_scores = stacked("run_tokens"), stacked("run_scores")
+        fin_tokens, fin_scores, fin_lens = stacked("fin_tokens"), stacked("fin_scores"), stacked("fin_lens")
+        fin_valid, improvable = stacked("fin_valid"), stacked("improvable")
+        x = logits[0] if len(logits) == 1 else torch.cat(list(logits))  # (B*K, V)
+        B, V, dev = run_scores.shape[0], x.shape[-1], x.device
+        steps = [s.n_steps for s in searches for _ in range(s.B)]  # each row's step (its new tokens so far)
+        n_new = [t + 1 for t in steps]  # new tokens of each candidate, this one included
         eos = gen.eos_token_id
-        log_probs = block_eos(F.log_softmax(logits, dim=-1), step, gen)  # (B*K, V)
-        scores = (log_probs.view(B, K, V) + self.run_scores[:, :, None]).view(B, K * V)
+
+        def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        # length ** penalty in double on the host, rounded to float32: as a Python scalar divides a tensor
+        norm = per_row([n ** gen.length_penalty for n in n_new], torch.float32)
+        best_len = [L if gen.early_stopping == "never" and gen.length_penalty > 0.0 else n for n in n_new]
+        best_norm = per_row([n ** gen.length_penalty for n in best_len], torch.float32)
+        at = per_row(steps, torch.long)[:, None, None]  # (B, 1, 1): where this step's token goes
+        last = per_row([n == L for n in n_new], torch.bool)  # (B,)
+
+        log_probs = F.log_softmax(x, dim=-1)  # (B*K, V)
+        short = [beam for p, t in enumerate(steps) if t < gen.min_new_tokens for beam in range(p * K, p * K + K)]
+        if eos is not None and short:  # min_new_tokens after the log_softmax (HF): EOS -inf, no renormalizing
+            log_probs[per_row(short, torch.long), eos] = -math.inf
+        scores = (log_probs.view(B, K, V) + run_scores[:, :, None]).view(B, K * V)
 
         cand_scores, flat = torch.topk(scores, 2 * K, dim=1)  # (B, 2K), best first
         cand_beam = flat // V  # (B, 2K) which running beam it extends
         cand_token = flat % V
-        cand_tokens = torch.take_along_dim(self.run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
-        cand_tokens[:, :, step] = cand_token
+        cand_tokens = torch.take_along_dim(run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
+        cand_tokens.scatter_(2, at.expand(B, 2 * K, 1), cand_token[:, :, None])
         ends = cand_token == eos if eos is not None else torch.zeros_like(cand_token, dtype=torch.bool)
-        if n_new == L:
-            ends = torch.ones_like(ends)
+        ends = ends | last[:, None]
 
         # Finished hypotheses: merge the accepted candidates into the K best so far. Ties keep the
         # older hypothesis first (same layout as HF's merge: old slots, then candidates). Done every
         # step, though most accept nothing (the valid ones then stay as they were): asking would
         # cost a device-to-host sync per step.
-        full = self.fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
-        accept = ends & self.in_top_k[None, :] & (self.improvable & ~full)[:, None]  # (B, 2K)
-        normalized = cand_scores / (n_new ** gen.length_penalty)  # float32, as HF
-        merged_scores = torch.cat([self.fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
+        in_top_k = torch.arange(2 * K, device=dev) < K  # (2K,) rank of a candidate among the 2K
+        full = fin_valid.all(dim=1) & (gen.early_stopping is True)  # (B,)
+        accept = ends & in_top_k[None, :] & (improvable & ~full)[:, None]  # (B, 2K)
+        normalized = cand_scores / norm[:, None]  # float32, as HF
+        merged_scores = torch.cat([fin_scores, normalized.masked_fill(~accept, -math.inf)], dim=1)  # (B, 3K)
         best = torch.topk(merged_scores, K, dim=1).indices  # (B, K)
-        self.fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
-        self.fin_tokens = torch.take_along_dim(torch.cat([self.fin_tokens, cand_tokens], dim=1),
-                                               best[:, :, None], dim=1)
-        self.fin_lens = torch.take_along_dim(torch.cat([self.fin_lens, torch.full_like(cand_beam, n_new)], dim=1),
-                                             best, dim=1)
-        self.fin_valid = torch.take_along_dim(torch.cat([self.fin_valid, accept], dim=1), best, dim=1)
+        fin_scores = torch.take_along_dim(merged_scores, best, dim=1)
+        fin_tokens = torch.take_along_dim(torch.cat([fin_tokens, cand_tokens], dim=1), best[:, :, None], dim=1)
+        cand_lens = (at[:, :, 0] + 1).expand(B, 2 * K)
+        fin_lens = torch.take_along_dim(torch.cat([fin_lens, cand_lens], dim=1), best, dim=1)
+        fin_valid = torch.take_along_dim(torch.cat([fin_valid, accept], dim=1), best, dim=1)
 
         # Next running beams: the K best candidates that did not end (HF: ended ones get -1e9).
         penalized = cand_scores + ends.float() * _NEG
         keep = torch.topk(penalized, K, dim=1).indices  # (B, K)
-        self.run_scores = torch.take_along_dim(penalized, keep, dim=1)
-        self.run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
-        source_rows = (torch.take_along_dim(cand_beam, keep, dim=1) + self.beam_offset).view(-1)  # (B*K,)
-        self.n_steps = n_new
+        run_scores = torch.take_along_dim(penalized, keep, dim=1)
+        run_tokens = torch.take_along_dim(cand_tokens, keep[:, :, None], dim=1)
+        source = torch.take_along_dim(cand_beam, keep, dim=1)  # (B, K): the beam of its prompt it continues
+        next_tokens = torch.take_along_dim(run_tokens, at.expand(B, K, 1), dim=2)[:, :, 0]  # (B, K)
         # Can a running beam still beat the worst finished hypothesis? (HF's heuristic; it only
         # matters once all K slots are full: before that, improvable stays True.)
-        best_len = L if gen.early_stopping == "never" and gen.length_penalty > 0.0 else n_new
-        best_possible = self.run_scores[:, 0] / (best_len ** gen.length_penalty)  # (B,)
-        worst_finished = self.fin_scores.min(dim=1).values
-        self.improvable &= ~self.fin_valid.all(dim=1) | (best_possible > worst_finished)
-        done = ~self.improvable | (self.fin_valid.all(dim=1) & (gen.early_stopping is True))
-        self.done_now = done.all() | (n_new == L)
-        return source_rows, self.run_tokens[:, :, step].reshape(B * K)
+        best_possible = run_scores[:, 0] / best_norm  # (B,)
+        worst_finished = fin_scores.min(dim=1).values
+        improvable = improvable & (~fin_valid.all(dim=1) | (best_possible > worst_finished))
+        done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True)) | last  # (B,)
+
+        out, row = [], 0
+        for s in searches:
+            rows = slice(row, row + s.B)
+            s.run_tokens, s.run_scores = run_tokens[rows], run_scores[rows]
+            s.fin_tokens, s.fin_scores, s.fin_lens = fin_tokens[rows], fin_scores[rows], fin_lens[rows]
+            s.fin_valid, s.improvable = fin_valid[rows], improvable[rows]
+            s.done_now = done[rows].all()
+            s.n_steps += 1
+            out.append(((source[rows] + s.beam_offset).reshape(-1), next_tokens[rows].reshape(-1)))
+            row += s.B
+        return out
 
     @property
     def finished(self) -> bool:

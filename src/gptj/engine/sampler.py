@@ -5,8 +5,9 @@ then one device-to-host copy of the whole step's choices.
               HF's MinNewTokensLengthLogitsProcessor)
     sampled   HF's warpers and one multinomial draw per request, from its own generator (so a
               seed's tokens do not depend on what shares the step)
-    beams     gptj.decode.BeamSearch.step per request: device ops only, its `done` flag a device
-              tensor read with the rest
+    beams     gptj.decode.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
+              stacked and advanced in one batched pass, each at its own step; device ops only, each
+              search's `done` flag a device tensor read with the rest
 
 The tokens are exactly those of gptj.decode.greedy_or_sample and beam_search (the same ops on the
 same rows). `choose` returns plain data (`Choice` per request) that engine/update.py applies.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptj.decode import block_eos, warp
+from gptj.decode import BeamSearch, block_eos, warp
 from gptj.engine.request import Request
 
 
@@ -45,8 +46,15 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
     for req, logits in sampled:  # one draw each, from the request's own generator
         probs = torch.softmax(warp(block_eos(logits, len(req.output), req.gen), req.gen), dim=-1)
         parts.append(torch.multinomial(probs, num_samples=1, generator=req.generator)[0])
+    by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
     for req, logits in beams:
-        source, tokens = req.beam.step(logits)
+        by_config.setdefault(req.gen, []).append((req, logits))
+    stepped = {}
+    for group in by_config.values():
+        results = BeamSearch.step_all([req.beam for req, _ in group], [logits for _, logits in group])
+        stepped.update((req, result) for (req, _), result in zip(group, results))
+    for req, _ in beams:
+        source, tokens = stepped[req]
         parts += [source, tokens, req.beam.done_now.long()[None]]
     if not parts:
         return {}
