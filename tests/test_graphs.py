@@ -77,3 +77,24 @@ def test_captured_graphs_replay_the_eager_steps_tokens(model):  # noqa: F811 - t
     greedy = GenerationConfig(max_new_tokens=8)
     assert Engine(cuda, EngineConfig(max_seqs=4)).generate(prompts[:1], greedy) == \
         eager.generate(prompts[:1], greedy)
+
+
+@needs_triton
+def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model, monkeypatch, caplog):  # noqa: F811
+    """A Triton kernel that cannot run (another Triton, another GPU): one warning, the reference
+    backend's forms from then on, unpadded steps, and the reference's tokens."""
+    import logging
+
+    from gptj.engine.attention import cuda
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX not supported\nmore detail")
+
+    prompts = prompts_of([5, 17, 1])
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    monkeypatch.setattr(cuda, "paged_decode", broken)
+    with caplog.at_level(logging.WARNING):
+        got = engine.generate(prompts, SHORT_MIXED[:3])
+    assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, SHORT_MIXED[:3])
+    assert not engine.attention.kernel_ok and not engine.runner.graphs.ready
+    assert caplog.text.count("the Triton decode kernel failed (RuntimeError: PTX not supported)") == 1

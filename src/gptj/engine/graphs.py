@@ -20,7 +20,7 @@ buffers, so the padding and bucketing are tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,8 @@ import torch
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
 from gptj.model import GPTJForCausalLM
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows a graph is captured for
 
@@ -106,9 +108,16 @@ class GraphRunner:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured = 0  # graphs captured so far (tests, stats)
+        self.failed = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether steps can run here: the backend's kernel works (a padded step's metadata has only
+        the kernel's tables) and no capture failed."""
+        return getattr(self.backend, "kernel_ok", True) and not self.failed
 
     def forward(self, step: DecodeInputs) -> torch.Tensor:
-        """The step's logits (rows, V) float32."""
+        """The step's logits (rows, V) float32 (only while `ready`)."""
         rows = len(step.tokens)
         size = bucket_for(rows, self.max_rows)
         bucket = self.buckets.get(size)
@@ -116,9 +125,18 @@ class GraphRunner:
             bucket = self.buckets[size] = _Bucket(size, self.M, self.kv.device)
         tile = bucket.fill(step, self.scratch)
         if not self.capture:
-            return self._run(bucket, tile)[:rows]
+            logits = self._run(bucket, tile)
+            if not self.ready:  # the kernel failed in this step: its result is not the step's
+                raise RuntimeError("the attention backend's kernel is unavailable")
+            return logits[:rows]
         if tile not in bucket.graphs:
-            bucket.graphs[tile] = self._capture(bucket, tile)
+            try:
+                bucket.graphs[tile] = self._capture(bucket, tile)
+            except Exception as e:  # noqa: BLE001 - capturing failed: eager steps from now on
+                first = str(e).splitlines()[0] if str(e) else ""
+                log.warning("CUDA-graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, first)
+                self.failed = True
+                raise
         graph, logits = bucket.graphs[tile]
         graph.replay()
         return logits[:rows]
@@ -137,6 +155,8 @@ class GraphRunner:
             for _ in range(2):
                 self._run(bucket, tile)
         torch.cuda.current_stream().wait_stream(stream)
+        if not self.ready:  # the kernel failed in the warm-up: its steps must run unpadded
+            raise RuntimeError("the attention backend's kernel is unavailable")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._run(bucket, tile)

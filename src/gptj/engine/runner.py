@@ -81,10 +81,15 @@ class ModelRunner:
     def _forward(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
         """One forward of these decode requests' next tokens and these prompt chunks; logits into `out`."""
         step = decode_inputs(decode, self.kv.block_size)
-        if not prefill and self.graphs is not None and len(step.tokens) <= self.graphs.max_rows:
-            logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
-            self._hand_out(decode, [], [], logits, out)
-            return
+        if not prefill and self.graphs is not None and self.graphs.ready and len(step.tokens) <= self.graphs.max_rows:
+            try:
+                logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
+            except Exception:  # noqa: BLE001 - a capture that failed (logged): this step eagerly
+                if self.graphs.ready:
+                    raise
+            else:
+                self._hand_out(decode, [], [], logits, out)
+                return
         tokens, positions, keep = list(step.tokens), list(step.positions), list(range(len(step.tokens)))
         segments, kept = [], []  # per chunk: (first kept row, rows kept)
         for chunk in prefill:

@@ -14,6 +14,7 @@ is tested without a GPU (in float32 and float16: the interpreter has no bfloat16
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from gptj.engine.attention.base import StepMetadata
 from gptj.engine.attention.kv_cache import PagedKV
 from gptj.engine.attention.reference import ReferenceAttention
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -127,12 +130,26 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
 
 
 class CudaAttention(ReferenceAttention):
-    """Decode by the Triton kernel; prefill and stores as the reference backend."""
+    """Decode by the Triton kernel; prefill and stores as the reference backend. If the kernel
+    fails (a Triton or GPU this was not built for), it logs one warning and decodes as the
+    reference does from then on (`kernel_ok` False; graphs.py then stops replaying)."""
 
     name = "cuda"
     reads_tables = True
 
+    def __init__(self, compiled: bool = False) -> None:
+        super().__init__(compiled)
+        self.kernel_ok = triton is not None
+
     def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        tables = meta.tables
-        out = paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer))
-        return out.to(kv.compute)
+        if self.kernel_ok:
+            tables = meta.tables
+            try:
+                out = paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer))
+                return out.to(kv.compute)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
+                first = str(e).splitlines()[0] if str(e) else ""
+                log.warning("the Triton decode kernel failed (%s: %s); decode attention runs the reference "
+                            "backend's forms", type(e).__name__, first)
+                self.kernel_ok = False
+        return super().decode(kv, layer, q, meta)
