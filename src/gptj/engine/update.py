@@ -126,15 +126,17 @@ class Updater:
         req.shared = prompt.length // self.kv.block_size  # full prompt blocks: read once for all beams
 
     def _reorder(self, req: Request, source: list[int]) -> None:
-        """Beam k continues beam source[k]: it takes that beam's block table."""
+        """Beam k continues beam source[k]: it takes that beam's block table. The prompt's full blocks
+        (the first req.shared) are every beam's, held once per beam before and after: only the
+        blocks after them change holders (a beam request's prompt can be 60 blocks, its own 1 to 8)."""
         if source == list(range(req.n_seqs)):
             return
-        old = req.seqs
-        req.seqs = [Sequence(list(old[s].blocks), old[s].length) for s in source]
+        old, s = req.seqs, req.shared
+        req.seqs = [Sequence(list(old[k].blocks), old[k].length) for k in source]
         for seq in req.seqs:
-            self.kv.hold(seq.blocks)
+            self.kv.hold(seq.blocks[s:])
         for seq in old:
-            self.kv.release(seq.blocks)
+            self.kv.release(seq.blocks[s:])
 
     def retire(self, req: Request, status: Status, reason: str) -> None:
         self.scheduler.remove(req)
