@@ -237,3 +237,67 @@ def test_on_cuda_float32_tokens_are_hfs_and_bfloat16_is_batch_invariant():
     together = Engine(bf16, EngineConfig(max_seqs=16)).generate(prompts, MIXED[:4])
     alone = [Engine(bf16, EngineConfig(max_seqs=8)).generate([p], [g])[0] for p, g in zip(prompts, MIXED[:4])]
     assert together == alone
+
+
+@needs_triton
+@pytest.mark.parametrize("compute", [torch.float32, torch.float16])
+@pytest.mark.parametrize("storage", ["float", "int8"])
+@pytest.mark.parametrize("B, start", [(16, 0), (16, 13), (32, 21)])
+def test_the_cuda_prefill_kernel_is_within_the_arithmetics_bound_of_exact(compute, storage, B, start):
+    """A prompt chunk's causal attention over its blocks in place (the Triton kernel), against float64
+    over the same stored values: 37 queries (tiles of 16 and a partial one) after `start` stored
+    tokens. The blocks past the chunk hold NaN: never read. Bound as the decode test's (u: the
+    compute dtype's unit roundoff; below float32 the probabilities are rounded to it)."""
+    from gptj.engine.attention.cuda import paged_prefill
+
+    H, D, T = 2, 64, 37
+    kv = make_pool(H, D, B, 12, storage, compute, seed=B + start)
+    end = start + T
+    blocks = torch.randperm(12, generator=torch.Generator().manual_seed(7))[:-(-end // B)].tolist()
+    last, row = blocks[-1], (end - 1) % B + 1
+    for cache in (kv.k[0], kv.v[0]) if not kv.quantized else (kv.k_scale[0], kv.v_scale[0]):
+        cache[last, :, row:] = float("nan")  # unwritten memory past the chunk
+    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(8)).to(compute).to(DEVICE)
+    table = torch.tensor(blocks, device=DEVICE)
+    got = paged_prefill(q, kv.k[0], kv.v[0], table, start, *kv.scales(0)).double()
+    assert got.shape == (T, H, D) and got.dtype == torch.float64 and not got.isnan().any()
+    k, v = exact_values(kv, blocks, end)  # (H, end, D)
+    qd = q.double().transpose(0, 1)  # (H, T, D)
+    s = qd @ k.transpose(1, 2) / D**0.5  # (H, T, end)
+    causal = torch.arange(end, device=DEVICE)[None, :] > torch.arange(start, end, device=DEVICE)[:, None]
+    p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
+    want = (p @ v).transpose(0, 1)  # (T, H, D)
+    u = UNIT[compute]
+    delta = u * (s.abs().amax(-1) + (qd.abs() @ k.abs().transpose(1, 2)).amax(-1) / D**0.5)  # (H, T)
+    vmax = v.abs().amax((1, 2))[:, None, None]  # (H, 1, 1)
+    bound = (u * (want.abs().transpose(0, 1) + 2 * (p @ v.abs())) +
+             (2.01 * delta[..., None] + (4 * end + 16) * 2.0**-24) * vmax).transpose(0, 1)
+    err = (got - want).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_chunked_prefill_on_the_cuda_backend_gives_the_references_tokens(model, kv_dtype, monkeypatch):  # noqa: F811
+    """Prompts prefilled in chunks of 16 (the later chunks through the Triton prefill kernel, over
+    their blocks in place; int8 blocks: every chunk), float32: the reference backend's tokens."""
+    from gptj.engine.attention import cuda
+
+    starts = []
+    real = cuda.paged_prefill
+    monkeypatch.setattr(cuda, "paged_prefill", lambda q, kc, vc, table, start, *sc: starts.append(start) or
+                        real(q, kc, vc, table, start, *sc))
+    prompts = prompts_of([30, 45, 7])
+    gen = GenerationConfig(max_new_tokens=4)
+
+    def run(backend: str) -> list[list[int]]:
+        e = Engine(model.to(DEVICE), EngineConfig(max_seqs=4, block_size=16, prefill_chunk=16, kernels="off",
+                                                  kv_dtype=kv_dtype))
+        e.runner.attention = att.make_backend(policy.AttentionPath(backend, False))
+        out = e.generate(prompts, gen)
+        assert getattr(e.runner.attention, "kernel_ok", True)
+        return out
+
+    assert run("cuda") == run("reference")
+    assert any(start > 0 for start in starts)  # later chunks ran through the kernel
+    assert (0 in starts) == (kv_dtype == "int8")  # a prompt's first chunk too, over int8 blocks only

@@ -1,5 +1,7 @@
 """The CUDA backend: the whole decode batch of a layer in one Triton kernel launch, reading the
-blocks in place; prompt chunks and stores as the reference does them (SDPA below float32).
+blocks in place; a prompt chunk after the first, or over int8 blocks, by a Triton kernel over its
+blocks in place (a whole prompt over float blocks: SDPA on its own keys, the reference's path);
+stores as the reference does them (indexing).
 
 The kernel runs one program per (decode group, head). A group's rows — one sequence, or the beams
 of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
@@ -101,6 +103,87 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
 
 
+if triton is not None:
+    @triton.jit
+    def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr,
+                              start, T, scale, D,
+                              s_qt, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_ot, s_oh,
+                              B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                              QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
+        """One (tile of BLOCK_M queries, head): causal attention over the sequence's blocks in place."""
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        qi = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        qmask = qi < T
+        qpos = start + qi
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        t = tl.arange(0, B)
+        q = tl.load(q_ptr + qi[:, None] * s_qt + h * s_qh + d[None, :], mask=qmask[:, None] & dmask[None, :],
+                    other=0.0)  # (M, D) in the compute dtype
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        last = start + tl.minimum(tile * BLOCK_M + BLOCK_M, T) - 1  # the tile's last query position
+        for j in range(0, last // B + 1):
+            block = tl.load(table_ptr + j).to(tl.int64)
+            stored = j * B + t <= last  # rows past the tile's last query are unwritten (never read)
+            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
+            k = tl.load(kc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)  # (B, D)
+            v = tl.load(vc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)
+            if QUANTIZED:  # dequantized to the compute dtype, as the reference reads int8 blocks
+                sat = block * s_sb + h * s_sh + t
+                k = (k.to(tl.float32) * tl.load(ks_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * tl.load(vs_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (M, B) float32
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((j * B + t)[None, :] <= qpos[:, None], s, float("-inf"))  # causal
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:  # the probabilities rounded to the values' dtype (HF's rule), summed in float32
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every query (its top key adds exp(0))
+        tl.store(out_ptr + qi[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=qmask[:, None] & dmask[None, :])
+
+
+PREFILL_TILE = 16  # queries per program (tl.dot's smallest tile); key blocks of 16 tokens or more
+
+
+def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt chunk's causal attention over its sequence's blocks, in place (the Triton kernel).
+
+    q (T, H, D): the queries of positions start .. start + T - 1, each head's D values contiguous;
+    kc, vc (n_blocks, H, B, D) contiguous with B >= 16, the chunk's own keys and values already
+    stored (float, or int8 with scales as paged_decode's); table: the sequence's blocks (int64),
+    at least ceil((start + T) / B). -> (T, H, D) in q's dtype: float32 scores and softmax; below
+    float32 the probabilities are rounded to the values' dtype before the sum (HF's rule)."""
+    if triton is None:
+        raise RuntimeError("the CUDA attention backend needs Triton (pip install triton)")
+    T, H, D = q.shape
+    B = kc.shape[2]
+    if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous() or B < PREFILL_TILE:
+        raise ValueError("paged_prefill: contiguous heads and KV blocks of at least 16 tokens")
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    quantized = kc.dtype == torch.int8
+    ks, vs = (k_scale, v_scale) if quantized else (kc, vc)
+    _paged_prefill_kernel[(triton.cdiv(T, PREFILL_TILE), H)](
+        q, kc, vc, ks, vs, out, table, start, T, 1.0 / math.sqrt(D), D,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
+        B=B, BLOCK_M=PREFILL_TILE, BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized,
+        IEEE=q.dtype == torch.float32)
+    return out
+
+
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
                  max_rows: int, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,3 +236,20 @@ class CudaAttention(ReferenceAttention):
                             "backend's forms", type(e).__name__, first)
                 self.kernel_ok = False
         return super().decode(kv, layer, q, meta)
+
+    def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: StepMetadata, i: int) -> torch.Tensor:
+        """A whole prompt from position 0 over float blocks: SDPA on the chunk's own keys (no gather,
+        the reference's path). A later chunk, or int8 blocks: the Triton kernel over the blocks in
+        place (blocks of 16 tokens or more; else the reference's gather)."""
+        seg = meta.segments[i]
+        if (seg.start == 0 and not kv.quantized) or not self.kernel_ok or kv.block_size < PREFILL_TILE:
+            return super().prefill(kv, layer, q, k, v, meta, i)
+        try:
+            return paged_prefill(q, kv.k[layer], kv.v[layer], meta.slots[i].table, seg.start, *kv.scales(layer))
+        except Exception as e:  # noqa: BLE001 - as decode's
+            first = str(e).splitlines()[0] if str(e) else ""
+            log.warning("the Triton prefill kernel failed (%s: %s); attention runs the reference backend's forms",
+                        type(e).__name__, first)
+            self.kernel_ok = False
+            return super().prefill(kv, layer, q, k, v, meta, i)
