@@ -6,7 +6,6 @@ graphs are captured and replayed (the cuda-marked test)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gptj import policy
 from gptj.decode import GenerationConfig
@@ -14,7 +13,7 @@ from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.graphs import BUCKETS, GraphRunner, bucket_for
 from test_attention_backends import DEVICE, SHORT_MIXED, needs_gpu, needs_triton
-from test_engine import CFG, MIXED, prompts_of
+from test_engine import MIXED, prompts_of
 from test_engine import model  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
@@ -26,12 +25,12 @@ def test_a_step_goes_to_the_smallest_bucket_that_holds_it():
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
-def graphed(model, capture: bool, **config) -> Engine:
+def graphed(net, capture: bool, **config) -> Engine:
     """An engine on the cuda attention backend whose decode-only steps run through a GraphRunner."""
-    engine = Engine(model, EngineConfig(block_size=8, kernels="off", **config))
+    engine = Engine(net, EngineConfig(block_size=8, kernels="off", **config))
     engine.runner.attention = backend = att.make_backend(policy.AttentionPath("cuda", False))
     plan = engine.plan
-    engine.runner.graphs = GraphRunner(model, engine.runner.kv, backend, plan.max_seqs, plan.blocks_per_seq,
+    engine.runner.graphs = GraphRunner(net, engine.runner.kv, backend, plan.max_seqs, plan.blocks_per_seq,
                                        scratch=plan.n_blocks, capture=capture)
     return engine
 
