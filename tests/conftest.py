@@ -18,6 +18,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's command runs two workers) each worker, and every process its tests
+# start, keeps to a core of its own: gptj sizes its threads by the cores it may use (gptj.threads),
+# so two workers never run two threads each on two cores (torch's spinning workers then wait whole
+# time slices behind each other: a training test took 5x its time alone).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    if len(_cores) > 1:
+        os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
+        torch.set_num_threads(1)
+
 KERNEL_PATHS = ("native", "fallback")
 
 # The modules that take longest (each over 25 s on a 2-core machine, measured 2026-11-27), run
