@@ -51,43 +51,67 @@ class DecodeInputs:
 
 
 class _Bucket:
-    """The persistent buffers of one bucket (rows, M blocks per sequence) and its captured graphs."""
+    """The persistent buffers of one bucket (rows, M blocks per sequence) and its captured graphs.
+
+    Each step is written into host buffers of the same layout (pinned on CUDA, so the copies are
+    asynchronous: the step's one device-to-host read, in the sampler, comes after them) and copied over
+    in two transfers. Only the parts a step uses are written, not the rows x M own-table padding."""
 
     def __init__(self, rows: int, M: int, device: torch.device) -> None:
         self.rows, self.M = rows, M
         # int64: ids, positions, write blocks, write offsets; int32: row0, stab, soff, slen, otab, olen
         self.long_sizes = [rows] * 4
         self.int_sizes = [rows + 1, rows * M, rows, rows, rows * M, rows]
+        self.offsets = [sum(self.int_sizes[:i]) for i in range(len(self.int_sizes))]
         self.longs = torch.zeros(sum(self.long_sizes), dtype=torch.long, device=device)
         self.ints = torch.zeros(sum(self.int_sizes), dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self.host_longs = torch.zeros(self.longs.shape, dtype=torch.long, pin_memory=pin)
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int32, pin_memory=pin)
         self.ids, self.positions, self.wb, self.wo = torch.split(self.longs, self.long_sizes)
         row0, stab, soff, slen, otab, olen = torch.split(self.ints, self.int_sizes)
         self.tables = (row0, stab, soff, slen, otab.view(rows, M), olen)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tile -> (graph, logits)
+        self.copied = None  # CUDA: the event after the last step's copies (its host buffers are free after it)
 
     def fill(self, step: DecodeInputs, scratch: int) -> int:
         """Write the step (padded to the bucket) into the buffers; -> the group tile (rows per group, a
         power of two)."""
-        pad = self.rows - len(step.tokens)
+        R, M = self.rows, self.M
+        n = len(step.tokens)
+        if self.copied is not None:  # (a step whose results nobody read may still be copying them)
+            self.copied.synchronize()
+        pad = R - n
         groups = step.groups + [DecodeGroup([scratch], 1, [[]], 0)] * pad
-        row0, stab, soff, slen, own, olen = [0], [], [], [], [], []
+        row0, stab, soff, slen, olen, own_at, own = [0], [], [], [], [], [], []
         for g in groups:
             soff.append(len(stab))
             stab += g.shared
             slen.append(g.shared_len)
             olen.append(g.own_len)
-            own += [o + [0] * (self.M - len(o)) for o in g.own]
+            for r, blocks in enumerate(g.own, start=row0[-1]):
+                own_at += range(r * M, r * M + len(blocks))
+                own += blocks
             row0.append(row0[-1] + g.rows)
-        # a bucket has as many groups as rows at most; fewer groups: empty ones (no rows) after them
-        empty = self.rows - len(groups)
+        empty = R - len(groups)  # a bucket has as many groups as rows at most; the rest: empty groups after them
         row0 += [row0[-1]] * empty
-        soff, slen, olen = soff + [0] * empty, slen + [0] * empty, olen + [0] * empty
-        ints = [*row0, *stab, *[0] * (self.rows * self.M - len(stab)), *soff, *slen,
-                *[b for o in own for b in o], *olen]
-        longs = [*step.tokens, *[0] * pad, *step.positions, *[0] * pad, *step.write_blocks, *[scratch] * pad,
-                 *step.write_offsets, *[0] * pad]
-        self.longs.copy_(torch.tensor(longs, dtype=torch.long), non_blocking=True)
-        self.ints.copy_(torch.tensor(ints, dtype=torch.int32), non_blocking=True)
+        ints = self.host_ints
+        ints.zero_()
+        o_row0, o_stab, o_soff, o_slen, o_otab, o_olen = self.offsets
+        for at, values in ((o_row0, row0), (o_stab, stab), (o_soff, soff), (o_slen, slen), (o_olen, olen)):
+            ints[at:at + len(values)] = torch.tensor(values, dtype=torch.int32)
+        if own:
+            ints[torch.tensor(own_at, dtype=torch.long) + o_otab] = torch.tensor(own, dtype=torch.int32)
+        longs = self.host_longs
+        longs.zero_()
+        for i, values in enumerate((step.tokens, step.positions, step.write_blocks, step.write_offsets)):
+            longs[i * R:i * R + n] = torch.tensor(values, dtype=torch.long)
+        longs[2 * R + n:3 * R] = scratch  # padding rows write into the scratch block
+        self.longs.copy_(longs, non_blocking=True)
+        self.ints.copy_(ints, non_blocking=True)
+        if self.longs.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         most = max(g.rows for g in groups)
         return 1 << (most - 1).bit_length()
 
