@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         res["server"] = {**loadgen_summary(log_dir), "target_qps": qps, "trt_llm_qps": trt, "error": r["error"]}
     if "hf" in steps:
         r = run_step("hf", [sys.executable, "-c", HF, str(model), str(dataset), args.device, str(args.hf_samples)],
-                     out, args.step_timeout, env={"PYTHONPATH": str(ROOT / "src")})
+                     out, args.step_timeout, env={"PYTHONPATH": os.pathsep.join(
+                         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
         res["hf"] = {**(last_json(r["stdout"]) or {}), "error": r["error"]}
 
     res["table"] = table(res)
