@@ -102,3 +102,21 @@ def test_beam_searches_at_different_steps_advance_together_as_each_alone():
                 finished.add(i)
                 assert together[i].ranked(0) == alone[i].ranked(0) and together[i].ranked(0)
     assert finished == {0, 1, 2}
+
+
+def test_sampled_rows_warped_together_draw_what_each_draws_alone():
+    """Six sampled requests, each with its own temperature / top_k / top_p (some none), warped in one
+    batch: every request draws, from its own generator, the token gptj.decode's warp gives it alone."""
+    settings = [dict(temperature=0.7, top_k=5), dict(top_p=0.6), dict(temperature=1.3, top_k=3, top_p=0.9),
+                dict(), dict(top_k=V + 10), dict(temperature=0.5, top_p=0.95)]
+    g = torch.Generator().manual_seed(5)
+    logits = [torch.randn(1, V, generator=g) * 0.5 for _ in settings]  # flat: the filters decide draws
+    for trial in range(12):
+        gens = [GenerationConfig(max_new_tokens=8, do_sample=True, seed=100 * trial + i, **kw)
+                for i, kw in enumerate(settings)]
+        reqs = [request(f"s{i}", gen, output=[1, 2]) for i, gen in enumerate(gens)]
+        choices = choose(list(zip(reqs, logits)))
+        for req, gen, x in zip(reqs, gens, logits):
+            probs = torch.softmax(warp(block_eos(x, 2, gen), gen), dim=-1)
+            want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(gen.seed))[0, 0])
+            assert choices[req].tokens == [want], (gen, trial)

@@ -3,8 +3,9 @@ then one device-to-host copy of the whole step's choices.
 
     greedy    one argmax over the rows of every greedy request (min_new_tokens: EOS masked per row,
               HF's MinNewTokensLengthLogitsProcessor)
-    sampled   HF's warpers and one multinomial draw per request, from its own generator (so a
-              seed's tokens do not depend on what shares the step)
+    sampled   HF's warpers (each row's temperature, top_k, top_p) over all sampled rows at once,
+              then one multinomial draw per request from its own generator (so a seed's tokens do
+              not depend on what shares the step)
     beams     gptj.decode.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
               stacked and advanced in one batched pass, each at its own step; device ops only, each
               search's `done` flag a device tensor read with the rest
@@ -15,12 +16,13 @@ same rows). `choose` returns plain data (`Choice` per request) that engine/updat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gptj.decode import BeamSearch, block_eos, warp
+from gptj.decode import BeamSearch
 from gptj.engine.request import Request
 
 
@@ -43,9 +45,10 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
     parts: list[torch.Tensor] = []
     if greedy:
         parts.append(_argmax(greedy))
-    for req, logits in sampled:  # one draw each, from the request's own generator
-        probs = torch.softmax(warp(block_eos(logits, len(req.output), req.gen), req.gen), dim=-1)
-        parts.append(torch.multinomial(probs, num_samples=1, generator=req.generator)[0])
+    if sampled:
+        probs = _warped_probs(sampled)  # (S, V): HF's warpers, every sampled row at once
+        for i, (req, _) in enumerate(sampled):  # one draw each, from the request's own generator
+            parts.append(torch.multinomial(probs[i:i + 1], num_samples=1, generator=req.generator)[0])
     by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
     for req, logits in beams:
         by_config.setdefault(req.gen, []).append((req, logits))
@@ -70,14 +73,54 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
     return out
 
 
-def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
-    """The greedy requests' next tokens (R,): argmax of their logits stacked, EOS masked on the
-    rows still short of min_new_tokens."""
-    scores = torch.cat([logits[:1] for _, logits in rows])  # (R, V), a copy: masked in place
+def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
+    """The requests' logits stacked (R, V) (a copy), EOS -inf on the rows still short of
+    min_new_tokens (gptj.decode.block_eos, row by row)."""
+    scores = torch.cat([logits[:1] for _, logits in rows])
     blocked = [(r, req.gen.eos_token_id) for r, (req, _) in enumerate(rows)
                if req.gen.eos_token_id is not None and len(req.output) < req.gen.min_new_tokens]
     if blocked:
         r, eos = zip(*blocked)
-        scores[list(r), list(eos)] = -float("inf")
-    return torch.argmax(scores, dim=-1)
+        scores[list(r), list(eos)] = -math.inf
+    return scores
+
+
+def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
+    """The greedy requests' next tokens (R,)."""
+    return torch.argmax(_stacked(rows), dim=-1)
+
+
+def _warped_probs(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
+    """The sampled requests' probabilities (S, V): gptj.decode.warp's temperature -> top_k -> top_p
+    (HF's order), each with the row's own setting, applied to all rows at once; a row's values are
+    those warp gives it alone (the same per-row ops; scalars rounded to float32 as torch rounds a
+    Python scalar)."""
+    scores = _stacked(rows)
+    gens = [req.gen for req, _ in rows]
+    dev, V = scores.device, scores.shape[-1]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
+
+    if any(g.temperature != 1.0 for g in gens):
+        scores = scores / column([g.temperature for g in gens])  # (x / 1.0 is x)
+    with_k = [r for r, g in enumerate(gens) if g.top_k]
+    if with_k:  # top_k_filter: -inf below each row's k-th largest score (ties with it kept)
+        ks = [min(gens[r].top_k, V) for r in with_k]
+        idx = torch.tensor(with_k, dtype=torch.long).to(dev, non_blocking=True)
+        part = scores[idx]
+        top = torch.topk(part, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor(ks, dtype=torch.long).to(dev, non_blocking=True)[:, None] - 1)
+        scores = scores.index_copy(0, idx, part.masked_fill(part < kth, -math.inf))
+    with_p = [r for r, g in enumerate(gens) if g.top_p < 1.0]
+    if with_p:  # top_p_filter: the smallest set of top tokens reaching p (sorted ascending, cumulative)
+        idx = torch.tensor(with_p, dtype=torch.long).to(dev, non_blocking=True)
+        part = scores[idx]
+        sorted_scores, order = torch.sort(part, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= column([1 - gens[r].top_p for r in with_p])
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        scores = scores.index_copy(0, idx, part.masked_fill(drop, -math.inf))
+    return torch.softmax(scores, dim=-1)
 
