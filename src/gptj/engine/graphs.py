@@ -27,6 +27,7 @@ import torch
 
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
+from gptj.engine.attention.base import table_lists
 from gptj.model import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,9 @@ class _Bucket:
             self.copied.synchronize()
         pad = R - n
         groups = step.groups + [DecodeGroup([scratch], 1, [[]], 0)] * pad
-        row0, stab, soff, slen, olen, own_at, own = [0], [], [], [], [], [], []
-        for g in groups:
-            soff.append(len(stab))
-            stab += g.shared
-            slen.append(g.shared_len)
-            olen.append(g.own_len)
-            for r, blocks in enumerate(g.own, start=row0[-1]):
-                own_at += range(r * M, r * M + len(blocks))
-                own += blocks
-            row0.append(row0[-1] + g.rows)
+        row0, stab, soff, slen, own_rows, olen = table_lists(groups)
+        own_at = [r * M + j for r, blocks in enumerate(own_rows) for j in range(len(blocks))]  # unpadded
+        own = [b for blocks in own_rows for b in blocks]
         empty = R - len(groups)  # a bucket has as many groups as rows at most; the rest: empty groups after them
         row0 += [row0[-1]] * empty
         ints = self.host_ints

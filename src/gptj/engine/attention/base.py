@@ -106,9 +106,10 @@ def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, list(sizes))) if sizes else []
 
 
-def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> DecodeTables:
-    """The groups' int32 tables, made on the host and copied to `device` at once."""
-    row0, stab, soff, slen, olen, own = [0], [], [], [], [], []
+def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
+    """DecodeTables' contents as host lists: (row0, stab, soff, slen, own, olen), own the rows' own
+    block lists unpadded (decode_tables pads them to the step's longest, graphs.py to its bucket's)."""
+    row0, stab, soff, slen, own, olen = [0], [], [], [], [], []
     for g in groups:
         soff.append(len(stab))
         stab += g.shared
@@ -116,6 +117,12 @@ def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> Decode
         olen.append(g.own_len)
         own += g.own
         row0.append(row0[-1] + g.rows)
+    return row0, stab, soff, slen, own, olen
+
+
+def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> DecodeTables:
+    """The groups' int32 tables, made on the host and copied to `device` at once."""
+    row0, stab, soff, slen, own, olen = table_lists(groups)
     omax = max(1, max(map(len, own)))
     otab = [b for o in own for b in o + [0] * (omax - len(o))]
     parts = (row0, stab or [0], soff, slen, otab, olen)

@@ -231,11 +231,14 @@ class CudaAttention(ReferenceAttention):
                 out = paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer))
                 return out.to(kv.compute)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
-                first = str(e).splitlines()[0] if str(e) else ""
-                log.warning("the Triton decode kernel failed (%s: %s); decode attention runs the reference "
-                            "backend's forms", type(e).__name__, first)
-                self.kernel_ok = False
+                self._kernel_failed("decode", e)
         return super().decode(kv, layer, q, meta)
+
+    def _kernel_failed(self, which: str, error: Exception) -> None:
+        first = str(error).splitlines()[0] if str(error) else ""
+        log.warning("the Triton %s kernel failed (%s: %s); attention runs the reference backend's forms", which,
+                    type(error).__name__, first)
+        self.kernel_ok = False
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
@@ -248,8 +251,5 @@ class CudaAttention(ReferenceAttention):
         try:
             return paged_prefill(q, kv.k[layer], kv.v[layer], meta.slots[i].table, seg.start, *kv.scales(layer))
         except Exception as e:  # noqa: BLE001 - as decode's
-            first = str(e).splitlines()[0] if str(e) else ""
-            log.warning("the Triton prefill kernel failed (%s: %s); attention runs the reference backend's forms",
-                        type(e).__name__, first)
-            self.kernel_ok = False
+            self._kernel_failed("prefill", e)
             return super().prefill(kv, layer, q, k, v, meta, i)
