@@ -24,9 +24,19 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   in int32 only on CPUs with AVX-512 VNNI (gptj.cpu.int8_sums_exact); without it they add pairs of
   products in 16 bits, which saturate. There the packed layer takes the SPLIT form and the plain one
   DEQUANTIZE, whose float32 sums run EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
+  cuda    int8                        <= TRITON_MAX_ROWS (16)          TRITON       gptj.quant.cuda's GEMV: the int8
+                                                                                    weight read once, scaled in the kernel
+                                      more                             DEQUANTIZE
   cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
-  cuda    anything else               any                              TORCH / DEQUANTIZE (a placeholder:
-                                                                       torch's own kernels, no CUDA work yet)
+  cuda    int4, other activations     <= TRITON_MAX_ROWS               TRITON       gptj.quant.cuda's int4 GEMV
+  cuda    fp8, FP8 matrix units       <= TRITON_MAX_ROWS               TRITON       the int8 GEMV on e4m3 weights
+          (`fp8_supported`)           more, in and out % 16 == 0       SCALED_MM    torch._scaled_mm: e4m3 activations
+                                                                                    per token x e4m3 weights
+  any     fp8 elsewhere               any                              DEQUANTIZE   (the commands refuse fp8 there:
+                                                                                    `check_fp8_device`; the math runs
+                                                                                    for checks, e.g. quant-report on CPU)
+  cuda    float                       any                              TORCH
+  TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs.
   NATIVE needs gptj.native built and loaded here (`native_available`); where it is not, the next
   row down runs. A module may still fall back further when its weight could not be packed for the
   kernel (Int4Linear without a CPU/CUDA int4 layout dequantizes).
@@ -59,6 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from gptj import cpu, native
+from gptj.errors import GptjError
 
 PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this table, "off" keeps the model as loaded
 
@@ -69,8 +80,17 @@ ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
 WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
 INT_MM = "int-mm"  # int8 activations x int8 weights, exact int32 sums (torch._int_mm)
+TRITON = "triton"  # gptj.quant.cuda's weight-only GEMV (CUDA, few rows)
+SCALED_MM = "scaled-mm"  # e4m3 activations x e4m3 weights, float32 sums (torch._scaled_mm)
 
-WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8")
+WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8", "fp8")
+
+# gptj.quant.cuda's Triton GEMVs read the quantized weight once per call and stream every row
+# through it: memory bound at decode's few rows, where torch has no int8 / fp8 weight-only kernel
+# on CUDA (dequantizing first reads the weight three times over). Past 16 rows the GEMMs win.
+TRITON_MAX_ROWS = 16
+# FP8 matrix units (torch._scaled_mm with e4m3): compute capability 8.9 (Ada) and 9.0 (Hopper) on.
+FP8_MIN_CAPABILITY = (8, 9)
 
 # gptj.native's GEMV beats the alternatives up to 8 rows: bf16 1.4-1.8x oneDNN at 1-2 rows
 # (benchmarks/native_gemv.py), int8 1.4-3x torch._weight_int8pack_mm.
@@ -190,16 +210,23 @@ def fusable(dtype: torch.dtype | None) -> bool:
 def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str,
                 features: tuple[int, int] = (8, 8)) -> str:
     """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
-    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, INT_MM, DEQUANTIZE,
-    TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both divisible by 8)."""
+    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, INT_MM, TRITON,
+    SCALED_MM, DEQUANTIZE, TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both
+    divisible by 8, SCALED_MM by 16)."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if weight == "onednn-layout":
         return ONEDNN
     if weight == "native-layout":
         return NATIVE if rows <= NATIVE_MAX_ROWS and native_available() else TORCH
+    if weight == "fp8":
+        if not fp8_supported(device):
+            return DEQUANTIZE
+        if rows <= TRITON_MAX_ROWS and triton_available():
+            return TRITON
+        return SCALED_MM if not (features[0] | features[1]) % 16 else DEQUANTIZE
     if weight == "int8":
         if kind != "cpu":
-            return DEQUANTIZE
+            return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
         if rows <= NATIVE_INT8_MAX_ROWS and native_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
@@ -214,8 +241,34 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return DEQUANTIZE
         if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):
             return WEIGHT_ONLY
+        if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available():
+            return TRITON
         return DEQUANTIZE
     raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether `device` has FP8 matrix units (a CUDA GPU of compute capability 8.9 or more)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def check_fp8_device(device: torch.device | str) -> None:
+    """GptjError, in one line, unless FP8 weights run on `device` (what every command that
+    generates checks before loading them)."""
+    if fp8_supported(device):
+        return
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}"
+    else:
+        where = f"this runs on {device.type}"
+    raise GptjError(f"fp8 weights need a GPU with FP8 matrix units (compute capability "
+                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more: Ada, Hopper); {where} "
+                    "(use --quantize int8, int4 or w8a8)")
 
 
 @dataclass(frozen=True)
@@ -243,7 +296,7 @@ def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mo
 
         cpu-native  kernels "auto", CPU, a bfloat16 model, bfloat16 or int8 KV, heads a multiple of 16
                     up to 512, gptj.native available
-        cuda        kernels "auto", CUDA, Triton installed (any float dtype, float or int8 KV)
+        cuda        kernels "auto", CUDA, Triton installed (any float dtype; float, int8 or e4m3 KV)
         reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted
     """
     compute = kv_dtype if compute is None else compute

@@ -23,7 +23,12 @@ GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (engine/graphs.py): auto = on
 # KV storage: "auto" the model's float dtype; "int8" int8 keys and values with a float32 scale per
 # token and head (max |x| / 127 of that head's D values, as vLLM's and TensorRT-LLM's int8 / fp8 KV
 # caches scale theirs): (D + 4) bytes where bfloat16 takes 2 D, so 1.97x the tokens at GPT-J's D = 256.
-KV_DTYPES = ("auto", "int8")
+# "fp8": e4m3 values with the same kind of scale (max |x| / 448), the same bytes: within 2**-4 of
+# each value (relative) where int8 is within s / 2 of it (absolute), so e4m3 is the closer of the two
+# for values below 1/16 of their head's largest, int8 above (gptj.quant.ops's FP8 bounds). TensorRT-LLM's
+# MLPerf GPT-J runs use an FP8 KV cache; on CUDA the attention kernels read either in place.
+KV_DTYPES = ("auto", "int8", "fp8")
+QUANTIZED_KV = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # kv_dtype -> storage
 KV_SCALE_DTYPE = torch.float32
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MAX_SEQS = 256  # running sequences per step when nothing else bounds them (vLLM's max_num_seqs)
@@ -41,7 +46,7 @@ class EngineConfig:
     prefill_chunk: int | None = None  # prompt tokens prefilled per step, in chunks; None: whole prompts
     kernels: str = "auto"  # decode attention by gptj.native when it can ("auto"), or never ("off")
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
-    kv_dtype: str = "auto"  # KV storage (KV_DTYPES): the model's float dtype, or int8 with per-token-head scales
+    kv_dtype: str = "auto"  # KV storage (KV_DTYPES): the model's float dtype, or int8 / fp8 with per-token-head scales
     cuda_graphs: str = "auto"  # decode-only steps replayed from CUDA graphs (GRAPH_MODES)
 
     def __post_init__(self) -> None:
@@ -91,16 +96,16 @@ class KVPlan:
 
 
 def kv_storage(model_dtype: torch.dtype, kv_dtype: str = "auto") -> torch.dtype:
-    """The dtype KV memory holds: the model's float dtype, or int8 (EngineConfig.kv_dtype)."""
-    return torch.int8 if kv_dtype == "int8" else model_dtype
+    """The dtype KV memory holds: the model's float dtype, or int8 / e4m3 (EngineConfig.kv_dtype)."""
+    return QUANTIZED_KV.get(kv_dtype, model_dtype)
 
 
 def kv_bytes_per_token(config: GPTJConfig, dtype: torch.dtype, n_head: int | None = None) -> int:
     """Bytes of keys + values one token takes over all layers (n_head: this rank's heads); `dtype`
-    the storage (kv_storage): int8 adds one KV_SCALE_DTYPE scale per head."""
+    the storage (kv_storage): int8 and e4m3 add one KV_SCALE_DTYPE scale per head."""
     heads = n_head or config.n_head
     per_head = config.head_dim * torch.empty((), dtype=dtype).element_size()
-    if dtype == torch.int8:
+    if dtype in QUANTIZED_KV.values():
         per_head += torch.empty((), dtype=KV_SCALE_DTYPE).element_size()
     return 2 * config.n_layer * heads * per_head
 

@@ -38,7 +38,7 @@ class ModelRunner:
         self.model = model
         w = model.transformer.wte.weight
         self.device = w.device
-        kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8
+        kv_dtype = kv_storage(w.dtype, config.kv_dtype)  # the activations' dtype (weights may be quantized), or int8 / e4m3
         # plan.n_blocks blocks for the sequences, and one more: the scratch block graphs' padding rows write
         self.kv = PagedKV(model.config, plan.n_blocks + 1, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)

@@ -31,7 +31,7 @@ from gptj import native
 from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, can_pack, can_pack_int8, exact, fusable,
                          linear_path, native_elementwise, pack_layout, w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-from gptj.quant import Int4Linear, Int8Linear, W8A8Linear, quantize_rows_int8
+from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, quantize_rows_int8
 
 
 class PackedLinear(nn.Module):
@@ -175,7 +175,7 @@ def _linear_parts(m: nn.Module) -> dict[str, torch.Tensor]:
     """A linear's tensors in a concatenable form: weight rows (portable layout), per-row scales, bias."""
     if type(m) is nn.Linear:
         parts = {"weight": m.weight.detach()}
-    elif isinstance(m, Int8Linear):
+    elif isinstance(m, (Int8Linear, Fp8Linear)):
         parts = {"weight": m.weight, "weight_scale": m.weight_scale}
     elif isinstance(m, W8A8Linear):
         parts = {"weight": m.weight, "weight_scale": m.weight_scale}  # input_smooth: shared, see concat_out_features
@@ -212,8 +212,8 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
         new.weight = nn.Parameter(w, requires_grad=False)
         new.bias = nn.Parameter(cat["bias"].to(w.dtype), requires_grad=False)
         return new
-    if isinstance(first, Int8Linear):
-        new = Int8Linear(first.in_features, n_out, True, device="meta")
+    if isinstance(first, (Int8Linear, Fp8Linear)):
+        new = type(first)(first.in_features, n_out, True, device="meta")
     elif isinstance(first, W8A8Linear):
         new = W8A8Linear(first.in_features, n_out, True, device="meta")
         new.input_smooth = first.input_smooth

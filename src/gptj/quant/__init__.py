@@ -1,9 +1,11 @@
-"""Quantization as module swaps: weight-only int8 per output channel and int4 per group, and W8A8
-(int8 weights and per-token int8 activations, with calibrated SmoothQuant factors).
+"""Quantization as module swaps: weight-only int8 per output channel and int4 per group, W8A8
+(int8 weights and per-token int8 activations, with calibrated SmoothQuant factors), and FP8 (e4m3
+weights per output channel; e4m3 activations per token in big calls; GPUs with FP8 units).
 
-  ops        the tensor math: quantize / dequantize int8 and int4, the int4 layouts, W8A8's rows and factors
+  ops        the tensor math: quantize / dequantize int8, int4 and fp8, the int4 layouts, W8A8's rows and factors
   format     the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
-  linear     Int8Linear / Int4Linear / W8A8Linear and the model-level swaps (quantize_model, swap_quantized_modules)
+  linear     Int8Linear / Int4Linear / W8A8Linear / Fp8Linear and the model-level swaps (quantize_model, ...)
+  cuda       Triton GEMVs for CUDA decode: int8 (and e4m3) and int4 weights read once, dequantized inside
   calibrate  W8A8's calibration: input |max| per channel over prompts, the smoothing factors, their file
 
 Which kernel a quantized layer's call runs is gptj.policy's (KERNEL_MAX_ROWS lives there).
@@ -27,6 +29,7 @@ from gptj.quant.format import (
 )
 from gptj.quant.linear import (
     KERNEL_DTYPE,
+    Fp8Linear,
     Int4Linear,
     Int8Linear,
     QuantLinear,
@@ -39,6 +42,8 @@ from gptj.quant.linear import (
 )
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
+    FP8_DTYPE,
+    FP8_MAX,
     INT4_GROUP_SIZES,
     SCALE_DTYPE,
     SMOOTH_ALPHA,
@@ -47,11 +52,16 @@ from gptj.quant.ops import (
     _unpack_cpu_int4,
     check_group_size,
     cpu_int4_layout,
+    dequantize_fp8,
     dequantize_int4,
     dequantize_int8,
+    fp8_error_bound,
+    fp8_sums,
     pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
+    quantize_rows_fp8,
     quantize_rows_int8,
     smoothing_factors,
     unpack_int4,
@@ -69,7 +79,8 @@ def _native():  # noqa: ANN202 - the gptj.native module, or None where its kerne
 
 __all__ = [
     "QUANT_MODES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
-    "W8A8Linear", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
+    "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8", "quantize_rows_fp8",
+    "fp8_error_bound", "fp8_sums", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
     "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",
     "quantized_specs", "swap_quantized_modules", "prepare_model", "is_quantized", "linear_names",

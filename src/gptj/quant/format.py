@@ -10,12 +10,14 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
                                   (the input layout of torch._convert_weight_to_int4pack on CUDA)
          M.weight_scale  bfloat16 (out, in / group_size)
          M.weight_zero   bfloat16 (out, in / group_size)
+  fp8:   M.weight        float8_e4m3fn (out, in)
+         M.weight_scale  bfloat16 (out,)
   w8a8:  M.weight        int8     (out, in)       of W * input_smooth (per input column)
          M.weight_scale  bfloat16 (out,)
          M.input_smooth  bfloat16 (in,)          SmoothQuant's factors: the layer runs on x / input_smooth
   both:  M.bias          the model's float dtype, as before (fc_in, fc_out, lm_head)
 
-config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8", "group_size": null|g,
+config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8"|"fp8", "group_size": null|g,
 "modules": [every quantized module name]}`, and for w8a8 its `"calibration"` (how the factors were
 made, gptj.quant.calibrate); the format is read from there, never guessed.
 HF transformers cannot load these checkpoints (it does not know this format); gptj can.
@@ -36,14 +38,17 @@ from torch import nn
 from gptj.errors import CheckpointError, GptjError
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
+    FP8_DTYPE,
     INT4_GROUP_SIZES,
     SCALE_DTYPE,
     check_group_size,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
 )
 
-QUANT_MODES = ("int8", "int4", "w8a8")
+QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
+PER_CHANNEL = ("int8", "w8a8", "fp8")  # one scale per output channel: no group size
 QUANT_VERSION = 1
 _QUANT_KEYS = {"version", "mode", "group_size", "modules"}
 _W8A8_KEYS = _QUANT_KEYS | {"calibration"}
@@ -68,6 +73,9 @@ def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None,
         return {"weight": q, "weight_scale": s, "input_smooth": smooth}
     if mode == "int8":
         q, s = quantize_int8(w)
+        return {"weight": q, "weight_scale": s}
+    if mode == "fp8":
+        q, s = quantize_fp8(w)
         return {"weight": q, "weight_scale": s}
     packed, s, z = quantize_int4(w, group_size if group_size is not None else DEFAULT_GROUP_SIZE)
     return {"weight": packed, "weight_scale": s, "weight_zero": z}
@@ -112,7 +120,7 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
     if (mode == "w8a8") != (calibration is not None):
         raise GptjError("w8a8 quantization needs its calibration record" if mode == "w8a8" else
                         f"{mode} quantization takes no calibration (w8a8 does)")
-    if mode in ("int8", "w8a8"):
+    if mode in PER_CHANNEL:
         if group_size is not None:
             raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
     elif group_size is not None:
@@ -152,7 +160,7 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
     mode, group_size, modules = q["mode"], q["group_size"], q["modules"]
     try:
         check_mode(mode)
-        if mode in ("int8", "w8a8") and group_size is not None:
+        if mode in PER_CHANNEL and group_size is not None:
             raise GptjError(f"{mode} quantization has no group size (it is per output channel)")
         if mode == "int4":
             check_group_size(group_size)
@@ -180,7 +188,7 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
 def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None) -> bool:
     """Whether asking for (mode, group_size) is satisfied by a checkpoint quantized as `recorded`."""
     check_mode(mode)
-    if mode in ("int8", "w8a8") and group_size is not None:
+    if mode in PER_CHANNEL and group_size is not None:
         raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
     if mode == "int4" and group_size is not None:
         check_group_size(group_size)
@@ -205,8 +213,8 @@ def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype
         module, _, leaf = name.rpartition(".")
         if module in modules and leaf == "weight":
             N, K = spec[0]
-            if q["mode"] in ("int8", "w8a8"):
-                out[name] = ((N, K), torch.int8)
+            if q["mode"] in PER_CHANNEL:
+                out[name] = ((N, K), FP8_DTYPE if q["mode"] == "fp8" else torch.int8)
                 out[f"{module}.weight_scale"] = ((N,), None)
                 if q["mode"] == "w8a8":
                     out[f"{module}.input_smooth"] = ((K,), None)

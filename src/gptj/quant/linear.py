@@ -1,24 +1,26 @@
-"""The quantized linear modules (Int8Linear, Int4Linear, W8A8Linear) and the model-level swaps that use them.
+"""The quantized linear modules (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear) and the model-level
+swaps that use them.
 
 The model stays the plain-math GPT-J of `gptj.model`; `quantize_model` replaces its `nn.Linear`
 layers (q/k/v/out_proj, mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) with
 `Int8Linear` / `Int4Linear` (activations keep the model's float dtype; only the weights are
-quantized, gpt-fast style) or `W8A8Linear` (the activations too, per token at each call,
-SmoothQuant style). The buffers are the checkpoint's tensors (gptj.quant.format).
+quantized, gpt-fast style), `W8A8Linear` (the activations too, per token at each call,
+SmoothQuant style) or `Fp8Linear` (e4m3 weights; e4m3 activations per token in big calls, on GPUs
+with FP8 matrix units). The buffers are the checkpoint's tensors (gptj.quant.format).
 
 Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
 gptj.native's int8 GEMV for a few rows on CPU; torch's weight-only kernels
 (torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu) in bfloat16 up to
 KERNEL_MAX_ROWS[mode] rows (activations of other dtypes are cast to bfloat16 for the call: the
 kernels' float32 paths are not vectorized and measured 10-30x slower than their bfloat16 paths,
-slower than a float32 F.linear on the unquantized weight); otherwise (prefill, CUDA, odd shapes)
-the weight dequantized to the activation dtype, a chunk of output rows at a time, and F.linear:
-weight-only kernels pay for decode (memory bound), not for big prefills (compute bound). CUDA int4
-with bfloat16 activations and few rows: torch._weight_int4pack_mm when it packs (guarded; not
-tested here: this project's CI has no GPU). The packed layout the CPU int4 kernel wants is made at
-load time, on the device (see `Int4Linear.prepare`).
+slower than a float32 F.linear on the unquantized weight); on CUDA, gptj.quant.cuda's Triton
+GEMVs for decode's few rows (int8, fp8, and int4 beside torch._weight_int4pack_mm) and
+torch._scaled_mm for fp8's bigger calls; otherwise (prefill, odd shapes) the weight dequantized to
+the activation dtype, a chunk of output rows at a time, and F.linear: weight-only kernels pay for
+decode (memory bound), not for big prefills (compute bound). The CUDA paths are tested here under
+Triton's interpreter and torch's CPU torch._scaled_mm, not on a GPU. The packed layout the CPU int4
+kernel wants is made at load time, on the device (see `Int4Linear.prepare`).
 """
-
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -30,10 +32,12 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.policy import DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, WEIGHT_ONLY, linear_path
+from gptj.policy import (DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, WEIGHT_ONLY,
+                         linear_path)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
+    FP8_DTYPE,
     SCALE_DTYPE,
     _cpu_int4_kernel_ok,
     _dequant_int4_values,
@@ -42,11 +46,14 @@ from gptj.quant.ops import (
     _unpack_cpu_int4,
     check_group_size,
     cpu_int4_layout,
+    dequantize_fp8,
     dequantize_int8,
     int8_sums,
     pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
+    quantize_rows_fp8,
     quantize_rows_int8,
     unpack_int4,
 )
@@ -63,6 +70,19 @@ def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if m.bias is not None:
         y = y + m.bias.to(y.dtype)
     return y.view(*x.shape[:-1], m.out_features)
+
+
+def _scaled_rows_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x2 @ (q * scale[:, None]).T for a per-output-channel quantized weight q (int8 or e4m3): the
+    weight made x2's dtype a chunk of rows at a time, F.linear, then the scales."""
+    dt = x2.dtype
+    chunks = list(_row_chunks(q.shape[0], q.shape[1]))
+    if len(chunks) == 1:
+        return F.linear(x2, q.to(dt)) * scale.to(dt)
+    y = torch.empty(x2.shape[0], q.shape[0], dtype=dt, device=x2.device)
+    for a, b in chunks:
+        y[:, a:b] = F.linear(x2, q[a:b].to(dt)) * scale[a:b].to(dt)
+    return y
 
 
 def _int8_buffers(m: nn.Module, in_features: int, out_features: int, bias: bool,
@@ -122,19 +142,14 @@ class Int8Linear(nn.Module):
         elif path == WEIGHT_ONLY:
             y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
             y = y.to(x.dtype)
-        else:
-            y = self._dequant_linear(x2)
-        return _finish(self, y, x)
+        elif path == TRITON:
+            from gptj.quant import cuda
 
-    def _dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
-        dt = x2.dtype
-        chunks = list(_row_chunks(self.out_features, self.in_features))
-        if len(chunks) == 1:
-            return F.linear(x2, self.weight.to(dt)) * self.weight_scale.to(dt)
-        y = torch.empty(x2.shape[0], self.out_features, dtype=dt, device=x2.device)
-        for a, b in chunks:
-            y[:, a:b] = F.linear(x2, self.weight[a:b].to(dt)) * self.weight_scale[a:b].to(dt)
-        return y
+            return cuda.int8_linear(x2.contiguous(), self.weight, self.weight_scale, self.bias).view(
+                *x.shape[:-1], self.out_features)
+        else:
+            y = _scaled_rows_linear(x2, self.weight, self.weight_scale)
+        return _finish(self, y, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -201,6 +216,84 @@ class W8A8Linear(nn.Module):
         else:  # the same products in float32, exact (where torch._int_mm's sums would not be, or it cannot run)
             acc = int8_sums(qx, self.weight, EXACT_F32_INT8_TERMS)
         y = (acc * self.weight_scale.float() * sx).to(x.dtype)  # the order oneDNN's packed kernel takes
+        return _finish(self, y, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias, q e4m3 (torch.float8_e4m3fn) per output channel; for GPUs with
+    FP8 matrix units (policy.fp8_supported). Buffers as in the checkpoint: weight e4m3 (out, in),
+    weight_scale bf16 (out,), bias.
+
+    Which math a call does is policy.linear_path's:
+      TRITON      (decode's few rows) weight-only: the e4m3 weight read once, x in its own dtype
+      SCALED_MM   (more rows) FP8 x FP8: x rounded to e4m3 per token (scale max |x| / 448, at each
+                  call, no calibration), torch._scaled_mm's float32 sums of exact products, both scales after
+      DEQUANTIZE  (a device without FP8 units: the commands refuse it there) the weight-only math
+    so a row's result depends on whether its call has more than policy.TRITON_MAX_ROWS rows."""
+
+    mode = "fp8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
+                             if bias else None)
+        self.prepare()
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Fp8Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                dtype=linear.weight.dtype)
+        m.weight, m.weight_scale = quantize_fp8(linear.weight.detach())
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m.prepare()
+
+    def prepare(self) -> Fp8Linear:
+        """Scales as bfloat16 values, and as the float32 row (1, out) torch._scaled_mm takes."""
+        if self.weight_scale.dtype != SCALE_DTYPE:
+            self.weight_scale = self.weight_scale.to(SCALE_DTYPE)
+        self._scale_row = self.weight_scale.float()[None, :]
+        return self
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        return self.prepare()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.prepare()
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale, dtype)
+
+    def scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """SCALED_MM's product (rows, out) in x2's dtype, without the bias: bfloat16 rows take the
+        scales in torch._scaled_mm's epilogue (row-wise scaling), other dtypes float32 sums, then the
+        scales. Runs wherever torch._scaled_mm does (CUDA with FP8 units; torch's CPU form, slowly)."""
+        qx, sx = quantize_rows_fp8(x2)
+        w = self.weight.t()  # column-major (in, out), as the GEMM wants its second operand
+        if x2.dtype == torch.bfloat16:
+            return torch._scaled_mm(qx, w, scale_a=sx, scale_b=self._scale_row, out_dtype=torch.bfloat16)
+        one = torch.ones((), dtype=torch.float32, device=x2.device)
+        acc = torch._scaled_mm(qx, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (acc * sx * self._scale_row).to(x2.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        path = linear_path(x.device, x.dtype, _rows(x), "fp8", (self.in_features, self.out_features))
+        if path == TRITON:
+            from gptj.quant import cuda
+
+            return cuda.int8_linear(x2.contiguous(), self.weight, self.weight_scale, self.bias).view(
+                *x.shape[:-1], self.out_features)
+        y = self.scaled_mm(x2) if path == SCALED_MM else _scaled_rows_linear(x2, self.weight, self.weight_scale)
         return _finish(self, y, x)
 
     def extra_repr(self) -> str:
@@ -320,6 +413,12 @@ class Int4Linear(nn.Module):
         if not self._prepared:
             self.prepare()
         x2 = x.reshape(-1, self.in_features)
+        if linear_path(x.device, x.dtype, _rows(x), "int4") == TRITON:
+            from gptj.quant import cuda
+
+            y = cuda.int4_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_zero, self.group_size,
+                                 self.bias)  # on CUDA the weight stays in the portable layout
+            return y.view(*x.shape[:-1], self.out_features)
         if self.use_kernel(x):
             if x.device.type == "cpu":
                 w = self.weight if self.layout == "cpu" else self._kernel_weight
@@ -360,7 +459,7 @@ class Int4Linear(nn.Module):
                 f"bias={self.bias is not None}, group_size={self.group_size}, layout={self.layout}")
 
 
-QuantLinear = (Int8Linear, Int4Linear, W8A8Linear)
+QuantLinear = (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)
 
 
 def linear_names(model_or_config: Any) -> list[str]:
@@ -384,6 +483,8 @@ def swap_quantized_modules(model: nn.Module, quantization: Mapping[str, Any]) ->
         kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
         if quantization["mode"] == "int8":
             new = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
+        elif quantization["mode"] == "fp8":
+            new = Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
         elif quantization["mode"] == "w8a8":
             new = W8A8Linear(lin.in_features, lin.out_features, lin.bias is not None, **kw)
         else:
@@ -427,6 +528,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, s
                 new = W8A8Linear.from_float(lin, smooth[name])
             elif mode == "int8":
                 new = Int8Linear.from_float(lin)
+            elif mode == "fp8":
+                new = Fp8Linear.from_float(lin)
             else:
                 new = Int4Linear.from_float(lin, q["group_size"])
             _set_module(model, name, new)

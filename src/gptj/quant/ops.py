@@ -155,6 +155,73 @@ def _dequant_int4_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 
+# --- FP8 (e4m3): weights per output channel, activations per token --------------------------------
+#
+#   weight  scale[n] = max_k |w[n, k]| / 448 (rounded UP to bfloat16)   q[n, k] = e4m3(w[n, k] / scale[n])
+#   rows    s[m] = max_k |x[m, k]| / 448 (float32)                       q[m, k] = e4m3(x[m, k] / s[m])
+# e4m3 (torch.float8_e4m3fn) has 3 mantissa bits and a largest value of 448: a normal value rounds
+# to within 2**-4 of itself (relative), a subnormal one (below 2**-6) to within 2**-10 absolute, so
+#   |w - q * scale| <= max(2**-4 |w|, 2**-10 scale)                    (`fp8_error_bound`)
+# The product of two e4m3 values is exact in float32, so an FP8 GEMM's sums are float32 sums of
+# exact products (torch._scaled_mm's, and `fp8_sums`).
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_REL_ERROR = 2.0**-4  # half the spacing of e4m3's normal values, relative
+FP8_SUBNORMAL_ERROR = 2.0**-10  # half e4m3's subnormal spacing (2**-9), in units of the scale
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """float32 values within [-448, 448] (clamped: a cast past them gives NaN) -> e4m3, rounded to nearest."""
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn (out, in), scale bfloat16 (out,)) with w ~= q * scale[:, None], within
+    `fp8_error_bound`. Computed in float32 a chunk of rows at a time."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise GptjError(f"fp8 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=SCALE_DTYPE, device=w.device)
+    for a, b in _row_chunks(*w.shape):
+        wf = w[a:b].float()
+        s = _ceil_bf16((wf.abs().amax(dim=1) / FP8_MAX).clamp_(min=2.0**-120))
+        q[a:b] = _to_fp8(wf / s.float()[:, None])
+        scale[a:b] = s
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale (per row) in float32, rounded once to `dtype`."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The most |x - e4m3(x / scale) * scale| can be, elementwise, for rows x (..., k) of `scale` (...)."""
+    s = scale.float()[..., None]
+    return torch.maximum(FP8_REL_ERROR * x.float().abs(), FP8_SUBNORMAL_ERROR * s)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn (..., k), scale float32 (..., 1)) per row: x ~= q * scale within
+    `fp8_error_bound` (a zero row gets a tiny scale and q = 0)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=2.0**-120)
+    return _to_fp8(xf / scale), scale
+
+
+def fp8_sums(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """qx (rows, K) e4m3 times qw (N, K) e4m3, transposed, float32 (rows, N): what an FP8 GEMM sums
+    (each product exact in float32; the order of the float32 additions is the only difference).
+    The weight is made float a chunk of rows at a time (no float copy of a big weight)."""
+    xf = qx.float()
+    out = torch.empty(qx.shape[0], qw.shape[0], dtype=torch.float32, device=qx.device)
+    for a, b in _row_chunks(*qw.shape):
+        out[:, a:b] = torch.nn.functional.linear(xf, qw[a:b].float())
+    return out
+
+
+
 # --- W8A8: int8 activations (per token, dynamic) x int8 weights (per output channel) ------------
 #
 #   y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] * qw[n, k]      (the sum exact, in int32)

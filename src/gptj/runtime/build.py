@@ -18,6 +18,7 @@ import torch
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
 from gptj.parallel import lockstep
+from gptj.policy import check_fp8_device
 from gptj.device import resolve_device
 from gptj.runtime.spec import ModelSpec
 
@@ -34,11 +35,32 @@ def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM
     Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
     int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
     each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
-    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
-    from gptj.weights.io import load_model as load_whole
-
+    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would.
+    fp8 weights (asked for, or in the checkpoint) are refused where they cannot run
+    (policy.check_fp8_device), in one line."""
     if spec.path is None:
         raise GptjError("no model folder given")
+    _check_fp8(spec)
+    return _load(spec, progress)
+
+
+def _check_fp8(spec: ModelSpec) -> None:
+    """Refuse fp8 weights, asked for or recorded in the checkpoint's config, before a long load."""
+    from gptj.weights.io import read_checkpoint
+
+    mode = spec.quantize or ((read_checkpoint(spec.path)[0].quantization or {}).get("mode"))
+    if mode == "fp8":
+        if lockstep.active():
+            from gptj.parallel.launch import rank_device
+
+            check_fp8_device(resolve_device(rank_device(spec.device)))
+        else:
+            check_fp8_device(resolve_device(spec.device))
+
+
+def _load(spec: ModelSpec, progress: bool | None) -> GPTJForCausalLM:
+    from gptj.weights.io import load_model as load_whole
+
     if not lockstep.active():
         if spec.world > 1:
             raise GptjError(f"--tp {spec.tp} --pp {spec.pp} runs on {spec.world} ranks: start it with gptj "

@@ -2,7 +2,7 @@
 
     base.py        the protocol: DecodeGroup / PrefillSegment in, StepMetadata (device tensors, once
                    per step) out of `build`; store, decode, prefill; PagedBatch, the model's cache
-    kv_cache.py    PagedKV: every layer's keys and values in blocks (float, or int8 with scales)
+    kv_cache.py    PagedKV: every layer's keys and values in blocks (float, or int8 / e4m3 with scales)
     reference.py   torch's eager and compiled forms, group by group: the ground truth
     cpu_native.py  gptj.native's AVX-512 kernels
     cuda.py        the whole decode batch in one Triton kernel per layer

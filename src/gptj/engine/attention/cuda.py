@@ -1,5 +1,5 @@
 """The CUDA backend: the whole decode batch of a layer in one Triton kernel launch, reading the
-blocks in place; a prompt chunk after the first, or over int8 blocks, by a Triton kernel over its
+blocks in place; a prompt chunk after the first, or over quantized blocks, by a Triton kernel over its
 blocks in place (a whole prompt over float blocks: SDPA on its own keys, the reference's path);
 stores as the reference does them (indexing).
 
@@ -7,7 +7,7 @@ The kernel runs one program per (decode group, head). A group's rows — one seq
 of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
 once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
 the softmax online (flash-decoding's running max and sum, one pass over the keys and values);
-int8 blocks are read with their per-token-head scales. The step's groups come as the same int32
+quantized blocks (int8 or e4m3) are read in place with their per-token-head scales. The step's groups come as the same int32
 DecodeTables gptj.native reads, made once per step and copied to the GPU in one go.
 
 The kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how it
@@ -131,7 +131,7 @@ if triton is not None:
             at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
             k = tl.load(kc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)  # (B, D)
             v = tl.load(vc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)
-            if QUANTIZED:  # dequantized to the compute dtype, as the reference reads int8 blocks
+            if QUANTIZED:  # dequantized to the compute dtype, as the reference reads quantized blocks
                 sat = block * s_sb + h * s_sh + t
                 k = (k.to(tl.float32) * tl.load(ks_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * tl.load(vs_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
@@ -163,7 +163,7 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
 
     q (T, H, D): the queries of positions start .. start + T - 1, each head's D values contiguous;
     kc, vc (n_blocks, H, B, D) contiguous with B >= 16, the chunk's own keys and values already
-    stored (float, or int8 with scales as paged_decode's); table: the sequence's blocks (int64),
+    stored (float, or int8 / e4m3 with scales as paged_decode's); table: the sequence's blocks (int64),
     at least ceil((start + T) / B). -> (T, H, D) in q's dtype: float32 scores and softmax; below
     float32 the probabilities are rounded to the values' dtype before the sum (HF's rule)."""
     if triton is None:
@@ -173,7 +173,7 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous() or B < PREFILL_TILE:
         raise ValueError("paged_prefill: contiguous heads and KV blocks of at least 16 tokens")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    quantized = kc.dtype == torch.int8
+    quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)
     _paged_prefill_kernel[(triton.cdiv(T, PREFILL_TILE), H)](
         q, kc, vc, ks, vs, out, table, start, T, 1.0 / math.sqrt(D), D,
@@ -190,7 +190,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) float32.
 
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
-    int8 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
+    int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
     step's DecodeTables (row0, stab, soff, slen, otab, olen) on q's device; max_rows: the most rows
     of one group. Block ids and lengths are the caller's to keep in range."""
     if triton is None:
@@ -201,7 +201,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=torch.float32, device=q.device)
-    quantized = kc.dtype == torch.int8
+    quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
     _paged_decode_kernel[(len(soff), H)](
         q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
@@ -243,7 +243,7 @@ class CudaAttention(ReferenceAttention):
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
         """A whole prompt from position 0 over float blocks: SDPA on the chunk's own keys (no gather,
-        the reference's path). A later chunk, or int8 blocks: the Triton kernel over the blocks in
+        the reference's path). A later chunk, or quantized blocks: the Triton kernel over the blocks in
         place (blocks of 16 tokens or more; else the reference's gather)."""
         seg = meta.segments[i]
         if (seg.start == 0 and not kv.quantized) or not self.kernel_ok or kv.block_size < PREFILL_TILE:

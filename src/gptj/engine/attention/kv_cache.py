@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from gptj.config import GPTJConfig
-from gptj.engine.config import KV_SCALE_DTYPE, kv_bytes_per_token
+from gptj.engine.config import KV_SCALE_DTYPE, QUANTIZED_KV, kv_bytes_per_token
 from gptj.errors import GptjError
-from gptj.quant.ops import quantize_rows_int8
+from gptj.quant.ops import quantize_rows_fp8, quantize_rows_int8
 
 
 class PagedKV:
@@ -21,12 +21,14 @@ class PagedKV:
 
     `dtype` is the storage (engine.config.kv_storage). int8 (`quantized`): each token's head vector
     of D values is stored as round(x / s) with s = max |x| / 127 in k_scale / v_scale[layer]
-    (n_blocks, H, B), float32, and read back as q * s in `compute` (the model's dtype): |error| <= s / 2."""
+    (n_blocks, H, B), float32, and read back as q * s in `compute` (the model's dtype): |error| <= s / 2.
+    e4m3 (`quantized` too): e4m3(x / s) with s = max |x| / 448, read back the same way, within
+    gptj.quant.ops.fp8_error_bound."""
 
     def __init__(self, config: GPTJConfig, n_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, n_head: int | None = None, compute: torch.dtype | None = None) -> None:
         shape = (n_blocks, n_head or config.n_head, block_size, config.head_dim)
-        self.quantized = dtype == torch.int8
+        self.quantized = dtype in QUANTIZED_KV.values()
         self.compute = compute or (torch.float32 if self.quantized else dtype)
         try:  # zeros, not empty: every page is touched now, not by the first requests (a page fault each)
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -56,7 +58,7 @@ class PagedKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
               offsets: torch.Tensor) -> None:
         """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n], by
-        indexing (int8 storage: rounded by quantize_heads first). A backend's `store` may do it its
+        indexing (int8 / e4m3 storage: rounded by quantize_heads first). A backend's `store` may do it its
         own way; this is the reference."""
         kc, vc = self.k[layer], self.v[layer]
         if not self.quantized:
@@ -64,12 +66,12 @@ class PagedKV:
             vc[blocks, :, offsets] = v
             return
         for x, cache, scales in ((k, kc, self.k_scale[layer]), (v, vc, self.v_scale[layer])):
-            q, s = quantize_heads(x)
+            q, s = quantize_heads(x, cache.dtype)
             cache[blocks, :, offsets] = q
             scales[blocks, :, offsets] = s
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """int8 blocks' (k_scale, v_scale) of a layer; (None, None) for float blocks."""
+        """Quantized blocks' (k_scale, v_scale) of a layer; (None, None) for float blocks."""
         return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
     def blocks(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,10 +94,10 @@ class PagedKV:
         return (k.transpose(0, 1).reshape(H, -1, D)[:, :length], v.transpose(0, 1).reshape(H, -1, D)[:, :length])
 
 
-def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> (int8 (..., D), float32 scale (...)): per head vector, symmetric, s = max |x| / 127
-    (gptj.quant's per-row rounding, each head vector a row)."""
-    q, s = quantize_rows_int8(x)
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (q (..., D) of `dtype`, float32 scale (...)): per head vector, symmetric,
+    s = max |x| / 127 (int8) or / 448 (e4m3): gptj.quant's per-row rounding, each head vector a row."""
+    q, s = quantize_rows_int8(x) if dtype == torch.int8 else quantize_rows_fp8(x)
     return q, s[..., 0]
 
 

@@ -2,7 +2,7 @@
 backend is tested against, and what runs where none of them applies (float32 — exact —, kernels
 "off", CPUs without gptj.native, devices without a backend of their own).
 
-Each group's blocks are gathered into one tensor (int8 blocks dequantized to the model's dtype) and
+Each group's blocks are gathered into one tensor (quantized blocks dequantized to the model's dtype) and
 computed by the forms below:
 
     one sequence   q (H, D) over its own blocks                                   greedy, sampled
@@ -140,7 +140,7 @@ class ReferenceAttention(AttentionBackend):
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
         """gptj.model.attention with a causal mask; over this call's keys when nothing was stored
-        before (and the blocks are not int8), else over the gathered blocks."""
+        before (and the blocks are not quantized), else over the gathered blocks."""
         seg, slots = meta.segments[i], meta.slots[i]
         T, end = seg.length, seg.start + seg.length
         qh = q.transpose(0, 1)[None]  # (1, H, T, D)
