@@ -1,6 +1,7 @@
 """One GPU's check of gptj's CUDA path, as one prepared command: the CUDA tests, copy bandwidth, decode
-latency at batch 1 and 32, the MLPerf-shaped Offline run and HF's one-at-a-time reference way; then
-one table, with the GPU engine issue's targets.
+latency at batch 1 and 32 (bf16, and each quantization mode at batch 1), the MLPerf-shaped Offline
+and Server runs in bf16 and in FP8 (weights and KV), quant-report's accuracy per mode, and HF's
+one-at-a-time reference way; then one table, with the GPU issues' targets.
 
     python benchmarks/gpu_check.py --out gpu-check          # one H100 / H200: gptj-6b random weights, bf16
     python benchmarks/gpu_check.py --smoke                  # a rehearsal on CPU (tiny model, tiny sizes)
@@ -12,13 +13,18 @@ reported in the table and the others still run. OUT/results.json holds every fig
     bandwidth    a device-to-device copy of --copy-gib GiB: bytes read + written per second
     model        gptj init --preset gptj-6b --dtype bfloat16 (kept in OUT/model for the next run)
     latency-b1   gptj bench latency, batch 1, 128-token prompt
+    latency-b1-MODE  the same with --quantize MODE, for each of --quant-modes (int8, int4, fp8)
     latency-b32  gptj bench latency, batch 32, 512-token prompts
     offline      gptj mlperf --scenario Offline --mode performance: --samples samples (the bundled
                  articles repeated, benchmarks/standin_dataset.py), official generation settings
                  (4 beams, 30-128 new tokens)
+    offline-q    the Offline run again with --quantize Q --kv-dtype KV (--offline-quant Q:KV, fp8:fp8)
     server       gptj mlperf --scenario Server --mode performance at half TensorRT-LLM's Server
                  queries/s for the GPU (--server-qps), --server-seconds long: LoadGen's verdict on
                  gptj-99's 20 s latency bound, and the p99 latency
+    server-q     the Server run with --offline-quant's modes at 75 % of TensorRT-LLM's queries/s
+    quant-report gptj quant-report on the device: top-1 agreement and logit error of each of
+                 --quant-modes against float32 (random weights: near-tied logits, the hard case)
     hf           HF transformers' generate on the same model, one sample at a time, official settings
                  (what the MLPerf reference implementation does)
 
@@ -171,20 +177,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="Offline and HF (official: 128)")
     ap.add_argument("--server-qps", type=float, help="Server queries/s (default: half TensorRT-LLM's for the GPU)")
     ap.add_argument("--server-seconds", type=float, default=60)
-    ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b32,offline,server,hf")
+    ap.add_argument("--quant-modes", default="int8,int4,fp8", help="latency-b1-MODE and quant-report's modes")
+    ap.add_argument("--offline-quant", default="fp8:fp8", help="offline-q / server-q: --quantize Q --kv-dtype KV")
+    ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,"
+                                       "offline-q,server,server-q,quant-report,hf")
     ap.add_argument("--step-timeout", type=float, default=240)
     ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
                            "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
                            "samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
-                           "server_qps": 2.0, "server_seconds": 2,
-                           "steps": "bandwidth,model,latency-b1,latency-b32,offline,server,hf"}, argv)
+                           "server_qps": 2.0, "server_seconds": 2, "quant_modes": "int8",
+                           "offline_quant": "int8:int8",  # fp8 is refused on CPU
+                           "steps": "bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,offline-q,"
+                                    "server,server-q,quant-report,hf"}, argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps.split(",")
     model = out / "model"
     res: dict = {"settings": {k: str(v) for k, v in vars(args).items()}}
     common = ["--device", args.device, "--dtype", args.dtype]
+    quant_modes = [m for m in args.quant_modes.split(",") if m]
+    oq, _, okv = args.offline_quant.partition(":")
+    offline_quant = ["--quantize", oq, *(["--kv-dtype", okv] if okv else [])]
 
     if "tests" in steps:
         r = run_step("tests", [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-m", "cuda", "-p",
@@ -200,40 +214,54 @@ def main(argv: list[str] | None = None) -> int:
         r = run_step("model", gptj("init", "--preset", args.preset, "--dtype", args.dtype, "--out", str(model),
                                    "--force"), out, max(args.step_timeout, 600))
         res["model"] = {"seconds": r["seconds"], "error": r["error"]}
-    for name, batch, prompt, new in (("latency-b1", 1, 128, args.b1_new_tokens),
-                                     ("latency-b32", args.batch, args.batch_prompt_len, args.batch_new_tokens)):
-        if name in steps:
-            r = run_step(name, gptj("bench", "latency", "--model", str(model), *common, "--batch-size", str(batch),
-                                    "--prompt-len", str(prompt), "--new-tokens", str(new), "--repeats", "2",
-                                    "--json"), out, args.step_timeout)
+    latency = [("latency-b1", 1, 128, args.b1_new_tokens, [])]
+    if "latency-b1-MODE" in steps:
+        latency += [(f"latency-b1-{m}", 1, 128, args.b1_new_tokens, ["--quantize", m]) for m in quant_modes]
+    latency.append(("latency-b32", args.batch, args.batch_prompt_len, args.batch_new_tokens, []))
+    for name, batch, prompt, new, extra in latency:
+        if name in steps or name.startswith("latency-b1-"):
+            r = run_step(name, gptj("bench", "latency", "--model", str(model), *common, *extra, "--batch-size",
+                                    str(batch), "--prompt-len", str(prompt), "--new-tokens", str(new), "--repeats",
+                                    "2", "--json"), out, args.step_timeout)
             res[name] = {**(last_json(r["stdout"]) or {}), "batch": batch, "error": r["error"]}
     dataset = out / f"dataset-{args.samples}.json"
-    if "offline" in steps or "hf" in steps:
+    if {"offline", "offline-q", "server", "server-q", "hf"} & set(steps):
         run_step("dataset", [sys.executable, str(ROOT / "benchmarks" / "standin_dataset.py"), "--samples",
                              str(args.samples), "--out", str(dataset)], out, args.step_timeout)
-    if "offline" in steps:
-        log_dir = out / "offline"
-        r = run_step("offline", gptj("mlperf", "--model", str(model), *common, "--dataset", str(dataset), "--scenario",
-                                     "Offline", "--mode", "performance", "--quiet", "--log-dir", str(log_dir),
-                                     "--max-new-tokens", str(args.max_new_tokens), "--target-qps", "1",
-                                     "--min-duration-ms", "1000", "--min-query-count", str(args.samples),
-                                     "--max-query-count", "0", "--performance-sample-count", str(args.samples),
-                                     "--max-batch-size", str(args.max_batch_size)),
-                     out, max(args.step_timeout, 300))
-        res["offline"] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"]}
-    if "server" in steps:
-        device = res.get("bandwidth", {}).get("device", "")
-        trt = next((v for k, v in TRT_LLM_SERVER.items() if k in device), None)
-        qps = args.server_qps or (trt / 2 if trt else 1.0)
-        log_dir = out / "server"
-        r = run_step("server", gptj("mlperf", "--model", str(model), *common, "--dataset", str(dataset), "--scenario",
-                                    "Server", "--mode", "performance", "--quiet", "--log-dir", str(log_dir),
-                                    "--max-new-tokens", str(args.max_new_tokens), "--target-qps", str(qps),
-                                    "--min-duration-ms", str(int(args.server_seconds * 1000)), "--min-query-count",
-                                    "1", "--max-query-count", "0", "--performance-sample-count", str(args.samples),
+    for name, extra in (("offline", []), ("offline-q", offline_quant)):
+        if name in steps:
+            log_dir = out / name
+            r = run_step(name, gptj("mlperf", "--model", str(model), *common, *extra, "--dataset", str(dataset),
+                                    "--scenario", "Offline", "--mode", "performance", "--quiet", "--log-dir",
+                                    str(log_dir), "--max-new-tokens", str(args.max_new_tokens), "--target-qps", "1",
+                                    "--min-duration-ms", "1000", "--min-query-count", str(args.samples),
+                                    "--max-query-count", "0", "--performance-sample-count", str(args.samples),
                                     "--max-batch-size", str(args.max_batch_size)),
-                     out, max(args.step_timeout, args.server_seconds * 3))
-        res["server"] = {**loadgen_summary(log_dir), "target_qps": qps, "trt_llm_qps": trt, "error": r["error"]}
+                         out, max(args.step_timeout, 300))
+            res[name] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"],
+                         "quant": " ".join(extra)}
+    device = res.get("bandwidth", {}).get("device", "")
+    trt = next((v for k, v in TRT_LLM_SERVER.items() if k in device), None)
+    for name, extra, share in (("server", [], 0.5), ("server-q", offline_quant, 0.75)):
+        if name in steps:
+            qps = args.server_qps or (trt * share if trt else 1.0)
+            log_dir = out / name
+            r = run_step(name, gptj("mlperf", "--model", str(model), *common, *extra, "--dataset", str(dataset),
+                                    "--scenario", "Server", "--mode", "performance", "--quiet", "--log-dir",
+                                    str(log_dir), "--max-new-tokens", str(args.max_new_tokens), "--target-qps",
+                                    str(qps), "--min-duration-ms", str(int(args.server_seconds * 1000)),
+                                    "--min-query-count", "1", "--max-query-count", "0", "--performance-sample-count",
+                                    str(args.samples), "--max-batch-size", str(args.max_batch_size)),
+                         out, max(args.step_timeout, args.server_seconds * 3))
+            res[name] = {**loadgen_summary(log_dir), "target_qps": qps, "trt_llm_qps": trt, "error": r["error"],
+                         "quant": " ".join(extra)}
+    if "quant-report" in steps:
+        r = run_step("quant-report", gptj("quant-report", "--model", str(model), "--device", args.device, "--modes",
+                                          ",".join(quant_modes), "--no-speed", "--prompts", "4", "--max-tokens",
+                                          "128", "--json"), out, max(args.step_timeout, 300))
+        report = json.loads(r["stdout"]) if r["ok"] and r["stdout"].strip().startswith("{") else {}
+        res["quant-report"] = {"modes": {m: {k: v[k] for k in ("top1_agreement", "max_abs_logit_error")}
+                                         for m, v in report.get("modes", {}).items()}, "error": r["error"]}
     if "hf" in steps:
         r = run_step("hf", [sys.executable, "-c", HF, str(model), str(dataset), args.device, str(args.hf_samples)],
                      out, args.step_timeout, env={"PYTHONPATH": os.pathsep.join(
@@ -247,10 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+B1_TARGETS = {"fp8": 1.6, "int8": 1.4, "int4": 2.0}  # batch-1 decode against bf16 (GPU precision issue)
+
+
 def table(res: dict) -> list[str]:
-    """The figures and the targets (GPU engine issue): weights read at >= 70 % of copy bandwidth at
+    """The figures and the targets. GPU engine issue: weights read at >= 70 % of copy bandwidth at
     batch 1; a batch-32 step <= 2x a batch-1 step; Offline >= 50 % of TensorRT-LLM and >= 40x HF;
-    Server at half TensorRT-LLM's queries/s within gptj-99's latency bound."""
+    Server at half TensorRT-LLM's queries/s within gptj-99's latency bound. GPU precision issue:
+    batch-1 decode fp8 >= 1.6x, int8 >= 1.4x, int4 >= 2x bf16; Offline with FP8 weights and KV >= 75 %
+    of TensorRT-LLM and >= 1.5x gptj's bf16; Server at 75 % of TensorRT-LLM's queries/s; fp8's top-1
+    agreement."""
     rows: list[tuple[str, str, str]] = []
     bw = res.get("bandwidth", {})
     device = bw.get("device", "?")
@@ -265,6 +299,12 @@ def table(res: dict) -> list[str]:
         frac = b1["weights_gb_s"] / copy if copy else math.nan
         rows.append(("batch-1 decode", f"{b1['decode_tok_s']:.1f} tok/s, weights at {b1['weights_gb_s']:.0f} GB/s",
                      f"{frac:.0%} of copy bandwidth (target >= 70 %)"))
+    for key, r in res.items():
+        mode = key.removeprefix("latency-b1-")
+        if key.startswith("latency-b1-") and r.get("decode_tok_s"):
+            vs = f"{r['decode_tok_s'] / b1['decode_tok_s']:.2f}x bf16" if b1.get("decode_tok_s") else ""
+            target = f" (target >= {B1_TARGETS[mode]}x)" if mode in B1_TARGETS else ""
+            rows.append((f"batch-1 decode, {mode}", f"{r['decode_tok_s']:.1f} tok/s", vs + target))
     if b1.get("decode_tok_s") and b32.get("decode_tok_s"):
         step1, stepn = 1 / b1["decode_tok_s"], b32["batch"] / b32["decode_tok_s"]
         rows.append((f"batch-{b32['batch']} decode step", f"{stepn * 1e3:.1f} ms ({b32['decode_tok_s']:.0f} tok/s)",
@@ -274,13 +314,24 @@ def table(res: dict) -> list[str]:
         trt = next((v for k, v in TRT_LLM_OFFLINE.items() if k in device), None)
         vs = f"{off['samples_s'] / trt:.0%} of TensorRT-LLM's {trt} (target >= 50 %)" if trt else ""
         rows.append((f"MLPerf Offline ({off['samples']} samples)", f"{off['samples_s']:.2f} samples/s", vs))
-    srv = res.get("server", {})
-    if srv.get("result"):
-        vs = f"{srv['target_qps'] / srv['trt_llm_qps']:.0%} of TensorRT-LLM's {srv['trt_llm_qps']}" \
-            if srv.get("trt_llm_qps") else "--server-qps"
-        rows.append((f"MLPerf Server at {srv['target_qps']:g} q/s ({vs})",
-                     f"{srv['result']}, p99 {srv.get('p99_s', math.nan):.1f} s, {srv.get('completed_qps', math.nan):.2f} q/s done",
-                     "target: VALID, p99 <= 20 s"))
+    offq = res.get("offline-q", {})
+    if offq.get("samples_s"):
+        trt = next((v for k, v in TRT_LLM_OFFLINE.items() if k in device), None)
+        vs = [f"{offq['samples_s'] / trt:.0%} of TensorRT-LLM's {trt} (target >= 75 %)" if trt else "",
+              f"{offq['samples_s'] / off['samples_s']:.2f}x bf16 (target >= 1.5x)" if off.get("samples_s") else ""]
+        rows.append((f"MLPerf Offline, {offq['quant']}", f"{offq['samples_s']:.2f} samples/s",
+                     ", ".join(filter(None, vs))))
+    for key in ("server", "server-q"):
+        srv = res.get(key, {})
+        if srv.get("result"):
+            vs = f"{srv['target_qps'] / srv['trt_llm_qps']:.0%} of TensorRT-LLM's {srv['trt_llm_qps']}" \
+                if srv.get("trt_llm_qps") else "--server-qps"
+            rows.append((f"MLPerf Server{', ' + srv['quant'] if srv['quant'] else ''} at {srv['target_qps']:g} q/s "
+                         f"({vs})", f"{srv['result']}, p99 {srv.get('p99_s', math.nan):.1f} s, "
+                         f"{srv.get('completed_qps', math.nan):.2f} q/s done", "target: VALID, p99 <= 20 s"))
+    for mode, r in res.get("quant-report", {}).get("modes", {}).items():
+        rows.append((f"quant-report {mode} vs float32", f"top-1 {r['top1_agreement']:.4f}, max |dlogit| "
+                     f"{r['max_abs_logit_error']:.3f}", "random weights: near-tied logits" if mode == "fp8" else ""))
     if hf.get("samples_s"):
         ratio = f"gptj Offline {off['samples_s'] / hf['samples_s']:.1f}x (target >= 40x)" if off.get("samples_s") else ""
         rows.append((f"HF one at a time ({hf['samples']} samples)", f"{hf['samples_s']:.3f} samples/s", ratio))

@@ -810,14 +810,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    p = sub.add_parser("quant-report", help="accuracy of int8/int4/w8a8 quantization vs float32",
+    p = sub.add_parser("quant-report", help="accuracy of int8/int4/w8a8/fp8 quantization vs float32",
                        description="Teacher-forced next-token top-1 agreement and logit error of each "
                                    "quantization mode against the float32 model, on the first prompts of the "
                                    "bundled MLPerf sample set (and the unquantized model in --dtype as a yardstick). "
                                    "w8a8 needs a calibrated folder (gptj calibrate); calibrated on the same "
                                    "bundled prompts, its figures are in-sample. Each mode is also timed here "
                                    "with the serving kernels (one token; one prompt), and the CPU's kind and "
-                                   "the W8A8 form it gets are named.")
+                                   "the W8A8 form it gets are named. fp8 runs on GPUs with FP8 units; "
+                                   "elsewhere its math is emulated for the accuracy figures, untimed.")
     p.add_argument("--model", required=True, help="a float model directory (HF / gptj format)")
     p.add_argument("--modes", "--quantize", type=_modes, default=["int8", "int4"],
                    help="comma-separated (default: int8,int4)")

@@ -135,16 +135,26 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
             "mean_abs_logit_error": sum_err / n_logits,
             "weight_bytes": _state_bytes(model),
         }
-        if speed:
+        if speed and mode == "fp8" and not policy.fp8_supported(device):  # emulated: its speed means nothing
+            report["modes"]["fp8"].update(one_token_ms=None, prefill_tok_s=None)
+            report["emulated"] = "fp8: no FP8 matrix units here, its math emulated (accuracy only, not timed)"
+        elif speed:
             from gptj.kernels import prepare_for_serving
 
             prepare_for_serving(model)
             report["modes"][mode or report["dtype"]].update(_speed(model, max(map(len, ids)), device))
         del model
     if speed:
-        report["fastest"] = {key: max(report["modes"], key=lambda m: sign * report["modes"][m][key])
-                             for key, sign in (("one_token_ms", -1), ("prefill_tok_s", 1))}
+        timed = [m for m, r in report["modes"].items() if r["one_token_ms"] is not None]
+        report["fastest"] = {key: max(timed, key=lambda m: sign * report["modes"][m][key])
+                             for key, sign in (("one_token_ms", -1), ("prefill_tok_s", 1))} if timed else {}
     return report
+
+
+def _speeds(r: Mapping[str, Any]) -> tuple[str, str]:
+    if r["one_token_ms"] is None:
+        return "-", "-"
+    return f"{r['one_token_ms']:.2f}", f"{r['prefill_tok_s']:.0f}"
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -163,10 +173,12 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append(row.format(mode, r["group_size"] or "-", f"{r['top1_agreement']:.4f}",
                                 f"{r['max_abs_logit_error']:.4f}", f"{r['mean_abs_logit_error']:.5f}",
                                 _gib(r["weight_bytes"]),
-                                *((f"{r['one_token_ms']:.2f}", f"{r['prefill_tok_s']:.0f}") if timed else ())))
+                                *(_speeds(r) if timed else ())))
     if hw.get("cpu"):
         lines.append(f"CPU: {hw['cpu']}; w8a8 runs {hw['w8a8_kernel']}")
-    if timed:
+    if report.get("emulated"):
+        lines.append(report["emulated"])
+    if timed and report["fastest"]:
         fast = report["fastest"]
         lines.append(f"fastest here (serving kernels, {hw.get('device', 'cpu')}): one token {fast['one_token_ms']}, "
                      f"prefill {fast['prefill_tok_s']}; speeds of the other CPU kinds: README, 'Which mode on "

@@ -184,7 +184,7 @@ def _linear_parts(m: nn.Module) -> dict[str, torch.Tensor]:
     else:
         raise TypeError(f"cannot fuse a {type(m).__name__}")
     w = parts["weight"]
-    dtype = m.bias.dtype if m.bias is not None else (w.dtype if w.is_floating_point() else torch.float32)
+    dtype = m.bias.dtype if m.bias is not None else (w.dtype if type(m) is nn.Linear else torch.float32)
     parts["bias"] = m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype,
                                                                           device=w.device)
     return parts

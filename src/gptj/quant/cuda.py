@@ -1,0 +1,312 @@
+"""Triton kernels for weight-only quantized linear layers at decode's row counts (1 to MAX_ROWS), for
+CUDA: the quantized weight is read once per call and dequantized inside the kernel, so a call moves
+int8 / int4 bytes instead of bfloat16 ones (the work is memory bound).
+
+  int8_linear(x2, q, scale, bias)   q int8 (N, K), or e4m3 (torch.float8_e4m3fn, GPUs with FP8
+                                    units) in the same layout; scale bfloat16 (N,), per output channel:
+                                        y = (x2 @ q.T) * scale + bias     (scale after the K-sum)
+  int4_linear(x2, packed, scale, zero, group_size, bias)
+                                    packed uint8 (N, K/2), the portable layout of gptj.quant.ops:
+                                    byte[n, j] = q[n, 2j] << 4 | q[n, 2j + 1] (high nibble first), q in
+                                    0..15; scale, zero bfloat16 (N, K / group_size):
+                                        w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k // group_size
+                                    computed per group as scale * sum((q - 8) * x) + zero * sum(x), the
+                                    even inputs against the high nibbles, the odd ones against the low.
+
+x2 (M, K) float32, float16 or bfloat16, each row contiguous; y (M, N) in x2's dtype. The sums are
+float32: x times the weight's integer values (exact in x's dtype) by tl.dot in tiles of 16 rows (one
+tile for decode's calls: the weight is read once for all rows), the scales and zeros applied in
+float32. Every row is computed alike whatever else is in the call, and the plan (block sizes, K
+split) depends on N, K and the device only, so a row's result is the same bit for bit in a call of
+any number of rows (batch invariance).
+
+Tested under Triton's interpreter only (TRITON_INTERPRET=1, on CPU tensors, float32 and float16;
+the interpreter has no bfloat16 arithmetic): the block sizes below are reasoned from the arithmetic
+of a memory-bound GEMV on an H100, no GPU figure was measured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the caller (gptj.policy) sends calls here only where Triton is installed
+    triton = None
+
+MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); the caller decides
+
+# Block sizes (starting points from the arithmetic, not measured on a GPU):
+#   BLOCK_M 16: tl.dot's smallest tile. Decode's 1..16 rows are one tile, so each weight tile is read
+#     once for every row, and M = 1 and M = 16 run the same code (tensor cores do the 16 rows for
+#     the price of one; the padding rows are masked loads of x, no memory traffic). The kernels are
+#     not specialized on M (do_not_specialize): one binary for every row count.
+#   BLOCK_N 32: output channels per program. N = 4096 gives 128 programs, under one per SM on an
+#     H100 (132), so the K range is split (below) to put a few programs on each SM: a GEMV only
+#     reaches the memory's bandwidth with enough bytes in flight per SM (some 16-32 KiB).
+#   K step: int8 256 inputs (8 KiB of weight per step, 256 B per row of the tile: whole 128-byte
+#     lines); int4 one group (group_size / 2 bytes per row: 2 KiB per step at the default 128), so
+#     the int4 kernel runs more pipeline stages to keep as many bytes in flight.
+#   num_warps 4: a 16 x 32 output tile is one mma per warp; more warps would only split K further.
+#   num_stages: Triton's software pipelining of the loads over K (the bytes in flight per program):
+#     up to MAX_STAGES, as many as fit STAGE_BYTES of shared memory (every stage holds a step's weight
+#     and x tiles; 64 KiB leaves room on GPUs with 100 KiB per SM, and for two programs on an H100).
+BLOCK_M = 16
+BLOCK_N = 32
+INT8_BLOCK_K = 256
+NUM_WARPS = 4
+MAX_STAGES = 6
+STAGE_BYTES = 64 * 1024
+# Split-K: where N gives fewer than PROGRAMS_PER_SM programs per SM, the K range is cut into up to
+# MAX_SPLIT slices (a power of two); each writes float32 partial sums, and a second small kernel adds
+# them in a fixed order (no atomics: the result does not depend on which slice ends first).
+PROGRAMS_PER_SM = 2
+MAX_SPLIT = 8
+DEFAULT_SMS = 132  # an H100's SMs: the plan where there is no GPU (the interpreter), as it would run there
+
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT8_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # both exact in every x dtype
+_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def available() -> bool:
+    """Triton is importable (whether the device suits is the caller's to decide)."""
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr,
+                    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """A (BLOCK_M, BLOCK_N) float32 tile of sums: with SPLIT > 1 the raw partial sum of this
+        program's K slice (into partials (SPLIT, M, N)); else * scale[n] + bias[n], in x's dtype."""
+        nmask = cols < N
+        mask = (rows < M)[:, None] & nmask[None, :]
+        at = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        if SPLIT > 1:
+            tl.store(out_ptr + tl.program_id(2).to(tl.int64) * M * N + at, acc, mask=mask)
+        else:
+            if HAS_SCALE:
+                acc = acc * tl.load(scale_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                acc = acc + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int8_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+        """Program (n block, row tile, K slice): sum over its K slice of x[m, k] * q[n, k]."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        kk = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        q_rows = q_ptr + cols.to(tl.int64)[:, None] * K
+        k_start = tl.program_id(2) * k_slice
+        k_end = tl.minimum(k_start + k_slice, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            kmask = (k + kk) < K
+            x = tl.load(x_rows + (k + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            # no `other` (e4m3 has no integer zero to cast); masked inputs zeroed after the cast:
+            # x is 0 there too, but an unloaded e4m3 byte could be NaN
+            w = tl.load(q_rows + (k + kk)[None, :], mask=(cols < N)[:, None] & kmask[None, :])
+            w = w.to(x.dtype)  # exact: int8 and e4m3 values are values of every x dtype
+            w = tl.trans(tl.where(kmask[None, :], w, tl.zeros_like(w)))  # (BLOCK_K, BLOCK_N)
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int4_kernel(x_ptr, p_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, groups,
+                     g_slice, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+        """Program (n block, row tile, slice of groups): per group g of its slice,
+        scale[n, g] * sum_k (q[n, k] - 8) * x[m, k] + zero[n, g] * sum_k x[m, k]."""
+        HALF: tl.constexpr = GROUP // 2
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        nmask = cols < N
+        j = tl.arange(0, HALF)
+        x_even = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + 2 * j[None, :]  # a group's inputs 2j
+        p_rows = p_ptr + cols.to(tl.int64)[:, None] * (K // 2) + j[None, :]
+        sz_rows = cols.to(tl.int64) * groups  # scale, zero (N, groups)
+        g_start = tl.program_id(2) * g_slice
+        g_end = tl.minimum(g_start + g_slice, groups)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for g in range(g_start, g_end):
+            xe = tl.load(x_even + g * GROUP, mask=rmask[:, None], other=0.0)  # (BLOCK_M, HALF)
+            xo = tl.load(x_even + g * GROUP + 1, mask=rmask[:, None], other=0.0)
+            p = tl.load(p_rows + g * HALF, mask=nmask[:, None], other=0)  # (BLOCK_N, HALF) uint8
+            hi = tl.trans(((p >> 4).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j] - 8, exact in x's dtype
+            lo = tl.trans(((p & 15).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j + 1] - 8
+            if IEEE:
+                qx = tl.dot(xo, lo, tl.dot(xe, hi, input_precision="ieee"), input_precision="ieee")
+            else:
+                qx = tl.dot(xo, lo, tl.dot(xe, hi))
+            sx = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)  # (BLOCK_M,)
+            s = tl.load(scale_ptr + sz_rows + g, mask=nmask, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + sz_rows + g, mask=nmask, other=0.0).to(tl.float32)
+            acc += qx * s[None, :] + sx[:, None] * z[None, :]
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _finish_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Split-K's second pass: the SPLIT partial sums added in order 0, 1, ..., then scale, bias."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        at = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        acc = tl.load(part_ptr + at, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0)
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, 1, HAS_SCALE, HAS_BIAS)
+
+
+# --- the calls -----------------------------------------------------------------------------------
+
+
+def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                *, split_k: int | None = None) -> torch.Tensor:
+    """(x2 @ q.T) * scale + bias -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
+
+    split_k: the number of K slices (None: the plan's, from N, K and the device); for tests and tuning."""
+    _need_triton()
+    M, K = _check_x(x2)
+    if q.dtype not in _INT8_WEIGHT_DTYPES or q.dim() != 2 or q.shape[1] != K or not q.is_contiguous():
+        raise ValueError(f"int8_linear: the weight must be a contiguous int8 or e4m3 (N, {K}), "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    N = q.shape[0]
+    _check_param(scale, "scale", (N,))
+    _check_bias(bias, N)
+    _check_devices(x2, q, scale, bias)
+    k_blocks = triton.cdiv(K, INT8_BLOCK_K)
+    split, per_slice = _plan(N, k_blocks, x2.device, split_k)
+    out, dest = _outputs(x2, N, split)
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M), split)
+    _int8_kernel[grid](x2, q, scale, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
+                       per_slice * INT8_BLOCK_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=INT8_BLOCK_K,
+                       SPLIT=split, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
+                       num_warps=NUM_WARPS, num_stages=_stages(BLOCK_N * INT8_BLOCK_K * q.element_size()
+                                                               + BLOCK_M * INT8_BLOCK_K * x2.element_size()))
+    return _finish(dest, out, scale, bias, has_scale=True)
+
+
+def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
+    """x2 @ w.T + bias with w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] from the portable
+    packed layout -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
+
+    split_k: the number of K slices, in whole groups (None: the plan's); for tests and tuning."""
+    _need_triton()
+    M, K = _check_x(x2)
+    if isinstance(group_size, bool) or group_size not in _GROUP_SIZES:
+        raise ValueError(f"int4_linear: group size {group_size!r} is not one of {_GROUP_SIZES}")
+    if K % group_size:
+        raise ValueError(f"int4_linear: group size {group_size} does not divide the {K} inputs")
+    if (packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != K
+            or not packed.is_contiguous()):
+        raise ValueError(f"int4_linear: the packed weight must be a contiguous uint8 (N, {K // 2}), "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    N, groups = packed.shape[0], K // group_size
+    _check_param(scale, "scale", (N, groups))
+    _check_param(zero, "zero", (N, groups))
+    _check_bias(bias, N)
+    _check_devices(x2, packed, scale, zero, bias)
+    split, per_slice = _plan(N, groups, x2.device, split_k)
+    out, dest = _outputs(x2, N, split)
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M), split)
+    _int4_kernel[grid](x2, packed, scale, zero, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
+                       groups, per_slice, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP=group_size, SPLIT=split,
+                       HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
+                       num_warps=NUM_WARPS, num_stages=_stages(BLOCK_N * group_size // 2
+                                                               + BLOCK_M * group_size * x2.element_size()))
+    return _finish(dest, out, scale, bias, has_scale=False)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _plan(n: int, k_blocks: int, device: torch.device, split_k: int | None) -> tuple[int, int]:
+    """(slices of K, K blocks per slice): the fewest slices (a power of two, at most MAX_SPLIT) that
+    give PROGRAMS_PER_SM programs per SM from N alone (never from M: batch invariance), each slice
+    at least one block; or split_k's. The slices are whole blocks, so none is empty."""
+    if split_k is None:
+        want = PROGRAMS_PER_SM * _sm_count(device)
+        split = 1
+        while split < MAX_SPLIT and triton.cdiv(n, BLOCK_N) * split < want:
+            split *= 2
+    elif isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"split_k must be a positive int, got {split_k!r}")
+    else:
+        split = split_k
+    per_slice = triton.cdiv(k_blocks, min(split, k_blocks))
+    return triton.cdiv(k_blocks, per_slice), per_slice
+
+
+def _stages(step_bytes: int) -> int:
+    """Pipeline stages for a K step's tiles of `step_bytes` (weight and x): 2 to MAX_STAGES, in STAGE_BYTES."""
+    return max(2, min(MAX_STAGES, STAGE_BYTES // step_bytes))
+
+
+def _outputs(x2: torch.Tensor, n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output, where the main kernel writes: the output, or float32 partials (split, M, N))."""
+    out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
+    if split == 1:
+        return out, out
+    return out, torch.empty((split, x2.shape[0], n), dtype=torch.float32, device=x2.device)
+
+
+def _finish(dest: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            has_scale: bool) -> torch.Tensor:
+    if dest is out:
+        return out
+    split, M, N = dest.shape
+    _finish_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
+        dest, scale, scale if bias is None else bias, out, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
+        HAS_SCALE=has_scale, HAS_BIAS=bias is not None, num_warps=NUM_WARPS)
+    return out
+
+
+def _need_triton() -> None:
+    if triton is None:
+        raise RuntimeError("gptj.quant.cuda's kernels need Triton (pip install triton)")
+
+
+def _check_x(x2: torch.Tensor) -> tuple[int, int]:
+    if x2.dtype not in _X_DTYPES or x2.dim() != 2 or x2.shape[0] < 1 or x2.shape[1] < 1 or x2.stride(1) != 1:
+        raise ValueError(f"the input must be (M >= 1, K >= 1) float32, float16 or bfloat16 with contiguous rows, "
+                         f"got {x2.dtype} {tuple(x2.shape)} strides {x2.stride()}")
+    return x2.shape[0], x2.shape[1]
+
+
+def _check_param(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.bfloat16 or tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous bfloat16 {shape}, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (not bias.is_floating_point() or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be a contiguous float ({n},), got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _check_devices(*tensors: torch.Tensor | None) -> None:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"the tensors are on different devices: {sorted(map(str, devices))}")

@@ -1,0 +1,279 @@
+"""gptj.quant.cuda's Triton kernels (weight-only int8 / e4m3 and int4 linears for decode's rows)
+against float64 arithmetic on the dequantized weight, within a bound derived from the kernels'
+float32 arithmetic; a row's result the same bit for bit whatever else is in the call; bad inputs
+refused with ValueError.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1), in float32 and float16: the interpreter has no bfloat16 arithmetic (its casts to
+bfloat16 truncate, its bfloat16 dot is wrong; triton-lang/triton issues 4972, 11584), so bfloat16
+inputs run on a GPU only. The interpreter runs each program in Python: the shapes are small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptj.quant import cuda
+from gptj.quant.ops import (
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_reason() -> str | None:
+    """Why the kernels cannot run here, or None (test_attention_backends' rule)."""
+    if not cuda.available():
+        return "Triton is not installed (gptj.quant.cuda's kernels): pip install triton"
+    import triton
+
+    if DEVICE == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        return (f"Triton {triton.__version__}'s interpreter cannot run loops bounded by tensors (here the "
+                "program's K slice) under numpy 2.4 (3.9's can): pip install 'triton>=3.9'")
+    return None
+
+
+pytestmark = [pytest.mark.cuda,  # gpu_check.py's tests step (-m cuda)
+              pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))]
+
+X_DTYPES = [torch.float32, torch.float16,
+            pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+                DEVICE == "cpu", reason="Triton's interpreter has no bfloat16 arithmetic"))]
+EPS32 = 2.0**-23  # float32's machine epsilon: one rounding's relative error at most, to nearest or not
+# half an ulp of each output dtype, relative: the one rounding of the float32 sum to y's dtype
+UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def error_bound(x: torch.Tensor, terms: torch.Tensor, bias: torch.Tensor | None, y_ref: torch.Tensor) -> torch.Tensor:
+    """The most |y - y_ref| can be for a kernel's y, elementwise.
+
+    terms (N, K): the size of what each input multiplies as the kernel forms it (int8: |q * scale|;
+    int4: |(q - 8) * scale| + |zero|, its two terms taken apart). Each output is made in float32 from
+    the products (exact for float16 and bfloat16 x: 11 or 8 bits times 8; rounded once for float32 x)
+    by additions in some order (up to K - 1 on any product's path, split-K's included), then the
+    scale's product, the zero's term, the bias: at most K + 4 roundings of at most EPS32 each on
+    sum_k |x| terms + |bias| (a sum's error bound; EPS32 also covers tensor cores that truncate).
+    Then the cast to y's dtype: half an ulp of |y|, UNIT * (|y_ref| + that error)."""
+    mags = x.double().abs() @ terms.double().T
+    if bias is not None:
+        mags = mags + bias.double().abs()
+    acc = (x.shape[1] + 4) * EPS32 * mags
+    return acc + UNIT[x.dtype] * (y_ref.abs() + acc)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, terms: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y against x @ w.T + bias in float64, w the exact dequantized weight (N, K) in float64."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w.shape[0])
+    y_ref = x.double() @ w.T + (0 if bias is None else bias.double())
+    err = (y.double() - y_ref).abs()
+    bound = error_bound(x, terms, bias, y_ref)
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), f"error {err.flatten()[worst]:.3g} past its bound {bound.flatten()[worst]:.3g}"
+
+
+def inputs(M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool, seed: int = 0):
+    """x (M, K), a float32 weight (N, K) to quantize, and a bias (N,) or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(N, K, generator=gen) * 0.1
+    w[:, : K // 4] += 0.3  # groups with an offset (an int4 zero far from 0)
+    bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    return x, w.to(DEVICE), bias
+
+
+def int8_weight(w: torch.Tensor):
+    q, scale = quantize_int8(w)
+    exact = dequantize_int8(q, scale).double()  # q * scale: 7 bits times 8, exact in float32
+    return q, scale, exact
+
+
+def int4_weight(w: torch.Tensor, group_size: int):
+    """(packed, scale, zero, the exact weight (N, K) float64, its terms' sizes)."""
+    packed, scale, zero = quantize_int4(w, group_size)
+    N, K = w.shape
+    q = unpack_int4(packed).double().view(N, K // group_size, group_size) - 8
+    s, z = scale.double()[..., None], zero.double()[..., None]
+    exact = (q * s + z).view(N, K)
+    terms = ((q * s).abs() + z.abs()).view(N, K)
+    return packed, scale, zero, exact, terms
+
+
+def test_module_facts():
+    assert cuda.available()
+    assert cuda.MAX_ROWS == 16
+
+
+# (M, N, K): N = 72 and 200 not multiples of the kernels' 32 outputs per program; K = 300 not a multiple
+# of the int8 kernel's 256 inputs per step; K = 512 splits K in two (the plan without a GPU, N small)
+INT8_SHAPES = [(1, 64, 64), (2, 72, 256), (5, 200, 512), (16, 72, 300)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", INT8_SHAPES)
+def test_int8_linear(M, N, K, dtype, with_bias):
+    x, w, bias = inputs(M, N, K, dtype, with_bias)
+    q, scale, exact = int8_weight(w)
+    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                    reason="Triton converts e4m3 on compute capability 8.9 and up (FP8 units)")
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 72, 256), (5, 40, 300)])
+def test_int8_linear_on_e4m3_weights(M, N, K, dtype):
+    """The same kernel on float8_e4m3fn weights (Fp8Linear's decode): e4m3 values are exact in x's dtype."""
+    x, w, bias = inputs(M, N, K, dtype, True)
+    q, scale = quantize_fp8(w)
+    exact = dequantize_fp8(q, scale).double()  # 4 bits times 8: exact in float32
+    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+
+
+# (M, N, K, group size): K = 512 in groups of 32 or 64 splits K into 8 slices (the plan without a GPU)
+INT4_SHAPES = [(1, 64, 64, 32), (2, 72, 256, 64), (5, 200, 512, 128), (16, 40, 512, 64), (3, 32, 512, 256)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K,group_size", INT4_SHAPES)
+def test_int4_linear(M, N, K, group_size, dtype, with_bias):
+    x, w, bias = inputs(M, N, K, dtype, with_bias)
+    packed, scale, zero, exact, terms = int4_weight(w, group_size)
+    check(cuda.int4_linear(x, packed, scale, zero, group_size, bias), x, exact, terms, bias)
+
+
+@pytest.mark.parametrize("split_k", [1, 3, 8])
+def test_any_split_of_k(split_k):
+    """The K slices (one; uneven; more than K has blocks for int8, capped) all within the bound."""
+    x, w, bias = inputs(3, 72, 600, torch.float16, True)  # int8: 3 blocks of 256 inputs, the last partial
+    q, scale, exact = int8_weight(w)
+    check(cuda.int8_linear(x, q, scale, bias, split_k=split_k), x, exact, exact.abs(), bias)
+    x, w, bias = inputs(3, 72, 384, torch.float16, True)  # int4: 6 groups of 64
+    packed, scale, zero, exact, terms = int4_weight(w, 64)
+    check(cuda.int4_linear(x, packed, scale, zero, 64, bias, split_k=split_k), x, exact, terms, bias)
+
+
+def test_more_rows_than_one_tile():
+    """M past MAX_ROWS: a second tile of rows, each computed as in the first."""
+    x, w, bias = inputs(20, 40, 128, torch.float32, True)
+    q, scale, exact = int8_weight(w)
+    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+    packed, scale, zero, exact, terms = int4_weight(w, 32)
+    check(cuda.int4_linear(x, packed, scale, zero, 32, bias), x, exact, terms, bias)
+
+
+def test_rows_of_a_wider_tensor():
+    """x's rows need only be contiguous each: a column slice (row stride past K) reads the same."""
+    x, w, _ = inputs(4, 40, 256, torch.float16, False)
+    wide = torch.zeros(4, 320, dtype=x.dtype, device=DEVICE)
+    wide[:, 32:288] = x
+    view = wide[:, 32:288]
+    q, scale, _ = int8_weight(w)
+    assert torch.equal(cuda.int8_linear(view, q, scale), cuda.int8_linear(x, q, scale))
+    packed, scale, zero, _, _ = int4_weight(w, 64)
+    assert torch.equal(cuda.int4_linear(view, packed, scale, zero, 64), cuda.int4_linear(x, packed, scale, zero, 64))
+
+
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_batch_invariance(kind, dtype):
+    """Row i of a 16-row call equals the 1-row call on row i, bit for bit (K split in two here)."""
+    x, w, bias = inputs(16, 40, 512, dtype, True)
+    if kind == "int8":
+        q, scale, _ = int8_weight(w)
+
+        def run(rows):
+            return cuda.int8_linear(rows, q, scale, bias)
+    else:
+        packed, scale, zero, _, _ = int4_weight(w, 128)
+
+        def run(rows):
+            return cuda.int4_linear(rows, packed, scale, zero, 128, bias)
+    y = run(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(run(x[i:i + 1]), y[i:i + 1]), f"row {i}"
+    assert torch.equal(run(x[5:8]), y[5:8])
+
+
+def bad_int8_calls():
+    x, w, bias = inputs(2, 40, 64, torch.float32, True)
+    q, scale, _ = int8_weight(w)
+    return {
+        "x int": lambda: cuda.int8_linear(x.to(torch.int32), q, scale),
+        "x float64": lambda: cuda.int8_linear(x.double(), q, scale),
+        "x 1-D": lambda: cuda.int8_linear(x[0], q, scale),
+        "x no rows": lambda: cuda.int8_linear(x[:0], q, scale),
+        "x columns strided": lambda: cuda.int8_linear(x.t().contiguous().t(), q, scale),
+        "x inputs past the weight's": lambda: cuda.int8_linear(torch.cat([x, x], 1), q, scale),
+        "weight float16": lambda: cuda.int8_linear(x, q.half(), scale),
+        "weight uint8": lambda: cuda.int8_linear(x, q.view(torch.uint8), scale),
+        "weight not contiguous": lambda: cuda.int8_linear(x, torch.cat([q, q], 1)[:, ::2], scale),
+        "scale float32": lambda: cuda.int8_linear(x, q, scale.float()),
+        "scale (N, 1)": lambda: cuda.int8_linear(x, q, scale[:, None]),
+        "scale short": lambda: cuda.int8_linear(x, q, scale[1:]),
+        "bias short": lambda: cuda.int8_linear(x, q, scale, bias[1:]),
+        "bias int": lambda: cuda.int8_linear(x, q, scale, bias.to(torch.int32)),
+        "split_k 0": lambda: cuda.int8_linear(x, q, scale, split_k=0),
+    }
+
+
+def bad_int4_calls():
+    x, w, bias = inputs(2, 40, 128, torch.float32, True)
+    packed, scale, zero, _, _ = int4_weight(w, 64)
+    return {
+        "group size 48": lambda: cuda.int4_linear(x, packed, scale, zero, 48),
+        "group size True": lambda: cuda.int4_linear(x, packed, scale, zero, True),
+        "group size past K": lambda: cuda.int4_linear(x[:, :96], packed[:, :48], scale, zero, 64),
+        "packed int8": lambda: cuda.int4_linear(x, packed.view(torch.int8), scale, zero, 64),
+        "packed unpacked": lambda: cuda.int4_linear(x, unpack_int4(packed), scale, zero, 64),
+        "scale (N,)": lambda: cuda.int4_linear(x, packed, scale[:, 0].contiguous(), zero, 64),
+        "scale float16": lambda: cuda.int4_linear(x, packed, scale.half(), zero, 64),
+        "zero of other groups": lambda: cuda.int4_linear(x, packed, scale, zero[:, :1].contiguous(), 64),
+        "zero not contiguous": lambda: cuda.int4_linear(x, packed, scale, zero.t().contiguous().t(), 64),
+        "bias (1, N)": lambda: cuda.int4_linear(x, packed, scale, zero, 64, bias[None, :]),
+        "x float64": lambda: cuda.int4_linear(x.double(), packed, scale, zero, 64),
+    }
+
+
+@pytest.mark.parametrize("name", list(bad_int8_calls()))
+def test_bad_int8_inputs(name):
+    with pytest.raises(ValueError):
+        bad_int8_calls()[name]()
+
+
+@pytest.mark.parametrize("name", list(bad_int4_calls()))
+def test_bad_int4_inputs(name):
+    with pytest.raises(ValueError):
+        bad_int4_calls()[name]()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_the_quantized_modules_run_these_kernels_where_the_policy_says(kind, monkeypatch):
+    """Int8Linear, Int4Linear and Fp8Linear on the policy's TRITON path (forced here: the policy
+    chooses it on CUDA only) call these kernels, on the module's own buffers, with its bias."""
+    from gptj import policy
+    from gptj.quant import Fp8Linear, Int4Linear, Int8Linear
+    from gptj.quant import linear as qlinear
+
+    x, w, _ = inputs(3, 72, 128, torch.float32, False, seed=4)
+    lin = torch.nn.Linear(128, 72).to(DEVICE)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = {"int8": Int8Linear.from_float, "fp8": Fp8Linear.from_float,
+         "int4": lambda lin: Int4Linear.from_float(lin, 32)}[kind](lin)
+    calls = []
+    for name in ("int8_linear", "int4_linear"):
+        real = getattr(cuda, name)
+        monkeypatch.setattr(cuda, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: policy.TRITON)
+    y = m(x[None])[0]
+    assert calls == ["int4_linear" if kind == "int4" else "int8_linear"]
+    exact = m.dequantized_weight(torch.float64)
+    terms = exact.abs() if kind != "int4" else int4_weight(w, 32)[4]
+    check(y, x, exact, terms, m.bias)
