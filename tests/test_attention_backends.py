@@ -26,10 +26,10 @@ from test_engine import model  # noqa: F401 - the fixture
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_reason() -> str | None:
-    """Why the CUDA backend's kernel cannot run here, or None."""
+def triton_reason(what: str = "the CUDA backend's kernels") -> str | None:
+    """Why Triton kernels (`what`) cannot run here, or None."""
     if not policy.triton_available():
-        return "Triton is not installed (the CUDA backend's kernels): pip install triton"
+        return f"Triton is not installed ({what}): pip install triton"
     import triton
 
     if DEVICE == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):

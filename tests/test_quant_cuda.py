@@ -23,24 +23,14 @@ from gptj.quant.ops import (
     quantize_int8,
     unpack_int4,
 )
+from test_attention_backends import triton_reason
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_reason() -> str | None:
-    """Why the kernels cannot run here, or None (test_attention_backends' rule)."""
-    if not cuda.available():
-        return "Triton is not installed (gptj.quant.cuda's kernels): pip install triton"
-    import triton
-
-    if DEVICE == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        return (f"Triton {triton.__version__}'s interpreter cannot run loops bounded by tensors (here the "
-                "program's K slice) under numpy 2.4 (3.9's can): pip install 'triton>=3.9'")
-    return None
-
-
+REASON = triton_reason("gptj.quant.cuda's kernels")
 pytestmark = [pytest.mark.cuda,  # gpu_check.py's tests step (-m cuda)
-              pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))]
+              pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 X_DTYPES = [torch.float32, torch.float16,
             pytest.param(torch.bfloat16, marks=pytest.mark.skipif(

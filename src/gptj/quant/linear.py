@@ -85,11 +85,40 @@ def _scaled_rows_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     return y
 
 
+class _Prepared(nn.Module):
+    """A quantized linear whose `prepare()` (the scales' dtypes, what is derived from them) runs again
+    after every move or cast and every load."""
+
+    def prepare(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        return self.prepare()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.prepare()
+
+
+def _per_channel_from_float(cls: type, linear: nn.Linear, quantize: Any) -> nn.Module:
+    """A per-channel quantized `cls` (Int8Linear, Fp8Linear) of a float linear: `quantize`'s
+    (weight, scale) and the bias as it is."""
+    m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+            dtype=linear.weight.dtype)
+    m.weight, m.weight_scale = quantize(linear.weight.detach())
+    if linear.bias is not None:
+        m.bias = linear.bias.detach().clone()
+    return m.prepare()
+
+
 def _int8_buffers(m: nn.Module, in_features: int, out_features: int, bias: bool,
-                  device: torch.device | str | None, dtype: torch.dtype | None) -> None:
-    """An int8-weight linear's checkpoint buffers: weight int8 (out, in), weight_scale (out,), bias."""
+                  device: torch.device | str | None, dtype: torch.dtype | None,
+                  weight_dtype: torch.dtype = torch.int8) -> None:
+    """A per-channel quantized linear's checkpoint buffers: weight int8 (or e4m3) (out, in), weight_scale
+    (out,), bias."""
     m.in_features, m.out_features = in_features, out_features
-    m.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+    m.register_buffer("weight", torch.empty(out_features, in_features, dtype=weight_dtype, device=device))
     m.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
     m.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None)
 
@@ -106,12 +135,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
-                dtype=linear.weight.dtype)
-        m.weight, m.weight_scale = quantize_int8(linear.weight.detach())
-        if linear.bias is not None:
-            m.bias = linear.bias.detach().clone()
-        return m.prepare()
+        return _per_channel_from_float(cls, linear, quantize_int8)
 
     def prepare(self) -> Int8Linear:
         """Make the module ready for its device (int8 needs no packing: scales to bfloat16)."""
@@ -155,7 +179,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(_Prepared):
     """y = sx * sw * (qx @ qw.T) + bias: int8 activations (per token, quantized at each call from
     x / input_smooth) times int8 weights (per output channel, of W * input_smooth), see gptj.quant.ops.
 
@@ -191,14 +215,6 @@ class W8A8Linear(nn.Module):
         self._inv_smooth = None if self.input_smooth.device.type == "meta" else 1 / self.input_smooth.float()
         return self
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
-        super()._apply(fn, recurse)
-        return self.prepare()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.prepare()
-
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight it stands for: (q * scale) / smooth per input column."""
         return (dequantize_int8(self.weight, self.weight_scale) / self.input_smooth.float()[None, :]).to(dtype)
@@ -222,7 +238,7 @@ class W8A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_Prepared):
     """y = x @ (q * scale).T + bias, q e4m3 (torch.float8_e4m3fn) per output channel; for GPUs with
     FP8 matrix units (policy.fp8_supported). Buffers as in the checkpoint: weight e4m3 (out, in),
     weight_scale bf16 (out,), bias.
@@ -239,21 +255,12 @@ class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=SCALE_DTYPE, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32, device=device)
-                             if bias else None)
+        _int8_buffers(self, in_features, out_features, bias, device, dtype, weight_dtype=FP8_DTYPE)
         self.prepare()
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Fp8Linear:
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
-                dtype=linear.weight.dtype)
-        m.weight, m.weight_scale = quantize_fp8(linear.weight.detach())
-        if linear.bias is not None:
-            m.bias = linear.bias.detach().clone()
-        return m.prepare()
+        return _per_channel_from_float(cls, linear, quantize_fp8)
 
     def prepare(self) -> Fp8Linear:
         """Scales as bfloat16 values, and as the float32 row (1, out) torch._scaled_mm takes."""
@@ -261,14 +268,6 @@ class Fp8Linear(nn.Module):
             self.weight_scale = self.weight_scale.to(SCALE_DTYPE)
         self._scale_row = self.weight_scale.float()[None, :]
         return self
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
-        super()._apply(fn, recurse)
-        return self.prepare()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.prepare()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale, dtype)
