@@ -11,6 +11,8 @@ of any rank.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,10 +47,15 @@ def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM
 
 
 def _check_fp8(spec: ModelSpec) -> None:
-    """Refuse fp8 weights, asked for or recorded in the checkpoint's config, before a long load."""
-    from gptj.weights.io import read_checkpoint
-
-    mode = spec.quantize or ((read_checkpoint(spec.path)[0].quantization or {}).get("mode"))
+    """Refuse fp8 weights, asked for or recorded in the checkpoint's config.json, before a long load
+    (a config that cannot be read is left for the loader to report)."""
+    mode = spec.quantize
+    if mode is None:
+        try:
+            recorded = json.loads((Path(spec.path) / "config.json").read_text()).get("quantization")
+            mode = recorded.get("mode") if isinstance(recorded, dict) else None
+        except (OSError, ValueError, AttributeError):
+            mode = None
     if mode == "fp8":
         if lockstep.active():
             from gptj.parallel.launch import rank_device

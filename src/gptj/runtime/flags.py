@@ -125,7 +125,8 @@ def add_device_flag(p: Any, help: str = "cpu, cuda, cuda:N or auto") -> None:  #
 
 
 def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load (int8 / int4: weight-only; w8a8: "  # noqa: A002
-                                           "int8 activations too, after `gptj calibrate`)") -> None:
+                                           "int8 activations too, after `gptj calibrate`; fp8: e4m3, GPUs with "
+                                           "FP8 units)") -> None:
     p.add_argument("--quantize", choices=QUANT_MODES, metavar="MODE", help=f"{help}: %(choices)s")
     p.add_argument("--group-size", type=positive, help=GROUP_SIZE_HELP)
 
@@ -172,8 +173,8 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, metavar="N",
                    help="tokens per KV block: %(choices)s (default 16)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, metavar="DTYPE",
-                   help="KV memory's storage: auto (the model's dtype, default) or int8 (a scale per token and "
-                        "head: about twice the sequences in the same memory)")
+                   help="KV memory's storage: auto (the model's dtype, default), int8 or fp8 (e4m3) (a scale per "
+                        "token and head: about twice the sequences in the same memory)")
     p.add_argument("--kv-memory-fraction", type=probability, metavar="F",
                    help="of the free memory after loading, at most, for KV blocks (default 0.5)")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, metavar="MODE",
