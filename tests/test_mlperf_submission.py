@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gptj.cli import EXIT_CHECKER_ERRORS, main
 from gptj.mlperf import rules, submission, sysdesc
@@ -269,6 +270,41 @@ def test_truncation_keeps_head_and_tail_and_hashes_the_whole_log(tmp_path):
     small.write_text(json.dumps(entries[:3]))
     submission.truncate_accuracy_log(small, dst)
     assert dst.read_text() == small.read_text()  # a small log is kept whole
+
+
+def test_a_gpu_run_describes_its_accelerator(monkeypatch, tmp_path):
+    """On CUDA (faked here: a GPU's properties and its sysfs PCIe link) the probe names the GPU, its
+    memory, its link to the host and how many the runs use; the submitter fills in only what no
+    program can know, and the checker's rules pass."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, pci_domain_id=0,
+                            pci_bus_id=0x1B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    link = tmp_path / "0000:1b:00.0"
+    link.mkdir()
+    (link / "current_link_speed").write_text("32.0 GT/s PCIe\n")
+    (link / "current_link_width").write_text("16\n")
+    monkeypatch.setattr(sysdesc, "PCI_DEVICES", tmp_path)
+    probed = sysdesc.probe("cuda")
+    assert probed["accelerator_model_name"] == "NVIDIA H100 80GB HBM3" and probed["accelerators_per_node"] == "1"
+    assert probed["accelerator_memory_capacity"] == "80 GiB" and probed["accelerator_memory_configuration"] == "HBM3"
+    assert probed["accelerator_host_interconnect"] == "PCIe 5.0 x16"
+    assert probed["accelerator_interconnect"].startswith(sysdesc.NOT_APPLICABLE)
+    assert probed["other_software_stack"].endswith("CUDA 12.8")
+    assert sysdesc.probe("cuda", world=4)["accelerators_per_node"] == "4"
+    props.name = "NVIDIA H200"  # no memory kind in its name; no sysfs link: blanks for the submitter
+    monkeypatch.setattr(sysdesc, "PCI_DEVICES", tmp_path / "none")
+    probed = sysdesc.probe("cuda")
+    assert probed["accelerator_memory_configuration"] == "" and probed["accelerator_host_interconnect"] == ""
+    desc = sysdesc.merge(probed, {"status": "Available", "cooling": "air", "host_memory_configuration": "16x 64 GB",
+                                  "host_storage_type": "SSD", "host_networking": "Ethernet",
+                                  "host_network_card_count": "1", "accelerator_memory_configuration": "HBM3e",
+                                  "accelerator_host_interconnect": "PCIe 5.0 x16"},
+                         {"submitter": "a", "system_name": "b", "division": "closed", "system_type": "datacenter"}, "f")
+    sysdesc.check(desc, "f")
 
 
 def test_the_probed_description_has_every_field_the_checker_requires():

@@ -375,7 +375,7 @@ def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[s
     flags = {"submitter": sub.submitter, "system_name": sub.system_name, "division": sub.division,
              "system_type": sub.category}
     Path(sub.system_desc).parent.mkdir(parents=True, exist_ok=True)
-    system = sysdesc.resolve(Path(sub.system_desc), sysdesc.probe(sub.run.spec.device), flags)
+    system = sysdesc.resolve(Path(sub.system_desc), sysdesc.probe(sub.run.spec.device, sub.run.spec.world), flags)
     if sub.mlperf_inference is not None and not (Path(sub.mlperf_inference) / "tools" / "submission").is_dir():
         raise GptjError(f"{sub.mlperf_inference}: not a checkout of github.com/mlcommons/inference "
                         "(no tools/submission)")

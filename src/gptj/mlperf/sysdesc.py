@@ -132,10 +132,44 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def probe(device: str = "cpu") -> dict[str, object]:
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+_PCIE_GENERATIONS = {"2.5": "1.0", "5.0": "2.0", "8.0": "3.0", "16.0": "4.0", "32.0": "5.0", "64.0": "6.0"}  # GT/s
+
+
+def _pcie_link(props: object) -> str:
+    """The GPU's link to the host from sysfs ("PCIe 5.0 x16"), or "" where it cannot be read."""
+    try:
+        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except (AttributeError, TypeError, ValueError):  # an older torch without the PCI fields
+        return ""
+    speed = _read(str(PCI_DEVICES / address / "current_link_speed")).split()  # "32.0 GT/s PCIe"
+    width = _read(str(PCI_DEVICES / address / "current_link_width")).strip()
+    generation = _PCIE_GENERATIONS.get(speed[0]) if speed else None
+    return f"PCIe {generation} x{width}" if generation and width.isdigit() else ""
+
+
+def _accelerators(device: object, world: int) -> dict[str, str]:
+    """The accelerator fields for runs on `world` CUDA GPUs like `device` (one process per GPU)."""
+    import re
+
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    memory = re.search(r"\b(HBM\w*|GDDR\w*)", props.name)  # e.g. "NVIDIA H100 80GB HBM3"
+    one = NOT_APPLICABLE + " (one accelerator)"
+    return {"accelerator_model_name": props.name, "accelerators_per_node": str(world),
+            "accelerator_memory_capacity": f"{props.total_memory / 2**30:.0f} GiB",
+            "accelerator_memory_configuration": memory.group(1) if memory else "",
+            "accelerator_host_interconnect": _pcie_link(props),
+            "accelerator_interconnect": one if world == 1 else "",
+            "accelerator_interconnect_topology": one if world == 1 else ""}
+
+
+def probe(device: str = "cpu", world: int = 1) -> dict[str, object]:
     """What this machine says about itself, in the checker's fields; "" where it cannot say.
 
-    `device`: where the runs compute (a CPU-only system answers the accelerator fields N/A)."""
+    `device`: where the runs compute (a CPU-only system answers the accelerator fields N/A); on
+    CUDA, `world` GPUs (--tp x --pp) are the accelerators the runs use."""
     import torch
 
     cpu, sockets, cores = _cpuinfo()
@@ -165,10 +199,8 @@ def probe(device: str = "cpu") -> dict[str, object]:
             ("numpy", _version("numpy"))) if v),
     })
     if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        d.update({"accelerator_model_name": props.name, "accelerators_per_node": str(torch.cuda.device_count()),
-                  "accelerator_memory_capacity": f"{props.total_memory / 2**30:.0f} GiB",
-                  "other_software_stack": f"{d['other_software_stack']}, CUDA {torch.version.cuda}"})
+        d.update(_accelerators(torch.device(device), world))
+        d["other_software_stack"] = f"{d['other_software_stack']}, CUDA {torch.version.cuda}"
     else:
         d.update({"accelerators_per_node": "0", **{k: NOT_APPLICABLE for k in (
             "accelerator_model_name", "accelerator_memory_capacity", "accelerator_host_interconnect",
