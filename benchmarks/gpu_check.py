@@ -25,6 +25,10 @@ reported in the table and the others still run. OUT/results.json holds every fig
     server-q     the Server run with --offline-quant's modes at 75 % of TensorRT-LLM's queries/s
     quant-report gptj quant-report on the device: top-1 agreement and logit error of each of
                  --quant-modes against float32 (random weights: near-tied logits, the hard case)
+    accuracy     gptj mlperf --mode accuracy on the bundled 30 articles in bf16, each of --quant-modes
+                 and --offline-quant's modes, each scored against the dataset's summaries and, with
+                 gptj evaluate --against, against bf16's own summaries (random weights: ROUGE against
+                 the dataset means nothing; against bf16 it says how far each mode's text moved)
     hf           HF transformers' generate on the same model, one sample at a time, official settings
                  (what the MLPerf reference implementation does)
 
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant-modes", default="int8,int4,fp8", help="latency-b1-MODE and quant-report's modes")
     ap.add_argument("--offline-quant", default="fp8:fp8", help="offline-q / server-q: --quantize Q --kv-dtype KV")
     ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,"
-                                       "offline-q,server,server-q,quant-report,hf")
+                                       "offline-q,server,server-q,quant-report,accuracy,hf")
     ap.add_argument("--step-timeout", type=float, default=240)
     ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                            "server_qps": 2.0, "server_seconds": 2, "quant_modes": "int8",
                            "offline_quant": "int8:int8",  # fp8 is refused on CPU
                            "steps": "bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,offline-q,"
-                                    "server,server-q,quant-report,hf"}, argv)
+                                    "server,server-q,quant-report,accuracy,hf"}, argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps.split(",")
@@ -262,6 +266,25 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(r["stdout"]) if r["ok"] and r["stdout"].strip().startswith("{") else {}
         res["quant-report"] = {"modes": {m: {k: v[k] for k in ("top1_agreement", "max_abs_logit_error")}
                                          for m, v in report.get("modes", {}).items()}, "error": r["error"]}
+    if "accuracy" in steps:
+        runs = {args.dtype: [], **{m: ["--quantize", m] for m in quant_modes}, " ".join(offline_quant): offline_quant}
+        res["accuracy"] = {"modes": {}, "error": None}
+        for name, extra in runs.items():
+            log_dir = out / ("accuracy-" + ("-".join(extra).replace("--", "") if extra else args.dtype))
+            r = run_step(log_dir.name, gptj("mlperf", "--model", str(model), *common, *extra, "--scenario", "Offline",
+                                            "--mode", "accuracy", "--quiet", "--log-dir", str(log_dir),
+                                            "--max-new-tokens", str(args.max_new_tokens), "--max-batch-size",
+                                            str(args.max_batch_size)), out, max(args.step_timeout, 300))
+            entry = {"error": r["error"]}
+            if (log_dir / "accuracy.json").is_file():
+                entry["rouge1"] = json.loads((log_dir / "accuracy.json").read_text())["rouge1"]
+            if extra and r["ok"]:
+                e = run_step(log_dir.name + "-vs-float", gptj("evaluate", "--log-dir", str(log_dir), "--against",
+                                                              str(out / f"accuracy-{args.dtype}"), "--json"), out,
+                             args.step_timeout)
+                entry["rougeL_vs_float"] = (json.loads(e["stdout"]) if e["ok"] else {}).get("rougeL")
+            res["accuracy"]["modes"][name] = entry
+            res["accuracy"]["error"] = res["accuracy"]["error"] or r["error"]
     if "hf" in steps:
         r = run_step("hf", [sys.executable, "-c", HF, str(model), str(dataset), args.device, str(args.hf_samples)],
                      out, args.step_timeout, env={"PYTHONPATH": os.pathsep.join(
@@ -335,6 +358,11 @@ def table(res: dict) -> list[str]:
     if hf.get("samples_s"):
         ratio = f"gptj Offline {off['samples_s'] / hf['samples_s']:.1f}x (target >= 40x)" if off.get("samples_s") else ""
         rows.append((f"HF one at a time ({hf['samples']} samples)", f"{hf['samples_s']:.3f} samples/s", ratio))
+    for mode, r in res.get("accuracy", {}).get("modes", {}).items():
+        if r.get("rouge1") is not None:
+            vs = (f"ROUGE-L {r['rougeL_vs_float']:.1f} against {res['settings']['dtype']}'s summaries"
+                  if r.get("rougeL_vs_float") is not None else "")
+            rows.append((f"MLPerf accuracy, {mode} (bundled 30)", f"ROUGE-1 {r['rouge1']:.2f}", vs))
     for k, v in res.items():
         if isinstance(v, dict) and v.get("error"):
             rows.append((f"{k}: FAILED", v["error"], ""))

@@ -228,9 +228,19 @@ def check_gpu_check(out: dict, err: str) -> None:
     assert positive(out["hf"]["samples_s"]) and out["hf"]["samples"] == 1 and out["hf"]["new_tokens"] >= 30
     server = out["server"]  # 2 s at 2 q/s: too few queries for LoadGen's early stopping, so INVALID here
     assert server["result"] in ("VALID", "INVALID") and positive(server["p99_s"]) and server["target_qps"] == 2.0
+    # the precision steps, rehearsed with int8 (fp8 is refused on CPU)
+    assert positive(out["latency-b1-int8"]["decode_tok_s"])
+    assert positive(out["offline-q"]["samples_s"]) and out["offline-q"]["quant"] == "--quantize int8 --kv-dtype int8"
+    assert out["server-q"]["result"] in ("VALID", "INVALID") and out["server-q"]["quant"]
+    assert 0 < out["quant-report"]["modes"]["int8"]["top1_agreement"] <= 1
+    acc = out["accuracy"]["modes"]
+    assert set(acc) == {"float32", "int8", "--quantize int8 --kv-dtype int8"}
+    assert all(r["rouge1"] >= 0 for r in acc.values()) and "rougeL_vs_float" not in acc["float32"]
+    assert 0 < acc["int8"]["rougeL_vs_float"] <= 100
     table = "\n".join(out["table"])
     for row in ("copy bandwidth", "batch-1 decode", "batch-2 decode step", "MLPerf Offline", "MLPerf Server",
-                "HF one at a time"):
+                "HF one at a time", "batch-1 decode, int8", "MLPerf Offline, --quantize int8",
+                "quant-report int8", "MLPerf accuracy, int8"):
         assert row in table, table
 
 

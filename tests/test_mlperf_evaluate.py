@@ -345,7 +345,7 @@ def test_missing_log_errors(tmp_path, tok):
 
 def test_evaluate_log_errors(tmp_path, tok):
     log = write_log(tmp_path / "log.json", [(0, tok.encode("a")), (7, tok.encode("b"))])
-    with pytest.raises(GptjError, match="qsl_idx 7 is outside the 3 references"):
+    with pytest.raises(GptjError, match=r"qsl_idx 7 has no reference \(outside the 3 references\)"):
         ev.evaluate_log(log, ["x", "y", "z"], tokenizer=tok)
     write_log(log, [(1, [15496, 50400])])
     with pytest.raises(GptjError, match="qsl_idx 1: token id 50400 is outside the vocabulary"):
@@ -357,3 +357,29 @@ def test_evaluate_log_errors(tmp_path, tok):
         ev.score(["a", "b"], ["a"])
     with pytest.raises(GptjError, match="no predictions"):
         ev.score([], [])
+
+
+def test_a_run_scored_against_another_runs_outputs(tmp_path, tok, capsys):
+    """--against: a baseline run's summaries as the references (a quantized model's run against
+    bfloat16's): the same outputs score 100, others less; no gptj-99 target is checked; a sample the
+    baseline lacks is a one-line error."""
+    texts = ["The cat sat on the mat. It was happy.", "Stocks fell sharply on Monday.", "Rain is due."]
+    base, same, other = (tmp_path / n for n in ("base", "same", "other"))
+    for d in (base, same, other):
+        d.mkdir()
+    write_log(base / ev.ACCURACY_LOG_NAME, [(i, tok.encode(t) + [EOS]) for i, t in enumerate(texts)])
+    write_log(same / ev.ACCURACY_LOG_NAME, [(2, tok.encode(texts[2])), (0, tok.encode(texts[0]))])
+    write_log(other / ev.ACCURACY_LOG_NAME, [(0, tok.encode("The dog sat on the mat.")), (1, tok.encode(texts[1]))])
+    refs = ev.references_from_log(base, tok)
+    assert refs == [ev.clean_up_tokenization(t) for t in texts]
+    result = ev.evaluate_log(same, refs, tokenizer=tok, against=str(base))
+    assert (result.rouge1, result.rougeL) == (100.0, 100.0) and result.targets == {}
+    assert "targets do not apply" in ev.format_report(result)
+    assert 50 < ev.evaluate_log(other, refs, tokenizer=tok, against=str(base)).rouge1 < 100
+    write_log(base / ev.ACCURACY_LOG_NAME, [(0, tok.encode(texts[0]))])  # the baseline ran sample 0 only
+    with pytest.raises(GptjError, match=r"qsl_idx 1 has no reference in .*base's outputs"):
+        ev.evaluate_log(other, ev.references_from_log(base, tok), tokenizer=tok, against=str(base))
+    from gptj.cli import main
+
+    assert main(["evaluate", "--log-dir", str(same), "--against", str(base), "--json"]) == 1  # sample 2: none
+    assert "no reference" in capsys.readouterr().err

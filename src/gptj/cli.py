@@ -586,10 +586,14 @@ def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from gptj.mlperf.dataset import DEFAULT_DATASET
-    from gptj.mlperf.evaluate import evaluate_log, format_report, read_references
+    from gptj.mlperf.evaluate import evaluate_log, format_report, read_references, references_from_log
 
-    references = read_references(Path(args.dataset) if args.dataset else DEFAULT_DATASET)
-    result = evaluate_log(Path(args.log_dir), references)
+    if args.against:
+        references = references_from_log(Path(args.against))
+        result = evaluate_log(Path(args.log_dir), references, against=args.against)
+    else:
+        references = read_references(Path(args.dataset) if args.dataset else DEFAULT_DATASET)
+        result = evaluate_log(Path(args.log_dir), references)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
     return 0
 
@@ -802,7 +806,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Score mlperf_log_accuracy.json as MLCommons' gptj evaluation does: ROUGE-1/2/L/"
                                    "Lsum, gen_len, gen_num, and pass/fail against the gptj-99 and gptj-99.9 targets.")
     p.add_argument("--log-dir", required=True, help="folder with mlperf_log_accuracy.json (or the file itself)")
-    p.add_argument("--dataset", help="cnn_eval.json the run used (default: gptj's bundled sample set)")
+    refs = p.add_mutually_exclusive_group()
+    refs.add_argument("--dataset", help="cnn_eval.json the run used (default: gptj's bundled sample set)")
+    refs.add_argument("--against", metavar="LOG_DIR",
+                      help="score against another accuracy run's outputs instead (e.g. a quantized model's "
+                           "summaries against bfloat16's: how close the two runs are)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_evaluate)
 

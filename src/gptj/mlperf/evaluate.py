@@ -364,11 +364,15 @@ class EvaluationResult:
 
 
 def make_result(scores: dict[str, Any], num_references: int, *, duplicates_dropped: int = 0,
-                log_path: str | None = None) -> EvaluationResult:
-    """An EvaluationResult for a `score()` dict: target checks and subset notes."""
+                log_path: str | None = None, against: str | None = None) -> EvaluationResult:
+    """An EvaluationResult for a `score()` dict: target checks and subset notes. `against`: the
+    references were another run's outputs (that run's log): no gptj-99 target applies to them."""
     gen_num = int(scores["gen_num"])
     subset = gen_num != FULL_DATASET_SIZE
     notes = []
+    if against is not None:
+        notes.append(f"references: the outputs in {against}, not the dataset's summaries: ROUGE here says how "
+                     "close the two runs' summaries are (100: the same text); the gptj-99 targets do not apply")
     if gen_num < num_references:
         notes.append(f"the log covers {gen_num} of the {num_references} references; only those are scored")
     if subset:
@@ -387,7 +391,7 @@ def make_result(scores: dict[str, Any], num_references: int, *, duplicates_dropp
         gen_len=int(scores["gen_len"]),
         gen_num=gen_num,
         num_references=num_references,
-        targets=check_targets(scores),
+        targets={} if against is not None else check_targets(scores),
         subset=subset,
         notes=notes,
         duplicates_dropped=duplicates_dropped,
@@ -400,12 +404,29 @@ def decode_prediction(tokenizer: Any, ids: Sequence[int]) -> str:
     return clean_up_tokenization(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str], tokenizer: Any = None,
-                 dtype: str = "int64") -> EvaluationResult:
-    """Score LoadGen's accuracy log against `references` (indexed by qsl_idx).
+def references_from_log(log_dir_or_file: str | Path, tokenizer: Any = None,
+                        dtype: str = "int64") -> list[str | None]:
+    """Another run's outputs as references, indexed by qsl_idx (None where it has none): to score
+    a run against a baseline's summaries (e.g. a quantized model's against bfloat16's)."""
+    if tokenizer is None:
+        from gptj.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer()
+    by_idx = read_accuracy_log(log_dir_or_file, dtype)
+    out: list[str | None] = [None] * (max(by_idx, default=-1) + 1)
+    for idx, ids in by_idx.items():
+        out[idx] = decode_prediction(tokenizer, ids)
+    return out
+
+
+def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str | None], tokenizer: Any = None,
+                 dtype: str = "int64", against: str | None = None) -> EvaluationResult:
+    """Score LoadGen's accuracy log against `references` (indexed by qsl_idx; None: none there).
 
     `log_dir_or_file`: mlperf_log_accuracy.json or the directory holding it.
     `tokenizer`: a `gptj.tokenizer.Tokenizer` (default: `load_tokenizer()`).
+    `against`: where the references came from when they are another run's outputs
+    (`references_from_log`); the result then checks no gptj-99 target.
     """
     if tokenizer is None:
         from gptj.tokenizer import load_tokenizer
@@ -416,10 +437,11 @@ def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str], tokeniz
     by_idx, duplicates = _read_log(file, dtype)
     if not by_idx:
         raise GptjError(f"accuracy log {file} has no entries (was the run in accuracy mode?)")
-    outside = [i for i in by_idx if i >= len(references)]
+    outside = [i for i in by_idx if i >= len(references) or references[i] is None]
     if outside:
         raise GptjError(
-            f"accuracy log {file}: qsl_idx {outside[0]} is outside the {len(references)} references"
+            f"accuracy log {file}: qsl_idx {outside[0]} has no reference "
+            + (f"in {against}'s outputs" if against else f"(outside the {len(references)} references)")
             + (f" ({len(outside)} such entries)" if len(outside) > 1 else "")
         )
     preds, targets = [], []
@@ -429,8 +451,8 @@ def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str], tokeniz
         except GptjError as e:
             raise GptjError(f"accuracy log {file}, qsl_idx {idx}: {e}") from e
         targets.append(references[idx])
-    return make_result(score(preds, targets), len(references), duplicates_dropped=duplicates,
-                       log_path=str(file))
+    return make_result(score(preds, targets), sum(r is not None for r in references), duplicates_dropped=duplicates,
+                       log_path=str(file), against=against)
 
 
 # ------------------------------------------------------------------------ output
@@ -458,7 +480,7 @@ def format_report(result: EvaluationResult) -> str:
         f"({result.num_references:,} references)",
     ]
     labels = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "gen_len": "gen_len"}
-    width = max(len(t) for t in result.targets)
+    width = max((len(t) for t in result.targets), default=0)
     for name, check in result.targets.items():
         shown = [m for m in check.thresholds if check.passed or not check.met[m]]
         parts = [f"{labels[m]} {_num(result.scores[m], 4)} {'>=' if check.met[m] else '<'} "
