@@ -244,6 +244,15 @@ def check_gpu_check(out: dict, err: str) -> None:
         assert row in table, table
 
 
+def check_quant_trained(out: dict, err: str) -> None:
+    """A few training steps, then every mode compared on the held-out windows."""
+    assert out["positions"] >= 64 and 0 <= out["confident_positions"] <= out["positions"]
+    assert set(out["modes"]) == {"bfloat16", "int8", "int4", "fp8", "fp8-scaled"}
+    assert out["modes"]["bfloat16"]["top1_vs_bfloat16"] == 1.0
+    for r in out["modes"].values():
+        assert 0 <= r["top1_vs_float32"] <= 1 and r["max_abs_logit_error"] >= 0
+
+
 def check_kv_int8(out: dict, err: str) -> None:
     cap = out["capacity_sequences"]
     # 256-value heads: (256 + 4) bytes in int8 against 512 in bfloat16
@@ -326,6 +335,8 @@ SMOKE: dict[str, Job] = {
     "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
                                                                   "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),
     "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
+    "quant_trained.py": Job("quant_trained.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "qt")],
+                            check_quant_trained),
     "ray_serve.py": Job("ray_serve.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
