@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a trained checkpoint (default: train tiny into OUT/train)")
     ap.add_argument("--out", type=Path, default=Path("quant-trained"))
-    ap.add_argument("--max-steps", type=int, default=200, help="training steps (the config's: 200)")
+    ap.add_argument("--max-steps", type=int, default=200, help="training steps (the config's: 200; fewer stop early)")
     ap.add_argument("--window", type=int, default=64, help="tokens per held-out window (the config's seq_len)")
     ap.add_argument("--margin", type=float, default=1.0, help="nats: the confident positions' least top-1 lead")
     ap.add_argument("--device", default="cpu", help="where to train and compare")
@@ -105,9 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         model_dir = args.out / "train"
         if not (model_dir / "config.json").is_file():
-            subprocess.run([sys.executable, "-m", "gptj.cli", "train", "--config", str(CONFIG), "--out", str(model_dir),
-                            "--set", f"max_steps={args.max_steps}", "--device", args.device, "--quiet"],
-                           check=True, stdout=subprocess.DEVNULL)
+            train = subprocess.run([sys.executable, "-m", "gptj.cli", "train", "--config", str(CONFIG), "--out",
+                                    str(model_dir), "--max-steps", str(args.max_steps), "--device", args.device,
+                                    "--quiet"], stdout=subprocess.DEVNULL)
+            if train.returncode:
+                print(f"quant_trained: training failed (exit {train.returncode})", file=sys.stderr)
+                return 1
     result = compare(model_dir, windows(model_dir, args.window), args.margin, args.device)
     result["model"] = str(model_dir)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
