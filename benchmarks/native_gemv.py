@@ -5,15 +5,21 @@ For each weight shape (N, K) and rows of x M, times
     native int8   gptj.native.linear_int8            x bf16 (M, K), w int8 (N, K), scale bf16 (N,)
     torch int8    torch._weight_int8pack_mm          same arguments
     native bf16   gptj.native.linear_bf16            w bf16 (N, K)
-    oneDNN bf16   torch.ops.mkldnn._linear_pointwise on the oneDNN-packed weight (kernels.py's)
+    oneDNN bf16   torch.ops.mkldnn._linear_pointwise on the oneDNN-packed weight (kernels.py's);
+                  only where oneDNN computes bfloat16 (gptj.policy.can_pack), else "-"
     F.linear bf16 torch.nn.functional.linear         plain row-major bf16 weight
+    F.linear f32  the same in float32 (x and w float32: what a CPU without bfloat16 arithmetic runs)
+
+gptj.native's library is this CPU's best ISA (gptj.native.isa(): avx512-bf16 or avx2); under
+`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` every column runs an AVX2-only CPU's code.
 
 Every implementation gets its own set of distinct weight copies (over --min-mb MB each, far more
 than the caches) and moves to the next copy on every call, so each call reads its weight from
 memory, as a decode step does. Rounds alternate the implementations (each round times a burst of
 calls of each in turn, a fresh order every round); the table shows the median over rounds of the
 time per call, in ms, and the weight bytes per second (GB/s, 1e9 bytes). "speedup" is torch's time
-over native's (int8: against _weight_int8pack_mm; bf16: against the faster of oneDNN and F.linear).
+over native's (int8: against _weight_int8pack_mm; bf16: against the fastest of oneDNN, F.linear bf16
+and F.linear f32).
 The streaming-read bandwidth of the machine (torch.sum over float32) is measured alongside.
 
 A second part checks that the native kernels and torch's share one OpenMP runtime and thread pool:
@@ -23,8 +29,8 @@ native and torch calls alternated run as fast as each alone.
     python benchmarks/native_gemv.py --shapes 7168x1024 --rows 1 --rounds 15
     python benchmarks/native_gemv.py --smoke --json     # small shapes, one round: does it run?
 
-Where gptj.native is not available (GPTJ_NATIVE=0, no compiler, no AVX512-BF16) it says so in one
-line and exits 0 (with --json: {"skipped": REASON}).
+Where gptj.native's GEMV is not available (GPTJ_NATIVE=0, no compiler, a CPU without AVX2 + FMA)
+it says so in one line and exits 0 (with --json: {"skipped": REASON}).
 """
 
 from __future__ import annotations
@@ -40,12 +46,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gptj import native
+from gptj import native, policy
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
 
 SHAPES = ("7168x1024", "1024x1024", "1024x4096", "50400x1024", "16384x4096", "28672x4096")
-IMPLS = ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16")
+IMPLS = ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16", "F.linear f32")
 
 
 def _copies(nbytes: int, min_mb: float) -> int:
@@ -60,15 +66,21 @@ def _make_impls(N: int, K: int, min_mb: float, seed: int) -> dict[str, tuple[lis
     scale = (torch.rand(N, generator=g) * 0.01 + 0.001).bfloat16()
     n16 = _copies(2 * N * K, min_mb)
     w16 = [(torch.rand(N, K, generator=g) - 0.5).bfloat16() for _ in range(n16)]
+    onednn = policy.can_pack(torch.bfloat16, "cpu")
     wpk = [torch.ops.mkldnn._reorder_linear_weight((torch.rand(N, K, generator=g) - 0.5).bfloat16(), 1)
-           for _ in range(n16)]
-    return {
+           for _ in range(n16)] if onednn else []
+    w32 = [torch.rand(N, K, generator=g) - 0.5 for _ in range(_copies(4 * N * K, min_mb))]
+    out = {
         "native int8": (w8, lambda x, w: native.linear_int8(x, w, scale), N * K),
         "torch int8": (w8, lambda x, w: torch._weight_int8pack_mm(x, w, scale), N * K),
         "native bf16": (w16, lambda x, w: native.linear_bf16(x, w), 2 * N * K),
         "oneDNN bf16": (wpk, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), 2 * N * K),
         "F.linear bf16": (w16, lambda x, w: F.linear(x, w), 2 * N * K),
+        "F.linear f32": (w32, lambda x, w: F.linear(x.float(), w), 4 * N * K),
     }
+    if not onednn:
+        del out["oneDNN bf16"]
+    return out
 
 
 def _sum_bandwidth(buf: torch.Tensor) -> float:
@@ -85,15 +97,16 @@ def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, bur
     results = []
     for M in rows:
         x = torch.randn(M, K).bfloat16()
-        pos = {name: 0 for name in IMPLS}
-        times: dict[str, list[float]] = {name: [] for name in IMPLS}
+        names = [name for name in IMPLS if name in impls]
+        pos = {name: 0 for name in names}
+        times: dict[str, list[float]] = {name: [] for name in names}
         bw: list[float] = []
         # calls per burst: enough for ~burst_ms at 30 GB/s, at most one pass over the copies
-        for name in IMPLS:
+        for name in names:
             copies, fn, nbytes = impls[name]
             fn(x, copies[0])  # warm-up (kernel selection, first-touch)
         for _ in range(rounds):
-            order = list(IMPLS)
+            order = list(names)
             rng.shuffle(order)
             bw.append(_sum_bandwidth(sumbuf))
             for name in order:
@@ -106,7 +119,7 @@ def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, bur
                 times[name].append((time.perf_counter() - t0) / calls)
                 pos[name] = (p + calls) % len(copies)
         row = {"N": N, "K": K, "M": M, "sum_gbs": statistics.median(bw)}
-        for name in IMPLS:
+        for name in names:
             t = statistics.median(times[name])
             row[name] = (t * 1e3, impls[name][2] / t / 1e9)
         results.append(row)
@@ -117,20 +130,20 @@ def bench_shape(N: int, K: int, rows: list[int], rounds: int, min_mb: float, bur
 
 
 HEADER = ("| N x K | M | native int8 | torch int8 | int8 speedup | native bf16 | oneDNN bf16 "
-          "| F.linear bf16 | bf16 speedup | sum GB/s |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| F.linear bf16 | F.linear f32 | bf16 speedup | sum GB/s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def _cell(v: tuple[float, float]) -> str:
-    return f"{v[0]:.3f} ms ({v[1]:.1f} GB/s)"
+def _cell(v: tuple[float, float] | None) -> str:
+    return "-" if v is None else f"{v[0]:.3f} ms ({v[1]:.1f} GB/s)"
 
 
 def _line(r: dict) -> str:
     s8 = r["torch int8"][0] / r["native int8"][0]
-    s16 = min(r["oneDNN bf16"][0], r["F.linear bf16"][0]) / r["native bf16"][0]
+    s16 = min(r[k][0] for k in ("oneDNN bf16", "F.linear bf16", "F.linear f32") if k in r) / r["native bf16"][0]
     return (f"| {r['N']}x{r['K']} | {r['M']} | {_cell(r['native int8'])} | {_cell(r['torch int8'])} | "
-            f"{s8:.2f}x | {_cell(r['native bf16'])} | {_cell(r['oneDNN bf16'])} | "
-            f"{_cell(r['F.linear bf16'])} | {s16:.2f}x | {r['sum_gbs']:.1f} |")
+            f"{s8:.2f}x | {_cell(r['native bf16'])} | {_cell(r.get('oneDNN bf16'))} | "
+            f"{_cell(r['F.linear bf16'])} | {_cell(r['F.linear f32'])} | {s16:.2f}x | {r['sum_gbs']:.1f} |")
 
 
 def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
@@ -146,7 +159,8 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
     hot8 = torch.randint(-127, 128, (1024, 1024), generator=g, dtype=torch.int8)
     hot_s = torch.rand(1024, generator=g).bfloat16()
     hot16 = torch.rand(512, 1024, generator=g).bfloat16()
-    hot_pk = torch.ops.mkldnn._reorder_linear_weight(hot16, 1)
+    onednn = policy.can_pack(torch.bfloat16, "cpu")  # else torch's bfloat16 partner is F.linear
+    hot_pk = torch.ops.mkldnn._reorder_linear_weight(hot16, 1) if onednn else hot16
     N = 7168
     n = _copies(N * 1024, min_mb)
     ws = [torch.randint(-127, 128, (N, 1024), generator=g, dtype=torch.int8) for _ in range(2 * n)]
@@ -155,7 +169,8 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
         "hot int8 1024x1024": (lambda i: native.linear_int8(x, hot8, hot_s),
                                lambda i: torch._weight_int8pack_mm(x, hot8, hot_s)),
         "hot bf16 512x1024": (lambda i: native.linear_bf16(x, hot16),
-                               lambda i: torch.ops.mkldnn._linear_pointwise(x, hot_pk, None, "none", [], "")),
+                               (lambda i: torch.ops.mkldnn._linear_pointwise(x, hot_pk, None, "none", [], ""))
+                               if onednn else (lambda i: F.linear(x, hot16))),
         "stream int8 7168x1024": (lambda i: native.linear_int8(x, ws[i % n], sc),
                                   lambda i: torch._weight_int8pack_mm(x, ws[n + i % n], sc)),
     }
@@ -206,17 +221,18 @@ def main(argv: list[str] | None = None) -> None:
     out = sys.stderr if args.json else sys.stdout
 
     torch.set_num_threads(args.threads)
-    if not native.available():
-        why = "gptj.native is not available here (GPTJ_NATIVE=0, no gcc, or no AVX512-BF16)"
+    if not native.has("gemv"):
+        why = "gptj.native's GEMV is not available here (GPTJ_NATIVE=0, no gcc, or no AVX2 + FMA)"
         print(f"native_gemv: skipped: {why}", file=sys.stderr)
         if args.json:
             print(json.dumps({"skipped": why}))
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n", file=out)
     print(HEADER, file=out, flush=True)
-    result: dict = {"cpu": cpu, "threads": torch.get_num_threads(), "rounds": args.rounds, "rows": []}
+    result: dict = {"cpu": cpu, "isa": native.isa().name, "threads": torch.get_num_threads(), "rounds": args.rounds,
+                    "rows": []}
     with torch.inference_mode():
         for i, shape in enumerate(args.shapes):
             N, K = (int(v) for v in shape.lower().split("x"))

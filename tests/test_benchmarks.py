@@ -147,12 +147,20 @@ def check_membw(out: dict, err: str) -> None:
 def check_native_gemv(out: dict, err: str) -> None:
     from gptj import native
 
-    if not native.available():
+    import torch
+
+    from gptj import policy
+
+    if not native.has("gemv"):
         assert "not available" in out["skipped"] and "native_gemv: skipped" in err
         return
+    assert out["isa"] == native.isa().name
     assert [(r["N"], r["K"], r["M"]) for r in out["rows"]] == [(256, 128, 1), (256, 128, 2)]
+    onednn = policy.can_pack(torch.bfloat16, "cpu")
     for row in out["rows"]:
-        for impl in ("native int8", "torch int8", "native bf16", "oneDNN bf16", "F.linear bf16"):
+        assert ("oneDNN bf16" in row) == onednn  # only where oneDNN computes bfloat16
+        for impl in ("native int8", "torch int8", "native bf16", "F.linear bf16", "F.linear f32",
+                     *(("oneDNN bf16",) if onednn else ())):
             assert positive(row[impl]["ms"]) and positive(row[impl]["gb_s"])
     assert len(out["interleave"]["pairs"]) == 3
     assert all(positive(v) for pair in out["interleave"]["pairs"].values() for v in pair.values())

@@ -1,8 +1,10 @@
-"""Native decode GEMV kernels (gptj.native): results against F.linear, validation, loading."""
+"""Native decode GEMV kernels (gptj.native): results against F.linear on every ISA this CPU runs
+(the AVX2 library on an AVX-512 machine too), validation, loading."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import platform
 import shutil
@@ -15,6 +17,23 @@ from gptj import cpu, native
 
 WHY_NOT = native.unavailable_reason()
 needs_native = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels unavailable: {WHY_NOT}")
+
+
+@pytest.fixture(params=[i.name for i in native.ISAS])
+def gemv_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    """gptj.native's GEMV wrappers bound to the library of one ISA (skipped, with the reason, where
+    this CPU cannot run it): every GEMV test runs each ISA the machine can, whichever load() picks."""
+    isa = next(i for i in native.ISAS if i.name == request.param)
+    missing = [f for f in isa.cpu_flags if f not in cpu.flags()]
+    if missing or native._disabled():
+        pytest.skip(f"the {isa.name} GEMV cannot run here: " + (f"the CPU lacks {', '.join(missing)}" if missing
+                                                                 else "GPTJ_NATIVE=0"))
+    lib = native.open_isa(isa.name)
+    if lib is None:
+        pytest.skip(f"the {isa.name} library cannot be built here (no gcc?)")
+    monkeypatch.setattr(native, "_gemv_int8", lib.gemv_int8)
+    monkeypatch.setattr(native, "_gemv_bf16", lib.gemv_bf16)
+    return lib
 
 MS = (1, 3, 8, 17)
 KS = (64, 1000, 1024, 4096)
@@ -37,10 +56,9 @@ def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * max(mag, 1e-6))
 
 
-@needs_native
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("M", MS)
-def test_int8_matches_f_linear(M: int, K: int) -> None:
+def test_int8_matches_f_linear(M: int, K: int, gemv_isa: ctypes.CDLL) -> None:
     for N in NS:
         x, w, scale, bias = _int8_case(M, N, K)
         wf = w.float() * scale.float()[:, None]
@@ -48,10 +66,9 @@ def test_int8_matches_f_linear(M: int, K: int) -> None:
         _close(native.linear_int8(x, w, scale, bias), F.linear(x.float(), wf, bias.float()).bfloat16())
 
 
-@needs_native
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("M", MS)
-def test_bf16_matches_f_linear(M: int, K: int) -> None:
+def test_bf16_matches_f_linear(M: int, K: int, gemv_isa: ctypes.CDLL) -> None:
     for N in NS:
         g = torch.Generator().manual_seed(M * 7919 + N * 31 + K)
         x = torch.randn(M, K, generator=g).bfloat16()
@@ -63,18 +80,18 @@ def test_bf16_matches_f_linear(M: int, K: int) -> None:
 
 @pytest.mark.parametrize("M,N,K", [(1, 1024, 4096), (3, 33, 1000), (8, 50, 1024), (17, 97, 300), (9, 16, 64),
                                    (8, 40, 4100), (4, 70, 3000), (2, 5000, 40)])
-@needs_native
-def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int) -> None:
+def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: ctypes.CDLL) -> None:
     """The *_f32 entry points expose the float32 sums: accurate to float32 rounding of the sums
     (this catches a dropped or doubled block that bfloat16 output tolerances could hide).
 
     Bound: the products are exact in float32 (bf16 x bf16, int8 x bf16 fit 24 bits); each of the
     16 lanes of an AVX-512 accumulator adds K/16 of them (<= 2 roundings each: DPBF16PS may round
-    after each of its pair), then the lanes are summed (<= 16) and scale and bias applied (2):
+    after each of its pair; AVX2's 8 lanes add K/8 with one rounding each), then the lanes are
+    summed (<= 16) and scale and bias applied (2):
     |error| <= (K/8 + 18) u sum|terms| (Higham 3.1). A dropped or doubled block of 16 products
     moves a sum by ~16/K of sum|terms|, far more."""
     u = 2.0**-24
-    lib = native.load()
+    lib = gemv_isa
     x, w, scale, bias = _int8_case(M, N, K, seed=1)
     y = torch.empty(M, N)
     lib.gemv_int8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(), M, N, K, 2)
@@ -92,8 +109,7 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int) -> None:
     assert ((yb.double() - refb).abs() <= boundb).all()
 
 
-@needs_native
-def test_shapes_layouts_and_threads() -> None:
+def test_shapes_layouts_and_threads(gemv_isa: ctypes.CDLL) -> None:
     x, w, scale, bias = _int8_case(6, 70, 512)
     x3 = x.reshape(2, 3, 512)
     y = native.linear_int8(x3, w, scale, bias)
@@ -117,8 +133,7 @@ def test_shapes_layouts_and_threads() -> None:
     assert torch.equal(one, two)
 
 
-@needs_native
-def test_out_argument() -> None:
+def test_out_argument(gemv_isa: ctypes.CDLL) -> None:
     x, w, scale, bias = _int8_case(3, 40, 256)
     out = torch.empty(3, 40, dtype=torch.bfloat16)
     assert native.linear_int8(x, w, scale, bias, out=out) is out
@@ -133,8 +148,7 @@ def test_out_argument() -> None:
             native.linear_bf16(x, wb, out=bad)
 
 
-@needs_native
-def test_empty_sizes() -> None:
+def test_empty_sizes(gemv_isa: ctypes.CDLL) -> None:
     w = torch.randint(-5, 5, (33, 64), dtype=torch.int8)
     s = torch.ones(33).bfloat16()
     assert native.linear_int8(torch.zeros(0, 64).bfloat16(), w, s).shape == (0, 33)
@@ -144,8 +158,7 @@ def test_empty_sizes() -> None:
                        b.expand(2, 33))
 
 
-@needs_native
-def test_bad_arguments_raise_value_error() -> None:
+def test_bad_arguments_raise_value_error(gemv_isa: ctypes.CDLL) -> None:
     x, w, scale, bias = _int8_case(2, 8, 64)
     wb = w.bfloat16()
     bad_int8 = [
@@ -178,7 +191,7 @@ def test_switched_off_or_unsupported_gives_none(monkeypatch: pytest.MonkeyPatch,
     assert native._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCES", (bad,))
+    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(bad,)) for i in native.ISAS))
     assert native._open({"GPTJ_CACHE_DIR": str(tmp_path / "c")}) is None
     assert not any((tmp_path / "c").glob("*"))  # no partial files left behind
 
@@ -191,7 +204,7 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setattr(cpu, "flags", lambda: frozenset(native.REQUIRED_CPU_FLAGS))
     src = tmp_path / "tiny.c"
     src.write_text("int gemv_tiny(void) { return 7; }\n")
-    monkeypatch.setattr(native, "SOURCES", (src,))
+    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in native.ISAS))
     env = {"GPTJ_CACHE_DIR": str(tmp_path / "cache")}
     path = native._build(env)
     assert path is not None and path.parent == tmp_path / "cache" and path.suffix == ".so"

@@ -5,11 +5,13 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
 
   linear layers (`linear_path`; `weight` names what the layer holds)
   device  weight                      rows (tokens in the call)        path
-  cpu     float, native layout        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native bf16 GEMV
+  cpu     float, native layout        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native bf16 GEMV (AVX-512:
+                                                                                    bf16 dot products; AVX2: float32 FMAs)
           (PackedLinear "native")     more                             TORCH        F.linear
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
   cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512)    NATIVE       gptj.native int8 GEMV, 8-row tiles
+                                                                                    (AVX-512 or AVX2, as above)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
@@ -37,13 +39,14 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     for checks, e.g. quant-report on CPU)
   cuda    float                       any                              TORCH
   TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs.
-  NATIVE needs gptj.native built and loaded here (`native_available`); where it is not, the next
-  row down runs. A module may still fall back further when its weight could not be packed for the
+  NATIVE needs gptj.native's GEMV built and loaded here (`native_gemv_available`: the library of the
+  CPU's best ISA, AVX-512-BF16 or AVX2 + FMA); where it is not, the next row down runs. A module may still fall back further when its weight could not be packed for the
   kernel (Int4Linear without a CPU/CUDA int4 layout dequantizes).
 
   building a model for serving (gptj.kernels.prepare_for_serving)
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
-  `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16
+  `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16 (the oneDNN
+                 layout), or with gptj.native's GEMV (the native layout)
   `can_pack_int8` a W8A8 linear is packed for oneDNN's int8 GEMM on a CPU that has it
   `w8a8_form`    ...in one GEMM of activations shifted to uint8 (SHIFTED, VNNI) or two halves (SPLIT)
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
@@ -104,6 +107,12 @@ NATIVE_MAX_ROWS = 8
 #                 dequantize 41.2  44.3  48.1  56.2  78.9 118.9 158.4
 #   4096 x 16384  native        -     -     -     -  49.2 102.9 190.9
 #                 dequantize    -     -     -     -  78.7 109.8 151.9
+# The AVX2 library (float32 FMAs, 8 lanes) keeps the same lead up to 512 rows: on the same Zen 4 under
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 (an AVX2-only CPU's code), 2 threads, best of 3, ms:
+#   16384 x 4096, rows                       8    16    32    64   128   256   512
+#   native (avx2)                          7.7  15.2  29.6  61.2   119   236   480
+#   dequantize + F.linear, bf16 x         76.7  98.9   137   224   401   749  1450
+#   dequantize + F.linear, float32 x       127   131   148   174   221   310   489
 NATIVE_INT8_MAX_ROWS = 512
 # An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
@@ -156,8 +165,14 @@ def exact(dtype: torch.dtype) -> bool:
 
 
 def native_available() -> bool:
-    """gptj.native's kernels are built and loaded here (gptj.native caches the answer; GPTJ_NATIVE=0 says no)."""
+    """All of gptj.native's kernels are built and loaded here: the AVX-512-BF16 library (gptj.native
+    caches the answer; GPTJ_NATIVE=0 says no). The attention and elementwise paths need it."""
     return native.available()
+
+
+def native_gemv_available() -> bool:
+    """gptj.native's decode GEMV is loaded here: the AVX-512-BF16 or the AVX2 library."""
+    return native.has("gemv")
 
 
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -166,11 +181,15 @@ def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and native_available()
 
 
-def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation on
-    AVX-512: torch's own test, which gptj.cpu's flags must pass too, so a ceiling applies)."""
+def can_pack(dtype: torch.dtype, device: torch.device | str, layout: str | None = None) -> bool:
+    """Whether a `dtype` linear on `device` is packed into `layout` (ONEDNN, NATIVE; None: ONEDNN).
+    oneDNN packing helps bfloat16 on a CPU that has it (AVX512-BF16 / AMX, or its emulation on
+    AVX-512: torch's own test, which gptj.cpu's flags must pass too, so a ceiling applies); the
+    native layout is the plain weight, for gptj.native's GEMV (any ISA it has a library for)."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return False
+    if layout == NATIVE:
+        return native_gemv_available()
     if not torch.backends.mkldnn.is_available() or not (cpu.AVX512_CORE <= cpu.flags()
                                                          or "avx_ne_convert" in cpu.flags()):
         return False
@@ -196,7 +215,7 @@ def w8a8_form() -> str:
 def pack_layout(max_rows: int | None) -> str:
     """The layout a packable linear takes for an engine of at most `max_rows` rows per step
     (None: unbounded): NATIVE or ONEDNN."""
-    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS and native_available():
+    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS and native_gemv_available():
         return NATIVE
     return ONEDNN
 
@@ -217,7 +236,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "onednn-layout":
         return ONEDNN
     if weight == "native-layout":
-        return NATIVE if rows <= NATIVE_MAX_ROWS and native_available() else TORCH
+        return NATIVE if rows <= NATIVE_MAX_ROWS and native_gemv_available() else TORCH
     if weight == "fp8":
         if not fp8_supported(device):
             return DEQUANTIZE
@@ -227,7 +246,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
-        if rows <= NATIVE_INT8_MAX_ROWS and native_available():
+        if rows <= NATIVE_INT8_MAX_ROWS and native_gemv_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
     if weight == "w8a8":

@@ -38,8 +38,8 @@ class PackedLinear(nn.Module):
     """nn.Linear's forward in bfloat16 on CPU, in one of two layouts chosen when it is built.
 
     "onednn": the weight reordered for oneDNN (fast at any number of rows).
-    "native": the plain weight, read by gptj.native's AVX-512 GEMV at few rows (1.4-1.8x oneDNN at 1-2
-    rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
+    "native": the plain weight, read by gptj.native's GEMV at few rows (AVX-512: 1.4-1.8x oneDNN at 1-2
+    rows; AVX2, where oneDNN has no bfloat16: 2-3x F.linear at 2-8 rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
     policy.NATIVE_LAYOUT_MAX_ROWS per step (batch-1 latency); holding both layouts would double the
     weights' memory.
     """
@@ -162,7 +162,7 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     # (parent, name) pairs only: a list of the linears themselves would keep every plain weight
     # alive until the end, holding the model twice while it is repacked.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if (type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device))
+               if (type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device, layout))
                or (type(child) is W8A8Linear and can_pack_int8(child.weight.device))]
     for parent, name in targets:
         child = getattr(parent, name)

@@ -1,4 +1,14 @@
-"""Native matrix x few-rows kernels (decode GEMV) for x86-64 CPUs with AVX-512, built at first use.
+"""Native kernels for x86-64 CPUs, built at first use, one library per instruction set (ISA).
+
+    ISA           CPUs                                   kernels
+    avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI     the decode GEMV, attention, the elementwise passes
+    avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  the decode GEMV (float32 FMAs)
+
+The same C sources (gemv.c on every ISA; attention.c and elementwise.c on AVX-512 so far) are
+compiled per ISA: simd.h's vector layer is the only place the instruction set shows. `isa()` is the
+best ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies); `has(kernel)`
+says which kernels its library holds ("gemv", "attention", "elementwise"); `available()` is true
+where all of them are.
 
 torch's CPU kernels leave much of the memory bandwidth unused when a linear layer sees one row (a
 decode step): `torch._weight_int8pack_mm` reads a 7168 x 1024 int8 weight at about 12 GB/s and
@@ -8,13 +18,12 @@ software prefetch, at about the streaming rate for one row (benchmarks/native_ge
 it): float32 FMAs (int8, one row of x) or AVX512-BF16 dot products, float32 accumulation, x used
 as given (never quantized).
 
-`load()` compiles the C files next to this one (gemv.c, attention.c, elementwise.c; simd.h their
-shared helpers) with gcc the first time it is needed, into a cache folder
-(`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if that cannot be written)
-under a name that hashes the sources, the flags, the compiler, the machine type and the CPU's
-flags, writing it atomically, and loads it with ctypes. It returns None, and never raises, when
-the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU without AVX-512
-F/BW/VL/BF16, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
+`load()` compiles the ISA's C files (simd.h their shared helpers) with gcc the first time it is
+needed, into a cache folder (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if
+that cannot be written) under a name that hashes the sources, the ISA and its flags, the compiler,
+the machine type and the CPU's flags, writing it atomically, and loads it with ctypes. It returns
+None, and never raises, when the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU
+without even AVX2 + FMA, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
 after torch, whose CPU wheel ships and loads `libgomp.so.1`, they run on torch's OpenMP runtime
 and thread pool (the dynamic linker resolves the library's libgomp.so.1 to the one loaded).
 
@@ -34,14 +43,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gptj import cpu
 
-__all__ = ["attention_group", "attention_paged", "available", "gelu", "linear_bf16", "linear_int8", "load",
-           "prefill_paged", "quantize_rows_u8", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
+__all__ = ["ISAS", "Isa", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
+           "linear_bf16", "linear_int8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "rotary_",
+           "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
@@ -49,11 +60,38 @@ HEADERS = (HERE / "simd.h",)  # included by every source: part of what the build
 # -falign-loops=64: every loop starts on a cache line. Without it the GEMV's hot loops ran 10-20 %
 # slower once the kernels were split into three files (int8 at 8 rows, 2 threads: 3.8 against 3.0 ms
 # for 28672 x 4096; the same code, placed elsewhere), and as fast with it as the single file was.
-CFLAGS = ("-O3", "-march=native", "-falign-loops=64", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
-# What the kernels execute (gptj.cpu's avx512-bf16 kind); `-march=native` may use more, but only on
-# the CPU that built it (the cache name holds the CPU's flags, so another CPU type builds its own copy).
+CFLAGS = ("-O3", "-falign-loops=64", "-std=c11", "-fopenmp", "-shared", "-fPIC", "-lm")
+# What the AVX-512 kernels execute (gptj.cpu's avx512-bf16 kind); `-march=native` may use more, but only
+# on the CPU that built it (the cache name holds the CPU's flags, so another CPU type builds its own copy).
 # gptj.cpu.flags() is what is checked: a ceiling set by ONEDNN_MAX_CPU_ISA switches these kernels off.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+KERNELS = ("gemv", "attention", "elementwise")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One library's instruction set: the CPU flags it needs, how it is compiled, what it holds."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]  # beside CFLAGS
+    sources: tuple[Path, ...]
+    kernels: tuple[str, ...]
+
+
+# Best first. The AVX2 library is built for AVX2 alone (-mavx2, not -march=native): on a CPU with
+# AVX-512 it runs the code an AVX2-only CPU runs (how its tests run on either kind).
+ISAS = (
+    Isa("avx512-bf16", REQUIRED_CPU_FLAGS, ("-march=native", "-DGPTJ_ISA_AVX512"), SOURCES, KERNELS),
+    Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"),
+        (HERE / "gemv.c",), ("gemv",)),
+)
+
+
+def best_isa(flags: set[str] | frozenset[str] | None = None) -> Isa | None:
+    """The best ISA a CPU with `flags` (default: this one's, ceilings applied) runs, or None."""
+    flags = cpu.flags() if flags is None else flags
+    return next((i for i in ISAS if all(f in flags for f in i.cpu_flags)), None)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded CDLL or None, once load() has run
@@ -70,17 +108,17 @@ def cache_dir(env: dict[str, str] | os._Environ | None = None) -> Path:
     return Path(base) if base else Path.home() / ".cache" / "gptj" / "native"
 
 
-def _source_bytes() -> bytes:
-    return b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS) if p.exists())
+def _source_bytes(isa: Isa = ISAS[0]) -> bytes:
+    return b"\0".join(p.read_bytes() for p in (*isa.sources, *HEADERS) if p.exists())
 
 
-def _library_name(source: bytes, compiler: str, flags: set[str]) -> str:
+def _library_name(source: bytes, compiler: str, flags: set[str], isa: Isa = ISAS[0]) -> str:
     h = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS).encode(), compiler.encode(), platform.machine().encode(),
+    for part in (source, " ".join((*CFLAGS, *isa.cflags)).encode(), compiler.encode(), platform.machine().encode(),
                  " ".join(sorted(flags)).encode()):
         h.update(part)
         h.update(b"\0")
-    return f"gemv-{platform.machine()}-{h.hexdigest()[:16]}.so"
+    return f"gptj-{isa.name}-{platform.machine()}-{h.hexdigest()[:16]}.so"
 
 
 def _compiler_id(cc: str) -> str:
@@ -91,14 +129,14 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
-def _compile(cc: str, target: Path) -> bool:
-    """Compile SOURCES into target: into a temporary file beside it, then renamed into place
-    (atomic: a concurrent process sees no file or the whole file)."""
+def _compile(cc: str, target: Path, isa: Isa = ISAS[0]) -> bool:
+    """Compile the ISA's sources into target: into a temporary file beside it, then renamed into
+    place (atomic: a concurrent process sees no file or the whole file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)],
+        proc = subprocess.run([cc, *CFLAGS, *isa.cflags, "-o", tmp, *map(str, isa.sources)],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return False
@@ -109,47 +147,49 @@ def _compile(cc: str, target: Path) -> bool:
             os.unlink(tmp)
 
 
-def _build(env: dict[str, str] | os._Environ | None = None) -> Path | None:
-    """The path of the compiled library (building it if needed), or None where the native
-    kernels are switched off (GPTJ_NATIVE=0), cannot run here or cannot be built."""
+def _build(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = None) -> Path | None:
+    """The path of the compiled library of `isa` (default: the best this CPU runs), building it if
+    needed, or None where the native kernels are switched off (GPTJ_NATIVE=0), cannot run here or
+    cannot be built."""
     env = os.environ if env is None else env
     if _disabled(env) or platform.machine() not in ("x86_64", "AMD64"):
         return None
     flags = cpu.flags()
-    if not all(f in flags for f in REQUIRED_CPU_FLAGS):
+    isa = best_isa(flags) if isa is None else isa
+    if isa is None or not all(f in flags for f in isa.cpu_flags):
         return None
     cc_path = shutil.which(env.get("CC") or "gcc")
     if cc_path is None:
         return None
-    name = _library_name(_source_bytes(), _compiler_id(cc_path), flags)
+    name = _library_name(_source_bytes(isa), _compiler_id(cc_path), flags, isa)
     folders = [cache_dir(env), Path(tempfile.gettempdir()) / f"gptj-native-{os.getuid()}"]
     for folder in folders:  # the second where the cache folder cannot be written
         target = folder / name
         if target.exists():
             return target
         try:
-            return target if _compile(cc_path, target) else None
+            return target if _compile(cc_path, target, isa) else None
         except OSError:
             continue
     return None
 
 
-_SIGNATURES = {  # exported function: argument types (all return void)
-    "gemv_int8": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4,
-    "gemv_int8_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4,
-    "gemv_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4,
-    "gemv_bf16_f32": [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4,
-    "gemv_set_tuning": [ctypes.c_int, ctypes.c_int],
+_SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, return type
+    "gemv_int8": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 4, ctypes.c_int),
+    "gemv_int8_f32": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 4, ctypes.c_int),
+    "gemv_bf16": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
+    "gemv_bf16_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
+    "gemv_set_tuning": ([ctypes.c_int, ctypes.c_int], None),
 }
 
 
 def _load_path(path: Path) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
+        for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = restype
         for name in ("gemv_get_prefetch", "gemv_omp_max_threads"):
             getattr(lib, name).argtypes = []
             getattr(lib, name).restype = ctypes.c_int
@@ -158,33 +198,58 @@ def _load_path(path: Path) -> ctypes.CDLL | None:
         return None
 
 
-def _open(env: dict[str, str] | os._Environ | None = None) -> ctypes.CDLL | None:
+def _open(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = None) -> ctypes.CDLL | None:
     """Build (if needed) and load the library, uncached; None, never an exception, on failure."""
     try:
-        path = _build(env)
+        path = _build(env, isa)
         return _load_path(path) if path is not None else None
     except Exception:  # noqa: BLE001 - the native path is optional: any failure means "not available"
         return None
 
 
+def open_isa(name: str) -> ctypes.CDLL | None:
+    """The library of the ISA `name` (one of ISAS), built if needed, uncached and unbound: how tests
+    run an ISA below this CPU's best (the AVX2 GEMV on an AVX-512 machine). None where the CPU
+    cannot run it or it cannot be built."""
+    return _open(isa=next(i for i in ISAS if i.name == name))
+
+
 def load() -> ctypes.CDLL | None:
-    """The kernels' library (built on first use, then cached on disk and in the process), or None."""
+    """The library of this CPU's best ISA (built on first use, then cached on disk and in the
+    process), or None."""
     if "lib" in _state:
         return _state["lib"]  # type: ignore[return-value]
     with _lock:
         if "lib" not in _state:
-            lib = _open()
+            chosen = best_isa()
+            lib = _open(isa=chosen) if chosen is not None else None
             if lib is not None:
                 try:
-                    _bind(lib)
-                except AttributeError:  # a library without every kernel: not the source's build
+                    _bind(lib, chosen)
+                except AttributeError:  # a library without its kernels: not the source's build
                     lib = None
+            _state["isa"] = chosen if lib is not None else None
             _state["lib"] = lib
     return _state["lib"]  # type: ignore[return-value]
 
 
+def isa() -> Isa | None:
+    """The ISA of the loaded library (None where there is none)."""
+    load()
+    return _state.get("isa")  # type: ignore[return-value]
+
+
+def has(kernel: str) -> bool:
+    """Whether the loaded library holds `kernel` ("gemv", "attention", "elementwise")."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r} (one of {', '.join(KERNELS)})")
+    chosen = isa()
+    return chosen is not None and kernel in chosen.kernels
+
+
 def available() -> bool:
-    return load() is not None
+    """Every native kernel is loaded here (the AVX-512 library); see `has` for one kind."""
+    return all(has(k) for k in KERNELS)
 
 
 def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str | None:
@@ -198,7 +263,9 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu.flags()]
     if missing:
         capped = f" under ONEDNN_MAX_CPU_ISA={cpu.ceiling().upper()}" if cpu.ceiling() else ""
-        return f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs the {cpu.AVX512_BF16} kind)"
+        gemv = " (its AVX2 GEMV runs here)" if best_isa() is not None and load() is not None else ""
+        return (f"the CPU lacks {', '.join(missing)}{capped} (gptj.native's attention and elementwise kernels "
+                f"need the {cpu.AVX512_BF16} kind){gemv}")
     if shutil.which(env.get("CC") or "gcc") is None:
         return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCES[0].parent}"
     if load() is None:
@@ -213,11 +280,13 @@ BOUND = ("_gemv_int8", "_gemv_bf16", "_attend_group", "_attend_paged", "_prefill
          "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
 
 
-def _bind(lib: ctypes.CDLL) -> None:
+def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary, _store_kv
     global _quantize_rows, _scale_rows
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
+    if "attention" not in chosen.kernels:  # the AVX2 library: the GEMV only
+        return
     _attend_group = lib.attend_group_bf16
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     _attend_group.argtypes = [P, I, I, I, P, P, L, L, I, P, P, L, L, L, I, P, ctypes.c_float, I]
@@ -310,9 +379,9 @@ def _prepare(name: str, x: torch.Tensor, weight: torch.Tensor, wdtype: torch.dty
     return x, M, N, K, out
 
 
-def _lib_or_raise(name: str) -> None:
-    if load() is None:
-        raise RuntimeError(f"{name}: the native kernels are not available on this machine")
+def _lib_or_raise(name: str, kernel: str = "gemv") -> None:
+    if not has(kernel):
+        raise RuntimeError(f"{name}: the native {kernel} kernels are not available on this machine")
 
 
 def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -327,10 +396,10 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         _lib_or_raise("linear_int8")
     x, M, N, K, y = _prepare("linear_int8", x, weight, _i8, bias, out)
     _check_vec(scale, N, "scale", "linear_int8")
-    if M and N:
-        _gemv_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-                   None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   M, N, K, torch.get_num_threads())
+    if M and N and _gemv_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(),
+                              M, N, K, torch.get_num_threads()):
+        raise MemoryError("linear_int8: no memory for x's float32 copy")
     return y
 
 
@@ -344,9 +413,9 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if _gemv_bf16 is None:
         _lib_or_raise("linear_bf16")
     x, M, N, K, y = _prepare("linear_bf16", x, weight, _bf16, bias, out)
-    if M and N:
-        _gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                   y.data_ptr(), M, N, K, torch.get_num_threads())
+    if M and N and _gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), M, N, K, torch.get_num_threads()):
+        raise MemoryError("linear_bf16: no memory for x's float32 copy")
     return y
 
 
@@ -360,7 +429,7 @@ def attention_group(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: tor
     per 8 queries; heads are split across torch.get_num_threads() threads.
     """
     if _attend_group is None:
-        _lib_or_raise("attention_group")
+        _lib_or_raise("attention_group", "attention")
     N, H, D = q.shape
     if D % 16 or pk.dtype is not _bf16 or pv.dtype is not _bf16 or pk.shape != (H, pk.shape[1], D):
         raise _bad("attention_group", "needs bfloat16 keys/values (H, P, D) with D a multiple of 16")
@@ -422,7 +491,7 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
     Block ids and lengths are the caller's to keep in range: the kernel reads what they point at.
     """
     if _attend_paged is None:
-        _lib_or_raise("attention_paged")
+        _lib_or_raise("attention_paged", "attention")
     N, H, D = q.shape
     _, h, B, d, ks, vs = _pages("attention_paged", kc, vc, k_scale, v_scale)
     if (h, d) != (H, D):
@@ -456,7 +525,7 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     rounded once. Block ids are the caller's to keep in range.
     """
     if _prefill_paged is None:
-        _lib_or_raise("prefill_paged")
+        _lib_or_raise("prefill_paged", "attention")
     T, H, D = q.shape
     _, h, B, d, ks, vs = _pages("prefill_paged", kc, vc, k_scale, v_scale)
     if q.dtype is not _bf16 or not q.is_cpu or (h, d) != (H, D):
@@ -499,7 +568,7 @@ def gelu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     x's rows may be strided (a view into a wider matrix); so may `out` (same shape, x itself or
     not overlapping it), which receives the result. Returns out."""
     if _gelu is None:
-        _lib_or_raise("gelu")
+        _lib_or_raise("gelu", "elementwise")
     x2 = _rows(x, "gelu", "x")
     if out is None:
         out = torch.empty(x.shape, dtype=_bf16)
@@ -518,7 +587,7 @@ def rotary_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tens
     between tokens; sin, cos (M, R) bfloat16 (gptj.model.rotary_tables', each angle repeated for
     its pair), R a multiple of 16. float32 inside, rounded once. Returns x."""
     if _rotary is None:
-        _lib_or_raise("rotary_")
+        _lib_or_raise("rotary_", "elementwise")
     M, nh, D = x.shape
     R = sin.shape[-1]
     if x.dtype is not _bf16 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != D:
@@ -541,7 +610,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
     rounded as gptj.quant.ops.quantize_rows_int8 rounds a row, its scale stored at the same place of
     k_scale / v_scale. blocks, offsets (N,) int64. Ids and offsets are the caller's to keep in range."""
     if _store_kv is None:
-        _lib_or_raise("store_kv")
+        _lib_or_raise("store_kv", "elementwise")
     N, H, D = k.shape
     for t in (k, v):
         if t.shape != (N, H, D) or t.dtype is not _bf16 or not t.is_cpu or t.stride(2) != 1 or t.stride(1) != D:
@@ -564,7 +633,7 @@ def quantize_rows_u8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) ->
     gptj.quant.ops.quantize_rows_int8 rounds it (the same q and scale), in one pass per row.
     Returns (q + 128 as uint8 (M, K), scale float32 (M, 1)): oneDNN's u8 form, zero point 128."""
     if _quantize_rows is None:
-        _lib_or_raise("quantize_rows_u8")
+        _lib_or_raise("quantize_rows_u8", "elementwise")
     if isinstance(x, torch.Tensor) and x.dim() != 2:
         raise _bad("quantize_rows_u8", f"x must be (M, K), got {tuple(x.shape)}")
     x2 = _rows(x, "quantize_rows_u8", "x")
@@ -586,7 +655,7 @@ def scale_rows(acc: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | 
     float32 with contiguous rows, row_scale (M, 1) float32, bias (N,) bfloat16 or None. Into `out`
     ((M, N) bfloat16, rows may be strided) when given. Returns out."""
     if _scale_rows is None:
-        _lib_or_raise("scale_rows")
+        _lib_or_raise("scale_rows", "elementwise")
     if acc.dtype is not torch.float32 or acc.dim() != 2 or acc.stride(-1) != 1 or not acc.is_cpu:
         raise _bad("scale_rows", "acc must be a float32 CPU (M, N) tensor with contiguous rows")
     M, N = acc.shape

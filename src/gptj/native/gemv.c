@@ -1,4 +1,5 @@
-/* Matrix x few-rows kernels for LLM decode on x86-64 CPUs with AVX-512 (F, BW, VL, BF16).
+/* Matrix x few-rows kernels for LLM decode on x86-64 CPUs: AVX-512 (F, BW, VL, BF16) or AVX2 + FMA,
+   one source for both (simd.h's vector layer; the build defines GPTJ_ISA_AVX512 or GPTJ_ISA_AVX2).
 
    y[m, n] = sum_k x[m, k] * w[n, k]     (then * scale[n] for int8 weights, then + bias[n])
 
@@ -28,6 +29,9 @@
      partial sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to
      bfloat16 (nearest even) and stored 16 outputs at a time.
    - K tails use masked loads (zeros beyond K).
+   - AVX2 (no bfloat16 arithmetic): every row of x is converted to float32 once per call and every
+     tile is a float32 FMA tile (TILE_F), int8 and bfloat16 weights alike (bfloat16 widened by a
+     16-bit shift, exact); 8 lanes, 16 registers, so smaller tiles.
    - Built with -fopenmp and loaded into a process that already has torch's libgomp.so.1, the
      kernels run on the same OpenMP runtime (and thread pool) as torch's own kernels.
    Every output is summed by one thread in a fixed order: results do not depend on the thread
@@ -37,7 +41,6 @@
 #include "simd.h"
 
 #define MAXMT 8  /* rows of x per pass over a group of rows of w */
-#define F_MAXMT 1  /* int8 against at most this many rows of x (in a pass) uses float32 x */
 #define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 
 static long g_pf_dist = 8192;       /* prefetch distance in bytes; 0 turns prefetch off */
@@ -56,6 +59,15 @@ int gemv_omp_max_threads(void) { return omp_get_max_threads(); }
 
 /* ---- weight loaders ---- */
 
+#if defined(GPTJ_ISA_AVX512)
+#define HAVE_DP 1  /* bfloat16 dot products (vdpbf16ps) */
+#define F_MAXMT 1  /* int8 against at most this many rows of x (in a pass) uses float32 x */
+#else
+#define HAVE_DP 0
+#define F_MAXMT MAXMT  /* every pass uses float32 x */
+#endif
+
+#if HAVE_DP
 /* 32 int8 weights -> 32 bfloat16 (exact), element order kept */
 static inline __m512bh load_w_i8(const int8_t *p)
 {
@@ -81,16 +93,7 @@ static inline __m512bh load_w_bf16_tail(const uint16_t *p, __mmask32 mask)
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* 16 int8 weights -> 16 float32 */
-static inline __m512 load_w_i8_f32(const int8_t *p)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-static inline __m512 load_w_i8_f32_tail(const int8_t *p, __mmask16 mask)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
-}
+#endif /* HAVE_DP */
 
 /* ---- tile kernels ----
    nrows (a multiple of R) consecutive rows of w (row stride ldw elements), R at a time, against
@@ -119,11 +122,11 @@ typedef struct {
 #define TILE_BEGIN(R, MT, NA)                                                                  \
     const char *pf = pfp ? pfp->at : NULL, *const pf_end = pfp ? pfp->end : NULL;            \
     for (long rr = 0; rr < nrows; rr += R, w += R * ldw, accio += R * MT) {                   \
-    __m512 acc[R][NA][MT];                                                                    \
+    vf acc[R][NA][MT];                                                                        \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
     _Pragma("GCC unroll 8") for (int a = 0; a < NA; a++)                                       \
     _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                      \
-        acc[r][a][m] = (a == 0 && !init) ? accio[r * MT + m] : _mm512_setzero_ps();
+        acc[r][a][m] = (a == 0 && !init) ? accio[r * MT + m] : vf_zero();
 
 #define TILE_PREFETCH(R)                                                                       \
     if (pf < pf_end) {                                                                        \
@@ -135,17 +138,18 @@ typedef struct {
 #define TILE_END(R, MT, NA)                                                                    \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
     _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                    \
-        __m512 t = acc[r][0][m];                                                              \
-        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, acc[r][a][m]); \
+        vf t = acc[r][0][m];                                                                  \
+        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = vf_add(t, acc[r][a][m]);     \
         accio[r * MT + m] = t;                                                                \
     }                                                                                         \
     }                                                                                         \
     if (pfp) pfp->at = pf;
 
 #define TILE_ARGS(XT, WT)                                                                      \
-    const XT *x, long ldx, const WT *w, long ldw, long len, long nrows, __m512 *accio,         \
+    const XT *x, long ldx, const WT *w, long ldw, long len, long nrows, vf *accio,             \
     int init, cursor_t *pfp
 
+#if HAVE_DP
 /* bfloat16 products (vdpbf16ps) against bfloat16 x */
 #define TILE_DP(NAME, WT, LOAD, LOADT, R, MT, NA)                                                \
 static void NAME(TILE_ARGS(uint16_t, WT))                                                     \
@@ -179,40 +183,48 @@ static void NAME(TILE_ARGS(uint16_t, WT))                                       
     TILE_END(R, MT, NA)                                                                       \
 }
 
-/* int8 weights against float32 x (FMA) */
-#define TILE_F(NAME, R, MT, NA)                                                                   \
-static void NAME(TILE_ARGS(float, int8_t))                                                    \
+#endif /* HAVE_DP */
+
+/* int8 or bfloat16 weights (widened to float32, exact) against float32 x (FMA), VW lanes */
+#define TILE_F(NAME, WT, LOAD, LOADN, R, MT, NA)                                                 \
+static void NAME(TILE_ARGS(float, WT))                                                        \
 {                                                                                             \
     TILE_BEGIN(R, MT, NA)                                                                     \
+    enum { PER_IT = IT_BYTES / (int)sizeof(WT) };                                             \
     long k = 0;                                                                               \
-    for (; k + IT_BYTES <= len; k += IT_BYTES) {                                              \
+    for (; k + PER_IT <= len; k += PER_IT) {                                                  \
         TILE_PREFETCH(R)                                                                      \
-        _Pragma("GCC unroll 16") for (int h = 0; h < IT_BYTES / 16; h++) {                     \
-            __m512 wv[R];                                                                     \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = load_w_i8_f32(w + r * ldw + k + 16 * h); \
+        _Pragma("GCC unroll 32") for (int h = 0; h < PER_IT / VW; h++) {                       \
+            vf wv[R];                                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = LOAD(w + r * ldw + k + VW * h); \
             _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                            \
-                __m512 xv = _mm512_loadu_ps(x + m * ldx + k + 16 * h);                        \
+                vf xv = vf_loadu(x + m * ldx + k + VW * h);                                   \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                           \
-                    acc[r][h % NA][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][h % NA][m]);        \
+                    acc[r][h % NA][m] = vf_fmadd(wv[r], xv, acc[r][h % NA][m]);               \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (; k < len; k += 16) {                                                                \
-        __mmask16 mask = (len - k) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - k)) - 1); \
-        __m512 wv[R];                                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = load_w_i8_f32_tail(w + r * ldw + k, mask); \
+    for (; k < len; k += VW) {                                                                \
+        int n = (len - k) >= VW ? VW : (int)(len - k);                                        \
+        vf wv[R];                                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
+            wv[r] = n == VW ? LOAD(w + r * ldw + k) : LOADN(w + r * ldw + k, n);              \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                \
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);                         \
+            vf xv = n == VW ? vf_loadu(x + m * ldx + k) : vf_loadu_n(x + m * ldx + k, n);     \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                               \
-                acc[r][0][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][0][m]);                      \
+                acc[r][0][m] = vf_fmadd(wv[r], xv, acc[r][0][m]);                             \
         }                                                                                     \
     }                                                                                         \
     TILE_END(R, MT, NA)                                                                       \
 }
 
 /* Tiles per rows of x (MT): R rows of w and NA accumulators, so that R*MT*NA accumulators,
-   R weight vectors and a vector of x fit the 32 registers; plus a one-row tile per MT for the
-   rows left over at the end of a thread's range. */
+   R weight vectors and a vector of x fit the registers (AVX-512: 32, AVX2: 16); plus a one-row
+   tile per MT for the rows left over at the end of a thread's range. */
+typedef void (*tile_f_i8_fn)(TILE_ARGS(float, int8_t));
+typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
+
+#if HAVE_DP
 #ifndef R_DP2
 #define R_DP2 2
 #endif
@@ -241,11 +253,10 @@ static void NAME(TILE_ARGS(float, int8_t))                                      
 
 TILES_DP(dpi8, int8_t, load_w_i8, load_w_i8_tail)
 TILES_DP(dpbf, uint16_t, load_w_bf16, load_w_bf16_tail)
-TILE_F(fi8_1, 1, 1, 4)
+TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
 
 typedef void (*tile_i8_fn)(TILE_ARGS(uint16_t, int8_t));
 typedef void (*tile_bf_fn)(TILE_ARGS(uint16_t, uint16_t));
-typedef void (*tile_f_fn)(TILE_ARGS(float, int8_t));
 
 static const int R_DP[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
 static const int R_F[F_MAXMT + 1] = {0, 1};
@@ -255,7 +266,37 @@ static const tile_i8_fn DP_I8[2][MAXMT + 1] = {
 static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
     {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8},
     {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_r7, dpbf_r8}};
-static const tile_f_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
+static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
+static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {{0, 0}, {0, 0}};  /* bfloat16 weights take DP tiles */
+#else
+/* AVX2: 16 registers. One row of x: four accumulators of one row of w (rows read in address order);
+   more rows of x: two rows of w share each load of x where the accumulators leave room. */
+#define TILES_F(PFX, WT, LOAD, LOADN)                                                            \
+    TILE_F(PFX##_1, WT, LOAD, LOADN, 1, 1, 4)                                                     \
+    TILE_F(PFX##_2, WT, LOAD, LOADN, 2, 2, 2)                                                     \
+    TILE_F(PFX##_3, WT, LOAD, LOADN, 2, 3, 1)                                                     \
+    TILE_F(PFX##_4, WT, LOAD, LOADN, 2, 4, 1)                                                     \
+    TILE_F(PFX##_5, WT, LOAD, LOADN, 2, 5, 1)                                                     \
+    TILE_F(PFX##_6, WT, LOAD, LOADN, 2, 6, 1)                                                     \
+    TILE_F(PFX##_7, WT, LOAD, LOADN, 1, 7, 1)                                                     \
+    TILE_F(PFX##_8, WT, LOAD, LOADN, 1, 8, 1)                                                     \
+    TILE_F(PFX##_r2, WT, LOAD, LOADN, 1, 2, 2)                                                    \
+    TILE_F(PFX##_r3, WT, LOAD, LOADN, 1, 3, 2)                                                    \
+    TILE_F(PFX##_r4, WT, LOAD, LOADN, 1, 4, 1)                                                    \
+    TILE_F(PFX##_r5, WT, LOAD, LOADN, 1, 5, 1)                                                    \
+    TILE_F(PFX##_r6, WT, LOAD, LOADN, 1, 6, 1)
+
+TILES_F(fi8, int8_t, vf_load_i8, vf_load_i8_n)
+TILES_F(fbf, uint16_t, vf_load_bf16, vf_load_bf16_n)
+
+static const int R_F[F_MAXMT + 1] = {0, 1, 2, 2, 2, 2, 2, 1, 1};
+static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {
+    {0, fi8_1, fi8_2, fi8_3, fi8_4, fi8_5, fi8_6, fi8_7, fi8_8},
+    {0, fi8_1, fi8_r2, fi8_r3, fi8_r4, fi8_r5, fi8_r6, fi8_7, fi8_8}};
+static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {
+    {0, fbf_1, fbf_2, fbf_3, fbf_4, fbf_5, fbf_6, fbf_7, fbf_8},
+    {0, fbf_1, fbf_r2, fbf_r3, fbf_r4, fbf_r5, fbf_r6, fbf_7, fbf_8}};
+#endif
 
 /* ---- drivers ---- */
 
@@ -279,30 +320,38 @@ typedef struct {
 
 /* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
    16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
-static void store_group(const job_t *j, long n, int g, long m0, int mt, __m512 *acc)
+static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
 {
-    __mmask16 mask = (__mmask16)((1u << g) - 1);
-    for (int r = g; r < 16; r++)
-        for (int m = 0; m < mt; m++) acc[r * mt + m] = _mm512_setzero_ps();
-    __m512 s = j->scale ? load_bf16x16(j->scale + n, mask) : _mm512_set1_ps(1.0f);
-    __m512 b = j->bias ? load_bf16x16(j->bias + n, mask) : _mm512_setzero_ps();
-    for (int m = 0; m < mt; m++) {
-        __m512 v = hsum16(acc + m, mt);
-        if (j->scale) v = _mm512_mul_ps(v, s);
-        if (j->bias) v = _mm512_add_ps(v, b);
-        long idx = (m0 + m) * j->N + n;
-        if (j->y_f32) _mm512_mask_storeu_ps((float *)j->y + idx, mask, v);
-        else _mm256_mask_storeu_epi16((uint16_t *)j->y + idx, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    for (int r = g; r < GROUP; r++)
+        for (int m = 0; m < mt; m++) acc[r * mt + m] = vf_zero();
+    for (int h = 0; h < g; h += VW) {  /* VW outputs at a time: one pass (AVX-512), two (AVX2) */
+        const int c = g - h < VW ? g - h : VW;
+        const vf s = !j->scale ? vf_set1(1.0f)
+                     : c == VW ? vf_load_bf16(j->scale + n + h) : vf_load_bf16_n(j->scale + n + h, c);
+        const vf b = !j->bias ? vf_zero()
+                     : c == VW ? vf_load_bf16(j->bias + n + h) : vf_load_bf16_n(j->bias + n + h, c);
+        for (int m = 0; m < mt; m++) {
+            vf v = vf_hsum(acc + h * mt + m, mt);
+            if (j->scale) v = vf_mul(v, s);
+            if (j->bias) v = vf_add(v, b);
+            long idx = (m0 + m) * j->N + n + h;
+            if (j->y_f32) vf_store_f32_n((float *)j->y + idx, v, c);
+            else vf_store_bf16_n((uint16_t *)j->y + idx, v, c);
+        }
     }
 }
 
 /* rows [n, n + g) of w (g <= GROUP) against rows [m0, m0 + mt) of x, K in chunks of kc */
 static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, cursor_t *pfp,
-                      __m512 *acc)
+                      vf *acc)
 {
     const long K = j->K;
-    const int use_f = j->is_i8 && j->xf && m0 == j->xf_m0;
+    const int use_f = j->xf && m0 >= j->xf_m0;  /* this pass's rows of x in float32 */
+#if HAVE_DP
     const int R = use_f ? R_F[mt] : R_DP[mt];
+#else
+    const int R = R_F[mt];
+#endif
     const long full = g / R * R;  /* rows done by R-row tiles; the rest one at a time */
     for (long k0 = 0; k0 < K; k0 += kc) {
         long len = K - k0 < kc ? K - k0 : kc;
@@ -310,13 +359,18 @@ static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, c
         for (int one = 0; one < 2; one++) {
             long r0 = one ? full : 0, nr = one ? g - full : full;
             if (nr == 0) continue;
-            __m512 *a = acc + r0 * mt;
-            if (use_f)
-                F_I8[one][mt](j->xf + k0, K, (const int8_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+            vf *a = acc + r0 * mt;
+            const float *xf = use_f ? j->xf + (m0 - j->xf_m0) * K + k0 : NULL;
+            if (use_f && j->is_i8)
+                F_I8[one][mt](xf, K, (const int8_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+            else if (use_f)
+                F_BF[one][mt](xf, K, (const uint16_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+#if HAVE_DP
             else if (j->is_i8)
                 DP_I8[one][mt](j->x + m0 * K + k0, K, (const int8_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
             else
                 DP_BF[one][mt](j->x + m0 * K + k0, K, (const uint16_t *)j->w + (n + r0) * K + k0, K, len, nr, a, init, pfp);
+#endif
         }
     }
     store_group(j, n, g, m0, mt, acc);
@@ -325,7 +379,7 @@ static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, c
 /* K chunk for rows [m0, m0 + mt) of x: all of K when those rows of x fit X_L1_BYTES */
 static long chunk_for(const job_t *j, long m0, int mt)
 {
-    long xsz = (j->is_i8 && j->xf && m0 == j->xf_m0) ? 4 : 2;
+    long xsz = (j->xf && m0 >= j->xf_m0) ? 4 : 2;
     if ((long)mt * j->K * xsz <= X_L1_BYTES) return j->K;
     long kc = X_L1_BYTES / (mt * xsz) / IT_BYTES * IT_BYTES;
     return kc < IT_BYTES ? IT_BYTES : kc;
@@ -336,12 +390,16 @@ static void run_rows(const job_t *j, long n0, long n1)
 {
     const long K = j->K;
     const long esz = j->is_i8 ? 1 : 2;
-    __m512 acc[GROUP * MAXMT];
+    vf acc[GROUP * MAXMT];
     /* Where the prefetch cursor starts, from a group's first byte: g_pf_dist further than the
        span read at once: a row (rows read in address order), R rows side by side, or the whole
        group when K is split in chunks (the group is then read chunk by chunk). */
     int mt0 = (int)(j->M < MAXMT ? j->M : MAXMT);
-    int R0 = (j->is_i8 && j->xf && j->xf_m0 == 0) ? R_F[mt0] : R_DP[mt0];
+#if HAVE_DP
+    int R0 = (j->xf && j->xf_m0 == 0) ? R_F[mt0] : R_DP[mt0];
+#else
+    int R0 = R_F[mt0];
+#endif
     long span = chunk_for(j, 0, mt0) < K ? GROUP : (R0 > 1 ? R0 : 0);
     long ahead = span * K * esz + g_pf_dist;
     cursor_t pf = {NULL, (const char *)j->w + n1 * K * esz};
@@ -363,34 +421,37 @@ static void run_rows(const job_t *j, long n0, long n1)
     }
 }
 
-static void run(job_t *j, int nthreads)
+/* 0, or -1 where the float32 copy of x could not be allocated (AVX2 has no other way) */
+static int run(job_t *j, int nthreads)
 {
-    if (j->M <= 0 || j->N <= 0) return;
+    if (j->M <= 0 || j->N <= 0) return 0;
     if (j->K <= 0) {  /* empty sums: y = bias (or 0) */
-        __m512 zero[GROUP * MAXMT];
+        vf zero[GROUP * MAXMT];
         for (long n = 0; n < j->N; n += GROUP)
             for (long m0 = 0; m0 < j->M; m0 += MAXMT) {
                 int mt = (int)((j->M - m0) < MAXMT ? (j->M - m0) : MAXMT);
-                for (int i = 0; i < GROUP * mt; i++) zero[i] = _mm512_setzero_ps();
+                for (int i = 0; i < GROUP * mt; i++) zero[i] = vf_zero();
                 store_group(j, n, (int)(j->N - n < GROUP ? j->N - n : GROUP), m0, mt, zero);
             }
-        return;
+        return 0;
     }
     float *xf = NULL;
     long last_m0 = (j->M - 1) / MAXMT * MAXMT;
-    if (j->is_i8 && j->M - last_m0 <= F_MAXMT) {
-        /* the last pass's rows of x (all of x when M == 1) go the float32 way */
-        long cnt = (j->M - last_m0) * j->K;
+    /* the rows of x that go the float32 way: AVX-512, int8's last pass when it has at most F_MAXMT
+       rows (all of x when M == 1); AVX2, all of x */
+    long xf_m0 = HAVE_DP ? last_m0 : 0;
+    if (!HAVE_DP || (j->is_i8 && j->M - last_m0 <= F_MAXMT)) {
+        long cnt = (j->M - xf_m0) * j->K;
         xf = (float *)aligned_alloc(64, ((size_t)cnt * sizeof(float) + 63) / 64 * 64);
         if (xf) {
-            const uint16_t *src = j->x + last_m0 * j->K;
+            const uint16_t *src = j->x + xf_m0 * j->K;
             long i = 0;
-            for (; i + 16 <= cnt; i += 16)
-                _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+            for (; i + VW <= cnt; i += VW) vf_storeu(xf + i, vf_load_bf16(src + i));
             for (; i < cnt; i++) xf[i] = bf16_to_f32(src[i]);
             j->xf = xf;
-            j->xf_m0 = last_m0;
+            j->xf_m0 = xf_m0;
+        } else if (!HAVE_DP) {
+            return -1;
         }
     }
     long nblocks = (j->N + ROW_ALIGN - 1) / ROW_ALIGN;
@@ -409,34 +470,37 @@ static void run(job_t *j, int nthreads)
         }
     }
     free(xf);
+    return 0;
 }
 
 /* ---- exported entry points ---- */
 
-void gemv_int8(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
-               uint16_t *y, int M, int N, int K, int nthreads)
+/* each returns 0, or -1 where memory for x's float32 copy could not be had (AVX2) */
+
+int gemv_int8(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+              uint16_t *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 0, 1, M, N, K, NULL, 0};
-    run(&j, nthreads);
+    return run(&j, nthreads);
 }
 
-void gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
-                   float *y, int M, int N, int K, int nthreads)
+int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                  float *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 1, 1, M, N, K, NULL, 0};
-    run(&j, nthreads);
+    return run(&j, nthreads);
 }
 
-void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-               int M, int N, int K, int nthreads)
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+              int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, NULL, bias, y, 0, 0, M, N, K, NULL, 0};
-    run(&j, nthreads);
+    return run(&j, nthreads);
 }
 
-void gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y,
-                   int M, int N, int K, int nthreads)
+int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y,
+                  int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, NULL, bias, y, 1, 0, M, N, K, NULL, 0};
-    run(&j, nthreads);
+    return run(&j, nthreads);
 }

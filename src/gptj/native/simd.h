@@ -1,6 +1,14 @@
-/* Helpers shared by gptj.native's kernels (gemv.c, attention.c, elementwise.c): AVX-512 loads of
-   bfloat16, a transposed 16-way horizontal sum, e^x for softmax and GELU, software prefetch. All
-   static inline: each kernel file gets its own copy, compiled into the one library. */
+/* Helpers shared by gptj.native's kernels (gemv.c, attention.c, elementwise.c), per instruction set.
+   All static inline: each kernel file gets its own copy, compiled into its ISA's library.
+
+   The build defines one ISA (gptj/native/__init__.py's ISAS, one library per ISA, chosen at load from
+   the CPU's flags):
+     GPTJ_ISA_AVX512  AVX-512 F/BW/VL with BF16 and VNNI: every kernel; bfloat16 dot products
+                      (vdpbf16ps) in the GEMV
+     GPTJ_ISA_AVX2    AVX2 + FMA + F16C (AMD Zen 2/3, Intel Haswell on): the GEMV, in float32 FMAs
+   The GEMV is written once against the vector layer below (vf: VW float32 lanes); another ISA (ARM
+   NEON / SVE) is one more section here. The AVX-512 helpers after it serve the kernels that exist
+   for AVX-512 only (attention.c, elementwise.c). */
 
 #ifndef GPTJ_NATIVE_SIMD_H
 #define GPTJ_NATIVE_SIMD_H
@@ -12,6 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if !defined(GPTJ_ISA_AVX512) && !defined(GPTJ_ISA_AVX2)
+#error "build gptj.native with -DGPTJ_ISA_AVX512 or -DGPTJ_ISA_AVX2 (gptj/native/__init__.py does)"
+#endif
+
 /* one bfloat16 -> float32 (exact) */
 static inline float bf16_to_f32(uint16_t h)
 {
@@ -21,6 +33,120 @@ static inline float bf16_to_f32(uint16_t h)
     return f;
 }
 
+/* one float32 -> bfloat16, rounded to nearest even (as vcvtneps2bf16; NaN stays NaN) */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* ---- the vector layer: vf holds VW float32 lanes ----
+   vf_load_i8 / vf_load_bf16: VW weights widened to float32 (exact); *_n: the first n (< VW), zeros
+   after; vf_hsum: the VW lane sums of VW vectors v[0], v[stride], ... as one vector (lane i: v[i]'s);
+   vf_store_f32_n / vf_store_bf16_n: the first n lanes (bfloat16 rounded to nearest even). */
+#if defined(GPTJ_ISA_AVX512)
+typedef __m512 vf;
+#define VW 16
+#define vf_zero() _mm512_setzero_ps()
+#define vf_set1(a) _mm512_set1_ps(a)
+#define vf_add(a, b) _mm512_add_ps(a, b)
+#define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_loadu(p) _mm512_loadu_ps(p)
+#define vf_storeu(p, v) _mm512_storeu_ps(p, v)
+#define VMASK(n) ((__mmask16)((1u << (n)) - 1))
+static inline vf vf_loadu_n(const float *p, int n) { return _mm512_maskz_loadu_ps(VMASK(n), p); }
+static inline vf vf_load_i8(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vf_load_i8_n(const int8_t *p, int n)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(VMASK(n), p)));
+}
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf_load_bf16_n(const uint16_t *p, int n)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(VMASK(n), p)), 16));
+}
+static inline void vf_store_f32_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, VMASK(n), v); }
+static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
+{
+    _mm256_mask_storeu_epi16(p, VMASK(n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline vf vf_hsum(const vf *v, long stride);  /* hsum16, below */
+
+#elif defined(GPTJ_ISA_AVX2)
+typedef __m256 vf;
+#define VW 8
+#define vf_zero() _mm256_setzero_ps()
+#define vf_set1(a) _mm256_set1_ps(a)
+#define vf_add(a, b) _mm256_add_ps(a, b)
+#define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_loadu(p) _mm256_loadu_ps(p)
+#define vf_storeu(p, v) _mm256_storeu_ps(p, v)
+/* lanes [0, n) all ones: maskload / maskstore take the sign bit of each 32-bit lane */
+static inline __m256i lanes_n(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf vf_loadu_n(const float *p, int n) { return _mm256_maskload_ps(p, lanes_n(n)); }
+static inline vf vf_load_i8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vf_load_i8_n(const int8_t *p, int n)  /* no byte masks: through a zeroed copy */
+{
+    int8_t t[8] = {0};
+    memcpy(t, p, (size_t)n);
+    return vf_load_i8(t);
+}
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_load_bf16_n(const uint16_t *p, int n)
+{
+    uint16_t t[8] = {0};
+    memcpy(t, p, (size_t)n * 2);
+    return vf_load_bf16(t);
+}
+static inline void vf_store_f32_n(float *p, vf v, int n) { _mm256_maskstore_ps(p, lanes_n(n), v); }
+static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
+{
+    /* round to nearest even in the integer domain: u + 0x7fff + (u >> 16 & 1), then the high half
+       (NaN: quieted); packus keeps 16 bits of each 32-bit lane (values below 2^16 after the shift) */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    r = _mm256_srli_epi32(r, 16);
+    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    uint16_t t[8];
+    _mm_storeu_si128((__m128i *)t, h);
+    memcpy(p, t, (size_t)n * 2);
+}
+/* r[i] = sum of the 8 lanes of v[i * stride], for 8 vectors */
+static inline vf vf_hsum(const vf *v, long stride)
+{
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_ps(v[(2 * i) * stride], v[(2 * i + 1) * stride]);
+    b[0] = _mm256_hadd_ps(a[0], a[1]);  /* lane l: (v0, v1, v2, v3) partial sums per 128-bit half */
+    b[1] = _mm256_hadd_ps(a[2], a[3]);
+    /* b[0] = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low half | high half of each vector's lanes) */
+    __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+#endif
+
+#if defined(GPTJ_ISA_AVX512)
 /* 16 int8 -> 16 float32 (exact) */
 static inline __m512 i8_16(const int8_t *p)
 {
@@ -84,4 +210,8 @@ static inline void prefetch_span(const void *p, long bytes)
 {
     for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
+
+static inline vf vf_hsum(const vf *v, long stride) { return hsum16(v, stride); }
+#endif /* GPTJ_ISA_AVX512 */
+
 #endif
