@@ -1,8 +1,9 @@
 """CPU kinds for tests that check the choices gptj makes on CPUs other than the one running them.
 
 Each kind's flags are what /proc/cpuinfo lists on such a CPU, cut to the ones gptj.cpu reads.
-`fake_cpu` makes gptj.cpu.flags() return them until the test ends, and takes gptj.native away as
-well where that kind cannot run it (conftest.force_fallback: its library is loaded once a process)."""
+`fake_cpu` makes gptj.cpu.flags() return them until the test ends, and loads that kind's gptj.native
+library (AVX2's on the kinds without AVX-512-BF16) where this machine runs it, or takes gptj.native
+away (conftest.force_fallback: its library is loaded once a process)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,22 @@ FLAGS = {
 
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:
-    """gptj.cpu.flags() answers as a CPU of `kind` (one of gptj.cpu.KINDS) does."""
+    """gptj.cpu.flags() answers as a CPU of `kind` (one of gptj.cpu.KINDS) does, and gptj.native
+    loads that kind's library (its best ISA's: the AVX2 GEMV for the AVX2 and AVX-512-without-BF16
+    kinds) where this machine can run it too, or none."""
+    from gptj import native
+
     flags = FLAGS[kind]
+    real = cpu.flags()
     monkeypatch.setattr(cpu, "flags", lambda: flags)
-    if kind != cpu.AVX512_BF16:
-        force_fallback(monkeypatch)
+    if kind == cpu.AVX512_BF16:
+        return flags
+    isa = native.best_isa(flags)
+    if isa is not None and all(f in real for f in isa.cpu_flags) and not native._disabled():
+        monkeypatch.setattr(native, "_state", {})  # load() looks again and picks the kind's library
+        for bound in native.BOUND:
+            monkeypatch.setattr(native, bound, None)
+        if native.isa() is not None and native.isa().name == isa.name:
+            return flags
+    force_fallback(monkeypatch)
     return flags

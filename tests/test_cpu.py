@@ -79,10 +79,18 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
     fake_cpu(monkeypatch, kind)
     reason = native.unavailable_reason()
     assert not policy.native_available() and reason is not None and "\n" not in reason
-    if kind != cpu.OTHER:  # (switched off first by force_fallback: the reason names that)
-        monkeypatch.delenv("GPTJ_NATIVE")
-        assert "the CPU lacks" in native.unavailable_reason() and "avx512_bf16" in native.unavailable_reason()
-    assert policy.pack_layout(1) == policy.ONEDNN  # no native layout without the native kernels
+    gemv = kind != cpu.OTHER and native.open_isa("avx2") is not None  # the AVX2 library runs here
+    assert policy.native_gemv_available() is gemv
+    if gemv:  # the GEMV for linears, the native layout at few rows; no native attention or elementwise
+        assert "the CPU lacks" in reason and "avx512_bf16" in reason and "AVX2 GEMV runs here" in reason
+        assert native.isa().name == "avx2" and not native.has("attention") and not native.has("elementwise")
+        assert policy.pack_layout(1) == policy.NATIVE and policy.can_pack(torch.bfloat16, "cpu", policy.NATIVE)
+        assert policy.linear_path("cpu", torch.bfloat16, 1, "native-layout") == policy.NATIVE
+        assert policy.linear_path("cpu", torch.float32, policy.NATIVE_INT8_MAX_ROWS, "int8") == policy.NATIVE
+        assert not policy.native_elementwise("cpu", torch.bfloat16)
+    else:
+        assert policy.pack_layout(1) == policy.ONEDNN  # no native layout without the native GEMV
+        assert policy.linear_path("cpu", torch.bfloat16, 1, "int8") == policy.WEIGHT_ONLY
     if kind in (cpu.AVX2, cpu.OTHER):
         assert not policy.can_pack(torch.bfloat16, "cpu")  # torch's oneDNN bfloat16 wants AVX-512
     assert policy.attention_path("cpu", torch.bfloat16, "auto", "auto").backend == policy.REFERENCE

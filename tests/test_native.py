@@ -285,6 +285,12 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
     assert native.available() is can_run, WHY_NOT
     if not can_run:
         assert WHY_NOT and "\n" not in WHY_NOT
+    # the GEMV wherever AVX2 + FMA + F16C runs (the best ISA's library: AVX-512-BF16's where it can)
+    gemv_isa = native.best_isa()
+    can_gemv = can_run or (gemv_isa is not None and platform.machine() in ("x86_64", "AMD64")
+                           and shutil.which(os.environ.get("CC") or "gcc") is not None and not native._disabled())
+    assert native.has("gemv") is can_gemv
+    assert (native.isa() is not None and native.isa().name) == (can_gemv and gemv_isa.name)
     assert "GPTJ_NATIVE=0" in native.unavailable_reason({"GPTJ_NATIVE": "0"})
 
 
