@@ -391,7 +391,7 @@ SMOKE = dict(models="tiny", batch_sizes="1,2", prompt_len=8, new_tokens=4, warmu
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.2b,wide", help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--modes", default="decode,offline", help="decode, offline or both")
+    ap.add_argument("--modes", default="decode,offline", help="comma-separated, of decode and offline (default both)")
     ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"of {', '.join(ALL_VARIANTS)}")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
-    modes = set(args.modes.split(","))
+    modes = {m for m in args.modes.split(",") if m}
+    if not modes or modes - {"decode", "offline"}:
+        ap.error(f"--modes takes decode, offline or decode,offline; got {args.modes!r}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:

@@ -9,8 +9,8 @@ float32 model, int8, int4, w8a8 from a calibrated folder; the quantized ones in 
 tokens/s and each mode's ratio to bfloat16 on the same kind, and the fastest mode per column.
 
 The kinds other than this CPU's own ("native") are its code paths under a ceiling, on this CPU:
-ONEDNN_MAX_CPU_ISA (oneDNN's kernels; gptj.cpu reads it too, so gptj.native is off and W8A8 takes
-the SPLIT form) and ATEN_CPU_CAPABILITY (torch's own kernels and inductor's code). That is how such
+ONEDNN_MAX_CPU_ISA (oneDNN's kernels; gptj.cpu reads it too, so gptj.native loads that kind's
+library, the AVX2 GEMV alone below AVX-512-BF16, and W8A8 takes the SPLIT form) and ATEN_CPU_CAPABILITY (torch's own kernels and inductor's code). That is how such
 a CPU's code runs, not how fast such a CPU is: the ratios between modes carry over, the absolute
 figures do not (cores, caches and memory differ). Each run prints the kind the process saw.
 
@@ -56,9 +56,8 @@ def run_one(model: Path, isa: str, mode: str, batch: int, args: argparse.Namespa
     cmd = [sys.executable, "-m", "gptj.cli", "bench", "latency", "--model", str(model), "--batch-size", str(batch),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--warmup", "1",
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--json"]
-    if mode == "float32":
-        cmd += ["--dtype", "float32"]
-    elif mode != "none":
+    cmd += ["--dtype", "float32" if mode == "float32" else "bfloat16"]  # never bench's default (auto)
+    if mode not in ("none", "float32"):
         cmd += ["--quantize", mode]
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
     proc = subprocess.run(cmd, env={**env, **ISAS[isa]}, capture_output=True, text=True, timeout=3600)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from gptj import policy
 from gptj.bench.latency import REQUIRED_KEYS, add_bench_parser, cmd_bench, format_latency, run_latency, weight_bytes_per_step
 from gptj.config import get_preset
 from gptj.errors import GptjError
@@ -80,7 +81,7 @@ def test_cmd_bench_json_prints_one_object(tiny, capsys):
     obj = json.loads(line)
     for key in REQUIRED_KEYS:
         assert obj[key] > 0
-    assert obj["dtype"] == "bfloat16"
+    assert obj["dtype"] == str(policy.auto_dtype("cpu")).removeprefix("torch.")  # the default: --dtype auto
 
 
 def test_bad_model_path_is_a_gptj_error(tmp_path):

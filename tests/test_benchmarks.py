@@ -399,3 +399,12 @@ def test_benchmark(job, runs):
         pytest.fail(f"benchmarks/{job} has no entry in SMOKE (see test_every_script_has_a_smoke_entry)")
     out, err = outcome(job, runs[job].result())
     JOBS[job].check(out, err)
+
+
+def test_compare_peers_refuses_modes_it_does_not_run():
+    """`--modes both` (once offered by its help) measured nothing and printed empty tables: now one
+    usage line and exit 2, before any model is built."""
+    proc = subprocess.run([sys.executable, str(BENCH / "compare_peers.py"), "--modes", "both"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--modes takes decode, offline or decode,offline; got 'both'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import force_fallback
 from cpu_kinds import FLAGS, fake_cpu
 
 from gptj import cpu, native, policy
@@ -88,6 +89,12 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
         assert policy.linear_path("cpu", torch.bfloat16, 1, "native-layout") == policy.NATIVE
         assert policy.linear_path("cpu", torch.float32, policy.NATIVE_INT8_MAX_ROWS, "int8") == policy.NATIVE
         assert not policy.native_elementwise("cpu", torch.bfloat16)
+        # without oneDNN bfloat16 (AVX2) the native layout at any rows: the GEMV to 512 rows, then UPCAST
+        onednn = policy.can_pack(torch.bfloat16, "cpu")
+        assert policy.pack_layout(None) == (policy.ONEDNN if onednn else policy.NATIVE)
+        big = policy.NATIVE_EMULATED_BF16_MAX_ROWS
+        assert policy.linear_path("cpu", torch.bfloat16, big, "native-layout") == policy.NATIVE
+        assert policy.linear_path("cpu", torch.bfloat16, big + 1, "native-layout") == policy.UPCAST
     else:
         assert policy.pack_layout(1) == policy.ONEDNN  # no native layout without the native GEMV
         assert policy.linear_path("cpu", torch.bfloat16, 1, "int8") == policy.WEIGHT_ONLY
@@ -158,3 +165,43 @@ def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
     assert got["form"] == policy.SPLIT and got["path"] == policy.DEQUANTIZE
     assert got["plain"] and got["chosen_packed"] and got["split"]
     assert not got["shifted"] and not got["int_mm"]
+
+
+@pytest.mark.parametrize("kind", cpu.KINDS)
+def test_dtype_auto_is_bfloat16_where_it_runs_fast(kind, monkeypatch):
+    """--dtype auto (gptj.policy.auto_dtype, resolved once in ModelSpec): bfloat16 on AVX512-BF16 (or
+    AMX) CPUs and where gptj.native's GEMV runs (AVX2 and up), float32 where neither (torch's own
+    bfloat16 is emulated there)."""
+    from gptj.runtime.spec import ModelSpec
+
+    if kind == cpu.AVX512_BF16 and native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    fake_cpu(monkeypatch, kind)
+    want = torch.bfloat16 if kind == cpu.AVX512_BF16 or policy.native_gemv_available() else torch.float32
+    assert (want == torch.bfloat16) is (kind != cpu.OTHER and native.open_isa("avx2") is not None)
+    assert policy.auto_dtype("cpu") == want
+    assert ModelSpec(dtype="auto", device="cpu").torch_dtype == want
+    force_fallback(monkeypatch)  # no gptj.native: bfloat16 only where the CPU computes it
+    assert policy.auto_dtype("cpu") == (torch.bfloat16 if kind == cpu.AVX512_BF16 else torch.float32)
+    monkeypatch.setattr(cpu, "flags", lambda: FLAGS[cpu.AVX512] | {"amx_tile", "amx_bf16"})  # AMX
+    assert policy.auto_dtype("cpu") == torch.bfloat16
+
+
+def test_a_bfloat16_linear_without_bfloat16_arithmetic_upcasts_big_calls(monkeypatch):
+    """UPCAST (a CPU without bfloat16 arithmetic, more rows than the GEMV serves): the float32 product
+    of the bfloat16 weight, rounded once to bfloat16 (up to float32's sum order: K u sum|x w|)."""
+    from gptj.kernels.fused import PackedLinear
+
+    fake_cpu(monkeypatch, cpu.AVX2)
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(96, 560, dtype=torch.bfloat16)  # 560 rows: chunks of the weight and a tail
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(560, 96, generator=g))
+    m = PackedLinear(lin, policy.NATIVE)
+    monkeypatch.setattr("gptj.quant.ops.DEQUANT_CHUNK_ELEMENTS", 256 * 96)
+    x = torch.randn(policy.NATIVE_EMULATED_BF16_MAX_ROWS + 1, 96, generator=g).bfloat16()
+    assert policy.linear_path("cpu", torch.bfloat16, x.shape[0], "native-layout") == policy.UPCAST
+    y = m(x)
+    want = x.double() @ lin.weight.double().t() + lin.bias.double()
+    bound = 2.0**-8 * want.abs() + 96 * 2.0**-24 * (x.double().abs() @ lin.weight.double().abs().t() + 1)
+    assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()

@@ -150,3 +150,18 @@ def test_the_built_engine_is_the_plan(tiny):
     p = plan_for(model, engine, free_bytes=FREE)
     stats = build_engine(model, engine, free_bytes=FREE).stats()
     assert (stats.max_seqs, stats.max_len, stats.blocks_total) == (p.max_seqs, p.max_len, p.n_blocks) == (3, 50, 12)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_dtype_auto_is_one_rule_through_every_command(tiny, command):
+    """--dtype auto reaches every command's ModelSpec resolved by gptj.policy.auto_dtype (bfloat16 where
+    this CPU computes it, float32 elsewhere); bench's default is auto; the weight tools refuse it."""
+    from gptj import policy
+
+    want = str(policy.auto_dtype("cpu")).removeprefix("torch.")
+    spec, _ = through(command, tiny, "--dtype", "auto")
+    assert spec.dtype == want
+    if command == "bench":
+        assert through(command, tiny)[0].dtype == want  # the default where exactness is not the point
+    with pytest.raises(SystemExit):
+        parse("init", "--out", str(tiny), "--dtype", "auto")  # a checkpoint's dtype is never guessed

@@ -8,6 +8,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   cpu     float, native layout        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native bf16 GEMV (AVX-512:
                                                                                     bf16 dot products; AVX2: float32 FMAs)
           (PackedLinear "native")     more                             TORCH        F.linear
+          ...on a CPU without bfloat16 <= NATIVE_EMULATED_BF16_MAX_ROWS NATIVE      (512: the GEMV, 8 rows at a time)
+          arithmetic (`cpu_bf16`)     more                             UPCAST       the weight made float32 a chunk
+                                                                                    at a time, F.linear in float32
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
   cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512)    NATIVE       gptj.native int8 GEMV, 8-row tiles
@@ -50,7 +53,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `can_pack_int8` a W8A8 linear is packed for oneDNN's int8 GEMM on a CPU that has it
   `w8a8_form`    ...in one GEMM of activations shifted to uint8 (SHIFTED, VNNI) or two halves (SPLIT)
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
-                 and gptj.native is available, else oneDNN's
+                 and gptj.native's GEMV is available, or at any rows where oneDNN has no bfloat16
+                 (AVX2), else oneDNN's
 
   a fused block's elementwise steps (GELU, rotary; the engine's KV stores)
   `native_elementwise`  gptj.native's for bfloat16 on CPU where it is available (one pass, float32
@@ -83,6 +87,7 @@ ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
 WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
 INT_MM = "int-mm"  # int8 activations x int8 weights, exact int32 sums (torch._int_mm)
+UPCAST = "upcast"  # a bfloat16 weight made float32 a chunk at a time, F.linear in float32, rounded back
 TRITON = "triton"  # gptj.quant.cuda's weight-only GEMV (CUDA, few rows)
 SCALED_MM = "scaled-mm"  # e4m3 activations x e4m3 weights, float32 sums (torch._scaled_mm)
 
@@ -118,6 +123,16 @@ NATIVE_INT8_MAX_ROWS = 512
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
 # both layouts would double the weights' memory, so the layout is chosen once, when packing.
 NATIVE_LAYOUT_MAX_ROWS = 4
+# A CPU without bfloat16 arithmetic (AVX2, AVX-512 without BF16) has no oneDNN bfloat16 layout, and
+# torch's bfloat16 F.linear is slow there; gptj.native's bfloat16 GEMV (the AVX2 library) stays ahead
+# of both it and of upcasting the weight to float32 up to 512 rows. 16384 x 4096 bf16, the Zen 4 under
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, 2 threads, best of 3, ms:
+#   rows                        8    16    32    64   128   256   512
+#   native (avx2)             8.9  16.1  31.3  64.7   119   238   479
+#   upcast + F.linear float32  108   111   122   145   189   278   493
+#   F.linear bfloat16         24.5  45.8  88.8   175   348   695  1403
+# So there every bfloat16 linear takes the native layout (`pack_layout`), whatever the engine's rows.
+NATIVE_EMULATED_BF16_MAX_ROWS = 512
 
 # Weight-only kernels: calls with at most this many rows use torch's kernel; bigger ones dequantize
 # the weight (a chunk at a time) and use F.linear. Measured with a throwaway script on this
@@ -164,6 +179,18 @@ def exact(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def auto_dtype(device: torch.device | str) -> torch.dtype:
+    """`--dtype auto`: bfloat16 where it runs fast — a GPU that has it; a CPU that computes it
+    (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's GEMV reads
+    bfloat16 weights (AVX2: decode 3.5x float32's tokens/s, prefill as fast, the big calls upcast;
+    docs/PERFORMANCE.md) — else float32 (torch's own bfloat16 there is 2.8-3.6x slower than float32);
+    float16 on a GPU without bfloat16."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_bf16() or native_gemv_available() else torch.float32
+
+
 def native_available() -> bool:
     """All of gptj.native's kernels are built and loaded here: the AVX-512-BF16 library (gptj.native
     caches the answer; GPTJ_NATIVE=0 says no). The attention and elementwise paths need it."""
@@ -173,6 +200,12 @@ def native_available() -> bool:
 def native_gemv_available() -> bool:
     """gptj.native's decode GEMV is loaded here: the AVX-512-BF16 or the AVX2 library."""
     return native.has("gemv")
+
+
+def cpu_bf16() -> bool:
+    """This CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 (gptj.cpu's flags, ceilings applied)."""
+    flags = cpu.flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -214,10 +247,13 @@ def w8a8_form() -> str:
 
 def pack_layout(max_rows: int | None) -> str:
     """The layout a packable linear takes for an engine of at most `max_rows` rows per step
-    (None: unbounded): NATIVE or ONEDNN."""
-    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS and native_gemv_available():
+    (None: unbounded): NATIVE for few rows where gptj.native's GEMV runs, and at any rows where
+    oneDNN has no bfloat16 (AVX2: see NATIVE_EMULATED_BF16_MAX_ROWS); else ONEDNN."""
+    if not native_gemv_available():
+        return ONEDNN
+    if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS:
         return NATIVE
-    return ONEDNN
+    return ONEDNN if can_pack(torch.bfloat16, "cpu") else NATIVE
 
 
 def fusable(dtype: torch.dtype | None) -> bool:
@@ -230,12 +266,14 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
                 features: tuple[int, int] = (8, 8)) -> str:
     """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
     layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, INT_MM, TRITON,
-    SCALED_MM, DEQUANTIZE, TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both
+    SCALED_MM, DEQUANTIZE, UPCAST, TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both
     divisible by 8, SCALED_MM by 16)."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if weight == "onednn-layout":
         return ONEDNN
     if weight == "native-layout":
+        if not cpu_bf16():
+            return NATIVE if rows <= NATIVE_EMULATED_BF16_MAX_ROWS and native_gemv_available() else UPCAST
         return NATIVE if rows <= NATIVE_MAX_ROWS and native_gemv_available() else TORCH
     if weight == "fp8":
         if not fp8_supported(device):

@@ -25,13 +25,24 @@ but is not saved, moved to another device or cast; load the checkpoint again for
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gptj import native
-from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, can_pack, can_pack_int8, exact, fusable,
-                         linear_path, native_elementwise, pack_layout, w8a8_form)
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, UPCAST, can_pack, can_pack_int8, exact,
+                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, quantize_rows_int8
+from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, _row_chunks, quantize_rows_int8
+
+
+def _upcast_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16(x @ w.T + bias) with the bfloat16 weight made float32 a chunk of rows at a time and
+    F.linear in float32 (policy.UPCAST: a CPU without bfloat16 arithmetic, many rows)."""
+    x2 = x.reshape(-1, w.shape[1]).float()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.bfloat16)
+    for a, b in _row_chunks(*w.shape):
+        y[:, a:b] = F.linear(x2, w[a:b].float(), None if bias is None else bias[a:b].float())
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 class PackedLinear(nn.Module):
@@ -39,10 +50,10 @@ class PackedLinear(nn.Module):
 
     "onednn": the weight reordered for oneDNN (fast at any number of rows).
     "native": the plain weight, read by gptj.native's GEMV at few rows (AVX-512: 1.4-1.8x oneDNN at 1-2
-    rows; AVX2, where oneDNN has no bfloat16: 2-3x F.linear at 2-8 rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
+    rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
     policy.NATIVE_LAYOUT_MAX_ROWS per step (batch-1 latency); holding both layouts would double the
-    weights' memory.
-    """
+    weights' memory. On a CPU where oneDNN has no bfloat16 (AVX2) it is the only layout: the GEMV up to
+    512 rows (2-3x F.linear bfloat16 at 2-8 rows), the weight upcast to float32 above (UPCAST)."""
 
     def __init__(self, linear: nn.Linear, layout: str = "onednn") -> None:
         super().__init__()
@@ -60,8 +71,11 @@ class PackedLinear(nn.Module):
             raise RuntimeError(f"PackedLinear takes bfloat16 CPU input, got {x.dtype} on {x.device}")
         if self.layout == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if linear_path(x.device, x.dtype, x.numel() // self.in_features, "native-layout") == NATIVE:
+        path = linear_path(x.device, x.dtype, x.numel() // self.in_features, "native-layout")
+        if path == NATIVE:
             return native.linear_bf16(x, self.packed, self.bias)
+        if path == UPCAST:
+            return _upcast_linear(x, self.packed, self.bias)
         return torch.nn.functional.linear(x, self.packed, self.bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature

@@ -138,9 +138,8 @@ static inline vf vf_hsum(const vf *v, long stride)
 {
     __m256 a[4], b[2];
     for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_ps(v[(2 * i) * stride], v[(2 * i + 1) * stride]);
-    b[0] = _mm256_hadd_ps(a[0], a[1]);  /* lane l: (v0, v1, v2, v3) partial sums per 128-bit half */
-    b[1] = _mm256_hadd_ps(a[2], a[3]);
-    /* b[0] = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low half | high half of each vector's lanes) */
+    b[0] = _mm256_hadd_ps(a[0], a[1]);  /* [v0..v3's sums of lanes 0-3 | v0..v3's sums of lanes 4-7] */
+    b[1] = _mm256_hadd_ps(a[2], a[3]);  /* the same for v4..v7 */
     __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
     return _mm256_add_ps(lo, hi);
 }

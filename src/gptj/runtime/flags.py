@@ -116,8 +116,17 @@ GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the la
                    "quantized layer's inputs)")
 
 
-def add_dtype_flag(p: Any, default: str | None = "float32", help: str | None = None) -> None:  # noqa: A002
-    p.add_argument("--dtype", choices=_dtype_names(), default=default, help=help)
+AUTO_DTYPE_HELP = ("auto: bfloat16 where it runs fast (a GPU; a CPU with AVX512-BF16 or AMX, or where "
+                   "gptj.native's GEMV runs: AVX2), float32 elsewhere")
+
+
+def add_dtype_flag(p: Any, default: str | None = "float32", help: str | None = None,  # noqa: A002
+                   auto: bool = False) -> None:
+    """--dtype; `auto` offers "auto" too (a model run's dtype: gptj.policy.auto_dtype, resolved in ModelSpec)."""
+    choices = (*_dtype_names(), "auto") if auto else _dtype_names()
+    if help is None and auto:
+        help = f"the model's float dtype: %(choices)s (default {default}; {AUTO_DTYPE_HELP})"
+    p.add_argument("--dtype", choices=choices, default=default, help=help)
 
 
 def add_device_flag(p: Any, help: str = "cpu, cuda, cuda:N or auto") -> None:  # noqa: A002
@@ -141,7 +150,7 @@ def add_kernel_flags(p: Any) -> None:
 
 def add_model_flags(p: Any, dtype: str = "float32", quantize_help: str | None = None) -> None:
     """How the model runs: --dtype (default `dtype`), --device, --quantize, --group-size, --compile, --kernels."""
-    add_dtype_flag(p, dtype)
+    add_dtype_flag(p, dtype, auto=True)
     add_device_flag(p)
     add_quantize_flags(p, *(quantize_help,) if quantize_help else ())
     add_kernel_flags(p)

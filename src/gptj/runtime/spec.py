@@ -35,7 +35,7 @@ class ModelSpec:
     graphs — is the EngineConfig's: one home for those switches.)"""
 
     path: str | None = None  # the model folder (None: a template, e.g. serve's for each --model)
-    dtype: str = "float32"  # activations, float weights and the KV cache (aliases: fp32, bf16, fp16)
+    dtype: str = "float32"  # activations, float weights and the KV cache (aliases: fp32, bf16, fp16; auto: policy.auto_dtype)
     device: str = "cpu"  # cpu, cuda, cuda:N or auto (resolved where the model loads: a rank's, a node's)
     quantize: str | None = None  # weight-only linears, on load (gptj.quant.QUANT_MODES)
     group_size: int | None = None  # int4 group size (None: the loader's default)
@@ -47,9 +47,14 @@ class ModelSpec:
 
         if self.path is not None:
             object.__setattr__(self, "path", str(self.path))
-        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
         if not isinstance(self.device, str) or not self.device:
             raise GptjError(f"device must be a name (cpu, cuda, cuda:N or auto), got {self.device!r}")
+        if self.dtype == "auto":  # resolved once, here: bfloat16 where the device computes it, else float32
+            from gptj.device import resolve_device
+            from gptj.policy import auto_dtype
+
+            object.__setattr__(self, "dtype", dtype_name(auto_dtype(resolve_device(self.device))))
+        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
         if self.quantize is not None:
             from gptj.quant import check_mode
 
