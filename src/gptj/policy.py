@@ -43,8 +43,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   cuda    float                       any                              TORCH
   TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs.
   NATIVE needs gptj.native's GEMV built and loaded here (`native_gemv_available`: the library of the
-  CPU's best ISA, AVX-512-BF16 or AVX2 + FMA); where it is not, the next row down runs. A module may still fall back further when its weight could not be packed for the
-  kernel (Int4Linear without a CPU/CUDA int4 layout dequantizes).
+  CPU's best ISA, AVX-512-BF16 or AVX2 + FMA); where it is not, the next row down runs. A module may
+  still fall back further when its weight could not be packed for the kernel (Int4Linear without a
+  CPU/CUDA int4 layout dequantizes).
 
   building a model for serving (gptj.kernels.prepare_for_serving)
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
@@ -182,7 +183,7 @@ def exact(dtype: torch.dtype) -> bool:
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """`--dtype auto`: bfloat16 where it runs fast — a GPU that has it; a CPU that computes it
     (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's GEMV reads
-    bfloat16 weights (AVX2: decode 3.5x float32's tokens/s, prefill as fast, the big calls upcast;
+    bfloat16 weights (AVX2: decode 3.7-3.9x float32's tokens/s, prefill 1.1x, the big calls upcast;
     docs/PERFORMANCE.md) — else float32 (torch's own bfloat16 there is 2.8-3.6x slower than float32);
     float16 on a GPU without bfloat16."""
     device = torch.device(device)
