@@ -25,24 +25,13 @@ but is not saved, moved to another device or cast; load the checkpoint again for
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gptj import native
 from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, UPCAST, can_pack, can_pack_int8, exact,
                          fusable, linear_path, native_elementwise, pack_layout, w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
-from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, _row_chunks, quantize_rows_int8
-
-
-def _upcast_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16(x @ w.T + bias) with the bfloat16 weight made float32 a chunk of rows at a time and
-    F.linear in float32 (policy.UPCAST: a CPU without bfloat16 arithmetic, many rows)."""
-    x2 = x.reshape(-1, w.shape[1]).float()
-    y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.bfloat16)
-    for a, b in _row_chunks(*w.shape):
-        y[:, a:b] = F.linear(x2, w[a:b].float(), None if bias is None else bias[a:b].float())
-    return y.view(*x.shape[:-1], w.shape[0])
+from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 
 
 class PackedLinear(nn.Module):
@@ -74,8 +63,9 @@ class PackedLinear(nn.Module):
         path = linear_path(x.device, x.dtype, x.numel() // self.in_features, "native-layout")
         if path == NATIVE:
             return native.linear_bf16(x, self.packed, self.bias)
-        if path == UPCAST:
-            return _upcast_linear(x, self.packed, self.bias)
+        if path == UPCAST:  # the weight made float32 a chunk at a time, F.linear in float32, rounded once
+            y = chunked_linear(x.reshape(-1, self.in_features), self.packed, torch.float32, bias=self.bias)
+            return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
         return torch.nn.functional.linear(x, self.packed, self.bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature

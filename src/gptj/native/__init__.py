@@ -229,6 +229,7 @@ def load() -> ctypes.CDLL | None:
                 except AttributeError:  # a library without its kernels: not the source's build
                     lib = None
             _state["isa"] = chosen if lib is not None else None
+            _state["kernels"] = frozenset(chosen.kernels) if lib is not None else frozenset()
             _state["lib"] = lib
     return _state["lib"]  # type: ignore[return-value]
 
@@ -243,13 +244,14 @@ def has(kernel: str) -> bool:
     """Whether the loaded library holds `kernel` ("gemv", "attention", "elementwise")."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} (one of {', '.join(KERNELS)})")
-    chosen = isa()
-    return chosen is not None and kernel in chosen.kernels
+    load()
+    return kernel in _state["kernels"]  # set by load(), with the library (the policy asks on every call)
 
 
 def available() -> bool:
     """Every native kernel is loaded here (the AVX-512 library); see `has` for one kind."""
-    return all(has(k) for k in KERNELS)
+    load()
+    return len(_state["kernels"]) == len(KERNELS)
 
 
 def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str | None:

@@ -51,6 +51,7 @@ from gptj.quant.ops import (
     _row_chunks,
     _unpack_cpu_int4,
     check_group_size,
+    chunked_linear,
     cpu_int4_layout,
     dequantize_fp8,
     dequantize_int4,

@@ -21,6 +21,7 @@ decode (memory bound), not for big prefills (compute bound). The CUDA paths are 
 Triton's interpreter and torch's CPU torch._scaled_mm, not on a GPU. The packed layout the CPU int4
 kernel wants is made at load time, on the device (see `Int4Linear.prepare`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,7 @@ from gptj.quant.ops import (
     _row_chunks,
     _unpack_cpu_int4,
     check_group_size,
+    chunked_linear,
     cpu_int4_layout,
     dequantize_fp8,
     dequantize_int8,
@@ -70,19 +72,6 @@ def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if m.bias is not None:
         y = y + m.bias.to(y.dtype)
     return y.view(*x.shape[:-1], m.out_features)
-
-
-def _scaled_rows_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x2 @ (q * scale[:, None]).T for a per-output-channel quantized weight q (int8 or e4m3): the
-    weight made x2's dtype a chunk of rows at a time, F.linear, then the scales."""
-    dt = x2.dtype
-    chunks = list(_row_chunks(q.shape[0], q.shape[1]))
-    if len(chunks) == 1:
-        return F.linear(x2, q.to(dt)) * scale.to(dt)
-    y = torch.empty(x2.shape[0], q.shape[0], dtype=dt, device=x2.device)
-    for a, b in chunks:
-        y[:, a:b] = F.linear(x2, q[a:b].to(dt)) * scale[a:b].to(dt)
-    return y
 
 
 class _Prepared(nn.Module):
@@ -172,7 +161,7 @@ class Int8Linear(nn.Module):
             return cuda.int8_linear(x2.contiguous(), self.weight, self.weight_scale, self.bias).view(
                 *x.shape[:-1], self.out_features)
         else:
-            y = _scaled_rows_linear(x2, self.weight, self.weight_scale)
+            y = chunked_linear(x2, self.weight, x2.dtype, self.weight_scale)
         return _finish(self, y, x)
 
     def extra_repr(self) -> str:
@@ -267,6 +256,7 @@ class Fp8Linear(_Prepared):
         if self.weight_scale.dtype != SCALE_DTYPE:
             self.weight_scale = self.weight_scale.to(SCALE_DTYPE)
         self._scale_row = self.weight_scale.float()[None, :]
+        self._one = torch.ones((), dtype=torch.float32, device=self.weight.device)  # _scaled_mm's unit scales
         return self
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -280,8 +270,7 @@ class Fp8Linear(_Prepared):
         w = self.weight.t()  # column-major (in, out), as the GEMM wants its second operand
         if x2.dtype == torch.bfloat16:
             return torch._scaled_mm(qx, w, scale_a=sx, scale_b=self._scale_row, out_dtype=torch.bfloat16)
-        one = torch.ones((), dtype=torch.float32, device=x2.device)
-        acc = torch._scaled_mm(qx, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        acc = torch._scaled_mm(qx, w, scale_a=self._one, scale_b=self._one, out_dtype=torch.float32)
         return (acc * sx * self._scale_row).to(x2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +281,7 @@ class Fp8Linear(_Prepared):
 
             return cuda.int8_linear(x2.contiguous(), self.weight, self.weight_scale, self.bias).view(
                 *x.shape[:-1], self.out_features)
-        y = self.scaled_mm(x2) if path == SCALED_MM else _scaled_rows_linear(x2, self.weight, self.weight_scale)
+        y = self.scaled_mm(x2) if path == SCALED_MM else chunked_linear(x2, self.weight, x2.dtype, self.weight_scale)
         return _finish(self, y, x)
 
     def extra_repr(self) -> str:
@@ -404,7 +393,10 @@ class Int4Linear(nn.Module):
     def use_kernel(self, x: torch.Tensor) -> bool:
         """Whether a call on x runs torch's int4 kernel: where the policy says so and the weight packed
         for it (on CUDA, only if torch could pack it)."""
-        if self._scales_and_zeros is None or linear_path(x.device, x.dtype, _rows(x), "int4") != WEIGHT_ONLY:
+        return self._torch_kernel(x, linear_path(x.device, x.dtype, _rows(x), "int4"))
+
+    def _torch_kernel(self, x: torch.Tensor, path: str) -> bool:
+        if self._scales_and_zeros is None or path != WEIGHT_ONLY:
             return False
         return x.device.type == "cpu" or self._kernel_weight is not None
 
@@ -412,13 +404,14 @@ class Int4Linear(nn.Module):
         if not self._prepared:
             self.prepare()
         x2 = x.reshape(-1, self.in_features)
-        if linear_path(x.device, x.dtype, _rows(x), "int4") == TRITON:
+        path = linear_path(x.device, x.dtype, _rows(x), "int4")
+        if path == TRITON:
             from gptj.quant import cuda
 
             y = cuda.int4_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_zero, self.group_size,
                                  self.bias)  # on CUDA the weight stays in the portable layout
             return y.view(*x.shape[:-1], self.out_features)
-        if self.use_kernel(x):
+        if self._torch_kernel(x, path):
             if x.device.type == "cpu":
                 w = self.weight if self.layout == "cpu" else self._kernel_weight
                 y = torch._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), w, self.group_size,

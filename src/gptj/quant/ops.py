@@ -20,7 +20,7 @@ CPU kernel's packed one, made at load time (`_pack_cpu_int4`, probed by `cpu_int
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,22 +57,43 @@ def quantize_int8(w: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[
     """(q int8 (out, in), scale bfloat16 (out,)) with w ~= q * scale[:, None], |error| <= scale / 2.
 
     smooth (in,): quantize w * smooth[None, :] instead (W8A8's smoothed weight, see below).
-    Computed in float32 a chunk of rows at a time (no float32 copy of a big weight).
     """
+    return _per_channel(w, "int8", torch.int8, 127, lambda v: torch.round(v).clamp_(-127, 127).to(torch.int8), smooth)
+
+
+def _per_channel(w: torch.Tensor, what: str, qdtype: torch.dtype, qmax: float,
+                 to_q: Callable[[torch.Tensor], torch.Tensor],
+                 smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-output-channel symmetric quantization of w (out, in) to `qdtype`: scale = max |w row| /
+    qmax rounded UP to bfloat16 (nothing clips), q = to_q(w / scale). Computed in float32 a chunk of
+    rows at a time (no float32 copy of a big weight); smooth as in quantize_int8."""
     if w.dim() != 2 or not w.is_floating_point():
-        raise GptjError(f"int8 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+        raise GptjError(f"{what} quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
     if smooth is not None and smooth.shape != (w.shape[1],):
         raise GptjError(f"smoothing factors of shape {tuple(smooth.shape)} for a weight of {w.shape[1]} inputs")
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    q = torch.empty(w.shape, dtype=qdtype, device=w.device)
     scale = torch.empty(w.shape[0], dtype=SCALE_DTYPE, device=w.device)
     for a, b in _row_chunks(*w.shape):
         wf = w[a:b].float()
         if smooth is not None:
             wf = wf * smooth.float()[None, :]  # not in place: .float() of a float32 weight is the weight itself
-        s = _ceil_bf16((wf.abs().amax(dim=1) / 127).clamp_(min=2.0**-120))
-        q[a:b] = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        s = _ceil_bf16((wf.abs().amax(dim=1) / qmax).clamp_(min=2.0**-120))
+        q[a:b] = to_q(wf / s.float()[:, None])
         scale[a:b] = s
     return q, scale
+
+
+def chunked_linear(x2: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (rows, in) @ w.T in `dtype`, (rows, out): the weight (any dtype: int8, e4m3, bfloat16) made
+    `dtype` a chunk of rows at a time (no full-size copy of a big weight), F.linear with the bias,
+    then times the per-output-channel `scale`, each in `dtype`."""
+    xd = x2.to(dtype)
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=dtype, device=x2.device)
+    for a, b in _row_chunks(*w.shape):
+        part = torch.nn.functional.linear(xd, w[a:b].to(dtype), None if bias is None else bias[a:b].to(dtype))
+        y[:, a:b] = part if scale is None else part * scale[a:b].to(dtype)
+    return y
 
 
 def int8_sums(qx: torch.Tensor, qw: torch.Tensor, terms: int) -> torch.Tensor:
@@ -178,17 +199,8 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn (out, in), scale bfloat16 (out,)) with w ~= q * scale[:, None], within
-    `fp8_error_bound`. Computed in float32 a chunk of rows at a time."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise GptjError(f"fp8 quantization needs a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
-    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=SCALE_DTYPE, device=w.device)
-    for a, b in _row_chunks(*w.shape):
-        wf = w[a:b].float()
-        s = _ceil_bf16((wf.abs().amax(dim=1) / FP8_MAX).clamp_(min=2.0**-120))
-        q[a:b] = _to_fp8(wf / s.float()[:, None])
-        scale[a:b] = s
-    return q, scale
+    `fp8_error_bound`."""
+    return _per_channel(w, "fp8", FP8_DTYPE, FP8_MAX, _to_fp8)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
