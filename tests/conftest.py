@@ -1,9 +1,12 @@
-"""Shared fixtures: run a test once per kernel path, native (gptj.native's AVX-512 kernels) and
-fallback (what runs where they are unavailable), so both are checked on whatever machine CI lands.
+"""Shared fixtures: run a test once per kernel path, native (gptj.native's kernels, each ISA this
+machine runs) and fallback (what runs where they are unavailable), so all are checked on whatever
+machine CI lands.
 
 `kernel_path` is parametrized: "native" skips, with the reason, where gptj.native cannot be used;
-"fallback" switches it off for the test as `GPTJ_NATIVE=0` does (the environment variable, for
-any process the test starts, and the in-process caches that hold the loaded library).
+"native-avx2" runs the AVX2 library where the CPU's best is another (AVX-512); "fallback" switches
+gptj.native off for the test as `GPTJ_NATIVE=0` does (the environment variable, for any process the
+test starts, and the in-process caches that hold the loaded library). `native_isa` runs a test once
+per ISA of gptj.native.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import os
 
 import pytest
 import torch
+
+from gptj.native import ISAS
 
 # Without a GPU, Triton kernels (the CUDA attention backend's) run under Triton's interpreter on CPU
 # tensors. It is read when a kernel is defined, so before any test module imports one.
@@ -29,7 +34,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
         torch.set_num_threads(1)
 
-KERNEL_PATHS = ("native", "fallback")
+KERNEL_PATHS = ("native", "native-avx2", "fallback")  # native: the best ISA's library
 
 # The modules that take longest (each over 25 s on a 2-core machine, measured 2026-11-27), run
 # first: pytest-xdist (the README's command runs two workers, one module per worker at a time)
@@ -55,16 +60,44 @@ def force_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not native.available()
 
 
-@pytest.fixture(params=KERNEL_PATHS)
-def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def use_isa(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """gptj.native loads the library of ISA `name` until the test ends (GPTJ_NATIVE_ISA); skipped,
+    with the reason, where this machine cannot run or build it."""
     from gptj import native
 
-    if request.param == "native":
+    monkeypatch.setenv("GPTJ_NATIVE_ISA", name)
+    monkeypatch.setattr(native, "_state", {})  # load() looks again
+    for bound in native.BOUND:
+        monkeypatch.setattr(native, bound, None)
+    reason = native.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the {name} kernels cannot run here: {reason}")
+    assert native.isa().name == name and native.available()
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """"native" (the best ISA's library), "native-avx2" (the AVX2 library where the best is another:
+    both ISAs' kernels run on an AVX-512 machine) or "fallback" (torch's ops)."""
+    from gptj import native
+
+    if request.param.startswith("native"):
         reason = native.unavailable_reason()
         if reason is not None:
             pytest.skip(f"native kernels unavailable: {reason}")
+        if request.param == "native-avx2":
+            if native.isa().name == "avx2":
+                pytest.skip("AVX2 is this CPU's best ISA: the native case runs its kernels")
+            use_isa(monkeypatch, "avx2")
     else:
         force_fallback(monkeypatch)
+    return request.param
+
+
+@pytest.fixture(params=[i.name for i in ISAS])
+def native_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """gptj.native bound to the library of each ISA this machine runs (skipped where it cannot)."""
+    use_isa(monkeypatch, request.param)
     return request.param
 
 

@@ -21,6 +21,7 @@ from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.attention.reference import ReferenceAttention
 from test_engine import CFG, MIXED, prompts_of
+from conftest import use_isa
 from test_engine import model  # noqa: F401 - the fixture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +56,9 @@ def backends() -> list:
     return [
         pytest.param("cuda", torch.float32, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
         pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
-        pytest.param("cpu-native", torch.bfloat16, marks=pytest.mark.skipif(
-            native_reason is not None or DEVICE != "cpu", reason=f"native kernels unavailable: {native_reason}")),
+        *(pytest.param(f"cpu-native/{isa.name}", torch.bfloat16, marks=pytest.mark.skipif(
+            native_reason is not None or DEVICE != "cpu", reason=f"native kernels unavailable: {native_reason}"))
+          for isa in native.ISAS),  # each ISA's library (conftest.use_isa skips the ones this CPU lacks)
         pytest.param("reference", torch.float32),
         pytest.param("reference", torch.bfloat16),
     ]
@@ -98,13 +100,16 @@ def groups_of(B: int, perm: list[int]) -> list[att.DecodeGroup]:
 @pytest.mark.parametrize("backend, compute", backends())
 @pytest.mark.parametrize("storage", ["float", "int8", "fp8"])
 @pytest.mark.parametrize("B, H, D", [(8, 3, 48), (16, 2, 256)], ids=["B8-3x48", "B16-2x256"])
-def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, storage, B, H, D):
+def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, storage, B, H, D, monkeypatch):
     """Each row's attention over [its group's shared blocks | its own] against float64 over the same
     stored values. Bound, from the arithmetic (u: the compute dtype's unit roundoff): scores rounded
     to the dtype and keys/values dequantized to it move each score by <= u (max|s| + max sum|q k| /
     sqrt(D)) =: delta, so the probabilities by factors within e^(+-2 delta) and the output by <= 2.01
     delta max|v|; probabilities and values rounded to the dtype (<= 2u p.|v|) and the output's own
     rounding (u |out|); float32 sums and the online softmax's rescales (<= (4 L + 16) 2^-24 max|v|)."""
+    if backend.startswith("cpu-native/"):
+        backend, isa = backend.split("/")
+        use_isa(monkeypatch, isa)
     if backend == "cpu-native" and D % 16:
         pytest.skip("gptj.native reads heads of a multiple of 16")
     if backend == "cpu-native" and storage == "fp8":

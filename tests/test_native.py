@@ -1,5 +1,6 @@
-"""Native decode GEMV kernels (gptj.native): results against F.linear on every ISA this CPU runs
-(the AVX2 library on an AVX-512 machine too), validation, loading."""
+"""gptj.native's kernels on every ISA this CPU runs (the AVX2 library on an AVX-512 machine too): the
+decode GEMV against F.linear, attention and the elementwise passes against float64 or gptj's own
+rounding; validation, loading."""
 
 from __future__ import annotations
 
@@ -19,21 +20,12 @@ WHY_NOT = native.unavailable_reason()
 needs_native = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels unavailable: {WHY_NOT}")
 
 
-@pytest.fixture(params=[i.name for i in native.ISAS])
-def gemv_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
-    """gptj.native's GEMV wrappers bound to the library of one ISA (skipped, with the reason, where
-    this CPU cannot run it): every GEMV test runs each ISA the machine can, whichever load() picks."""
-    isa = next(i for i in native.ISAS if i.name == request.param)
-    missing = [f for f in isa.cpu_flags if f not in cpu.flags()]
-    if missing or native._disabled():
-        pytest.skip(f"the {isa.name} GEMV cannot run here: " + (f"the CPU lacks {', '.join(missing)}" if missing
-                                                                 else "GPTJ_NATIVE=0"))
-    lib = native.open_isa(isa.name)
-    if lib is None:
-        pytest.skip(f"the {isa.name} library cannot be built here (no gcc?)")
-    monkeypatch.setattr(native, "_gemv_int8", lib.gemv_int8)
-    monkeypatch.setattr(native, "_gemv_bf16", lib.gemv_bf16)
-    return lib
+@pytest.fixture
+def gemv_isa(native_isa: str) -> ctypes.CDLL:
+    """gptj.native's library of one ISA (conftest.native_isa: skipped, with the reason, where this CPU
+    cannot run it): every GEMV test runs each ISA the machine can, whichever load() picks."""
+    return native.load()
+
 
 MS = (1, 3, 8, 17)
 KS = (64, 1000, 1024, 4096)
@@ -240,9 +232,8 @@ def _attention_reference(q, pk, pv, tk, tv):
     return torch.stack(outs)
 
 
-@needs_native
 @pytest.mark.parametrize("N, T", [(1, 0), (4, 1), (4, 9), (11, 3)])
-def test_attention_group_matches_float64_over_strided_views(N, T):
+def test_attention_group_matches_float64_over_strided_views(N, T, native_isa):
     g = torch.Generator().manual_seed(N * 10 + T)
     H, D, P = 3, 32, 21
     pool = torch.randn(3, H, P + 5, D, generator=g).bfloat16()
@@ -264,8 +255,7 @@ def test_attention_group_matches_float64_over_strided_views(N, T):
     torch.testing.assert_close(got.double(), _attention_reference(q, pk, pv, tk, tv), rtol=0, atol=bound)
 
 
-@needs_native
-def test_attention_group_refuses_bad_inputs():
+def test_attention_group_refuses_bad_inputs(native_isa):
     q = torch.randn(2, 3, 24)
     k = torch.randn(3, 5, 24).bfloat16()
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -277,21 +267,31 @@ def test_attention_group_refuses_bad_inputs():
 
 
 def test_the_kernels_build_wherever_the_cpu_can_run_them():
-    """On a CPU with the flags, gcc and GPTJ_NATIVE unset, a failing build is a failure, not a
-    skip of every native test; elsewhere the reason is one line."""
-    flags = cpu.flags()
-    can_run = (platform.machine() in ("x86_64", "AMD64") and all(f in flags for f in native.REQUIRED_CPU_FLAGS)
+    """On a CPU with AVX2 + FMA + F16C (or AVX-512), gcc and GPTJ_NATIVE unset, a failing build is a
+    failure, not a skip of every native test; elsewhere the reason is one line. The library is the
+    best ISA's (AVX-512-BF16's where the CPU runs it), or GPTJ_NATIVE_ISA's."""
+    best = native.best_isa()
+    can_run = (platform.machine() in ("x86_64", "AMD64") and best is not None
                and shutil.which(os.environ.get("CC") or "gcc") is not None and not native._disabled())
     assert native.available() is can_run, WHY_NOT
+    assert native.has("gemv") is native.has("attention") is native.has("elementwise") is can_run
     if not can_run:
         assert WHY_NOT and "\n" not in WHY_NOT
-    # the GEMV wherever AVX2 + FMA + F16C runs (the best ISA's library: AVX-512-BF16's where it can)
-    gemv_isa = native.best_isa()
-    can_gemv = can_run or (gemv_isa is not None and platform.machine() in ("x86_64", "AMD64")
-                           and shutil.which(os.environ.get("CC") or "gcc") is not None and not native._disabled())
-    assert native.has("gemv") is can_gemv
-    assert (native.isa() is not None and native.isa().name) == (can_gemv and gemv_isa.name)
+    elif not os.environ.get("GPTJ_NATIVE_ISA"):
+        assert native.isa() == best
     assert "GPTJ_NATIVE=0" in native.unavailable_reason({"GPTJ_NATIVE": "0"})
+    assert "not one of avx512-bf16, avx2" in native.unavailable_reason({"GPTJ_NATIVE_ISA": "sse9"})
+
+
+def test_gptj_native_isa_picks_a_lower_isa_only_where_the_cpu_runs_it(monkeypatch):
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert native.requested_isa({"GPTJ_NATIVE_ISA": "avx2"}) == (native.ISAS[1], None)
+    assert native.requested_isa({}) == (native.ISAS[1], None)
+    isa, why = native.requested_isa({"GPTJ_NATIVE_ISA": "AVX512-BF16"})
+    assert isa is None and "lacks avx512f" in why and "GPTJ_NATIVE_ISA=avx512-bf16" in why
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse4_2"}))
+    assert native.requested_isa({}) == (None, None)
+    assert "lacks avx2, fma, f16c" in native.unavailable_reason({})
 
 
 # --- a fused block's elementwise steps ------------------------------------------------------------
@@ -307,8 +307,7 @@ def _gelu64(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-2 * u))
 
 
-@needs_native
-def test_gelu_is_the_float64_value_rounded_once_to_bfloat16():
+def test_gelu_is_the_float64_value_rounded_once_to_bfloat16(native_isa):
     g = torch.Generator().manual_seed(5)
     x = torch.cat([torch.linspace(-14, 8, 40001).bfloat16().unique(), (3 * torch.randn(5000, generator=g)).bfloat16(),
                    torch.tensor([0.0, -0.0, 1e4, -1e4, 100.0, -100.0]).bfloat16()])
@@ -323,8 +322,7 @@ def test_gelu_is_the_float64_value_rounded_once_to_bfloat16():
     torch.testing.assert_close(got[ok], F.gelu(x[ok], approximate="tanh").double(), rtol=2 * U_BF16, atol=0)
 
 
-@needs_native
-def test_gelu_reads_and_writes_strided_rows_in_place():
+def test_gelu_reads_and_writes_strided_rows_in_place(native_isa):
     g = torch.Generator().manual_seed(6)
     y = torch.randn(2, 5, 70, generator=g).bfloat16()  # [q k v | fc_in] of a fused block, say
     out = torch.full((2, 5, 50), 7.0).bfloat16()
@@ -339,9 +337,8 @@ def test_gelu_reads_and_writes_strided_rows_in_place():
         native.gelu(y[..., :5], out=torch.empty(5, 2, 10).bfloat16().transpose(0, 1)[..., ::2])
 
 
-@needs_native
 @pytest.mark.parametrize("R, D", [(16, 16), (32, 64), (64, 256)])
-def test_rotary_rotates_q_and_k_pairs_in_place(R, D):
+def test_rotary_rotates_q_and_k_pairs_in_place(R, D, native_isa):
     from gptj.model import rope_table, rotary_tables, rotate_every_two
 
     g = torch.Generator().manual_seed(R + D)
@@ -361,8 +358,7 @@ def test_rotary_rotates_q_and_k_pairs_in_place(R, D):
         native.rotary_(qkv.view(T, 3 * H, D), sin[:, :8], cos[:, :8])
 
 
-@needs_native
-def test_store_kv_puts_each_token_in_its_block_row():
+def test_store_kv_puts_each_token_in_its_block_row(native_isa):
     g = torch.Generator().manual_seed(7)
     N, H, D, B = 11, 3, 32, 4
     qkv = torch.randn(N, 3, H, D, generator=g).bfloat16()
@@ -380,9 +376,8 @@ def test_store_kv_puts_each_token_in_its_block_row():
         native.store_kv(k.transpose(0, 1), v.transpose(0, 1), kc, vc, blocks[:3], offsets[:3])
 
 
-@needs_native
 @pytest.mark.parametrize("K", [16, 1000, 5120])
-def test_w8a8_rounding_is_gptj_quants_to_the_bit(K):
+def test_w8a8_rounding_is_gptj_quants_to_the_bit(K, native_isa):
     """quantize_rows_u8 gives quantize_rows_int8's q (+ 128) and scale, on strided rows, with and
     without smoothing, a zero row included; scale_rows gives torch's two bfloat16 roundings."""
     from gptj.quant.ops import quantize_rows_int8
@@ -408,8 +403,7 @@ def test_w8a8_rounding_is_gptj_quants_to_the_bit(K):
         native.scale_rows(acc, s[:-1])
 
 
-@needs_native
-def test_store_kv_rounds_int8_blocks_as_quantize_heads_does():
+def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):
     """int8 blocks: each token's head vectors rounded per head (gptj.quant's rounding) with the scale
     beside them; other slots untouched. Blocks without their scales, or scales of the wrong shape,
     are refused in one line."""

@@ -1,14 +1,16 @@
 """Native kernels for x86-64 CPUs, built at first use, one library per instruction set (ISA).
 
-    ISA           CPUs                                   kernels
-    avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI     the decode GEMV, attention, the elementwise passes
-    avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  the decode GEMV (float32 FMAs)
+    ISA           CPUs                                   arithmetic
+    avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI     bfloat16 dot products (vdpbf16ps), int16 ones
+    avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  float32 FMAs on bfloat16 / int8 widened, int16 pairs
 
-The same C sources (gemv.c on every ISA; attention.c and elementwise.c on AVX-512 so far) are
-compiled per ISA: simd.h's vector layer is the only place the instruction set shows. `isa()` is the
-best ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies); `has(kernel)`
-says which kernels its library holds ("gemv", "attention", "elementwise"); `available()` is true
-where all of them are.
+Each library holds every kernel: the decode GEMV, paged decode and prefill attention, the elementwise
+passes. The same C sources are compiled per ISA: simd.h's vector layer is where the instruction set
+shows, plus a section per ISA in attention.c for the key dot products and the prefill tile. `isa()`
+is the best ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies);
+`has(kernel)` says whether its library holds a kernel ("gemv", "attention", "elementwise");
+`available()` is true where all of them are. GPTJ_NATIVE_ISA=avx2 picks the AVX2 library on a CPU
+that runs a better one (to measure or test it there).
 
 torch's CPU kernels leave much of the memory bandwidth unused when a linear layer sees one row (a
 decode step): `torch._weight_int8pack_mm` reads a 7168 x 1024 int8 weight at about 12 GB/s and
@@ -51,8 +53,8 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
-           "linear_bf16", "linear_int8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "rotary_",
-           "scale_rows", "store_kv", "unavailable_reason"]
+           "linear_bf16", "linear_int8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "requested_isa",
+           "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
@@ -65,6 +67,7 @@ CFLAGS = ("-O3", "-falign-loops=64", "-std=c11", "-fopenmp", "-shared", "-fPIC",
 # on the CPU that built it (the cache name holds the CPU's flags, so another CPU type builds its own copy).
 # gptj.cpu.flags() is what is checked: a ceiling set by ONEDNN_MAX_CPU_ISA switches these kernels off.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 KERNELS = ("gemv", "attention", "elementwise")
 
 
@@ -83,8 +86,8 @@ class Isa:
 # AVX-512 it runs the code an AVX2-only CPU runs (how its tests run on either kind).
 ISAS = (
     Isa("avx512-bf16", REQUIRED_CPU_FLAGS, ("-march=native", "-DGPTJ_ISA_AVX512"), SOURCES, KERNELS),
-    Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"),
-        (HERE / "gemv.c",), ("gemv",)),
+    Isa("avx2", AVX2_CPU_FLAGS, ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"), SOURCES,
+        KERNELS),
 )
 
 
@@ -92,6 +95,23 @@ def best_isa(flags: set[str] | frozenset[str] | None = None) -> Isa | None:
     """The best ISA a CPU with `flags` (default: this one's, ceilings applied) runs, or None."""
     flags = cpu.flags() if flags is None else flags
     return next((i for i in ISAS if all(f in flags for f in i.cpu_flags)), None)
+
+
+def requested_isa(env: dict[str, str] | os._Environ | None = None) -> tuple[Isa | None, str | None]:
+    """(the ISA load() uses, why there is none): GPTJ_NATIVE_ISA's (one of ISAS' names, where this CPU
+    runs it: how to run the AVX2 kernels on an AVX-512 machine, as CTranslate2's CT2_FORCE_CPU_ISA
+    does), else the best this CPU runs."""
+    env = os.environ if env is None else env
+    name = env.get("GPTJ_NATIVE_ISA", "").strip().lower()
+    if not name:
+        return best_isa(), None
+    isa = next((i for i in ISAS if i.name == name), None)
+    if isa is None:
+        return None, f"GPTJ_NATIVE_ISA={name} is not one of {', '.join(i.name for i in ISAS)}"
+    missing = [f for f in isa.cpu_flags if f not in cpu.flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)} for GPTJ_NATIVE_ISA={name}"
+    return isa, None
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded CDLL or None, once load() has run
@@ -221,7 +241,7 @@ def load() -> ctypes.CDLL | None:
         return _state["lib"]  # type: ignore[return-value]
     with _lock:
         if "lib" not in _state:
-            chosen = best_isa()
+            chosen = requested_isa()[0]
             lib = _open(isa=chosen) if chosen is not None else None
             if lib is not None:
                 try:
@@ -235,7 +255,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def isa() -> Isa | None:
-    """The ISA of the loaded library (None where there is none)."""
+    """The ISA of the loaded library (None where there is none): GPTJ_NATIVE_ISA's, else the best."""
     load()
     return _state.get("isa")  # type: ignore[return-value]
 
@@ -249,7 +269,7 @@ def has(kernel: str) -> bool:
 
 
 def available() -> bool:
-    """Every native kernel is loaded here (the AVX-512 library); see `has` for one kind."""
+    """Every native kernel is loaded here (a library of either ISA); see `has` for one kind."""
     load()
     return len(_state["kernels"]) == len(KERNELS)
 
@@ -262,12 +282,13 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
         return f"switched off (GPTJ_NATIVE={env.get('GPTJ_NATIVE')})"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu.flags()]
-    if missing:
+    why = requested_isa(env)[1]
+    if why is not None:
+        return why
+    if best_isa() is None:
         capped = f" under ONEDNN_MAX_CPU_ISA={cpu.ceiling().upper()}" if cpu.ceiling() else ""
-        gemv = " (its AVX2 GEMV runs here)" if best_isa() is not None and load() is not None else ""
-        return (f"the CPU lacks {', '.join(missing)}{capped} (gptj.native's attention and elementwise kernels "
-                f"need the {cpu.AVX512_BF16} kind){gemv}")
+        missing = [f for f in AVX2_CPU_FLAGS if f not in cpu.flags()]
+        return f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs AVX2 with FMA and F16C, or AVX-512)"
     if shutil.which(env.get("CC") or "gcc") is None:
         return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCES[0].parent}"
     if load() is None:
@@ -287,7 +308,7 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _quantize_rows, _scale_rows
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
-    if "attention" not in chosen.kernels:  # the AVX2 library: the GEMV only
+    if "attention" not in chosen.kernels:  # a library without them (none of ISAS today)
         return
     _attend_group = lib.attend_group_bf16
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long

@@ -16,26 +16,27 @@
 #define ATT_QB 8 /* queries per pass over the keys */
 #define ATT_MAXD 512 /* the paged kernel's largest head_dim */
 
-/* s[0 .. L) <- softmax(s), in place, float32, 16 lanes at a time */
+/* s[0 .. L) <- softmax(s), in place, float32, VW lanes at a time */
 static inline void softmax_f32(float *s, int L)
 {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < L; t += 16) {
-        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
-        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t));
+    vf mx = vf_set1(-INFINITY);
+    int t = 0;
+    for (; t + VW <= L; t += VW) mx = vf_max(mx, vf_loadu(s + t));
+    if (t < L) mx = vf_max(mx, vf_fill_below(vf_set1(-INFINITY), L - t, vf_loadu_n(s + t, L - t)));
+    const vf top = vf_set1(vf_reduce_max(mx));
+    vf sum = vf_zero();
+    for (t = 0; t < L; t += VW) {
+        const int n = L - t >= VW ? VW : L - t;
+        const vf e = vf_keep_n(vf_exp(vf_sub(vf_loadu_upto(s + t, n), top)), n);
+        sum = vf_add(sum, e);
+        if (n == VW) vf_storeu(s + t, e);
+        else vf_store_f32_n(s + t, e, n);
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int t = 0; t < L; t += 16) {
-        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
-        sum = _mm512_mask_add_ps(sum, m, sum, e);
-        _mm512_mask_storeu_ps(s + t, m, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int t = 0; t < L; t += 16) {
-        const __mmask16 m = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
-        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+    const vf inv = vf_set1(1.0f / vf_reduce_add(sum));
+    for (t = 0; t < L; t += VW) {
+        const int n = L - t >= VW ? VW : L - t;
+        if (n == VW) vf_storeu(s + t, vf_mul(vf_loadu(s + t), inv));
+        else vf_store_f32_n(s + t, vf_mul(vf_loadu_n(s + t, n), inv), n);
     }
 }
 
@@ -50,14 +51,14 @@ static void attend_head(const float *q, int N, int H, int D, int h,
         /* prompt scores: each key row read once for the block's queries */
         for (int t = 0; t < P; t++) {
             const uint16_t *kr = pk + h * psh + t * pst;
-            __m512 a[ATT_QB];
-            for (int i = 0; i < nb; i++) a[i] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) {
-                __m512 kv = bf16_16(kr + d);
+            vf a[ATT_QB];
+            for (int i = 0; i < nb; i++) a[i] = vf_zero();
+            for (int d = 0; d < D; d += VW) {
+                vf kv = vf_load_bf16(kr + d);
                 for (int i = 0; i < nb; i++)
-                    a[i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
+                    a[i] = vf_fmadd(kv, vf_loadu(q + ((long)(n0 + i) * H + h) * D + d), a[i]);
             }
-            for (int i = 0; i < nb; i++) s[(long)i * L + t] = _mm512_reduce_add_ps(a[i]) * scale;
+            for (int i = 0; i < nb; i++) s[(long)i * L + t] = vf_reduce_add(a[i]) * scale;
         }
         /* tail scores and the softmax, per query */
         for (int i = 0; i < nb; i++) {
@@ -66,9 +67,9 @@ static void attend_head(const float *q, int N, int H, int D, int h,
             float *sn = s + (long)i * L;
             for (int t = 0; t < T; t++) {
                 const uint16_t *kr = tk + n * tsn + h * tsh + t * tst;
-                __m512 a = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(bf16_16(kr + d), _mm512_loadu_ps(qn + d), a);
-                sn[P + t] = _mm512_reduce_add_ps(a) * scale;
+                vf a = vf_zero();
+                for (int d = 0; d < D; d += VW) a = vf_fmadd(vf_load_bf16(kr + d), vf_loadu(qn + d), a);
+                sn[P + t] = vf_reduce_add(a) * scale;
             }
             softmax_f32(sn, L);
             float *on = out + ((long)n * H + h) * D;
@@ -77,11 +78,11 @@ static void attend_head(const float *q, int N, int H, int D, int h,
         /* prompt values: each value row read once for the block's queries */
         for (int t = 0; t < P; t++) {
             const uint16_t *vr = pv + h * psh + t * pst;
-            for (int d = 0; d < D; d += 16) {
-                __m512 vv = bf16_16(vr + d);
+            for (int d = 0; d < D; d += VW) {
+                vf vv = vf_load_bf16(vr + d);
                 for (int i = 0; i < nb; i++) {
                     float *o = out + ((long)(n0 + i) * H + h) * D + d;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(s[(long)i * L + t]), vv, _mm512_loadu_ps(o)));
+                    vf_storeu(o, vf_fmadd(vf_set1(s[(long)i * L + t]), vv, vf_loadu(o)));
                 }
             }
         }
@@ -90,9 +91,9 @@ static void attend_head(const float *q, int N, int H, int D, int h,
             float *on = out + ((long)n * H + h) * D;
             for (int t = 0; t < T; t++) {
                 const uint16_t *vr = tv + n * tsn + h * tsh + t * tst;
-                const __m512 p = _mm512_set1_ps(s[(long)i * L + P + t]);
-                for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(on + d, _mm512_fmadd_ps(p, bf16_16(vr + d), _mm512_loadu_ps(on + d)));
+                const vf p = vf_set1(s[(long)i * L + P + t]);
+                for (int d = 0; d < D; d += VW)
+                    vf_storeu(on + d, vf_fmadd(p, vf_load_bf16(vr + d), vf_loadu(on + d)));
             }
         }
     }
@@ -159,10 +160,20 @@ static inline const float *scales_at(const float *base, const pages_t *kv, int b
     return base + ((long)blk * kv->H + h) * kv->B;
 }
 
+/* The key dot products, per ISA: q_prepare puts a query in the form they want (QPREP_BYTES(D) bytes
+   at `prepared`, and a scale *qs); scores_any(prepared, qs, kr, ks, n, D, scale, dst) sets
+   dst[c] = scale * q . k[c] for the n <= VW keys k[c] = kr + c * D, bfloat16 (ks NULL) or int8 with
+   scales ks[c]. int8 keys: q is rounded per head to int16 (s_q = max |q| / 32767: a relative error
+   of 2^-16 of the largest, below bfloat16's own 2^-9) and summed against the keys sign-extended to
+   int16 in int32, exactly (|sum| <= 32767 * 127 * 512 < 2^31), then times s_q and each key's scale. */
+#if defined(GPTJ_ISA_AVX512)
+/* D / 32 vectors of 32 bfloat16 (vdpbf16ps), or of 32 int16 (vpdpwssd); zeros past D */
+#define QPREP_BYTES(D) ((((D) + 31) / 32) * 64)
 /* a query as the key dot products want it: D / 32 vectors of 32 bfloat16, or of 32 int16 with
    scale *qs (int8 keys); zeros past D */
-static inline void q_prepare(const float *q, int D, int int16, __m512i *qv, float *qs)
+static inline void q_prepare(const float *q, int D, int int16, void *prepared, float *qs)
 {
+    __m512i *qv = prepared;
     if (!int16) {
         for (int d = 0; d < D; d += 32) {
             const __m512 lo = _mm512_loadu_ps(q + d), hi = d + 16 < D ? _mm512_loadu_ps(q + d + 16) : _mm512_setzero_ps();
@@ -226,40 +237,118 @@ static inline void scores16_i8(const __m512i *qw, float qs, const int8_t *kr, co
     _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(m, ks)));
 }
 
-/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = vr + c * D, p float32: bfloat16 rows
-   (values_acc; vs unused), or int8 rows times their scales vs[c], folded into p[c] (values_acc_i8).
-   Up to 256 of D at a time: the sums stay in registers over the n rows. One body expanded for each
-   storage: one function testing the storage inside cost ~7 % on bfloat16 KV. */
-#define VALUES_ACC(NAME, T, WEIGHT, LOAD)                                                          \
-static inline void NAME(const float *p, const T *vr, const float *vs, int n, int D, float *o)     \
-{                                                                                                 \
-    (void)vs;                                                                                     \
-    for (int d0 = 0; d0 < D; d0 += 256) {                                                         \
-        const int nk = (D - d0 < 256 ? D - d0 : 256) / 16;                                        \
-        __m512 acc[16];                                                                           \
-        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                     \
-            if (i < nk) acc[i] = _mm512_loadu_ps(o + d0 + i * 16);                                \
-        for (int c = 0; c < n; c++) {                                                             \
-            const __m512 pc = _mm512_set1_ps(WEIGHT);                                             \
-            const long r = (long)c * D + d0;                                                      \
-            _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                 \
-                if (i < nk) acc[i] = _mm512_fmadd_ps(pc, LOAD(vr + r + i * 16), acc[i]);          \
-        }                                                                                         \
-        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                     \
-            if (i < nk) _mm512_storeu_ps(o + d0 + i * 16, acc[i]);                                \
-    }                                                                                             \
-}
-
-VALUES_ACC(values_acc, uint16_t, p[c], bf16_16)
-VALUES_ACC(values_acc_i8, int8_t, p[c] * vs[c], i8_16)
-
 /* the n <= 16 keys of rows kr against a prepared query, either storage */
-static inline void scores_any(const __m512i *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
+static inline void scores_any(const void *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
                               float *dst)
 {
     if (ks) scores16_i8(qv, qs, kr, ks, n, D, scale, dst);
     else scores16((const __m512bh *)qv, kr, n, D, scale, dst);
 }
+#define VACC 16 /* value sums kept in registers: 16 vectors of D */
+
+#elif defined(GPTJ_ISA_AVX2)
+/* D float32 (bfloat16 keys: q as it is, products exact), or D int16 (int8 keys) */
+#define QPREP_BYTES(D) ((long)(D) * 4)
+static inline void q_prepare(const float *q, int D, int int16, void *prepared, float *qs)
+{
+    if (!int16) {
+        memcpy(prepared, q, sizeof(float) * D);
+        *qs = 1.0f;
+        return;
+    }
+    vf mx = vf_zero();
+    for (int d = 0; d < D; d += VW) mx = vf_max(mx, vf_abs(vf_loadu(q + d)));
+    const float top = vf_reduce_max(mx), s = top > 0 ? top / 32767.0f : 1.0f;
+    const vf inv = vf_set1(1.0f / s);
+    for (int d = 0; d < D; d += 16) { /* 16 int16 per step, saturated as vpmovsdw saturates */
+        const __m256i lo = _mm256_cvtps_epi32(vf_mul(vf_loadu(q + d), inv));
+        const __m256i hi = _mm256_cvtps_epi32(vf_mul(vf_loadu(q + d + 8), inv));
+        _mm256_storeu_si256((__m256i *)((int16_t *)prepared + d),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+    *qs = s;
+}
+
+/* r[i] = the sum of the 8 int32 lanes of v[i], for 8 vectors, exact */
+static inline __m256i hsum8_epi32(const __m256i *v)
+{
+    __m256i a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_epi32(v[2 * i], v[2 * i + 1]);
+    b[0] = _mm256_hadd_epi32(a[0], a[1]);
+    b[1] = _mm256_hadd_epi32(a[2], a[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
+/* bfloat16 keys: 8 float32 FMA sums (exact products), one transposed reduction (vf_hsum) */
+static inline void scores8(const float *qf, const uint16_t *kr, int n, int D, float scale, float *dst)
+{
+    vf a[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) a[c] = vf_zero();
+    for (int d = 0; d < D; d += VW) {
+        const vf qv = vf_loadu(qf + d);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (c < n) a[c] = vf_fmadd(vf_load_bf16(kr + (long)c * D + d), qv, a[c]);
+    }
+    vf_store_f32_n(dst, vf_mul(vf_hsum(a, 1), vf_set1(scale)), n);
+}
+
+/* int8 keys: vpmaddwd pairs of int16 products into int32 sums (exact), summed across lanes exactly,
+   rounded to float32 once */
+static inline void scores8_i8(const int16_t *qw, float qs, const int8_t *kr, const float *ks, int n, int D,
+                              float scale, float *dst)
+{
+    __m256i a[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_si256();
+    for (int d = 0; d < D; d += 16) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(qw + d));
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (c < n)
+                a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(kr + (long)c * D + d))), qv));
+    }
+    const vf sums = vf_mul(_mm256_cvtepi32_ps(hsum8_epi32(a)), vf_set1(scale * qs));
+    vf_store_f32_n(dst, vf_mul(sums, vf_loadu_n(ks, n)), n);
+}
+
+static inline void scores_any(const void *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
+                              float *dst)
+{
+    if (ks) scores8_i8(qv, qs, kr, ks, n, D, scale, dst);
+    else scores8(qv, kr, n, D, scale, dst);
+}
+#define VACC 8 /* 16 registers: 8 sums, the weight, the rows */
+#endif
+
+/* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = vr + c * D, p float32: bfloat16 rows
+   (values_acc; vs unused), or int8 rows times their scales vs[c], folded into p[c] (values_acc_i8).
+   VACC x VW of D at a time: the sums stay in registers over the n rows. One body expanded for each
+   storage: one function testing the storage inside cost ~7 % on bfloat16 KV. */
+#define VALUES_ACC(NAME, T, WEIGHT, LOAD)                                                          \
+static inline void NAME(const float *p, const T *vr, const float *vs, int n, int D, float *o)     \
+{                                                                                                 \
+    (void)vs;                                                                                     \
+    for (int d0 = 0; d0 < D; d0 += VACC * VW) {                                                   \
+        const int nk = (D - d0 < VACC * VW ? D - d0 : VACC * VW) / VW;                            \
+        vf acc[VACC];                                                                             \
+        _Pragma("GCC unroll 16") for (int i = 0; i < VACC; i++)                                   \
+            if (i < nk) acc[i] = vf_loadu(o + d0 + i * VW);                                       \
+        for (int c = 0; c < n; c++) {                                                             \
+            const vf pc = vf_set1(WEIGHT);                                                        \
+            const long r = (long)c * D + d0;                                                      \
+            _Pragma("GCC unroll 16") for (int i = 0; i < VACC; i++)                               \
+                if (i < nk) acc[i] = vf_fmadd(pc, LOAD(vr + r + i * VW), acc[i]);                 \
+        }                                                                                         \
+        _Pragma("GCC unroll 16") for (int i = 0; i < VACC; i++)                                   \
+            if (i < nk) vf_storeu(o + d0 + i * VW, acc[i]);                                       \
+    }                                                                                             \
+}
+
+VALUES_ACC(values_acc, uint16_t, p[c], vf_load_bf16)
+VALUES_ACC(values_acc_i8, int8_t, p[c] * vs[c], vf_load_i8)
 
 static inline void values_any(const float *p, const void *vr, const float *vs, int n, int D, float *o)
 {
@@ -272,13 +361,13 @@ static inline void values_any(const float *p, const void *vr, const float *vs, i
    all the group's queries (up to ATT_QB at a time) while they are in cache. Scratch: s
    ATT_QB x (h1 - h0) x L scores; qv, qs the block of queries prepared (q_prepare), ATT_QB x (h1 - h0). */
 static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
-                        const int *otab, int omax, int ol, float *out, float scale, float *s, __m512i *qv, float *qs)
+                        const int *otab, int omax, int ol, float *out, float scale, float *s, char *qv, float *qs)
 {
-    const int H = kv->H, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0, nv = (D + 31) / 32;
+    const int H = kv->H, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
     const long head_bytes = (long)B * D * (kv->ks ? 1 : 2);
     const int i8 = kv->ks != NULL;
 #define S(i, h) (s + ((long)(i) * nh + ((h) - h0)) * L)
-#define QV(i, h) (qv + ((long)(i) * nh + ((h) - h0)) * nv)
+#define QV(i, h) (qv + ((long)(i) * nh + ((h) - h0)) * QPREP_BYTES(D))
 #define QS(i, h) qs[(long)(i) * nh + ((h) - h0)]
 #define O(n, h) (out + ((long)(n) * H + (h)) * D)
 #define KS(blk, h) (i8 ? scales_at(kv->ks, kv, blk, h) : NULL)
@@ -294,9 +383,9 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
                 const float *ks = KS(stab[j], h);
                 if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->k, stab[j + 1], h), head_bytes);
                 for (int i = 0; i < nb; i++)
-                    for (int c = 0; c < tn; c += 16)
+                    for (int c = 0; c < tn; c += VW)
                         scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
-                                 tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + j * B + c);
+                                 tn - c < VW ? tn - c : VW, D, scale, S(i, h) + j * B + c);
             }
         }
         for (int i = 0; i < nb; i++) { /* each query's own blocks */
@@ -307,9 +396,9 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
                     const char *kb = rows_at(kv, kv->k, blk, h);
                     const float *ks = KS(blk, h);
                     if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->k, otab[(long)n * omax + j + 1], h), head_bytes);
-                    for (int c = 0; c < tn; c += 16)
+                    for (int c = 0; c < tn; c += VW)
                         scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
-                                 tn - c < 16 ? tn - c : 16, D, scale, S(i, h) + sl + j * B + c);
+                                 tn - c < VW ? tn - c : VW, D, scale, S(i, h) + sl + j * B + c);
                 }
             }
             for (int h = h0; h < h1; h++) {
@@ -362,19 +451,19 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
     if (parts > H) parts = H;
     const int hper = (H + parts - 1) / parts;
     parts = (H + hper - 1) / hper;
-    const long nq = (long)ATT_QB * hper, nv = (D + 31) / 32;
+    const long nq = (long)ATT_QB * hper, sbytes = ((sizeof(float) * nq * maxL + 63) / 64) * 64;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* scores (nq x maxL floats) | prepared queries (nq x nv vectors, 64-byte aligned) | their scales */
-        char *buf = aligned_alloc(64, ((sizeof(float) * nq * maxL + 63) / 64) * 64 + nq * nv * 64 + sizeof(float) * nq);
+        /* scores (nq x maxL floats) | prepared queries (nq x QPREP_BYTES, 64-byte aligned) | their scales */
+        char *buf = aligned_alloc(64, sbytes + nq * QPREP_BYTES(D) + ((sizeof(float) * nq + 63) / 64) * 64);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
         float *s = (float *)buf;
-        __m512i *qv = (__m512i *)(buf + ((sizeof(float) * nq * maxL + 63) / 64) * 64);
-        float *qs = (float *)(qv + nq * nv);
+        char *qv = buf + sbytes;
+        float *qs = (float *)(qv + nq * QPREP_BYTES(D));
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)G * parts; w++) {
             const int g = (int)(w / parts), h0 = (int)(w % parts) * hper;
@@ -407,6 +496,7 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
    q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even;
    out bfloat16 at out[t * so + h * D + d], rounded to nearest even once. */
 
+#if defined(GPTJ_ISA_AVX512)
 #define PF_QT 16 /* queries per tile */
 
 static const int16_t PAIR_IDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -421,16 +511,28 @@ static inline __m512i pairs_bf16(__m512 a, __m512 b)
 /* 16 values of a row as bfloat16: bfloat16 rows as stored, int8 rows widened (exact) */
 static inline __m256i row16_bf16(const pages_t *kv, const void *row, int d)
 {
-    if (kv->ks) return (__m256i)_mm512_cvtneps_pbh(i8_16((const int8_t *)row + d));
+    if (kv->ks) return (__m256i)_mm512_cvtneps_pbh(vf_load_i8((const int8_t *)row + d));
     return _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
 }
 
-/* scratch per thread: st (L, 16) float scores / probabilities; pp (L / 2 + 1, 16) probability pairs;
-   vp (L / 2 + 1, D) value pairs; qp (D / 2, 16) query pairs; kw (16, D) int8 keys widened */
-static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, int p0, int nq, const int *tab,
-                         int start, uint16_t *out, long so, float scale, float *st, uint32_t *pp, uint16_t *vp,
-                         uint32_t *qp, uint16_t *kw)
+/* scratch per thread, for up to Lmax keys: st (Lmax, 16) float scores / probabilities; pp (Lmax / 2 + 1, 16)
+   probability pairs; vp (Lmax / 2 + 1, 2D) value pairs; qp (D / 2, 16) query pairs; kw (16, D) int8
+   keys widened */
+static long prefill_scratch_bytes(long Lmax, int D)
 {
+    return sizeof(float) * Lmax * PF_QT + sizeof(uint32_t) * (Lmax / 2 + 1) * PF_QT
+           + sizeof(uint16_t) * (Lmax / 2 + 1) * 2 * D + sizeof(uint32_t) * (D / 2) * PF_QT
+           + sizeof(uint16_t) * PF_QT * D + 64;
+}
+
+static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, int p0, int nq, const int *tab,
+                         int start, uint16_t *out, long so, float scale, char *buf, long Lmax)
+{
+    float *st = (float *)buf;
+    uint32_t *pp = (uint32_t *)(st + Lmax * PF_QT);
+    uint16_t *vp = (uint16_t *)(pp + (Lmax / 2 + 1) * PF_QT);
+    uint32_t *qp = (uint32_t *)(vp + (Lmax / 2 + 1) * 2 * (long)kv->D);
+    uint16_t *kw = (uint16_t *)(qp + (kv->D / 2) * PF_QT);
     const int B = kv->B, D = kv->D, i8 = kv->ks != NULL;
     const long head_bytes = (long)B * D * (i8 ? 1 : 2);
     const int pos0 = start + p0, L = pos0 + nq, D2 = D / 2; /* keys of the tile's last query */
@@ -476,7 +578,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     __m512 sum = _mm512_setzero_ps();
     for (int kp = 0; kp < L; kp++) {
         const __m512 sv = _mm512_loadu_ps(st + (long)kp * PF_QT);
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_UQ), exp_ps(_mm512_sub_ps(sv, mx)));
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_UQ), vf_exp(_mm512_sub_ps(sv, mx)));
         sum = _mm512_add_ps(sum, e);
         _mm512_storeu_ps(st + (long)kp * PF_QT, e);
     }
@@ -537,6 +639,124 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     }
 }
 
+#elif defined(GPTJ_ISA_AVX2)
+#define PF_QT VW /* queries per tile: the lanes */
+#define PF_KB 8  /* keys per pass: their 8 sums stay in registers */
+
+/* scratch per thread, for up to Lmax keys: st (Lmax, 8) float scores / probabilities; qt (D, 8) the
+   tile's queries transposed; kw (8, D) keys widened to float32 */
+static long prefill_scratch_bytes(long Lmax, int D)
+{
+    return sizeof(float) * (Lmax * PF_QT + (long)D * PF_QT + (long)PF_KB * D) + 64;
+}
+
+/* out[i][d0 .. d0 + 2 VW) for queries i0 .. i0 + 3 of the tile: sum over keys of p[i][key] v[key][d],
+   value rows widened (exact) from bfloat16 or int8 (their scales already in p), float32 FMAs */
+static inline __attribute__((always_inline)) void prefill_values(const pages_t *kv, int h, const int *tab, int L,
+                                                                  const float *st, int i0, int d0, int i8, vf o[4][2])
+{
+    const int B = kv->B, D = kv->D;
+    for (int j = 0; j * B < L; j++) {
+        const char *rows = rows_at(kv, kv->v, tab[j], h);
+        const int nr = L - j * B < B ? L - j * B : B;
+        for (int r = 0; r < nr; r++) {
+            const vf v0 = i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0)
+                             : vf_load_bf16((const uint16_t *)rows + (long)r * D + d0);
+            const vf v1 = i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0 + VW)
+                             : vf_load_bf16((const uint16_t *)rows + (long)r * D + d0 + VW);
+            const float *pk = st + (long)(j * B + r) * PF_QT + i0;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const vf p = vf_set1(pk[i]);
+                o[i][0] = vf_fmadd(p, v0, o[i][0]);
+                o[i][1] = vf_fmadd(p, v1, o[i][1]);
+            }
+        }
+    }
+}
+
+/* One tile of PF_QT = 8 queries, the lanes of every vector:
+   - scores, PF_KB keys at a time: acc[c] += q column d (8 queries) * key c's d broadcast, float32
+     FMAs on keys widened to float32 (exact products, float32 sums), then the causal mask as in the
+     AVX-512 tile;
+   - softmax across the keys' vectors, 8 queries at once;
+   - the probabilities rounded to bfloat16 (an int8 value row's scale multiplied in first), as
+     the AVX-512 tile rounds them, and summed against the value rows widened to float32 (exact
+     products), 4 queries x 16 values at a time, rounded once. */
+static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, int p0, int nq, const int *tab,
+                         int start, uint16_t *out, long so, float scale, char *buf, long Lmax)
+{
+    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL;
+    const long head_bytes = (long)B * D * (i8 ? 1 : 2);
+    const int pos0 = start + p0, L = pos0 + nq; /* keys of the tile's last query */
+    float *st = (float *)buf, *qt = st + Lmax * PF_QT, *kw = qt + (long)D * PF_QT;
+    for (int d = 0; d < D; d++)
+        for (int i = 0; i < PF_QT; i++)
+            qt[(long)d * PF_QT + i] = i < nq ? bf16_to_f32(q[(long)(p0 + i) * sq + (long)h * D + d]) : 0.0f;
+    /* scores */
+    const vf ninf = vf_set1(-INFINITY);
+    vf mx = ninf;
+    for (int c0 = 0; c0 < L;) {
+        const int j = c0 / B, off = c0 % B;
+        int n = B - off < PF_KB ? B - off : PF_KB;
+        if (L - c0 < n) n = L - c0;
+        const char *rows = (const char *)rows_at(kv, kv->k, tab[j], h) + (long)off * D * (i8 ? 1 : 2);
+        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], h), head_bytes);
+        for (int c = 0; c < n; c++) /* the n keys widened to float32 (exact) */
+            for (int d = 0; d < D; d += VW)
+                vf_storeu(kw + (long)c * D + d, i8 ? vf_load_i8((const int8_t *)rows + (long)c * D + d)
+                                                   : vf_load_bf16((const uint16_t *)rows + (long)c * D + d));
+        vf acc[PF_KB];
+#pragma GCC unroll 8
+        for (int c = 0; c < PF_KB; c++) acc[c] = vf_zero();
+        for (int d = 0; d < D; d++) {
+            const vf qv = vf_loadu(qt + (long)d * PF_QT);
+#pragma GCC unroll 8
+            for (int c = 0; c < PF_KB; c++)
+                if (c < n) acc[c] = vf_fmadd(qv, _mm256_broadcast_ss(kw + (long)c * D + d), acc[c]);
+        }
+        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
+        for (int c = 0; c < n; c++) {
+            const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
+            vf sv = vf_mul(acc[c], vf_set1(ks ? scale * ks[c] : scale));
+            if (kp > pos0) sv = vf_fill_below(sv, kp - pos0 < PF_QT ? kp - pos0 : PF_QT, ninf);
+            mx = vf_max(mx, sv);
+            vf_storeu(st + (long)kp * PF_QT, sv);
+        }
+        c0 += n;
+    }
+    /* softmax: e^(s - max), 0 where masked; the probabilities rounded to bfloat16 */
+    vf sum = vf_zero();
+    for (int kp = 0; kp < L; kp++) {
+        const vf sv = vf_loadu(st + (long)kp * PF_QT);
+        const vf e = vf_zero_where_neginf(vf_exp(vf_sub(sv, mx)), sv);
+        sum = vf_add(sum, e);
+        vf_storeu(st + (long)kp * PF_QT, e);
+    }
+    const vf inv = vf_div(vf_set1(1.0f), sum);
+    for (int kp = 0; kp < L; kp++) {
+        vf pv = vf_mul(vf_loadu(st + (long)kp * PF_QT), inv);
+        if (i8) pv = vf_mul(pv, vf_set1(scales_at(kv->vs, kv, tab[kp / B], h)[kp % B]));
+        vf_storeu(st + (long)kp * PF_QT, vf_round_bf16(pv));
+    }
+    /* values */
+    for (int i0 = 0; i0 < nq; i0 += 4) {
+        for (int d0 = 0; d0 < D; d0 += 2 * VW) {
+            vf o[4][2];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) o[i][0] = o[i][1] = vf_zero();
+            if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, o);
+            else prefill_values(kv, h, tab, L, st, i0, d0, 0, o);
+            for (int i = 0; i < 4 && i0 + i < nq; i++) {
+                uint16_t *dst = out + (long)(p0 + i0 + i) * so + (long)h * D + d0;
+                vf_store_bf16(dst, o[i][0]);
+                vf_store_bf16(dst + VW, o[i][1]);
+            }
+        }
+    }
+}
+#endif
+
 /* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales */
 int prefill_paged(const uint16_t *q, long sq, int T, int H, int D, const void *kc, const void *vc, const float *ks,
                   const float *vs, int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
@@ -547,25 +767,17 @@ int prefill_paged(const uint16_t *q, long sq, int T, int H, int D, const void *k
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* st (L, 16) floats | pp (L / 2 + 1, 16) pairs | vp (L / 2 + 1, 2D) bf16 | qp (D / 2, 16) pairs | kw (16, D) */
-        const long n_st = L * PF_QT, n_pp = (L / 2 + 1) * PF_QT, n_vp = (L / 2 + 1) * 2 * D;
-        char *buf = malloc(sizeof(float) * n_st + sizeof(uint32_t) * n_pp + sizeof(uint16_t) * n_vp
-                           + sizeof(uint32_t) * (D / 2) * PF_QT + sizeof(uint16_t) * PF_QT * D + 64);
+        char *buf = malloc(prefill_scratch_bytes(L, D));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        float *st = (float *)buf;
-        uint32_t *pp = (uint32_t *)(st + n_st);
-        uint16_t *vp = (uint16_t *)(pp + n_pp);
-        uint32_t *qp = (uint32_t *)(vp + n_vp);
-        uint16_t *kw = (uint16_t *)(qp + (D / 2) * PF_QT);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)H * tiles; w++) {
             /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
             const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
             const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
-            if (buf) prefill_tile(q, sq, &kv, h, p0, nq, tab, start, out, so, scale, st, pp, vp, qp, kw);
+            if (buf) prefill_tile(q, sq, &kv, h, p0, nq, tab, start, out, so, scale, buf, L);
         }
         free(buf);
     }

@@ -8,16 +8,14 @@
    thread count. */
 
 /* y[m, n] = gelu_tanh(x[m, n]) = x / (1 + e^(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the same
-   function as 0.5 x (1 + tanh(u)) without its cancellation for negative x. e^(-2u) by exp_ps
-   (relative error < 5e-9; below -87.3 it gives ~2^-126, so y = x; above ~88.7 it overflows to
-   infinity, so y = -0, as the exact value underflows float32). */
-static inline __m512 gelu16(__m512 x)
+   function as 0.5 x (1 + tanh(u)) without its cancellation for negative x. e^(-2u) by vf_exp
+   (relative error < 5e-9; below -87.3 it gives ~2^-126, so y = x; above 88.8 infinity, so y = -0, as
+   the exact value underflows float32). */
+static inline vf gelu_vf(vf x)
 {
-    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(x3, _mm512_set1_ps(0.044715f), x),
-                                   _mm512_set1_ps(-1.5957691216057308f)); /* -2 sqrt(2/pi) */
-    const __m512 e = exp_ps(u);
-    return _mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+    const vf x3 = vf_mul(vf_mul(x, x), x);
+    const vf u = vf_mul(vf_fmadd(x3, vf_set1(0.044715f), x), vf_set1(-1.5957691216057308f)); /* -2 sqrt(2/pi) */
+    return vf_div(x, vf_add(vf_exp(u), vf_set1(1.0f)));
 }
 
 void gelu_bf16(const uint16_t *x, long sx, uint16_t *y, long sy, long M, long N, int nthreads)
@@ -26,12 +24,7 @@ void gelu_bf16(const uint16_t *x, long sx, uint16_t *y, long sy, long M, long N,
     for (long m = 0; m < M; m++) {
         const uint16_t *xr = x + m * sx;
         uint16_t *yr = y + m * sy;
-        for (long n = 0; n < N; n += 16) {
-            const __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, xr + n)), 16));
-            _mm256_mask_storeu_epi16(yr + n, k, (__m256i)_mm512_cvtneps_pbh(gelu16(v)));
-        }
+        for (long n = 0; n < N; n += VW) vf_store_bf16_upto(yr + n, gelu_vf(vf_load_bf16_upto(xr + n, N - n)), N - n);
     }
 }
 
@@ -43,18 +36,14 @@ void gelu_bf16(const uint16_t *x, long sx, uint16_t *y, long sy, long M, long N,
 void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16_t *sin, const uint16_t *cos,
                  int nthreads)
 {
-    const __m512 sign = _mm512_castsi512_ps(_mm512_set_epi32(0, (int)0x80000000, 0, (int)0x80000000, 0,
-        (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0,
-        (int)0x80000000)); /* lane 2i: -x[2i+1]; lane 2i+1: +x[2i] */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)T * nh * R >= 32768)
     for (int t = 0; t < T; t++) {
-        for (int r = 0; r < R; r += 16) {
-            const __m512 s = bf16_16(sin + (long)t * R + r), c = bf16_16(cos + (long)t * R + r);
+        for (int r = 0; r < R; r += VW) {
+            const vf s = vf_load_bf16(sin + (long)t * R + r), c = vf_load_bf16(cos + (long)t * R + r);
             for (int h = 0; h < nh; h++) {
                 uint16_t *p = x + t * sx + (long)h * D + r;
-                const __m512 v = bf16_16(p);
-                const __m512 w = _mm512_xor_ps(_mm512_permute_ps(v, 0xB1), sign); /* pairs swapped, evens negated */
-                _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(w, s, _mm512_mul_ps(v, c))));
+                const vf v = vf_load_bf16(p);
+                vf_store_bf16(p, vf_fmadd(vf_rotate_pairs(v), s, vf_mul(v, c)));
             }
         }
     }
@@ -68,28 +57,25 @@ void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16
    q + zp as bytes (zp 0: int8; 128: oneDNN's uint8 with zero point 128). */
 static inline float row_scale(const uint16_t *x, const float *inv_smooth, long K)
 {
-    __m512 mx = _mm512_setzero_ps();
-    for (long k = 0; k < K; k += 16) {
-        const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        __m512 v = load_bf16x16(x + k, t);
-        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    vf mx = vf_zero();
+    for (long k = 0; k < K; k += VW) {
+        vf v = vf_load_bf16_upto(x + k, K - k);
+        if (inv_smooth) v = vf_mul(v, vf_loadu_upto(inv_smooth + k, K - k));
+        mx = vf_max(mx, vf_abs(v));
     }
-    const float s = _mm512_reduce_max_ps(mx) / 127.0f;
+    const float s = vf_reduce_max(mx) / 127.0f;
     return s >= 0x1p-120f ? s : 0x1p-120f;
 }
 
 static inline void row_round(const uint16_t *x, const float *inv_smooth, long K, float s, int zp, uint8_t *q)
 {
-    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    const __m512i z = _mm512_set1_epi32(zp);
-    for (long k = 0; k < K; k += 16) {
-        const __mmask16 t = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        __m512 v = load_bf16x16(x + k, t);
-        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(t, inv_smooth + k));
-        v = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-        _mm_mask_storeu_epi8(q + k, t, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), z)));
+    const vf vs = vf_set1(s), lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
+    for (long k = 0; k < K; k += VW) {
+        const int n = K - k >= VW ? VW : (int)(K - k);
+        vf v = vf_load_bf16_upto(x + k, n);
+        if (inv_smooth) v = vf_mul(v, vf_loadu_upto(inv_smooth + k, n));
+        v = vf_min(vf_max(vf_round(vf_div(v, vs)), lo), hi);
+        vf_store_bytes_n(q + k, v, zp, n);
     }
 }
 
@@ -144,15 +130,11 @@ void scale_rows_bf16(const float *acc, long sa, const float *rs, const uint16_t 
 {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
     for (long m = 0; m < M; m++) {
-        const __m512 r = _mm512_set1_ps(rs[m]);
-        for (long n = 0; n < N; n += 16) {
-            const __mmask16 t = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(t, acc + m * sa + n), r));
-            if (bias) {
-                const __m512 once = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(once, load_bf16x16(bias + n, t)));
-            }
-            _mm256_mask_storeu_epi16(y + m * sy + n, t, h);
+        const vf r = vf_set1(rs[m]);
+        for (long n = 0; n < N; n += VW) {
+            vf v = vf_mul(vf_loadu_upto(acc + m * sa + n, N - n), r);
+            if (bias) v = vf_add(vf_round_bf16(v), vf_load_bf16_upto(bias + n, N - n));
+            vf_store_bf16_upto(y + m * sy + n, v, N - n);
         }
     }
 }

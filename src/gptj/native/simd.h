@@ -3,12 +3,13 @@
 
    The build defines one ISA (gptj/native/__init__.py's ISAS, one library per ISA, chosen at load from
    the CPU's flags):
-     GPTJ_ISA_AVX512  AVX-512 F/BW/VL with BF16 and VNNI: every kernel; bfloat16 dot products
-                      (vdpbf16ps) in the GEMV
-     GPTJ_ISA_AVX2    AVX2 + FMA + F16C (AMD Zen 2/3, Intel Haswell on): the GEMV, in float32 FMAs
-   The GEMV is written once against the vector layer below (vf: VW float32 lanes); another ISA (ARM
-   NEON / SVE) is one more section here. The AVX-512 helpers after it serve the kernels that exist
-   for AVX-512 only (attention.c, elementwise.c). */
+     GPTJ_ISA_AVX512  AVX-512 F/BW/VL with BF16 and VNNI: bfloat16 dot products (vdpbf16ps) in the
+                      GEMV and attention's scores, int16 ones (vpdpwssd) for int8 keys
+     GPTJ_ISA_AVX2    AVX2 + FMA + F16C (AMD Zen 2/3, Intel Haswell on): float32 FMAs on bfloat16 and
+                      int8 widened (exact), int16 pairs (vpmaddwd) for int8 keys
+   Every kernel is written once against the vector layer below (vf: VW float32 lanes); the few
+   steps that differ by more than the width (attention's key dot products, prefill's tile) have a
+   section per ISA in attention.c. Another ISA (ARM NEON / SVE) is one more section here. */
 
 #ifndef GPTJ_NATIVE_SIMD_H
 #define GPTJ_NATIVE_SIMD_H
@@ -54,6 +55,15 @@ typedef __m512 vf;
 #define vf_add(a, b) _mm512_add_ps(a, b)
 #define vf_mul(a, b) _mm512_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_fnmadd(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define vf_sub(a, b) _mm512_sub_ps(a, b)
+#define vf_div(a, b) _mm512_div_ps(a, b)
+#define vf_max(a, b) _mm512_max_ps(a, b)
+#define vf_min(a, b) _mm512_min_ps(a, b)
+#define vf_abs(a) _mm512_abs_ps(a)
+#define vf_round(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vf_reduce_add(a) _mm512_reduce_add_ps(a)
+#define vf_reduce_max(a) _mm512_reduce_max_ps(a)
 #define vf_loadu(p) _mm512_loadu_ps(p)
 #define vf_storeu(p, v) _mm512_storeu_ps(p, v)
 #define VMASK(n) ((__mmask16)((1u << (n)) - 1))
@@ -79,7 +89,37 @@ static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
 {
     _mm256_mask_storeu_epi16(p, VMASK(n), (__m256i)_mm512_cvtneps_pbh(v));
 }
+static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline vf vf_hsum(const vf *v, long stride);  /* hsum16, below */
+/* v rounded to bfloat16 (nearest even), as float32 */
+static inline vf vf_round_bf16(vf v)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+/* p * 2^n, n integral */
+static inline vf vf_scale2n(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+/* lanes [n, VW) zeroed */
+static inline vf vf_keep_n(vf v, int n) { return _mm512_maskz_mov_ps(VMASK(n), v); }
+/* lanes [0, n) replaced by fill */
+static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm512_mask_mov_ps(v, VMASK(n), fill); }
+/* v where s is not -inf, else 0 */
+static inline vf vf_zero_where_neginf(vf v, vf s)
+{
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ), v);
+}
+/* rotary's partner: lane 2i gets -v[2i+1], lane 2i+1 gets v[2i] */
+static inline vf vf_rotate_pairs(vf v)
+{
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set_epi32(0, (int)0x80000000, 0, (int)0x80000000, 0,
+        (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0,
+        (int)0x80000000));
+    return _mm512_xor_ps(_mm512_permute_ps(v, 0xB1), sign);
+}
+/* the first n lanes of v (integral float32 values) plus zp, as bytes (their low 8 bits) */
+static inline void vf_store_bytes_n(uint8_t *p, vf v, int zp, int n)
+{
+    _mm_mask_storeu_epi8(p, VMASK(n), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(zp))));
+}
 
 #elif defined(GPTJ_ISA_AVX2)
 typedef __m256 vf;
@@ -89,6 +129,13 @@ typedef __m256 vf;
 #define vf_add(a, b) _mm256_add_ps(a, b)
 #define vf_mul(a, b) _mm256_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_fnmadd(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define vf_sub(a, b) _mm256_sub_ps(a, b)
+#define vf_div(a, b) _mm256_div_ps(a, b)
+#define vf_max(a, b) _mm256_max_ps(a, b)
+#define vf_min(a, b) _mm256_min_ps(a, b)
+#define vf_abs(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)
+#define vf_round(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vf_loadu(p) _mm256_loadu_ps(p)
 #define vf_storeu(p, v) _mm256_storeu_ps(p, v)
 /* lanes [0, n) all ones: maskload / maskstore take the sign bit of each 32-bit lane */
@@ -118,20 +165,73 @@ static inline vf vf_load_bf16_n(const uint16_t *p, int n)
     return vf_load_bf16(t);
 }
 static inline void vf_store_f32_n(float *p, vf v, int n) { _mm256_maskstore_ps(p, lanes_n(n), v); }
-static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
+/* v rounded to bfloat16 in the integer domain, u + 0x7fff + (u >> 16 & 1) (NaN: quieted), its high
+   halves as 16-bit lanes 0-7 of the result */
+static inline __m128i bf16_bits(vf v)
 {
-    /* round to nearest even in the integer domain: u + 0x7fff + (u >> 16 & 1), then the high half
-       (NaN: quieted); packus keeps 16 bits of each 32-bit lane (values below 2^16 after the shift) */
     __m256i u = _mm256_castps_si256(v);
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
                                                      _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-    r = _mm256_srli_epi32(r, 16);
-    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    r = _mm256_srli_epi32(r, 16);  /* below 2^16: packus keeps each lane's 16 bits */
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+static inline void vf_store_bf16(uint16_t *p, vf v) { _mm_storeu_si128((__m128i *)p, bf16_bits(v)); }
+static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
+{
     uint16_t t[8];
-    _mm_storeu_si128((__m128i *)t, h);
+    _mm_storeu_si128((__m128i *)t, bf16_bits(v));
     memcpy(p, t, (size_t)n * 2);
+}
+static inline vf vf_round_bf16(vf v)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+static inline float vf_reduce_add(vf v)
+{
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+static inline float vf_reduce_max(vf v)
+{
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+/* p * 2^n for integral n in [-252, 254], as two exponent factors, each a normal float32 */
+static inline vf vf_scale2n(vf p, vf n)
+{
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const vf f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const vf f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+static inline vf vf_keep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
+static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm256_blendv_ps(v, fill, _mm256_castsi256_ps(lanes_n(n))); }
+static inline vf vf_zero_where_neginf(vf v, vf s)
+{
+    return _mm256_and_ps(v, _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ));
+}
+static inline vf vf_rotate_pairs(vf v)
+{
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set_epi32(0, (int)0x80000000, 0, (int)0x80000000, 0,
+                                                             (int)0x80000000, 0, (int)0x80000000));
+    return _mm256_xor_ps(_mm256_permute_ps(v, 0xB1), sign);
+}
+static inline void vf_store_bytes_n(uint8_t *p, vf v, int zp, int n)
+{
+    const __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(zp));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)); /* -127..255: exact */
+    const __m128i b = _mm_shuffle_epi8(w, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    if (n == 8) _mm_storel_epi64((__m128i *)p, b);
+    else {
+        uint8_t t[16];
+        _mm_storeu_si128((__m128i *)t, b);
+        memcpy(p, t, (size_t)n);
+    }
 }
 /* r[i] = sum of the 8 lanes of v[i * stride], for 8 vectors */
 static inline vf vf_hsum(const vf *v, long stride)
@@ -182,25 +282,39 @@ static inline __m512 hsum16(const __m512 *v, long stride)
     return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
 }
 
-/* e^x, 16 lanes, for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r, |r| <= ln2/2,
-   e^r by its Taylor series to r^7 (relative error < 5e-9, below float32's 6e-8 rounding), times 2^n.
-   x below -87.3 gives 2^-126-ish, not 0: negligible beside the maximum's e^0 = 1. */
-static inline __m512 exp_ps(__m512 x)
+static inline vf vf_hsum(const vf *v, long stride) { return hsum16(v, stride); }
+#endif /* GPTJ_ISA_AVX512 */
+
+/* ---- on the vector layer, every ISA ---- */
+
+/* the first min(n, VW) values at p (zeros after), and their store */
+static inline vf vf_load_bf16_upto(const uint16_t *p, long n) { return n >= VW ? vf_load_bf16(p) : vf_load_bf16_n(p, (int)n); }
+static inline vf vf_loadu_upto(const float *p, long n) { return n >= VW ? vf_loadu(p) : vf_loadu_n(p, (int)n); }
+static inline void vf_store_bf16_upto(uint16_t *p, vf v, long n)
 {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2 = hi + lo (Cody-Waite) */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    if (n >= VW) vf_store_bf16(p, v);
+    else vf_store_bf16_n(p, v, (int)n);
+}
+
+/* e^x, VW lanes: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7 (relative error < 5e-9,
+   below float32's 6e-8 rounding), times 2^n. x is clamped to [-87.3, 88.8]: below, 2^-126-ish
+   instead of 0 (negligible beside softmax's maximum, e^0 = 1); above, infinity, as e^x overflows
+   float32 there anyway (the clamp keeps 2^n in vf_scale2n's range). */
+static inline vf vf_exp(vf x)
+{
+    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.8f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x); /* ln2 = hi + lo (Cody-Waite) */
+    r = vf_fnmadd(n, vf_set1(1.428606765330187e-06f), r);
+    vf p = vf_set1(1.0f / 5040);
+    p = vf_fmadd(p, r, vf_set1(1.0f / 720));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_scale2n(p, n);
 }
 
 /* the cache lines of [p, p + bytes) toward L1: a block's head rows one block ahead of their use
@@ -209,8 +323,5 @@ static inline void prefetch_span(const void *p, long bytes)
 {
     for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
-
-static inline vf vf_hsum(const vf *v, long stride) { return hsum16(v, stride); }
-#endif /* GPTJ_ISA_AVX512 */
 
 #endif
