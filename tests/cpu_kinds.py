@@ -26,7 +26,7 @@ FLAGS = {
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:
     """gptj.cpu.flags() answers as a CPU of `kind` (one of gptj.cpu.KINDS) does, and gptj.native
-    loads that kind's library (its best ISA's: the AVX2 GEMV for the AVX2 and AVX-512-without-BF16
+    loads that kind's library (its best ISA's: the AVX2 one for the AVX2 and AVX-512-without-BF16
     kinds) where this machine can run it too, or none."""
     from gptj import native
 

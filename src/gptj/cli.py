@@ -623,7 +623,9 @@ def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     flags.add_engine_flags(p, batch_alias=True, prefill_chunk=flags.SERVE_PREFILL_CHUNK,
                            max_seqs_help="sequences running at once, beams counted each (default: as many as the "
                                          "KV memory holds, at most 256)")
-    flags.add_model_flags(p, quantize_help="quantize the models' linears on load (weight-only)")
+    # auto: bfloat16 where it runs fast (served at 1.55-1.89x float32's tokens/s on AVX2 with gptj.native,
+    # docs/PERFORMANCE.md), else float32; serving is not where exactness is the point
+    flags.add_model_flags(p, dtype="auto", quantize_help="quantize the models' linears on load (weight-only)")
     flags.add_threads_flag(p, help="torch compute threads (default: the usable cores less 1, left to the event loop: on 2 "
                         "busy cores, 1 thread answered concurrent requests 5-15x sooner than 2; docs/PERFORMANCE.md); "
                         "with --tp/--pp, split over the ranks (default: the cores split); with Ray, each "

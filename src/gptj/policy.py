@@ -83,7 +83,7 @@ PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this
 
 # Linear paths (see the table above).
 TORCH = "torch"  # F.linear on the weight as it is (float32: the exact path)
-NATIVE = "native"  # gptj.native's AVX-512 GEMV
+NATIVE = "native"  # gptj.native's GEMV (AVX-512 or AVX2)
 ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
 WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
@@ -193,8 +193,8 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def native_available() -> bool:
-    """All of gptj.native's kernels are built and loaded here: the AVX-512-BF16 library (gptj.native
-    caches the answer; GPTJ_NATIVE=0 says no). The attention and elementwise paths need it."""
+    """All of gptj.native's kernels are built and loaded here: the AVX-512-BF16 or the AVX2 library
+    (gptj.native caches the answer; GPTJ_NATIVE=0 says no). The attention and elementwise paths need it."""
     return native.available()
 
 

@@ -229,7 +229,7 @@ def _open(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = Non
 
 def open_isa(name: str) -> ctypes.CDLL | None:
     """The library of the ISA `name` (one of ISAS), built if needed, uncached and unbound: how tests
-    run an ISA below this CPU's best (the AVX2 GEMV on an AVX-512 machine). None where the CPU
+    run an ISA below this CPU's best (the AVX2 kernels on an AVX-512 machine). None where the CPU
     cannot run it or it cannot be built."""
     return _open(isa=next(i for i in ISAS if i.name == name))
 

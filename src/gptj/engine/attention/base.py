@@ -13,7 +13,7 @@ the model calls `PagedBatch.attend`, which only delegates:
 
 Backends (gptj.policy.attention_path names one; engine.attention.make_backend builds it):
 reference.py (torch's eager and compiled forms: the ground truth every other one is tested
-against), cpu_native.py (gptj.native's AVX-512 kernels), cuda.py (a Triton kernel for the whole
+against), cpu_native.py (gptj.native's kernels, AVX-512 or AVX2), cuda.py (a Triton kernel for the whole
 decode batch). Scores and softmax are float32 in all of them (HF's rule).
 """
 

@@ -1,4 +1,4 @@
-"""The CPU native backend: gptj.native's AVX-512 kernels (a bfloat16 model's bfloat16 or int8 KV).
+"""The CPU native backend: gptj.native's kernels, AVX-512 or AVX2 (a bfloat16 model's bfloat16 or int8 KV).
 
 One call computes every decode group of a step (native.attention_paged over the step's
 DecodeTables), reading the blocks in place and a shared prompt once per 8 beams: 2x the compiled
