@@ -144,6 +144,20 @@ def check_membw(out: dict, err: str) -> None:
         assert positive(out[key]["median_gb_s"]) and out[key]["best_gb_s"] >= out[key]["median_gb_s"]
 
 
+def check_native_attention(out: dict, err: str) -> None:
+    from gptj import native
+
+    if native.unavailable_reason() is not None:
+        assert out["skipped"]
+        return
+    runs = {i.name for i in native.ISAS if native.open_isa(i.name) is not None}  # every library this CPU runs
+    assert set(out["ms"]) == runs and native.isa().name in runs
+    for row in out["ms"].values():
+        assert set(row) == {"decode bf16 1", "decode int8 1", "decode bf16 2", "decode int8 2", "prefill bf16 @0",
+                            "prefill int8 @0", "prefill bf16 @40", "gelu 8x16384"}
+        assert all(positive(v) for v in row.values())
+
+
 def check_native_gemv(out: dict, err: str) -> None:
     from gptj import native
 
@@ -339,6 +353,8 @@ SMOKE: dict[str, Job] = {
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
+    "native_attention.py": Job("native_attention.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"],
+                               check_native_attention),
     "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
     "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
                                                                   "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),

@@ -190,6 +190,19 @@ def test_dtype_auto_is_bfloat16_where_it_runs_fast(kind, monkeypatch):
     assert policy.auto_dtype("cpu") == torch.bfloat16
 
 
+def test_dtype_auto_for_a_gpu_this_machine_lacks_is_bfloat16(monkeypatch):
+    """`gptj serve --ray --device cuda` (auto by default) on a head node without a GPU: the spec says
+    bfloat16 for the nodes' GPUs, where the model loads and the device is checked, not an error here."""
+    from gptj.errors import GptjError
+    from gptj.runtime.spec import ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ModelSpec(dtype="auto", device="cuda").torch_dtype == torch.bfloat16
+    assert ModelSpec(dtype="auto", device="cuda:1").torch_dtype == torch.bfloat16
+    with pytest.raises(GptjError, match="unknown device"):
+        ModelSpec(dtype="auto", device="gpu7")
+
+
 def test_a_bfloat16_linear_without_bfloat16_arithmetic_upcasts_big_calls(monkeypatch):
     """UPCAST (a CPU without bfloat16 arithmetic, more rows than the GEMV serves): the float32 product
     of the bfloat16 weight, rounded once to bfloat16 (up to float32's sum order: K u sum|x w|)."""

@@ -35,7 +35,9 @@ def ids(url, **body):
 def test_serve_parallel_equals_one_process(tiny, capsys, flag):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(["--model", f"tiny={tiny}", "--port", str(port), flag, "2", "--log-level", "warning"])
+    # float32: the served answers are compared with `gptj generate`'s (float32), token for token
+    proc = start(["--model", f"tiny={tiny}", "--port", str(port), flag, "2", "--log-level", "warning",
+                  "--dtype", "float32"])
     try:
         wait_healthy(proc, url)
         prompt = "The quick brown fox"

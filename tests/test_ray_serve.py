@@ -61,7 +61,8 @@ def served(cluster, models):
     """`gptj serve --ray` with 2 replicas of tiny; yields (base URL, process)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gptj.cli", "serve", "--ray", "--address", cluster,
-                             "--model", f"tiny={models / 'tiny'}", "--replicas", "2", "--port", str(port)],
+                             "--model", f"tiny={models / 'tiny'}", "--replicas", "2", "--port", str(port),
+                             "--dtype", "float32"],  # answers compared with `gptj generate`'s (float32)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -160,7 +161,7 @@ def test_publish_and_unpublish(served, cluster, models, capsys):
     process; its answers equal one process's; unpublishing removes the route and stops both ranks."""
     url, _ = served
     out = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, "--replicas", "1",
-               "--api-key", "K", "--tp", "2").stdout
+               "--api-key", "K", "--tp", "2", "--dtype", "float32").stdout
     assert "published other (1 replica, route /other)" in out
     assert {r["name"]: r["replicas_running"] for r in ls(cluster)} == {"tiny": 2, "other": 1}
     (replica,) = next(r for r in ls(cluster) if r["name"] == "other")["replicas"]

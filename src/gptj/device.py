@@ -31,8 +31,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_device(name: str) -> torch.device:
-    """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when present); an unavailable device is a user error."""
+def named_device(name: str) -> torch.device:
+    """The device `name` names ('cpu', 'cuda', 'cuda:N'; 'auto': CUDA when present here), checked as a
+    name only: a CUDA device may be a Ray node's, not this machine's."""
     import torch
 
     if name == "auto":
@@ -43,6 +44,14 @@ def resolve_device(name: str) -> torch.device:
         raise GptjError(f"unknown device {name!r} (use cpu, cuda, cuda:N or auto)") from None
     if device.type not in ("cpu", "cuda"):
         raise GptjError(f"unsupported device {name!r} (use cpu, cuda, cuda:N or auto)")
+    return device
+
+
+def resolve_device(name: str) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when present); an unavailable device is a user error."""
+    import torch
+
+    device = named_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GptjError(f"device {name!r} requested but CUDA is not available on this machine")
     return device

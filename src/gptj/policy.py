@@ -185,9 +185,12 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
     (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's GEMV reads
     bfloat16 weights (AVX2: decode 3.7-3.9x float32's tokens/s, prefill 1.1x, the big calls upcast;
     docs/PERFORMANCE.md) — else float32 (torch's own bfloat16 there is 2.8-3.6x slower than float32);
-    float16 on a GPU without bfloat16."""
+    float16 on a GPU without bfloat16. A CUDA device this machine lacks (a Ray node's GPU, named on a
+    head node without one; the node checks it where the model loads): bfloat16."""
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return torch.bfloat16
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_bf16() or native_gemv_available() else torch.float32
 

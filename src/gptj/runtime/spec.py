@@ -50,10 +50,10 @@ class ModelSpec:
         if not isinstance(self.device, str) or not self.device:
             raise GptjError(f"device must be a name (cpu, cuda, cuda:N or auto), got {self.device!r}")
         if self.dtype == "auto":  # resolved once, here: bfloat16 where the device computes it, else float32
-            from gptj.device import resolve_device
+            from gptj.device import named_device
             from gptj.policy import auto_dtype
 
-            object.__setattr__(self, "dtype", dtype_name(auto_dtype(resolve_device(self.device))))
+            object.__setattr__(self, "dtype", dtype_name(auto_dtype(named_device(self.device))))
         object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
         if self.quantize is not None:
             from gptj.quant import check_mode
