@@ -255,6 +255,41 @@ def test_attention_group_matches_float64_over_strided_views(N, T, native_isa):
     torch.testing.assert_close(got.double(), _attention_reference(q, pk, pv, tk, tv), rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("K", [37, 256, 1000])
+def test_w8a8_gemv_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
+    """int32 sums of int8 x int8 products are exact on every ISA (vpmaddwd / vpdpwssd), so the result
+    is W8A8Linear's expression to the bit: (sum * ws * sx) rounded to bfloat16, + bias rounded again."""
+    g = torch.Generator().manual_seed(K)
+    N = 70
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    w[0] = 127  # the largest sums: every product 127 x (q + 128 - 128) at its extremes
+    ws = torch.rand(N, generator=g) * 0.01
+    bias = torch.randn(N, generator=g).bfloat16()
+    for M in (1, 2, 5, 9):
+        qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
+        qu[0] = 255
+        sx = torch.rand(M, 1, generator=g) + 0.1
+        acc = ((qu.long() - 128) @ w.long().t()).float()
+        for dtype, b in ((torch.bfloat16, bias), (torch.bfloat16, None), (torch.float32, bias)):
+            y = native.linear_w8a8(qu, sx, w, ws, b, dtype)
+            want = (acc * ws * sx).to(dtype)
+            if b is not None:
+                want = want + b.to(dtype)
+            assert y.dtype == dtype and torch.equal(y, want), (M, dtype, b is None)
+
+
+def test_w8a8_gemv_refuses_bad_inputs(native_isa):
+    qu, w = torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(8, 64, dtype=torch.int8)
+    sx, ws = torch.ones(2, 1), torch.ones(8)
+    with pytest.raises(ValueError, match="int8"):
+        native.linear_w8a8(qu, sx, w.float(), ws)
+    with pytest.raises(ValueError, match="weight_scale"):
+        native.linear_w8a8(qu, sx, w, ws[:3])
+    with pytest.raises(ValueError, match="above 131072"):
+        native.linear_w8a8(torch.zeros(1, 131073, dtype=torch.uint8), sx[:1], torch.zeros(1, 131073, dtype=torch.int8),
+                           ws[:1])
+
+
 def test_attention_group_refuses_bad_inputs(native_isa):
     q = torch.randn(2, 3, 24)
     k = torch.randn(3, 5, 24).bfloat16()

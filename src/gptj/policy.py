@@ -19,8 +19,10 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       more                             DEQUANTIZE   dequantize + F.linear
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE
-  cpu     w8a8, oneDNN layout         any                              ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums, in
-          (PackedW8A8Linear)                                                        the form `w8a8_form` names for the CPU
+  cpu     w8a8, oneDNN layout         <= NATIVE_W8A8_MAX_ROWS (32,     NATIVE       gptj.native W8A8 GEMV, exact int32 sums
+          (PackedW8A8Linear)          CPUs without VNNI)                            (`w8a8_native`)
+                                      more                             ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums, in
+                                                                                    the form `w8a8_form` names for the CPU
   cpu     w8a8 (int8 x int8)          any, CPU with VNNI               INT_MM       torch._int_mm, int32 sums
                                       any, CPU without                 DEQUANTIZE   float32 products, exact (see below)
   cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
@@ -175,6 +177,22 @@ SPLIT = "split"  # q = p - n with p, n = max(+-q, 0) in [0, 127], stacked as twi
 EXACT_F32_INT8_TERMS = 1024
 
 
+# W8A8 at few rows: gptj.native's W8A8 GEMV (native.linear_w8a8: the weight streamed once, int8 x int8
+# products summed exactly in int32 by vpmaddwd on AVX2 or VNNI's vpdpwssd, the same numbers) against
+# oneDNN's packed GEMM in the form the CPU takes. Measured 2026-11-27 on the 2-core Zen 4, 2 threads,
+# bfloat16 x, each call on another of 3 weights, median of 15 alternated calls, ms (16384 x 4096 weight;
+# 4096 x 4096 and 4096 x 16384 gave the same crossovers):
+#   rows                                      1     2     4     8    16    32
+#   AVX2 code paths (SPLIT)   native        3.1   3.2   4.9   8.5  15.6  29.6
+#                             oneDNN       14.1  14.7  15.9  18.4  23.3  33.5
+#   AVX-512 VNNI (SHIFTED)    native        2.5   2.6   3.6   5.4   9.3  16.9
+#                             oneDNN        3.0   3.3   2.6   3.3   4.2   6.9
+# so the GEMV up to 32 rows without VNNI (4.3-5.4x oneDNN at 1-2 rows, 1.13-1.31x at 32). With VNNI it
+# wins only at 1-2 rows (1.2-1.4x) and would keep the plain int8 weight beside oneDNN's packed copy (twice
+# the weights' memory), so never there.
+NATIVE_W8A8_MAX_ROWS = {SPLIT: 32, SHIFTED: 0}
+
+
 def exact(dtype: torch.dtype) -> bool:
     """Whether `dtype` runs the exact path (float32), not the fast one."""
     return dtype == torch.float32
@@ -182,8 +200,8 @@ def exact(dtype: torch.dtype) -> bool:
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """`--dtype auto`: bfloat16 where it runs fast — a GPU that has it; a CPU that computes it
-    (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's GEMV reads
-    bfloat16 weights (AVX2: decode 3.7-3.9x float32's tokens/s, prefill 1.1x, the big calls upcast;
+    (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's kernels run
+    (AVX2: decode 2.9-4.1x float32's tokens/s at batch 1-8, prefill 0.94-1.10x, serving 1.55-1.89x;
     docs/PERFORMANCE.md) — else float32 (torch's own bfloat16 there is 2.8-3.6x slower than float32);
     float16 on a GPU without bfloat16. A CUDA device this machine lacks (a Ray node's GPU, named on a
     head node without one; the node checks it where the model loads): bfloat16."""
@@ -247,6 +265,14 @@ def w8a8_form() -> str:
     """The form of a packed W8A8 GEMM on this CPU: SHIFTED where oneDNN sums u8 x s8 in int32 (VNNI),
     else SPLIT (see above; both exact)."""
     return SHIFTED if cpu.int8_sums_exact() else SPLIT
+
+
+def w8a8_native(device: torch.device | str, dtype: torch.dtype, rows: int, form: str) -> bool:
+    """Whether a packed W8A8 linear (oneDNN `form`) runs a call of `rows` rows of `dtype` activations on
+    gptj.native's W8A8 GEMV instead (bfloat16 on CPU, few rows: NATIVE_W8A8_MAX_ROWS). rows=1 with
+    dtype bfloat16 asks whether it ever does (the module then keeps the plain int8 weight)."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and rows <= NATIVE_W8A8_MAX_ROWS[form]
+            and native_available())
 
 
 def pack_layout(max_rows: int | None) -> str:

@@ -29,7 +29,7 @@ from torch import nn
 
 from gptj import native
 from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, UPCAST, can_pack, can_pack_int8, exact,
-                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form)
+                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form, w8a8_native)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 
@@ -89,7 +89,9 @@ class PackedW8A8Linear(nn.Module):
     the same numbers as the module it replaces (SPLIT: whenever each half's sum stays below 2**24,
     else within float32's rounding of it). Like PackedLinear it serves, and is not saved, moved or cast.
 
-    In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
+    On CPUs without VNNI, calls of up to 32 rows (policy.w8a8_native) run gptj.native's W8A8 GEMV on
+    the plain int8 weight, kept beside the packed one, instead: the same exact int32 sums, the weight
+    read once (oneDNN's AVX2 kernel was 4.3-5.4x slower at 1-2 rows). In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
     GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
     call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they are
     scaled. torch's ops take several passes over the whole call: at 4,096 rows of a 5120 -> 1024
@@ -104,6 +106,9 @@ class PackedW8A8Linear(nn.Module):
         if self.form not in (SHIFTED, SPLIT):
             raise ValueError(f"unknown W8A8 form {self.form!r}")
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(m.weight, None), persistent=False)
+        # the plain int8 rows too, where gptj.native's W8A8 GEMV takes few-row calls (CPUs without VNNI)
+        native_rows = w8a8_native(m.weight.device, torch.bfloat16, 1, self.form)
+        self.register_buffer("weight", m.weight if native_rows else None, persistent=False)
         self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
         self.register_buffer("unit_scale", torch.ones(m.out_features), persistent=False)
         self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
@@ -124,6 +129,11 @@ class PackedW8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.weight is not None and w8a8_native(x.device, x.dtype, x2.shape[0], self.form):  # few rows
+            qu, sx = native.quantize_rows_u8(x2, self.inv_smooth)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return native.linear_w8a8(qu, sx, self.weight, self.weight_scale, bias).view(*x.shape[:-1],
+                                                                                         self.out_features)
         if self.form == SHIFTED and native_elementwise(x.device, x.dtype):
             y = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -53,7 +53,7 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
-           "linear_bf16", "linear_int8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "requested_isa",
+           "linear_bf16", "linear_int8", "linear_w8a8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "requested_isa",
            "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
@@ -200,6 +200,7 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemv_bf16": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_bf16_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_set_tuning": ([ctypes.c_int, ctypes.c_int], None),
+    "gemv_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
 }
 
 
@@ -297,17 +298,18 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
-_gemv_int8 = _gemv_bf16 = _attend_group = _attend_paged = _prefill_paged = None
+_gemv_int8 = _gemv_bf16 = _gemv_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
 _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
-BOUND = ("_gemv_int8", "_gemv_bf16", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary",
-         "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
+BOUND = ("_gemv_int8", "_gemv_bf16", "_gemv_w8a8", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu",
+         "_rotary", "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
-    global _gemv_int8, _gemv_bf16, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary, _store_kv
-    global _quantize_rows, _scale_rows
+    global _gemv_int8, _gemv_bf16, _gemv_w8a8, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
+    global _store_kv, _quantize_rows, _scale_rows
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
+    _gemv_w8a8 = lib.gemv_w8a8
     if "attention" not in chosen.kernels:  # a library without them (none of ISAS today)
         return
     _attend_group = lib.attend_group_bf16
@@ -439,6 +441,42 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if M and N and _gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               y.data_ptr(), M, N, K, torch.get_num_threads()):
         raise MemoryError("linear_bf16: no memory for x's float32 copy")
+    return y
+
+
+W8A8_MAX_K = 131072  # int32 sums of int8 x int8 products stay exact up to this many terms (gemv.c)
+
+
+def linear_w8a8(qu: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, dtype: torch.dtype = _bf16) -> torch.Tensor:
+    """W8A8's linear at few rows: (int32 sums of q x weight, exact) * weight_scale * row_scale, then
+    `dtype` (bfloat16: rounded, then + bias rounded again; float32: + bias), W8A8Linear's numbers.
+
+    qu (M, K) uint8, q + 128 (quantize_rows_u8's form); row_scale (M, 1) float32; weight (N, K) int8;
+    weight_scale (N,) float32; bias (N,) bfloat16 or None. Returns (M, N) of `dtype`. Reads the weight
+    once (vpmaddwd on AVX2, vpdpwssd on AVX-512), torch.get_num_threads() threads."""
+    if _gemv_w8a8 is None:
+        _lib_or_raise("linear_w8a8")
+    if qu.dtype is not torch.uint8 or qu.dim() != 2 or not qu.is_contiguous() or not qu.is_cpu:
+        raise _bad("linear_w8a8", "qu must be a contiguous uint8 (M, K) CPU tensor")
+    M, K = qu.shape
+    if weight.dtype is not _i8 or weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+        raise _bad("linear_w8a8", f"weight must be a contiguous int8 (N, {K}) tensor")
+    N = weight.shape[0]
+    if K > W8A8_MAX_K:
+        raise _bad("linear_w8a8", f"K = {K} is above {W8A8_MAX_K}: its int32 sums could overflow")
+    for t, n, what in ((row_scale, M, "row_scale"), (weight_scale, N, "weight_scale")):
+        if t.dtype is not torch.float32 or t.numel() != n or not t.is_contiguous():
+            raise _bad("linear_w8a8", f"{what} must be a contiguous float32 tensor of {n} values")
+    if bias is not None:
+        _check_vec(bias, N, "bias", "linear_w8a8")
+    if dtype not in (_bf16, torch.float32):
+        raise _bad("linear_w8a8", f"dtype must be bfloat16 or float32, got {dtype}")
+    y = torch.empty((M, N), dtype=dtype)
+    if M and N and _gemv_w8a8(qu.data_ptr(), row_scale.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), int(dtype == torch.float32),
+                              M, N, K, torch.get_num_threads()):
+        raise MemoryError("linear_w8a8: no memory for q's int16 copy")
     return y
 
 

@@ -504,3 +504,75 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
     job_t j = {x, w, NULL, bias, y, 1, 0, M, N, K, NULL, 0};
     return run(&j, nthreads);
 }
+
+/* ---- W8A8 at few rows: int8 activations x int8 weights, exact int32 sums -----------------------------
+
+   y[m, n] = bfloat16(bfloat16(float(sum_k q[m, k] w[n, k]) * ws[n] * sx[m]) + bias[n]) (no bias: the
+   first rounding only; y_f32: float32, no roundings but the products'): the numbers of W8A8Linear
+   and PackedW8A8Linear, whose int32 sums are exact too. q arrives as oneDNN's uint8 form (q + 128,
+   gptj.native's quantize_rows_u8), widened to int16 once per call; weights widened to int16 as they
+   stream, pairs of products summed into int32 lanes (AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd): exact
+   while |sum| < 2^31, so K <= 131072 (each product at most 127 x 128). Output channels are split
+   across threads, W8_R at a time; each tile's weight rows are read from memory once (the rows of x,
+   two at a time, re-read them from cache). Returns 0; -1 for K too large; -2 without memory. */
+
+#define W8_R 4 /* weight rows per tile */
+
+static inline void w8a8_tile(const int16_t *xq, long kp, const float *sx, const int8_t *w, const float *ws,
+                             const uint16_t *bias, void *y, int y_f32, int M, int n0, int nr, int N, int K)
+{
+    const int kv = K / VI16 * VI16;
+    for (int m0 = 0; m0 < M; m0 += 2) {
+        const int mr = M - m0 < 2 ? M - m0 : 2;
+        vi acc[W8_R][2];
+        for (int r = 0; r < W8_R; r++) acc[r][0] = acc[r][1] = vi_zero();
+        for (int k = 0; k < kv; k += VI16) {
+            const vi x0 = vi_load_i16(xq + (long)m0 * kp + k);
+            const vi x1 = mr > 1 ? vi_load_i16(xq + (long)(m0 + 1) * kp + k) : x0;
+#pragma GCC unroll 4
+            for (int r = 0; r < W8_R; r++) {
+                if (r < nr) {
+                    const vi wv = vi_load_i8_i16(w + (long)(n0 + r) * K + k);
+                    acc[r][0] = vi_dot_i16(acc[r][0], wv, x0);
+                    acc[r][1] = vi_dot_i16(acc[r][1], wv, x1);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            for (int j = 0; j < mr; j++) {
+                int32_t sum = vi_reduce_add(acc[r][j]);
+                for (int k = kv; k < K; k++) sum += (int32_t)xq[(long)(m0 + j) * kp + k] * w[(long)(n0 + r) * K + k];
+                const long at = (long)(m0 + j) * N + n0 + r;
+                const float v = (float)sum * ws[n0 + r] * sx[m0 + j];
+                if (y_f32) {
+                    ((float *)y)[at] = bias ? v + bf16_to_f32(bias[n0 + r]) : v;
+                } else {
+                    uint16_t h = f32_to_bf16(v);
+                    if (bias) h = f32_to_bf16(bf16_to_f32(h) + bf16_to_f32(bias[n0 + r]));
+                    ((uint16_t *)y)[at] = h;
+                }
+            }
+        }
+    }
+}
+
+int gemv_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *ws, const uint16_t *bias, void *y,
+              int y_f32, int M, int N, int K, int nthreads)
+{
+    if (K > 131072) return -1;
+    const long kp = (K + VI16 - 1) / VI16 * VI16;
+    int16_t *xq = aligned_alloc(64, ((sizeof(int16_t) * M * kp + 63) / 64) * 64);
+    if (!xq) return -2;
+    for (int m = 0; m < M; m++) {
+        for (int k = 0; k < K; k++) xq[(long)m * kp + k] = (int16_t)qu[(long)m * K + k] - 128;
+        for (long k = K; k < kp; k++) xq[(long)m * kp + k] = 0;
+    }
+    const int tiles = (N + W8_R - 1) / W8_R;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * W8_R, nr = N - n0 < W8_R ? N - n0 : W8_R;
+        w8a8_tile(xq, kp, sx, w, ws, bias, y, y_f32, M, n0, nr, N, K);
+    }
+    free(xq);
+    return 0;
+}

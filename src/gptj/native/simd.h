@@ -46,7 +46,8 @@ static inline uint16_t f32_to_bf16(float f)
 /* ---- the vector layer: vf holds VW float32 lanes ----
    vf_load_i8 / vf_load_bf16: VW weights widened to float32 (exact); *_n: the first n (< VW), zeros
    after; vf_hsum: the VW lane sums of VW vectors v[0], v[stride], ... as one vector (lane i: v[i]'s);
-   vf_store_f32_n / vf_store_bf16_n: the first n lanes (bfloat16 rounded to nearest even). */
+   vf_store_f32_n / vf_store_bf16_n: the first n lanes (bfloat16 rounded to nearest even).
+   vi: int32 lanes; vi_dot_i16 adds the products of int16 pairs (exact: |a b| <= 2^30 per pair). */
 #if defined(GPTJ_ISA_AVX512)
 typedef __m512 vf;
 #define VW 16
@@ -91,6 +92,14 @@ static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
 }
 static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline vf vf_hsum(const vf *v, long stride);  /* hsum16, below */
+/* vi: int16 pairs summed into int32 lanes (W8A8's exact integer dot products); VI16 int16 per vector */
+typedef __m512i vi;
+#define VI16 32
+#define vi_zero() _mm512_setzero_si512()
+static inline vi vi_load_i8_i16(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi vi_load_i16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }  /* VNNI */
+static inline int32_t vi_reduce_add(vi v) { return _mm512_reduce_add_epi32(v); }
 /* v rounded to bfloat16 (nearest even), as float32 */
 static inline vf vf_round_bf16(vf v)
 {
@@ -208,6 +217,18 @@ static inline vf vf_scale2n(vf p, vf n)
     const vf f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const vf f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+typedef __m256i vi;
+#define VI16 16
+#define vi_zero() _mm256_setzero_si256()
+static inline vi vi_load_i8_i16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_load_i16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  /* vpmaddwd */
+static inline int32_t vi_reduce_add(vi v)
+{
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1)));
 }
 static inline vf vf_keep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm256_blendv_ps(v, fill, _mm256_castsi256_ps(lanes_n(n))); }

@@ -117,7 +117,7 @@ GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the la
 
 
 AUTO_DTYPE_HELP = ("auto: bfloat16 where it runs fast (a GPU; a CPU with AVX512-BF16 or AMX, or where "
-                   "gptj.native's GEMV runs: AVX2), float32 elsewhere")
+                   "gptj.native runs: AVX2), float32 elsewhere")
 
 
 def add_dtype_flag(p: Any, default: str | None = "float32", help: str | None = None,  # noqa: A002
