@@ -89,9 +89,9 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
         assert policy.linear_path("cpu", torch.float32, policy.NATIVE_INT8_MAX_ROWS, "int8") == policy.NATIVE
         assert policy.native_elementwise("cpu", torch.bfloat16) and not policy.native_elementwise("cpu", torch.float32)
         assert policy.attention_path("cpu", torch.bfloat16, "auto", "auto").backend == policy.CPU_NATIVE
-        # without oneDNN bfloat16 (AVX2) the native layout at any rows: the GEMV to 512 rows, then UPCAST
-        onednn = policy.can_pack(torch.bfloat16, "cpu")
-        assert policy.pack_layout(None) == (policy.ONEDNN if onednn else policy.NATIVE)
+        # without bfloat16 arithmetic (AVX2; AVX-512 without BF16, where oneDNN only emulates it) the
+        # native layout at any rows: the GEMV to 512 rows, then UPCAST
+        assert policy.pack_layout(None) == policy.NATIVE
         big = policy.NATIVE_EMULATED_BF16_MAX_ROWS
         assert policy.linear_path("cpu", torch.bfloat16, big, "native-layout") == policy.NATIVE
         assert policy.linear_path("cpu", torch.bfloat16, big + 1, "native-layout") == policy.UPCAST

@@ -135,6 +135,9 @@ NATIVE_LAYOUT_MAX_ROWS = 4
 #   upcast + F.linear float32  108   111   122   145   189   278   493
 #   F.linear bfloat16         24.5  45.8  88.8   175   348   695  1403
 # So there every bfloat16 linear takes the native layout (`pack_layout`), whatever the engine's rows.
+# On AVX-512 without BF16 oneDNN packs bfloat16 but emulates its arithmetic: a bench engine of 8 rows
+# on its layout decoded at 33.1 tok/s and prefilled 89.2 (GPT-J's shapes, 2 layers, AVX512_CORE
+# ceiling, benchmarks/cpu_kinds.py), the native layout there at 95-100 and 157 (docs/PERFORMANCE.md).
 NATIVE_EMULATED_BF16_MAX_ROWS = 512
 
 # Weight-only kernels: calls with at most this many rows use torch's kernel; bigger ones dequantize
@@ -277,13 +280,14 @@ def w8a8_native(device: torch.device | str, dtype: torch.dtype, rows: int, form:
 
 def pack_layout(max_rows: int | None) -> str:
     """The layout a packable linear takes for an engine of at most `max_rows` rows per step
-    (None: unbounded): NATIVE for few rows where gptj.native's GEMV runs, and at any rows where
-    oneDNN has no bfloat16 (AVX2: see NATIVE_EMULATED_BF16_MAX_ROWS); else ONEDNN."""
+    (None: unbounded): NATIVE for few rows where gptj.native's GEMV runs, and at any rows where the
+    CPU has no bfloat16 arithmetic (`cpu_bf16`: AVX2, and AVX-512 without BF16, where oneDNN's
+    bfloat16 is emulated; see NATIVE_EMULATED_BF16_MAX_ROWS); else ONEDNN."""
     if not native_gemv_available():
         return ONEDNN
     if max_rows is not None and max_rows <= NATIVE_LAYOUT_MAX_ROWS:
         return NATIVE
-    return ONEDNN if can_pack(torch.bfloat16, "cpu") else NATIVE
+    return ONEDNN if cpu_bf16() and can_pack(torch.bfloat16, "cpu") else NATIVE
 
 
 def fusable(dtype: torch.dtype | None) -> bool:

@@ -496,6 +496,29 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
    q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even;
    out bfloat16 at out[t * so + h * D + d], rounded to nearest even once. */
 
+/* Shared by both ISAs' tiles (their lanes are the tile's VW queries, query i at position pos0 + i):
+   tile_score stores key kp's scores sv at st[kp], -inf in the lanes of queries before the key
+   (kp > pos0 + i), and keeps the running maximum; tile_softmax turns st[0 .. L) into e^(s - max),
+   0 where masked, and returns 1 / their sum per query. */
+static inline void tile_score(float *st, int kp, int pos0, vf sv, vf *mx)
+{
+    if (kp > pos0) sv = vf_fill_below(sv, kp - pos0 < VW ? kp - pos0 : VW, vf_set1(-INFINITY));
+    *mx = vf_max(*mx, sv);
+    vf_storeu(st + (long)kp * VW, sv);
+}
+
+static inline vf tile_softmax(float *st, int L, vf mx)
+{
+    vf sum = vf_zero();
+    for (int kp = 0; kp < L; kp++) {
+        const vf sv = vf_loadu(st + (long)kp * VW);
+        const vf e = vf_zero_where_neginf(vf_exp(vf_sub(sv, mx)), sv);
+        sum = vf_add(sum, e);
+        vf_storeu(st + (long)kp * VW, e);
+    }
+    return vf_div(vf_set1(1.0f), sum);
+}
+
 #if defined(GPTJ_ISA_AVX512)
 #define PF_QT 16 /* queries per tile */
 
@@ -540,8 +563,8 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
         for (int i = 0; i < PF_QT; i++)
             qp[p * PF_QT + i] = i < nq ? ((const uint32_t *)(q + (long)(p0 + i) * sq + (long)h * D))[p] : 0;
     /* scores */
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 mx = ninf;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int c0 = 0; c0 < L;) {
         const int j = c0 / B, off = c0 % B;
         int n = B - off < 16 ? B - off : 16;
@@ -565,24 +588,12 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
                 if (c < n) acc[c] = _mm512_dpbf16_ps(acc[c], qv, (__m512bh)_mm512_set1_epi32((int)kr[(long)c * D2 + p]));
         }
         const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
-        for (int c = 0; c < n; c++) {
-            const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
-            const __mmask16 seen = kp <= pos0 ? 0xFFFF : (__mmask16)(0xFFFFu << (kp - pos0));
-            const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[c], ks ? _mm512_set1_ps(scale * ks[c]) : vscale);
-            mx = _mm512_max_ps(mx, sv);
-            _mm512_storeu_ps(st + (long)kp * PF_QT, sv);
-        }
+        for (int c = 0; c < n; c++)
+            tile_score(st, c0 + c, pos0, _mm512_mul_ps(acc[c], ks ? _mm512_set1_ps(scale * ks[c]) : vscale), &mx);
         c0 += n;
     }
-    /* softmax: e^(s - max), 0 where masked; then probabilities rounded to bfloat16 in pairs of keys */
-    __m512 sum = _mm512_setzero_ps();
-    for (int kp = 0; kp < L; kp++) {
-        const __m512 sv = _mm512_loadu_ps(st + (long)kp * PF_QT);
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_UQ), vf_exp(_mm512_sub_ps(sv, mx)));
-        sum = _mm512_add_ps(sum, e);
-        _mm512_storeu_ps(st + (long)kp * PF_QT, e);
-    }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    /* softmax; then the probabilities rounded to bfloat16 in pairs of keys */
+    const __m512 inv = tile_softmax(st, L, mx);
     for (int kp = 0; kp < L; kp += 2) {
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
         __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
@@ -694,8 +705,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
         for (int i = 0; i < PF_QT; i++)
             qt[(long)d * PF_QT + i] = i < nq ? bf16_to_f32(q[(long)(p0 + i) * sq + (long)h * D + d]) : 0.0f;
     /* scores */
-    const vf ninf = vf_set1(-INFINITY);
-    vf mx = ninf;
+    vf mx = vf_set1(-INFINITY);
     for (int c0 = 0; c0 < L;) {
         const int j = c0 / B, off = c0 % B;
         int n = B - off < PF_KB ? B - off : PF_KB;
@@ -716,24 +726,11 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
                 if (c < n) acc[c] = vf_fmadd(qv, _mm256_broadcast_ss(kw + (long)c * D + d), acc[c]);
         }
         const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
-        for (int c = 0; c < n; c++) {
-            const int kp = c0 + c; /* query i sees this key if kp <= pos0 + i */
-            vf sv = vf_mul(acc[c], vf_set1(ks ? scale * ks[c] : scale));
-            if (kp > pos0) sv = vf_fill_below(sv, kp - pos0 < PF_QT ? kp - pos0 : PF_QT, ninf);
-            mx = vf_max(mx, sv);
-            vf_storeu(st + (long)kp * PF_QT, sv);
-        }
+        for (int c = 0; c < n; c++) tile_score(st, c0 + c, pos0, vf_mul(acc[c], vf_set1(ks ? scale * ks[c] : scale)), &mx);
         c0 += n;
     }
-    /* softmax: e^(s - max), 0 where masked; the probabilities rounded to bfloat16 */
-    vf sum = vf_zero();
-    for (int kp = 0; kp < L; kp++) {
-        const vf sv = vf_loadu(st + (long)kp * PF_QT);
-        const vf e = vf_zero_where_neginf(vf_exp(vf_sub(sv, mx)), sv);
-        sum = vf_add(sum, e);
-        vf_storeu(st + (long)kp * PF_QT, e);
-    }
-    const vf inv = vf_div(vf_set1(1.0f), sum);
+    /* softmax; the probabilities rounded to bfloat16 */
+    const vf inv = tile_softmax(st, L, mx);
     for (int kp = 0; kp < L; kp++) {
         vf pv = vf_mul(vf_loadu(st + (long)kp * PF_QT), inv);
         if (i8) pv = vf_mul(pv, vf_set1(scales_at(kv->vs, kv, tab[kp / B], h)[kp % B]));
