@@ -39,8 +39,9 @@ KERNEL_PATHS = ("native", "native-avx2", "fallback")  # native: the best ISA's l
 # The modules that take longest (each over 25 s on a 2-core machine, measured 2026-11-27), run
 # first: pytest-xdist (the README's command runs two workers, one module per worker at a time)
 # hands out modules in collection order, so the long ones do not end up last on one worker.
-LONGEST_FIRST = ("test_ray_serve.py", "test_train.py", "test_benchmarks.py", "test_mlperf_submission.py",
-                 "test_mlperf_interrupt.py", "test_parallel_tp.py", "test_parallel_serve.py", "test_parallel_pp.py")
+LONGEST_FIRST = ("test_ray_serve.py", "test_train.py", "test_benchmarks.py", "test_benchmarks_gpu.py",
+                 "test_mlperf_submission.py", "test_mlperf_interrupt.py", "test_parallel_tp.py",
+                 "test_parallel_serve.py", "test_parallel_pp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -382,6 +382,9 @@ MORE: dict[str, Job] = {
         check_compare_peers_without_peers, env=without_peers),
 }
 JOBS = {**SMOKE, **MORE}
+# run by a module of their own (tests/test_benchmarks_gpu.py), so that pytest-xdist (--dist loadfile)
+# puts them beside this module's other scripts: gpu_check.py's rehearsal is the longest of them (~110 s)
+OWN_MODULE = ("gpu_check.py",)
 LONGEST_FIRST = ("ray_serve.py", "engine_thread.py", "compare_peers.py", "train_step.py", "generate_vs_hf.py",
                  "serve_load.py", "load_memory.py")  # roughly, as measured; the rest after them
 
@@ -408,7 +411,7 @@ def test_every_script_has_a_smoke_entry():
     assert all(job.script in SCRIPTS for job in MORE.values())
 
 
-@pytest.mark.parametrize("job", SCRIPTS + list(MORE))
+@pytest.mark.parametrize("job", [j for j in SCRIPTS + list(MORE) if j not in OWN_MODULE])
 def test_benchmark(job, runs):
     """benchmarks/SCRIPT at its tiny size: exits 0 and prints figures that hold up."""
     if job not in JOBS:
