@@ -91,7 +91,9 @@ class PackedW8A8Linear(nn.Module):
 
     On CPUs without VNNI, calls of up to 32 rows (policy.w8a8_native) run gptj.native's W8A8 GEMV on
     the plain int8 weight, kept beside the packed one, instead: the same exact int32 sums, the weight
-    read once (oneDNN's AVX2 kernel was 4.3-5.4x slower at 1-2 rows). In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
+    read once (oneDNN's AVX2 kernel was 4.3-5.4x slower at 1-2 rows).
+
+    In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
     GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
     call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they are
     scaled. torch's ops take several passes over the whole call: at 4,096 rows of a 5120 -> 1024
