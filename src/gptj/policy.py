@@ -270,12 +270,16 @@ def w8a8_form() -> str:
     return SHIFTED if cpu.int8_sums_exact() else SPLIT
 
 
+def w8a8_native_max_rows(form: str) -> int:
+    """The most rows a packed W8A8 linear of oneDNN `form` sends to gptj.native's W8A8 GEMV here
+    (NATIVE_W8A8_MAX_ROWS; 0 without gptj.native): above 0, the module keeps the plain int8 weight."""
+    return NATIVE_W8A8_MAX_ROWS[form] if native_available() else 0
+
+
 def w8a8_native(device: torch.device | str, dtype: torch.dtype, rows: int, form: str) -> bool:
     """Whether a packed W8A8 linear (oneDNN `form`) runs a call of `rows` rows of `dtype` activations on
-    gptj.native's W8A8 GEMV instead (bfloat16 on CPU, few rows: NATIVE_W8A8_MAX_ROWS). rows=1 with
-    dtype bfloat16 asks whether it ever does (the module then keeps the plain int8 weight)."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and rows <= NATIVE_W8A8_MAX_ROWS[form]
-            and native_available())
+    gptj.native's W8A8 GEMV instead (bfloat16 on CPU, few rows: w8a8_native_max_rows)."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and rows <= w8a8_native_max_rows(form)
 
 
 def pack_layout(max_rows: int | None) -> str:

@@ -29,7 +29,8 @@ from torch import nn
 
 from gptj import native
 from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, UPCAST, can_pack, can_pack_int8, exact,
-                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form, w8a8_native)
+                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form, w8a8_native,
+                         w8a8_native_max_rows)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 
@@ -109,8 +110,8 @@ class PackedW8A8Linear(nn.Module):
             raise ValueError(f"unknown W8A8 form {self.form!r}")
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(m.weight, None), persistent=False)
         # the plain int8 rows too, where gptj.native's W8A8 GEMV takes few-row calls (CPUs without VNNI)
-        native_rows = w8a8_native(m.weight.device, torch.bfloat16, 1, self.form)
-        self.register_buffer("weight", m.weight if native_rows else None, persistent=False)
+        keep = m.weight.device.type == "cpu" and w8a8_native_max_rows(self.form) > 0
+        self.register_buffer("weight", m.weight if keep else None, persistent=False)
         self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
         self.register_buffer("unit_scale", torch.ones(m.out_features), persistent=False)
         self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
