@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 from _smoke import parse_args
-from serve_vs_vllm import add_vllm_args, calibrated_copy, check_vllm_args  # stdlib-only imports: fine in vLLM's venv
+# stdlib-only imports: fine in vLLM's venv
+from serve_vs_vllm import add_vllm_args, calibrated_copy, check_vllm_args, vllm_isa_env
 
 MODES = ("beam", "greedy")
 BEAMS = 4
@@ -74,7 +75,8 @@ def vllm_worker(spec_path: str) -> None:
 
 
 def run_vllm(python: str, model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.vllm_env)}
+    env = {**os.environ, **vllm_isa_env(args.vllm_isa, args.work_dir),
+           **dict(kv.split("=", 1) for kv in args.vllm_env)}
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "new_tokens": args.new_tokens,

@@ -64,6 +64,31 @@ def add_vllm_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for vLLM (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1; "
                         "VLLM_CPU_KVCACHE_SPACE=4 (GiB) unless given")
+    p.add_argument("--vllm-isa", choices=("avx2",),
+                   help="run vLLM's AVX2 build on an AVX-512 CPU, as an AVX2-only CPU runs it: its kernels "
+                        "_C_AVX2 (vLLM picks its build from torch.cpu's hardware checks, which a "
+                        "sitecustomize under --work-dir answers False for AVX-512 and AMX) and oneDNN held "
+                        "to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)")
+
+
+# vLLM's processes import this (on PYTHONPATH) before vLLM chooses its kernels' build.
+_AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+
+for _check in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+    setattr(torch.cpu, _check, lambda: False)
+"""
+
+
+def vllm_isa_env(isa: str | None, work_dir: Path) -> dict[str, str]:
+    """The environment that makes vLLM run its `isa` build here (--vllm-isa); none for None."""
+    if isa is None:
+        return {}
+    site = work_dir / "vllm-avx2-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def check_vllm_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -134,7 +159,7 @@ def servers(model: Path, args: argparse.Namespace, gptj_model: Path | None = Non
     gptj = lambda: serve_load.spawned_server(f"gptj={served}", args.gptj_args, args.startup_timeout)  # noqa: E731
     found = {"gptj": gptj}
     if args.vllm_python:
-        env = dict(kv.split("=", 1) for kv in args.vllm_env)
+        env = vllm_isa_env(args.vllm_isa, args.work_dir) | dict(kv.split("=", 1) for kv in args.vllm_env)
 
         def vllm(port: int) -> list[str]:  # `vllm serve`'s server (the `vllm` command looks for a package "vllm")
             return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

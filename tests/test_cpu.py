@@ -13,7 +13,7 @@ import torch
 from conftest import force_fallback
 from cpu_kinds import FLAGS, fake_cpu
 
-from gptj import cpu, native, policy
+from gptj import cpu, native, policy, quant
 
 
 @pytest.mark.parametrize("kind", cpu.KINDS)
@@ -76,6 +76,8 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
             pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
         fake_cpu(monkeypatch, kind)
         assert policy.native_available()
+        many = policy.NATIVE_INT8_MAX_ROWS + 1  # bfloat16 sums where the CPU has them
+        assert policy.linear_path("cpu", torch.bfloat16, many, "int8") == policy.DEQUANTIZE
         return
     fake_cpu(monkeypatch, kind)
     reason = native.unavailable_reason()
@@ -95,6 +97,11 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
         big = policy.NATIVE_EMULATED_BF16_MAX_ROWS
         assert policy.linear_path("cpu", torch.bfloat16, big, "native-layout") == policy.NATIVE
         assert policy.linear_path("cpu", torch.bfloat16, big + 1, "native-layout") == policy.UPCAST
+        # ...and weight-only layers past their kernels' rows dequantize for float32 sums
+        many = policy.NATIVE_INT8_MAX_ROWS + 1
+        assert policy.linear_path("cpu", torch.bfloat16, many, "int8") == policy.UPCAST
+        assert policy.linear_path("cpu", torch.bfloat16, quant.KERNEL_MAX_ROWS["int4"] + 1, "int4") == policy.UPCAST
+        assert policy.linear_path("cpu", torch.float32, many, "int8") == policy.DEQUANTIZE
     else:
         assert reason is not None and "\n" not in reason
         assert policy.pack_layout(1) == policy.ONEDNN  # no native layout without the native GEMV

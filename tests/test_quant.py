@@ -70,6 +70,25 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("bf16_arithmetic", [True, False])
+def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf16_arithmetic, monkeypatch):
+    """Past the kernels' rows a bfloat16 call on a CPU without bfloat16 arithmetic (faked here) runs
+    the float32 call's math and rounds it once (UPCAST); with it, the dequantized matmul in bfloat16."""
+    monkeypatch.setattr(policy, "cpu_bf16", lambda: bf16_arithmetic)
+    m = quantized(make_linear(128, 96, True), mode)
+    x = torch.randn(dequant_rows(mode), 128).to(torch.bfloat16)
+    path = policy.linear_path(x.device, x.dtype, x.shape[0], mode)
+    assert path == (policy.DEQUANTIZE if bf16_arithmetic else policy.UPCAST) and not m.use_kernel(x)
+    assert policy.linear_path(x.device, torch.float32, x.shape[0], mode) == policy.DEQUANTIZE
+    y, y32 = m(x), m(x.float())
+    assert y.dtype == torch.bfloat16
+    if not bf16_arithmetic:
+        assert torch.equal(y, y32.to(torch.bfloat16))
+    else:  # bfloat16 sums: within bfloat16's rounding of the float32 result, not equal to it
+        assert not torch.equal(y, y32.to(torch.bfloat16)) and rel_err(y, y32) < 1.5e-2
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_dequant_path_in_chunks(monkeypatch, mode):
     lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
     m = quantized(lin, mode)

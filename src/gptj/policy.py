@@ -17,8 +17,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     (AVX-512 or AVX2, as above)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
+          ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
-                                      more                             DEQUANTIZE
+                                      more                             DEQUANTIZE   (or UPCAST, as int8's)
   cpu     w8a8, oneDNN layout         <= NATIVE_W8A8_MAX_ROWS (32,     NATIVE       gptj.native W8A8 GEMV, exact int32 sums
           (PackedW8A8Linear)          CPUs without VNNI)                            (`w8a8_native`)
                                       more                             ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums, in
@@ -324,7 +325,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
         if rows <= NATIVE_INT8_MAX_ROWS and native_gemv_available():
             return NATIVE
-        return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else DEQUANTIZE
+        return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else _dequantize(kind, dtype)
     if weight == "w8a8":
         if kind == "cpu":
             return INT_MM if cpu.int8_sums_exact() else DEQUANTIZE
@@ -333,13 +334,20 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
         return DEQUANTIZE
     if weight == "int4":
         if rows > KERNEL_MAX_ROWS["int4"]:
-            return DEQUANTIZE
+            return _dequantize(kind, dtype)
         if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):
             return WEIGHT_ONLY
         if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available():
             return TRITON
         return DEQUANTIZE
     raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+
+
+def _dequantize(kind: str, dtype: torch.dtype) -> str:
+    """A weight-only layer's many-row path: the weight dequantized for F.linear in the activations'
+    dtype (DEQUANTIZE), or in float32 (UPCAST) for bfloat16 on a CPU without bfloat16 arithmetic,
+    where F.linear in bfloat16 takes 3x float32's time (NATIVE_INT8_MAX_ROWS' table)."""
+    return UPCAST if kind == "cpu" and dtype == torch.bfloat16 and not cpu_bf16() else DEQUANTIZE
 
 
 def fp8_supported(device: torch.device | str) -> bool:

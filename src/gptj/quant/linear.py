@@ -33,7 +33,7 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.policy import (DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, WEIGHT_ONLY,
+from gptj.policy import (DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
                          linear_path)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
@@ -72,6 +72,11 @@ def _finish(m: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if m.bias is not None:
         y = y + m.bias.to(y.dtype)
     return y.view(*x.shape[:-1], m.out_features)
+
+
+def _dequantize_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dequantized weight's F.linear runs in: float32 on policy's UPCAST path, else x's."""
+    return torch.float32 if path == UPCAST else dtype
 
 
 class _Prepared(nn.Module):
@@ -141,7 +146,7 @@ class Int8Linear(nn.Module):
 
     def use_kernel(self, x: torch.Tensor) -> bool:
         """Whether a call on x runs a kernel (gptj.native's or torch's), not the dequantized matmul."""
-        return linear_path(x.device, x.dtype, _rows(x), "int8") != DEQUANTIZE
+        return linear_path(x.device, x.dtype, _rows(x), "int8") not in (DEQUANTIZE, UPCAST)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -160,9 +165,9 @@ class Int8Linear(nn.Module):
 
             return cuda.int8_linear(x2.contiguous(), self.weight, self.weight_scale, self.bias).view(
                 *x.shape[:-1], self.out_features)
-        else:
-            y = chunked_linear(x2, self.weight, x2.dtype, self.weight_scale)
-        return _finish(self, y, x)
+        else:  # DEQUANTIZE, or UPCAST: the same in float32, rounded to x's dtype once
+            y = chunked_linear(x2, self.weight, _dequantize_dtype(path, x2.dtype), self.weight_scale)
+        return _finish(self, y, x).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -420,9 +425,9 @@ class Int4Linear(nn.Module):
                 y = torch._weight_int4pack_mm(x2.contiguous(), self._kernel_weight, self.group_size,
                                               self._scales_and_zeros)
             y = y.to(x.dtype)
-        else:
-            y = self._dequant_linear(x2)
-        return _finish(self, y, x)
+        else:  # DEQUANTIZE, or UPCAST: the same in float32, rounded to x's dtype once
+            y = self._dequant_linear(x2.to(_dequantize_dtype(path, x2.dtype)))
+        return _finish(self, y, x).to(x.dtype)
 
     def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
         if self.layout == "cpu":  # a, b are multiples of 256 (or b = out_features): whole blocks
