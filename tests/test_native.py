@@ -71,7 +71,7 @@ def test_bf16_matches_f_linear(M: int, K: int, gemv_isa: ctypes.CDLL) -> None:
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 1024, 4096), (3, 33, 1000), (8, 50, 1024), (17, 97, 300), (9, 16, 64),
-                                   (8, 40, 4100), (4, 70, 3000), (2, 5000, 40)])
+                                   (8, 40, 4100), (4, 70, 3000), (2, 5000, 40), (40, 50, 1030)])
 def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: ctypes.CDLL) -> None:
     """The *_f32 entry points expose the float32 sums: accurate to float32 rounding of the sums
     (this catches a dropped or doubled block that bfloat16 output tolerances could hide).
@@ -99,6 +99,22 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: 
     refb = xd @ wb.double().T
     boundb = (xd.abs() @ wb.double().abs().T) * k + 1e-30
     assert ((yb.double() - refb).abs() <= boundb).all()
+
+
+def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: ctypes.CDLL) -> None:
+    """Each output of a pass of 3-8 rows of x is one accumulator summed in k order: a row's result
+    does not depend on the rows beside it, where no pass of 8 is left with 1 or 2 rows (those take
+    more accumulators, and AVX-512's int8 takes float32 x for a last pass of one). The M below
+    leave none."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 1000, generator=g).bfloat16()
+    w8 = torch.randint(-128, 128, (300, 1000), generator=g, dtype=torch.int8)
+    scale = (torch.rand(300, generator=g) * 0.02).bfloat16()
+    wb = (torch.randn(300, 1000, generator=g) * 0.05).bfloat16()
+    full8, fullb = native.linear_int8(x, w8, scale), native.linear_bf16(x, wb)
+    for M in (3, 8, 12, 13, 16, 24):
+        assert torch.equal(native.linear_int8(x[:M], w8, scale), full8[:M]), M
+        assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
 
 
 def test_shapes_layouts_and_threads(gemv_isa: ctypes.CDLL) -> None:

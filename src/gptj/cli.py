@@ -251,10 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from gptj.threads import compute_threads
-    from gptj.threads import RESERVED_CORES
+    from gptj.threads import SERVE_RESERVED_CORES, compute_threads
 
-    serve(replace(cfg, threads=compute_threads(args.threads, reserve=RESERVED_CORES)), log_level=args.log_level)
+    serve(replace(cfg, threads=compute_threads(args.threads, reserve=SERVE_RESERVED_CORES)), log_level=args.log_level)
     return 0
 
 
@@ -626,8 +625,8 @@ def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     # auto: bfloat16 where it runs fast (served at 1.55-1.89x float32's tokens/s on AVX2 with gptj.native,
     # docs/PERFORMANCE.md), else float32; serving is not where exactness is the point
     flags.add_model_flags(p, dtype="auto", quantize_help="quantize the models' linears on load (weight-only)")
-    flags.add_threads_flag(p, help="torch compute threads (default: the usable cores less 1, left to the event loop: on 2 "
-                        "busy cores, 1 thread answered concurrent requests 5-15x sooner than 2; docs/PERFORMANCE.md); "
+    flags.add_threads_flag(p, help="torch compute threads (default: the usable cores; on cores shared with other "
+                        "work, fewer leave room for the event loop: docs/PERFORMANCE.md); "
                         "with --tp/--pp, split over the ranks (default: the cores split); with Ray, each "
                         "replica's (default: --cpus-per-replica)")
 

@@ -18,13 +18,18 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-# Cores a command that has threads besides the compute keeps for them when --threads is not given:
-# `gptj mlperf` for LoadGen's issuing and logging threads and the SUT's; `gptj serve` for the event
-# loop (HTTP, tokenizing, streaming). torch's OpenMP workers spin while they wait for work, so on few
-# cores such a thread waits whole time slices behind them. On 2 busy cores, every core computing was
-# 5-30x slower; on a quiet one, keeping a core cost up to a third of Offline throughput
-# (docs/PERFORMANCE.md, "Threads in gptj mlperf" and "Threads in gptj serve").
+# Cores a command that has threads besides the compute keeps for them when --threads is not given.
+# `gptj mlperf`: one, for LoadGen's issuing and logging threads and the SUT's. torch's OpenMP workers
+# spin while they wait for work, so on few cores such a thread waits whole time slices behind them: on
+# 2 busy cores, every core computing was 5-30x slower; on a quiet one, keeping a core cost up to a
+# third of Offline throughput (docs/PERFORMANCE.md, "Threads in gptj mlperf").
 RESERVED_CORES = 1
+# `gptj serve`: none. Its event loop (HTTP, tokenizing, streaming) needs little beside the compute:
+# on a quiet 2-core machine, 2 compute threads served the ~0.2 B model 1.5-1.9x the output tokens/s
+# of 1 with about half the TTFT p99 (600-token prompts, 1-32 clients on the same cores), and the tiny
+# model alike (docs/PERFORMANCE.md, "Threads in gptj serve"). Keeping a core paid only on cores
+# shared with other work; --threads is for that.
+SERVE_RESERVED_CORES = 0
 
 
 def compute_threads(requested: int | None = None, reserve: int = 0) -> int:
