@@ -21,6 +21,28 @@ def test_gptj_6b_parameter_count_on_meta():
     assert model.lm_head.weight.is_meta
 
 
+def test_a_meta_model_is_built_without_torchs_python_kernels():
+    """Building on the meta device (every load starts there) runs no math on meta tensors: torch
+    would import its Python meta kernels and torch._dynamo for it, over a second per process. A CPU
+    model's embedding draws what nn.Embedding's own init draws."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from gptj.config import get_preset\n"
+             "from gptj.model import build_model\n"
+             "m = build_model(get_preset('tiny'), 'meta', torch.bfloat16)\n"
+             "assert m.rope.is_meta and m.rope.shape == (2048, 8) and m.transformer.wte.weight.is_meta\n"
+             "print('torch._dynamo' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stderr
+    cfg = get_preset("tiny")
+    torch.manual_seed(0)
+    ours = build_model(cfg).transformer.wte.weight
+    torch.manual_seed(0)
+    assert torch.equal(ours, torch.nn.Embedding(cfg.vocab_size, cfg.n_embd).weight) and ours.requires_grad
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_layer}E{c.n_embd}H{c.n_head}R{c.rotary_dim}")
 def test_logits_match_hf(cfg):
     ours, hf = make_pair(cfg, std=0.3)

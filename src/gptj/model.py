@@ -33,6 +33,9 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 def rope_table(n_positions: int, rope_dim: int, device: torch.device | None = None) -> torch.Tensor:
     """(n_positions, rope_dim) float32: [sin | cos] of position * 10000^(-2i/rope_dim)."""
+    where = torch.device(device) if device is not None else torch.get_default_device()
+    if where.type == "meta":  # shapes only (a model built to be loaded): its math would run torch's
+        return torch.empty(n_positions, rope_dim, device=where)  # Python meta kernels, ~1 s to import
     inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, rope_dim, 2, dtype=torch.int64, device=device) / rope_dim))
     angles = torch.arange(n_positions, dtype=torch.int64, device=device).float()[:, None] * inv_freq
     return torch.cat((torch.sin(angles), torch.cos(angles)), dim=1)
@@ -204,7 +207,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        wte = torch.empty(config.vocab_size, config.n_embd)
+        if not wte.is_meta:  # nn.Embedding's own init; on meta (shapes only) its normal_ would import
+            nn.init.normal_(wte)  # torch's Python meta kernels, ~1 s per process
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=wte)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
