@@ -89,7 +89,11 @@ def test_sigterm_keeps_listening_answers_503_and_lets_running_requests_finish(ti
         sender = threading.Thread(target=lambda: plain.append(call(url, body={
             "model": "tiny", "prompt": "plain", "max_tokens": 3, "temperature": 0, "ignore_eos": True}, timeout=300)))
         sender.start()
-        poll(lambda: metric(url, "gptj_outstanding_requests", model="tiny"), lambda n: n == 2)
+        # Both requests handed to the engine (queued or running), not only admitted: one still being
+        # tokenized when the drain begins is refused like a new one.
+        poll(lambda: metric(url, "gptj_queue_depth", model="tiny") + metric(url, "gptj_running_sequences",
+                                                                            model="tiny"), lambda n: n == 2)
+        assert metric(url, "gptj_outstanding_requests", model="tiny") == 2
         keep = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         assert keep_alive_call(keep, "GET", "/health")[0] == 200
         proc.send_signal(signal.SIGTERM)
