@@ -151,7 +151,7 @@ def test_compute_threads_are_chosen_honoured_and_recorded(tiny_checkpoint, tmp_p
     assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     recorded = json.loads((log_dir / "run.json").read_text())["threads"]
     cores = len(os.sched_getaffinity(0))
-    if threads is None:  # the usable cores less the one kept for LoadGen and the SUT
+    if threads is None:  # the usable cores less those kept for LoadGen and the SUT (none)
         assert recorded["compute"] == max(1, cores - RESERVED_CORES) and recorded["requested"] is None
         assert recorded["why"].startswith("default")
     else:

@@ -19,11 +19,12 @@ def usable_cores() -> int:
 
 
 # Cores a command that has threads besides the compute keeps for them when --threads is not given.
-# `gptj mlperf`: one, for LoadGen's issuing and logging threads and the SUT's. torch's OpenMP workers
-# spin while they wait for work, so on few cores such a thread waits whole time slices behind them: on
-# 2 busy cores, every core computing was 5-30x slower; on a quiet one, keeping a core cost up to a
-# third of Offline throughput (docs/PERFORMANCE.md, "Threads in gptj mlperf").
-RESERVED_CORES = 1
+# `gptj mlperf`: none. LoadGen's issuing and logging threads and the SUT's need little; on 2 quiet cores
+# (the ~0.2 B model, AVX2 paths, 2026-11-27) computing on both gave 1.9x Offline's samples/s, Server
+# p50 latency 1.3 s against 8.8 s at 1 QPS, SingleStream p50 0.8 s against 1.3 s. On 2 cores shared
+# with other work, every core computing was 5-30x slower (docs/PERFORMANCE.md, "Threads in gptj
+# mlperf"): there, --threads 1. An MLPerf run wants a machine of its own anyway.
+RESERVED_CORES = 0
 # `gptj serve`: none. Its event loop (HTTP, tokenizing, streaming) needs little beside the compute:
 # on a quiet 2-core machine, 2 compute threads served the ~0.2 B model 1.5-1.9x the output tokens/s
 # of 1 with about half the TTFT p99 (600-token prompts, 1-32 clients on the same cores), and the tiny

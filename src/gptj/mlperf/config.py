@@ -46,7 +46,7 @@ class MLPerfConfig:
     spec: ModelSpec = field(default_factory=ModelSpec)  # how the model runs here (its path: `model`)
     # the engine's size as asked; max_seqs / max_len not given come from the run (see run.engine_config)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    threads: int | None = None  # torch compute threads; None: the usable cores less runtime.RESERVED_CORES
+    threads: int | None = None  # torch compute threads; None: the usable cores less gptj.threads.RESERVED_CORES
     progress: bool = True
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     server: str | None = None  # a gptj server's URL: run the samples there, over HTTP

@@ -44,10 +44,15 @@ def choose_threads(cfg: MLPerfConfig) -> Threads:
     if lockstep.active():
         share = torch.get_num_threads()
         return Threads(max(1, share - RESERVED_CORES), None, cores, RESERVED_CORES,
-                       f"default: this rank's share of {share} of the {cores} usable cores, less {RESERVED_CORES} "
-                       "kept for LoadGen and the SUT")
+                       f"default: this rank's share of {share} of the {cores} usable cores" + _kept())
     return Threads(compute_threads(None, RESERVED_CORES), None, cores, RESERVED_CORES,
-                   f"default: the {cores} usable cores less {RESERVED_CORES} kept for LoadGen and the SUT")
+                   f"default: the {cores} usable cores" + _kept())
+
+
+def _kept() -> str:
+    from gptj.threads import RESERVED_CORES
+
+    return f", less {RESERVED_CORES} kept for LoadGen and the SUT" if RESERVED_CORES else ""
 
 
 def official_differences(gen: GenerationConfig) -> list[str]:
