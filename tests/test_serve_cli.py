@@ -170,13 +170,13 @@ def test_a_model_that_fails_to_load_stops_the_server(tmp_path):
 
 def test_serve_threads_default_is_the_usable_cores(tiny, monkeypatch):
     """`gptj serve` hands its thread count to the server config: --threads, or the usable cores less
-    SERVE_RESERVED_CORES (none: measured faster on a quiet machine; at least 1)."""
+    RESERVED_CORES (none: measured faster on a quiet machine; at least 1)."""
     import gptj.serve.server
-    from gptj.threads import SERVE_RESERVED_CORES, usable_cores
+    from gptj.threads import RESERVED_CORES, usable_cores
 
     seen = []
     monkeypatch.setattr(gptj.serve.server, "serve", lambda cfg, log_level="info": seen.append(cfg))
     assert main(["serve", "--model", f"tiny={tiny}", "--port", "0"]) == 0
     assert main(["serve", "--model", f"tiny={tiny}", "--port", "0", "--threads", "3"]) == 0
-    assert SERVE_RESERVED_CORES == 0
+    assert RESERVED_CORES == 0
     assert [cfg.threads for cfg in seen] == [usable_cores(), 3]

@@ -251,9 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from gptj.threads import SERVE_RESERVED_CORES, compute_threads
+    from gptj.threads import RESERVED_CORES, compute_threads
 
-    serve(replace(cfg, threads=compute_threads(args.threads, reserve=SERVE_RESERVED_CORES)), log_level=args.log_level)
+    serve(replace(cfg, threads=compute_threads(args.threads, reserve=RESERVED_CORES)), log_level=args.log_level)
     return 0
 
 

@@ -18,19 +18,15 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-# Cores a command that has threads besides the compute keeps for them when --threads is not given.
-# `gptj mlperf`: none. LoadGen's issuing and logging threads and the SUT's need little; on 2 quiet cores
-# (the ~0.2 B model, AVX2 paths, 2026-11-27) computing on both gave 1.9x Offline's samples/s, Server
-# p50 latency 1.3 s against 8.8 s at 1 QPS, SingleStream p50 0.8 s against 1.3 s. On 2 cores shared
-# with other work, every core computing was 5-30x slower (docs/PERFORMANCE.md, "Threads in gptj
-# mlperf"): there, --threads 1. An MLPerf run wants a machine of its own anyway.
+# Cores a command that has threads besides the compute (`gptj mlperf`: LoadGen's issuing and logging
+# threads and the SUT's; `gptj serve`: the event loop, for HTTP, tokenizing, streaming) keeps for them
+# when --threads is not given: none, as those threads need little. Measured 2026-11-27 on 2 quiet cores
+# (the ~0.2 B model, AVX2 paths): computing on both gave mlperf 1.9x Offline's samples/s, Server p50
+# latency 1.3 s against 8.8 s at 1 QPS, SingleStream p50 0.8 s against 1.3 s; and serve 1.5-1.9x the
+# output tokens/s with about half the TTFT p99 (600-token prompts, 1-32 clients on the same cores).
+# On 2 cores shared with other work, every core computing was 5-30x slower (docs/PERFORMANCE.md,
+# "Threads in gptj mlperf" and "Threads in gptj serve"): there, --threads 1.
 RESERVED_CORES = 0
-# `gptj serve`: none. Its event loop (HTTP, tokenizing, streaming) needs little beside the compute:
-# on a quiet 2-core machine, 2 compute threads served the ~0.2 B model 1.5-1.9x the output tokens/s
-# of 1 with about half the TTFT p99 (600-token prompts, 1-32 clients on the same cores), and the tiny
-# model alike (docs/PERFORMANCE.md, "Threads in gptj serve"). Keeping a core paid only on cores
-# shared with other work; --threads is for that.
-SERVE_RESERVED_CORES = 0
 
 
 def compute_threads(requested: int | None = None, reserve: int = 0) -> int:

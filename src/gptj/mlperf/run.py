@@ -44,15 +44,13 @@ def choose_threads(cfg: MLPerfConfig) -> Threads:
     if lockstep.active():
         share = torch.get_num_threads()
         return Threads(max(1, share - RESERVED_CORES), None, cores, RESERVED_CORES,
-                       f"default: this rank's share of {share} of the {cores} usable cores" + _kept())
+                       f"default: this rank's share of {share} of the {cores} usable cores" + _kept(RESERVED_CORES))
     return Threads(compute_threads(None, RESERVED_CORES), None, cores, RESERVED_CORES,
-                   f"default: the {cores} usable cores" + _kept())
+                   f"default: the {cores} usable cores" + _kept(RESERVED_CORES))
 
 
-def _kept() -> str:
-    from gptj.threads import RESERVED_CORES
-
-    return f", less {RESERVED_CORES} kept for LoadGen and the SUT" if RESERVED_CORES else ""
+def _kept(reserve: int) -> str:
+    return f", less {reserve} kept for LoadGen and the SUT" if reserve else ""
 
 
 def official_differences(gen: GenerationConfig) -> list[str]:

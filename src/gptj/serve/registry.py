@@ -64,7 +64,7 @@ class ServerConfig:
     admin_token: str | None = None  # enables /admin routes (same header)
     model_root: str | None = None  # admin loads must lie under it (default: the working directory)
     # torch compute threads, set where the engine is built (None: leave torch's setting; `gptj serve`
-    # passes the usable cores less gptj.threads.SERVE_RESERVED_CORES); split over the ranks under --tp/--pp
+    # passes the usable cores less gptj.threads.RESERVED_CORES); split over the ranks under --tp/--pp
     threads: int | None = None
     # `gptj serve --max-batch-size`'s old name for engine.max_seqs (sequences per step, beams count each)
     max_batch_size: InitVar[int | None] = None
