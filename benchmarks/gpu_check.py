@@ -47,6 +47,7 @@ import os
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 from _smoke import parse_args
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,"
                                        "offline-q,server,server-q,quant-report,accuracy,hf")
     ap.add_argument("--step-timeout", type=float, default=240)
+    ap.add_argument("--long-step-timeout", type=float, default=300,
+                    help="the limit of the long steps (offline, offline-q, quant-report, accuracy)")
+    ap.add_argument("--test-workers", type=int, default=8,
+                    help="tests: pytest-xdist workers where it is installed (Triton compiles on the CPU's cores)")
     ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
                            "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
@@ -205,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     offline_quant = ["--quantize", oq, *(["--kv-dtype", okv] if okv else [])]
 
     if "tests" in steps:
+        workers = ["-n", str(args.test_workers)] if args.test_workers > 1 and find_spec("xdist") else []
         r = run_step("tests", [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-m", "cuda", "-p",
-                                  "no:cacheprovider"],
+                                  "no:cacheprovider", *workers],
                      out, args.step_timeout)
         tail = (r["stdout"].strip().splitlines() or [""])[-1]
         res["tests"] = {"ok": r["ok"], "summary": tail, "error": r["error"]}
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "--min-duration-ms", "1000", "--min-query-count", str(args.samples),
                                     "--max-query-count", "0", "--performance-sample-count", str(args.samples),
                                     "--max-batch-size", str(args.max_batch_size)),
-                         out, max(args.step_timeout, 300))
+                         out, args.long_step_timeout)
             res[name] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"],
                          "quant": " ".join(extra)}
     device = res.get("bandwidth", {}).get("device", "")
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if "quant-report" in steps:
         r = run_step("quant-report", gptj("quant-report", "--model", str(model), "--device", args.device, "--modes",
                                           ",".join(quant_modes), "--no-speed", "--prompts", "4", "--max-tokens",
-                                          "128", "--json"), out, max(args.step_timeout, 300))
+                                          "128", "--json"), out, args.long_step_timeout)
         report = json.loads(r["stdout"]) if r["ok"] and r["stdout"].strip().startswith("{") else {}
         res["quant-report"] = {"modes": {m: {k: v[k] for k in ("top1_agreement", "max_abs_logit_error")}
                                          for m, v in report.get("modes", {}).items()}, "error": r["error"]}
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_step(log_dir.name, gptj("mlperf", "--model", str(model), *common, *extra, "--scenario", "Offline",
                                             "--mode", "accuracy", "--quiet", "--log-dir", str(log_dir),
                                             "--max-new-tokens", str(args.max_new_tokens), "--max-batch-size",
-                                            str(args.max_batch_size)), out, max(args.step_timeout, 300))
+                                            str(args.max_batch_size)), out, args.long_step_timeout)
             entry = {"error": r["error"]}
             if (log_dir / "accuracy.json").is_file():
                 entry["rouge1"] = json.loads((log_dir / "accuracy.json").read_text())["rouge1"]

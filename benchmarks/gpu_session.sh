@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A lent GPU's session (15 minutes of device time, 10 per command, the machine back after 30 s idle),
+# as two prepared commands run back to back on the device tool (`run`, carry .whl; ../shared/GPU.md):
+#
+#   bash benchmarks/gpu_session.sh 1     # ~8 min: the CUDA tests, copy bandwidth, batch-1 decode per
+#                                        # precision, Offline bf16 and fp8+fp8 KV, batch-32 decode
+#   bash benchmarks/gpu_session.sh 2     # what time is left: Server with fp8, quant-report, accuracy
+#
+# Each part runs benchmarks/gpu_check.py's steps (their logs in $GC_OUT, kept on the machine so the
+# 6B model is made once), keeps each invocation's results.json, and packs the logs into
+# $OUT/gpu-check-PART.tgz (the device tool returns at most 8 files). GC_LIMIT bounds a part's
+# steps (seconds) so the packing still happens; GC_ARGS adds flags to every gpu_check invocation
+# (a CPU rehearsal: GC_ARGS=--smoke OUT=/tmp/o bash benchmarks/gpu_session.sh 1).
+set -u
+part=${1:?usage: gpu_session.sh 1|2}
+O=${GC_OUT:-/tmp/gpu-check}
+LIMIT=${GC_LIMIT:-480}
+mkdir -p "$O" "${OUT:?OUT: the folder whose files come back}"
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTEST_ADDOPTS="--timeout 150"   # one hung test must not take the part (pytest-timeout is there)
+python3 -c "import pytest_timeout" 2>/dev/null || unset PYTEST_ADDOPTS
+end=$(( $(date +%s) + LIMIT ))
+
+gc() {  # gpu_check with these steps; stops at the part's limit; keeps its results.json
+  local tag=$1; shift
+  local left=$(( end - $(date +%s) ))
+  if [ "$left" -le 10 ]; then echo "# $tag: skipped, the part's time is spent"; return; fi
+  timeout "$left" python3 benchmarks/gpu_check.py --out "$O" "$@" ${GC_ARGS:-}
+  [ -f "$O/results.json" ] && mv "$O/results.json" "$O/results-$tag.json"
+}
+
+case $part in
+  1)
+    (nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
+      > "$O/machine.txt" 2>&1
+    gc model --steps model > "$O/model-part.txt" 2>&1 &   # CPU-bound (~1 min): beside the tests
+    gc tests --steps tests --step-timeout 200
+    wait
+    gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --step-timeout 120
+    gc offline --steps offline,offline-q --long-step-timeout 170 --samples 128
+    gc b32 --steps latency-b32 --step-timeout 120
+    ;;
+  2)
+    gc server --steps server-q --server-seconds 30 --samples 128 --long-step-timeout 100
+    gc quant --steps quant-report --long-step-timeout 100
+    gc accuracy --steps accuracy --quant-modes fp8 --long-step-timeout 100
+    ;;
+  *) echo "gpu_session.sh: part 1 or 2" >&2; exit 2 ;;
+esac
+tar czf "$OUT/gpu-check-$part.tgz" --exclude=./model --exclude='*.safetensors' --exclude=mlperf_log_trace.json -C "$O" .
+ls -la "$OUT"
