@@ -31,29 +31,39 @@ class PagedKV:
         self.quantized = dtype in QUANTIZED_KV.values()
         self.compute = compute or (torch.float32 if self.quantized else dtype)
         try:  # zeros, not empty: every page is touched now, not by the first requests (a page fault each)
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-            self.v = [torch.zeros_like(t) for t in self.k]
+            # each kind one tensor for all layers (a layer's is a view of it), so a step's block
+            # copies are one indexed copy per kind, whatever the layers and copies
+            self.stacked = [torch.zeros((config.n_layer, *shape), dtype=dtype, device=device) for _ in "kv"]
             if self.quantized:
-                self.k_scale = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) for _ in self.k]
-                self.v_scale = [torch.zeros_like(t) for t in self.k_scale]
+                self.stacked += [torch.zeros((config.n_layer, *shape[:3]), dtype=KV_SCALE_DTYPE, device=device)
+                                 for _ in "kv"]
         except (RuntimeError, MemoryError) as e:
             gb = n_blocks * block_size * kv_bytes_per_token(config, dtype, shape[1]) / 1e9
             raise GptjError(f"cannot allocate {gb:.1f} GB of KV memory ({n_blocks} blocks of {block_size} tokens): "
                             f"{str(e).splitlines()[0]}") from None
+        self.k, self.v = (list(t.unbind(0)) for t in self.stacked[:2])
+        if self.quantized:
+            self.k_scale, self.v_scale = (list(t.unbind(0)) for t in self.stacked[2:])
         self.block_size = block_size
 
     @property
     def device(self) -> torch.device:
         return self.k[0].device
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*self.k, *self.v, *(self.k_scale + self.v_scale if self.quantized else ()))
-
     def copy(self, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Copy-on-write: block dst gets the first n tokens of block src, for each (src, dst, n)."""
-        for src, dst, n in copies:
-            for t in self._tensors():
-                t[dst, :, :n] = t[src, :, :n]
+        """Copy-on-write: block dst gets the first n tokens of block src, for each (src, dst, n).
+
+        Whole blocks are copied, every layer's and every copy's in one indexed copy per tensor kind
+        (a step of 64 beam requests makes some 100 copies: one copy per block and layer cost a
+        kernel launch each). The rows from n on are not the sequence's yet: it writes each of them
+        before anything reads it (a sequence's reads stop at its length)."""
+        if not copies:
+            return
+        device = self.device
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=device)
+        for t in self.stacked:
+            t[:, dst] = t[:, src]  # dst blocks are fresh: none is also a src
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
               offsets: torch.Tensor) -> None:
