@@ -8,7 +8,10 @@ of one request — are one tile of queries (R, D): the group's shared blocks (it
 once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
 the softmax online (flash-decoding's running max and sum, one pass over the keys and values);
 quantized blocks (int8 or e4m3) are read in place with their per-token-head scales. The step's groups come as the same int32
-DecodeTables gptj.native reads, made once per step and copied to the GPU in one go.
+DecodeTables gptj.native reads, made once per step and copied to the GPU in one go. The tile of rows
+is the step's largest group rounded up to a power of two, and a compiled reduction's order follows
+the tile: a group's rows are the same bit for bit in any step of the same tile, and within the
+arithmetic's bound across tiles (on an H200 they differed in the last bits).
 
 The kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how it
 is tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
