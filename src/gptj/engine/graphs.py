@@ -159,6 +159,24 @@ class GraphRunner:
         graph.replay()
         return logits[:rows]
 
+    def replay_ms(self, rows: int, n: int = 20) -> float | None:
+        """The device time of a decode step of `rows` rows: its bucket's captured graph replayed n
+        times back to back, with no host work between (a step's time less this is the host's part).
+        None where no graph of that bucket was captured. The replays write the last step's slots
+        again: measure after a run, never within one."""
+        bucket = self.buckets.get(bucket_for(rows, self.max_rows))
+        if not self.capture or bucket is None or not bucket.graphs:
+            return None
+        graph, _ = next(iter(bucket.graphs.values()))
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
     def _run(self, bucket: _Bucket, tile: int) -> torch.Tensor:
         cache = PagedBatch(self.kv, self.backend, bucket.metadata(tile))
         return self.model(bucket.ids[None], position_ids=bucket.positions[None], cache=cache)[0]
