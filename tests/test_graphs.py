@@ -97,3 +97,36 @@ def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model,
     assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, SHORT_MIXED[:3])
     assert not engine.attention.kernel_ok and not engine.runner.graphs.ready
     assert caplog.text.count("the Triton decode kernel failed (RuntimeError: PTX not supported)") == 1
+
+
+@needs_triton
+def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(model):  # noqa: F811 - the fixture
+    """Engine.warm runs a short request of the kind and every bucket's padding-only step for groups
+    of num_beams rows; only the scratch block is written by the padding steps, the prefix cache and
+    the counts start afresh, and the engine then gives the tokens of one never warmed."""
+    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    beams = GenerationConfig(max_new_tokens=4, num_beams=4, early_stopping=True)
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    graphs, kv = engine.runner.graphs, engine.runner.kv
+    # the short request's one decode step made bucket 4; the warm-up the others that hold 4-row groups
+    assert engine.warm(beams) == 2 and sorted(graphs.buckets) == [b for b in BUCKETS if 4 <= b <= 16]
+    assert engine.kv.cached == 0 and engine.steps == 0 and engine.stats().prefix_queried_tokens == 0
+    before = [t.clone() for t in kv.stacked]
+    assert graphs.warm(4) == 0  # all made: nothing more to do
+    graphs.buckets.clear()
+    graphs.warm(4)
+    changed = {int(b) for t, t0 in zip(kv.stacked, before) for b in (t != t0).flatten(2).any(-1).any(0).nonzero()}
+    assert changed <= {engine.plan.n_blocks}  # the scratch block only
+    fresh = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16))
+    assert engine.generate(prompts, beams) == fresh.generate(prompts, beams)
+    assert engine.generate(prompts[:2], MIXED[:2]) == fresh.generate(prompts[:2], MIXED[:2])
+
+
+@needs_gpu
+def test_warming_captures_the_graphs_before_the_steps_need_them(model):  # noqa: F811 - the fixture
+    engine = Engine(model.to("cuda"), EngineConfig(max_seqs=16, block_size=8))
+    engine.warm(GenerationConfig(max_new_tokens=4))
+    captured = engine.runner.graphs.captured
+    assert captured >= len([b for b in BUCKETS if b <= 16])
+    engine.generate(prompts_of([5, 17, 1]), GenerationConfig(max_new_tokens=6))
+    assert engine.runner.graphs.captured == captured

@@ -13,6 +13,7 @@ serving kernels (gptj.kernels.prepare_for_serving) is the caller's (gptj.runtime
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -61,6 +62,18 @@ class Engine:
             self.decode_batch_sizes.append(result.decode_rows)
         self.steps += 1
         return self.updater.apply(scheduled, result)
+
+    def warm(self, gen: GenerationConfig, prompt_len: int = 32) -> int:
+        """Before timed work: run one short request of `gen`'s kind on a made-up prompt (the device's
+        kernels compiled, the sampler's and prefill's paths taken) and make the CUDA graphs of every
+        batch size for its rows per group. The KV blocks are freed after it. -> graphs' buckets warmed."""
+        prompt = [gen.eos_token_id or 0] * min(prompt_len, self.plan.max_len - 2)
+        self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
+        warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
+        self.kv.forget()
+        self.steps, self.updater.prefill_tokens = 0, 0
+        self.decode_batch_sizes.clear()
+        return warmed
 
     # --- requests ---
 

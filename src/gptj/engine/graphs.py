@@ -159,6 +159,26 @@ class GraphRunner:
         graph.replay()
         return logits[:rows]
 
+    def warm(self, rows_per_group: int) -> int:
+        """Make every bucket's graph for groups of `rows_per_group` rows (beam search: num_beams) now,
+        before the steps that need them, as vLLM captures at start: a run's first step at each batch
+        size then replays instead of paying a capture (two forwards and the capture) among timed
+        steps. The steps are padding only (they write and read the scratch block). -> buckets warmed
+        (captured on CUDA; run eagerly from the same buffers elsewhere)."""
+        tile = 1 << (rows_per_group - 1).bit_length()
+        sizes = [b for b in BUCKETS if b < self.max_rows] + [self.max_rows]
+        warmed = 0
+        for size in sizes:
+            bucket = self.buckets.get(size)
+            made = bucket is not None and (tile in bucket.graphs or not self.capture)
+            if size < rows_per_group or not self.ready or made:
+                continue
+            groups = [DecodeGroup([self.scratch], 1, [[]] * rows_per_group, 0)] * (size // rows_per_group)
+            with torch.inference_mode():  # as the runner's steps
+                self.forward(DecodeInputs([0] * size, [0] * size, [self.scratch] * size, [0] * size, groups))
+            warmed += 1
+        return warmed
+
     def replay_ms(self, rows: int, n: int = 20) -> float | None:
         """The device time of a decode step of `rows` rows: its bucket's captured graph replayed n
         times back to back, with no host work between (a step's time less this is the host's part).

@@ -130,6 +130,13 @@ class KVCacheManager:
         self._block_of[key] = block
         self._key_of[block] = key
 
+    def forget(self) -> None:
+        """Forget every cached prefix and the lookup counts (after a warm-up: what follows runs as on
+        a fresh engine)."""
+        self._key_of.clear()
+        self._block_of.clear()
+        self.queried_tokens = self.hit_tokens = 0
+
     def check(self) -> None:
         """Invariants (tests): free == unheld, every key maps both ways."""
         unheld = {b for b in range(self.n_blocks) if self.ref[b] == 0}
