@@ -3,6 +3,7 @@ same tokens as the per-request rules of gptj.decode (greedy_or_sample's, BeamSea
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gptj.decode import BeamSearch, GenerationConfig, block_eos, warp
@@ -71,36 +72,42 @@ def test_a_beam_search_is_done_when_its_last_token_is_chosen():
     assert choose([(req, logits)])[req].done is True and req.beam.finished
 
 
-def test_beam_searches_at_different_steps_advance_together_as_each_alone():
-    """BeamSearch.step_all (the sampler's batched pass) on searches started at different steps: the
-    same beams, tokens, hypotheses and done flags as stepping each alone, bit for bit. EOS is made
-    likely at some steps, so hypotheses finish, min_new_tokens blocks EOS early, and searches end."""
+@pytest.mark.parametrize("prompts", [(1, 1, 1), (2, 1, 3)], ids=["one-prompt-each", "2-1-3-prompts"])
+def test_beam_searches_at_different_steps_advance_together_as_each_alone(prompts):
+    """BeamSearch.step_all (the sampler's batched pass) on searches started at different steps (the
+    engine's: one prompt each; decode.beam_search's: a batch of prompts): the same beams, tokens,
+    hypotheses and done flags as stepping each alone, bit for bit. EOS is made likely at some steps,
+    so hypotheses finish, min_new_tokens blocks EOS early, and searches end."""
     gen = GenerationConfig(num_beams=3, max_new_tokens=7, min_new_tokens=2, eos_token_id=7, early_stopping=True)
     g = torch.Generator().manual_seed(3)
-    stream = []
-    for t in range(12):
-        x = torch.randn(3, V, generator=g)
-        if t % 3 == 2:
-            x[:, 7] += 3.0  # EOS among the top candidates
-        stream.append(x)
-    together = [BeamSearch(1, gen, "cpu") for _ in range(3)]
-    alone = [BeamSearch(1, gen, "cpu") for _ in range(3)]
+    streams = []  # each search's logits, step by step: (B * 3, V)
+    for b in prompts:
+        stream = []
+        for t in range(12):
+            x = torch.randn(b * 3, V, generator=g)
+            if t % 3 == 2:
+                x[:, 7] += 3.0  # EOS among the top candidates
+            stream.append(x)
+        streams.append(stream)
+    together = [BeamSearch(b, gen, "cpu") for b in prompts]
+    alone = [BeamSearch(b, gen, "cpu") for b in prompts]
     starts = [0, 2, 3]  # search i takes its first token at step starts[i]
     finished = set()
     for t in range(12):
         active = [i for i in range(3) if starts[i] <= t and i not in finished]
         if not active:
             break
-        got = BeamSearch.step_all([together[i] for i in active], [stream[t - starts[i]] for i in active])
+        got = BeamSearch.step_all([together[i] for i in active], [streams[i][t - starts[i]] for i in active])
         for i, (source, tokens) in zip(active, got):
-            want_source, want_tokens = alone[i].step(stream[t - starts[i]])
+            want_source, want_tokens = alone[i].step(streams[i][t - starts[i]])
             assert torch.equal(source, want_source) and torch.equal(tokens, want_tokens)
             assert bool(together[i].done_now) == bool(alone[i].done_now)
             for name in ("fin_scores", "fin_tokens", "fin_lens", "fin_valid", "run_scores", "improvable"):
                 assert torch.equal(getattr(together[i], name), getattr(alone[i], name)), name
             if together[i].finished:
                 finished.add(i)
-                assert together[i].ranked(0) == alone[i].ranked(0) and together[i].ranked(0)
+                for b in range(prompts[i]):
+                    assert together[i].ranked(b) == alone[i].ranked(b) and together[i].ranked(b)
     assert finished == {0, 1, 2}
 
 

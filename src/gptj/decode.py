@@ -17,6 +17,7 @@ Shapes: B prompts, T padded prompt length, V vocabulary, K beams, L = max_new_to
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -440,16 +441,28 @@ class BeamSearch:
         improvable = improvable & (~fin_valid.all(dim=1) | (best_possible > worst_finished))
         done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True)) | last  # (B,)
 
-        out, row = [], 0
-        for s in searches:
-            rows = slice(row, row + s.B)
+        # Each search's state and results are views of the stacked tensors: a few kernels for all of
+        # them, not a few per search (the engine steps one search per beam request).
+        starts = list(itertools.accumulate((s.B for s in searches), initial=0))
+        if len(searches) > 1:  # each row's beam 0 within its own search: (row - its search's first row) * K
+            source = source + per_row([(b - first) * K for s, first in zip(searches, starts) for b in
+                                       range(first, first + s.B)], torch.long)[:, None]
+        else:
+            source = source + searches[0].beam_offset
+        source_rows, next_flat = source.reshape(-1), next_tokens.reshape(-1)
+        if all(s.B == 1 for s in searches):
+            done_each = done
+        else:
+            done_each = torch.stack([done[first:first + s.B].all() for s, first in zip(searches, starts)])
+        out = []
+        for i, (s, first) in enumerate(zip(searches, starts)):
+            rows = slice(first, first + s.B)
             s.run_tokens, s.run_scores = run_tokens[rows], run_scores[rows]
             s.fin_tokens, s.fin_scores, s.fin_lens = fin_tokens[rows], fin_scores[rows], fin_lens[rows]
             s.fin_valid, s.improvable = fin_valid[rows], improvable[rows]
-            s.done_now = done[rows].all()
+            s.done_now = done_each[i]
             s.n_steps += 1
-            out.append(((source[rows] + s.beam_offset).reshape(-1), next_tokens[rows].reshape(-1)))
-            row += s.B
+            out.append((source_rows[first * K:(first + s.B) * K], next_flat[first * K:(first + s.B) * K]))
         return out
 
     @property

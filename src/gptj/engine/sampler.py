@@ -56,9 +56,10 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
     for group in by_config.values():
         results = BeamSearch.step_all([req.beam for req, _ in group], [logits for _, logits in group])
         stepped.update((req, result) for (req, _), result in zip(group, results))
-    for req, _ in beams:
-        source, tokens = stepped[req]
-        parts += [source, tokens, req.beam.done_now.long()[None]]
+    for req, _ in beams:  # views of one batched pass's results: no kernel each
+        parts += stepped[req]
+    if beams:
+        parts.append(torch.stack([req.beam.done_now for req, _ in beams]))
     if not parts:
         return {}
     flat = torch.cat([p.long() for p in parts]).tolist()  # the step's one device-to-host copy
@@ -66,10 +67,11 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
     for req, _ in greedy + sampled:
         out[req] = Choice([flat[at]])
         at += 1
-    for req, _ in beams:
+    done_at = len(flat) - len(beams)
+    for i, (req, _) in enumerate(beams):
         K = req.n_seqs
-        out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[at + 2 * K]))
-        at += 2 * K + 1
+        out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[done_at + i]))
+        at += 2 * K
     return out
 
 
