@@ -21,7 +21,9 @@ reported in the table and the others still run. OUT/results.json holds every fig
     offline-q    the Offline run again with --quantize Q --kv-dtype KV (--offline-quant Q:KV, fp8:fp8)
     server       gptj mlperf --scenario Server --mode performance at half TensorRT-LLM's Server
                  queries/s for the GPU (--server-qps), --server-seconds long: LoadGen's verdict on
-                 gptj-99's 20 s latency bound, and the p99 latency
+                 gptj-99's 20 s latency bound, and the p99 latency; at most 80 % of the Offline rate
+                 measured before it (this run's or one an earlier invocation left in OUT): a
+                 Server run asked for more than gptj can do only queues up
     server-q     the Server run with --offline-quant's modes at 75 % of TensorRT-LLM's queries/s
     quant-report gptj quant-report on the device: top-1 agreement and logit error of each of
                  --quant-modes against float32 (random weights: near-tied logits, the hard case)
@@ -85,6 +87,22 @@ def last_json(text: str) -> dict | None:
             except ValueError:
                 return None
     return None
+
+
+SERVER_SHARE_OF_OFFLINE = 0.8  # a Server run asks at most this share of the Offline rate measured before it
+
+
+def earlier_offline(res: dict, out: Path, step: str) -> float | None:
+    """The Offline samples/s of `step` from this invocation, or from a results*.json an earlier one
+    left in OUT (benchmarks/gpu_session.sh keeps each part's)."""
+    found = res.get(step, {}).get("samples_s")
+    for path in sorted(out.glob("results*.json")):
+        if found is None:
+            try:
+                found = json.loads(path.read_text()).get(step, {}).get("samples_s")
+            except (OSError, ValueError, AttributeError):
+                continue
+    return found
 
 
 def cuda_test_files() -> list[str]:
@@ -188,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=64, help="Offline: requests running at once")
     ap.add_argument("--hf-samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128, help="Offline and HF (official: 128)")
-    ap.add_argument("--server-qps", type=float, help="Server queries/s (default: half TensorRT-LLM's for the GPU)")
+    ap.add_argument("--server-qps", type=float, help="Server queries/s (default: TensorRT-LLM's share for the GPU, "
+                    "at most 80 %% of the Offline rate measured before it)")
     ap.add_argument("--server-seconds", type=float, default=60)
     ap.add_argument("--quant-modes", default="int8,int4,fp8", help="latency-b1-MODE and quant-report's modes")
     ap.add_argument("--offline-quant", default="fp8:fp8", help="offline-q / server-q: --quantize Q --kv-dtype KV")
@@ -262,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     trt = next((v for k, v in TRT_LLM_SERVER.items() if k in device), None)
     for name, extra, share in (("server", [], 0.5), ("server-q", offline_quant, 0.75)):
         if name in steps:
-            qps = args.server_qps or (trt * share if trt else 1.0)
+            qps, why = args.server_qps, "--server-qps"
+            if qps is None:
+                qps, why = (trt * share, f"{share:.0%} of TensorRT-LLM's") if trt else (1.0, "no GPU named")
+                offline = earlier_offline(res, out, "offline" if name == "server" else "offline-q")
+                if offline and SERVER_SHARE_OF_OFFLINE * offline < qps:  # more would only queue up
+                    qps, why = SERVER_SHARE_OF_OFFLINE * offline, f"{SERVER_SHARE_OF_OFFLINE:.0%} of Offline's"
             log_dir = out / name
             r = run_step(name, gptj("mlperf", "--model", str(model), *common, *extra, "--dataset", str(dataset),
                                     "--scenario", "Server", "--mode", "performance", "--quiet", "--log-dir",
@@ -271,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "--min-query-count", "1", "--max-query-count", "0", "--performance-sample-count",
                                     str(args.samples), "--max-batch-size", str(args.max_batch_size)),
                          out, max(args.step_timeout, args.server_seconds * 3))
-            res[name] = {**loadgen_summary(log_dir), "target_qps": qps, "trt_llm_qps": trt, "error": r["error"],
-                         "quant": " ".join(extra)}
+            res[name] = {**loadgen_summary(log_dir), "target_qps": qps, "qps_from": why, "trt_llm_qps": trt,
+                         "error": r["error"], "quant": " ".join(extra)}
     if "quant-report" in steps:
         r = run_step("quant-report", gptj("quant-report", "--model", str(model), "--device", args.device, "--modes",
                                           ",".join(quant_modes), "--no-speed", "--prompts", "4", "--max-tokens",
@@ -372,6 +396,8 @@ def table(res: dict) -> list[str]:
         if srv.get("result"):
             vs = f"{srv['target_qps'] / srv['trt_llm_qps']:.0%} of TensorRT-LLM's {srv['trt_llm_qps']}" \
                 if srv.get("trt_llm_qps") else "--server-qps"
+            if srv.get("qps_from", "").endswith("of Offline's"):
+                vs += f"; {srv['qps_from']} samples/s"
             rows.append((f"MLPerf Server{', ' + srv['quant'] if srv['quant'] else ''} at {srv['target_qps']:g} q/s "
                          f"({vs})", f"{srv['result']}, p99 {srv.get('p99_s', math.nan):.1f} s, "
                          f"{srv.get('completed_qps', math.nan):.2f} q/s done", "target: VALID, p99 <= 20 s"))

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh 1     # ~8 min: the CUDA tests, copy bandwidth, batch-1 decode per
 #                                        # precision, Offline bf16 and fp8+fp8 KV, batch-32 decode
-#   bash benchmarks/gpu_session.sh 2     # what time is left: Server with fp8, quant-report, accuracy
+#   bash benchmarks/gpu_session.sh 2     # what time is left: the GEMV plans (gemv_sweep.py), Server with fp8 (at 75 % of TensorRT-LLM's
+#                                        # queries/s for the GPU bandwidth names), quant-report, accuracy
 #
 # Each part runs benchmarks/gpu_check.py's steps (their logs in $GC_OUT, kept on the machine so the
 # 6B model is made once), keeps each invocation's results.json, and packs the logs into
@@ -44,7 +45,10 @@ case $part in
     gc b32 --steps latency-b32 --step-timeout 120
     ;;
   2)
-    gc server --steps server-q --server-seconds 30 --samples 128 --long-step-timeout 100
+    left=$(( end - $(date +%s) ))   # the GEMVs' launch plans first (~2 min): what tunes gptj.quant.cuda.TILES
+    timeout $(( left < 150 ? left : 150 )) python3 benchmarks/gemv_sweep.py --out "$O/gemv.json" ${GC_ARGS:+--smoke} \
+      > "$O/gemv.txt" 2>&1; tail -4 "$O/gemv.txt"
+    gc server --steps bandwidth,server-q --server-seconds 30 --samples 128 --long-step-timeout 100
     gc quant --steps quant-report --long-step-timeout 100
     gc accuracy --steps accuracy --quant-modes fp8 --long-step-timeout 100
     ;;

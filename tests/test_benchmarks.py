@@ -158,6 +158,19 @@ def check_native_attention(out: dict, err: str) -> None:
         assert all(positive(v) for v in row.values())
 
 
+def check_gemv_sweep(out: dict, err: str) -> None:
+    """Every kind x shape x rows x plan timed and within its error bound; each kind's best plan chosen."""
+    rows = out["results"]
+    plans = {r["plan"] for r in rows if r["kind"] == "int8"}
+    assert len(plans) == 2 and any(p.endswith("(default)") for p in plans)
+    for kind in ("int8", "int4"):
+        got = [(r["shape"], r["M"]) for r in rows if r["kind"] == kind]
+        assert sorted(got) == sorted([(s, m) for s in ("128x256", "64x512") for m in (1, 3)] * 2)
+        assert all(0 <= r["error_in_bounds"] <= 1 and r["ms"] > 0 for r in rows if r["kind"] == kind)
+        assert out["best"][kind]["plan"] in plans and out["best"][kind]["ms"] <= out["best"][kind]["default_ms"]
+    assert len([r for r in rows if r["plan"] == "F.linear"]) == 4
+
+
 def check_native_gemv(out: dict, err: str) -> None:
     from gptj import native
 
@@ -350,6 +363,7 @@ SMOKE: dict[str, Job] = {
     "cpu_kinds.py": Job("cpu_kinds.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_cpu_kinds),
     "gpu_check.py": Job("gpu_check.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "gpu-check")],
                         check_gpu_check),
+    "gemv_sweep.py": Job("gemv_sweep.py", lambda m, tmp: ["--smoke", "--json"], check_gemv_sweep),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),

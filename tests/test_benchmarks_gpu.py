@@ -59,3 +59,18 @@ def test_gpu_check_collects_only_the_modules_that_mark_cuda_tests():
                                       "pytestmark = [pytest.mark.cuda")) for line in p.read_text().splitlines())}
     assert marked and set(files) == marked
     assert "tests/test_serve.py" not in files and "tests/test_quant_cuda.py" in files
+
+
+def test_gpu_check_asks_a_server_run_no_more_than_offline_showed_it_can_do(tmp_path):
+    """The Server rate: TensorRT-LLM's share for the GPU, capped at 80 % of the same mode's Offline
+    samples/s from this invocation or a results*.json an earlier one left in OUT."""
+    gc = _gpu_check()
+    assert gc.earlier_offline({}, tmp_path, "offline-q") is None
+    (tmp_path / "results-offline.json").write_text('{"offline": {"samples_s": 2.0}, "offline-q": {"samples_s": 1.5}}')
+    (tmp_path / "results-b1.json").write_text("not json")
+    assert gc.earlier_offline({}, tmp_path, "offline-q") == 1.5
+    assert gc.earlier_offline({"offline-q": {"samples_s": 9.0}}, tmp_path, "offline-q") == 9.0
+    srv = {"result": "VALID", "target_qps": 1.2, "qps_from": "80% of Offline's", "trt_llm_qps": 34.9, "quant": "",
+           "p99_s": 3.0, "completed_qps": 1.2}
+    line = next(s for s in gc.table({"server": srv}) if s.startswith("MLPerf Server"))
+    assert "3% of TensorRT-LLM's 34.9; 80% of Offline's samples/s" in line

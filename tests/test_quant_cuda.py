@@ -149,6 +149,23 @@ def test_any_split_of_k(split_k):
     check(cuda.int4_linear(x, packed, scale, zero, 64, bias, split_k=split_k), x, exact, terms, bias)
 
 
+@pytest.mark.parametrize("tiles", [cuda.Tiles(block_n=64, int8_block_k=128, num_warps=8, split=2, num_stages=3),
+                                   cuda.Tiles(block_n=16, int8_block_k=512, num_warps=2)],
+                         ids=["64x128-w8-split2", "16x512-w2"])
+def test_other_tiles_give_the_same_function(tiles):
+    """Another launch plan (benchmarks/gemv_sweep.py times them): within the bound, and each row the
+    same bit for bit in a call of 1 row and of 11 (batch invariance holds under any plan)."""
+    x, w, bias = inputs(11, 200, 640, torch.float16, True)
+    q, scale, exact = int8_weight(w)
+    y = cuda.int8_linear(x, q, scale, bias, tiles=tiles)
+    check(y, x, exact, exact.abs(), bias)
+    assert torch.equal(cuda.int8_linear(x[3:4], q, scale, bias, tiles=tiles), y[3:4])
+    packed, scale, zero, exact, terms = int4_weight(w, 64)
+    y = cuda.int4_linear(x, packed, scale, zero, 64, bias, tiles=tiles)
+    check(y, x, exact, terms, bias)
+    assert torch.equal(cuda.int4_linear(x[3:4], packed, scale, zero, 64, bias, tiles=tiles), y[3:4])
+
+
 def test_more_rows_than_one_tile():
     """M past MAX_ROWS: a second tile of rows, each computed as in the first."""
     x, w, bias = inputs(20, 40, 128, torch.float32, True)

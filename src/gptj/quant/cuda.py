@@ -28,6 +28,7 @@ of a memory-bound GEMV on an H100, no GPU figure was measured.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +40,8 @@ except ImportError:  # the caller (gptj.policy) sends calls here only where Trit
 
 MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); the caller decides
 
-# Block sizes (starting points from the arithmetic, not measured on a GPU):
+# Block sizes (TILES below; starting points from the arithmetic: on an H200 the int8 and e4m3 GEMVs
+# ran at 0.87x and 0.81x bfloat16's batch-1 decode, 2026-11-27, so benchmarks/gemv_sweep.py times others):
 #   BLOCK_M 16: tl.dot's smallest tile. Decode's 1..16 rows are one tile, so each weight tile is read
 #     once for every row, and M = 1 and M = 16 run the same code (tensor cores do the 16 rows for
 #     the price of one; the padding rows are masked loads of x, no memory traffic). The kernels are
@@ -55,9 +57,6 @@ MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); t
 #     up to MAX_STAGES, as many as fit STAGE_BYTES of shared memory (every stage holds a step's weight
 #     and x tiles; 64 KiB leaves room on GPUs with 100 KiB per SM, and for two programs on an H100).
 BLOCK_M = 16
-BLOCK_N = 32
-INT8_BLOCK_K = 256
-NUM_WARPS = 4
 MAX_STAGES = 6
 STAGE_BYTES = 64 * 1024
 # Split-K: where N gives fewer than PROGRAMS_PER_SM programs per SM, the K range is cut into up to
@@ -66,6 +65,22 @@ STAGE_BYTES = 64 * 1024
 PROGRAMS_PER_SM = 2
 MAX_SPLIT = 8
 DEFAULT_SMS = 132  # an H100's SMs: the plan where there is no GPU (the interpreter), as it would run there
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch plan's sizes (TILES: the defaults above; benchmarks/gemv_sweep.py times others).
+    split / num_stages None: from the plan (_plan, _stages). Any plan computes a row alike in a
+    call of any number of rows; different plans sum in different orders."""
+
+    block_n: int = 32
+    int8_block_k: int = 256
+    num_warps: int = 4
+    split: int | None = None
+    num_stages: int | None = None
+
+
+TILES = Tiles()
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT8_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # both exact in every x dtype
@@ -176,10 +191,11 @@ if triton is not None:
 
 
 def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                *, split_k: int | None = None) -> torch.Tensor:
+                *, split_k: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
     """(x2 @ q.T) * scale + bias -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
 
-    split_k: the number of K slices (None: the plan's, from N, K and the device); for tests and tuning."""
+    split_k: the number of K slices (None: tiles.split, else the plan's, from N, K and the device);
+    tiles: the block sizes (for tests and tuning)."""
     _need_triton()
     M, K = _check_x(x2)
     if q.dtype not in _INT8_WEIGHT_DTYPES or q.dim() != 2 or q.shape[1] != K or not q.is_contiguous():
@@ -189,24 +205,26 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     _check_param(scale, "scale", (N,))
     _check_bias(bias, N)
     _check_devices(x2, q, scale, bias)
-    k_blocks = triton.cdiv(K, INT8_BLOCK_K)
-    split, per_slice = _plan(N, k_blocks, x2.device, split_k)
+    bn, bk = tiles.block_n, tiles.int8_block_k
+    k_blocks = triton.cdiv(K, bk)
+    split, per_slice = _plan(N, k_blocks, x2.device, tiles.split if split_k is None else split_k, bn)
     out, dest = _outputs(x2, N, split)
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M), split)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, BLOCK_M), split)
     _int8_kernel[grid](x2, q, scale, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
-                       per_slice * INT8_BLOCK_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=INT8_BLOCK_K,
+                       per_slice * bk, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                        SPLIT=split, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                       num_warps=NUM_WARPS, num_stages=_stages(BLOCK_N * INT8_BLOCK_K * q.element_size()
-                                                               + BLOCK_M * INT8_BLOCK_K * x2.element_size()))
-    return _finish(dest, out, scale, bias, has_scale=True)
+                       num_warps=tiles.num_warps, num_stages=tiles.num_stages or _stages(
+                           bn * bk * q.element_size() + BLOCK_M * bk * x2.element_size()))
+    return _finish(dest, out, scale, bias, has_scale=True, tiles=tiles)
 
 
 def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, split_k: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
     """x2 @ w.T + bias with w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] from the portable
     packed layout -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
 
-    split_k: the number of K slices, in whole groups (None: the plan's); for tests and tuning."""
+    split_k: the number of K slices, in whole groups (None: tiles.split, else the plan's); tiles:
+    the block sizes (its int8_block_k unused: a K step is one group); for tests and tuning."""
     _need_triton()
     M, K = _check_x(x2)
     if isinstance(group_size, bool) or group_size not in _GROUP_SIZES:
@@ -222,15 +240,16 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     _check_param(zero, "zero", (N, groups))
     _check_bias(bias, N)
     _check_devices(x2, packed, scale, zero, bias)
-    split, per_slice = _plan(N, groups, x2.device, split_k)
+    bn = tiles.block_n
+    split, per_slice = _plan(N, groups, x2.device, tiles.split if split_k is None else split_k, bn)
     out, dest = _outputs(x2, N, split)
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M), split)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, BLOCK_M), split)
     _int4_kernel[grid](x2, packed, scale, zero, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
-                       groups, per_slice, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP=group_size, SPLIT=split,
+                       groups, per_slice, BLOCK_M=BLOCK_M, BLOCK_N=bn, GROUP=group_size, SPLIT=split,
                        HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                       num_warps=NUM_WARPS, num_stages=_stages(BLOCK_N * group_size // 2
-                                                               + BLOCK_M * group_size * x2.element_size()))
-    return _finish(dest, out, scale, bias, has_scale=False)
+                       num_warps=tiles.num_warps, num_stages=tiles.num_stages or _stages(
+                           bn * group_size // 2 + BLOCK_M * group_size * x2.element_size()))
+    return _finish(dest, out, scale, bias, has_scale=False, tiles=tiles)
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -243,14 +262,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan(n: int, k_blocks: int, device: torch.device, split_k: int | None) -> tuple[int, int]:
+def _plan(n: int, k_blocks: int, device: torch.device, split_k: int | None,
+          block_n: int = TILES.block_n) -> tuple[int, int]:
     """(slices of K, K blocks per slice): the fewest slices (a power of two, at most MAX_SPLIT) that
     give PROGRAMS_PER_SM programs per SM from N alone (never from M: batch invariance), each slice
     at least one block; or split_k's. The slices are whole blocks, so none is empty."""
     if split_k is None:
         want = PROGRAMS_PER_SM * _sm_count(device)
         split = 1
-        while split < MAX_SPLIT and triton.cdiv(n, BLOCK_N) * split < want:
+        while split < MAX_SPLIT and triton.cdiv(n, block_n) * split < want:
             split *= 2
     elif isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k must be a positive int, got {split_k!r}")
@@ -274,13 +294,13 @@ def _outputs(x2: torch.Tensor, n: int, split: int) -> tuple[torch.Tensor, torch.
 
 
 def _finish(dest: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            has_scale: bool) -> torch.Tensor:
+            has_scale: bool, tiles: Tiles = TILES) -> torch.Tensor:
     if dest is out:
         return out
     split, M, N = dest.shape
-    _finish_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
-        dest, scale, scale if bias is None else bias, out, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-        HAS_SCALE=has_scale, HAS_BIAS=bias is not None, num_warps=NUM_WARPS)
+    _finish_kernel[(triton.cdiv(N, tiles.block_n), triton.cdiv(M, BLOCK_M))](
+        dest, scale, scale if bias is None else bias, out, M, N, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n,
+        SPLIT=split, HAS_SCALE=has_scale, HAS_BIAS=bias is not None, num_warps=tiles.num_warps)
     return out
 
 

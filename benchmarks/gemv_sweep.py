@@ -1,0 +1,192 @@
+"""gptj.quant.cuda's weight-only GEMVs under other launch plans (block sizes, warps, K split), timed
+against bfloat16's F.linear on GPT-J 6B's decode linears, so one GPU call can choose the plan (TILES).
+
+    python benchmarks/gemv_sweep.py --out gemv.json     # a GPU: GPT-J 6B's shapes, bfloat16 inputs
+    python benchmarks/gemv_sweep.py --smoke             # CPU: Triton's interpreter, tiny shapes (runs, not speed)
+
+For each weight kind (int8, e4m3 where the GPU has FP8 units, int4 in groups of 128), each shape
+(N, K): the serving model's fused q|k|v|fc_in (28672 x 4096), out_proj (4096 x 4096), fc_out
+(4096 x 16384) and lm_head (50400 x 4096), and each row count of --rows: the median time of every
+plan (triton.testing.do_bench on CUDA), its weight bytes per second, its speed against F.linear on
+the bfloat16 weight, and its largest error against the float64 product in units of the kernel's own
+bound (tests/test_quant_cuda.py's: under 1 is right). The table ends with each kind's plan of the
+least time summed over the shapes at the first row count (decode's batch 1), against the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _smoke import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+if not torch.cuda.is_available():  # Triton's interpreter on CPU tensors: read when a kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gptj.quant import cuda  # noqa: E402
+from gptj.quant.ops import quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
+
+GPTJ_SHAPES = {"qkv|fc_in": (28672, 4096), "out_proj": (4096, 4096), "fc_out": (4096, 16384),
+               "lm_head": (50400, 4096)}
+EPS32 = 2.0**-23
+
+
+def plans(grid: str) -> list[cuda.Tiles]:
+    """The plans to time: the default first, then block_n x int8_block_k (4 warps) and a few with 8."""
+    if grid == "smoke":
+        return [cuda.TILES, cuda.Tiles(block_n=16, int8_block_k=64, num_warps=2)]
+    out = [cuda.TILES]
+    for bn, bk in itertools.product((32, 64, 128), (128, 256, 512)):
+        out.append(cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4))
+    out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=8) for bn, bk in ((64, 256), (128, 256), (128, 512))]
+    if grid == "full":
+        out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4, split=1) for bn, bk in ((64, 256), (128, 256))]
+        out += [cuda.Tiles(block_n=bn, int8_block_k=256, num_warps=4, num_stages=s) for bn in (64, 128) for s in (3, 4)]
+    return list(dict.fromkeys(out))
+
+
+def timer(device: str):
+    """-> time(fn) in ms: the median of CUDA-event timings (do_bench) on a GPU, of perf_counter elsewhere."""
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    def cpu(fn) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu
+
+
+def weights(kind: str, w: torch.Tensor):
+    """(the kernel's call on x, its exact weight (N, K) float64, its terms' sizes, weight bytes)."""
+    if kind == "int4":
+        packed, scale, zero = quantize_int4(w, 128)
+        N, K = w.shape
+        from gptj.quant.ops import unpack_int4
+
+        q = unpack_int4(packed).double().view(N, K // 128, 128) - 8
+        s, z = scale.double()[..., None], zero.double()[..., None]
+        exact, terms = (q * s + z).view(N, K), ((q * s).abs() + z.abs()).view(N, K)
+        nbytes = packed.numel() + 2 * (scale.numel() + zero.numel())
+        return (lambda x, t: cuda.int4_linear(x, packed, scale, zero, 128, tiles=t)), exact, terms, nbytes
+    q, scale = quantize_int8(w) if kind == "int8" else quantize_fp8(w)
+    exact = q.double() * scale.double()[:, None]
+    return (lambda x, t: cuda.int8_linear(x, q, scale, tiles=t)), exact, exact.abs(), q.numel() + 2 * scale.numel()
+
+
+def error_in_bounds(y: torch.Tensor, x: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> float:
+    """max |y - x @ exact.T| / its bound (float32 sums of K terms, then one rounding to y's dtype)."""
+    ref = x.double() @ exact.T
+    acc = (x.shape[1] + 4) * EPS32 * (x.double().abs() @ terms.T)
+    unit = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[x.dtype]
+    return float(((y.double() - ref).abs() / (acc + unit * (ref.abs() + acc))).max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", help="the inputs' dtype (serving's: bfloat16)")
+    ap.add_argument("--kinds", default="int8,fp8,int4")
+    ap.add_argument("--shapes", default=",".join(GPTJ_SHAPES), help=f"of {', '.join(GPTJ_SHAPES)}, or NxK")
+    ap.add_argument("--rows", default="1,16", help="row counts (the first one chooses the plan)")
+    ap.add_argument("--grid", default="small", choices=["small", "full"])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--json", action="store_true")
+    args = parse_args(ap, {"device": "cpu", "dtype": "float32", "kinds": "int8,int4", "shapes": "128x256,64x512",
+                           "rows": "1,3", "grid": "smoke"}, argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gemv_sweep.py: no CUDA GPU here (--smoke runs Triton's interpreter on CPU)", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if "fp8" in kinds and args.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        kinds.remove("fp8")  # Triton converts e4m3 on FP8 units only
+    shapes = {}
+    for name in args.shapes.split(","):
+        n, _, k = name.partition("x")
+        shapes[name] = GPTJ_SHAPES[name] if name in GPTJ_SHAPES else (int(n), int(k))
+    rows = [int(m) for m in args.rows.split(",")]
+    time_ms = timer(args.device)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for shape_name, (N, K) in shapes.items():
+        w = (torch.randn(N, K, generator=gen) * 0.05).to(args.device)
+        dense = w.to(dtype)
+        for M in rows:
+            x = torch.randn(M, K, generator=gen).to(dtype).to(args.device)
+            base = time_ms(lambda: torch.nn.functional.linear(x, dense))
+            results.append({"kind": args.dtype, "shape": shape_name, "M": M, "plan": "F.linear", "ms": base,
+                            "gb_s": dense.numel() * dense.element_size() / base / 1e6, "vs_dense": 1.0})
+            for kind in kinds:
+                call, exact, terms, nbytes = weights(kind, w)
+                for tiles in plans(args.grid):
+                    y = call(x, tiles)
+                    ms = time_ms(lambda: call(x, tiles))  # noqa: B023 - called at once
+                    results.append({"kind": kind, "shape": shape_name, "M": M, "plan": plan_name(tiles), "ms": ms,
+                                    "gb_s": nbytes / ms / 1e6, "vs_dense": base / ms,
+                                    "error_in_bounds": error_in_bounds(y, x, exact, terms)})
+    best = choose(results, kinds, rows[0])
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+              "dtype": args.dtype, "results": results, "best": best}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report) if args.json else "\n".join(table(report)))
+    wrong = [r for r in results if r.get("error_in_bounds", 0) > 1 or math.isnan(r.get("error_in_bounds", 0))]
+    if wrong:
+        print(f"gemv_sweep.py: {len(wrong)} results past their error bound", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+def plan_name(t: cuda.Tiles) -> str:
+    return (f"n{t.block_n} k{t.int8_block_k} w{t.num_warps}" + (f" split{t.split}" if t.split else "")
+            + (f" s{t.num_stages}" if t.num_stages else "") + (" (default)" if t == cuda.TILES else ""))
+
+
+def choose(results: list[dict], kinds: list[str], m: int) -> dict:
+    """Per kind: the plan of the least time summed over the shapes at m rows, its sum, the default's."""
+    best = {}
+    for kind in kinds:
+        sums: dict[str, float] = {}
+        for r in results:
+            if r["kind"] == kind and r["M"] == m:
+                sums[r["plan"]] = sums.get(r["plan"], 0.0) + r["ms"]
+        dense = sum(r["ms"] for r in results if r["plan"] == "F.linear" and r["M"] == m)
+        plan = min(sums, key=sums.get)
+        default = next(p for p in sums if p.endswith("(default)"))
+        best[kind] = {"plan": plan, "ms": sums[plan], "default_ms": sums[default], "dense_ms": dense,
+                      "vs_dense": dense / sums[plan]}
+    return best
+
+
+def table(report: dict) -> list[str]:
+    lines = [f"{report['device']}, torch {report['torch']}, {report['dtype']} inputs"]
+    for r in report["results"]:
+        err = f"  err {r['error_in_bounds']:.2f} of bound" if "error_in_bounds" in r else ""
+        lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<28} {r['ms'] * 1e3:9.1f} us "
+                     f"{r['gb_s']:7.0f} GB/s {r['vs_dense']:5.2f}x dense{err}")
+    for kind, b in report["best"].items():
+        lines.append(f"best {kind}: {b['plan']}: {b['ms'] * 1e3:.0f} us over the shapes (default {b['default_ms'] * 1e3:.0f}"
+                     f" us, dense {b['dense_ms'] * 1e3:.0f} us: {b['vs_dense']:.2f}x dense)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
