@@ -43,6 +43,8 @@ case $part in
     gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --step-timeout 120
     gc offline --steps offline,offline-q --long-step-timeout 170 --samples 128
     gc b32 --steps latency-b32 --step-timeout 120
+    # the batch a GPU's Offline default should run: fp8 + fp8 KV with 128 samples at once (512 sequences)
+    gc offline128 --steps offline-q --max-batch-size 128 --samples 256 --long-step-timeout 120
     ;;
   2)
     left=$(( end - $(date +%s) ))   # the GEMVs' launch plans first (~2 min): what tunes gptj.quant.cuda.TILES
