@@ -317,3 +317,24 @@ def test_chunked_prefill_on_the_cuda_backend_gives_the_references_tokens(model, 
     assert run("cuda") == run("reference")
     assert any(start > 0 for start in starts)  # later chunks ran through the kernel
     assert (0 in starts) == (kv_dtype != "auto")  # a prompt's first chunk too, over quantized blocks only
+
+
+@needs_triton
+@pytest.mark.parametrize("storage", ["float", "int8"])
+def test_the_cuda_kernel_rounds_its_output_as_a_cast_would(storage):
+    """paged_decode's out_dtype: the float32 sums rounded once in the kernel, bit for bit the cast of
+    its float32 output (the backend asks for the compute dtype: one kernel less a layer)."""
+    from gptj.engine.attention.cuda import paged_decode
+
+    compute = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    kv = make_pool(2, 64, 8, 20, storage, compute, seed=6)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(7)).tolist()
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    meta = impl.build(kv, groups_of(8, perm), [0] * 7, [0] * 7)
+    q = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(8)).to(compute).to(DEVICE)
+    args = (q, kv.k[0], kv.v[0], meta.tables.astuple(), meta.tables.max_rows, *kv.scales(0))
+    wide = paged_decode(*args)
+    assert wide.dtype == torch.float32
+    narrow = paged_decode(*args, out_dtype=compute)
+    assert narrow.dtype == compute and torch.equal(narrow, wide.to(compute))
+    assert torch.equal(impl.decode(kv, 0, q, meta), narrow)

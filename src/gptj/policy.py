@@ -63,6 +63,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   a fused block's elementwise steps (GELU, rotary; the engine's KV stores)
   `native_elementwise`  gptj.native's for bfloat16 on CPU where it is available (one pass, float32
                         inside, rounded once), else torch's ops
+  `elementwise_path`    the rotary's: NATIVE as above, TRITON (one kernel, the same arithmetic) on
+                        CUDA below float32, else TORCH
 
   attention
   `exact`             float32: gptj.model.attention's exact math; below: torch's fused SDPA
@@ -238,6 +240,17 @@ def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a fused block's GELU and rotary, and the engine's KV stores, of `dtype` activations
     on `device` run gptj.native's one-pass kernels (bfloat16 on CPU) instead of torch's ops."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and native_available()
+
+
+def elementwise_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """A fused block's rotary of `dtype` activations on `device`: NATIVE (gptj.native's one pass,
+    `native_elementwise`), TRITON (gptj.kernels.triton_elementwise's one kernel: CUDA below float32,
+    Triton installed; float32 inside, rounded once, as NATIVE), else TORCH (torch's ops)."""
+    if native_elementwise(device, dtype):
+        return NATIVE
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton_available():
+        return TRITON
+    return TORCH
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str, layout: str | None = None) -> bool:

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, UPCAST, can_pack, can_pack_int8, exact,
-                         fusable, linear_path, native_elementwise, pack_layout, w8a8_form, w8a8_native,
-                         w8a8_native_max_rows)
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, can_pack, can_pack_int8,
+                         elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout, w8a8_form,
+                         w8a8_native, w8a8_native_max_rows)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 
@@ -280,40 +280,48 @@ class FusedBlock(nn.Module):
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         E = H * D  # n_embd, or this rank's heads under tensor parallelism
         y = self.w_in(self.ln_1(h))  # (B, T, 3E + inner)
-        fast = native_elementwise(y.device, y.dtype)
+        path = elementwise_path(y.device, y.dtype)
         qkv = y[..., :3 * E].view(B, T, 3, H, D)
         if R:
-            rotary_qk_(qkv, sin, cos, fast)
+            rotary_qk_(qkv, sin, cos, path)
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
         a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
         x = torch.empty((B, T, y.shape[-1] - 2 * E), dtype=y.dtype, device=y.device)  # [attention | gelu]
         x[..., :E] = a.transpose(1, 2).reshape(B, T, E)
-        gelu_into(y[..., 3 * E:], x[..., E:], fast)
+        gelu_into(y[..., 3 * E:], x[..., E:], path == NATIVE)
         out = self.w_out(x) if self.w_out is not None else self.out_proj(x[..., :E]) + self.fc_out(x[..., E:])
         if self.reduce is not None:
             out = self.reduce(out)
         return out + h
 
 
-def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool) -> None:
+def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, path: str = TORCH) -> None:
     """Rotary on q and k of qkv (B, T, 3, H, D) in place; sin, cos (B, T, 1, R) from
-    gptj.model.rotary_tables. fast: gptj.native's one pass (policy.native_elementwise), where the
-    rotary width suits it."""
+    gptj.model.rotary_tables. path (policy.elementwise_path): NATIVE, gptj.native's one pass where the
+    rotary width suits it; TRITON, one Triton kernel; TORCH, torch's ops."""
     B, T, _, H, D = qkv.shape
     R = sin.shape[-1]
-    if fast and R % 16 == 0:
+    if path == NATIVE and R % 16 == 0:
         native.rotary_(qkv.view(B * T, 3 * H, D)[:, :2 * H], sin.reshape(B * T, R), cos.reshape(B * T, R))
+        return
+    if path == TRITON:
+        from gptj.kernels.triton_elementwise import rotary_qk_ as triton_rotary
+
+        triton_rotary(qkv.view(B * T, -1), H, D, sin.reshape(B * T, R), cos.reshape(B * T, R))
         return
     qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
     qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
 
 
 def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
-    """out = fast_gelu(x); fast: by gptj.native in one pass (policy.native_elementwise)."""
+    """out = fast_gelu(x); fast: by gptj.native in one pass (policy.native_elementwise); below
+    float32 elsewhere torch's tanh GELU writes into out (one kernel, not one and a copy)."""
     if fast:
         native.gelu(x, out=out)
+    elif exact(x.dtype):
+        out.copy_(gelu_new(x))
     else:
-        out.copy_(fast_gelu(x))
+        torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,8 @@ if triton is not None:
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
 
         out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
-        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])
 
 
 if triton is not None:
@@ -189,8 +190,9 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
 
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
                  max_rows: int, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) float32.
+                 v_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) of
+    out_dtype: float32 sums rounded once to it (in the kernel, as a cast after it would round them).
 
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
     int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
@@ -203,7 +205,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
     row0, stab, soff, slen, otab, olen = tables
-    out = torch.empty((N, H, D), dtype=torch.float32, device=q.device)
+    out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
     _paged_decode_kernel[(len(soff), H)](
@@ -231,8 +233,8 @@ class CudaAttention(ReferenceAttention):
         if self.kernel_ok:
             tables = meta.tables
             try:
-                out = paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer))
-                return out.to(kv.compute)
+                return paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer),
+                                    out_dtype=kv.compute)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
                 self._kernel_failed("decode", e)
         return super().decode(kv, layer, q, meta)
