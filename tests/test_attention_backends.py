@@ -338,3 +338,43 @@ def test_the_cuda_kernel_rounds_its_output_as_a_cast_would(storage):
     narrow = paged_decode(*args, out_dtype=compute)
     assert narrow.dtype == compute and torch.equal(narrow, wide.to(compute))
     assert torch.equal(impl.decode(kv, 0, q, meta), narrow)
+
+
+@needs_triton
+@pytest.mark.parametrize("storage", ["float", "int8", "fp8"])
+def test_the_cuda_store_writes_what_the_reference_writes(storage):
+    """store_kv (one kernel for keys and values, quantizing included) against PagedKV.write: every
+    block, value and scale the same bit for bit; the tokens' heads read from a fused block's strided
+    q|k|v rows; int8 ties (x / s = k + 1/2) round to even, as torch.round does."""
+    from gptj.engine.attention.cuda import store_kv
+
+    if storage == "fp8" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 conversions need FP8 units")
+    compute = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    H, D, B, N = 3, 64, 8, 11
+    ours, ref = (make_pool(H, D, B, 6, storage, compute, seed=9) for _ in range(2))
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(N, 3, H, D + 5, generator=g)[..., :D].to(compute).to(DEVICE)  # strided heads
+    qkv[0, 1, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # amax 127: s = 1, ties at x.5
+    qkv[0, 1, 0, 4:] = 0
+    # e4m3's ties and subnormals at s = 1 (amax 448): 2^-10 -> 0, 3 x 2^-10 -> 2^-8, 17 -> 16, 19 -> 20
+    qkv[0, 2, 0, :8] = torch.tensor([448.0, 2.0**-10, 3 * 2.0**-10, 17.0, 19.0, -19.0, 0.01, -(2.0**-10)])
+    qkv[0, 2, 0, 8:] = 0
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.randperm(6 * B, generator=g)[:N].to(DEVICE)
+    blocks, offsets = slots // B, slots % B
+    store_kv(k, v, ours.k[0], ours.v[0], blocks, offsets, *ours.scales(0))
+    ref.write(0, k, v, blocks, offsets)
+    for a, b in zip(ours.stacked, ref.stacked):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    if storage == "int8":
+        row = ours.k[0][blocks[0], 0, offsets[0], :4].tolist()
+        assert row == [127, 2, -4, 0]  # ties to even
+    if storage == "fp8":
+        row = ours.v[0][blocks[0], 0, offsets[0], :6].float().tolist()
+        assert row == [448.0, 0.0, 2.0**-8, 16.0, 20.0, -20.0]  # ties to even, subnormals included
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    impl.store(ours, 0, k.flip(0), v.flip(0), blocks, offsets)  # the backend's store is this kernel
+    ref.write(0, k.flip(0), v.flip(0), blocks, offsets)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(ours.stacked, ref.stacked))

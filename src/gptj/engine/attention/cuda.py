@@ -1,7 +1,8 @@
 """The CUDA backend: the whole decode batch of a layer in one Triton kernel launch, reading the
 blocks in place; a prompt chunk after the first, or over quantized blocks, by a Triton kernel over its
 blocks in place (a whole prompt over float blocks: SDPA on its own keys, the reference's path);
-stores as the reference does them (indexing).
+stores by one Triton kernel for a layer's keys and values (int8 and e4m3 quantized in it): the
+reference's values bit for bit, in one launch where indexing and the quantizer take two to twenty.
 
 The kernel runs one program per (decode group, head). A group's rows — one sequence, or the beams
 of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
@@ -158,6 +159,81 @@ if triton is not None:
                  mask=qmask[:, None] & dmask[None, :])
 
 
+if triton is not None:
+    @triton.jit
+    def _round_e4m3(y):
+        """float32 y within +-448 rounded to the nearest e4m3 value, ties to even, as a float32 (whose
+        cast to e4m3 is then exact, whichever way a conversion rounds): the addition of 1.5 x 2^23 ulps
+        rounds y to whole ulps of its e4m3 binade (2^-9 below 2^-6: the subnormals')."""
+        exponent = tl.maximum((tl.abs(y).to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+        ulp = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+        big = ulp * 12582912.0
+        r = (y + big) - big
+        return tl.where(r == 0.0, y * 0.0, r)  # a negative value rounded to zero keeps its sign, as a cast does
+
+    @triton.jit
+    def _store_one(x_ptr, c_ptr, s_ptr, n, h, dst, sdst, s_xn, s_xh, D, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+        """Token n's head h of x into its block row (dst: the row's first value, sdst: its scale's place);
+        QUANT 1 int8, 2 e4m3: per head vector s = max |x| / qmax (at least 2^-120), q = x / s rounded to
+        nearest (int8: ties to even) within +-qmax, in float32 with IEEE divisions: torch's forms'
+        values (gptj.quant.ops.quantize_rows_int8 / quantize_rows_fp8), bit for bit."""
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        x = tl.load(x_ptr + n.to(tl.int64) * s_xn + h * s_xh + d, mask=dmask, other=0.0)
+        if QUANT == 0:
+            tl.store(c_ptr + dst + d, x.to(c_ptr.dtype.element_ty), mask=dmask)
+        else:
+            xf = x.to(tl.float32)
+            qmax = 127.0 if QUANT == 1 else 448.0
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xf), axis=0), qmax), 2.0**-120)
+            y = tl.math.div_rn(xf, tl.zeros_like(xf) + scale)
+            y = tl.minimum(tl.maximum(y, -qmax), qmax)
+            if QUANT == 1:
+                y = (y + 12582912.0) - 12582912.0  # 1.5 x 2^23: float32 addition rounds to an integer, ties to even
+            else:
+                y = _round_e4m3(y)
+            tl.store(c_ptr + dst + d, y.to(c_ptr.dtype.element_ty), mask=dmask)
+            tl.store(s_ptr + sdst, scale)
+
+    @triton.jit
+    def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, blocks_ptr, offsets_ptr,
+                      s_kn, s_kh, s_vn, s_vh, s_cb, s_ch, s_ct, s_sb, s_sh, D,
+                      BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+        """Program (token, head): its key and value into their block row, in one launch for both."""
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        block = tl.load(blocks_ptr + n).to(tl.int64)
+        offset = tl.load(offsets_ptr + n).to(tl.int64)
+        dst = block * s_cb + h * s_ch + offset * s_ct
+        sdst = block * s_sb + h * s_sh + offset
+        _store_one(k_ptr, kc_ptr, ks_ptr, n, h, dst, sdst, s_kn, s_kh, D, BLOCK_D, QUANT)
+        _store_one(v_ptr, vc_ptr, vs_ptr, n, h, dst, sdst, s_vn, s_vh, D, BLOCK_D, QUANT)
+
+
+_STORE_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor,
+             offsets: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Token n's key and value k[n], v[n] (N, H, D), each head's D values contiguous, into block
+    blocks[n], row offsets[n] of kc, vc (n_blocks, H, B, D) contiguous: one kernel for both, where
+    indexing takes two (float) or some twenty (int8 / e4m3 with their k_scale, v_scale (n_blocks, H,
+    B): the quantizer's passes). The values stored are PagedKV.write's, bit for bit."""
+    if triton is None:
+        raise RuntimeError("the CUDA attention backend needs Triton (pip install triton)")
+    N, H, D = k.shape
+    quant = _STORE_QUANT.get(kc.dtype, 0)
+    if (k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape or not kc.is_contiguous()
+            or not vc.is_contiguous() or (quant and k_scale is None)):
+        raise ValueError("store_kv: heads with contiguous values, contiguous KV blocks (and scales if quantized)")
+    if N == 0:
+        return
+    ks, vs = (k_scale, v_scale) if quant else (kc, vc)
+    _store_kernel[(N, H)](k, v, kc, vc, ks, vs, blocks, offsets, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                          kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0) if quant else 0,
+                          ks.stride(1) if quant else 0, D, BLOCK_D=triton.next_power_of_2(D), QUANT=quant)
+
+
 PREFILL_TILE = 16  # queries per program (tl.dot's smallest tile); key blocks of 16 tokens or more
 
 
@@ -218,7 +294,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
 
 
 class CudaAttention(ReferenceAttention):
-    """Decode by the Triton kernel; prefill and stores as the reference backend. If the kernel
+    """Decode and stores by the Triton kernels; prefill as the module says. If a kernel
     fails (a Triton or GPU this was not built for), it logs one warning and decodes as the
     reference does from then on (`kernel_ok` False; graphs.py then stops replaying)."""
 
@@ -238,6 +314,18 @@ class CudaAttention(ReferenceAttention):
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
                 self._kernel_failed("decode", e)
         return super().decode(kv, layer, q, meta)
+
+    def store(self, kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor) -> None:
+        """One Triton kernel for the keys and values (their quantizing included), the reference's
+        values; the reference's indexing where the kernel cannot run."""
+        if self.kernel_ok and k.stride(-1) == v.stride(-1) == 1:
+            try:
+                store_kv(k, v, kv.k[layer], kv.v[layer], blocks, offsets, *kv.scales(layer))
+                return
+            except Exception as e:  # noqa: BLE001 - as decode's
+                self._kernel_failed("store", e)
+        super().store(kv, layer, k, v, blocks, offsets)
 
     def _kernel_failed(self, which: str, error: Exception) -> None:
         first = str(error).splitlines()[0] if str(error) else ""
