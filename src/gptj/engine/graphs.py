@@ -27,7 +27,7 @@ import torch
 
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
-from gptj.engine.attention.base import table_lists
+from gptj.engine.attention.base import host_tensor, table_lists
 from gptj.model import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
@@ -85,22 +85,26 @@ class _Bucket:
         pad = R - n
         groups = step.groups + [DecodeGroup([scratch], 1, [[]], 0)] * pad
         row0, stab, soff, slen, own_rows, olen = table_lists(groups)
-        own_at = [r * M + j for r, blocks in enumerate(own_rows) for j in range(len(blocks))]  # unpadded
-        own = [b for blocks in own_rows for b in blocks]
         empty = R - len(groups)  # a bucket has as many groups as rows at most; the rest: empty groups after them
         row0 += [row0[-1]] * empty
+        soff, slen, olen = (values + [0] * empty for values in (soff, slen, olen))  # empty groups read nothing
+        # Every section is written whole except the block tables, whose entries past what a group's
+        # lengths cover are never read (so they are not cleared: 2 x rows x M ints a step).
         ints = self.host_ints
-        ints.zero_()
         o_row0, o_stab, o_soff, o_slen, o_otab, o_olen = self.offsets
         for at, values in ((o_row0, row0), (o_stab, stab), (o_soff, soff), (o_slen, slen), (o_olen, olen)):
-            ints[at:at + len(values)] = torch.tensor(values, dtype=torch.int32)
-        if own:
-            ints[torch.tensor(own_at, dtype=torch.long) + o_otab] = torch.tensor(own, dtype=torch.int32)
+            ints[at:at + len(values)] = host_tensor(values, torch.int32)
+        lens = [len(blocks) for blocks in own_rows]
+        if any(lens):  # row r's own blocks at otab[r, :len]
+            counts = host_tensor(lens)
+            starts = torch.repeat_interleave(torch.arange(len(lens)) * M - (counts.cumsum(0) - counts), counts)
+            ints[starts + torch.arange(int(counts.sum())) + o_otab] = host_tensor(
+                [b for blocks in own_rows for b in blocks], torch.int32)
         longs = self.host_longs
-        longs.zero_()
+        zeros = [0] * pad
         for i, values in enumerate((step.tokens, step.positions, step.write_blocks, step.write_offsets)):
-            longs[i * R:i * R + n] = torch.tensor(values, dtype=torch.long)
-        longs[2 * R + n:3 * R] = scratch  # padding rows write into the scratch block
+            longs[i * R:(i + 1) * R] = host_tensor(list(values) + (zeros if i != 2 else [scratch] * pad))
+        # (padding rows: token 0 at position 0, written into row 0 of the scratch block)
         self.longs.copy_(longs, non_blocking=True)
         self.ints.copy_(ints, non_blocking=True)
         if self.longs.is_cuda:

@@ -19,6 +19,8 @@ decode batch). Scores and softmax are float32 in all of them (HF's rule).
 
 from __future__ import annotations
 
+import array
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -106,6 +108,18 @@ def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, list(sizes))) if sizes else []
 
 
+def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A CPU int32 / int64 tensor of Python ints, converted by array.array: a third of torch.tensor's
+    time on the long lists of a step's tables (some 10,000 ints for 64 beam requests: 1 ms against
+    0.3 ms on the project's machine)."""
+    if len(values) == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_ARRAY_CODE[dtype], values), dtype=dtype)
+
+
+_ARRAY_CODE = {torch.int32: "i", torch.int64: "q"}
+
+
 def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
     """DecodeTables' contents as host lists: (row0, stab, soff, slen, own, olen), own the rows' own
     block lists unpadded (decode_tables pads them to the step's longest, graphs.py to its bucket's)."""
@@ -126,7 +140,7 @@ def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> Decode
     omax = max(1, max(map(len, own)))
     otab = [b for o in own for b in o + [0] * (omax - len(o))]
     parts = (row0, stab or [0], soff, slen, otab, olen)
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    flat = host_tensor([x for p in parts for x in p], torch.int32).to(device, non_blocking=True)
     r, s, so, sl, ot, ol = _split(flat, [len(p) for p in parts])
     return DecodeTables(r, s, so, sl, ot.view(len(own), omax), ol, max(g.rows for g in groups))
 
@@ -146,7 +160,7 @@ def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequenc
         table = seg.blocks[:-(-end // B)]
         positions = list(range(seg.start, end))
         parts += [[table[p // B] for p in positions], [p % B for p in positions], table, positions]
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.long).to(device, non_blocking=True)
+    flat = host_tensor([x for p in parts for x in p]).to(device, non_blocking=True)
     views = _split(flat, [len(p) for p in parts])
     wb, wo, rest = views[0], views[1], views[2:]
     group_blocks = [(rest[2 * i], rest[2 * i + 1].view(g.rows, -1)) for i, g in enumerate(groups)]
