@@ -92,3 +92,30 @@ def test_a_fused_block_on_the_triton_path_computes_what_torchs_ops_do(monkeypatc
     diff = (outs[policy.TRITON] - outs[policy.TORCH]).abs().max()
     assert 0 < diff <= 4 * UNIT * scale  # the two roundings differ, by about one of them
     assert not torch.equal(outs[policy.TRITON], h.double())  # the block did something
+
+
+def test_a_triton_rotary_that_fails_falls_back_to_torchs_ops_with_one_warning(monkeypatch, caplog):
+    """A Triton or GPU the kernel was not built for: the rotary runs torch's ops (the same rotation)
+    from then on, with one warning, instead of failing every forward."""
+    from gptj.kernels import triton_elementwise
+
+    calls = []
+
+    def broken(*args):  # noqa: ANN002
+        calls.append(1)
+        raise RuntimeError("no such GPU\nmore")
+
+    monkeypatch.setattr(triton_elementwise, "rotary_qk_", broken)
+    monkeypatch.setattr(fused, "_TRITON_FAILED", [])
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(1, 5, 3, 2, 16, generator=g).to(DTYPE)
+    sin, cos = rotary_tables(rope_table(64, 8), torch.arange(5)[None], DTYPE)
+    want = qkv.clone()
+    fused.rotary_qk_(want, sin, cos, policy.TORCH)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            got = qkv.clone()
+            fused.rotary_qk_(got, sin, cos, policy.TRITON)
+            assert torch.equal(got, want)
+    assert len(calls) == 1 and [r.message for r in caplog.records if "Triton rotary" in r.message] == [
+        "the Triton rotary failed (RuntimeError: no such GPU); torch's ops rotate from now on"]

@@ -178,8 +178,13 @@ class GraphRunner:
             if size < rows_per_group or not self.ready or made:
                 continue
             groups = [DecodeGroup([self.scratch], 1, [[]] * rows_per_group, 0)] * (size // rows_per_group)
-            with torch.inference_mode():  # as the runner's steps
-                self.forward(DecodeInputs([0] * size, [0] * size, [self.scratch] * size, [0] * size, groups))
+            try:
+                with torch.inference_mode():  # as the runner's steps
+                    self.forward(DecodeInputs([0] * size, [0] * size, [self.scratch] * size, [0] * size, groups))
+            except Exception:  # noqa: BLE001 - a capture or kernel that failed (logged): the steps run eagerly
+                if self.ready:
+                    raise
+                break
             warmed += 1
         return warmed
 

@@ -24,6 +24,8 @@ but is not saved, moved to another device or cast; load the checkpoint again for
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -33,6 +35,8 @@ from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRIT
                          w8a8_native, w8a8_native_max_rows)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
+
+log = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -304,13 +308,21 @@ def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, path: st
     if path == NATIVE and R % 16 == 0:
         native.rotary_(qkv.view(B * T, 3 * H, D)[:, :2 * H], sin.reshape(B * T, R), cos.reshape(B * T, R))
         return
-    if path == TRITON:
+    if path == TRITON and not _TRITON_FAILED:
         from gptj.kernels.triton_elementwise import rotary_qk_ as triton_rotary
 
-        triton_rotary(qkv.view(B * T, -1), H, D, sin.reshape(B * T, R), cos.reshape(B * T, R))
-        return
+        try:
+            triton_rotary(qkv.view(B * T, -1), H, D, sin.reshape(B * T, R), cos.reshape(B * T, R))
+            return
+        except Exception as e:  # noqa: BLE001 - a Triton or GPU this was not built for: torch's ops from now on
+            _TRITON_FAILED.append(e)
+            log.warning("the Triton rotary failed (%s: %s); torch's ops rotate from now on", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
     qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
     qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
+
+
+_TRITON_FAILED: list[Exception] = []  # the Triton rotary's failure, once: later calls take torch's ops
 
 
 def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
