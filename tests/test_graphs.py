@@ -130,3 +130,20 @@ def test_warming_captures_the_graphs_before_the_steps_need_them(model):  # noqa:
     assert captured >= len([b for b in BUCKETS if b <= 16])
     engine.generate(prompts_of([5, 17, 1]), GenerationConfig(max_new_tokens=6))
     assert engine.runner.graphs.captured == captured
+
+
+@needs_triton
+def test_warming_stops_where_a_capture_fails_and_raises_other_errors(model, monkeypatch):  # noqa: F811
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    graphs = engine.runner.graphs
+
+    def failing_capture(step):
+        graphs.failed = True  # what forward does when a capture fails (then the steps run eagerly)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "forward", failing_capture)
+    assert graphs.warm(1) == 0 and not graphs.ready
+    graphs.failed = False
+    monkeypatch.setattr(graphs, "forward", lambda step: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        graphs.warm(1)
