@@ -100,6 +100,27 @@ def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model,
 
 
 @needs_triton
+def test_a_store_kernel_that_fails_leaves_decode_and_graphs_to_the_kernels(model, monkeypatch, caplog):  # noqa: F811
+    """The store kernel failing sends only the stores back to indexing (one warning): the decode
+    kernel and the graphs go on, and the tokens are the reference's."""
+    import logging
+
+    from gptj.engine.attention import cuda
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no e4m3 here\nmore detail")
+
+    prompts = prompts_of([5, 17, 1])
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    monkeypatch.setattr(cuda, "store_kv", broken)
+    with caplog.at_level(logging.WARNING):
+        got = engine.generate(prompts, SHORT_MIXED[:3])
+    assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, SHORT_MIXED[:3])
+    assert not engine.attention.store_ok and engine.attention.kernel_ok and engine.runner.graphs.ready
+    assert caplog.text.count("the Triton store kernel failed (RuntimeError: no e4m3 here)") == 1
+
+
+@needs_triton
 def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(model):  # noqa: F811 - the fixture
     """Engine.warm runs a short request of the kind and every bucket's padding-only step for groups
     of num_beams rows; only the scratch block is written by the padding steps, the prefix cache and

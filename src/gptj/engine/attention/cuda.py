@@ -294,16 +294,17 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
 
 
 class CudaAttention(ReferenceAttention):
-    """Decode and stores by the Triton kernels; prefill as the module says. If a kernel
-    fails (a Triton or GPU this was not built for), it logs one warning and decodes as the
-    reference does from then on (`kernel_ok` False; graphs.py then stops replaying)."""
+    """Decode and stores by the Triton kernels; prefill as the module says. If the decode or
+    prefill kernel fails (a Triton or GPU this was not built for), it logs one warning and attends
+    as the reference does from then on (`kernel_ok` False; graphs.py then stops replaying); if the
+    store kernel fails, only the stores go back to the reference's indexing (`store_ok` False)."""
 
     name = "cuda"
     reads_tables = True
 
     def __init__(self, compiled: bool = False) -> None:
         super().__init__(compiled)
-        self.kernel_ok = triton is not None
+        self.kernel_ok = self.store_ok = triton is not None
 
     def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         if self.kernel_ok:
@@ -319,12 +320,15 @@ class CudaAttention(ReferenceAttention):
               offsets: torch.Tensor) -> None:
         """One Triton kernel for the keys and values (their quantizing included), the reference's
         values; the reference's indexing where the kernel cannot run."""
-        if self.kernel_ok and k.stride(-1) == v.stride(-1) == 1:
+        if self.store_ok and k.stride(-1) == v.stride(-1) == 1:
             try:
                 store_kv(k, v, kv.k[layer], kv.v[layer], blocks, offsets, *kv.scales(layer))
                 return
-            except Exception as e:  # noqa: BLE001 - as decode's
-                self._kernel_failed("store", e)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's indexing
+                first = str(e).splitlines()[0] if str(e) else ""
+                log.warning("the Triton store kernel failed (%s: %s); keys and values are stored by indexing",
+                            type(e).__name__, first)
+                self.store_ok = False
         super().store(kv, layer, k, v, blocks, offsets)
 
     def _kernel_failed(self, which: str, error: Exception) -> None:
