@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # A lent GPU's session (15 minutes of device time, 10 per command, the machine back after 30 s idle),
-# as two prepared commands run back to back on the device tool (`run`, carry .whl; ../shared/GPU.md):
+# as prepared commands run back to back on the device tool (`run`, carry .whl; ../shared/GPU.md):
 #
-#   bash benchmarks/gpu_session.sh 1     # ~8 min: the CUDA tests, copy bandwidth, batch-1 decode per
-#                                        # precision, Offline bf16 and fp8+fp8 KV, batch-32 decode
-#   bash benchmarks/gpu_session.sh 2     # what time is left: the GEMV plans (gemv_sweep.py), Server with fp8 (at 75 % of TensorRT-LLM's
-#                                        # queries/s for the GPU bandwidth names), quant-report, accuracy
+#   bash benchmarks/gpu_session.sh 1     # ~7 min: the CUDA tests, copy bandwidth, batch-1 decode per
+#                                        # precision, Offline bf16 and fp8 + fp8 KV, batch-32 decode
+#   bash benchmarks/gpu_session.sh 2     # ~5 min: the GEMV plans (gemv_sweep.py), Server with fp8 (at 75 %
+#                                        # of TensorRT-LLM's queries/s for the GPU, at most 80 % of Offline's),
+#                                        # quant-report, accuracy
+#   bash benchmarks/gpu_session.sh 3     # if time is left: SingleStream, and `gptj submission --device cuda`
+#                                        # (datacenter, open, short runs) checked by MLCommons' checker, carried
+#                                        # as .mlperf-inference (a copy of ../shared/mlperf-inference, ignored)
 #
-# Each part runs benchmarks/gpu_check.py's steps (their logs in $GC_OUT, kept on the machine so the
-# 6B model is made once), keeps each invocation's results.json, and packs the logs into
-# $OUT/gpu-check-PART.tgz (the device tool returns at most 8 files). GC_LIMIT bounds a part's
-# steps (seconds) so the packing still happens; GC_ARGS adds flags to every gpu_check invocation
-# (a CPU rehearsal: GC_ARGS=--smoke OUT=/tmp/o bash benchmarks/gpu_session.sh 1).
+# Each part runs benchmarks/gpu_check.py's steps or gptj's commands (their logs in $GC_OUT, kept on
+# the machine so the 6B model is made once), keeps each invocation's results.json, and packs the logs
+# into $OUT/gpu-check-PART.tgz (the device tool returns at most 8 files). GC_LIMIT bounds a part's
+# steps (seconds) so the packing still happens; GC_ARGS adds flags to every gpu_check invocation (a
+# CPU rehearsal: GC_ARGS=--smoke OUT=/tmp/o bash benchmarks/gpu_session.sh 1; part 3's:
+# GC_DEVICE=cpu GC_DTYPE=float32 GC_SUB_QPS=5, after part 1's rehearsal made the tiny model).
 set -u
-part=${1:?usage: gpu_session.sh 1|2}
+part=${1:?usage: gpu_session.sh 1|2|3}
 O=${GC_OUT:-/tmp/gpu-check}
 LIMIT=${GC_LIMIT:-480}
 mkdir -p "$O" "${OUT:?OUT: the folder whose files come back}"
@@ -54,7 +59,24 @@ case $part in
     gc quant --steps quant-report --long-step-timeout 100
     gc accuracy --steps accuracy --quant-modes fp8 --long-step-timeout 100
     ;;
-  *) echo "gpu_session.sh: part 1 or 2" >&2; exit 2 ;;
+  3)  # SingleStream, and a datacenter submission (Offline + Server) read by MLCommons' checker: short runs
+      # (480 queries: about the fewest with which LoadGen's early stopping can judge a Server run)
+    S="--model $O/model --device ${GC_DEVICE:-cuda} --dtype ${GC_DTYPE:-bfloat16} --quiet --min-duration-ms 1000"
+    left() { echo $(( end - $(date +%s) )); }
+    timeout "$(left)" python3 -m gptj.cli mlperf $S --scenario SingleStream --mode performance \
+      --min-query-count 32 --target-latency-ms 2000 --log-dir "$O/singlestream" > "$O/singlestream.log" 2>&1
+    tail -3 "$O/singlestream.log"
+    mkdir -p "$O/sub-runs"  # what no program knows about the machine, as a submitter fills it in
+    echo '{"status": "available", "cooling": "air", "host_memory_configuration": "as lent",' \
+      '"host_storage_type": "SSD", "host_networking": "none", "host_network_card_count": "0"}' \
+      > "$O/sub-runs/system_desc.json"
+    checker=(); [ -d .mlperf-inference ] && checker=(--mlperf-inference .mlperf-inference)
+    timeout "$(left)" python3 -m gptj.cli submission $S --out "$O/sub" --runs-dir "$O/sub-runs" --force \
+      --submitter gptj --system-name gpu1 --division open --category datacenter --round v5.0 \
+      --min-query-count 480 --target-qps "${GC_SUB_QPS:-8}" --max-new-tokens 32 "${checker[@]}" > "$O/submission.log" 2>&1
+    echo "submission: exit $?"; tail -8 "$O/submission.log"
+    ;;
+  *) echo "gpu_session.sh: part 1, 2 or 3" >&2; exit 2 ;;
 esac
 tar czf "$OUT/gpu-check-$part.tgz" --exclude=./model --exclude='*.safetensors' --exclude=mlperf_log_trace.json -C "$O" .
 ls -la "$OUT"
