@@ -169,3 +169,26 @@ def test_warming_stops_where_a_capture_fails_and_raises_other_errors(model, monk
     monkeypatch.setattr(graphs, "forward", lambda step: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         graphs.warm(1)
+
+
+def test_build_engine_warms_only_where_graphs_are_captured(model, monkeypatch):  # noqa: F811
+    """runtime.build_engine(warm=gen) warms the engine for gen where its decode steps replay graphs
+    (CUDA), and leaves a CPU engine as built (no request run, nothing captured)."""
+    from gptj.runtime.build import build_engine
+
+    warmed = []
+    monkeypatch.setattr(Engine, "warm", lambda self, gen: warmed.append(gen))
+    gen = GenerationConfig(max_new_tokens=2)
+    engine = build_engine(model, EngineConfig(max_seqs=4), warm=gen)
+    assert engine.runner.graphs is None and warmed == [] and engine.steps == 0
+    init = Engine.__init__
+
+    def with_graphs(self, *args, **kwargs):  # noqa: ANN002, ANN003 - Engine's
+        init(self, *args, **kwargs)
+        self.runner.graphs = object()  # as on CUDA
+
+    monkeypatch.setattr(Engine, "__init__", with_graphs)
+    build_engine(model, EngineConfig(max_seqs=4), warm=gen)
+    assert warmed == [gen]
+    build_engine(model, EngineConfig(max_seqs=4))
+    assert warmed == [gen]

@@ -376,10 +376,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     if engine.max_seqs < cfg.gen.num_beams:
         raise GptjError(f"--max-seqs {engine.max_seqs} is fewer than num_beams {cfg.gen.num_beams} (a sample's "
                         "beams run together)")
-    built = build_engine(model, engine, progress=bars)
-    if built.runner.graphs is not None:  # CUDA, one process: kernels compiled and graphs captured before LoadGen
-        built.warm(cfg.gen)
-    return built
+    return build_engine(model, engine, progress=bars, warm=cfg.gen)  # CUDA: graphs captured before LoadGen
 
 
 def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend

@@ -25,6 +25,7 @@ from gptj.device import resolve_device
 from gptj.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from gptj.decode import GenerationConfig
     from gptj.engine import Engine
     from gptj.model import GPTJForCausalLM
 
@@ -109,17 +110,22 @@ def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | Non
 
 
 def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | None = None,
-                 free_bytes: int | None = None) -> Engine:
+                 free_bytes: int | None = None, warm: GenerationConfig | None = None) -> Engine:
     """The engine for `model`: its KV plan (plan_for), then the serving kernels prepared for up to
     plan.max_seqs rows (gptj.kernels.prepare_for_serving: config.kernels "auto" or "off"), then
-    Engine with the plan's numbers fixed in its config (so the engine sizes nothing again)."""
+    Engine with the plan's numbers fixed in its config (so the engine sizes nothing again). `warm`:
+    where decode steps replay CUDA graphs, run requests of this kind once and capture every batch
+    size's graph now (Engine.warm), before the work a caller times or serves."""
     from gptj.engine import Engine
     from gptj.kernels import prepare_for_serving
 
     plan = plan_for(model, config, free_bytes)
     prepare_for_serving(model, config.kernels, max_rows=plan.max_seqs, progress=progress)
     fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
-    return Engine(model, fixed)
+    engine = Engine(model, fixed)
+    if warm is not None and engine.runner.graphs is not None:
+        engine.warm(warm)
+    return engine
 
 
 def set_rank_threads(threads: int | None) -> None:

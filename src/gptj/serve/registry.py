@@ -232,8 +232,11 @@ def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
 
     # Here, on the thread that runs the engine, before it computes: OpenMP keeps a count per thread.
     set_rank_threads(cfg.threads)
+    from gptj.decode import GenerationConfig
+
     spec = cfg.model.at(path)
-    return build_engine(load_model(spec), cfg.engine)
+    # on CUDA: every batch size's graph captured before the first request (one request each)
+    return build_engine(load_model(spec), cfg.engine, warm=GenerationConfig(max_new_tokens=2))
 
 
 def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
