@@ -78,23 +78,31 @@ def test_captured_graphs_replay_the_eager_steps_tokens(model):  # noqa: F811 - t
         eager.generate(prompts[:1], greedy)
 
 
-@needs_triton
-def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model, monkeypatch, caplog):  # noqa: F811
-    """A Triton kernel that cannot run (another Triton, another GPU): one warning, the reference
-    backend's forms from then on, unpadded steps, and the reference's tokens."""
+def run_with_a_broken_kernel(model, monkeypatch, caplog, kernel: str, message: str) -> Engine:  # noqa: F811
+    """A graphed engine whose gptj.engine.attention.cuda.<kernel> raises RuntimeError(message): it
+    generates the reference's tokens; -> the engine (its flags), the warnings in caplog."""
     import logging
 
     from gptj.engine.attention import cuda
 
     def broken(*args, **kwargs):
-        raise RuntimeError("PTX not supported\nmore detail")
+        raise RuntimeError(message + "\nmore detail")
 
     prompts = prompts_of([5, 17, 1])
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
-    monkeypatch.setattr(cuda, "paged_decode", broken)
+    monkeypatch.setattr(cuda, kernel, broken)
     with caplog.at_level(logging.WARNING):
         got = engine.generate(prompts, SHORT_MIXED[:3])
-    assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, SHORT_MIXED[:3])
+    reference = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16))
+    assert got == reference.generate(prompts, SHORT_MIXED[:3])
+    return engine
+
+
+@needs_triton
+def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model, monkeypatch, caplog):  # noqa: F811
+    """A Triton kernel that cannot run (another Triton, another GPU): one warning, the reference
+    backend's forms from then on, unpadded steps, and the reference's tokens."""
+    engine = run_with_a_broken_kernel(model, monkeypatch, caplog, "paged_decode", "PTX not supported")
     assert not engine.attention.kernel_ok and not engine.runner.graphs.ready
     assert caplog.text.count("the Triton decode kernel failed (RuntimeError: PTX not supported)") == 1
 
@@ -103,20 +111,7 @@ def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model,
 def test_a_store_kernel_that_fails_leaves_decode_and_graphs_to_the_kernels(model, monkeypatch, caplog):  # noqa: F811
     """The store kernel failing sends only the stores back to indexing (one warning): the decode
     kernel and the graphs go on, and the tokens are the reference's."""
-    import logging
-
-    from gptj.engine.attention import cuda
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no e4m3 here\nmore detail")
-
-    prompts = prompts_of([5, 17, 1])
-    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
-    monkeypatch.setattr(cuda, "store_kv", broken)
-    with caplog.at_level(logging.WARNING):
-        got = engine.generate(prompts, SHORT_MIXED[:3])
-    reference = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16))
-    assert got == reference.generate(prompts, SHORT_MIXED[:3])
+    engine = run_with_a_broken_kernel(model, monkeypatch, caplog, "store_kv", "no e4m3 here")
     assert not engine.attention.store_ok and engine.attention.kernel_ok and engine.runner.graphs.ready
     assert caplog.text.count("the Triton store kernel failed (RuntimeError: no e4m3 here)") == 1
 
