@@ -202,8 +202,8 @@ def table(report: dict) -> list[str]:
         lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<28} {r['ms'] * 1e3:9.1f} us "
                      f"{r['gb_s']:7.0f} GB/s {r['vs_dense']:5.2f}x dense{err}")
     for kind, b in report["best"].items():
-        lines.append(f"best {kind}: {b['plan']}: {b['ms'] * 1e3:.0f} us over the shapes (default {b['default_ms'] * 1e3:.0f}"
-                     f" us, dense {b['dense_ms'] * 1e3:.0f} us: {b['vs_dense']:.2f}x dense)")
+        lines.append(f"best {kind}: {b['plan']}: {b['ms'] * 1e3:.0f} us over the shapes (default "
+                     f"{b['default_ms'] * 1e3:.0f} us, dense {b['dense_ms'] * 1e3:.0f} us: {b['vs_dense']:.2f}x dense)")
     return lines
 
 
