@@ -67,7 +67,7 @@ class Engine:
         """Before timed work: run one short request of `gen`'s kind on a made-up prompt (the device's
         kernels compiled, the sampler's and prefill's paths taken) and make the CUDA graphs of every
         batch size for its rows per group. The KV blocks are freed after it. -> graphs' buckets warmed."""
-        prompt = [gen.eos_token_id or 0] * min(prompt_len, self.plan.max_len - 2)
+        prompt = [gen.eos_token_id or 0] * max(1, min(prompt_len, self.plan.max_len - 2))
         self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
         warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
         self.kv.forget()
