@@ -326,21 +326,16 @@ _TRITON_FAILED: list[Exception] = []  # the Triton rotary's failure, once: later
 
 
 def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
-    """out = fast_gelu(x); fast: by gptj.native in one pass (policy.native_elementwise); below
-    float32 elsewhere torch's tanh GELU writes into out (one kernel, not one and a copy)."""
+    """out = gelu_new(x). Float32 keeps gelu_new's exact (HF's) ops. Below float32, one pass that
+    computes in float32 and rounds once (gelu_new's six ops round after each), so as close to the
+    float32 result or closer: gptj.native's when `fast` (policy.native_elementwise), else torch's
+    tanh GELU written straight into out (one kernel, not one and a copy)."""
     if fast:
         native.gelu(x, out=out)
     elif exact(x.dtype):
         out.copy_(gelu_new(x))
     else:
         torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
-
-
-def fast_gelu(x: torch.Tensor) -> torch.Tensor:
-    """gelu_new below float32 in one pass: torch's tanh GELU computes in float32 and rounds once
-    (gelu_new's six ops round after each), so it is as close to the float32 result or closer.
-    Float32 keeps gelu_new's exact (HF's) ops."""
-    return gelu_new(x) if exact(x.dtype) else torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def _fusable(block: nn.Module) -> bool:

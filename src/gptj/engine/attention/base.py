@@ -20,7 +20,6 @@ decode batch). Scores and softmax are float32 in all of them (HF's rule).
 from __future__ import annotations
 
 import array
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 

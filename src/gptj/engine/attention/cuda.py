@@ -325,17 +325,19 @@ class CudaAttention(ReferenceAttention):
                 store_kv(k, v, kv.k[layer], kv.v[layer], blocks, offsets, *kv.scales(layer))
                 return
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's indexing
-                first = str(e).splitlines()[0] if str(e) else ""
-                log.warning("the Triton store kernel failed (%s: %s); keys and values are stored by indexing",
-                            type(e).__name__, first)
-                self.store_ok = False
+                self._kernel_failed("store", e)
         super().store(kv, layer, k, v, blocks, offsets)
 
     def _kernel_failed(self, which: str, error: Exception) -> None:
+        """One warning; the store kernel's failure turns off the stores only, another's the attention."""
         first = str(error).splitlines()[0] if str(error) else ""
-        log.warning("the Triton %s kernel failed (%s: %s); attention runs the reference backend's forms", which,
-                    type(error).__name__, first)
-        self.kernel_ok = False
+        then = "keys and values are stored by indexing" if which == "store" else \
+            "attention runs the reference backend's forms"
+        log.warning("the Triton %s kernel failed (%s: %s); %s", which, type(error).__name__, first, then)
+        if which == "store":
+            self.store_ok = False
+        else:
+            self.kernel_ok = False
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
