@@ -288,6 +288,14 @@ def check_quant_trained(out: dict, err: str) -> None:
         assert 0 <= r["top1_vs_float32"] <= 1 and r["max_abs_logit_error"] >= 0
 
 
+def check_compare_tolerance(out: dict, err: str) -> None:
+    """Each format's largest logit difference in units of its roundoff, within gptj compare's tolerance."""
+    assert {r["format"] for r in out["rows"]} == {"bfloat16", "int8"} and out["safety"] > 0
+    for r in out["rows"]:
+        assert 0 < r["in_units"] <= out["safety"] and r["verdict"] == "agree"
+        assert r["max_rel_diff"] <= r["tolerance_rel"]
+
+
 def check_kv_int8(out: dict, err: str) -> None:
     cap = out["capacity_sequences"]
     # 256-value heads: (256 + 4) bytes in int8 against 512 in bfloat16
@@ -360,6 +368,7 @@ SMOKE: dict[str, Job] = {
     "engine_thread.py": Job("engine_thread.py", lambda m, tmp: ["--model", m, "--dtype", "float32", "--smoke",
                                                                 "--json"], check_engine_thread),
     "generate_vs_hf.py": Job("generate_vs_hf.py", lambda m, tmp: ["--smoke", "--json"], check_generate_vs_hf),
+    "compare_tolerance.py": Job("compare_tolerance.py", lambda m, tmp: ["--smoke", "--json"], check_compare_tolerance),
     "cpu_kinds.py": Job("cpu_kinds.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_cpu_kinds),
     "gpu_check.py": Job("gpu_check.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "gpu-check")],
                         check_gpu_check),

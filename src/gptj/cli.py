@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 EXIT_USER_ERROR = 1
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command that SIGPIPE ended
 EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
+EXIT_DIFFER = 3  # gptj compare: it ran; the two models differ beyond the tolerance
 
 
 def _silence_stdout() -> None:
@@ -417,6 +418,39 @@ def cmd_quant_report(args: argparse.Namespace) -> int:
                                  device=resolve_device(args.device), speed=args.speed)
     print(json.dumps(report, indent=2) if args.json else format_report(report).rstrip())
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gptj.bench.compare import compare, format_compare, gptj_side, hf_side
+    from gptj.device import parse_dtype, resolve_device
+
+    if args.b is None and not args.hf and not args.quantize:
+        raise GptjError("give a second model B, --hf (HF transformers on A) or --quantize MODE (A quantized on load)")
+    if args.b is not None and args.hf:
+        raise GptjError("give either a second model B or --hf, not both")
+    if args.hf and args.quantize:
+        raise GptjError("--quantize applies to B; with --hf, B is gptj's load of A: compare A A --quantize MODE "
+                        "instead")
+    dtype, device = parse_dtype(args.dtype), resolve_device(args.device)
+    tok = _tokenizer_for(args.a)
+    prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
+    if args.dataset or not prompts:
+        from gptj.mlperf.dataset import Dataset
+
+        prompts += Dataset.load(args.dataset, tokenizer=tok, max_examples=args.prompts).input_ids
+    prompts = [p[:args.max_tokens] for p in prompts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise GptjError(f"prompt {i + 1} is empty")
+    if args.hf:
+        a, b = hf_side(args.a, dtype, device), gptj_side(args.a, dtype, device, name=f"gptj on {args.a}")
+    else:
+        a = gptj_side(args.a, dtype, device, config=args.config)
+        b = gptj_side(args.b or args.a, dtype, device, quantize=args.quantize, group_size=args.group_size,
+                      config=args.config)
+    report = compare(a, b, prompts, args.new_tokens)
+    print(json.dumps(report, indent=2) if args.json else format_compare(report).rstrip())
+    return 0 if report["verdict"] == "agree" else EXIT_DIFFER
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -842,6 +876,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     flags.add_threads_flag(p)
     p.set_defaults(func=cmd_quant_report)
+
+    p = sub.add_parser("compare", help="how close two checkpoints' logits are (or one against HF transformers)",
+                       description="Teacher-forced logits of model A and model B (any checkpoint gptj loads: HF, "
+                                   "gptj's own, quantized, a mesh-transformer-jax slim checkpoint; B may be A "
+                                   "quantized on load), or of A in HF transformers against gptj (--hf), on the "
+                                   "bundled MLPerf prompts or your own, each continued greedily by A: max and mean "
+                                   "|dlogit|, top-1 agreement and the first diverging greedy token, per prompt and "
+                                   "overall, then a verdict against a tolerance set by the two sides' number "
+                                   "formats (docs/COMPARE.md). Exits 0 when they agree, 3 when they differ.")
+    p.add_argument("a", metavar="A", help="the reference model folder")
+    p.add_argument("b", metavar="B", nargs="?", help="the model to check (default with --quantize: A)")
+    p.add_argument("--hf", action="store_true", help="compare HF transformers' GPTJForCausalLM on A (the reference) "
+                                                     "with gptj's load of A")
+    p.add_argument("--config", help="for a slim checkpoint: a preset name or config.json (default gptj-6b)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="1,2,3",
+                   help="a prompt as token ids (repeatable)")
+    p.add_argument("--dataset", help="prompts in cnn_eval.json's format (the default when no --prompt is given: "
+                                     "the bundled MLPerf sample set)")
+    p.add_argument("--prompts", type=_positive, default=8, help="how many of the data set's prompts (default 8)")
+    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
+    p.add_argument("--new-tokens", type=_nonnegative, default=16,
+                   help="greedy tokens A adds to each prompt, compared too (default 16)")
+    flags.add_dtype_flag(p, "float32", help="both sides' float dtype (default float32)")
+    flags.add_device_flag(p)
+    flags.add_quantize_flags(p, "quantize B's linears on load")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    flags.add_threads_flag(p)
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("serve", help="serve models over HTTP (OpenAI completions API)",
                        description="An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, "
