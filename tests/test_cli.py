@@ -169,3 +169,19 @@ def test_closed_pipe_exits_quietly(tmp_path, command, data):
         code = proc.wait()
     assert len(head) == 50
     assert err == "" and code == 141, (code, err)
+
+
+def test_distribution_name_is_gptjs_own():
+    """PyPI's `gptj` is someone else's package: gptj installs as gptj.DISTRIBUTION, its version read
+    from gptj.__version__ (one home), and reports that version, never another package's."""
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    import gptj
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["name"] == gptj.DISTRIBUTION != "gptj"
+    assert "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gptj.__version__"}
+    assert metadata.version(gptj.DISTRIBUTION) == gptj.__version__  # installed as the README says

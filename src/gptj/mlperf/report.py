@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import gptj
 from gptj.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def system_description(cfg: MLPerfConfig) -> dict[str, object]:
     return {
         "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
         "device": cfg.spec.device, "dtype": cfg.spec.dtype, "python": platform.python_version(),
-        "platform": platform.platform(), "torch": torch.__version__, "gptj": version("gptj"),
+        "platform": platform.platform(), "torch": torch.__version__, "gptj": gptj.__version__,
         "mlcommons-loadgen": version("mlcommons-loadgen"), "transformers": version("transformers"),
         **remote,
     }

@@ -207,8 +207,8 @@ def measurements_readme(sub: SubmissionConfig, runs: list[PlannedRun], scenario:
     import gptj
 
     lines = [f"# {sub.benchmark} {scenario} on {sub.system_name}", "",
-             f"Implementation: gptj {gptj.__version__} (`pip install gptj`; its source is in `code/gptj`), "
-             f"LoadGen's built-in mlperf.conf with the {sub.round} seeds, and `user.conf` here.", "",
+             f"Implementation: gptj {gptj.__version__} (`pip install {gptj.DISTRIBUTION}`; its source is in "
+             f"`code/gptj`), LoadGen's built-in mlperf.conf with the {sub.round} seeds, and `user.conf` here.", "",
              "## How the runs were made", ""]
     for run in runs:
         if run.scenario != scenario:

@@ -17,6 +17,7 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
+import gptj
 from gptj.errors import GptjError
 from gptj.files import atomic_write_json
 
@@ -193,7 +194,7 @@ def probe(device: str = "cpu", world: int = 1) -> dict[str, object]:
         # gptj's runs are one process on one node: LoadGen and the SUT share it, no network between
         "host_networking_topology": f"{NOT_APPLICABLE} (single node)",
         "operating_system": _os(),
-        "framework": f"gptj {_version('gptj') or 'unknown'}, PyTorch {torch.__version__}",
+        "framework": f"gptj {gptj.__version__}, PyTorch {torch.__version__}",
         "other_software_stack": ", ".join(f"{name} {v}" for name, v in (
             ("Python", platform.python_version()), ("mlcommons-loadgen", _version("mlcommons-loadgen")),
             ("numpy", _version("numpy"))) if v),
