@@ -379,6 +379,27 @@ def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch
         assert all(f.is_file() and f.is_relative_to(ROOT / "examples" / "data") for f in cfg.data.train.files())
 
 
+@pytest.mark.parametrize("name", ["gptj6b_pretrain.yaml", "gptj6b_finetune.yaml"])
+def test_gptj6b_configs_load_and_state_their_memory(tiny_checkpoint, name):
+    """The 6B configs as files: they load (the fine-tune's checkpoint given with --set, as a user
+    would after `gptj convert`), run GPT-J's shape with FSDP, bf16 and activation checkpointing, and
+    the training-state memory their comments give is 16 bytes per parameter of gptj-6b."""
+    import math
+
+    from gptj.weights.io import expected_shapes
+
+    path = ROOT / "examples" / "train" / name
+    cfg = load_config(path, [f"model.checkpoint={tiny_checkpoint}"] if "finetune" in name else [])
+    assert (cfg.data.seq_len, cfg.precision, cfg.activation_checkpointing, cfg.distributed) == (2048, "bf16", True,
+                                                                                                   "fsdp")
+    assert cfg.data.eval is not None and all(f.is_file() for f in cfg.data.train.files())
+    n = sum(math.prod(shape) for shape in expected_shapes(get_preset("gptj-6b")).values())
+    text = path.read_text()
+    assert f"{n:,} parameters" in text and f"{16 * n / 1e9:.1f} GB of" in text and f"{16 * n / 8e9:.1f} GB" in text
+    if "pretrain" in name:  # mesh-transformer-jax's 6B_roto_256.json: 512 sequences per step on 8 ranks
+        assert cfg.model.preset == "gptj-6b" and cfg.batch_size * cfg.grad_accum_steps * 8 == 512
+
+
 def test_config_paths_are_relative_to_the_config_and_set_paths_to_the_working_directory(monkeypatch, tmp_path,
                                                                                           capsys, corpus):
     """`gptj train --config elsewhere/c.yaml` finds the data the file names beside it; a path
@@ -482,3 +503,41 @@ def test_tensorboard_logging_or_a_clear_error(corpus, tmp_path):
         return
     train(cfg, progress=False)
     assert list((Path(cfg.out) / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_eval_only_reports_what_training_reported_for_each_checkpoint(corpus, tmp_path, capsys):
+    """Cerebras' eval mode: loss, perplexity and next-token accuracy of a checkpoint on the eval set,
+    without training; equal to the training loop's evaluation at that step."""
+    path = write_config(tmp_path / "c.yaml", train=corpus / "train.txt", data__eval={"text": [str(corpus / "eval.txt")]},
+                        max_steps=4, eval_interval=2, checkpoint_interval=2, keep_checkpoints=2)
+    assert main(["train", "--config", str(path), "--quiet"]) == 0
+    run = tmp_path / "run"
+    evals = {m["step"]: m for m in metrics(run) if "eval_loss" in m}
+    assert set(evals) == {2, 4} and 0 <= evals[4]["eval_accuracy"] <= 1
+    for step in (2, 4):
+        capsys.readouterr()
+        assert main(["train", "--config", str(path), "--eval-only", "--checkpoint",
+                     str(run / "checkpoints" / f"step-{step:07d}"), "--json", "--quiet"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["step"] == step
+        for key in ("eval_loss", "eval_ppl", "eval_accuracy", "eval_tokens"):
+            assert got[key] == evals[step][key], key
+    logged = metrics(run)
+    assert main(["train", "--config", str(path), "--eval-only", "--quiet"]) == 0  # the output folder's model
+    out = capsys.readouterr().out
+    assert out.startswith(f"{run}: eval loss {evals[4]['eval_loss']:.4f}")
+    assert metrics(run) == logged  # evaluating writes nothing into the run's log
+
+
+@pytest.mark.parametrize("extra, changes, message", [
+    (["--eval-only"], {}, "--eval-only needs an eval set"),
+    (["--checkpoint", "x"], {"data__eval": {"text": ["E"]}}, "--checkpoint goes with --eval-only"),
+    (["--eval-only", "--resume"], {"data__eval": {"text": ["E"]}}, "--eval-only trains nothing"),
+    (["--eval-only"], {"data__eval": {"text": ["E"]}}, "holds no trained model yet"),
+])
+def test_eval_only_bad_input_is_one_line(corpus, tmp_path, capsys, extra, changes, message):
+    changes = {k: ({"text": [str(corpus / "eval.txt")]} if v == {"text": ["E"]} else v) for k, v in changes.items()}
+    path = write_config(tmp_path / "c.yaml", train=corpus / "train.txt", **changes)
+    assert main(["train", "--config", str(path), *extra, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err

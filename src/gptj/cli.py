@@ -294,6 +294,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = load_config(args.config, overrides)
+    if args.eval_only or args.checkpoint:
+        return _eval_only(args, cfg)
     record = train(cfg, stop_after=args.max_steps, resume=args.resume, progress=not args.quiet, device=args.device)
     from gptj.parallel.launch import under_torchrun
 
@@ -302,6 +304,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         early = (f" (stopped at step {args.max_steps} of {cfg.max_steps}: --resume continues)"
                  if args.max_steps is not None and args.max_steps < cfg.max_steps else "")
         print(f"trained to {shown or 'the last step'}{early}; model, checkpoints and metrics.jsonl in {cfg.out}")
+    return 0
+
+
+def _eval_only(args: argparse.Namespace, cfg) -> int:  # noqa: ANN001 - gptj.train.config.TrainConfig
+    from gptj.parallel.launch import under_torchrun
+    from gptj.train.trainer import evaluate_only
+
+    if not args.eval_only:
+        raise GptjError("--checkpoint goes with --eval-only (training starts from the config's model.checkpoint)")
+    if args.resume or args.max_steps is not None:
+        raise GptjError("--eval-only trains nothing: drop --resume / --max-steps")
+    record = evaluate_only(cfg, args.checkpoint, progress=not args.quiet, device=args.device)
+    if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if args.json:
+        print(json.dumps(record))
+    else:
+        at = f" (step {record['step']})" if "step" in record else ""
+        print(f"{record['checkpoint']}{at}: eval loss {record['eval_loss']:.4f}, perplexity {record['eval_ppl']:.4g}, "
+              f"next-token accuracy {record['eval_accuracy']:.4f} over {record['eval_tokens']:,} target tokens")
     return 0
 
 
@@ -964,6 +986,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=_positive, help="stop after this step (the schedule still spans the "
                                                        "config's max_steps); --resume continues")
     p.add_argument("--resume", action="store_true", help="continue from the output folder's last checkpoint")
+    p.add_argument("--eval-only", action="store_true",
+                   help="train nothing: eval loss, perplexity and next-token accuracy of a checkpoint on the config's "
+                        "eval set (the numbers training's evaluation reports for it)")
+    p.add_argument("--checkpoint", metavar="DIR", help="with --eval-only: the model folder to evaluate (default: the "
+                                                       "output folder's, the last step trained)")
+    p.add_argument("--json", action="store_true", help="with --eval-only: print the result as one JSON object")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (under torchrun: one GPU per rank)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     flags.add_threads_flag(p)

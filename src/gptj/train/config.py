@@ -3,7 +3,8 @@
     model:      {preset: tiny}  or  {checkpoint: path/to/model}    (what to start from)
     data:       {train: {text: [files]}, eval: {...}, seq_len: 128}
                 (a source is one of: text: [plain or .jsonl files], summarization: cnn_eval.json,
-                 prepared: a folder written by `gptj prepare-data`)
+                 prepared: a folder written by `gptj prepare-data`, cerebras_hdf5: a folder of the
+                 Cerebras model zoo's GPT data, *.h5)
     optimizer:  {lr, betas, eps, weight_decay}                      (AdamW)
     schedule:   {warmup_steps, min_lr}                              (linear warm-up, then cosine)
     batch_size (sequences per rank per micro-step), grad_accum_steps, grad_clip, precision
@@ -51,12 +52,13 @@ class DataSource(BaseModel):
     jsonl_key: str = "text"
     summarization: str | None = None  # a cnn_eval.json-format file: prompt/response pairs
     prepared: str | None = None  # a folder written by gptj prepare-data
+    cerebras_hdf5: str | None = None  # a folder of the Cerebras model zoo's GPT data (*.h5; gptj.train.data)
 
     @model_validator(mode="after")
     def one_kind(self) -> DataSource:
-        given = [k for k in ("text", "summarization", "prepared") if getattr(self, k) is not None]
+        given = [k for k in ("text", "summarization", "prepared", "cerebras_hdf5") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of text, summarization or prepared")
+            raise ValueError("give exactly one of text, summarization, prepared or cerebras_hdf5")
         if self.text is not None and not self.text:
             raise ValueError("text: at least one file")
         return self
@@ -215,7 +217,7 @@ def _resolve_inputs(raw: dict[str, Any], folder: Path) -> None:
         source = data.get(split)
         if not isinstance(source, dict):
             continue
-        for key in ("summarization", "prepared"):
+        for key in ("summarization", "prepared", "cerebras_hdf5"):
             if key in source:
                 source[key] = resolved(source[key])
         if isinstance(source.get("text"), list):
@@ -235,8 +237,9 @@ def _check_paths(cfg: TrainConfig, source: Path) -> None:
         src = getattr(cfg.data, split)
         if src is None:
             continue
-        if src.prepared is not None and not Path(src.prepared).is_dir():
-            raise GptjError(f"{source}: data.{split}.prepared: {src.prepared}: no such folder")
+        for key in ("prepared", "cerebras_hdf5"):
+            if getattr(src, key) is not None and not Path(getattr(src, key)).is_dir():
+                raise GptjError(f"{source}: data.{split}.{key}: {getattr(src, key)}: no such folder")
         for f in src.files():
             if not f.is_file():
                 raise GptjError(f"{source}: data.{split}: {f}: no such file")

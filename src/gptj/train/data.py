@@ -19,6 +19,21 @@ Two kinds:
   (`gptj.mlperf.dataset.build_prompt`), then the response `" " + output.strip()` and EOS,
   then padding. The loss mask covers exactly the response tokens and that EOS.
 
+- "cerebras-hdf5" (`prepare_cerebras_hdf5`): rows read from data that the Cerebras model zoo
+  prepared for its GPT models (its GptHDF5DataProcessor's HDF5 files), converted to the
+  convention below.
+
+The masks against the Cerebras model zoo's (they differ): Cerebras stores each row as
+`input_ids`, `labels` (the next tokens: labels[t] = input_ids[t + 1]) and a mask aligned with
+the labels. In its PyTorch data (HDF5) that mask is called `attention_mask` but is a loss mask:
+1 where labels[t] is a target; attention stays causal over every position. In its older TensorFlow
+data (TFRecords) `input_mask` marks padding: 1 on padded positions, 0 on real tokens, the opposite
+of gptj's. gptj stores no labels: the next token is the row's own next id, so its `loss_mask` is
+aligned with the tokens (loss_mask[t + 1] = Cerebras' mask[t]), and its `input_mask` is 1 on real
+tokens (HF's attention_mask). A Cerebras row of T tokens becomes a gptj row of the same T tokens;
+its last label (the token after the row) has no place in it and is dropped (meta.json's
+`dropped_targets` counts them: one per full row, 1 / T of the targets).
+
 Output folders are written atomically: everything goes into a temporary sibling folder
 that is renamed into place when complete, so a failed run leaves nothing half-written.
 `TokenData` memory-maps a prepared folder for the trainer.
@@ -44,7 +59,7 @@ from gptj.mlperf.dataset import PROMPT_TEMPLATE, Example, build_prompt, load_exa
 from gptj.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "gptj-tokens/1"
-KINDS = ("packed", "pairs")
+KINDS = ("packed", "pairs", "cerebras-hdf5")
 META = "meta.json"
 IDS_FILE = "input_ids.bin"
 INPUT_MASK_FILE = "input_mask.bin"
@@ -391,6 +406,94 @@ def prepare_summarization(
             mm.flush()
         del ids, input_mask, loss_mask
         meta = _make_meta("pairs", seq_len, len(examples), n_tokens, tok, [source], tokenizer_name)
+        _write_meta(tmp, meta)
+    return meta
+
+
+CEREBRAS_FEATURES = ["input_ids", "attention_mask", "labels"]  # Cerebras' GptHDF5DataProcessor's default order
+
+
+def _cerebras_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise GptjError(f"{folder}: no such folder (expected Cerebras' HDF5 data: *.h5 files)")
+    files = sorted(folder.glob("*.h5"))
+    if not files:
+        raise GptjError(f"{folder}: no .h5 files (expected data the Cerebras model zoo prepared for GPT models)")
+    params = folder / "data_params.json"
+    if params.is_file():
+        try:
+            features = json.loads(params.read_text(encoding="utf-8")).get("features", CEREBRAS_FEATURES)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise GptjError(f"{params}: cannot read: {e}") from None
+        if features != CEREBRAS_FEATURES:
+            raise GptjError(f"{params}: features {features}; gptj reads {CEREBRAS_FEATURES} (GPT pre-training "
+                            "and fine-tuning data)")
+    return files
+
+
+def prepare_cerebras_hdf5(source: str | Path, out: str | Path, seq_len: int | None = None,
+                          tokenizer: Tokenizer | str | Path | None = None, force: bool = False,
+                          progress: bool = True) -> dict:
+    """Convert the Cerebras model zoo's GPT data (a folder of .h5 files, each a dataset "data" of
+    shape (n, 3, T): input_ids, attention_mask (a loss mask on the labels), labels) into a prepared
+    folder (kind "cerebras-hdf5") with the same rows; return its meta. See the module doc for the
+    masks. `seq_len`: the rows' T, checked if given. Needs h5py."""
+    try:
+        import h5py
+    except ImportError:
+        raise GptjError("reading Cerebras HDF5 data needs h5py: pip install h5py") from None
+    folder = Path(source)
+    files = _cerebras_files(folder)
+    tok, tokenizer_name = _resolve_tokenizer(tokenizer)
+    shapes = []
+    for f in files:
+        try:
+            with h5py.File(f, "r") as h:
+                shape = h["data"].shape if "data" in h else None
+        except OSError as e:
+            raise GptjError(f"{f}: not a readable HDF5 file ({e})") from None
+        if shape is None or len(shape) != 3 or shape[1] != 3 or shape[2] < MIN_SEQ_LEN:
+            raise GptjError(f"{f}: expected a dataset 'data' of shape (n, 3, seq_len), got {shape}")
+        shapes.append(shape)
+    width = shapes[0][2]
+    if any(sh[2] != width for sh in shapes) or (seq_len is not None and seq_len != width):
+        got = sorted({sh[2] for sh in shapes})
+        raise GptjError(f"{folder}: rows of {', '.join(map(str, got))} tokens; "
+                        + (f"the config's data.seq_len is {seq_len}" if seq_len is not None else "they must be equal"))
+    n = sum(sh[0] for sh in shapes)
+    if n == 0:
+        raise GptjError(f"{folder}: no rows")
+    out = Path(out)
+    with _atomic_folder(out, force) as tmp:
+        ids = _memmap(tmp / IDS_FILE, FILES[IDS_FILE], (n, width))
+        input_mask = _memmap(tmp / INPUT_MASK_FILE, FILES[INPUT_MASK_FILE], (n, width))
+        loss_mask = _memmap(tmp / LOSS_MASK_FILE, FILES[LOSS_MASK_FILE], (n, width))
+        row, dropped, targets = 0, 0, 0
+        for f in tqdm(files, desc="reading", unit="file", disable=not progress):
+            with h5py.File(f, "r") as h:
+                data = np.asarray(h["data"][:], dtype=np.int64)
+            x, mask, labels = data[:, 0], data[:, 1] != 0, data[:, 2]
+            if x.min() < 0 or x.max() >= tok.vocab_size or labels[mask].min(initial=0) < 0 \
+                    or labels[mask].max(initial=0) >= tok.vocab_size:
+                raise GptjError(f"{f}: token ids outside the tokenizer's vocabulary [0, {tok.vocab_size})")
+            shifted = labels[:, :-1] != x[:, 1:]
+            if (shifted & mask[:, :-1]).any():
+                r, t = np.argwhere(shifted & mask[:, :-1])[0]
+                raise GptjError(f"{f}: row {r}: labels[{t}] is not input_ids[{t + 1}]; gptj reads next-token "
+                                "labels only")
+            k = len(x)
+            ids[row:row + k] = x
+            input_mask[row:row + k] = 1  # Cerebras masks no attention: every position is a real one
+            loss_mask[row:row + k, 0] = 0
+            loss_mask[row:row + k, 1:] = mask[:, :-1]
+            dropped += int(mask[:, -1].sum())
+            targets += int(mask.sum())
+            row += k
+        for mm in (ids, input_mask, loss_mask):
+            mm.flush()
+        del ids, input_mask, loss_mask
+        meta = _make_meta("cerebras-hdf5", width, n, n * width, tok, [str(f) for f in files], tokenizer_name)
+        meta.update(targets=targets - dropped, dropped_targets=dropped)
         _write_meta(tmp, meta)
     return meta
 

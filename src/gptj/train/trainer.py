@@ -87,8 +87,9 @@ def _setup_ranks(device: str) -> Ranks:
 # --- data -------------------------------------------------------------------------------
 
 def _prepared(source: DataSource, split: str, cfg: TrainConfig, out: Path, ranks: Ranks, progress: bool):
-    """The source as a TokenData: a prepared folder as is; raw files prepared once into
-    OUT/data/SPLIT by rank 0 (kept while the sources and seq_len stay the same)."""
+    """The source as a TokenData: a prepared folder as is; raw files (text, summarization pairs,
+    Cerebras' HDF5 data) prepared once into OUT/data/SPLIT by rank 0 (kept while the sources and
+    seq_len stay the same)."""
     from gptj.train import data
 
     if source.prepared is not None:
@@ -98,15 +99,22 @@ def _prepared(source: DataSource, split: str, cfg: TrainConfig, out: Path, ranks
                             f"config's data.seq_len is {cfg.data.seq_len}")
         return td
     folder = out / "data" / split
-    sources = [str(p) for p in source.files()]
+    if source.cerebras_hdf5 is not None:
+        sources = [str(p) for p in sorted(Path(source.cerebras_hdf5).glob("*.h5"))]
+        kind = "cerebras-hdf5"
+    else:
+        sources = [str(p) for p in source.files()]
+        kind = "packed" if source.text is not None else "pairs"
     if ranks.main:
         current = None
         if data.is_prepared(folder):
             current = json.loads((folder / "meta.json").read_text())
-        kind = "packed" if source.text is not None else "pairs"
         if current is None or (current.get("sources"), current.get("seq_len"), current.get("kind")) != (
                 sources, cfg.data.seq_len, kind):
-            if source.text is not None:
+            if source.cerebras_hdf5 is not None:
+                data.prepare_cerebras_hdf5(source.cerebras_hdf5, folder, cfg.data.seq_len, force=True,
+                                           progress=progress)
+            elif source.text is not None:
                 data.prepare_text(sources, folder, cfg.data.seq_len, jsonl_key=source.jsonl_key, force=True,
                                   progress=progress)
             else:
@@ -406,43 +414,100 @@ def _batch(td, indices: list[int], device: torch.device) -> tuple[torch.Tensor, 
             torch.from_numpy(loss_mask).to(device))
 
 
-def _loss_sum(model: nn.Module, ids: torch.Tensor, input_mask: torch.Tensor, loss_mask: torch.Tensor,
-              precision: str, device: torch.device) -> torch.Tensor:
-    """Summed next-token cross-entropy over the target tokens (float32)."""
+def _logits(model: nn.Module, ids: torch.Tensor, input_mask: torch.Tensor, precision: str,
+            device: torch.device) -> torch.Tensor:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
     with autocast:
-        logits = model(ids, attention_mask=input_mask)
-    # Position t predicts token t + 1 where loss_mask[t + 1]; every other position (the last one
-    # included) gets the ignored label. The logits are not sliced: a slice's backward would build
-    # and fill a second logits-sized gradient, the largest tensor of a step.
+        return model(ids, attention_mask=input_mask)
+
+
+def _labels(ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t + 1 where loss_mask[t + 1]; every other position (the last one
+    included) gets the ignored label, -100."""
     labels = torch.full_like(ids, -100)
     labels[:, :-1] = torch.where(loss_mask[:, 1:], ids[:, 1:], -100)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                           reduction="sum")
+    return labels
+
+
+def _loss_sum(model: nn.Module, ids: torch.Tensor, input_mask: torch.Tensor, loss_mask: torch.Tensor,
+              precision: str, device: torch.device) -> torch.Tensor:
+    """Summed next-token cross-entropy over the target tokens (float32)."""
+    logits = _logits(model, ids, input_mask, precision, device)
+    # The logits are not sliced: a slice's backward would build and fill a second logits-sized
+    # gradient, the largest tensor of a step.
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), _labels(ids, loss_mask).reshape(-1),
+                           ignore_index=-100, reduction="sum")
 
 
 def evaluate(model: nn.Module, td, cfg: TrainConfig, ranks: Ranks) -> dict[str, float]:
-    """Mean target-token loss and perplexity over the eval set (or its first eval_batches batches)."""
+    """Mean target-token loss, perplexity and next-token (top-1) accuracy over the eval set (or its
+    first eval_batches batches)."""
     n = len(td)
     per = cfg.batch_size
     batches = math.ceil(n / per)
     if cfg.eval_batches:
         batches = min(batches, cfg.eval_batches)
-    total = torch.zeros(2, dtype=torch.float64, device=ranks.device)
+    total = torch.zeros(3, dtype=torch.float64, device=ranks.device)  # loss sum, targets, correct
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for b in range(ranks.rank, batches, ranks.world):
             idx = list(range(b * per, min(n, (b + 1) * per)))
             ids, im, lm = _batch(td, idx, ranks.device)
-            total[0] += _loss_sum(model, ids, im, lm, cfg.precision, ranks.device).double()
+            logits = _logits(model, ids, im, cfg.precision, ranks.device).float()
+            labels = _labels(ids, lm)
+            total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                        reduction="sum").double()
             total[1] += lm[:, 1:].sum()
+            total[2] += (logits.argmax(-1) == labels).sum()  # -100 is never an argmax
     if ranks.world > 1:
         dist.all_reduce(total)
     model.train(was_training)
-    loss = float(total[0] / total[1].clamp(min=1))
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(total[1])}
+    targets = total[1].clamp(min=1)
+    loss = float(total[0] / targets)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_accuracy": float(total[2] / targets),
+            "eval_tokens": int(total[1])}
+
+
+def evaluate_only(cfg: TrainConfig, checkpoint: str | os.PathLike | None = None, progress: bool = True,
+                  device: str = "cpu") -> dict[str, Any]:
+    """`gptj train --eval-only`: evaluate a checkpoint on the config's eval set without training, as
+    Cerebras' model zoo's eval mode does. `checkpoint`: any float model folder gptj loads (one of
+    OUT/checkpoints/step-N, another run's, HF's); default the config's output folder (the model of
+    the last step trained). The numbers are those the training loop's evaluation reports for that
+    checkpoint (same batches, precision and ranks). Raw eval data are prepared into OUT/data/eval,
+    as training prepares them."""
+    from gptj.weights.io import load_model
+
+    if cfg.data.eval is None:
+        raise GptjError("--eval-only needs an eval set: data.eval in the config (or --set data.eval.text=FILE)")
+    _check_model_fits(cfg)
+    out = Path(cfg.out)
+    folder = Path(checkpoint) if checkpoint is not None else out
+    if checkpoint is None and not (out / FINAL_FILES_LAST).is_file():
+        raise GptjError(f"--eval-only: {out} holds no trained model yet; give --checkpoint DIR (e.g. "
+                        f"{out / 'checkpoints' / 'step-NNNNNNN'})")
+    ranks = _setup_ranks(device)
+    try:
+        model = load_model(folder, dtype=torch.float32)
+        if model.config.quantization is not None:
+            raise GptjError(f"--eval-only: {folder} is quantized; evaluate float weights (gptj compare measures "
+                            "a quantized copy against them)")
+        if cfg.data.seq_len > model.config.n_positions:
+            raise GptjError(f"data.seq_len {cfg.data.seq_len} exceeds {folder}'s context of "
+                            f"{model.config.n_positions} positions")
+        out.mkdir(parents=True, exist_ok=True)
+        eval_data = _prepared(cfg.data.eval, "eval", cfg, out, ranks, progress)
+        if len(eval_data) == 0:
+            raise GptjError("data.eval holds no sequences")
+        model.to(ranks.device)
+        step = re.fullmatch(r"step-(\d+)", folder.name)
+        return {"checkpoint": str(folder), **({"step": int(step[1])} if step else {}),
+                **evaluate(model, eval_data, cfg, ranks)}
+    finally:
+        if ranks.started_group:
+            dist.destroy_process_group()
 
 
 def train(cfg: TrainConfig, stop_after: int | None = None, resume: bool = False, progress: bool = True,
