@@ -19,7 +19,7 @@ ROOT = "gptj"
 # are what engine, runtime, parallel, mlperf, serve, train, bench and cli are built from, and must
 # never reach back up to them (top-level names under gptj; a package counts with everything in it).
 LOWER = {"config", "errors", "files", "tokenizer", "model", "decode", "quant", "kernels", "native", "weights", "policy",
-         "cpu", "device", "threads"}
+         "cpu", "device", "threads", "lora"}
 HIGHER = {"engine", "runtime", "parallel", "mlperf", "serve", "train", "bench", "cli"}
 
 # Known imports from a lower layer up to a higher one: (importer, imported), each with why it stands.

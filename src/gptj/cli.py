@@ -303,7 +303,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
         early = (f" (stopped at step {args.max_steps} of {cfg.max_steps}: --resume continues)"
                  if args.max_steps is not None and args.max_steps < cfg.max_steps else "")
-        print(f"trained to {shown or 'the last step'}{early}; model, checkpoints and metrics.jsonl in {cfg.out}")
+        what = "adapter" if cfg.lora is not None else "model"
+        print(f"trained to {shown or 'the last step'}{early}; {what}, checkpoints and metrics.jsonl in {cfg.out}")
     return 0
 
 

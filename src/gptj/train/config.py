@@ -11,6 +11,8 @@
     (float32 | bf16: bfloat16 autocast over float32 weights), activation_checkpointing,
     max_steps, eval_interval, eval_batches, checkpoint_interval, keep_checkpoints, log_interval,
     seed, out, distributed (auto | none | ddp | fsdp), cpu_offload (fsdp), tensorboard.
+    lora:       {rank, alpha, dropout, target_modules, base}        (a LoRA fine-tune: gptj.lora;
+                `--set lora.rank=8` turns it on; base: float32 | bfloat16 | int8, the frozen weights)
 
 Relative input paths in the file (data files and folders, model.checkpoint) are relative to the
 file's own folder, so a config runs from anywhere; those given with `--set`, and `out` (where the
@@ -91,6 +93,24 @@ class ScheduleSpec(BaseModel):
     min_lr: float = Field(0.0, ge=0)  # the cosine ends here at max_steps
 
 
+class LoRASpec(BaseModel):
+    """A LoRA fine-tune (gptj.lora): the base frozen, only the adapters trained and written, in HF
+    PEFT's format. `--set lora.rank=8` turns it on with the defaults."""
+
+    model_config = _STRICT
+    rank: int = Field(ge=1)
+    alpha: float = Field(8.0, gt=0)  # the update's scale is alpha / rank (PEFT's default alpha: 8)
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, training only
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]] = ["q_proj", "v_proj"]
+    base: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base is held in memory
+
+    @model_validator(mode="after")
+    def some_targets(self) -> LoRASpec:
+        if not self.target_modules:
+            raise ValueError("target_modules: at least one of q_proj, k_proj, v_proj, out_proj, fc_in, fc_out")
+        return self
+
+
 class TrainConfig(BaseModel):
     model_config = _STRICT
     model: ModelSpec
@@ -113,6 +133,7 @@ class TrainConfig(BaseModel):
     distributed: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: ddp under torchrun, else none
     cpu_offload: bool = False  # fsdp: parameters and gradients live in CPU memory between uses
     tensorboard: bool = False  # also log to OUT/tensorboard (needs the tensorboard package)
+    lora: LoRASpec | None = None  # a LoRA fine-tune instead of training every weight
 
     @model_validator(mode="after")
     def consistent(self) -> TrainConfig:
@@ -123,12 +144,16 @@ class TrainConfig(BaseModel):
             raise ValueError("schedule.min_lr exceeds optimizer.lr")
         if self.cpu_offload and self.distributed != "fsdp":
             raise ValueError("cpu_offload needs distributed: fsdp")
+        if self.lora is not None and self.distributed == "fsdp":
+            raise ValueError("lora with distributed: fsdp is not supported (a LoRA's trainable state is small: use ddp)")
+        if self.lora is not None and self.lora.base != "float32" and self.precision != "bf16":
+            raise ValueError(f"lora.base: {self.lora.base} computes in bfloat16: set precision: bf16")
         return self
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a run and its --resume (the rest may, e.g. max_steps)."""
         keep = self.model_dump(mode="json", include={"model", "data", "optimizer", "batch_size", "grad_accum_steps",
-                                                     "seed", "precision"})
+                                                     "seed", "precision", "lora"})
         return json.loads(json.dumps(keep))
 
 

@@ -164,17 +164,47 @@ def _check_model_fits(cfg: TrainConfig) -> None:
 
 
 def _initial_model(cfg: TrainConfig) -> nn.Module:
+    """The model training starts from: float32 (every weight trained), or with `lora:` its base held
+    as lora.base asks (float32, bfloat16 or int8) and frozen, the adapters added (gptj.lora)."""
     from gptj.config import get_preset
     from gptj.weights.io import load_model, model_from_state_dict, random_state_dict
 
+    base = cfg.lora.base if cfg.lora is not None else "float32"
+    dtype = torch.float32 if base == "float32" else torch.bfloat16
+    quantize = "int8" if base == "int8" else None
     if cfg.model.preset is not None:
         config = get_preset(cfg.model.preset)
         model = model_from_state_dict(config, random_state_dict(config, seed=cfg.seed, std=cfg.model.init_std))
-    else:
-        model = load_model(cfg.model.checkpoint, dtype=torch.float32)
-        if model.config.quantization is not None:
+        if quantize:
+            from gptj.quant import quantize_model
+
+            quantize_model(model, quantize)
+        model.to(dtype)
+    else:  # loaded straight into the base's form: a 6B base in bfloat16 never exists in float32
+        model = load_model(cfg.model.checkpoint, dtype=dtype, quantize=quantize)
+        if model.config.quantization is not None and quantize is None:
             raise GptjError(f"model.checkpoint: {cfg.model.checkpoint} is quantized; train from float weights")
+    if cfg.lora is not None:
+        from gptj.lora import apply_lora
+
+        apply_lora(model, _lora_config(cfg))
     return model
+
+
+def _lora_config(cfg: TrainConfig):  # noqa: ANN202 - gptj.lora.LoRAConfig
+    from gptj.lora import LoRAConfig
+
+    spec = cfg.lora
+    return LoRAConfig(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, target_modules=tuple(spec.target_modules))
+
+
+def _trained_state(model: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """What a checkpoint of this run holds: every weight, or (LoRA) the adapters under PEFT's names."""
+    if lora:
+        from gptj.lora import adapter_state_dict
+
+        return adapter_state_dict(model)
+    return model.state_dict()
 
 
 def _checkpointed(block: nn.Module) -> None:
@@ -228,7 +258,7 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _read_checkpoint(folder: Path, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(trainer state, model state dict) of one checkpoint folder, every tensor checked against
     `model` before anything is loaded into it; _Damaged naming the file otherwise."""
     import pickle
@@ -256,11 +286,11 @@ def _read_checkpoint(folder: Path, model: nn.Module) -> tuple[dict, dict[str, to
     for key, kind in needed.items():
         if not isinstance(state.get(key), kind):
             raise _Damaged(f"{path}: '{key}' is missing or not a {kind.__name__}")
-    want = model.state_dict()
+    want = _trained_state(model, lora)
     sd: dict[str, torch.Tensor] = {}
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("adapter_model.safetensors" if lora else "*.safetensors"))
     if not files:
-        raise _Damaged(f"{folder}: no model.safetensors")
+        raise _Damaged(f"{folder}: no {'adapter_model' if lora else 'model'}.safetensors")
     for f in files:
         try:
             part = load_file(str(f))
@@ -281,7 +311,8 @@ def _read_checkpoint(folder: Path, model: nn.Module) -> tuple[dict, dict[str, to
     return state, sd
 
 
-def _intact_checkpoint(found: list[Path], model: nn.Module, main: bool) -> tuple[Path, dict, dict]:
+def _intact_checkpoint(found: list[Path], model: nn.Module, main: bool,
+                       lora: bool = False) -> tuple[Path, dict, dict]:
     """The newest checkpoint that reads whole: (folder, trainer state, model state dict). A damaged
     one is skipped with a one-line warning (as HF Trainer and Lightning users expect a resume to
     go on from the last good save); none intact is a one-line error naming the newest."""
@@ -290,7 +321,7 @@ def _intact_checkpoint(found: list[Path], model: nn.Module, main: bool) -> tuple
     skipped: list[tuple[Path, str]] = []
     for folder in reversed(found):
         try:
-            state, sd = _read_checkpoint(folder, model)
+            state, sd = _read_checkpoint(folder, model, lora)
         except _Damaged as e:
             skipped.append((folder, str(e)))
             continue
@@ -314,7 +345,14 @@ def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -
         return (get_model_state_dict(model, options=options),
                 get_optimizer_state_dict(model, optimizer, options=options))
     inner = model.module if mode == "ddp" else model
-    return inner.state_dict(), optimizer.state_dict()
+    return _trained_state(inner, lora_of(inner)), optimizer.state_dict()
+
+
+def lora_of(model: nn.Module) -> bool:
+    """Whether `model` trains LoRA adapters (gptj.lora) rather than its weights."""
+    from gptj.lora import lora_modules
+
+    return bool(lora_modules(model))
 
 
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, mode: str) -> None:
@@ -342,23 +380,40 @@ def _save(out: Path, config: Any, model_sd: dict, optim_sd: dict | None, step: i
         torch.save({"step": step, "optimizer": optim_sd, "optimizer_format": "fsdp" if mode == "fsdp" else "plain",
                     "fingerprint": cfg.fingerprint(), "torch_rng": torch.get_rng_state()}, folder / STATE_FILE)
 
-    save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, target, overwrite=True,
-                    extra=extra)
+    if cfg.lora is not None:
+        from gptj.lora import save_adapter
+
+        save_adapter(model_sd, _lora_config(cfg), target, base_model=_base_name(cfg), extra=extra)
+    else:
+        save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, target, overwrite=True,
+                        extra=extra)
     for old in _checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
 
-def _write_final(out: Path, config: Any, model_sd: dict) -> None:
-    """The final model into OUT itself: written whole into a temporary folder, then moved in
-    file by file, config.json last."""
+def _base_name(cfg: TrainConfig) -> str:
+    """What a LoRA run's adapter_config.json names as its base model."""
+    return str(cfg.model.checkpoint) if cfg.model.checkpoint is not None else f"gptj preset {cfg.model.preset}"
+
+
+def _write_final(out: Path, config: Any, model_sd: dict, cfg: TrainConfig) -> None:
+    """The final model (a LoRA run: its adapter) into OUT itself: written whole into a temporary
+    folder, then moved in file by file, config.json (adapter_config.json) last."""
     from gptj.weights.io import save_checkpoint
 
     tmp = out / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
+    if cfg.lora is not None:
+        from gptj.lora import CONFIG_FILE, save_adapter
+
+        save_adapter(model_sd, _lora_config(cfg), tmp, base_model=_base_name(cfg))
+        last = CONFIG_FILE
+    else:
+        save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
+        last = FINAL_FILES_LAST
     names = sorted(p.name for p in tmp.iterdir())
-    for name in [n for n in names if n != FINAL_FILES_LAST] + [FINAL_FILES_LAST]:
+    for name in [n for n in names if n != last] + [last]:
         os.replace(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -483,15 +538,25 @@ def evaluate_only(cfg: TrainConfig, checkpoint: str | os.PathLike | None = None,
     if cfg.data.eval is None:
         raise GptjError("--eval-only needs an eval set: data.eval in the config (or --set data.eval.text=FILE)")
     _check_model_fits(cfg)
+    from gptj.lora import is_adapter, read_adapter_state
+
     out = Path(cfg.out)
     folder = Path(checkpoint) if checkpoint is not None else out
-    if checkpoint is None and not (out / FINAL_FILES_LAST).is_file():
+    if checkpoint is None and not ((out / FINAL_FILES_LAST).is_file() or is_adapter(out)):
         raise GptjError(f"--eval-only: {out} holds no trained model yet; give --checkpoint DIR (e.g. "
                         f"{out / 'checkpoints' / 'step-NNNNNNN'})")
     ranks = _setup_ranks(device)
     try:
-        model = load_model(folder, dtype=torch.float32)
-        if model.config.quantization is not None:
+        if is_adapter(folder):  # a LoRA adapter: on the config's base, held as lora.base says
+            if cfg.lora is None:
+                raise GptjError(f"--eval-only: {folder} is a LoRA adapter; the config has no lora section for it")
+            from gptj.lora import load_adapter_state
+
+            model = _initial_model(cfg)
+            load_adapter_state(model, read_adapter_state(folder, _lora_config(cfg)))
+        else:
+            model = load_model(folder, dtype=torch.float32)
+        if model.config.quantization is not None and cfg.lora is None:
             raise GptjError(f"--eval-only: {folder} is quantized; evaluate float weights (gptj compare measures "
                             "a quantized copy against them)")
         if cfg.data.seq_len > model.config.n_positions:
@@ -561,18 +626,24 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
     start = 0
     state = None
     if resume:
-        last, state, sd = _intact_checkpoint(found, model, ranks.main)
+        last, state, sd = _intact_checkpoint(found, model, ranks.main, cfg.lora is not None)
         if state["fingerprint"] != cfg.fingerprint():
             changed = sorted(k for k in cfg.fingerprint() if cfg.fingerprint()[k] != state["fingerprint"].get(k))
             raise GptjError(f"--resume: the config changed since {last.name} ({', '.join(changed)}); "
                             "resume with the same model, data, optimizer, batch and seed")
-        model.load_state_dict(sd, strict=True)
+        if cfg.lora is not None:
+            from gptj.lora import load_adapter_state
+
+            load_adapter_state(model, sd)
+        else:
+            model.load_state_dict(sd, strict=True)
         start = state["step"]
         torch.set_rng_state(state["torch_rng"])
     model.to(ranks.device)
     model.train()
-    for p in model.parameters():
-        p.requires_grad_(True)
+    if cfg.lora is None:  # (a LoRA run trains its adapters only: gptj.lora froze the rest)
+        for p in model.parameters():
+            p.requires_grad_(True)
     if cfg.activation_checkpointing:
         for block in model.transformer.h:
             _checkpointed(block)
@@ -652,7 +723,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, stop_after: int | None, resume: bool,
         # The model of the last step trained, into OUT (early stops included: users look there).
         model_sd, _ = _full_state(model, optimizer, mode)
         if ranks.main:
-            _write_final(out, config, model_sd)
+            _write_final(out, config, model_sd, cfg)
         ranks.barrier()
     finally:
         bar.close()

@@ -1,0 +1,240 @@
+"""LoRA (gptj.lora): adapters on a frozen base, merged equal to unmerged, HF PEFT reading gptj's
+adapters and gptj reading PEFT's, and `gptj train` with a `lora:` section (only the adapters train,
+--resume exact, an int8 base, the fine-tune lowering the eval loss)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from gptj.cli import main
+from gptj.errors import GptjError
+from gptj.lora import (LoRAConfig, LoRALinear, apply_lora, attach_adapter, lora_modules, merge_lora, read_adapter,
+                       save_adapter)
+from gptj.weights.io import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = torch.tensor([[5, 17, 300, 2, 9, 41, 7, 1000, 12]])
+ALL = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+
+
+def randomized(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> None:
+    """Give every adapter non-zero A and B (a trained adapter's shape, not an untrained one's B = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_A.weight.copy_(torch.randn(m.lora_A.weight.shape, generator=g) * std)
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(PROMPT)[0].float()
+
+
+@pytest.fixture
+def adapter_dir(tiny_checkpoint, tmp_path):
+    """A random adapter on every linear of the tiny model, saved as gptj writes it."""
+    model = load_model(tiny_checkpoint)
+    config = LoRAConfig(rank=4, alpha=8.0, target_modules=ALL)
+    apply_lora(model, config)
+    randomized(model)
+    return save_adapter(model, config, tmp_path / "adapter", base_model=str(tiny_checkpoint)), logits(model)
+
+
+def test_an_untrained_adapter_changes_nothing(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    before = logits(model)
+    params = apply_lora(model, LoRAConfig(rank=8, target_modules=ALL))
+    assert torch.equal(logits(model), before)  # B starts at zero
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(params) == 2 * 6 * model.config.n_layer
+    assert {id(p) for p in trainable} == {id(p) for p in params}
+
+
+def test_merged_equals_unmerged_and_both_differ_from_the_base(tiny_checkpoint, adapter_dir):
+    folder, unmerged = adapter_dir
+    base = logits(load_model(tiny_checkpoint))
+    merged_model = load_model(tiny_checkpoint)
+    merge_lora(merged_model, read_adapter(folder))
+    merged = logits(merged_model)
+    attached = load_model(tiny_checkpoint)
+    attach_adapter(attached, read_adapter(folder))
+    scale = float(base.abs().max())
+    # W + s B A rounded once against x W + s (x A) B in float32: summation order only (gptj's float32 bound)
+    assert float((merged - unmerged).abs().max()) <= 1e-4 * scale
+    assert torch.equal(logits(attached), unmerged)  # read back from disk: the same tensors
+    assert float((merged - base).abs().max()) > 100 * 1e-4 * scale  # and the adapter matters
+
+
+def test_the_adapter_is_peft_format_and_peft_computes_the_same_logits(tiny_checkpoint, adapter_dir):
+    peft = pytest.importorskip("peft", reason="HF PEFT (the test extras install it) loads gptj's adapter")
+    import transformers
+
+    folder, ours = adapter_dir
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    keys = set(load_file(str(folder / "adapter_model.safetensors")))
+    assert "base_model.model.transformer.h.0.attn.q_proj.lora_A.weight" in keys and len(keys) == 2 * 6 * 2
+    hf = transformers.GPTJForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32).eval()
+    theirs = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
+    with torch.no_grad():
+        got = theirs(PROMPT).logits[0].float()
+    assert float((got - ours).abs().max()) <= 1e-4 * float(ours.abs().max())
+
+
+def test_gptj_reads_an_adapter_peft_wrote(tiny_checkpoint, tmp_path):
+    peft = pytest.importorskip("peft", reason="HF PEFT (the test extras install it) writes the adapter")
+    import transformers
+
+    hf = transformers.GPTJForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32).eval()
+    wrapped = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "fc_out"],
+                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        theirs = wrapped(PROMPT).logits[0].float()
+    wrapped.save_pretrained(str(tmp_path / "peft"))
+    model = load_model(tiny_checkpoint)
+    adapter = read_adapter(tmp_path / "peft")
+    assert adapter.config == LoRAConfig(rank=4, alpha=16, target_modules=("q_proj", "fc_out"))
+    attach_adapter(model, adapter)
+    assert float((logits(model) - theirs).abs().max()) <= 1e-4 * float(theirs.abs().max())
+
+
+def test_an_int8_base_passes_gradients_to_every_adapter(tiny_checkpoint):
+    """The quantized base has no backward of its own: x's gradient goes through its dequantized weight,
+    so the first layer's adapter learns from a loss above the last layer's int8 linears."""
+    model = load_model(tiny_checkpoint, quantize="int8")
+    params = apply_lora(model, LoRAConfig(rank=4, target_modules=ALL))
+    randomized(model)
+    model(PROMPT).float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    assert all(not b.requires_grad for m in lora_modules(model).values() for b in m.base.parameters())
+    # the dequantized weight's x-gradient is the float math's: against a float copy of the same int8 weights
+    m = lora_modules(model)[(1, "fc_in")]
+    x = torch.randn(3, m.in_features, requires_grad=True)
+    m(x).sum().backward()
+    w = m.base.dequantized_weight(torch.float32)
+    x2 = x.detach().clone().requires_grad_(True)
+    (x2 @ w.T + m.lora_B(m.lora_A(x2)) * m.scale).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, said", [
+    ({"rank": 0}, "rank must be a positive integer"),
+    ({"target_modules": ("lm_head",)}, "target_modules must be some of"),
+    ({"dropout": 1.0}, "dropout must be in [0, 1)"),
+])
+def test_bad_lora_configs(bad, said):
+    with pytest.raises(GptjError, match=None) as e:
+        LoRAConfig(**bad)
+    assert said in str(e.value)
+
+
+def test_adapter_folders_gptj_cannot_run_are_one_line(adapter_dir):
+    folder, _ = adapter_dir
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(GptjError, match="use_dora True is not supported"):
+        read_adapter(folder)
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
+    with pytest.raises(GptjError, match="peft_type must be LORA"):
+        read_adapter(folder)
+
+
+# --- gptj train with lora: ---------------------------------------------------------------------
+
+def lora_config(tmp_path: Path, **changes) -> Path:
+    """The shipped fine-tune (tiny preset, MLPerf-template summaries) with a LoRA on every linear."""
+    cfg = yaml.safe_load((ROOT / "examples" / "train" / "finetune_summarization.yaml").read_text())
+    for split in ("train", "eval"):
+        cfg["data"][split]["summarization"] = str(ROOT / "examples" / "data" / Path(
+            cfg["data"][split]["summarization"]).name)
+    cfg.update(max_steps=10, eval_interval=10, log_interval=5, checkpoint_interval=5, out=str(tmp_path / "run"),
+               lora={"rank": 8, "alpha": 32, "target_modules": list(ALL)}, optimizer={"lr": 1e-2},
+               schedule={"warmup_steps": 2, "min_lr": 1e-4})
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_lora_fine_tune_trains_only_the_adapters_and_lowers_the_eval_loss(tmp_path, capsys):
+    from gptj.train.config import load_config
+    from gptj.train.trainer import _initial_model, _lora_config, evaluate_only
+
+    path = lora_config(tmp_path)
+    cfg = load_config(path)
+    untrained = _initial_model(cfg)  # the base the run starts from (seeded), its adapters at B = 0
+    save_adapter(untrained, _lora_config(cfg), tmp_path / "untrained")
+    before = evaluate_only(cfg, tmp_path / "untrained", progress=False)
+    assert main(["train", "--config", str(path), "--quiet"]) == 0
+    assert "adapter, checkpoints and metrics.jsonl in" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert (run / "adapter_config.json").is_file() and not (run / "model.safetensors").exists()
+    after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line][-1]
+    assert after["eval_loss"] < before["eval_loss"] - 0.05  # nats per target token (measured: about 0.12)
+    # the base did not move: the trained adapter on the seeded base gives the run's own evaluation
+    again = evaluate_only(cfg, progress=False)
+    assert again["eval_loss"] == after["eval_loss"]
+    base_sd = {k: v for k, v in untrained.state_dict().items() if "lora_" not in k}
+    trained = _initial_model(cfg)
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in base_sd.items())
+
+
+def test_lora_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path):
+    whole = lora_config(tmp_path / "a")
+    assert main(["train", "--config", str(whole), "--quiet"]) == 0
+    split = lora_config(tmp_path / "b")
+    assert main(["train", "--config", str(split), "--max-steps", "5", "--quiet"]) == 0
+    assert main(["train", "--config", str(split), "--resume", "--quiet"]) == 0
+    a = load_file(str(tmp_path / "a" / "run" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "run" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_from_the_command_line_and_an_int8_base(tmp_path, capsys):
+    path = lora_config(tmp_path, lora=None, max_steps=2, eval_interval=2, checkpoint_interval=0)
+    assert main(["train", "--config", str(path), "--set", "lora.rank=4", "--set", "lora.base=int8", "--set",
+                 "precision=bf16", "--quiet"]) == 0
+    adapter = read_adapter(tmp_path / "run")
+    assert adapter.config == LoRAConfig(rank=4) and adapter.config.target_modules == ("q_proj", "v_proj")
+    assert any(float(b.abs().max()) > 0 for _, b in adapter.weights.values())  # B moved from zero
+
+
+@pytest.mark.parametrize("sets, said", [
+    (["lora.rank=4", "distributed=fsdp"], "lora with distributed: fsdp is not supported"),
+    (["lora.rank=4", "lora.base=bfloat16"], "lora.base: bfloat16 computes in bfloat16: set precision: bf16"),
+    (["lora.rank=4", "lora.target_modules=[lm_head]"], "lora.target_modules.0"),
+])
+def test_bad_lora_sections_are_one_line(tmp_path, capsys, sets, said):
+    path = lora_config(tmp_path, lora=None)
+    args = ["train", "--config", str(path), "--quiet"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_lora_linear_wraps_the_base_it_was_given(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    q = model.transformer.h[0].attn.q_proj
+    apply_lora(model, LoRAConfig(rank=2))
+    wrapped = model.transformer.h[0].attn.q_proj
+    assert isinstance(wrapped, LoRALinear) and wrapped.base is q and not q.weight.requires_grad
+    with pytest.raises(GptjError, match="carries LoRA adapters already"):
+        apply_lora(model, LoRAConfig(rank=2))
