@@ -196,10 +196,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...] = ()) -> ServerConfig:
+def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...] = (),
+                   adapters: tuple[tuple[str, str], ...] = ()) -> ServerConfig:
     from gptj.serve import ServerConfig
 
-    return ServerConfig(models=models, host=args.host, port=args.port, model=flags.model_spec(args),
+    return ServerConfig(models=models, lora=adapters, host=args.host, port=args.port, model=flags.model_spec(args),
                         engine=flags.engine_config(args), batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
                         request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
                         read_timeout_s=getattr(args, "read_timeout_s", 30.0),
@@ -222,9 +223,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, path in models:
         if not Path(path).is_dir():
             raise GptjError(f"--model {name}={path}: no such model folder")
+    adapters = tuple(parse_model_arg(a, "--lora") for a in args.lora_adapters)
+    if adapters and (len(models) != 1 or args.ray or args.tp > 1 or args.pp > 1 or under_torchrun()):
+        raise GptjError("--lora serves adapters over one --model, on one machine (not with --ray, --tp or --pp)")
+    for name, path in adapters:
+        from gptj.lora import read_config
+
+        read_config(path)  # a folder that is not an adapter: one line now, before the base loads
     if args.ray:  # replicas resolve the folder themselves, on whichever node hosts them
         models = tuple((name, str(Path(path).resolve())) for name, path in models)
-    cfg = _server_config(args, models)
+    cfg = _server_config(args, models, adapters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"gptj serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     if not under_torchrun() and not (args.ray and args.address):  # (a joined cluster's proxy may hold it)
@@ -800,6 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "whose probabilities add up to this, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
     flags.add_model_flags(p)
+    flags.add_lora_flag(p)
     flags.add_engine_flags(p, max_seqs_help="sequences running at once, beams counted each (default: all the "
                                             "prompts', as the KV memory allows; more wait)")
     flags.add_threads_flag(p)
@@ -934,6 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/metrics) on gptj's engine. SIGTERM drains running requests, then exits.")
     p.add_argument("--model", action="append", required=True, metavar="[NAME=]DIR",
                    help="a model folder to serve as NAME (default: the folder's name); repeatable")
+    flags.add_lora_flag(p, served=True)
     _add_serving_flags(p)
     p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")

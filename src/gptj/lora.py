@@ -142,34 +142,47 @@ class LoRALinear(nn.Module):
         return y + (d * self.scale).to(y.dtype)
 
 
+@dataclass
+class _Part:
+    """One adapted linear inside a (possibly fused) linear: its input columns and output rows there."""
+
+    a: torch.Tensor  # (r, in)
+    b: torch.Tensor  # (out, r)
+    cols: slice
+    rows: slice
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen base linear and several adapters; each row of a call uses one adapter or none, as
-    `rows` (set by the caller before the forward: a (rows,) int tensor, -1 for none) says. The
-    adapters' contributions are computed only for their own rows."""
+    `rows` (set by the caller before each forward: a (rows,) int tensor, -1 for none) says, and an
+    adapter's contribution is computed for its own rows only. The base may be a fused linear (the
+    serving kernels' q|k|v|fc_in, or out_proj and fc_out side by side): an adapter then holds one
+    part per linear it adapts there, each on its own input columns and output rows."""
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: nn.Module, n_adapters: int) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None] = []
+        self.parts: list[list[_Part]] = [[] for _ in range(n_adapters)]
+        self.scales: list[float] = [1.0] * n_adapters
         self.rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         rows = self.rows
-        if rows is None or not self.adapters:
+        if rows is None:
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         if rows.numel() != x2.shape[0]:
             raise GptjError(f"LoRA rows: {rows.numel()} adapter ids for {x2.shape[0]} rows")
         for i in torch.unique(rows[rows >= 0]).tolist():
-            ab = self.adapters[i]
-            if ab is None:
+            if not self.parts[i]:
                 continue
-            a, b, scale = ab
             sel = (rows == i).nonzero().squeeze(1)
-            d = (x2.index_select(0, sel).to(a.dtype) @ a.T) @ b.T
-            y2.index_add_(0, sel, (d * scale).to(y2.dtype))
+            xs = x2.index_select(0, sel)
+            for part in self.parts[i]:
+                d = (xs[:, part.cols].to(part.a.dtype) @ part.a.T) @ part.b.T
+                y2[:, part.rows].index_add_(0, sel, (d * self.scales[i]).to(y2.dtype))
         return y
 
 
@@ -346,16 +359,26 @@ def read_adapter_state(folder: str | Path, expected: LoRAConfig | None = None) -
             for (i, name), (a, b) in adapter.weights.items() for x, t in (("A", a), ("B", b))}
 
 
+def _module_at(block: nn.Module, path: str) -> nn.Module:
+    m = block
+    for part in path.split("."):
+        m = getattr(m, part)
+    return m.base if isinstance(m, LoRALinear | MultiLoRALinear | FrozenLinear) else m
+
+
 def _check_fits(model: nn.Module, adapter: Adapter) -> None:
+    """GptjError unless each of `adapter`'s matrices fits the linear it adapts (plain or fused blocks)."""
     n = len(model.transformer.h)
     for (i, name), (a, b) in adapter.weights.items():
         if i >= n:
             raise GptjError(f"{adapter.path}: adapts layer {i}; the model has {n}")
-        base = getattr(getattr(model.transformer.h[i], _PARENT[name]), name)
-        base = base.base if isinstance(base, LoRALinear | MultiLoRALinear) else base
-        if (a.shape[1], b.shape[0]) != (base.in_features, base.out_features):
+        path, cols, rows = _slots(model.transformer.h[i])[name]
+        m = _module_at(model.transformer.h[i], path)
+        width = len(range(*cols.indices(m.in_features)))
+        height = len(range(*rows.indices(m.out_features)))
+        if (a.shape[1], b.shape[0]) != (width, height):
             raise GptjError(f"{adapter.path}: layer {i} {name} is {b.shape[0]} x {a.shape[1]}; the model's is "
-                            f"{base.out_features} x {base.in_features}")
+                            f"{height} x {width}")
 
 
 def attach_adapter(model: nn.Module, adapter: Adapter) -> None:
@@ -384,20 +407,56 @@ def merge_lora(model: nn.Module, adapter: Adapter) -> None:
             w.copy_((w.float() + scale * (b.to(w.device) @ a.to(w.device))).to(w.dtype))
 
 
-def attach_adapters(model: nn.Module, adapters: Sequence[Adapter]) -> list[MultiLoRALinear]:
-    """Wrap every linear any of `adapters` adapts in a MultiLoRALinear holding them (adapter k is
-    id k of its `rows`); -> the wrapped modules, whose `rows` the caller sets before each forward."""
-    wrapped = []
-    names = sorted({key for ad in adapters for key in ad.weights})
+def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
+    """Where each of a block's linears lives: (attribute path of the module computing it, its input
+    columns there, its output rows there). A plain Block has one module per linear; the serving
+    kernels' FusedBlock computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
+    in `w_out` (or keeps out_proj and fc_out apart)."""
+    whole = slice(None)
+    if not hasattr(block, "w_in"):
+        return {name: (f"{_PARENT[name]}.{name}", whole, whole) for name in TARGETS}
+    E = block.n_head * block.head_dim
+    inner = block.w_in.out_features - 3 * E
+    slots = {"q_proj": ("w_in", whole, slice(0, E)), "k_proj": ("w_in", whole, slice(E, 2 * E)),
+             "v_proj": ("w_in", whole, slice(2 * E, 3 * E)), "fc_in": ("w_in", whole, slice(3 * E, 3 * E + inner))}
+    if block.w_out is not None:
+        slots.update(out_proj=("w_out", slice(0, E), whole), fc_out=("w_out", slice(E, E + inner), whole))
+    else:
+        slots.update(out_proj=("out_proj", whole, whole), fc_out=("fc_out", whole, whole))
+    return slots
+
+
+def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], names: Sequence[str]) -> list[MultiLoRALinear]:
+    """Serve `adapters` (named `names`) over `model` in one batch: every linear any of them adapts is
+    wrapped in a MultiLoRALinear (works on plain and on the serving kernels' fused blocks, so call it
+    after gptj.kernels.prepare_for_serving); adapter k is id k of the modules' `rows`, which the engine
+    sets before each forward. -> the wrapped modules; `model.lora_names` lists the names."""
+    if getattr(model, "lora_names", None):
+        raise GptjError("the model serves LoRA adapters already")
+    if model.kv_heads != model.config.n_head or model.pipeline is not None:
+        raise GptjError("LoRA adapters with --tp / --pp are not supported")
     for ad in adapters:
         _check_fits(model, ad)
-    for i, name in names:
-        parent = getattr(model.transformer.h[i], _PARENT[name])
-        m = MultiLoRALinear(getattr(parent, name))
-        device = next(m.base.buffers(), next(m.base.parameters(), None)).device
-        for ad in adapters:
-            ab = ad.weights.get((i, name))
-            m.adapters.append(None if ab is None else (ab[0].to(device), ab[1].to(device), ad.config.scale))
-        setattr(parent, name, m)
-        wrapped.append(m)
-    return wrapped
+    wrapped: dict[tuple[int, str], MultiLoRALinear] = {}
+    for k, ad in enumerate(adapters):
+        for (i, name), (a, b) in sorted(ad.weights.items()):
+            block = model.transformer.h[i]
+            path, cols, rows = _slots(block)[name]
+            key = (i, path)
+            if key not in wrapped:
+                *parents, attr = path.split(".")
+                parent = block
+                for p in parents:
+                    parent = getattr(parent, p)
+                wrapped[key] = MultiLoRALinear(getattr(parent, attr), len(adapters))
+                setattr(parent, attr, wrapped[key])
+            m = wrapped[key]
+            device = next(m.base.buffers(), next(m.base.parameters(), None)).device
+            m.parts[k].append(_Part(a.to(device), b.to(device), cols, rows))
+            m.scales[k] = ad.config.scale
+    model.lora_names = list(names)
+    return list(wrapped.values())
+
+
+def multi_lora_modules(model: nn.Module) -> list[MultiLoRALinear]:
+    return [m for m in model.modules() if isinstance(m, MultiLoRALinear)]

@@ -47,6 +47,7 @@ class Engine:
         self.runner = ModelRunner(model, self.plan, config)
         self.requests: dict[str, Request] = {}
         self.updater = Updater(self.kv, self.scheduler, self.requests, self.device)
+        self.adapters: list[str] = list(getattr(model, "lora_names", []))  # LoRA adapters (gptj.lora.attach_adapters)
         self._ids = itertools.count()
         self.steps = 0
         self.decode_batch_sizes: list[int] = []  # sequences per decode forward, for stats and tests
@@ -77,9 +78,12 @@ class Engine:
 
     # --- requests ---
 
-    def validate(self, prompt: Seq[int], gen: GenerationConfig, logprobs: int | None = None) -> None:
+    def validate(self, prompt: Seq[int], gen: GenerationConfig, logprobs: int | None = None,
+                 adapter: str | None = None) -> None:
         """GptjError unless the request can ever run here (thread-safe: reads only configuration)."""
         check_prompts(self.model, [prompt], gen)
+        if adapter is not None and adapter not in self.adapters:
+            raise GptjError(f"no LoRA adapter {adapter!r} here (adapters: {', '.join(self.adapters) or 'none'})")
         plan = self.plan
         if logprobs is not None and gen.num_beams > 1:
             raise GptjError("logprobs are not available with beam search")
@@ -102,13 +106,15 @@ class Engine:
     def add_request(self, prompt: Seq[int], gen: GenerationConfig, request_id: str | None = None,
                     on_token: Callable[[Request, int], None] | None = None,
                     on_finish: Callable[[Request], None] | None = None,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    adapter: str | None = None) -> Request:
         """Validate and queue a request. `logprobs` / `prompt_logprobs` (top-k, 0 for the chosen token
-        only) ask for log-probabilities of the new tokens (not with beam search) / of the prompt's."""
-        self.validate(prompt, gen, logprobs)
+        only) ask for log-probabilities of the new tokens (not with beam search) / of the prompt's.
+        `adapter`: one of self.adapters to run it with (None: the base model)."""
+        self.validate(prompt, gen, logprobs, adapter)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return self.apply(AddRequest(rid, [int(t) for t in prompt], gen, logprobs, prompt_logprobs), on_token,
-                          on_finish)
+        return self.apply(AddRequest(rid, [int(t) for t in prompt], gen, logprobs, prompt_logprobs, adapter),
+                          on_token, on_finish)
 
     def apply(self, op: AddRequest | AbortRequest, on_token: Callable[[Request, int], None] | None = None,
               on_finish: Callable[[Request], None] | None = None) -> Request | None:
@@ -120,7 +126,8 @@ class Engine:
         if op.request_id in self.requests:
             raise GptjError(f"request id {op.request_id!r} is already in use")
         req = Request(op.request_id, list(op.prompt), op.gen, on_token, on_finish, logprobs=op.logprobs,
-                      prompt_logprobs=op.prompt_logprobs)
+                      prompt_logprobs=op.prompt_logprobs,
+                      adapter=self.adapters.index(op.adapter) if op.adapter is not None else -1)
         if op.gen.sampling and op.gen.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(op.gen.seed)
         self.requests[op.request_id] = req

@@ -26,15 +26,16 @@ from gptj.errors import GptjError
 ROOT_KEY = b"gptj-kv-prefix"
 
 
-def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int | None = None) -> list[bytes]:
+def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int | None = None, salt: bytes = b"") -> list[bytes]:
     """The prefix key of each full block of `tokens` (at most n_blocks): key i = sha256(key i-1 ++ block i).
+    `salt` starts the chain: what else the keys and values depend on (a LoRA adapter's name).
 
     sha256 rather than Python's hash: two different prefixes sharing a key would silently give a
     request another prompt's keys and values."""
     full = len(tokens) // block_size
     if n_blocks is not None:
         full = min(full, n_blocks)
-    keys, parent = [], ROOT_KEY
+    keys, parent = [], ROOT_KEY + salt
     for i in range(full):
         chunk = tokens[i * block_size:(i + 1) * block_size]
         parent = hashlib.sha256(parent + b"".join(int(t).to_bytes(4, "little") for t in chunk)).digest()

@@ -83,11 +83,13 @@ class EngineLoop:
     def submit(self, prompt: Sequence[int], gen: GenerationConfig,
                on_token: Callable[[Request, int], None] | None = None,
                on_finish: Callable[[Request], None] | None = None,
-               logprobs: int | None = None, prompt_logprobs: int | None = None) -> RequestHandle:
-        """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread)."""
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               adapter: str | None = None) -> RequestHandle:
+        """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread);
+        `adapter`: a LoRA adapter of the engine's to run it with."""
         if self._stop.is_set():
             raise GptjError("the engine is shut down")
-        self.engine.validate(prompt, gen, logprobs)
+        self.engine.validate(prompt, gen, logprobs, adapter)
         with self._lock:
             self._ids += 1
             rid = f"loop-{self._ids}"
@@ -98,7 +100,7 @@ class EngineLoop:
                 on_finish(req)
             handle.future.set_result(req)
 
-        self._inbox.put((AddRequest(rid, list(prompt), gen, logprobs, prompt_logprobs), on_token, finished))
+        self._inbox.put((AddRequest(rid, list(prompt), gen, logprobs, prompt_logprobs, adapter), on_token, finished))
         return handle
 
     def cancel(self, request_id: str) -> None:

@@ -76,6 +76,7 @@ class Request:
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     prompt_token_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     hypotheses: list[tuple[list[int], float]] = field(default_factory=list)  # beam search: best first
+    adapter: int = -1  # the LoRA adapter it runs with (an index of Engine.adapters), -1: the base model
     # --- the engine's state ---
     seqs: list[Sequence] = field(default_factory=list)  # one per beam (greedy, sampled: one)
     shared: int = 0  # leading blocks every sequence of the group shares (beam search: the prompt's full ones)
@@ -115,6 +116,7 @@ class AddRequest:
     gen: GenerationConfig
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    adapter: str | None = None  # a LoRA adapter's name (Engine.adapters), None: the base model
 
 
 @dataclass(frozen=True)

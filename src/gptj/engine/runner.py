@@ -21,6 +21,7 @@ from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.graphs import DecodeInputs, GraphRunner
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
+from gptj.lora import multi_lora_modules
 from gptj.model import GPTJForCausalLM
 from gptj.policy import attention_path
 
@@ -45,8 +46,10 @@ class ModelRunner:
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
                                                      model.config.head_dim))
         self.graphs = None  # decode-only steps from captured CUDA graphs (engine/graphs.py)
+        self.lora = multi_lora_modules(model)  # LoRA adapters served over the model: each row's is set per forward
         one_process = model.pipeline is None and model.kv_heads == model.config.n_head  # no collectives to capture
-        if config.cuda_graphs == "auto" and w.device.type == "cuda" and self.attention.name == "cuda" and one_process:
+        if (config.cuda_graphs == "auto" and w.device.type == "cuda" and self.attention.name == "cuda" and one_process
+                and not self.lora):  # (a step's adapters choose its kernels: not one graph per bucket)
             self.graphs = GraphRunner(model, self.kv, self.attention, plan.max_seqs, plan.blocks_per_seq,
                                       scratch=plan.n_blocks, capture=True)
 
@@ -101,6 +104,12 @@ class ModelRunner:
             keep += range(len(tokens) + end - start - n_keep, len(tokens) + end - start)
             positions += range(start, end)
             tokens += context(req)[start:end]
+        if self.lora:  # each row's adapter: the decode rows', then each chunk's
+            adapters = [r.adapter for r in decode for _ in range(r.n_seqs)]
+            adapters += [c.request.adapter for c in prefill for _ in range(c.end - c.start)]
+            rows = torch.tensor(adapters, device=self.device)
+            for m in self.lora:
+                m.rows = rows
         ids = torch.tensor(tokens, device=self.device)[None]  # (1, tokens)
         pos = torch.tensor(positions, device=self.device)[None]
         meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments)

@@ -155,7 +155,8 @@ class Scheduler:
         kv = self.kv
         # a prompt whose logprobs are wanted is computed whole; at least one token is always computed
         reuse = kv.prefix_caching and req.prompt_logprobs is None
-        req.block_keys = block_keys(ctx, kv.block_size) if kv.prefix_caching else []
+        salt = b"" if req.adapter < 0 else f"lora:{req.adapter}".encode()  # an adapter's KV is its own
+        req.block_keys = block_keys(ctx, kv.block_size, salt=salt) if kv.prefix_caching else []
         hits = kv.lookup(req.block_keys[:(len(ctx) - 1) // kv.block_size]) if reuse else []
         new = kv.blocks_for(len(ctx)) - len(hits)
         idle = sum(kv.ref[b] == 0 for b in hits)  # cached blocks nobody holds: taking them uses free ones

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,19 @@ def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM
     if spec.path is None:
         raise GptjError("no model folder given")
     _check_fp8(spec)
+    if spec.lora is not None:  # merged in float, then quantized as asked
+        from gptj.lora import merge_lora, read_adapter
+
+        adapter = read_adapter(spec.lora)
+        model = _load(dataclasses.replace(spec, quantize=None, lora=None), progress)
+        if model.config.quantization is not None:
+            raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
+        merge_lora(model, adapter)
+        if spec.quantize:
+            from gptj.quant import quantize_model
+
+            quantize_model(model, spec.quantize, spec.group_size)
+        return model
     return _load(spec, progress)
 
 
@@ -110,17 +124,24 @@ def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | Non
 
 
 def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | None = None,
-                 free_bytes: int | None = None, warm: GenerationConfig | None = None) -> Engine:
+                 free_bytes: int | None = None, warm: GenerationConfig | None = None,
+                 adapters: Sequence[tuple[str, str]] = ()) -> Engine:
     """The engine for `model`: its KV plan (plan_for), then the serving kernels prepared for up to
     plan.max_seqs rows (gptj.kernels.prepare_for_serving: config.kernels "auto" or "off"), then
     Engine with the plan's numbers fixed in its config (so the engine sizes nothing again). `warm`:
     where decode steps replay CUDA graphs, run requests of this kind once and capture every batch
-    size's graph now (Engine.warm), before the work a caller times or serves."""
+    size's graph now (Engine.warm), before the work a caller times or serves. `adapters`: (name, folder)
+    of LoRA adapters served over the model by name, unmerged (gptj.lora.attach_adapters; requests
+    choose one with Engine.add_request's `adapter`)."""
     from gptj.engine import Engine
     from gptj.kernels import prepare_for_serving
 
     plan = plan_for(model, config, free_bytes)
     prepare_for_serving(model, config.kernels, max_rows=plan.max_seqs, progress=progress)
+    if adapters:
+        from gptj.lora import attach_adapters, read_adapter
+
+        attach_adapters(model, [read_adapter(path) for _, path in adapters], [name for name, _ in adapters])
     fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
     engine = Engine(model, fixed)
     if warm is not None and engine.runner.graphs is not None:

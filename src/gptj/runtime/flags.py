@@ -156,6 +156,18 @@ def add_model_flags(p: Any, dtype: str = "float32", quantize_help: str | None = 
     add_kernel_flags(p)
 
 
+def add_lora_flag(p: Any, served: bool = False) -> None:
+    """--lora: one adapter merged into the weights (generate), or (served) adapters served by name over
+    the one base model, each request choosing one by its model name."""
+    if served:
+        p.add_argument("--lora", dest="lora_adapters", action="append", default=[], metavar="NAME=DIR",
+                       help="serve a LoRA adapter (HF PEFT format) over the model as model NAME, unmerged: requests "
+                            "for the base and for each adapter run together in one engine (repeatable; one --model)")
+    else:
+        p.add_argument("--lora", metavar="DIR", help="a LoRA adapter (HF PEFT format: adapter_config.json + "
+                                                      "adapter_model.safetensors), merged into the weights on load")
+
+
 def add_parallel_flags(p: Any) -> None:
     p.add_argument("--tp", type=positive, default=1,
                    help="tensor parallel over N processes (gloo on CPU, NCCL on CUDA); spawned by gptj, or "
@@ -214,7 +226,7 @@ def model_spec(args: argparse.Namespace, path: object = None) -> ModelSpec:
         path = args.model
     return ModelSpec(path=None if path is None else str(path), dtype=args.dtype, device=args.device,
                      quantize=getattr(args, "quantize", None), group_size=getattr(args, "group_size", None),
-                     tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1))
+                     tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1), lora=getattr(args, "lora", None))
 
 
 # flag (dest) -> EngineConfig field

@@ -41,6 +41,7 @@ class ModelSpec:
     group_size: int | None = None  # int4 group size (None: the loader's default)
     tp: int = 1  # tensor-parallel ranks
     pp: int = 1  # pipeline stages
+    lora: str | None = None  # a LoRA adapter folder (HF PEFT format) merged into the weights on load
 
     def __post_init__(self) -> None:
         from gptj.device import dtype_name, parse_dtype
@@ -63,6 +64,13 @@ class ModelSpec:
             _positive("group_size", self.group_size)
         _positive("tp", self.tp)
         _positive("pp", self.pp)
+        if self.lora is not None:
+            object.__setattr__(self, "lora", str(self.lora))
+            if self.world > 1:
+                raise GptjError("--lora with --tp / --pp is not supported")
+            if self.quantize == "w8a8":
+                raise GptjError("--lora with --quantize w8a8 is not supported: its calibration belongs to the base's "
+                                "weights (merge the adapter into a copy and calibrate that)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -186,7 +186,8 @@ class ServerState:
         self.models: dict[str, ServedModel] = {}
         self.status = "loading"  # -> "ok" | "failed"; "draining" on shutdown
         self.load_error: str | None = None
-        self.metrics = ServerMetrics(lambda: list(self.models.values()))
+        # one entry per engine: an adapter's name shares its base's (its requests are counted there)
+        self.metrics = ServerMetrics(lambda: [m for m in self.models.values() if m.base is None])
         self.on_failure = None  # called (from the event loop) if a start-up model fails to load
         self.running: set[Completion] = set()  # admitted completions not yet answered (a drain waits for them)
         # Prompts are tokenized here, one request at a time: a burst of long prompts queues for this
@@ -220,7 +221,11 @@ class ServerState:
             for name, path in self.cfg.models:
                 if name in self.models:  # loaded before the app started (a Ray Serve replica)
                     continue
-                self.models[name] = await asyncio.to_thread(load_served_model, name, path, self.cfg)
+                served = await asyncio.to_thread(load_served_model, name, path, self.cfg, self.cfg.lora)
+                self.models[name] = served
+                for adapter, folder in self.cfg.lora:  # (ServerConfig: adapters go with its one model)
+                    self.models[adapter] = served.adapter_view(adapter)
+                    log.info("serving LoRA adapter %s from %s over %s", adapter, folder, name)
                 log.info("loaded %s from %s", name, path)
             if self.status == "loading":
                 self.status = "ok"
@@ -490,9 +495,16 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     async def unload(name: str, request: Request) -> ModelStatus:
         check_admin(request)
         served = state.model(name)
-        served.unloading = True  # new requests get 404; running ones finish
+        if served.base is not None:  # a LoRA adapter's name: new requests get 404, the engine goes on
+            served.unloading = True
+            state.models.pop(name, None)
+            return ModelStatus(name=name, status="unloaded")
+        views = [n for n, m in state.models.items() if m.base is served]
+        for m in [served, *(state.models[n] for n in views)]:
+            m.unloading = True  # new requests get 404; running ones finish
         await served.wait_idle()
-        state.models.pop(name, None)
+        for n in [name, *views]:
+            state.models.pop(n, None)
         await asyncio.to_thread(served.shutdown)
         return ModelStatus(name=name, status="unloaded")
 

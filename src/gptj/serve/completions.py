@@ -332,7 +332,7 @@ class Completion:
             try:
                 handle = served.loop.submit(job.prompt, job.gen, on_token=on_token if job.n == 1 and
                                             job.gen.num_beams == 1 else None, on_finish=on_finish,
-                                            logprobs=logprobs, prompt_logprobs=want_prompt)
+                                            logprobs=logprobs, prompt_logprobs=want_prompt, adapter=served.adapter)
             except GptjError as e:
                 served.release(len(self.plan.jobs) - j)
                 self.cancel()

@@ -45,6 +45,7 @@ def serve_engine_config(**settings) -> EngineConfig:  # noqa: ANN003 - EngineCon
 @dataclass(frozen=True)
 class ServerConfig:
     models: tuple[tuple[str, str], ...] = ()  # (name, checkpoint folder), loaded at start
+    lora: tuple[tuple[str, str], ...] = ()  # (name, adapter folder): LoRA adapters served over the one model
     host: str = "127.0.0.1"
     port: int = 8000
     model: ModelSpec = field(default_factory=ModelSpec)  # how every model runs (its path: each of `models`)
@@ -84,7 +85,9 @@ class ServerConfig:
         for name in ("request_timeout_s", "drain_timeout_s", "read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise GptjError(f"server {name} must be positive, got {getattr(self, name)!r}")
-        names = [n for n, _ in self.models]
+        names = [n for n, _ in self.models] + [n for n, _ in self.lora]
+        if self.lora and len(self.models) != 1:
+            raise GptjError("LoRA adapters are served over one model: give exactly one --model")
         for n in names:
             check_model_name(n)
         if len(set(names)) != len(names):
@@ -96,13 +99,13 @@ def check_model_name(name: str) -> None:
         raise GptjError(f"model name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
 
 
-def parse_model_arg(text: str) -> tuple[str, str]:
+def parse_model_arg(text: str, flag: str = "--model") -> tuple[str, str]:
     """'NAME=DIR' or 'DIR' (named after the folder)."""
     name, sep, path = text.partition("=")
     if not sep:
         path, name = text, Path(text.rstrip("/")).name or "model"
     if not path:
-        raise GptjError(f"--model {text!r}: give NAME=DIR or DIR")
+        raise GptjError(f"{flag} {text!r}: give NAME=DIR or DIR")
     check_model_name(name)
     return name, path
 
@@ -179,9 +182,20 @@ class ServedModel:
     max_token_bytes: int | None = None
     retry: RetryAdvisor = field(default_factory=RetryAdvisor)
     _idle: asyncio.Event | None = None
+    # a LoRA adapter served over `base`'s engine: requests run with it; places are counted on the base
+    adapter: str | None = None
+    base: ServedModel | None = None
+
+    def adapter_view(self, name: str) -> ServedModel:
+        """The model name `name` for this engine's LoRA adapter `name` (its engine, loop and places)."""
+        return ServedModel(name, self.path, self.engine, self.loop, self.tokenizer, self.max_model_len,
+                           self.vocab_size, self.capacity, max_token_bytes=self.max_token_bytes, adapter=name,
+                           base=self)
 
     def admit(self, k: int) -> bool:
         """Take k places if there is room (the event loop's thread only)."""
+        if self.base is not None:
+            return self.base.admit(k)
         if self.outstanding + k > self.capacity:
             return False
         if self.outstanding == 0:
@@ -191,14 +205,20 @@ class ServedModel:
 
     def retry_after(self, k: int) -> int:
         """Seconds a request refused for want of k places should wait (see RetryAdvisor)."""
+        if self.base is not None:
+            return self.base.retry_after(k)
         return self.retry.retry_after(self.outstanding + k - self.capacity, k)
 
     def finished(self, k: int = 1) -> None:
         """k engine requests ended (done, failed or cancelled): their places free, the rate is measured."""
+        if self.base is not None:
+            return self.base.finished(k)
         self.retry.completed(k)
         self.release(k)
 
     def release(self, k: int) -> None:
+        if self.base is not None:
+            return self.base.release(k)
         self.outstanding -= k
         if self.outstanding <= 0 and self._idle is not None:
             self._idle.set()
@@ -225,7 +245,7 @@ class ServedModel:
         self.loop.shutdown()
 
 
-def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
+def build_served_engine(path: str, cfg: ServerConfig, adapters: tuple[tuple[str, str], ...] = ()):  # noqa: ANN201
     """Load `path` and make its engine (on the engine's own thread: see EngineLoop). Module-level,
     so that under --tp / --pp rank 0 can hand it to the other ranks (gptj.parallel.lockstep)."""
     from gptj.runtime.build import build_engine, load_model, set_rank_threads
@@ -236,18 +256,21 @@ def build_served_engine(path: str, cfg: ServerConfig):  # noqa: ANN201 - Engine
 
     spec = cfg.model.at(path)
     # on CUDA: every batch size's graph captured before the first request (one request each)
-    return build_engine(load_model(spec), cfg.engine, warm=GenerationConfig(max_new_tokens=2))
+    return build_engine(load_model(spec), cfg.engine, warm=GenerationConfig(max_new_tokens=2), adapters=adapters)
 
 
-def load_served_model(name: str, path: str, cfg: ServerConfig) -> ServedModel:
-    """Load a checkpoint and start its engine (blocking: seconds to minutes)."""
+def load_served_model(name: str, path: str, cfg: ServerConfig,
+                      adapters: tuple[tuple[str, str], ...] = ()) -> ServedModel:
+    """Load a checkpoint and start its engine (blocking: seconds to minutes), with `adapters` (name,
+    folder) served over it (ServedModel.adapter_view gives each its name)."""
     from gptj.parallel import lockstep
     from gptj.tokenizer import tokenizer_for_model
 
     if not Path(path).is_dir():
         raise GptjError(f"{path}: not a model folder")
     tokenizer = tokenizer_for_model(path)
-    loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg), batch_wait_ms=cfg.batch_wait_ms)
+    loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg, adapters),
+                                batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
     stats = engine.stats()
     return ServedModel(name, str(path), engine, loop, tokenizer, stats.max_len, engine.model.config.vocab_size,

@@ -1,0 +1,132 @@
+"""Serving LoRA adapters: several adapters over one base model in one engine, batched together
+(gptj.lora.attach_adapters, the engine's per-row adapter ids), each request's tokens equal to its
+adapter alone; the prefix cache keeps each adapter's KV apart; `gptj serve --lora NAME=DIR` and
+`gptj generate --lora DIR`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptj.cli import main
+from gptj.decode import GenerationConfig, generate
+from gptj.engine import EngineConfig
+from gptj.errors import GptjError
+from gptj.lora import LoRAConfig, apply_lora, attach_adapter, lora_modules, merge_lora, read_adapter, save_adapter
+from gptj.runtime.build import build_engine
+from gptj.tokenizer import load_tokenizer
+from gptj.weights.io import load_model
+from serve_util import running_server
+from test_serve import call
+
+PROMPTS = [[5, 17, 300, 2, 9], [41, 7, 1000, 12], list(range(100, 140))]  # the last: 2 full KV blocks
+GEN = GenerationConfig(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    """Two trained-looking adapters on different linears: x on q and v, y on k, out_proj and the MLP."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for k, (name, targets) in enumerate([("x", ("q_proj", "v_proj")), ("y", ("k_proj", "out_proj", "fc_in", "fc_out"))]):
+        model = load_model(tiny_checkpoint)
+        config = LoRAConfig(rank=4, alpha=8, target_modules=targets)
+        apply_lora(model, config)
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for m in lora_modules(model).values():
+                m.lora_A.weight.copy_(torch.randn(m.lora_A.weight.shape, generator=g) * 0.3)
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.3)
+        out[name] = str(save_adapter(model, config, root / name))
+    return out
+
+
+def alone(checkpoint, adapter: str | None, prompt, quantize: str | None = None) -> list[int]:
+    """The reference: the plain model with this one adapter attached (unmerged), no engine."""
+    model = load_model(checkpoint, quantize=quantize)
+    if adapter is not None:
+        attach_adapter(model, read_adapter(adapter))
+    return generate(model, [prompt], GEN)[0]
+
+
+# float32: plain blocks; int8 weights: the serving kernels' fused blocks (q|k|v|fc_in in one linear), whose
+# adapters add to slices of its output. (Tokens are compared in float32, where the batch cannot flip them.)
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_requests_of_different_adapters_share_steps_and_each_gets_its_adapters_tokens(tiny_checkpoint, adapters,
+                                                                                    quantize):
+    engine = build_engine(load_model(tiny_checkpoint, quantize=quantize), EngineConfig(max_seqs=16),
+                          adapters=[("x", adapters["x"]), ("y", adapters["y"])])
+    assert type(engine.model.transformer.h[0]).__name__ == ("FusedBlock" if quantize else "Block")
+    assert engine.adapters == ["x", "y"] and engine.runner.lora and engine.runner.graphs is None
+    jobs = [(p, a) for p in PROMPTS for a in (None, "x", "y")]
+    reqs = [engine.add_request(p, GEN, adapter=a) for p, a in jobs]
+    while engine.has_work:
+        engine.step()
+    assert max(engine.decode_batch_sizes) == len(jobs)  # all nine decoded in the same steps
+    outputs = {}
+    for (p, a), req in zip(jobs, reqs):
+        assert req.output == alone(tiny_checkpoint, adapters.get(a), p, quantize), (a, p)
+        outputs.setdefault(tuple(p), set()).add(tuple(req.output))
+    assert all(len(v) == 3 for v in outputs.values())  # the adapters change the tokens
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(tiny_checkpoint, adapters):
+    engine = build_engine(load_model(tiny_checkpoint), EngineConfig(max_seqs=4), adapters=[("x", adapters["x"])])
+    long = PROMPTS[2]
+    engine.generate([long], GEN)  # the base's blocks cached
+    hits = engine.stats().prefix_hit_tokens
+    out = engine.add_request(long, GEN, adapter="x")
+    while engine.has_work:
+        engine.step()
+    assert engine.stats().prefix_hit_tokens == hits  # the base's KV is not x's
+    assert out.output == alone(tiny_checkpoint, adapters["x"], long)
+    again = engine.add_request(long, GEN, adapter="x")
+    while engine.has_work:
+        engine.step()
+    assert engine.stats().prefix_hit_tokens > hits and again.output == out.output  # x's own KV is reused
+    with pytest.raises(GptjError, match="no LoRA adapter 'z' here"):
+        engine.add_request(long, GEN, adapter="z")
+
+
+def test_serve_lora_names_each_adapter_as_a_model(tiny_checkpoint, adapters):
+    tok = load_tokenizer()
+    with running_server({"base": tiny_checkpoint}, lora=(("x", adapters["x"]), ("y", adapters["y"])),
+                        max_batch_size=8) as url:
+        status, body, _ = call(url, "GET", "/v1/models")
+        assert status == 200 and {m["id"] for m in body["data"]} == {"base", "x", "y"}
+        for name, adapter in (("base", None), ("x", adapters["x"]), ("y", adapters["y"])):
+            status, body, _ = call(url, body={"model": name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0})
+            assert status == 200, body
+            want = tok.decode(alone(tiny_checkpoint, adapter, PROMPTS[0]), skip_special_tokens=True)
+            assert body["choices"][0]["text"] == want, name
+        status, body, _ = call(url, body={"model": "z", "prompt": PROMPTS[0], "max_tokens": 2})
+        assert status == 404
+
+
+def test_serve_lora_bad_input_is_one_line(tiny_checkpoint, adapters, tmp_path, capsys):
+    cases = [(["--model", f"a={tiny_checkpoint}", "--model", f"b={tiny_checkpoint}", "--lora", f"x={adapters['x']}"],
+              "--lora serves adapters over one --model"),
+             (["--model", str(tiny_checkpoint), "--lora", f"x={tmp_path}"], "not a LoRA adapter folder")]
+    for args, said in cases:
+        assert main(["serve", "--port", "0", *args]) == 1
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_lora_merges_the_adapter(tiny_checkpoint, adapters, capsys):
+    assert main(["generate", "--model", str(tiny_checkpoint), "--lora", adapters["y"], "--prompt-ids",
+                 ",".join(map(str, PROMPTS[1])), "--max-new-tokens", "6", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+    merged = load_model(tiny_checkpoint)
+    merge_lora(merged, read_adapter(adapters["y"]))
+    assert got == generate(merged, [PROMPTS[1]], GEN)[0] == alone(tiny_checkpoint, adapters["y"], PROMPTS[1])
+    assert got != alone(tiny_checkpoint, None, PROMPTS[1])
+    # merged before quantizing: int8 of the merged weights
+    assert main(["generate", "--model", str(tiny_checkpoint), "--lora", adapters["y"], "--quantize", "int8",
+                 "--prompt-ids", "5,17", "--max-new-tokens", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+    assert main(["generate", "--model", str(tiny_checkpoint), "--lora", adapters["y"], "--quantize", "w8a8",
+                 "--prompt-ids", "5", "--max-new-tokens", "1"]) == 1
+    assert "--lora with --quantize w8a8 is not supported" in capsys.readouterr().err
