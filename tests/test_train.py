@@ -379,6 +379,14 @@ def test_shipped_example_configs_are_valid_and_point_at_shipped_data(monkeypatch
         assert all(f.is_file() and f.is_relative_to(ROOT / "examples" / "data") for f in cfg.data.train.files())
 
 
+def test_gptj6b_lora_config_loads(tiny_checkpoint):
+    cfg = load_config(ROOT / "examples" / "train" / "gptj6b_lora.yaml", [f"model.checkpoint={tiny_checkpoint}"])
+    assert (cfg.lora.rank, cfg.lora.base, cfg.precision, cfg.data.seq_len) == (8, "bfloat16", "bf16", 2048)
+    # its comment's trainable count: rank x (in + out) per adapted 4,096 x 4,096 linear, 2 per layer, 28 layers
+    n = 28 * len(cfg.lora.target_modules) * cfg.lora.rank * (4096 + 4096)
+    assert f"{n / 1e6:.1f} M trainable" in (ROOT / "examples" / "train" / "gptj6b_lora.yaml").read_text()
+
+
 @pytest.mark.parametrize("name", ["gptj6b_pretrain.yaml", "gptj6b_finetune.yaml"])
 def test_gptj6b_configs_load_and_state_their_memory(tiny_checkpoint, name):
     """The 6B configs as files: they load (the fine-tune's checkpoint given with --set, as a user
