@@ -1,4 +1,4 @@
-"""LoRA adapters on GPT-J's linears, in HF PEFT's format (so PEFT and vLLM load what gptj writes).
+"""LoRA adapters on GPT-J's linears, in HF PEFT's format (HF PEFT loads what gptj writes, and gptj what PEFT writes).
 
 A LoRA linear computes y = base(x) + (dropout(x) @ A.T @ B.T) * alpha / rank, with the base
 frozen: A (rank x in) starts Kaiming-uniform and B (out x rank) at zero, as PEFT initializes them,

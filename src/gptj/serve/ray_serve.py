@@ -50,6 +50,7 @@ log = logging.getLogger("gptj.serve.ray")
 GATEWAY = "gptj-gateway"  # the application at "/" (a reserved model name)
 DEPLOYMENT = "GPTJModel"  # the ingress deployment of every model application
 _REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+HEAD_NODE = "node:__internal_head__"  # the resource Ray gives the head node only
 
 
 @serve.deployment(name=DEPLOYMENT)
@@ -228,7 +229,8 @@ def build_gateway_app() -> FastAPI:
             except _REPLICA_DIED as e:  # died before answering: nothing was sent, so try another replica
                 log.warning("a replica of %s died before answering (%s); retrying", model, type(e).__name__)
                 if attempt == 1:
-                    raise APIError(503, f"model {model!r}: no replica answered", code="replica_unavailable") from None
+                    raise APIError(503, f"model {model!r}: no replica answered", code="replica_unavailable",
+                                   headers={"Retry-After": "1"}) from None  # Serve replaces it meanwhile
         raise AssertionError("unreachable")
 
     def passed(request: Request) -> list[tuple[str, str]]:
@@ -273,7 +275,12 @@ def build_gateway_app() -> FastAPI:
 
 # A router only: it holds each request while a model replica works on it, so it must take many at
 # once (Ray Serve's default is 5 per replica; the model replicas apply gptj's own limits and 429s).
-@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+# It runs on the head node, beside Serve's controller: a worker node that goes away then takes no
+# gateway with it (Serve's HTTP proxy answers 500 for every request the dead gateway held, and
+# queues the next ones until Serve has started another), only model replicas, which the gateway
+# routes around.
+@serve.deployment(name="Gateway", max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE: 0.001}})
 @serve.ingress(build_gateway_app)
 class Gateway:
     pass
@@ -375,7 +382,7 @@ def unpublish(name: str) -> None:
 
 def list_models() -> list[dict[str, Any]]:
     """One row per published model: name, replicas (running / target), status, route, and each
-    replica's state, node and process id."""
+    replica's state, node (Ray's node id, and its IP) and process id."""
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()
@@ -384,8 +391,9 @@ def list_models() -> list[dict[str, Any]]:
         dep = app.get("deployments", {}).get(DEPLOYMENT)
         if dep is None or name == GATEWAY:
             continue
-        replicas = [{"state": _plain(r.get("state")), "pid": r.get("pid"), "node_ip": r.get("node_ip"),
-                     "replica_id": r.get("replica_id")} for r in dep.get("replicas", [])]
+        # node_id tells nodes apart where node_ip cannot (several nodes on one machine share its IP)
+        replicas = [{"state": _plain(r.get("state")), "pid": r.get("pid"), "node_id": r.get("node_id"),
+                     "node_ip": r.get("node_ip"), "replica_id": r.get("replica_id")} for r in dep.get("replicas", [])]
         rows.append({"name": name, "status": _plain(app.get("status")), "route": app.get("route_prefix"),
                      "replicas_running": sum(r["state"] == "RUNNING" for r in replicas),
                      "replicas_target": dep.get("target_num_replicas", len(replicas)), "replicas": replicas})
