@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from gptj.errors import GptjError
@@ -144,3 +146,17 @@ def move_into_place(tmp: Path, target: Path) -> None:
         shutil.rmtree(backup, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `target` (temp_sibling) to fill; when the body succeeds, move it
+    into place (replacing `target`). On any failure, KeyboardInterrupt included, the temporary
+    folder is removed and `target` is left as it was."""
+    tmp = temp_sibling(target)
+    try:
+        yield tmp
+        move_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gptj.errors import GptjError
-from gptj.files import move_into_place, temp_sibling
+from gptj.files import atomic_folder
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")  # GPT-J's linears in a block
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for GPT-J
@@ -265,23 +265,16 @@ def save_adapter(state: nn.Module | dict[str, torch.Tensor], config: LoRAConfig,
                  base_model: str | None = None, extra: Callable[[Path], None] | None = None) -> Path:
     """Write a model's adapters (or their PEFT-named state dict) as a PEFT adapter folder, atomically
     (replacing `folder`); `extra(tmp)` adds files (a trainer's state) before it moves into place."""
-    import shutil
-
     from safetensors.torch import save_file
 
     sd = adapter_state_dict(state) if isinstance(state, nn.Module) else {
         k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     folder = Path(folder)
-    tmp = temp_sibling(folder)
-    try:
+    with atomic_folder(folder) as tmp:
         save_file(sd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config.peft_json(base_model), indent=2) + "\n")
         if extra is not None:
             extra(tmp)
-        move_into_place(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

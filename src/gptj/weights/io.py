@@ -34,7 +34,7 @@ from tqdm import tqdm
 from gptj import quant
 from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
-from gptj.files import atomic_write_json, move_into_place, temp_sibling
+from gptj.files import atomic_folder, atomic_write_json
 from gptj.model import GPTJForCausalLM, build_model
 from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj
@@ -348,8 +348,7 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
     """`extra(folder)` writes more files into the folder before it is moved into place."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
-    tmp = temp_sibling(out)
-    try:
+    with atomic_folder(out) as tmp:
         first_dtype = next((t.dtype for n, t in sd.items() if t.is_floating_point() and not quant.is_quant_param(n)),
                            torch.float32)
         cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(first_dtype)}
@@ -374,10 +373,6 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
             load_tokenizer().save(tmp)
         if extra is not None:
             extra(tmp)
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
