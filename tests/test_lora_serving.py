@@ -95,7 +95,9 @@ def test_serve_lora_names_each_adapter_as_a_model(tiny_checkpoint, adapters):
     with running_server({"base": tiny_checkpoint}, lora=(("x", adapters["x"]), ("y", adapters["y"])),
                         max_batch_size=8) as url:
         status, body, _ = call(url, "GET", "/v1/models")
-        assert status == 200 and {m["id"] for m in body["data"]} == {"base", "x", "y"}
+        assert status == 200 and {m["id"]: m["parent"] for m in body["data"]} == {"base": None, "x": "base",
+                                                                                   "y": "base"}
+        assert {m["id"]: m["root"] for m in body["data"]}["x"] == adapters["x"]
         for name, adapter in (("base", None), ("x", adapters["x"]), ("y", adapters["y"])):
             status, body, _ = call(url, body={"model": name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0})
             assert status == 200, body

@@ -224,7 +224,7 @@ class ServerState:
                 served = await asyncio.to_thread(load_served_model, name, path, self.cfg, self.cfg.lora)
                 self.models[name] = served
                 for adapter, folder in self.cfg.lora:  # (ServerConfig: adapters go with its one model)
-                    self.models[adapter] = served.adapter_view(adapter)
+                    self.models[adapter] = served.adapter_view(adapter, folder)
                     log.info("serving LoRA adapter %s from %s over %s", adapter, folder, name)
                 log.info("loaded %s from %s", name, path)
             if self.status == "loading":
@@ -402,6 +402,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     async def list_models(request: Request) -> ModelList:
         check_key(request, cfg.api_key, "API key")
         return ModelList(data=[ModelCard(id=m.name, created=m.created, root=m.path, max_model_len=m.max_model_len,
+                                         parent=m.base.name if m.base is not None else None,
                                          status="unloading" if m.unloading else "ready")
                                for m in state.models.values()])
 

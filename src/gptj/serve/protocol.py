@@ -111,7 +111,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "gptj"
-    root: str  # the checkpoint folder it was loaded from
+    root: str  # the checkpoint folder it was loaded from (a LoRA adapter: the adapter's folder)
+    parent: str | None = None  # a LoRA adapter: the model it is served over (as vLLM reports it)
     max_model_len: int
     status: Literal["ready", "unloading"] = "ready"
 

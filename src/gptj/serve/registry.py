@@ -186,9 +186,10 @@ class ServedModel:
     adapter: str | None = None
     base: ServedModel | None = None
 
-    def adapter_view(self, name: str) -> ServedModel:
-        """The model name `name` for this engine's LoRA adapter `name` (its engine, loop and places)."""
-        return ServedModel(name, self.path, self.engine, self.loop, self.tokenizer, self.max_model_len,
+    def adapter_view(self, name: str, folder: str) -> ServedModel:
+        """The model name `name` for this engine's LoRA adapter `name` (from `folder`): the base's
+        engine, loop and places."""
+        return ServedModel(name, str(folder), self.engine, self.loop, self.tokenizer, self.max_model_len,
                            self.vocab_size, self.capacity, max_token_bytes=self.max_token_bytes, adapter=name,
                            base=self)
 
