@@ -41,7 +41,8 @@ KERNEL_PATHS = ("native", "native-avx2", "fallback")  # native: the best ISA's l
 # hands out modules in collection order, so the long ones do not end up last on one worker.
 LONGEST_FIRST = ("test_ray_serve.py", "test_train.py", "test_benchmarks.py", "test_benchmarks_gpu.py",
                  "test_mlperf_submission.py", "test_mlperf_interrupt.py", "test_parallel_tp.py",
-                 "test_parallel_serve.py", "test_parallel_pp.py")
+                 "test_parallel_serve.py", "test_parallel_pp.py",
+                 "test_ray_multinode.py")  # (added 2026-11-28: 26-28 s alone)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -196,10 +196,11 @@ def test_lora_fine_tune_trains_only_the_adapters_and_lowers_the_eval_loss(tmp_pa
 
 
 def test_lora_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path):
-    whole = lora_config(tmp_path / "a")
+    short = {"max_steps": 4, "checkpoint_interval": 2, "eval_interval": 0}
+    whole = lora_config(tmp_path / "a", **short)
     assert main(["train", "--config", str(whole), "--quiet"]) == 0
-    split = lora_config(tmp_path / "b")
-    assert main(["train", "--config", str(split), "--max-steps", "5", "--quiet"]) == 0
+    split = lora_config(tmp_path / "b", **short)
+    assert main(["train", "--config", str(split), "--max-steps", "2", "--quiet"]) == 0
     assert main(["train", "--config", str(split), "--resume", "--quiet"]) == 0
     a = load_file(str(tmp_path / "a" / "run" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "run" / "adapter_model.safetensors"))

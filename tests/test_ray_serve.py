@@ -5,6 +5,7 @@ SIGTERM, user errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -40,19 +41,38 @@ def gptj(*args, check=True):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A local Ray instance (head node on loopback); stopped, with all its processes, afterwards."""
+    """A local Ray instance (head node on loopback): `ray start --head --block` in a session of its
+    own, stopped afterwards, with all its processes, by signalling that process. Not `ray stop`: it
+    stops every Ray instance on the machine, test_ray_multinode.py's too when pytest-xdist runs it
+    beside this module."""
     temp = tmp_path_factory.mktemp("ray")
     # Ray's token authentication, with a token of this test's own (not ~/.ray/auth_token)
     (temp / "auth_token").write_text(secrets.token_hex(32))
     ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(temp / "auth_token"))
     port = free_port()
-    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
-                    "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=100000000",
-                    f"--temp-dir={temp}"], check=True, capture_output=True, env=ENV, timeout=300)
+    log_path = temp / "ray-start.log"
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                                 "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
+                                 "--object-store-memory=100000000", f"--temp-dir={temp}"],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                # one node, nowhere to move replicas to: on SIGTERM stop at once, no drain
+                                env={**ENV, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
     try:
+        deadline = time.monotonic() + 300
+        while "Ray runtime started" not in log_path.read_text(errors="replace"):
+            assert head.poll() is None and time.monotonic() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=ENV, timeout=300)
+        head.terminate()  # SIGTERM: `ray start --block` stops the Ray processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        with contextlib.suppress(ProcessLookupError):  # whatever of its session is left
+            os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
 
