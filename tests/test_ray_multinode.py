@@ -224,12 +224,12 @@ def test_a_node_removed_while_clients_send_loses_no_request(cluster, served):
     across = [r for r in done if r["sent"] < removed_at["start"] < r["answered"]]
     assert across  # requests were running when the node went (each client's, but for one just answered),
     assert [r for r in done if r["sent"] > removed_at["end"]]  # and more were sent after it
-    # The removal cut requests short: the gateway retried those its replica on the node held (it logs
-    # a warning for each), and clients whose connection was to the node's Serve proxy sent theirs again.
+    # Whether the removal cut a request short depends on where each one stood (the gateway retries those
+    # its replica on the node held, logging a warning for each; clients whose connection was to the
+    # node's Serve proxy send theirs again): counted for docs/SCALE_OUT.md, not asserted.
     gateway_retries = sum(p.read_text(errors="replace").count("died before answering (")
                           for p in Path(cluster.root).glob("ray/session_latest/logs/worker-*.err"))
     retried = [r for r in done if r["retries"]]
-    assert gateway_retries + len(retried) >= 1
 
     assert row["replicas_running"] == row["replicas_target"] == 2
     assert len({r["node_id"] for r in running}) == 2 and {r["node_id"] for r in running} <= set(names)
