@@ -43,22 +43,19 @@ def adapters(tiny_checkpoint, tmp_path_factory):
     return out
 
 
-def alone(checkpoint, adapter: str | None, prompt, quantize: str | None = None) -> list[int]:
+def alone(checkpoint, adapter: str | None, prompt) -> list[int]:
     """The reference: the plain model with this one adapter attached (unmerged), no engine."""
-    model = load_model(checkpoint, quantize=quantize)
+    model = load_model(checkpoint)
     if adapter is not None:
         attach_adapter(model, read_adapter(adapter))
     return generate(model, [prompt], GEN)[0]
 
 
-# float32: plain blocks; int8 weights: the serving kernels' fused blocks (q|k|v|fc_in in one linear), whose
-# adapters add to slices of its output. (Tokens are compared in float32, where the batch cannot flip them.)
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_requests_of_different_adapters_share_steps_and_each_gets_its_adapters_tokens(tiny_checkpoint, adapters,
-                                                                                    quantize):
-    engine = build_engine(load_model(tiny_checkpoint, quantize=quantize), EngineConfig(max_seqs=16),
+def test_requests_of_different_adapters_share_steps_and_each_gets_its_adapters_tokens(tiny_checkpoint, adapters):
+    """In float32 (where a batch cannot flip a token), each request of a step that mixes the base and
+    two adapters gets the tokens its adapter gives alone, on the plain model."""
+    engine = build_engine(load_model(tiny_checkpoint), EngineConfig(max_seqs=16),
                           adapters=[("x", adapters["x"]), ("y", adapters["y"])])
-    assert type(engine.model.transformer.h[0]).__name__ == ("FusedBlock" if quantize else "Block")
     assert engine.adapters == ["x", "y"] and engine.runner.lora and engine.runner.graphs is None
     jobs = [(p, a) for p in PROMPTS for a in (None, "x", "y")]
     reqs = [engine.add_request(p, GEN, adapter=a) for p, a in jobs]
@@ -67,9 +64,58 @@ def test_requests_of_different_adapters_share_steps_and_each_gets_its_adapters_t
     assert max(engine.decode_batch_sizes) == len(jobs)  # all nine decoded in the same steps
     outputs = {}
     for (p, a), req in zip(jobs, reqs):
-        assert req.output == alone(tiny_checkpoint, adapters.get(a), p, quantize), (a, p)
+        assert req.output == alone(tiny_checkpoint, adapters.get(a), p), (a, p)
         outputs.setdefault(tuple(p), set()).add(tuple(req.output))
     assert all(len(v) == 3 for v in outputs.values())  # the adapters change the tokens
+
+
+def fused_float32(checkpoint):
+    """The float32 model with its blocks fused as the serving kernels fuse bfloat16 ones: q|k|v|fc_in
+    in one linear, out_proj and fc_out side by side in another (w_out)."""
+    from gptj.kernels import FusedBlock
+
+    model = load_model(checkpoint)
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = FusedBlock(block)
+    assert model.transformer.h[0].w_out is not None
+    return model
+
+
+def int8_fused(checkpoint):
+    from gptj.kernels import prepare_for_serving
+
+    model = load_model(checkpoint, quantize="int8")
+    prepare_for_serving(model)
+    assert type(model.transformer.h[0]).__name__ == "FusedBlock" and model.transformer.h[0].w_out is None
+    return model
+
+
+@pytest.mark.parametrize("make, quantize", [(fused_float32, None), (int8_fused, "int8")])
+def test_adapters_on_the_serving_kernels_fused_blocks(tiny_checkpoint, adapters, make, quantize):
+    """The serving kernels fuse q|k|v|fc_in into one linear, and out_proj with fc_out (float weights) or
+    not (int8): an adapter adds to its slices. One forward of three prompts, rows of the base, x and
+    y, against each adapter alone on the plain model: the same numbers up to float32 summation order
+    (the fused block's rotary and GELU run other ops), far closer than the adapters' own effect."""
+    from gptj.lora import attach_adapters
+
+    ids = torch.tensor([p[:4] for p in PROMPTS])
+    fused = make(tiny_checkpoint)
+    modules = attach_adapters(fused, [read_adapter(adapters["x"]), read_adapter(adapters["y"])], ["x", "y"])
+    rows = torch.tensor([-1] * 4 + [0] * 4 + [1] * 4)
+    for m in modules:
+        m.rows = rows
+    with torch.inference_mode():
+        got = fused(ids).float()
+        for i, name in enumerate((None, "x", "y")):
+            plain = load_model(tiny_checkpoint, quantize=quantize)
+            if name is not None:
+                attach_adapter(plain, read_adapter(adapters[name]))
+            want = plain(ids[i:i + 1])[0].float()
+            scale = float(want.abs().max())
+            assert float((got[i] - want).abs().max()) <= 1e-4 * scale, name
+            if name is not None:
+                base = load_model(tiny_checkpoint, quantize=quantize)(ids[i:i + 1])[0].float()
+                assert float((want - base).abs().max()) > 100 * 1e-4 * scale
 
 
 def test_the_prefix_cache_keeps_each_adapters_kv_apart(tiny_checkpoint, adapters):
