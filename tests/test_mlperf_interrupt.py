@@ -24,7 +24,17 @@ def interrupt_run(tiny_checkpoint, log_dir, *extra):
     cmd = [sys.executable, "-m", "gptj.cli", "mlperf", "--model", str(tiny_checkpoint), "--log-dir", str(log_dir),
            "--quiet", "--num-beams", "1", "--min-new-tokens", "0", "--max-new-tokens", "8",
            "--min-duration-ms", "600000", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A process that starts with SIGINT ignored keeps ignoring it (Python installs no KeyboardInterrupt
+    # handler then), and children inherit an ignored signal: in a full run a test module before this
+    # one can leave the pytest worker ignoring SIGINT (seen 2026-11-28: the run hung 600 s). The child
+    # gets the default, as a shell's foreground command has.
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     detail = log_dir / "mlperf_log_detail.txt"
     while proc.poll() is None and not (detail.is_file() and detail.stat().st_size > 0):
         time.sleep(0.05)
