@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"| layers | format | max |dlogit| / max |logit| | in units of u | tolerance | top-1 agree | verdict |")
+    print("| layers | format | max |dlogit| / max |logit| | in units of u | tolerance | top-1 agree | verdict |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n_layer']} | {r['format']} | {r['max_rel_diff']:.3g} | {r['in_units']:.2f} | "

@@ -78,12 +78,6 @@ class LoRAConfig:
                 "use_rslora": False, "use_dora": False, "revision": None}
 
 
-def _dequantized(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(base, nn.Linear):
-        return base.weight.to(dtype)
-    return base.dequantized_weight(dtype)
-
-
 class _FrozenBase(torch.autograd.Function):
     """base(x) by whatever kernel the base runs, with dL/dx = dL/dy @ W (the dequantized weight):
     quantized kernels have no backward of their own, and the base's weights take no gradient."""
@@ -96,7 +90,7 @@ class _FrozenBase(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
-        w = _dequantized(ctx.base, grad.dtype)
+        w = ctx.base.dequantized_weight(grad.dtype)  # (a float nn.Linear never comes here: _frozen)
         return grad @ w, None
 
 
