@@ -20,7 +20,9 @@ reported in the table and the others still run. OUT/results.json holds every fig
                  (4 beams, 30-128 new tokens)
     offline-q    the Offline run again with --quantize Q --kv-dtype KV (--offline-quant Q:KV, fp8:fp8)
     server       gptj mlperf --scenario Server --mode performance at half TensorRT-LLM's Server
-                 queries/s for the GPU (--server-qps), --server-seconds long: LoadGen's verdict on
+                 queries/s for the GPU (--server-qps), --server-seconds long and at least
+                 --server-queries queries (480: with fewer, LoadGen's early stopping cannot judge
+                 the p99 and calls the run INVALID, however fast it was): LoadGen's verdict on
                  gptj-99's 20 s latency bound, and the p99 latency; at most 80 % of the Offline rate
                  measured before it (this run's or one an earlier invocation left in OUT): a
                  Server run asked for more than gptj can do only queues up
@@ -203,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-prompt-len", type=int, default=512)
     ap.add_argument("--batch-new-tokens", type=int, default=32)
     ap.add_argument("--samples", type=int, default=256, help="Offline samples (the bundled prompts repeated)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="Offline: requests running at once")
+    ap.add_argument("--max-batch-size", type=int, help="Offline, Server, accuracy: samples at once "
+                    "(default: gptj mlperf's for the device, gptj.mlperf.sut.DEFAULT_BATCH)")
     ap.add_argument("--hf-samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128, help="Offline and HF (official: 128)")
     ap.add_argument("--server-qps", type=float, help="Server queries/s (default: TensorRT-LLM's share for the GPU, "
                     "at most 80 %% of the Offline rate measured before it)")
     ap.add_argument("--server-seconds", type=float, default=60)
+    ap.add_argument("--server-queries", type=int, default=480,
+                    help="Server: at least this many queries (LoadGen's early stopping judges p99 from about 460 on)")
     ap.add_argument("--quant-modes", default="int8,int4,fp8", help="latency-b1-MODE and quant-report's modes")
     ap.add_argument("--offline-quant", default="fp8:fp8", help="offline-q / server-q: --quantize Q --kv-dtype KV")
     ap.add_argument("--steps", default="tests,bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,"
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
                            "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
                            "samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
-                           "server_qps": 2.0, "server_seconds": 2, "quant_modes": "int8",
+                           "server_qps": 2.0, "server_seconds": 2, "server_queries": 4, "quant_modes": "int8",
                            "offline_quant": "int8:int8",  # fp8 is refused on CPU
                            "steps": "bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,offline-q,"
                                     "server,server-q,quant-report,accuracy,hf"}, argv)
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     model = out / "model"
     res: dict = {"settings": {k: str(v) for k, v in vars(args).items()}}
     common = ["--device", args.device, "--dtype", args.dtype]
+    batch_flags = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
     quant_modes = [m for m in args.quant_modes.split(",") if m]
     oq, _, okv = args.offline_quant.partition(":")
     offline_quant = ["--quantize", oq, *(["--kv-dtype", okv] if okv else [])]
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                                     str(log_dir), "--max-new-tokens", str(args.max_new_tokens), "--target-qps", "1",
                                     "--min-duration-ms", "1000", "--min-query-count", str(args.samples),
                                     "--max-query-count", "0", "--performance-sample-count", str(args.samples),
-                                    "--max-batch-size", str(args.max_batch_size)),
+                                    *batch_flags),
                          out, args.long_step_timeout)
             res[name] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"],
                          "quant": " ".join(extra)}
@@ -292,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "--scenario", "Server", "--mode", "performance", "--quiet", "--log-dir",
                                     str(log_dir), "--max-new-tokens", str(args.max_new_tokens), "--target-qps",
                                     str(qps), "--min-duration-ms", str(int(args.server_seconds * 1000)),
-                                    "--min-query-count", "1", "--max-query-count", "0", "--performance-sample-count",
-                                    str(args.samples), "--max-batch-size", str(args.max_batch_size)),
-                         out, max(args.step_timeout, args.server_seconds * 3))
+                                    "--min-query-count", str(args.server_queries), "--max-query-count", "0",
+                                    "--performance-sample-count",
+                                    str(args.samples), *batch_flags),
+                         out, max(args.step_timeout, args.server_seconds * 3, args.server_queries / qps * 2))
             res[name] = {**loadgen_summary(log_dir), "target_qps": qps, "qps_from": why, "trt_llm_qps": trt,
                          "error": r["error"], "quant": " ".join(extra)}
     if "quant-report" in steps:
@@ -311,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             log_dir = out / ("accuracy-" + ("-".join(extra).replace("--", "") if extra else args.dtype))
             r = run_step(log_dir.name, gptj("mlperf", "--model", str(model), *common, *extra, "--scenario", "Offline",
                                             "--mode", "accuracy", "--quiet", "--log-dir", str(log_dir),
-                                            "--max-new-tokens", str(args.max_new_tokens), "--max-batch-size",
-                                            str(args.max_batch_size)), out, args.long_step_timeout)
+                                            "--max-new-tokens", str(args.max_new_tokens), *batch_flags),
+                         out, args.long_step_timeout)
             entry = {"error": r["error"]}
             if (log_dir / "accuracy.json").is_file():
                 entry["rouge1"] = json.loads((log_dir / "accuracy.json").read_text())["rouge1"]

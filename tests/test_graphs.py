@@ -174,6 +174,7 @@ def test_build_engine_warms_only_where_graphs_are_captured(model, monkeypatch): 
     warmed = []
     monkeypatch.setattr(Engine, "warm", lambda self, gen: warmed.append(gen))
     gen = GenerationConfig(max_new_tokens=2)
+    model = model.to("cpu")  # the module's model: earlier tests here moved it to the GPU, where graphs are captured
     engine = build_engine(model, EngineConfig(max_seqs=4), warm=gen)
     assert engine.runner.graphs is None and warmed == [] and engine.steps == 0
     init = Engine.__init__

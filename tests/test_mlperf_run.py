@@ -230,3 +230,20 @@ def test_truncated_prompts_are_counted_in_the_summary_and_run_json(tiny_checkpoi
     assert run["dataset"] == {"path": str(tmp_path / "eval.json"), "samples": 2, "max_input_tokens": 1919,
                               "truncated_prompts": 1}
     assert "1 prompts longer than 1919 tokens, truncated" in (log_dir / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("device, scenario, size", [("cpu", "Offline", 8), ("cpu", "Server", 8),
+                                                    ("cuda", "Offline", 256), ("cuda:1", "Server", 64),
+                                                    ("cuda", "SingleStream", 1)])
+def test_the_default_batch_follows_the_device(tiny_checkpoint, device, scenario, size):
+    """--max-batch-size's default per device (sut.DEFAULT_BATCH: a GPU runs many samples per step for
+    the cost of few); what is given wins; the engine's sequences follow it (x num_beams)."""
+    from gptj.mlperf.run import engine_config
+    from gptj.runtime.spec import ModelSpec
+
+    cfg = MLPerfConfig(model=tiny_checkpoint, scenario=scenario, spec=ModelSpec(device=device))
+    assert cfg.batching.max_batch_size == size
+    assert engine_config(cfg, 100).max_seqs == size * cfg.gen.num_beams
+    if scenario != "SingleStream":
+        assert MLPerfConfig(model=tiny_checkpoint, scenario=scenario, max_batch_size=3,
+                            spec=ModelSpec(device=device)).batching.max_batch_size == 3

@@ -284,3 +284,20 @@ def test_the_quantized_modules_run_these_kernels_where_the_policy_says(kind, mon
     exact = m.dequantized_weight(torch.float64)
     terms = exact.abs() if kind != "int4" else int4_weight(w, 32)[4]
     check(y, x, exact, terms, m.bias)
+
+
+def test_the_quantizers_scales_are_correctly_rounded_divisions_on_the_device():
+    """quantize_rows_int8 / _fp8 and the per-channel weight scales divide max |x| by 127 or 448
+    exactly (one rounding of the true quotient, which float64 gives for float32 operands): CUDA's
+    torch divides by a Python number as a multiplication by its reciprocal, a unit in the last place
+    off for some x, which the Triton KV store (dividing exactly) would then not match bit for bit."""
+    from gptj.quant.ops import divide, quantize_rows_fp8, quantize_rows_int8
+
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    for d, (_, scale) in ((127, quantize_rows_int8(x)), (448, quantize_rows_fp8(x))):
+        exact = (amax.double() / d).float()
+        assert torch.equal(scale, exact)
+        assert torch.equal(divide(amax, d), exact)
+    # the reason for `divide`: a multiplication by the reciprocal is not the division for every x
+    assert not torch.equal(amax * torch.full_like(amax, 1 / 127), (amax.double() / 127).float())

@@ -715,7 +715,8 @@ def _add_mlperf_run_flags(p) -> None:  # noqa: ANN001 - a parser
     p.add_argument("--target-latency-ms", type=_positive_float,
                    help="SingleStream expected / Server target latency")
     _add_run_length_flags(p)
-    p.add_argument("--max-batch-size", type=_positive, help="samples per batch (Offline/Server; default 8)")
+    p.add_argument("--max-batch-size", type=_positive,
+                   help="samples per batch (Offline/Server; default 8 on CPU; on CUDA 256 Offline, 64 Server)")
     p.add_argument("--batch-wait-ms", type=_nonnegative_float,
                    help="Server: how long a batch waits for more samples (default 40)")
     flags.add_engine_flags(p, max_seqs_help="sequences running at once (default: max-batch-size x num-beams, as "

@@ -106,7 +106,9 @@ class MLPerfConfig:
     def batching(self) -> Batching:
         # A server batches by itself: the SUT forwards each sample at once instead of holding it.
         wait_ms = 0.0 if self.server is not None and self.batch_wait_ms is None else self.batch_wait_ms
-        return default_batching(self.scenario, self.max_batch_size, wait_ms)
+        from gptj.device import named_device
+
+        return default_batching(self.scenario, self.max_batch_size, wait_ms, named_device(self.spec.device).type)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,14 @@ def quantize_int8(w: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[
     return _per_channel(w, "int8", torch.int8, 127, lambda v: torch.round(v).clamp_(-127, 127).to(torch.int8), smooth)
 
 
+def divide(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d correctly rounded on every device. On CUDA torch divides by a Python number as a
+    multiplication by its reciprocal, a unit in the last place off for some x; a tensor divisor
+    divides. The Triton kernels that quantize as this module does (the KV store) divide exactly,
+    so the scales agree bit for bit on every device."""
+    return x / torch.full_like(x, d)
+
+
 def _per_channel(w: torch.Tensor, what: str, qdtype: torch.dtype, qmax: float,
                  to_q: Callable[[torch.Tensor], torch.Tensor],
                  smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +85,7 @@ def _per_channel(w: torch.Tensor, what: str, qdtype: torch.dtype, qmax: float,
         wf = w[a:b].float()
         if smooth is not None:
             wf = wf * smooth.float()[None, :]  # not in place: .float() of a float32 weight is the weight itself
-        s = _ceil_bf16((wf.abs().amax(dim=1) / qmax).clamp_(min=2.0**-120))
+        s = _ceil_bf16(divide(wf.abs().amax(dim=1), qmax).clamp_(min=2.0**-120))
         q[a:b] = to_q(wf / s.float()[:, None])
         scale[a:b] = s
     return q, scale
@@ -146,9 +154,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
     for a, b in _row_chunks(N, K):
         wf = w[a:b].float().view(b - a, G, group_size)
         lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
-        s0 = _ceil_bf16(((hi - lo) / 15).clamp_(min=2.0**-120)).float()
+        s0 = _ceil_bf16(divide(hi - lo, 15).clamp_(min=2.0**-120)).float()
         z = (lo + 8 * s0).to(SCALE_DTYPE).float()  # bfloat16 rounding moves the range a little:
-        s = _ceil_bf16(torch.maximum(s0, torch.maximum((z - lo) / 8, (hi - z) / 7)))  # widen to cover it
+        s = _ceil_bf16(torch.maximum(s0, torch.maximum(divide(z - lo, 8), divide(hi - z, 7))))  # widen to cover it
         sf = s.float()
         q = torch.round((wf - z[..., None]) / sf[..., None]).add_(8).clamp_(0, 15)
         packed[a:b] = pack_int4(q.view(b - a, K))
@@ -218,7 +226,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn (..., k), scale float32 (..., 1)) per row: x ~= q * scale within
     `fp8_error_bound` (a zero row gets a tiny scale and q = 0)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=2.0**-120)
+    scale = divide(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_(min=2.0**-120)
     return _to_fp8(xf / scale), scale
 
 
@@ -251,7 +259,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = max_k |x[m, k]| / 127 in float32 (a zero row gets a tiny scale and q = 0)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp_(min=2.0**-120)
+    scale = divide(xf.abs().amax(dim=-1, keepdim=True), 127).clamp_(min=2.0**-120)
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
