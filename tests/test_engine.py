@@ -2,6 +2,8 @@
 
 import threading
 
+import time
+
 import pytest
 import torch
 
@@ -49,8 +51,14 @@ MIXED = [
 def test_mixed_requests_together_equal_each_alone(model):
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
     engine = Engine(model, EngineConfig(max_seqs=16))
+    start = time.perf_counter()
     together = engine.generate(prompts, MIXED)
+    wall = time.perf_counter() - start
     assert max(engine.decode_batch_sizes) > 4  # they really shared steps
+    times = engine.stats().times  # where the steps' time went: every step counted, the phases within the wall time
+    assert times.steps == engine.steps and times.decode_rows == sum(engine.decode_batch_sizes)
+    assert min(times.schedule, times.forward, times.wait, times.update) >= 0
+    assert times.schedule + times.forward + times.wait + times.update <= wall
     for prompt, gen, got in zip(prompts, MIXED, together):
         assert got == generate(model, [prompt], gen)[0]  # the exact reference path, alone
         assert got == Engine(model, EngineConfig(max_seqs=4)).generate([prompt], gen)[0]  # the engine, alone

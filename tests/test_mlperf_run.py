@@ -78,6 +78,12 @@ def test_performance_runs_write_a_summary(tiny_checkpoint, tmp_path, capsys, sce
     run = json.loads((log_dir / "run.json").read_text())
     sut = run["sut"]
     assert sut["samples"] >= 24
+    # the engine's steps over the run (greedy, 4 new tokens: at least a step per token), phases adding up
+    steps = run["engine_steps"]
+    assert steps["steps"] >= 4 and steps["mean_decode_rows"] > 0
+    assert steps["step_ms"] == pytest.approx(sum(steps[f"{k}_ms"] for k in ("schedule", "forward", "wait", "update")),
+                                             abs=0.01)
+    assert f"engine: {steps['steps']} steps" in out and f"- engine: {steps['steps']} steps" in summary
     # Every run-length flag acted, and the summary shows the value asked for beside LoadGen's.
     asked, used = run["run_length"]["asked"], run["run_length"]["loadgen"]
     assert asked["min_query_count"] == {"value": 24, "source": "--min-query-count"}

@@ -645,6 +645,8 @@ def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
         print(result.result_line + (f" ({result.metric})" if result.metric else ""))
     st = result.stats
     print(f"SUT: {st.samples} samples in {st.batches} batches (largest {st.max_batch})")
+    if result.engine_times is not None:
+        print(f"engine: {result.engine_times.line()}")
     print(f"logs and summary: {result.log_dir}/summary.md", flush=True)
 
 

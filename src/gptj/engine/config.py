@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,40 @@ def plan_kv(model_config: GPTJConfig, model_dtype: torch.dtype, device: torch.de
     return KVPlan(B, n_blocks, max_len, max_seqs, block_bytes)
 
 
+@dataclass
+class StepTimes:
+    """Where the engine's steps spent the host's wall time, in seconds summed since the start (or
+    since Engine.warm). On a GPU the forward and the sampler only queue work, and the step's one
+    device-to-host copy (the sampler's) is where the host waits for the device: `wait` large against
+    the rest means the device bounds the step; small, the host does (its time adds to the device's,
+    not overlapping it). On a CPU the forward's compute is in `forward`."""
+
+    steps: int = 0
+    decode_rows: int = 0  # sequences decoded, summed over the steps
+    schedule: float = 0.0  # the scheduler: what runs, admissions, block tables
+    forward: float = 0.0  # the runner: inputs, the forward (on a GPU: queued)
+    wait: float = 0.0  # the sampler's device-to-host copy of the step's choices
+    update: float = 0.0  # the rest of the update: the sampler's ops, beams' state, block tables, retiring
+
+    PHASES = ("schedule", "forward", "wait", "update")
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Each phase's mean per step, in ms, with the step's total and its mean decode rows."""
+        n = max(self.steps, 1)
+        out = {k: 1000 * getattr(self, k) / n for k in self.PHASES}
+        return {**out, "step": sum(out.values()), "decode_rows": self.decode_rows / n}
+
+    def line(self) -> str:
+        """One line for a report: per step, each phase's ms."""
+        ms = self.per_step_ms()
+        return (f"{self.steps} steps, {ms['decode_rows']:.1f} sequences decoded a step on average; per step "
+                f"{ms['step']:.2f} ms: " + ", ".join(f"{k} {ms[k]:.2f}" for k in self.PHASES))
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """What serve, metrics and tests read of an engine (a snapshot; cheap to take)."""
@@ -183,6 +218,7 @@ class EngineStats:
     stalls: int  # request-steps a prefilled request waited for a free block (keeping its own)
     prefill_tokens: int  # tokens prefilled (computed, not found in the prefix cache), since the start
     steps: int
+    times: StepTimes | None = None  # where the steps' time went (a copy)
 
     @property
     def kv_usage(self) -> float:

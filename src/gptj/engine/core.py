@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 
 from gptj.decode import GenerationConfig, check_prompts
-from gptj.engine.config import EngineConfig, EngineStats, plan_kv
+from gptj.engine.config import EngineConfig, EngineStats, StepTimes, plan_kv
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import (ABORTED, FAILED, FINISHED, RUNNING, WAITING, AbortRequest, AddRequest, Request,
                                  Status, TokenLogprob)
@@ -46,7 +47,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.plan, config)
         self.runner = ModelRunner(model, self.plan, config)
         self.requests: dict[str, Request] = {}
-        self.updater = Updater(self.kv, self.scheduler, self.requests, self.device)
+        self.times = StepTimes()
+        self.updater = Updater(self.kv, self.scheduler, self.requests, self.device, self.times)
         self.adapters: list[str] = list(getattr(model, "lora_names", []))  # LoRA adapters (gptj.lora.attach_adapters)
         self._ids = itertools.count()
         self.steps = 0
@@ -57,12 +59,22 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step: decode every running sequence, prefill what the schedule says; return the
         requests that finished in it."""
+        times, t0 = self.times, time.perf_counter()
         scheduled = self.scheduler.schedule()
+        t1 = time.perf_counter()
         result = self.runner.run(scheduled)
+        t2 = time.perf_counter()
         if result.decode_rows:
             self.decode_batch_sizes.append(result.decode_rows)
         self.steps += 1
-        return self.updater.apply(scheduled, result)
+        waited = times.wait
+        finished = self.updater.apply(scheduled, result)  # adds the sampler's wait to times.wait
+        times.steps += 1
+        times.decode_rows += result.decode_rows
+        times.schedule += t1 - t0
+        times.forward += t2 - t1
+        times.update += time.perf_counter() - t2 - (times.wait - waited)
+        return finished
 
     def warm(self, gen: GenerationConfig, prompt_len: int = 32) -> int:
         """Before timed work: run one short request of `gen`'s kind on a made-up prompt (the device's
@@ -74,6 +86,7 @@ class Engine:
         self.kv.forget()
         self.steps, self.updater.prefill_tokens = 0, 0
         self.decode_batch_sizes.clear()
+        self.times.reset()  # in place: the updater holds it
         return warmed
 
     # --- requests ---
@@ -166,7 +179,8 @@ class Engine:
                            max_seqs=self.plan.max_seqs, max_len=self.plan.max_len, blocks_total=kv.n_blocks,
                            blocks_free=kv.free, blocks_cached=kv.cached, prefix_queried_tokens=kv.queried_tokens,
                            prefix_hit_tokens=kv.hit_tokens, preemptions=s.preemptions,
-                           stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps)
+                           stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps,
+                           times=dataclasses.replace(self.times))
 
     # --- offline use ---
 

@@ -17,12 +17,14 @@ same rows). `choose` returns plain data (`Choice` per request) that engine/updat
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gptj.decode import BeamSearch
+from gptj.engine.config import StepTimes
 from gptj.engine.request import Request
 
 
@@ -36,9 +38,10 @@ class Choice:
     done: bool = False
 
 
-def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choice]:
+def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | None = None) -> dict[Request, Choice]:
     """items: (request, its logits (n_seqs, V) float32) -> each request's Choice. A beam request's
-    `beam` (a BeamSearch) is advanced; nothing else of a request is changed."""
+    `beam` (a BeamSearch) is advanced; nothing else of a request is changed. `times.wait` gets the
+    time of the step's device-to-host copy (where the host waits for the device's work)."""
     greedy = [(req, logits) for req, logits in items if req.beam is None and not req.gen.sampling]
     sampled = [(req, logits) for req, logits in items if req.beam is None and req.gen.sampling]
     beams = [(req, logits) for req, logits in items if req.beam is not None]
@@ -62,7 +65,11 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]]) -> dict[Request, Choic
         parts.append(torch.stack([req.beam.done_now for req, _ in beams]))
     if not parts:
         return {}
-    flat = torch.cat([p.long() for p in parts]).tolist()  # the step's one device-to-host copy
+    flat = torch.cat([p.long() for p in parts])
+    t0 = time.perf_counter()
+    flat = flat.tolist()  # the step's one device-to-host copy
+    if times is not None:
+        times.wait += time.perf_counter() - t0
     out, at = {}, 0
     for req, _ in greedy + sampled:
         out[req] = Choice([flat[at]])

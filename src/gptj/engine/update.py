@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gptj.decode import BeamSearch
+from gptj.engine.config import StepTimes
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
 from gptj.engine.runner import RunnerOutput
@@ -40,8 +41,9 @@ def token_logprobs(logits: torch.Tensor, tokens: Seq[int], k: int) -> list[Token
 
 class Updater:
     def __init__(self, kv: KVCacheManager, scheduler: Scheduler, requests: dict[str, Request],
-                 device: torch.device) -> None:
+                 device: torch.device, times: StepTimes | None = None) -> None:
         self.kv, self.scheduler, self.requests, self.device = kv, scheduler, requests, device
+        self.times = times if times is not None else StepTimes()  # the sampler adds its wait here
         self.prefill_tokens = 0
 
     def apply(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -60,7 +62,7 @@ class Updater:
                 for seq in req.seqs:
                     seq.length += 1
         live = [(req, self._prepare(req, logits)) for req, logits in result.logits.items() if not req.done]
-        choices = choose(live)  # every request's next token(s): batched, one device-to-host copy
+        choices = choose(live, self.times)  # every request's next token(s): batched, one device-to-host copy
         for req, logits in live:
             self._next(req, logits, choices[req])
             if req.done:

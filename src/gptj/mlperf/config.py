@@ -138,3 +138,4 @@ class RunResult:
     threads: Threads | None = None
     interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
     settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
+    engine_times: object | None = None  # the local engine's StepTimes over the run (None: a remote server's)

@@ -300,6 +300,7 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
               f"(mean batch {st.mean_batch:.2f}, largest {st.max_batch}; policy: max {cfg.batching.max_batch_size}, "
               f"wait {cfg.batching.wait_ms:g} ms{', sorted by length' if cfg.batching.sort_by_length else ''})",
               f"- new tokens: {st.new_tokens}",
+              *([f"- engine: {result.engine_times.line()}"] if result.engine_times is not None else []),
               f"- latency as the SUT saw it: p50 {_percentile(lat, 50) * 1000:.1f} ms, "
               f"p90 {_percentile(lat, 90) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms", ""]
     lines += ["## Files", "",
@@ -312,6 +313,14 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
         lines.append("- `latency.png`: per-sample latency, as a CDF on a log axis"
                      + ("; and over the run" if cfg.scenario != "Offline" else ""))
     return "\n".join(lines) + "\n"
+
+
+def _engine_times_json(times) -> dict | None:  # noqa: ANN001 - gptj.engine.config.StepTimes
+    """The engine's steps over the run: their count, and each phase's mean ms a step."""
+    if times is None:
+        return None
+    return {"steps": times.steps, **{f"{k}_ms" if k != "decode_rows" else "mean_decode_rows": round(v, 3)
+                                     for k, v in times.per_step_ms().items()}}
 
 
 def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen: dict[str, str]) -> None:
@@ -333,6 +342,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
                 "new_tokens": st.new_tokens, "first_tokens": len(st.first_token_s),
                 "duplicate_answers": sum(1 for c in st.answered.values() if c > 1),
                 "answered_empty_after_interrupt": st.interrupted},
+        "engine_steps": _engine_times_json(result.engine_times),
     })
     if result.accuracy is not None:
         from gptj.mlperf.evaluate import accuracy_line

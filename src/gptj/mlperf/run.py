@@ -488,8 +488,9 @@ def run(cfg: MLPerfConfig) -> RunResult:
     if remote is None:
         threads = dataclasses.replace(threads, engine_thread=_ENGINE_THREAD_TORCH_THREADS[0])
     used = report.loadgen_effective(log_dir) if finished else {}
+    times = backend.engine.stats().times if remote is None else None  # the engine's thread is idle now
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
-                       remote_info, threads, settings={"asked": asked, "loadgen": used})
+                       remote_info, threads, settings={"asked": asked, "loadgen": used}, engine_times=times)
     if interrupted:
         result.interrupted = _interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)
