@@ -340,24 +340,45 @@ class BeamSearch:
       all end and so become hypotheses.
     """
 
+    # The state's tensors, each with a row per prompt: a search's own (after __init__), or its rows of
+    # the stack that the last step_all left for all the searches it advanced (see `_Stack`).
+    STATE = ("run_tokens", "run_scores", "fin_tokens", "fin_scores", "fin_lens", "fin_valid", "improvable")
+
     def __init__(self, batch_size: int, gen: GenerationConfig, device: torch.device | str) -> None:
         B, K, L = batch_size, gen.num_beams, gen.max_new_tokens
         self.gen, self.B, self.K, self.L = gen, B, K, L
         self.n_steps = 0
         dev = device
-        self.done_now = torch.zeros((), dtype=torch.bool, device=dev)  # every prompt done (on the device)
+        self._stack: _Stack | None = None
+        self._at = 0  # with a stack: this search's first row there, and its place among the stack's searches
+        self._index = 0
+        self._done_now = torch.zeros((), dtype=torch.bool, device=dev)  # every prompt done (on the device)
+        own = self._own = {}
         # Running beams. All K start as the prompt; only beam 0 is live at first (the others score
         # -1e9) so the first step does not pick the same token K times.
-        self.run_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
-        self.run_scores = torch.zeros((B, K), dtype=torch.float32, device=dev)
-        self.run_scores[:, 1:] = _NEG
+        own["run_tokens"] = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+        own["run_scores"] = torch.zeros((B, K), dtype=torch.float32, device=dev)
+        own["run_scores"][:, 1:] = _NEG
         # Finished hypotheses, best first; `fin_valid` False marks an empty slot (score -inf).
-        self.fin_tokens = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
-        self.fin_scores = torch.full((B, K), -math.inf, dtype=torch.float32, device=dev)
-        self.fin_lens = torch.zeros((B, K), dtype=torch.long, device=dev)
-        self.fin_valid = torch.zeros((B, K), dtype=torch.bool, device=dev)
-        self.improvable = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
+        own["fin_tokens"] = torch.full((B, K, L), gen.pad_token_id, dtype=torch.long, device=dev)
+        own["fin_scores"] = torch.full((B, K), -math.inf, dtype=torch.float32, device=dev)
+        own["fin_lens"] = torch.zeros((B, K), dtype=torch.long, device=dev)
+        own["fin_valid"] = torch.zeros((B, K), dtype=torch.bool, device=dev)
+        own["improvable"] = torch.ones(B, dtype=torch.bool, device=dev)  # HF: is_early_stop_heuristic_unsatisfied
         self.beam_offset = torch.arange(B, device=dev)[:, None] * K  # (B, 1): row of beam 0 of each prompt
+
+    def __getattr__(self, name: str) -> torch.Tensor:  # the state's tensors (STATE): this search's rows
+        if name in BeamSearch.STATE:
+            stack = self.__dict__["_stack"]
+            if stack is None:
+                return self.__dict__["_own"][name]
+            return stack.state[name][self._at:self._at + self.B]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def done_now(self) -> torch.Tensor:
+        """Every prompt of this search is done: a device tensor (reading it syncs)."""
+        return self._done_now if self._stack is None else self._stack.done[self._index]
 
     def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (B*K, V) of the running beams -> (source_rows (B*K,), next_tokens (B*K,))."""
@@ -369,18 +390,32 @@ class BeamSearch:
         prompts stacked as rows, each row at its own step (the engine's requests start at different
         times). logits[i]: search i's (B_i*K, V). -> each search's (source_rows, next_tokens), as
         `step`. No device-to-host sync: each search's `done_now` stays on the device."""
+        source_rows, next_tokens, _ = BeamSearch.advance(searches, logits)
+        out, at = [], 0
+        for s in searches:
+            n = s.B * s.K
+            out.append((source_rows[at:at + n], next_tokens[at:at + n]))
+            at += n
+        return out
+
+    @staticmethod
+    def advance(searches: Sequence[BeamSearch], logits: Sequence[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """step_all's pass, its results flat: (source_rows, next_tokens), each search's B*K in turn
+        (source_rows within the search's own rows, as `step`), and done (len(searches),) bool, each
+        search's done_now: device tensors, for the engine's one copy to the host.
+
+        The searches' state stays stacked between steps (`_Stack`): a step of the searches the last
+        one advanced, in the same order, reads the stack as it is; others gather their rows (a few
+        kernels whatever the number of searches, not a few per search)."""
         gen = searches[0].gen
         K, L = gen.num_beams, searches[0].L
         if any(s.gen != gen for s in searches):
             raise ValueError("BeamSearch.step_all advances searches of one GenerationConfig")
-
-        def stacked(name: str) -> torch.Tensor:
-            parts = [getattr(s, name) for s in searches]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        run_tokens, run_scores = stacked("run_tokens"), stacked("run_scores")
-        fin_tokens, fin_scores, fin_lens = stacked("fin_tokens"), stacked("fin_scores"), stacked("fin_lens")
-        fin_valid, improvable = stacked("fin_valid"), stacked("improvable")
+        state = _Stack.gather(searches)
+        run_tokens, run_scores = state["run_tokens"], state["run_scores"]
+        fin_tokens, fin_scores, fin_lens = state["fin_tokens"], state["fin_scores"], state["fin_lens"]
+        fin_valid, improvable = state["fin_valid"], state["improvable"]
         x = logits[0] if len(logits) == 1 else torch.cat(list(logits))  # (B*K, V)
         B, V, dev = run_scores.shape[0], x.shape[-1], x.device
         steps = [s.n_steps for s in searches for _ in range(s.B)]  # each row's step (its new tokens so far)
@@ -441,29 +476,23 @@ class BeamSearch:
         improvable = improvable & (~fin_valid.all(dim=1) | (best_possible > worst_finished))
         done = ~improvable | (fin_valid.all(dim=1) & (gen.early_stopping is True)) | last  # (B,)
 
-        # Each search's state and results are views of the stacked tensors: a few kernels for all of
-        # them, not a few per search (the engine steps one search per beam request).
+        # The next state, stacked for the next step; each search's rows and results are views of it.
+        one_row_each = all(s.B == 1 for s in searches)
         starts = list(itertools.accumulate((s.B for s in searches), initial=0))
-        if len(searches) > 1:  # each row's beam 0 within its own search: (row - its search's first row) * K
+        if one_row_each:  # a search's beams are its rows 0..K-1: source as it is
+            done_each = done
+        elif len(searches) == 1:
+            source, done_each = source + searches[0].beam_offset, done.all()[None]
+        else:  # each row's beam 0 within its own search: (row - its search's first row) * K
             source = source + per_row([(b - first) * K for s, first in zip(searches, starts) for b in
                                        range(first, first + s.B)], torch.long)[:, None]
-        else:
-            source = source + searches[0].beam_offset
-        source_rows, next_flat = source.reshape(-1), next_tokens.reshape(-1)
-        if all(s.B == 1 for s in searches):
-            done_each = done
-        else:
             done_each = torch.stack([done[first:first + s.B].all() for s, first in zip(searches, starts)])
-        out = []
+        stack = _Stack(dict(run_tokens=run_tokens, run_scores=run_scores, fin_tokens=fin_tokens, fin_scores=fin_scores,
+                            fin_lens=fin_lens, fin_valid=fin_valid, improvable=improvable), done_each)
         for i, (s, first) in enumerate(zip(searches, starts)):
-            rows = slice(first, first + s.B)
-            s.run_tokens, s.run_scores = run_tokens[rows], run_scores[rows]
-            s.fin_tokens, s.fin_scores, s.fin_lens = fin_tokens[rows], fin_scores[rows], fin_lens[rows]
-            s.fin_valid, s.improvable = fin_valid[rows], improvable[rows]
-            s.done_now = done_each[i]
+            s._stack, s._own, s._at, s._index = stack, None, first, i
             s.n_steps += 1
-            out.append((source_rows[first * K:(first + s.B) * K], next_flat[first * K:(first + s.B) * K]))
-        return out
+        return source.reshape(-1), next_tokens.reshape(-1), done_each
 
     @property
     def finished(self) -> bool:
@@ -482,3 +511,47 @@ class BeamSearch:
         lens = self.fin_lens[:, 0].tolist()
         tokens = [row[:n] for row, n in zip(self.fin_tokens[:, 0].tolist(), lens)]
         return tokens, self.fin_scores[:, 0].tolist()
+
+
+class _Stack:
+    """The state of the searches one BeamSearch.advance advanced, row by row (search i's B rows from
+    its `_at`), and each one's done flag: what the next step starts from. Each search reads its own
+    rows as views; a search holds the stack it was last advanced in (its result, after it ends). The
+    stack does not hold its searches (no reference cycle: a step's old stack is freed at once)."""
+
+    __slots__ = ("state", "done")
+
+    def __init__(self, state: dict[str, torch.Tensor], done: torch.Tensor) -> None:
+        self.state, self.done = state, done
+
+    @staticmethod
+    def gather(searches: Sequence[BeamSearch]) -> dict[str, torch.Tensor]:
+        """The searches' rows of each state tensor, stacked in their order: the last stack itself
+        when it holds exactly these searches in this order (a step where none joined or ended);
+        else its rows and any other search's, in one gather per tensor."""
+        first = searches[0]._stack
+        # exactly the stack's searches, in order: each of its places is one search's, so it is enough
+        # that all point to it, each at its own place, and that there are as many as it has places
+        if first is not None and len(searches) == first.done.shape[0] and all(
+                s._stack is first and s._index == i for i, s in enumerate(searches)):
+            return first.state
+        if len(searches) == 1 and first is None:
+            return dict(searches[0]._own)
+        sources: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # id -> (first row in `pool`, tensors)
+        rows, size = [], 0
+        for s in searches:
+            tensors = s._own if s._stack is None else s._stack.state
+            key = id(s) if s._stack is None else id(s._stack)
+            if key not in sources:
+                sources[key] = (size, tensors)
+                size += tensors["run_scores"].shape[0]
+            base = sources[key][0] + (0 if s._stack is None else s._at)
+            rows.extend(range(base, base + s.B))
+        parts = [tensors for _, tensors in sources.values()]
+        dev = searches[0].beam_offset.device
+        index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        out = {}
+        for name in BeamSearch.STATE:
+            pool = parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])
+            out[name] = pool.index_select(0, index)
+        return out

@@ -55,17 +55,16 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
     by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
     for req, logits in beams:
         by_config.setdefault(req.gen, []).append((req, logits))
-    stepped = {}
-    for group in by_config.values():
-        results = BeamSearch.step_all([req.beam for req, _ in group], [logits for _, logits in group])
-        stepped.update((req, result) for (req, _), result in zip(group, results))
-    for req, _ in beams:  # views of one batched pass's results: no kernel each
-        parts += stepped[req]
-    if beams:
-        parts.append(torch.stack([req.beam.done_now for req, _ in beams]))
+    beams = [item for group in by_config.values() for item in group]  # in the order their results come
+    dones = []
+    for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
+        sources, tokens, done = BeamSearch.advance([req.beam for req, _ in group], [logits for _, logits in group])
+        K = group[0][0].gen.num_beams
+        parts.append(torch.stack([sources.view(-1, K), tokens.view(-1, K)], dim=1).view(-1))
+        dones.append(done)
     if not parts:
         return {}
-    flat = torch.cat([p.long() for p in parts])
+    flat = torch.cat([p.long() for p in parts + dones])
     t0 = time.perf_counter()
     flat = flat.tolist()  # the step's one device-to-host copy
     if times is not None:
