@@ -52,6 +52,37 @@ def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(model, monkeypatc
     assert set(engine.runner.graphs.buckets) == {bucket_for(n, 16) for n in seen}
 
 
+@needs_triton
+def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one_forward(model, monkeypatch):  # noqa: F811
+    """Requests arriving while others decode, prompts cut into chunks of a shared 8-token budget (two
+    chunks in some steps): such a step replays the decode rows' graph and runs all its chunks in one
+    eager forward; every request gets the tokens of the engine without graphs."""
+    prompts, gens = prompts_of([5, 17, 30, 12]), [g.replace(max_new_tokens=4) for g in SHORT_MIXED[:4]]
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16, prefill_chunk=8)
+    calls, step_calls = [], []
+    forward, eager = engine.runner.graphs.forward, engine.runner._forward
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda step: calls.append("graph") or forward(step))
+    monkeypatch.setattr(engine.runner, "_forward",
+                        lambda d, p, out: calls.append(("eager", len(d), len(p))) or eager(d, p, out))
+    reqs = []
+    for i, (prompt, gen) in enumerate(zip(prompts, gens)):
+        reqs.append(engine.add_request(prompt, gen))
+        if i % 2:  # two at a time, then two steps before the next two
+            for _ in range(2):
+                calls.clear()
+                engine.step()
+                step_calls.append(list(calls))
+    while engine.requests:
+        calls.clear()
+        engine.step()
+        step_calls.append(list(calls))
+    want = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, gens)
+    assert [r.output for r in reqs] == want
+    mixed = [c for c in step_calls if "graph" in c and any(e != "graph" and e[2] for e in c)]
+    assert mixed and all(c == [c[0], "graph", ("eager", 0, c[2][2])] and c[0][2] == 0 for c in mixed)
+    assert any(c[2][2] > 1 for c in mixed)  # two chunks shared a forward
+
+
 def test_graphs_need_the_cuda_backend(model):  # noqa: F811 - the fixture
     engine = Engine(model, EngineConfig(kernels="off"))
     with pytest.raises(ValueError, match="needs the cuda attention backend, not 'reference'"):

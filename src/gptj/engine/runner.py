@@ -5,7 +5,9 @@ A step is one forward per prompt chunk, the decoding sequences' next tokens ridi
 (each at its own position, each request attending over its own blocks; one forward alone when no
 prompt is being prefilled): the decode rows add a few rows to a chunk's matmuls instead of reading
 every weight once more. Each further chunk is a forward of its own (all of a step's chunks in one
-forward was tried and measured no faster). Logits are computed only
+forward was tried on CPU and measured no faster). With CUDA graphs the decode rows replay their
+graph and all of the step's chunks share one eager forward: there an eager forward costs the host a
+kernel launch per op, which a graph does not. Logits are computed only
 where a token is chosen (and over a chunk whose prompt log-probabilities were asked for). A
 forward that raises fails only the requests it ran (decode rows and chunk apart); the others go on.
 """
@@ -56,8 +58,13 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         self.kv.copy(sched.copies)
-        # one forward per prompt chunk, the decode rows riding with the first (or alone)
-        parts = [(sched.decode, sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
+        rows = sum(req.n_seqs for req in sched.decode)
+        if sched.prefill and self.graphs is not None and self.graphs.ready and 0 < rows <= self.graphs.max_rows:
+            # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
+            # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)
+            parts = [(sched.decode, []), ([], sched.prefill)]
+        else:  # one forward per prompt chunk, the decode rows riding with the first (or alone)
+            parts = [(sched.decode, sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
         with torch.inference_mode():
             for decode, prefill in parts:
                 if decode or prefill:
@@ -71,6 +78,10 @@ class ModelRunner:
         try:
             self._forward(decode, prefill, out)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving the others
+            if not decode and len(prefill) > 1:  # chunks that shared a forward: each alone, to fail only its own
+                for chunk in prefill:
+                    self._run_part([], [chunk], out)
+                return
             if decode and prefill:
                 try:
                     self._forward(decode, [], out)
