@@ -75,8 +75,9 @@ def test_a_beam_search_is_done_when_its_last_token_is_chosen():
 @pytest.mark.parametrize("prompts", [(1, 1, 1), (2, 1, 3)], ids=["one-prompt-each", "2-1-3-prompts"])
 def test_beam_searches_at_different_steps_advance_together_as_each_alone(prompts):
     """BeamSearch.step_all (the sampler's batched pass) on searches started at different steps (the
-    engine's: one prompt each; decode.beam_search's: a batch of prompts): the same beams, tokens,
-    hypotheses and done flags as stepping each alone, bit for bit. EOS is made likely at some steps,
+    engine's: one prompt each; decode.beam_search's: a batch of prompts), joining, ending and coming
+    in another order (their state stacked between steps, gathered when the set or order changes): the
+    same beams, tokens, hypotheses and done flags as stepping each alone, bit for bit. EOS is made likely at some steps,
     so hypotheses finish, min_new_tokens blocks EOS early, and searches end."""
     gen = GenerationConfig(num_beams=3, max_new_tokens=7, min_new_tokens=2, eos_token_id=7, early_stopping=True)
     g = torch.Generator().manual_seed(3)
@@ -97,6 +98,8 @@ def test_beam_searches_at_different_steps_advance_together_as_each_alone(prompts
         active = [i for i in range(3) if starts[i] <= t and i not in finished]
         if not active:
             break
+        if t % 4 == 3:  # the searches in another order than the last step's: their rows gathered, not read as stacked
+            active.reverse()
         got = BeamSearch.step_all([together[i] for i in active], [streams[i][t - starts[i]] for i in active])
         for i, (source, tokens) in zip(active, got):
             want_source, want_tokens = alone[i].step(streams[i][t - starts[i]])
