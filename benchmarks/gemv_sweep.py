@@ -44,18 +44,35 @@ EPS32 = 2.0**-23
 
 
 def plans(grid: str) -> list[cuda.Tiles]:
-    """The plans to time: the default first, then block_n x int8_block_k (4 warps) and a few with 8."""
-    if grid == "smoke":
-        return [cuda.TILES, cuda.Tiles(block_n=16, int8_block_k=64, num_warps=2)]
+    """The plans to time, the default first. "small" (13): the kind "mma"'s best on the H200
+    (2026-11-28: n32 / n64 with k128, 4 warps; k512, 8 warps and n128 k512 lost, so are left to
+    "full"), then the kinds "swapped" (the weight as tl.dot's A operand; 16 or 8 rows a program) and
+    "fma" (float32 multiply-adds; 1 row a program for decode's batch 1, 2 and 4 for small batches),
+    block sizes from the arithmetic (none measured yet). "full" (31): the old grid of the kind mma
+    and more of the new kinds'."""
+    if grid == "smoke":  # one of each kind (the interpreter: runs, not speed)
+        return [cuda.TILES, cuda.Tiles(kind="swapped", block_n=16, int8_block_k=64, num_warps=2, rows=4),
+                cuda.Tiles(kind="fma", block_n=16, int8_block_k=256, rows=1),
+                cuda.Tiles(kind="fma", block_n=16, int8_block_k=128, rows=2, split=2)]
     if grid == "default":
         return [cuda.TILES]
-    out = [cuda.TILES]
-    for bn, bk in itertools.product((32, 64, 128), (128, 256, 512)):
-        out.append(cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4))
-    out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=8) for bn, bk in ((64, 256), (128, 256), (128, 512))]
+    out = [cuda.TILES, cuda.Tiles(block_n=32, int8_block_k=128), cuda.Tiles(block_n=64, int8_block_k=128)]
+    out += [cuda.Tiles(kind="swapped", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)  # (128, 256, 8) with 4
+            for bn, bk, r, w in ((64, 128, 16, 4), (64, 256, 16, 4), (128, 128, 16, 4), (64, 128, 8, 4),  # warps
+                                 (128, 256, 8, 8))]  # spilled registers (ptxas, sm_90a)
+    out += [cuda.Tiles(kind="fma", block_n=bn, int8_block_k=bk, rows=r)
+            for bn, bk, r in ((16, 256, 1), (32, 256, 1), (16, 512, 1), (16, 256, 2), (8, 256, 4))]
     if grid == "full":
+        for bn, bk in itertools.product((32, 64, 128), (128, 256, 512)):
+            out.append(cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4))
+        out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=8) for bn, bk in ((64, 256), (128, 256), (128, 512))]
         out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4, split=1) for bn, bk in ((64, 256), (128, 256))]
         out += [cuda.Tiles(block_n=bn, int8_block_k=256, num_warps=4, num_stages=s) for bn in (64, 128) for s in (3, 4)]
+        out += [cuda.Tiles(kind="swapped", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)
+                for bn, bk, r, w in ((64, 512, 16, 4), (128, 128, 16, 8), (256, 128, 16, 8), (64, 128, 4, 4))]
+        out += [cuda.Tiles(kind="fma", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)
+                for bn, bk, r, w in ((8, 512, 1, 4), (32, 512, 1, 8), (64, 256, 1, 8), (32, 256, 2, 8),
+                                     (16, 256, 4, 4))]
     return list(dict.fromkeys(out))
 
 
@@ -121,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(GPTJ_SHAPES), help=f"of {', '.join(GPTJ_SHAPES)}, or NxK")
     ap.add_argument("--rows", default="1,16", help="row counts (the first one chooses the plan)")
     ap.add_argument("--grid", default="small", choices=["default", "small", "full"],
-                    help="the plans: the default alone, 13, or 19")
+                    help="the plans: the default alone, 13, or 31")
     ap.add_argument("--compiled", action="store_true",
                     help="also time gpt-fast's torch.compile'd dequantize-and-multiply (int8, fp8; compiles per shape)")
     ap.add_argument("--out", type=Path)
@@ -175,23 +192,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan_name(t: cuda.Tiles) -> str:
-    return (f"n{t.block_n} k{t.int8_block_k} w{t.num_warps}" + (f" split{t.split}" if t.split else "")
+    """The kind "mma" with 16 rows a program (the plans timed before the other kinds) named as then."""
+    head = "" if t.kind == "mma" and t.rows == cuda.BLOCK_M else f"{t.kind} r{t.rows} "
+    return (head + f"n{t.block_n} k{t.int8_block_k} w{t.num_warps}" + (f" split{t.split}" if t.split else "")
             + (f" s{t.num_stages}" if t.num_stages else "") + (" (default)" if t == cuda.TILES else ""))
 
 
 def choose(results: list[dict], kinds: list[str], m: int) -> dict:
-    """Per kind: the plan of the least time summed over the shapes at m rows, its sum, the default's."""
+    """Per kind: the plan of the least time summed over the shapes at m rows, its sum, the default's;
+    and per row count timed, that row count's plan of the least summed time ("by_rows": a plan whose
+    speed depends on the rows, as the kind fma's of few rows a program, may win at one and not another)."""
     best = {}
     for kind in kinds:
-        sums: dict[str, float] = {}
+        by_rows: dict[int, dict[str, float]] = {}
         for r in results:
-            if r["kind"] == kind and r["M"] == m:
+            if r["kind"] == kind:
+                sums = by_rows.setdefault(r["M"], {})
                 sums[r["plan"]] = sums.get(r["plan"], 0.0) + r["ms"]
+        sums = by_rows[m]
         dense = sum(r["ms"] for r in results if r["plan"] == "F.linear" and r["M"] == m)
         plan = min(sums, key=sums.get)
         default = next(p for p in sums if p.endswith("(default)"))
         best[kind] = {"plan": plan, "ms": sums[plan], "default_ms": sums[default], "dense_ms": dense,
-                      "vs_dense": dense / sums[plan]}
+                      "vs_dense": dense / sums[plan],
+                      "by_rows": {str(rows): {"plan": min(s, key=s.get), "ms": min(s.values())}
+                                  for rows, s in by_rows.items()}}
     return best
 
 
@@ -199,11 +224,12 @@ def table(report: dict) -> list[str]:
     lines = [f"{report['device']}, torch {report['torch']}, {report['dtype']} inputs"]
     for r in report["results"]:
         err = f"  err {r['error_in_bounds']:.2f} of bound" if "error_in_bounds" in r else ""
-        lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<28} {r['ms'] * 1e3:9.1f} us "
+        lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<34} {r['ms'] * 1e3:9.1f} us "
                      f"{r['gb_s']:7.0f} GB/s {r['vs_dense']:5.2f}x dense{err}")
     for kind, b in report["best"].items():
         lines.append(f"best {kind}: {b['plan']}: {b['ms'] * 1e3:.0f} us over the shapes (default "
                      f"{b['default_ms'] * 1e3:.0f} us, dense {b['dense_ms'] * 1e3:.0f} us: {b['vs_dense']:.2f}x dense)")
+        lines += [f"  at M={rows}: {r['plan']}: {r['ms'] * 1e3:.0f} us" for rows, r in b.get("by_rows", {}).items()]
     return lines
 
 

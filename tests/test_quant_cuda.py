@@ -97,6 +97,27 @@ def int4_weight(w: torch.Tensor, group_size: int):
 def test_module_facts():
     assert cuda.available()
     assert cuda.MAX_ROWS == 16
+    assert cuda.TILES.kind == "mma" and cuda.TILES.rows == 16 and cuda.KINDS == ("mma", "swapped", "fma")
+
+
+# The kernel designs (Tiles.kind), each under a plan that exercises its edges on these small shapes:
+# the default; the weight as tl.dot's A operand, 8 rows a program (M = 16: two row tiles; int4: groups
+# of 32 four to a step, of 64 two); float32 multiply-adds, 4 rows a program (M = 2, 5: rows past M;
+# a 256-input step: int4 groups of 32 to 128 eight to two to a step, so K = 64 in groups of 32 is
+# one step with six groups past K; K = 300 a partial step)
+PLANS = [cuda.TILES, cuda.Tiles(kind="swapped", block_n=32, int8_block_k=128, rows=8),
+         cuda.Tiles(kind="fma", block_n=32, int8_block_k=256, rows=4)]
+PLAN_IDS = ["mma", "swapped", "fma"]
+# the bias-free case under the default plan only (the bias is added in the same code for every kind)
+BIAS_PLANS = pytest.mark.parametrize("with_bias,tiles", [(False, PLANS[0]), *((True, t) for t in PLANS)],
+                                     ids=["no-bias", *(f"bias-{i}" for i in PLAN_IDS)])
+
+
+@pytest.mark.parametrize("bad", [dict(kind="dot"), dict(rows=3), dict(rows=32), dict(kind="fma", rows=8),
+                                 dict(block_n=48), dict(int8_block_k=0), dict(rows=True)], ids=str)
+def test_bad_plans(bad):
+    with pytest.raises(ValueError):
+        cuda.Tiles(**bad)
 
 
 # (M, N, K): N = 72 and 200 not multiples of the kernels' 32 outputs per program; K = 300 not a multiple
@@ -104,54 +125,62 @@ def test_module_facts():
 INT8_SHAPES = [(1, 64, 64), (2, 72, 256), (5, 200, 512), (16, 72, 300)]
 
 
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@BIAS_PLANS
 @pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
 @pytest.mark.parametrize("M,N,K", INT8_SHAPES)
-def test_int8_linear(M, N, K, dtype, with_bias):
+def test_int8_linear(M, N, K, dtype, with_bias, tiles):
     x, w, bias = inputs(M, N, K, dtype, with_bias)
     q, scale, exact = int8_weight(w)
-    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+    check(cuda.int8_linear(x, q, scale, bias, tiles=tiles), x, exact, exact.abs(), bias)
 
 
 @pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
                     reason="Triton converts e4m3 on compute capability 8.9 and up (FP8 units)")
+@pytest.mark.parametrize("tiles", PLANS, ids=PLAN_IDS)
 @pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 72, 256), (5, 40, 300)])
-def test_int8_linear_on_e4m3_weights(M, N, K, dtype):
-    """The same kernel on float8_e4m3fn weights (Fp8Linear's decode): e4m3 values are exact in x's dtype."""
+def test_int8_linear_on_e4m3_weights(M, N, K, dtype, tiles):
+    """The same kernels on float8_e4m3fn weights (Fp8Linear's decode): e4m3 values are exact in x's
+    dtype; K = 300 has masked inputs, whose unloaded bytes must not reach the sums (NaN)."""
     x, w, bias = inputs(M, N, K, dtype, True)
     q, scale = quantize_fp8(w)
     exact = dequantize_fp8(q, scale).double()  # 4 bits times 8: exact in float32
-    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+    check(cuda.int8_linear(x, q, scale, bias, tiles=tiles), x, exact, exact.abs(), bias)
 
 
 # (M, N, K, group size): K = 512 in groups of 32 or 64 splits K into 8 slices (the plan without a GPU)
 INT4_SHAPES = [(1, 64, 64, 32), (2, 72, 256, 64), (5, 200, 512, 128), (16, 40, 512, 64), (3, 32, 512, 256)]
 
 
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@BIAS_PLANS
 @pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
 @pytest.mark.parametrize("M,N,K,group_size", INT4_SHAPES)
-def test_int4_linear(M, N, K, group_size, dtype, with_bias):
+def test_int4_linear(M, N, K, group_size, dtype, with_bias, tiles):
     x, w, bias = inputs(M, N, K, dtype, with_bias)
     packed, scale, zero, exact, terms = int4_weight(w, group_size)
-    check(cuda.int4_linear(x, packed, scale, zero, group_size, bias), x, exact, terms, bias)
+    check(cuda.int4_linear(x, packed, scale, zero, group_size, bias, tiles=tiles), x, exact, terms, bias)
 
 
-@pytest.mark.parametrize("split_k", [1, 3, 8])
-def test_any_split_of_k(split_k):
-    """The K slices (one; uneven; more than K has blocks for int8, capped) all within the bound."""
-    x, w, bias = inputs(3, 72, 600, torch.float16, True)  # int8: 3 blocks of 256 inputs, the last partial
+@pytest.mark.parametrize("split_k,tiles", [(1, PLANS[0]), (3, PLANS[0]), (8, PLANS[0]), (3, PLANS[1]), (8, PLANS[1]),
+                                           (3, PLANS[2]), (8, PLANS[2])],
+                         ids=["1", "3", "8", "3-swapped", "8-swapped", "3-fma", "8-fma"])
+def test_any_split_of_k(split_k, tiles):
+    """The K slices (one; uneven; more than K has blocks, capped) all within the bound. int8: 600
+    inputs, 3 blocks of 256 (the default's) or 5 of 128, the last partial; int4: 6 groups of 64, one
+    a step (the default) or two (the other kinds': the last slice of 3 a step past the groups)."""
+    x, w, bias = inputs(3, 72, 600, torch.float16, True)
     q, scale, exact = int8_weight(w)
-    check(cuda.int8_linear(x, q, scale, bias, split_k=split_k), x, exact, exact.abs(), bias)
-    x, w, bias = inputs(3, 72, 384, torch.float16, True)  # int4: 6 groups of 64
+    check(cuda.int8_linear(x, q, scale, bias, split_k=split_k, tiles=tiles), x, exact, exact.abs(), bias)
+    x, w, bias = inputs(3, 72, 384, torch.float16, True)
     packed, scale, zero, exact, terms = int4_weight(w, 64)
-    check(cuda.int4_linear(x, packed, scale, zero, 64, bias, split_k=split_k), x, exact, terms, bias)
+    check(cuda.int4_linear(x, packed, scale, zero, 64, bias, split_k=split_k, tiles=tiles), x, exact, terms, bias)
 
 
 @pytest.mark.parametrize("tiles", [cuda.Tiles(block_n=64, int8_block_k=128, num_warps=8, split=2, num_stages=3),
-                                   cuda.Tiles(block_n=16, int8_block_k=512, num_warps=2)],
-                         ids=["64x128-w8-split2", "16x512-w2"])
+                                   cuda.Tiles(block_n=16, int8_block_k=512, num_warps=2),
+                                   cuda.Tiles(kind="swapped", block_n=64, int8_block_k=64, rows=16, split=2),
+                                   cuda.Tiles(kind="fma", block_n=32, int8_block_k=128, rows=2, split=3, num_stages=3)],
+                         ids=["64x128-w8-split2", "16x512-w2", "swapped-r16-64x64-split2", "fma-r2-32x128-split3-s3"])
 def test_other_tiles_give_the_same_function(tiles):
     """Another launch plan (benchmarks/gemv_sweep.py times them): within the bound, and each row the
     same bit for bit in a call of 1 row and of 11 (batch invariance holds under any plan)."""
@@ -164,6 +193,22 @@ def test_other_tiles_give_the_same_function(tiles):
     y = cuda.int4_linear(x, packed, scale, zero, 64, bias, tiles=tiles)
     check(y, x, exact, terms, bias)
     assert torch.equal(cuda.int4_linear(x[3:4], packed, scale, zero, 64, bias, tiles=tiles), y[3:4])
+
+
+@pytest.mark.parametrize("tiles", [cuda.Tiles(kind="swapped", block_n=16, int8_block_k=256, rows=1, num_warps=2),
+                                   cuda.Tiles(kind="fma", block_n=8, int8_block_k=256, rows=1, num_stages=3)],
+                         ids=["swapped-r1", "fma-r1"])
+def test_one_row_a_program(tiles):
+    """Plans of one row a program (decode's batch 1), within the bound; a row alike alone or not."""
+    x, w, bias = inputs(3, 40, 320, torch.float16, True)
+    q, scale, exact = int8_weight(w)
+    y = cuda.int8_linear(x, q, scale, bias, tiles=tiles)
+    check(y, x, exact, exact.abs(), bias)
+    assert torch.equal(cuda.int8_linear(x[1:2], q, scale, bias, tiles=tiles), y[1:2])
+    packed, scale, zero, exact, terms = int4_weight(w, 64)
+    y = cuda.int4_linear(x, packed, scale, zero, 64, bias, tiles=tiles)
+    check(y, x, exact, terms, bias)
+    assert torch.equal(cuda.int4_linear(x[1:2], packed, scale, zero, 64, bias, tiles=tiles), y[1:2])
 
 
 def test_more_rows_than_one_tile():
@@ -187,23 +232,26 @@ def test_rows_of_a_wider_tensor():
     assert torch.equal(cuda.int4_linear(view, packed, scale, zero, 64), cuda.int4_linear(x, packed, scale, zero, 64))
 
 
+@pytest.mark.parametrize("tiles", PLANS, ids=PLAN_IDS)
 @pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_batch_invariance(kind, dtype):
-    """Row i of a 16-row call equals the 1-row call on row i, bit for bit (K split in two here)."""
+def test_batch_invariance(kind, dtype, tiles):
+    """Row i of a 16-row call equals the 1-row call on row i, bit for bit (K split in two here),
+    under each kind's plan (a row's place in its program's rows differs between the calls)."""
     x, w, bias = inputs(16, 40, 512, dtype, True)
     if kind == "int8":
         q, scale, _ = int8_weight(w)
 
         def run(rows):
-            return cuda.int8_linear(rows, q, scale, bias)
+            return cuda.int8_linear(rows, q, scale, bias, tiles=tiles)
     else:
         packed, scale, zero, _, _ = int4_weight(w, 128)
 
         def run(rows):
-            return cuda.int4_linear(rows, packed, scale, zero, 128, bias)
+            return cuda.int4_linear(rows, packed, scale, zero, 128, bias, tiles=tiles)
     y = run(x)
-    for i in range(x.shape[0]):
+    # every row under the default; under the others rows at every place in a program's 4 or 8 rows
+    for i in range(0, x.shape[0], 1 if tiles == cuda.TILES else 3):
         assert torch.equal(run(x[i:i + 1]), y[i:i + 1]), f"row {i}"
     assert torch.equal(run(x[5:8]), y[5:8])
 

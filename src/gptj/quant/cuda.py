@@ -14,15 +14,39 @@ int8 / int4 bytes instead of bfloat16 ones (the work is memory bound).
                                     even inputs against the high nibbles, the odd ones against the low.
 
 x2 (M, K) float32, float16 or bfloat16, each row contiguous; y (M, N) in x2's dtype. The sums are
-float32: x times the weight's integer values (exact in x's dtype) by tl.dot in tiles of 16 rows (one
-tile for decode's calls: the weight is read once for all rows), the scales and zeros applied in
-float32. Every row is computed alike whatever else is in the call, and the plan (block sizes, K
-split) depends on N, K and the device only, so a row's result is the same bit for bit in a call of
-any number of rows (batch invariance).
+float32 sums of exact products (x times the weight's integer or e4m3 values, exact in x's dtype and
+in float32 for float16 / bfloat16 x; rounded once for float32 x), the scales and zeros applied in
+float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
+
+  "mma" (TILES, the default): x as tl.dot's A operand in tiles of 16 rows (one tile for decode's
+      calls: the weight is read once for all rows), the weight tile converted to x's dtype and
+      transposed (tl.trans) to tl.dot's B operand. On an H200 (2026-11-28, bfloat16 x, M = 1 and 16)
+      its best plans (n32 / n64, k128, 4 warps) ran the fused 28672 x 4096 int8 / e4m3 weight in
+      ~67-70 us, ~1.7 TB/s, against 68.9 us (3.4 TB/s) for bfloat16's F.linear: half the bytes in
+      the same time; int4 ~90 us (~690 GB/s). Summed over GPT-J 6B's four decode shapes: int8 282 us,
+      e4m3 277 us, int4 315 us, bfloat16 248 us.
+  "swapped": the weight tile (BLOCK_N, BLOCK_K) as tl.dot's A operand, as it lies in memory (K
+      contiguous, no transpose), x^T (BLOCK_K, rows) as B: out^T tiles (BLOCK_N, rows), stored
+      transposed. rows (Tiles.rows) may be 8 (mma.sync's n) or fewer: less padding than 16.
+  "fma": no tensor cores, for 1, 2 or 4 rows a program: per row a float32 (BLOCK_N, BLOCK_K)
+      accumulator of products over the K loop (the weight converted to float32 by bit operations,
+      not conversion instructions), reduced along K once after it; the loop's loads pipelined by
+      tl.range's num_stages (Triton pipelines only loads that feed a tl.dot otherwise).
+  The kinds "swapped" and "fma" put the row tiles on the grid's fastest axis (programs of one block
+  of outputs run together: a call of more rows than a program's reads the weight again, mostly from
+  L2) and take int8_block_k // group_size int4 groups a loop step (unrolled).
+  No GPU has timed "swapped" or "fma" yet: benchmarks/gemv_sweep.py times them beside "mma".
+
+Batch invariance: every row is computed alike whatever else is in the call (under every kind, a
+row's sums do not depend on the other rows of its program, nor on its place among them; rows past M
+are masked or read row M - 1 and are not stored), and the plan (kind, block sizes, rows a program,
+K split) depends on N, K and the device only, so for a fixed plan a row's result is the same bit for
+bit in a call of any number of rows. Different plans sum in different orders: their results may
+differ in the last bits, so a caller switching plans by row count would lose this.
 
 Tested under Triton's interpreter only (TRITON_INTERPRET=1, on CPU tensors, float32 and float16;
-the interpreter has no bfloat16 arithmetic): the block sizes below are reasoned from the arithmetic
-of a memory-bound GEMV on an H100, no GPU figure was measured.
+the interpreter has no bfloat16 arithmetic); the new kinds were compiled for sm_90a offline
+(triton.compile, ptxas: no spills at benchmarks/gemv_sweep.py's "small" grid), never run on a GPU.
 """
 
 from __future__ import annotations
@@ -40,8 +64,9 @@ except ImportError:  # the caller (gptj.policy) sends calls here only where Trit
 
 MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); the caller decides
 
-# Block sizes (TILES below; starting points from the arithmetic: on an H200 the int8 and e4m3 GEMVs
-# ran at 0.87x and 0.81x bfloat16's batch-1 decode, 2026-11-27, so benchmarks/gemv_sweep.py times others):
+# Block sizes of the default plan (TILES below, the kind "mma"; starting points from the arithmetic: on
+# an H200 the int8 and e4m3 GEMVs ran at 0.87x and 0.81x bfloat16's batch-1 decode, 2026-11-27, so
+# benchmarks/gemv_sweep.py times others):
 #   BLOCK_M 16: tl.dot's smallest tile. Decode's 1..16 rows are one tile, so each weight tile is read
 #     once for every row, and M = 1 and M = 16 run the same code (tensor cores do the 16 rows for
 #     the price of one; the padding rows are masked loads of x, no memory traffic). The kernels are
@@ -67,17 +92,45 @@ MAX_SPLIT = 8
 DEFAULT_SMS = 132  # an H100's SMs: the plan where there is no GPU (the interpreter), as it would run there
 
 
+KINDS = ("mma", "swapped", "fma")
+FMA_MAX_ROWS = 4  # the kind "fma" keeps one accumulator per row of its program: 1, 2 or 4
+
+
 @dataclass(frozen=True)
 class Tiles:
-    """A launch plan's sizes (TILES: the defaults above; benchmarks/gemv_sweep.py times others).
-    split / num_stages None: from the plan (_plan, _stages). Any plan computes a row alike in a
-    call of any number of rows; different plans sum in different orders."""
+    """A launch plan (TILES: the defaults above; benchmarks/gemv_sweep.py times others).
+
+    kind: the kernel design (the module's docstring): "mma" (x as tl.dot's A operand, the weight
+      transposed as its B), "swapped" (the weight as A in its own K-contiguous layout, x transposed
+      as B) or "fma" (no tl.dot: float32 multiply-adds, the K reduction once after the loop).
+    rows: rows of x per program (a power of two, 1 to MAX_ROWS; the kind fma 1, 2 or 4); a call of
+      M rows runs cdiv(M, rows) programs per block of outputs, each reading its weight tile (so
+      M > rows reads the weight again, from L2 where the programs run together: the new kinds put
+      the row tiles on the grid's fastest axis).
+    block_n: output channels per program. int8_block_k: the int8 / e4m3 K step; the int4 K step of
+      the kinds "swapped" and "fma" is int8_block_k // group_size groups (at least one), of "mma" one
+      group. num_warps as Triton's. split / num_stages None: from the plan (_plan, _stages).
+    Any plan computes a row alike in a call of any number of rows; different plans sum in
+    different orders (so their results may differ in the last bits)."""
 
     block_n: int = 32
     int8_block_k: int = 256
     num_warps: int = 4
     split: int | None = None
     num_stages: int | None = None
+    kind: str = "mma"
+    rows: int = BLOCK_M
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Tiles.kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("rows", "block_n", "int8_block_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two, got {v!r}")
+        if self.rows > (FMA_MAX_ROWS if self.kind == "fma" else MAX_ROWS):
+            raise ValueError(f"Tiles.rows must be at most {MAX_ROWS} ({FMA_MAX_ROWS} for the kind fma), "
+                             f"got {self.rows}")
 
 
 TILES = Tiles()
@@ -172,6 +225,199 @@ if triton is not None:
             acc += qx * s[None, :] + sx[:, None] * z[None, :]
         _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
 
+    # --- the kinds "swapped" and "fma" (Tiles.kind): grid (row tile, n block, K slice) ----------
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int8_swapped_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
+                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+        """The weight as tl.dot's A operand, (BLOCK_N, BLOCK_K) as it lies in memory, x^T (BLOCK_K,
+        ROWS) as B: out^T tiles (BLOCK_N, ROWS), stored transposed. Sums as _int8_kernel's."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        nmask = cols < N
+        kk = tl.arange(0, BLOCK_K)
+        x_cols = x_ptr + rows.to(tl.int64)[None, :] * stride_xm  # x^T: row m of x is column m
+        q_rows = q_ptr + cols.to(tl.int64)[:, None] * K
+        k_start = tl.program_id(2) * k_slice
+        k_end = tl.minimum(k_start + k_slice, K)
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            kmask = (k + kk) < K
+            xt = tl.load(x_cols + (k + kk)[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
+            w = tl.load(q_rows + (k + kk)[None, :], mask=nmask[:, None] & kmask[None, :])
+            w = w.to(xt.dtype)  # exact; masked inputs zeroed after the cast (e4m3: see _int8_kernel)
+            w = tl.where(kmask[None, :], w, tl.zeros_like(w))
+            if IEEE:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int4_swapped_kernel(x_ptr, p_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, groups,
+                             g_slice, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                             STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             IEEE: tl.constexpr):
+        """_int4_kernel's sums with the weight as tl.dot's A operand (no transpose of it), STEP groups
+        a loop step (unrolled: their loads issued together), out^T tiles (BLOCK_N, ROWS)."""
+        HALF: tl.constexpr = GROUP // 2
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        nmask = cols < N
+        j = tl.arange(0, HALF)
+        x_even = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + 2 * j[:, None]  # (HALF, ROWS): x^T's
+        p_rows = p_ptr + cols.to(tl.int64)[:, None] * (K // 2) + j[None, :]
+        sz_rows = cols.to(tl.int64) * groups
+        g_start = tl.program_id(2) * g_slice
+        g_end = tl.minimum(g_start + g_slice, groups)
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        for g0 in range(g_start, g_end, STEP):
+            for i in tl.static_range(STEP):
+                g = g0 + i
+                # a group past the slice (its last step's): x 0, the slice's last group's weight (any
+                # finite one: valid addresses), so it adds 0
+                gw = tl.minimum(g, g_end - 1)
+                xmask = rmask[None, :] & ((g * HALF + j) < g_end * HALF)[:, None]
+                xe = tl.load(x_even + g * GROUP, mask=xmask, other=0.0)
+                xo = tl.load(x_even + g * GROUP + 1, mask=xmask, other=0.0)
+                p = tl.load(p_rows + gw * HALF, mask=nmask[:, None], other=0)  # (BLOCK_N, HALF)
+                hi = ((p >> 4).to(tl.int8) - 8).to(xe.dtype)
+                lo = ((p & 15).to(tl.int8) - 8).to(xe.dtype)
+                if IEEE:
+                    qx = tl.dot(lo, xo, tl.dot(hi, xe, input_precision="ieee"), input_precision="ieee")
+                else:
+                    qx = tl.dot(lo, xo, tl.dot(hi, xe))
+                sx = tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0)  # (ROWS,)
+                s = tl.load(scale_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)
+                z = tl.load(zero_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)
+                acc += qx * s[:, None] + sx[None, :] * z[:, None]
+        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int8_fma_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
+                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, INT8: tl.constexpr, STAGES: tl.constexpr):
+        """No tensor cores, for ROWS = 1, 2 or 4 rows a program: per row r a (BLOCK_N, BLOCK_K) float32
+        accumulator, acc_r[n, j] += float32(q[n, k + j]) * float32(x[m_r, k + j]) over the K slice in
+        steps of BLOCK_K (each product exact for float16 / bfloat16 x), then one sum over j per n
+        (tl.sum's fixed tree) after the loop. Every tensor is 2-D in the weight tile's layout (one
+        accumulator per row, not a 3-D one: with that, Triton moved each weight tile through shared
+        memory to another layout). A row past M reads row M - 1 (valid addresses, no row masks) and
+        stores nothing. The helpers are written out in the loop: Triton's interpreter spends
+        milliseconds a call of a jit function."""
+        m0 = tl.program_id(0) * ROWS
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        kk = tl.arange(0, BLOCK_K)
+        q_rows = q_ptr + cols.to(tl.int64)[:, None] * K
+        x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + kk
+        x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + kk
+        x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + kk
+        x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + kk
+        k_start = tl.program_id(2) * k_slice
+        k_end = tl.minimum(k_start + k_slice, K)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):  # loads pipelined (no tl.dot here)
+            kmask = (k + kk) < K
+            w = tl.load(q_rows + (k + kk)[None, :], mask=nmask[:, None] & kmask[None, :])
+            if INT8:
+                # int8 -> float32 exactly without a conversion instruction (a quarter of the FMA rate
+                # on recent GPUs): the byte's bits, sign flipped (q + 128 in 0..255), as the low bits
+                # of 2^23's float32, less 2^23 + 128. Any byte is a finite value: a masked input's
+                # product is x's 0 times it, 0.
+                u = w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80
+                w = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            else:  # e4m3: an unloaded byte could be NaN, zeroed after the cast
+                w = w.to(tl.float32)
+                w = tl.where(kmask[None, :], w, tl.zeros_like(w))
+            acc0 += w * tl.load(x0 + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x1 + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            if ROWS > 2:
+                acc2 += w * tl.load(x2 + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+                acc3 += w * tl.load(x3 + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        tile = _row_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                         ROWS, BLOCK_N)
+        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+
+    @triton.jit
+    def _row_tile(s0, s1, s2, s3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(ROWS, BLOCK_N) from the rows' (BLOCK_N,) sums s0, s1, ... (the first ROWS of them)."""
+        if ROWS == 1:
+            tile = s0[None, :]
+        elif ROWS == 2:
+            tile = tl.trans(tl.join(s0, s1))
+        else:  # t[n, i, j] = (s0, s2)[i] if j == 0 else (s1, s3)[i]: row 2 i + j
+            tile = tl.trans(tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (BLOCK_N, 4)))
+        return tile
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int4_fma_kernel(x_ptr, p_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, groups,
+                         g_slice, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                         STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):
+        """No tensor cores, ROWS = 1, 2 or 4: each weight dequantized in float32, w = (q - 8) * scale +
+        zero (one rounding: (q - 8) * scale is exact), then per row a (BLOCK_N, GROUP / 2) float32
+        accumulator += w * x as _int8_fma_kernel's, the even inputs (a group's inputs loaded whole,
+        split in pairs) against the high nibbles, the odd against the low; STEP groups a loop step
+        (unrolled: their loads issued together)."""
+        HALF: tl.constexpr = GROUP // 2
+        m0 = tl.program_id(0) * ROWS
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        j = tl.arange(0, HALF)
+        kk = tl.arange(0, GROUP)
+        p_rows = p_ptr + cols.to(tl.int64)[:, None] * (K // 2) + j[None, :]
+        sz_rows = cols.to(tl.int64) * groups
+        x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + kk
+        x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + kk
+        x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + kk
+        x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + kk
+        g_start = tl.program_id(2) * g_slice
+        g_end = tl.minimum(g_start + g_slice, groups)
+        acc0 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        for g0 in tl.range(g_start, g_end, STEP, num_stages=STAGES):  # loads pipelined
+            for i in tl.static_range(STEP):
+                g = g0 + i
+                # a group past the slice (its last step's): x 0, the slice's last group's weight (any
+                # finite one, at valid addresses), so it adds 0
+                gw = tl.minimum(g, g_end - 1)
+                xmask = (g * GROUP + kk) < g_end * GROUP
+                p = tl.load(p_rows + gw * HALF, mask=nmask[:, None], other=0)  # (BLOCK_N, HALF)
+                s = tl.load(scale_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                z = tl.load(zero_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                # q - 8 in float32 as _int8_fma_kernel converts a byte: q as the low bits of 2^23's float32
+                w_hi = (((p >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s + z
+                w_lo = (((p & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s + z
+                xe, xo = tl.split(tl.reshape(tl.load(x0 + g * GROUP, mask=xmask, other=0.0).to(tl.float32), (HALF, 2)))
+                acc0 += w_hi * xe[None, :]
+                acc0 += w_lo * xo[None, :]
+                if ROWS > 1:
+                    xe, xo = tl.split(tl.reshape(tl.load(x1 + g * GROUP, mask=xmask, other=0.0).to(tl.float32),
+                                                 (HALF, 2)))
+                    acc1 += w_hi * xe[None, :]
+                    acc1 += w_lo * xo[None, :]
+                if ROWS > 2:
+                    xe, xo = tl.split(tl.reshape(tl.load(x2 + g * GROUP, mask=xmask, other=0.0).to(tl.float32),
+                                                 (HALF, 2)))
+                    acc2 += w_hi * xe[None, :]
+                    acc2 += w_lo * xo[None, :]
+                    xe, xo = tl.split(tl.reshape(tl.load(x3 + g * GROUP, mask=xmask, other=0.0).to(tl.float32),
+                                                 (HALF, 2)))
+                    acc3 += w_hi * xe[None, :]
+                    acc3 += w_lo * xo[None, :]
+        tile = _row_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                         ROWS, BLOCK_N)
+        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+
     @triton.jit(do_not_specialize=["M"])
     def _finish_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -205,16 +451,22 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     _check_param(scale, "scale", (N,))
     _check_bias(bias, N)
     _check_devices(x2, q, scale, bias)
-    bn, bk = tiles.block_n, tiles.int8_block_k
+    bn, bk, rows = tiles.block_n, tiles.int8_block_k, tiles.rows
     k_blocks = triton.cdiv(K, bk)
     split, per_slice = _plan(N, k_blocks, x2.device, tiles.split if split_k is None else split_k, bn)
     out, dest = _outputs(x2, N, split)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, BLOCK_M), split)
-    _int8_kernel[grid](x2, q, scale, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
-                       per_slice * bk, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-                       SPLIT=split, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                       num_warps=tiles.num_warps, num_stages=tiles.num_stages or _stages(
-                           bn * bk * q.element_size() + BLOCK_M * bk * x2.element_size()))
+    args = (x2, q, scale, scale if bias is None else bias, dest, M, N, K, x2.stride(0), per_slice * bk)
+    sizes = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages or _stages(bn * bk * q.element_size() + rows * bk * x2.element_size()))
+    if tiles.kind == "mma":
+        _int8_kernel[(triton.cdiv(N, bn), triton.cdiv(M, rows), split)](
+            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, **sizes)
+    elif tiles.kind == "swapped":
+        _int8_swapped_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
+            *args, ROWS=rows, IEEE=x2.dtype == torch.float32, **sizes)
+    else:
+        _int8_fma_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
+            *args, ROWS=rows, INT8=q.dtype == torch.int8, STAGES=sizes["num_stages"], **sizes)
     return _finish(dest, out, scale, bias, has_scale=True, tiles=tiles)
 
 
@@ -223,8 +475,9 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     """x2 @ w.T + bias with w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] from the portable
     packed layout -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
 
-    split_k: the number of K slices, in whole groups (None: tiles.split, else the plan's); tiles:
-    the block sizes (its int8_block_k unused: a K step is one group); for tests and tuning."""
+    split_k: the number of K slices, in whole K steps (None: tiles.split, else the plan's); tiles:
+    the launch plan (a K step: one group for the kind "mma", int8_block_k // group_size groups, at
+    least one, for the others); for tests and tuning."""
     _need_triton()
     M, K = _check_x(x2)
     if isinstance(group_size, bool) or group_size not in _GROUP_SIZES:
@@ -240,15 +493,24 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     _check_param(zero, "zero", (N, groups))
     _check_bias(bias, N)
     _check_devices(x2, packed, scale, zero, bias)
-    bn = tiles.block_n
-    split, per_slice = _plan(N, groups, x2.device, tiles.split if split_k is None else split_k, bn)
+    bn, rows = tiles.block_n, tiles.rows
+    step = 1 if tiles.kind == "mma" else max(1, tiles.int8_block_k // group_size)  # groups a loop step
+    split, per_slice = _plan(N, triton.cdiv(groups, step), x2.device, tiles.split if split_k is None else split_k, bn)
     out, dest = _outputs(x2, N, split)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, BLOCK_M), split)
-    _int4_kernel[grid](x2, packed, scale, zero, scale if bias is None else bias, dest, M, N, K, x2.stride(0),
-                       groups, per_slice, BLOCK_M=BLOCK_M, BLOCK_N=bn, GROUP=group_size, SPLIT=split,
-                       HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                       num_warps=tiles.num_warps, num_stages=tiles.num_stages or _stages(
-                           bn * group_size // 2 + BLOCK_M * group_size * x2.element_size()))
+    args = (x2, packed, scale, zero, scale if bias is None else bias, dest, M, N, K, x2.stride(0), groups,
+            per_slice * step)
+    sizes = dict(BLOCK_N=bn, GROUP=group_size, SPLIT=split, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages or _stages(step * (bn * group_size // 2 + rows * group_size
+                                                                * x2.element_size())))
+    if tiles.kind == "mma":
+        _int4_kernel[(triton.cdiv(N, bn), triton.cdiv(M, rows), split)](
+            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, **sizes)
+    elif tiles.kind == "swapped":
+        _int4_swapped_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
+            *args, ROWS=rows, STEP=step, IEEE=x2.dtype == torch.float32, **sizes)
+    else:
+        _int4_fma_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
+            *args, ROWS=rows, STEP=step, STAGES=sizes["num_stages"], **sizes)
     return _finish(dest, out, scale, bias, has_scale=False, tiles=tiles)
 
 
