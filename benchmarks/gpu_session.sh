@@ -3,8 +3,9 @@
 # as prepared commands run back to back on the device tool (`run`, carry .whl; ../shared/GPU.md):
 #
 #   bash benchmarks/gpu_session.sh 1     # ~7 min: the CUDA tests, copy bandwidth, batch-1 decode per
-#                                        # precision, Offline bf16 and fp8 + fp8 KV, batch-32 decode
-#   bash benchmarks/gpu_session.sh 2     # ~5 min: the GEMV plans (gemv_sweep.py), Server with fp8 (at 75 %
+#                                        # precision, Offline bf16 and fp8 + fp8 KV (512 samples, 256 at
+#                                        # once), a decode step of 256 x 4 beams profiled (profile_steps.py)
+#   bash benchmarks/gpu_session.sh 2     # ~5 min: batch-32 decode, the GEMV plans (gemv_sweep.py), Server with fp8 (at 75 %
 #                                        # of TensorRT-LLM's queries/s for the GPU, at most 80 % of Offline's),
 #                                        # quant-report, accuracy
 #   bash benchmarks/gpu_session.sh 3     # if time is left: torch.compile's int8 / e4m3 GEMV against ours,
@@ -16,8 +17,8 @@
 # the machine so the 6B model is made once), keeps each invocation's results.json, and packs the logs
 # into $OUT/gpu-check-PART.tgz (the device tool returns at most 8 files). GC_LIMIT bounds a part's
 # steps (seconds) so the packing still happens; GC_ARGS adds flags to every gpu_check invocation (a
-# CPU rehearsal: GC_ARGS=--smoke OUT=/tmp/o bash benchmarks/gpu_session.sh 1; part 3's:
-# GC_DEVICE=cpu GC_DTYPE=float32 GC_SUB_QPS=5, after part 1's rehearsal made the tiny model).
+# CPU rehearsal: GC_ARGS="--smoke --samples 8" GC_DEVICE=cpu GC_DTYPE=float32 OUT=/tmp/o bash
+# benchmarks/gpu_session.sh 1; part 3's also GC_SUB_QPS=5, after part 1's rehearsal made the tiny model).
 set -u
 part=${1:?usage: gpu_session.sh 1|2|3}
 O=${GC_OUT:-/tmp/gpu-check}
@@ -47,12 +48,19 @@ case $part in
     gc tests --steps tests --step-timeout 200
     wait
     gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --step-timeout 120
-    gc offline --steps offline,offline-q --long-step-timeout 170 --samples 128
-    gc b32 --steps latency-b32 --step-timeout 120
-    # the batch a GPU's Offline default should run: fp8 + fp8 KV with 128 samples at once (512 sequences)
-    gc offline128 --steps offline-q --max-batch-size 128 --samples 256 --long-step-timeout 120
+    # at gptj mlperf's default batch for CUDA (256 samples at once): two waves of samples
+    gc offline --steps offline,offline-q --long-step-timeout 200 --samples 512
+    # one decode step at that batch, host phases and the device's kernels by kind (bf16; fp8 + fp8 KV)
+    for q in "" "--quantize fp8 --kv-dtype fp8"; do
+      left=$(( end - $(date +%s) )); [ "$left" -le 20 ] && break
+      tag=profile${q:+-fp8}
+      timeout $(( left < 120 ? left : 120 )) python3 benchmarks/profile_steps.py --model "$O/model" --samples 256 \
+        --device "${GC_DEVICE:-cuda}" --dtype "${GC_DTYPE:-bfloat16}" --out "$O/$tag" $q ${GC_ARGS:+--smoke --samples 2} \
+        > "$O/$tag.txt" 2>&1; tail -14 "$O/$tag.txt"
+    done
     ;;
   2)
+    gc b32 --steps latency-b32 --step-timeout 120
     left=$(( end - $(date +%s) ))   # the GEMVs' launch plans first (~2 min): what tunes gptj.quant.cuda.TILES
     timeout $(( left < 150 ? left : 150 )) python3 benchmarks/gemv_sweep.py --out "$O/gemv.json" ${GC_ARGS:+--smoke} \
       > "$O/gemv.txt" 2>&1; tail -4 "$O/gemv.txt"

@@ -162,13 +162,28 @@ def check_gemv_sweep(out: dict, err: str) -> None:
     """Every kind x shape x rows x plan timed and within its error bound; each kind's best plan chosen."""
     rows = out["results"]
     plans = {r["plan"] for r in rows if r["kind"] == "int8"}
-    assert len(plans) == 2 and any(p.endswith("(default)") for p in plans)
+    assert len(plans) == 4 and any(p.endswith("(default)") for p in plans)
+    assert {p.split()[0] for p in plans} >= {"swapped", "fma"}  # one of each kernel design besides the default's
+    assert not [r for r in rows if "error" in r]
     for kind in ("int8", "int4"):
         got = [(r["shape"], r["M"]) for r in rows if r["kind"] == kind]
-        assert sorted(got) == sorted([(s, m) for s in ("128x256", "64x512") for m in (1, 3)] * 2)
+        assert sorted(got) == sorted([(s, m) for s in ("128x256", "64x512") for m in (1, 3)] * 4)
         assert all(0 <= r["error_in_bounds"] <= 1 and r["ms"] > 0 for r in rows if r["kind"] == kind)
         assert out["best"][kind]["plan"] in plans and out["best"][kind]["ms"] <= out["best"][kind]["default_ms"]
     assert len([r for r in rows if r["plan"] == "F.linear"]) == 4
+
+
+def check_profile_steps(out: dict, err: str) -> None:
+    """The timed decode steps at full batch (3 samples x 4 beams), their phases and ops adding up."""
+    assert out["samples"] == 3 and out["decode_rows_per_step"] == 12
+    phases = out["host_phases_ms"]
+    assert set(phases) == {"schedule", "forward", "wait", "update"} and all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= out["step_ms"] * 1.001  # the engine's phases, within the steps' wall time
+    # the ops' own times (no child counted twice) within the steps' wall time, read from two clocks
+    assert positive(out["kernel_ms_per_step"]) and out["kernel_ms_per_step"] <= out["step_ms"] * 1.01
+    assert sum(out["by_kind_ms"].values()) == pytest.approx(out["kernel_ms_per_step"])
+    assert "gemm" in out["by_kind_ms"] and len(out["top"]) == 5
+    assert (Path(out["settings"]["out"]) / "profile.json").is_file()
 
 
 def check_native_gemv(out: dict, err: str) -> None:
@@ -373,6 +388,9 @@ SMOKE: dict[str, Job] = {
     "gpu_check.py": Job("gpu_check.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "gpu-check")],
                         check_gpu_check),
     "gemv_sweep.py": Job("gemv_sweep.py", lambda m, tmp: ["--smoke", "--json"], check_gemv_sweep),
+    "profile_steps.py": Job("profile_steps.py",
+                            lambda m, tmp: ["--model", m, "--smoke", "--json", "--out", str(tmp / "p")],
+                            check_profile_steps),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
