@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
                            "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
                            "samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
-                           "server_qps": 2.0, "server_seconds": 2, "server_queries": 4, "quant_modes": "int8",
+                           "server_qps": 2.0, "server_seconds": 1, "server_queries": 2, "quant_modes": "int8",
                            "offline_quant": "int8:int8",  # fp8 is refused on CPU
                            "steps": "bandwidth,model,latency-b1,latency-b1-MODE,latency-b32,offline,offline-q,"
                                     "server,server-q,quant-report,accuracy,hf"}, argv)

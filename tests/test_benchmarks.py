@@ -167,10 +167,10 @@ def check_gemv_sweep(out: dict, err: str) -> None:
     assert not [r for r in rows if "error" in r]
     for kind in ("int8", "int4"):
         got = [(r["shape"], r["M"]) for r in rows if r["kind"] == kind]
-        assert sorted(got) == sorted([(s, m) for s in ("128x256", "64x512") for m in (1, 3)] * 4)
+        assert sorted(got) == sorted([(s, 3) for s in ("128x256", "64x512")] * 4)
         assert all(0 <= r["error_in_bounds"] <= 1 and r["ms"] > 0 for r in rows if r["kind"] == kind)
         assert out["best"][kind]["plan"] in plans and out["best"][kind]["ms"] <= out["best"][kind]["default_ms"]
-    assert len([r for r in rows if r["plan"] == "F.linear"]) == 4
+    assert len([r for r in rows if r["plan"] == "F.linear"]) == 2
 
 
 def check_profile_steps(out: dict, err: str) -> None:
@@ -276,7 +276,7 @@ def check_gpu_check(out: dict, err: str) -> None:
     assert out["latency-b32"]["batch"] == 2
     assert positive(out["offline"]["samples_s"]) and out["offline"]["samples"] == 4
     assert positive(out["hf"]["samples_s"]) and out["hf"]["samples"] == 1 and out["hf"]["new_tokens"] >= 30
-    server = out["server"]  # 2 s at 2 q/s: too few queries for LoadGen's early stopping, so INVALID here
+    server = out["server"]  # 1 s at 2 q/s: too few queries for LoadGen's early stopping, so INVALID here
     assert server["result"] in ("VALID", "INVALID") and positive(server["p99_s"]) and server["target_qps"] == 2.0
     # the precision steps, rehearsed with int8 (fp8 is refused on CPU)
     assert positive(out["latency-b1-int8"]["decode_tok_s"])
