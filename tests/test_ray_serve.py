@@ -254,6 +254,11 @@ def test_flag_errors_without_a_cluster(models, capsys, monkeypatch):
         assert main(args) == 1
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, err
+    # no cluster at the address: one line at once (Ray alone retries for minutes, with warnings)
+    assert main(["ls", "--ray-address", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == ("gptj ls: error: cannot reach the Ray cluster at 127.0.0.1:1: connection refused (is `ray "
+                           "start --head` running there, and is that its GCS port?)"), err
     # without Ray installed: one line that says how to install it
     monkeypatch.setitem(sys.modules, "ray", None)
     monkeypatch.delitem(sys.modules, "gptj.serve.ray_serve", raising=False)

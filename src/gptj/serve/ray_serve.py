@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -293,6 +294,7 @@ def connect(address: str | None) -> None:
     one when it is None."""
     if ray.is_initialized():
         return
+    _check_reachable(address)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # gptj says what it did, in one line
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     try:
@@ -301,6 +303,26 @@ def connect(address: str | None) -> None:
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GptjError(f"cannot reach the Ray cluster at {address or 'a new local instance'}: {first}") from None
+
+
+REACH_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str | None) -> None:
+    """For an address of a host and port: something listens there, else one line now. Ray itself
+    retries an unreachable cluster for minutes, printing its own warnings meanwhile."""
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not HOST:PORT: Ray's own error says what is wrong with it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__).lower()
+        raise GptjError(f"cannot reach the Ray cluster at {address}: {why} (is `ray start --head` running "
+                        "there, and is that its GCS port?)") from None
 
 
 def start_http(host: str, port: int) -> None:
