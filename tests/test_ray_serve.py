@@ -183,8 +183,9 @@ def test_publish_and_unpublish(served, cluster, models, capsys):
     out = gptj("publish", "other", str(models / "other"), "--ray-address", cluster, "--replicas", "1",
                "--api-key", "K", "--tp", "2", "--dtype", "float32").stdout
     assert "published other (1 replica, route /other)" in out
-    assert {r["name"]: r["replicas_running"] for r in ls(cluster)} == {"tiny": 2, "other": 1}
-    (replica,) = next(r for r in ls(cluster) if r["name"] == "other")["replicas"]
+    rows = ls(cluster)  # (each `gptj ls` joins the cluster: seconds)
+    assert {r["name"]: r["replicas_running"] for r in rows} == {"tiny": 2, "other": 1}
+    (replica,) = next(r for r in rows if r["name"] == "other")["replicas"]
     (follower,) = spawned_children(replica["pid"])  # the other rank
     want = greedy(models, capsys, "other", "Hello", 8)
     assert want != greedy(models, capsys, "tiny", "Hello", 8)  # a different model: routing is checked
