@@ -11,8 +11,11 @@ plan (CUDA graph replays on a GPU, see `timer`; a plan this Triton cannot build 
 failed), its weight bytes per second, its speed against F.linear on
 the bfloat16 weight, and its largest error against the float64 product in units of the kernel's own
 bound (tests/test_quant_cuda.py's: under 1 is right). --compiled adds gpt-fast's way for int8 and
-e4m3: the dequantize-and-multiply in torch, fused by torch.compile. The table ends with each kind's plan of the
-least time summed over the shapes at the first row count (decode's batch 1), against the default.
+e4m3: the dequantize-and-multiply in torch, fused by torch.compile. For e4m3 (not --smoke) the
+sweep also times "scaled_mm (activations e4m3)": the fp8 GEMM path (x rounded to e4m3 per token,
+torch._scaled_mm), another function, so its error is its own (act_rel_error), not against the
+bound, and it is not among the plans chosen. The table ends with each kind's plan of the least time
+summed over the shapes at the first row count (decode's batch 1), against the default.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ EPS32 = 2.0**-23
 
 
 def plans(grid: str) -> list[cuda.Tiles]:
-    """The plans to time, the default first. "small" (13): the kind "mma"'s best on the H200
+    """The plans to time, the default first. "small" (15): the kind "mma"'s best on the H200
     (2026-11-28: n32 / n64 with k128, 4 warps; k512, 8 warps and n128 k512 lost, so are left to
     "full"), then the kinds "swapped" (the weight as tl.dot's A operand; 16 or 8 rows a program) and
     "fma" (float32 multiply-adds; 1 row a program for decode's batch 1, 2 and 4 for small batches),
-    block sizes from the arithmetic (none measured yet). "full" (31): the old grid of the kind mma
-    and more of the new kinds'."""
+    block sizes from the arithmetic (none measured yet), and three plans converting the weight to
+    bfloat16 by bit operations (Tiles.convert "bits"; bfloat16 inputs only, others run "cast"): the
+    default's and n64 k128's blocks, and swapped r8 n32 k128 (r8 n64 k128 spilled registers for
+    e4m3 under Triton 3.6's ptxas, sm_90a). "full" (40): the old grid of the kind mma and more of
+    the new kinds'. For fp8 the sweep adds torch._scaled_mm with e4m3 activations (`scaled_mm`)."""
     if grid == "smoke":  # one of each kind (the interpreter: runs, not speed)
         return [cuda.TILES, cuda.Tiles(kind="swapped", block_n=16, int8_block_k=64, num_warps=2, rows=4),
                 cuda.Tiles(kind="fma", block_n=16, int8_block_k=256, rows=1),
@@ -58,9 +64,11 @@ def plans(grid: str) -> list[cuda.Tiles]:
     if grid == "default":
         return [cuda.TILES]
     out = [cuda.TILES, cuda.Tiles(block_n=32, int8_block_k=128), cuda.Tiles(block_n=64, int8_block_k=128)]
+    out += [cuda.Tiles(convert="bits"), cuda.Tiles(block_n=64, int8_block_k=128, convert="bits"),
+            cuda.Tiles(kind="swapped", block_n=32, int8_block_k=128, rows=8, convert="bits")]
     out += [cuda.Tiles(kind="swapped", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)  # (128, 256, 8) with 4
-            for bn, bk, r, w in ((64, 128, 16, 4), (64, 256, 16, 4), (128, 128, 16, 4), (64, 128, 8, 4),  # warps
-                                 (128, 256, 8, 8))]  # spilled registers (ptxas, sm_90a)
+            for bn, bk, r, w in ((64, 128, 16, 4), (64, 256, 16, 4), (128, 128, 16, 4), (64, 128, 8, 4))]  # warps
+    # spilled registers (ptxas, sm_90a), as (128, 256, 8) with 8 warps did: left out (2026-11-28)
     out += [cuda.Tiles(kind="fma", block_n=bn, int8_block_k=bk, rows=r)
             for bn, bk, r in ((16, 256, 1), (32, 256, 1), (16, 512, 1), (16, 256, 2), (8, 256, 4))]
     if grid == "full":
@@ -70,7 +78,8 @@ def plans(grid: str) -> list[cuda.Tiles]:
         out += [cuda.Tiles(block_n=bn, int8_block_k=bk, num_warps=4, split=1) for bn, bk in ((64, 256), (128, 256))]
         out += [cuda.Tiles(block_n=bn, int8_block_k=256, num_warps=4, num_stages=s) for bn in (64, 128) for s in (3, 4)]
         out += [cuda.Tiles(kind="swapped", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)
-                for bn, bk, r, w in ((64, 512, 16, 4), (128, 128, 16, 8), (256, 128, 16, 8), (64, 128, 4, 4))]
+                for bn, bk, r, w in ((64, 512, 16, 4), (128, 128, 16, 8), (256, 128, 16, 8), (64, 128, 4, 4),
+                                     (128, 256, 8, 8))]
         out += [cuda.Tiles(kind="fma", block_n=bn, int8_block_k=bk, rows=r, num_warps=w)
                 for bn, bk, r, w in ((8, 512, 1, 4), (32, 512, 1, 8), (64, 256, 1, 8), (32, 256, 2, 8),
                                      (16, 256, 4, 4))]
@@ -134,6 +143,33 @@ def error_in_bounds(y: torch.Tensor, x: torch.Tensor, exact: torch.Tensor, terms
     return float(((y.double() - ref).abs() / (acc + roundings * unit * (ref.abs() + acc))).max())
 
 
+SCALED_MM = "scaled_mm (activations e4m3)"
+
+
+def scaled_mm(w: torch.Tensor, m: int, dtype: torch.dtype):
+    """fp8's GEMM path for more rows (gptj.quant.linear.Fp8Linear.scaled_mm, reused): x rounded to e4m3
+    per token (quantize_rows_fp8) and torch._scaled_mm with the weight's per-channel scale. Its error
+    is not the weight-only kernels' (the activations are quantized): reported as act_rel_error, max
+    |y - x @ w.T| / max |x| @ |w|.T, not against their bound. Where torch._scaled_mm refuses m rows,
+    x is padded with zero rows to a multiple of 16 (the padding's time included)."""
+    from gptj.quant.linear import Fp8Linear
+
+    N, K = w.shape
+    lin = Fp8Linear(K, N, bias=False, device=w.device)
+    lin.weight, lin.weight_scale = quantize_fp8(w)
+    lin.prepare()
+    try:
+        lin.scaled_mm(torch.zeros(m, K, dtype=dtype, device=w.device))
+        return lambda x, _tiles: lin.scaled_mm(x)
+    except RuntimeError:
+        pad = -m % 16 or 16
+
+        def padded(x, _tiles):  # noqa: ANN001
+            return lin.scaled_mm(torch.nn.functional.pad(x, (0, 0, 0, pad)))[: x.shape[0]]
+
+        return padded
+
+
 def compiled(kind: str, w: torch.Tensor):
     """gpt-fast's form, `F.linear(x, q.to(x.dtype)) * scale`, fused by torch.compile (inductor) into a
     kernel that reads the int8 / e4m3 weight once: the other way the issue names, timed beside ours."""
@@ -150,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(GPTJ_SHAPES), help=f"of {', '.join(GPTJ_SHAPES)}, or NxK")
     ap.add_argument("--rows", default="1,16", help="row counts (the first one chooses the plan)")
     ap.add_argument("--grid", default="small", choices=["default", "small", "full"],
-                    help="the plans: the default alone, 13, or 31")
+                    help="the plans: the default alone, 15, or 40")
     ap.add_argument("--compiled", action="store_true",
                     help="also time gpt-fast's torch.compile'd dequantize-and-multiply (int8, fp8; compiles per shape)")
     ap.add_argument("--out", type=Path)
@@ -185,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [(plan_name(tiles), call, tiles, 1) for tiles in plans(args.grid)]
                 if args.compiled and kind != "int4":
                     runs.append(("torch.compile", compiled(kind, w), None, 2))
+                if kind == "fp8" and args.grid != "smoke":
+                    runs.append((SCALED_MM, scaled_mm(w, M, dtype), None, 0))
                 for plan, fn, tiles, roundings in runs:
                     try:
                         y = fn(x, tiles)
@@ -193,9 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                                         "error": f"{type(e).__name__}: {(str(e) or ' ').splitlines()[0][:200]}"})
                         continue
                     ms = time_ms(lambda: fn(x, tiles))  # noqa: B023 - called at once
-                    results.append({"kind": kind, "shape": shape_name, "M": M, "plan": plan, "ms": ms,
-                                    "gb_s": nbytes / ms / 1e6, "vs_dense": base / ms,
-                                    "error_in_bounds": error_in_bounds(y, x, exact, terms, roundings)})
+                    row = {"kind": kind, "shape": shape_name, "M": M, "plan": plan, "ms": ms,
+                           "gb_s": nbytes / ms / 1e6, "vs_dense": base / ms}
+                    if roundings:
+                        row["error_in_bounds"] = error_in_bounds(y, x, exact, terms, roundings)
+                    else:  # activations quantized: no weight-only bound holds
+                        row["act_rel_error"] = float((y.double() - x.double() @ exact.T).abs().max()
+                                                     / (x.double().abs() @ terms.T).max())
+                    results.append(row)
     best = choose(results, kinds, rows[0])
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": args.dtype, "results": results, "best": best}
@@ -212,7 +255,8 @@ def plan_name(t: cuda.Tiles) -> str:
     """The kind "mma" with 16 rows a program (the plans timed before the other kinds) named as then."""
     head = "" if t.kind == "mma" and t.rows == cuda.BLOCK_M else f"{t.kind} r{t.rows} "
     return (head + f"n{t.block_n} k{t.int8_block_k} w{t.num_warps}" + (f" split{t.split}" if t.split else "")
-            + (f" s{t.num_stages}" if t.num_stages else "") + (" (default)" if t == cuda.TILES else ""))
+            + (f" s{t.num_stages}" if t.num_stages else "") + (" bits" if t.convert == "bits" else "")
+            + (" (default)" if t == cuda.TILES else ""))
 
 
 def choose(results: list[dict], kinds: list[str], m: int) -> dict:
@@ -223,8 +267,8 @@ def choose(results: list[dict], kinds: list[str], m: int) -> dict:
     for kind in kinds:
         by_rows: dict[int, dict[str, float]] = {}
         failed = {r["plan"] for r in results if r["kind"] == kind and "error" in r}  # not on every shape: not summed
-        for r in results:
-            if r["kind"] == kind and r["plan"] not in failed:
+        for r in results:  # the weight-only plans (scaled_mm computes another function)
+            if r["kind"] == kind and r["plan"] not in failed and r["plan"] != SCALED_MM:
                 sums = by_rows.setdefault(r["M"], {})
                 sums[r["plan"]] = sums.get(r["plan"], 0.0) + r["ms"]
         sums = by_rows[m]
@@ -245,6 +289,8 @@ def table(report: dict) -> list[str]:
             lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<34} failed: {r['error']}")
             continue
         err = f"  err {r['error_in_bounds']:.2f} of bound" if "error_in_bounds" in r else ""
+        if "act_rel_error" in r:
+            err = f"  err {r['act_rel_error']:.1e} of max |x| @ |w|"
         lines.append(f"{r['kind']:>8} {r['shape']:>10} M={r['M']:<3} {r['plan']:<34} {r['ms'] * 1e3:9.1f} us "
                      f"{r['gb_s']:7.0f} GB/s {r['vs_dense']:5.2f}x dense{err}")
     for kind, b in report["best"].items():

@@ -98,6 +98,149 @@ def test_module_facts():
     assert cuda.available()
     assert cuda.MAX_ROWS == 16
     assert cuda.TILES.kind == "mma" and cuda.TILES.rows == 16 and cuda.KINDS == ("mma", "swapped", "fma")
+    assert cuda.TILES.convert == "cast" and cuda.CONVERTS == ("cast", "bits")
+
+
+# --- Tiles.convert "bits": the recipes (gptj.quant.cuda's constants above INT8_MAGIC), replayed in torch
+# on every byte, and the kernels' own helpers run under the interpreter (integer operations and bit
+# casts only: it runs those right; the int4 helper's bfloat16 subtraction it cannot)
+
+
+def int8_bits(q: torch.Tensor) -> torch.Tensor:
+    """_int8_bf16's steps in torch: bits-as-float32(int32(q) + INT8_MAGIC) - INT8_MAGIC_VALUE, high half."""
+    f = (q.to(torch.int32) + cuda.INT8_MAGIC).view(torch.float32) - cuda.INT8_MAGIC_VALUE
+    return (f.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def e4m3_bits(b: torch.Tensor) -> torch.Tensor:
+    """_e4m3_bf16's steps in torch: (int32(int8(b)) << E4M3_SHIFT) & E4M3_MASK as bfloat16 bits."""
+    v = b.view(torch.int8).to(torch.int32)
+    return ((v << cuda.E4M3_SHIFT) & cuda.E4M3_MASK).to(torch.int16).view(torch.bfloat16)
+
+
+def int4_bits(n: torch.Tensor) -> torch.Tensor:
+    """_int4_bf16's steps in torch: bfloat16 bits INT4_MAGIC | n, less INT4_MAGIC_VALUE in bfloat16."""
+    b = (n.to(torch.int32) | cuda.INT4_MAGIC).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(b.double(), 128.0 + n.double())  # before the subtraction: 128 + n, exactly
+    return b - torch.tensor(cuda.INT4_MAGIC_VALUE, dtype=torch.bfloat16)
+
+
+ALL_INT8 = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+ALL_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+E4M3_FINITE = ~torch.isnan(ALL_E4M3.float())  # all but 0x7F and 0xFF
+
+
+def test_bits_recipes_are_exact_on_every_value():
+    """int8: every byte (-128 included) gives bfloat16(q) exactly; e4m3: every finite byte, subnormals
+    and -0 included, gives e4m3(b) * 2^-120 exactly (the NaN bytes a finite value); int4: every nibble
+    n - 8. The e4m3 path's powers of two cancel: x * 2^64, the weight * 2^-120, the sum * 2^56."""
+    assert torch.equal(int8_bits(ALL_INT8), ALL_INT8.to(torch.bfloat16))
+    assert torch.equal(int8_bits(ALL_INT8).double(), ALL_INT8.double())
+    got = e4m3_bits(ALL_E4M3)
+    assert torch.equal(got.double()[E4M3_FINITE], ALL_E4M3.double()[E4M3_FINITE] * 2.0**cuda.E4M3_LOG2)
+    assert torch.equal(got.view(torch.int16) < 0, ALL_E4M3.view(torch.uint8) >= 128)  # the sign, -0 too
+    assert torch.isfinite(got.double()).all() and got.double().abs().max() == 480 * 2.0**cuda.E4M3_LOG2
+    assert ((got.double().abs() < 2.0**-126) & (got.double() != 0)).sum() == 14  # e4m3's subnormals stay so
+    assert cuda.X_PRESCALE * 2.0**cuda.E4M3_LOG2 * cuda.E4M3_UNSCALE == 1.0
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(int4_bits(nibbles).double(), nibbles.double() - 8)
+
+
+if cuda.available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _bits_probe(q_ptr, e_ptr, q_out, e_out, N: tl.constexpr):
+        """The kernels' helpers on N bytes, their bfloat16 results stored as int16 bits."""
+        i = tl.arange(0, N)
+        tl.store(q_out + i, cuda._int8_bf16(tl.load(q_ptr + i)).to(tl.int16, bitcast=True))
+        tl.store(e_out + i, cuda._e4m3_bf16(tl.load(e_ptr + i)).to(tl.int16, bitcast=True))
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                    reason="Triton loads e4m3 on compute capability 8.9 and up")
+def test_the_kernels_bits_helpers_on_every_byte():
+    """_int8_bf16 and _e4m3_bf16 as the kernels run them (the interpreter on CPU, the GPU's code on a
+    GPU): the torch recipes' bits exactly, every byte."""
+    q_out = torch.empty(256, dtype=torch.int16, device=DEVICE)
+    e_out = torch.empty(256, dtype=torch.int16, device=DEVICE)
+    _bits_probe[(1,)](ALL_INT8.to(DEVICE), ALL_E4M3.to(DEVICE), q_out, e_out, N=256)
+    assert torch.equal(q_out.cpu(), int8_bits(ALL_INT8).view(torch.int16))
+    assert torch.equal(e_out.cpu(), e4m3_bits(ALL_E4M3).view(torch.int16))
+
+
+BITS_PLANS = [cuda.Tiles(convert="bits"), cuda.Tiles(kind="swapped", block_n=32, int8_block_k=128, rows=8,
+                                                     convert="bits")]
+
+
+@pytest.mark.parametrize("tiles", BITS_PLANS, ids=["mma", "swapped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bits_keeps_cast_for_other_dtypes(dtype, tiles):
+    """convert="bits" with float16 / float32 x: the "cast" kernel's result, bit for bit (int8, e4m3,
+    int4; K split in two)."""
+    cast = cuda.Tiles(**{**tiles.__dict__, "convert": "cast"})
+    x, w, bias = inputs(3, 40, 512, dtype, True)
+    q, scale, _ = int8_weight(w)
+    assert torch.equal(cuda.int8_linear(x, q, scale, bias, tiles=tiles),
+                       cuda.int8_linear(x, q, scale, bias, tiles=cast))
+    if DEVICE == "cpu" or torch.cuda.get_device_capability() >= (8, 9):
+        q, scale = quantize_fp8(w)
+        assert torch.equal(cuda.int8_linear(x, q, scale, tiles=tiles), cuda.int8_linear(x, q, scale, tiles=cast))
+    packed, scale, zero, _, _ = int4_weight(w, 128)
+    assert torch.equal(cuda.int4_linear(x, packed, scale, zero, 128, bias, tiles=tiles),
+                       cuda.int4_linear(x, packed, scale, zero, 128, bias, tiles=cast))
+
+
+# bfloat16 x (GPU only): the kernels with convert="bits" on the bound, batch invariance, and exactly
+# on every byte (a tensor core that flushed subnormal inputs would zero e4m3's subnormals here)
+BF16_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter has no bfloat16 arithmetic")
+FP8_UNITS = pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                               reason="Triton loads e4m3 on compute capability 8.9 and up")
+
+
+@BF16_ONLY
+@pytest.mark.parametrize("tiles", BITS_PLANS, ids=["mma", "swapped"])
+@pytest.mark.parametrize("kind", ["int8", pytest.param("e4m3", marks=FP8_UNITS), "int4"])
+def test_bits_on_bfloat16(kind, tiles):
+    """Within the bound, K split (512 inputs) and not (split_k=1), and each row the same bit for bit
+    alone as among 16."""
+    x, w, bias = inputs(16, 72, 512, torch.bfloat16, True)
+    if kind == "int4":
+        packed, scale, zero, exact, terms = int4_weight(w, 64)
+
+        def run(rows, split_k=None):
+            return cuda.int4_linear(rows, packed, scale, zero, 64, bias, split_k=split_k, tiles=tiles)
+    else:
+        q, scale = quantize_int8(w) if kind == "int8" else quantize_fp8(w)
+        exact = q.double() * scale.double()[:, None]
+        terms = exact.abs()
+
+        def run(rows, split_k=None):
+            return cuda.int8_linear(rows, q, scale, bias, split_k=split_k, tiles=tiles)
+    y = run(x)
+    check(y, x, exact, terms, bias)
+    check(run(x, 1), x, exact, terms, bias)
+    for i in (0, 5, 15):
+        assert torch.equal(run(x[i:i + 1]), y[i:i + 1]), f"row {i}"
+
+
+@BF16_ONLY
+@pytest.mark.parametrize("tiles", BITS_PLANS, ids=["mma", "swapped"])
+@pytest.mark.parametrize("kind", ["int8", pytest.param("e4m3", marks=FP8_UNITS)])
+def test_bits_exact_on_every_byte(kind, tiles):
+    """x one-hot rows of powers of two (2^-20 .. 2^25): y[m, n] is one product, x * weight * scale,
+    exact in float32, so y must be its bfloat16 exactly, for all 256 bytes (e4m3: the 254 finite
+    ones, subnormals included)."""
+    K = 16
+    if kind == "int8":
+        q = ALL_INT8.view(16, K).to(DEVICE)
+    else:
+        q = torch.where(E4M3_FINITE, ALL_E4M3.view(torch.uint8), 0).view(torch.float8_e4m3fn).view(16, K).to(DEVICE)
+    scale = (torch.rand(16, generator=torch.Generator().manual_seed(1)) + 0.5).to(torch.bfloat16).to(DEVICE)
+    x = torch.diag(2.0 ** torch.linspace(-20, 25, K)).to(torch.bfloat16).to(DEVICE)  # row m: x[m, m] only
+    want = (x.float().diagonal()[:, None] * q.float().T * scale.float()[None, :]).to(torch.bfloat16)
+    assert torch.equal(cuda.int8_linear(x, q, scale, tiles=tiles), want)
 
 
 # The kernel designs (Tiles.kind), each under a plan that exercises its edges on these small shapes:
@@ -114,7 +257,8 @@ BIAS_PLANS = pytest.mark.parametrize("with_bias,tiles", [(False, PLANS[0]), *((T
 
 
 @pytest.mark.parametrize("bad", [dict(kind="dot"), dict(rows=3), dict(rows=32), dict(kind="fma", rows=8),
-                                 dict(block_n=48), dict(int8_block_k=0), dict(rows=True)], ids=str)
+                                 dict(block_n=48), dict(int8_block_k=0), dict(rows=True), dict(convert="bit"),
+                                 dict(kind="fma", convert="bits", rows=1)], ids=str)
 def test_bad_plans(bad):
     with pytest.raises(ValueError):
         cuda.Tiles(**bad)

@@ -36,6 +36,17 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
   of outputs run together: a call of more rows than a program's reads the weight again, mostly from
   L2) and take int8_block_k // group_size int4 groups a loop step (unrolled).
   No GPU has timed "swapped" or "fma" yet: benchmarks/gemv_sweep.py times them beside "mma".
+  Tiles.convert "bits" (kinds "mma" and "swapped", bfloat16 x only; float16 / float32 x run "cast"):
+      the weight made bfloat16 by integer operations instead of w.to(x.dtype): the recipes and their
+      ranges above INT8_MAGIC (int8, int4 exact for every byte; e4m3 exact for every finite byte,
+      with x scaled by 2^64, so |x| < 2^64, products under 2^-70 maybe flushed). Compiled offline
+      for sm_90a with Triton 3.6 (the GPU machine's) and 3.9, never run on a GPU: the SASS shows
+      that Triton 3.6's own int8 -> bfloat16 cast has no conversion instructions already (byte
+      permutes, masks and a packed bfloat16 subtraction), so "bits" can gain little for int8 (it
+      drops the masked-byte select); e4m3's cast is F2F / F2FP conversions, which "bits" replaces by
+      permutes, a shift and a mask (plus x's scaling: a packed bfloat16 multiply per 2 x values of
+      each warp's copy of x); int4's drops the int8 -> bfloat16 conversions. Static instruction
+      counts differ by -15 to +9%; only a GPU's timings can tell (benchmarks/gemv_sweep.py).
 
 Batch invariance: every row is computed alike whatever else is in the call (under every kind, a
 row's sums do not depend on the other rows of its program, nor on its place among them; rows past M
@@ -47,6 +58,8 @@ differ in the last bits, so a caller switching plans by row count would lose thi
 Tested under Triton's interpreter only (TRITON_INTERPRET=1, on CPU tensors, float32 and float16;
 the interpreter has no bfloat16 arithmetic); the new kinds were compiled for sm_90a offline
 (triton.compile, ptxas: no spills at benchmarks/gemv_sweep.py's "small" grid), never run on a GPU.
+The "bits" recipes are tested on every byte in torch and, for int8 and e4m3, as the kernels' own
+helpers under the interpreter; the kernels with "bits" on bfloat16 x only on a GPU (not yet run).
 """
 
 from __future__ import annotations
@@ -94,6 +107,42 @@ DEFAULT_SMS = 132  # an H100's SMs: the plan where there is no GPU (the interpre
 
 KINDS = ("mma", "swapped", "fma")
 FMA_MAX_ROWS = 4  # the kind "fma" keeps one accumulator per row of its program: 1, 2 or 4
+CONVERTS = ("cast", "bits")  # Tiles.convert: how the kinds "mma" and "swapped" make bfloat16 weights
+
+# Tiles.convert "bits": the weight to bfloat16 by integer operations (bfloat16 x only), the recipes'
+# constants (shared by the kernels' helpers _int8_bf16, _e4m3_bf16, _int4_bf16 and the exhaustive
+# tests of tests/test_quant_cuda.py, which replay the same steps in torch and run the helpers):
+#   int8 q: f = bits-as-float32(int32(q) + INT8_MAGIC) - INT8_MAGIC_VALUE, the bfloat16 of f's high
+#     16 bits. int32(q) + 0x4B000080 is 0x4B000000 + (q + 128), q + 128 in 0..255 (no carry out of the
+#     low byte): the float32 2^23 + 128 + q exactly (its ulp is 1 in [2^23, 2^24)); less 2^23 + 128
+#     (exact: Sterbenz) it is q, an integer of at most 8 significant bits, so its low 16 bits are 0 and
+#     the high half is bfloat16(q) exactly. Every byte (-128..127) is exact: no range condition.
+#   e4m3 byte b: the bfloat16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 4), computed as
+#     (int32(int8(b)) << E4M3_SHIFT) & E4M3_MASK (the sign-extended byte: its bit 7 lands on bit 15),
+#     are exactly e4m3(b) * 2^E4M3_LOG2 (2^-120; e4m3's exponent bias 7, bfloat16's 127, 3 mantissa
+#     bits into the top of 7) for every finite byte, subnormals included (m/8 * 2^-6 becomes the
+#     bfloat16 subnormal (16 m / 128) * 2^-126); the NaN bytes 0x7F / 0xFF become 480 * 2^-120 (finite),
+#     as does any unloaded (masked) byte: no NaN reaches the sums, x is 0 there. Those weights are tiny
+#     (at most 448 * 2^-120, subnormal below 2^-126 for e4m3's subnormals), so x is scaled first by
+#     X_PRESCALE = 2^64 (exact in bfloat16 for |x| < 2^64; past that x * 2^64 is inf and so is y) and
+#     the float32 sums, x * e4m3 * 2^-56 each, scaled back by E4M3_UNSCALE = 2^56 before the channel
+#     scale (exact: a power of two, no overflow: |sum| <= K * 2^64 * 448 * 2^-120). A product
+#     x * e4m3 is then a normal float32 when |x * e4m3| >= 2^-70 (2^-126 * 2^56); smaller ones
+#     (|x| < 2^-61 against e4m3's smallest, 2^-9) may be flushed to 0 by the tensor cores, an
+#     absolute error under 2^-70 * |scale| a product ("cast" keeps products down to 2^-126). The
+#     mma's bfloat16 inputs include subnormal weights (e4m3's subnormals): a tensor core that flushed
+#     subnormal inputs would zero them (tests/test_quant_cuda.py's one-hot test checks this on a GPU).
+#   int4 nibble n (0..15): the bfloat16 bits INT4_MAGIC | n are 128 + n exactly (ulp 1 in [128, 256)),
+#     less INT4_MAGIC_VALUE (136) in bfloat16 it is n - 8 exactly (Sterbenz: both in [120, 143]).
+INT8_MAGIC = 0x4B000080  # float32 bits of 2^23 + 128
+INT8_MAGIC_VALUE = 8388736.0  # 2^23 + 128
+E4M3_SHIFT = 4
+E4M3_MASK = 0x87F0  # bit 15 (the sign) and bits 4..10 (e4m3's exponent and mantissa)
+E4M3_LOG2 = -120  # bfloat16 from a byte = e4m3 value * 2^E4M3_LOG2
+X_PRESCALE = 2.0**64
+E4M3_UNSCALE = 2.0**56  # 2^120 / X_PRESCALE
+INT4_MAGIC = 0x4300  # bfloat16 bits of 128
+INT4_MAGIC_VALUE = 136.0  # 128 + 8
 
 
 @dataclass(frozen=True)
@@ -110,6 +159,15 @@ class Tiles:
     block_n: output channels per program. int8_block_k: the int8 / e4m3 K step; the int4 K step of
       the kinds "swapped" and "fma" is int8_block_k // group_size groups (at least one), of "mma" one
       group. num_warps as Triton's. split / num_stages None: from the plan (_plan, _stages).
+    convert (kinds "mma" and "swapped"; "fma" converts to float32 by bit operations already): how the
+      weight becomes x's dtype for tl.dot. "cast" (the default): w.to(x.dtype), conversion
+      instructions (int8 -> float32 -> bfloat16: two a weight; on an H200 the bfloat16 int8 / e4m3
+      GEMVs ran at ~1.7 TB/s whatever the block sizes, 2026-11-28, maybe bound by these). "bits": for
+      bfloat16 x, integer operations (the recipes above INT8_MAGIC: int8 and int4 exact for every
+      byte; e4m3 scales x by 2^64, so |x| must stay under 2^64, and products under 2^-70 may be
+      flushed, see there); float16 / float32 x keep "cast" (the same kernel as "cast", bit for bit).
+      Never run on a GPU yet: whether it is faster, and whether Triton emits the intended
+      instructions, is for benchmarks/gemv_sweep.py to show.
     Any plan computes a row alike in a call of any number of rows; different plans sum in
     different orders (so their results may differ in the last bits)."""
 
@@ -120,10 +178,15 @@ class Tiles:
     num_stages: int | None = None
     kind: str = "mma"
     rows: int = BLOCK_M
+    convert: str = "cast"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Tiles.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"Tiles.convert must be one of {CONVERTS}, got {self.convert!r}")
+        if self.convert == "bits" and self.kind == "fma":
+            raise ValueError("Tiles.convert 'bits' is for the kinds mma and swapped (fma converts to float32 by bits)")
         for name in ("rows", "block_n", "int8_block_k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
@@ -146,17 +209,51 @@ def available() -> bool:
 
 
 if triton is not None:
+    # the "bits" recipes' constants as the kernels read them (globals must be constexpr in Triton)
+    _INT8_MAGIC = tl.constexpr(INT8_MAGIC)
+    _INT8_MAGIC_VALUE = tl.constexpr(INT8_MAGIC_VALUE)
+    _E4M3_SHIFT = tl.constexpr(E4M3_SHIFT)
+    _E4M3_MASK = tl.constexpr(E4M3_MASK)
+    _X_PRESCALE = tl.constexpr(X_PRESCALE)
+    _INT4_MAGIC = tl.constexpr(INT4_MAGIC)
+    _INT4_MAGIC_VALUE = tl.constexpr(INT4_MAGIC_VALUE)
+
+    @triton.jit
+    def _int8_bf16(w):
+        """int8 -> bfloat16 exactly by integer operations and one float32 subtraction (the recipe
+        above INT8_MAGIC): float32(2^23 + 128 + q) from its bits, less 2^23 + 128, its high half."""
+        f = (w.to(tl.int32) + _INT8_MAGIC).to(tl.float32, bitcast=True) - _INT8_MAGIC_VALUE
+        return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _e4m3_bf16(w):
+        """e4m3 -> bfloat16 e4m3 * 2^-120 by a shift and a mask (the recipe above INT8_MAGIC): any
+        byte gives a finite value (NaN bytes too), so masked loads need no zeroing."""
+        v = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bit 7 is copied to bit 15
+        return ((v << _E4M3_SHIFT) & _E4M3_MASK).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _int4_bf16(n):
+        """A nibble n (0..15, any integer dtype) -> bfloat16 n - 8 exactly: the bfloat16 128 + n from
+        its bits, less 136 in bfloat16 (the recipe above INT8_MAGIC)."""
+        b = (n.to(tl.int32) | _INT4_MAGIC).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return b - tl.full(b.shape, _INT4_MAGIC_VALUE, tl.bfloat16)  # bfloat16 both: no float32
+
     @triton.jit
     def _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr,
-                    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    UNSCALE: tl.constexpr):
         """A (BLOCK_M, BLOCK_N) float32 tile of sums: with SPLIT > 1 the raw partial sum of this
-        program's K slice (into partials (SPLIT, M, N)); else * scale[n] + bias[n], in x's dtype."""
+        program's K slice (into partials (SPLIT, M, N)); else * UNSCALE (a power of two: 1, or the
+        e4m3 "bits" sums' 2^56, exact) * scale[n] + bias[n], in x's dtype."""
         nmask = cols < N
         mask = (rows < M)[:, None] & nmask[None, :]
         at = rows.to(tl.int64)[:, None] * N + cols[None, :]
         if SPLIT > 1:
             tl.store(out_ptr + tl.program_id(2).to(tl.int64) * M * N + at, acc, mask=mask)
         else:
+            if UNSCALE != 1.0:
+                acc = acc * UNSCALE
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
@@ -166,8 +263,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _int8_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-        """Program (n block, row tile, K slice): sum over its K slice of x[m, k] * q[n, k]."""
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                     BITS: tl.constexpr, INT8: tl.constexpr, UNSCALE: tl.constexpr):
+        """Program (n block, row tile, K slice): sum over its K slice of x[m, k] * q[n, k]. BITS
+        (bfloat16 x): the weight converted by _int8_bf16 / _e4m3_bf16 (e4m3: x * 2^64 first, the
+        sums 2^-56 times "cast"'s, UNSCALE 2^56 back in the epilogue)."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < M
@@ -183,20 +283,28 @@ if triton is not None:
             # no `other` (e4m3 has no integer zero to cast); masked inputs zeroed after the cast:
             # x is 0 there too, but an unloaded e4m3 byte could be NaN
             w = tl.load(q_rows + (k + kk)[None, :], mask=(cols < N)[:, None] & kmask[None, :])
-            w = w.to(x.dtype)  # exact: int8 and e4m3 values are values of every x dtype
-            w = tl.trans(tl.where(kmask[None, :], w, tl.zeros_like(w)))  # (BLOCK_K, BLOCK_N)
+            if BITS:  # any byte a finite bfloat16: masked inputs need no zeroing (x is 0 there)
+                if INT8:
+                    w = tl.trans(_int8_bf16(w))
+                else:
+                    x = x * tl.full(x.shape, _X_PRESCALE, tl.bfloat16)  # exact for |x| < 2^64
+                    w = tl.trans(_e4m3_bf16(w))
+            else:
+                w = w.to(x.dtype)  # exact: int8 and e4m3 values are values of every x dtype
+                w = tl.trans(tl.where(kmask[None, :], w, tl.zeros_like(w)))  # (BLOCK_K, BLOCK_N)
             if IEEE:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS, UNSCALE)
 
     @triton.jit(do_not_specialize=["M"])
     def _int4_kernel(x_ptr, p_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, groups,
                      g_slice, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr):
         """Program (n block, row tile, slice of groups): per group g of its slice,
-        scale[n, g] * sum_k (q[n, k] - 8) * x[m, k] + zero[n, g] * sum_k x[m, k]."""
+        scale[n, g] * sum_k (q[n, k] - 8) * x[m, k] + zero[n, g] * sum_k x[m, k]. BITS (bfloat16 x):
+        q - 8 by _int4_bf16."""
         HALF: tl.constexpr = GROUP // 2
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,8 +321,12 @@ if triton is not None:
             xe = tl.load(x_even + g * GROUP, mask=rmask[:, None], other=0.0)  # (BLOCK_M, HALF)
             xo = tl.load(x_even + g * GROUP + 1, mask=rmask[:, None], other=0.0)
             p = tl.load(p_rows + g * HALF, mask=nmask[:, None], other=0)  # (BLOCK_N, HALF) uint8
-            hi = tl.trans(((p >> 4).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j] - 8, exact in x's dtype
-            lo = tl.trans(((p & 15).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j + 1] - 8
+            if BITS:
+                hi = tl.trans(_int4_bf16(p >> 4))
+                lo = tl.trans(_int4_bf16(p & 15))
+            else:
+                hi = tl.trans(((p >> 4).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j] - 8, exact in x's dtype
+                lo = tl.trans(((p & 15).to(tl.int8) - 8).to(xe.dtype))  # q[n, 2j + 1] - 8
             if IEEE:
                 qx = tl.dot(xo, lo, tl.dot(xe, hi, input_precision="ieee"), input_precision="ieee")
             else:
@@ -223,16 +335,17 @@ if triton is not None:
             s = tl.load(scale_ptr + sz_rows + g, mask=nmask, other=0.0).to(tl.float32)
             z = tl.load(zero_ptr + sz_rows + g, mask=nmask, other=0.0).to(tl.float32)
             acc += qx * s[None, :] + sx[:, None] * z[None, :]
-        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS, 1.0)
 
     # --- the kinds "swapped" and "fma" (Tiles.kind): grid (row tile, n block, K slice) ----------
 
     @triton.jit(do_not_specialize=["M"])
     def _int8_swapped_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                             BITS: tl.constexpr, INT8: tl.constexpr, UNSCALE: tl.constexpr):
         """The weight as tl.dot's A operand, (BLOCK_N, BLOCK_K) as it lies in memory, x^T (BLOCK_K,
-        ROWS) as B: out^T tiles (BLOCK_N, ROWS), stored transposed. Sums as _int8_kernel's."""
+        ROWS) as B: out^T tiles (BLOCK_N, ROWS), stored transposed. Sums (and BITS) as _int8_kernel's."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < M
@@ -247,21 +360,28 @@ if triton is not None:
             kmask = (k + kk) < K
             xt = tl.load(x_cols + (k + kk)[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
             w = tl.load(q_rows + (k + kk)[None, :], mask=nmask[:, None] & kmask[None, :])
-            w = w.to(xt.dtype)  # exact; masked inputs zeroed after the cast (e4m3: see _int8_kernel)
-            w = tl.where(kmask[None, :], w, tl.zeros_like(w))
+            if BITS:  # as _int8_kernel's
+                if INT8:
+                    w = _int8_bf16(w)
+                else:
+                    xt = xt * tl.full(xt.shape, _X_PRESCALE, tl.bfloat16)
+                    w = _e4m3_bf16(w)
+            else:
+                w = w.to(xt.dtype)  # exact; masked inputs zeroed after the cast (e4m3: see _int8_kernel)
+                w = tl.where(kmask[None, :], w, tl.zeros_like(w))
             if IEEE:
                 acc = tl.dot(w, xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
-        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS, UNSCALE)
 
     @triton.jit(do_not_specialize=["M"])
     def _int4_swapped_kernel(x_ptr, p_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, groups,
                              g_slice, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                              STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             IEEE: tl.constexpr):
-        """_int4_kernel's sums with the weight as tl.dot's A operand (no transpose of it), STEP groups
-        a loop step (unrolled: their loads issued together), out^T tiles (BLOCK_N, ROWS)."""
+                             IEEE: tl.constexpr, BITS: tl.constexpr):
+        """_int4_kernel's sums (and BITS) with the weight as tl.dot's A operand (no transpose of it),
+        STEP groups a loop step (unrolled: their loads issued together), out^T tiles (BLOCK_N, ROWS)."""
         HALF: tl.constexpr = GROUP // 2
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,8 +404,12 @@ if triton is not None:
                 xe = tl.load(x_even + g * GROUP, mask=xmask, other=0.0)
                 xo = tl.load(x_even + g * GROUP + 1, mask=xmask, other=0.0)
                 p = tl.load(p_rows + gw * HALF, mask=nmask[:, None], other=0)  # (BLOCK_N, HALF)
-                hi = ((p >> 4).to(tl.int8) - 8).to(xe.dtype)
-                lo = ((p & 15).to(tl.int8) - 8).to(xe.dtype)
+                if BITS:
+                    hi = _int4_bf16(p >> 4)
+                    lo = _int4_bf16(p & 15)
+                else:
+                    hi = ((p >> 4).to(tl.int8) - 8).to(xe.dtype)
+                    lo = ((p & 15).to(tl.int8) - 8).to(xe.dtype)
                 if IEEE:
                     qx = tl.dot(lo, xo, tl.dot(hi, xe, input_precision="ieee"), input_precision="ieee")
                 else:
@@ -294,7 +418,7 @@ if triton is not None:
                 s = tl.load(scale_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)
                 z = tl.load(zero_ptr + sz_rows + gw, mask=nmask, other=0.0).to(tl.float32)
                 acc += qx * s[:, None] + sx[None, :] * z[:, None]
-        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+        _store_tile(tl.trans(acc), rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS, 1.0)
 
     @triton.jit(do_not_specialize=["M"])
     def _int8_fma_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_slice,
@@ -344,7 +468,7 @@ if triton is not None:
                 acc3 += w * tl.load(x3 + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         tile = _row_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                          ROWS, BLOCK_N)
-        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS)
+        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, True, HAS_BIAS, 1.0)
 
     @triton.jit
     def _row_tile(s0, s1, s2, s3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -416,13 +540,14 @@ if triton is not None:
                     acc3 += w_lo * xo[None, :]
         tile = _row_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                          ROWS, BLOCK_N)
-        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS)
+        _store_tile(tile, m0 + tl.arange(0, ROWS), cols, M, N, scale_ptr, bias_ptr, out_ptr, SPLIT, False, HAS_BIAS,
+                    1.0)
 
     @triton.jit(do_not_specialize=["M"])
     def _finish_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Split-K's second pass: the SPLIT partial sums added in order 0, 1, ..., then scale, bias."""
+                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, UNSCALE: tl.constexpr):
+        """Split-K's second pass: the SPLIT partial sums added in order 0, 1, ..., then * UNSCALE, scale, bias."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -430,7 +555,7 @@ if triton is not None:
         acc = tl.load(part_ptr + at, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLIT):
             acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0)
-        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, 1, HAS_SCALE, HAS_BIAS)
+        _store_tile(acc, rows, cols, M, N, scale_ptr, bias_ptr, out_ptr, 1, HAS_SCALE, HAS_BIAS, UNSCALE)
 
 
 # --- the calls -----------------------------------------------------------------------------------
@@ -458,16 +583,19 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     args = (x2, q, scale, scale if bias is None else bias, dest, M, N, K, x2.stride(0), per_slice * bk)
     sizes = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages or _stages(bn * bk * q.element_size() + rows * bk * x2.element_size()))
+    bits = _bits(tiles, x2)
+    int8 = q.dtype == torch.int8
+    unscale = E4M3_UNSCALE if bits and not int8 else 1.0  # the e4m3 "bits" sums are 2^-56 times the others'
     if tiles.kind == "mma":
         _int8_kernel[(triton.cdiv(N, bn), triton.cdiv(M, rows), split)](
-            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, **sizes)
+            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, BITS=bits, INT8=int8, UNSCALE=unscale, **sizes)
     elif tiles.kind == "swapped":
         _int8_swapped_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
-            *args, ROWS=rows, IEEE=x2.dtype == torch.float32, **sizes)
+            *args, ROWS=rows, IEEE=x2.dtype == torch.float32, BITS=bits, INT8=int8, UNSCALE=unscale, **sizes)
     else:
         _int8_fma_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
-            *args, ROWS=rows, INT8=q.dtype == torch.int8, STAGES=sizes["num_stages"], **sizes)
-    return _finish(dest, out, scale, bias, has_scale=True, tiles=tiles)
+            *args, ROWS=rows, INT8=int8, STAGES=sizes["num_stages"], **sizes)
+    return _finish(dest, out, scale, bias, has_scale=True, tiles=tiles, unscale=unscale)
 
 
 def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -504,10 +632,10 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
                                                                 * x2.element_size())))
     if tiles.kind == "mma":
         _int4_kernel[(triton.cdiv(N, bn), triton.cdiv(M, rows), split)](
-            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, **sizes)
+            *args, BLOCK_M=rows, IEEE=x2.dtype == torch.float32, BITS=_bits(tiles, x2), **sizes)
     elif tiles.kind == "swapped":
         _int4_swapped_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
-            *args, ROWS=rows, STEP=step, IEEE=x2.dtype == torch.float32, **sizes)
+            *args, ROWS=rows, STEP=step, IEEE=x2.dtype == torch.float32, BITS=_bits(tiles, x2), **sizes)
     else:
         _int4_fma_kernel[(triton.cdiv(M, rows), triton.cdiv(N, bn), split)](
             *args, ROWS=rows, STEP=step, STAGES=sizes["num_stages"], **sizes)
@@ -556,14 +684,20 @@ def _outputs(x2: torch.Tensor, n: int, split: int) -> tuple[torch.Tensor, torch.
 
 
 def _finish(dest: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            has_scale: bool, tiles: Tiles = TILES) -> torch.Tensor:
+            has_scale: bool, tiles: Tiles = TILES, unscale: float = 1.0) -> torch.Tensor:
     if dest is out:
         return out
     split, M, N = dest.shape
     _finish_kernel[(triton.cdiv(N, tiles.block_n), triton.cdiv(M, BLOCK_M))](
         dest, scale, scale if bias is None else bias, out, M, N, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n,
-        SPLIT=split, HAS_SCALE=has_scale, HAS_BIAS=bias is not None, num_warps=tiles.num_warps)
+        SPLIT=split, HAS_SCALE=has_scale, HAS_BIAS=bias is not None, UNSCALE=unscale, num_warps=tiles.num_warps)
     return out
+
+
+def _bits(tiles: Tiles, x2: torch.Tensor) -> bool:
+    """Whether the kernel converts the weight by bits (Tiles.convert): "bits" plans with bfloat16 x;
+    float16 / float32 x keep "cast" (the recipes make bfloat16)."""
+    return tiles.convert == "bits" and x2.dtype == torch.bfloat16
 
 
 def _need_triton() -> None:
