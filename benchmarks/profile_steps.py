@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="profile-steps")
     ap.add_argument("--trace", action="store_true", help="also write the profiler's Chrome trace (large)")
     ap.add_argument("--json", action="store_true", help="print profile.json's object instead of the table")
+    ap.add_argument("--attention-variant", choices=("sum", "dot"),
+                    help="the cuda attention backend's decode kernel (CudaAttention.decode_variant: sum, its "
+                         "default, or dot: the shared blocks by tl.dot), set before the CUDA graphs are captured")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "samples": 3, "max_new_tokens": 12,
                            "warm_steps": 1, "steps": 2, "top": 5}, argv)
     out = Path(args.out)
@@ -80,8 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     todo = [articles[i % len(articles)] for i in range(args.samples)]
     longest = max(len(p) for p in todo)
     # no prefix cache: MLPerf's samples share no prompt block, these repeats would
+    variant = args.attention_variant
     engine = build_engine(model, EngineConfig(max_seqs=args.samples * gen.num_beams, kv_dtype=args.kv_dtype,
-                                              max_len=longest + gen.max_new_tokens, prefix_caching=False), warm=gen)
+                                              max_len=longest + gen.max_new_tokens, prefix_caching=False),
+                          warm=None if variant else gen)
+    if variant:  # the kernel chosen, then warmed as build_engine warms (the graphs capture the chosen kernel)
+        backend = engine.runner.attention
+        if not hasattr(backend, "decode_variant"):
+            raise GptjError(f"--attention-variant: the {backend.name} attention backend has no decode variants "
+                            "(the cuda backend's)")
+        backend.decode_variant = variant
+        if engine.runner.graphs is not None:
+            engine.warm(gen)
     cuda = engine.device.type == "cuda"
     for p in todo:
         engine.add_request(p, gen)
@@ -134,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"{result['device']}, torch {result['torch']}: {args.samples} samples x {gen.num_beams} beams "
-          f"({rows:.0f} rows a step), prefill of all {prefill_s:.1f} s")
+          f"({rows:.0f} rows a step), prefill of all {prefill_s:.1f} s"
+          + (f", attention decode variant {variant}" if variant else ""))
     print(f"decode step {result['step_ms']:.2f} ms wall, {device_ms:.2f} ms of kernels "
           f"({'device' if cuda else 'CPU ops'}); host phases: "
           + ", ".join(f"{k} {v:.2f}" for k, v in result["host_phases_ms"].items()))

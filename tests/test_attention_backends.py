@@ -56,6 +56,11 @@ def backends() -> list:
     return [
         pytest.param("cuda", torch.float32, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
         pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(cuda_reason is not None, reason=str(cuda_reason))),
+        # the "dot" decode kernel (CudaAttention.decode_variant): the shared blocks by tl.dot
+        pytest.param("cuda/dot", torch.float32, marks=pytest.mark.skipif(cuda_reason is not None,
+                                                                         reason=str(cuda_reason))),
+        pytest.param("cuda/dot", torch.float16, marks=pytest.mark.skipif(cuda_reason is not None,
+                                                                         reason=str(cuda_reason))),
         *(pytest.param(f"cpu-native/{isa.name}", torch.bfloat16, marks=pytest.mark.skipif(
             native_reason is not None or DEVICE != "cpu", reason=f"native kernels unavailable: {native_reason}"))
           for isa in native.ISAS),  # each ISA's library (conftest.use_isa skips the ones this CPU lacks)
@@ -106,7 +111,21 @@ def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, stora
     to the dtype and keys/values dequantized to it move each score by <= u (max|s| + max sum|q k| /
     sqrt(D)) =: delta, so the probabilities by factors within e^(+-2 delta) and the output by <= 2.01
     delta max|v|; probabilities and values rounded to the dtype (<= 2u p.|v|) and the output's own
-    rounding (u |out|); float32 sums and the online softmax's rescales (<= (4 L + 16) 2^-24 max|v|)."""
+    rounding (u |out|); float32 sums and the online softmax's rescales (<= (4 L + 16) 2^-24 max|v|).
+
+    The cuda backend's "dot" kernel (shared blocks by tl.dot) is held to the same bound, derived for
+    its arithmetic: its scores are float32 sums of exact products of q and keys in the compute dtype
+    (quantized keys dequantized to it: <= u sum|q k| / sqrt(D), in delta); below float32 each
+    probability is rounded to the dtype before P.V, a relative error <= u per probability, so <= u
+    p.|v| on the output (the first u of the 2u p.|v| term: the reference rounds them too, HF's rule),
+    and dequantized values rounded to the dtype add <= u p.|v| (the second); float32 (IEEE) and the
+    denominators as the "sum" kernel's. Blocks of 8 tokens are below tl.dot's tile (the "sum" kernel
+    runs): only B16 runs it."""
+    variant = "sum"
+    if backend == "cuda/dot":
+        if B < 16:
+            pytest.skip("blocks under 16 tokens: paged_decode runs the sum kernel for the dot variant")
+        backend, variant = "cuda", "dot"
     if backend.startswith("cpu-native/"):
         backend, isa = backend.split("/")
         use_isa(monkeypatch, isa)
@@ -118,11 +137,21 @@ def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, stora
     perm = torch.randperm(20, generator=torch.Generator().manual_seed(1)).tolist()
     groups = groups_of(B, perm)
     impl = att.make_backend(policy.AttentionPath(backend, False))
+    if variant != "sum":
+        impl.decode_variant = variant
     meta = impl.build(kv, groups, [0] * 7, [0] * 7)
     q = torch.randn(7, H, D, generator=torch.Generator().manual_seed(2)).to(compute).to(DEVICE)
     got = impl.decode(kv, 0, q, meta).double()
     assert got.shape == (7, H, D) and got.dtype == torch.float64
-    u = UNIT[compute]
+    assert_within_the_bound(kv, groups, q, got, UNIT[compute])
+    assert getattr(impl, "kernel_ok", True)  # the kernel ran (not the reference's forms after a failure)
+
+
+def assert_within_the_bound(kv: att.PagedKV, groups: list[att.DecodeGroup], q: torch.Tensor, got: torch.Tensor,
+                            u: float) -> None:
+    """Each row of `got` (N, H, D) float64 within the decode test's bound (its docstring) of float64
+    attention over the stored values; u: the compute dtype's unit roundoff."""
+    D = q.shape[-1]
     row = 0
     for g in groups:
         for own in g.own:
@@ -134,25 +163,50 @@ def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, stora
             delta = u * (s.abs().amax(-1) + (qn[:, None, :] * k).abs().sum(-1).amax(-1) / D**0.5)
             vmax = v.abs().amax((1, 2))[:, None]
             L = k.shape[1]
-            bound = u * (want.abs() + 2 * (p @ v.abs())) + (2.01 * delta[:, None] + (4 * L + 16) * 2.0**-24) * vmax
+            pv = (p[..., None] * v.abs()).sum(-2)  # (H, D): p @ v.abs() would broadcast to (H, H, D)
+            bound = u * (want.abs() + 2 * pv) + (2.01 * delta[:, None] + (4 * L + 16) * 2.0**-24) * vmax
+            assert bound.shape == want.shape
             err = (got[row] - want).abs()
             assert (err <= bound).all(), (row, float((err / bound).max()))
             row += 1
+    assert row == len(got)
 
 
 @needs_triton
+@pytest.mark.parametrize("compute", [torch.float32, torch.float16])
+def test_the_dot_kernel_on_a_group_of_sixteen_rows_is_within_the_bound(compute):
+    """The "dot" decode kernel where the tile of rows is tl.dot's (a group of 9 beams: 16 rows, no
+    move between tiles) beside a one-row group, int8 blocks: within the decode test's bound."""
+    H, D, B = 2, 64, 16
+    kv = make_pool(H, D, B, 16, "int8", compute, seed=11)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(12)).tolist()
+    groups = [att.DecodeGroup(perm[:2], 2 * B, [[b] for b in perm[2:11]], 6),  # 9 beams
+              att.DecodeGroup(perm[11:13], B + 1, [[]], 0)]
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    impl.decode_variant = "dot"
+    meta = impl.build(kv, groups, [0] * 10, [0] * 10)
+    assert meta.tables.max_rows == 9
+    q = torch.randn(10, H, D, generator=torch.Generator().manual_seed(13)).to(compute).to(DEVICE)
+    assert_within_the_bound(kv, groups, q, impl.decode(kv, 0, q, meta).double(), UNIT[compute])
+    assert impl.kernel_ok
+
+
+@needs_triton
+@pytest.mark.parametrize("variant, B", [("sum", 8), ("dot", 16)])  # dot: blocks of 16 (tl.dot's tile)
 @pytest.mark.parametrize("storage", ["float", "int8", "fp8"])
-def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage):
+def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage, variant, B):
     """Batch invariance at a tile: a group's rows computed with the whole step's groups equal the
     same group computed alone in the same tile of rows, bit for bit (one program per group and head:
     nothing is shared across groups). The tile (the step's largest group, to a power of two) shapes
     the compiled reduction, and its order: on an H200 (2026-11-27) a group's rows differed in their
     last bits between tiles, so across tiles the promise is the arithmetic's bound (the test above),
-    and CUDA graphs are captured per tile."""
-    kv = make_pool(2, 64, 8, 20, storage, torch.float32, seed=3)
+    and CUDA graphs are captured per tile. Both decode kernels ("dot": the shared blocks by tl.dot on a
+    tile of 16 rows, whatever the group's)."""
+    kv = make_pool(2, 64, B, 20, storage, torch.float32, seed=3)
     perm = torch.randperm(20, generator=torch.Generator().manual_seed(4)).tolist()
-    groups = groups_of(8, perm)
+    groups = groups_of(B, perm)
     impl = att.make_backend(policy.AttentionPath("cuda", False))
+    impl.decode_variant = variant
     q = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     meta = impl.build(kv, groups, [0] * 7, [0] * 7)
     together = impl.decode(kv, 0, q, meta)
@@ -164,6 +218,7 @@ def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage):
         alone = impl.decode(kv, 0, q[row:row + g.rows], alone_meta)
         assert torch.equal(alone, together[row:row + g.rows])
         row += g.rows
+    assert impl.kernel_ok
 
 
 def test_a_step_builds_its_index_tensors_once_on_the_kvs_device():

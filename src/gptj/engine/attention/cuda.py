@@ -8,14 +8,25 @@ The kernel runs one program per (decode group, head). A group's rows — one seq
 of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
 once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
 the softmax online (flash-decoding's running max and sum, one pass over the keys and values);
-quantized blocks (int8 or e4m3) are read in place with their per-token-head scales. The step's groups come as the same int32
-DecodeTables gptj.native reads, made once per step and copied to the GPU in one go. The tile of rows
-is the step's largest group rounded up to a power of two, and a compiled reduction's order follows
-the tile: a group's rows are the same bit for bit in any step of the same tile, and within the
-arithmetic's bound across tiles (on an H200 they differed in the last bits).
+quantized blocks (int8 or e4m3) are read in place with their per-token-head scales. The step's
+groups come as the same int32 DecodeTables gptj.native reads, made once per step and copied to the
+GPU in one go. The tile of rows is the step's largest group rounded up to a power of two, and a
+compiled reduction's order follows the tile: a group's rows are the same bit for bit in any step of
+the same tile, and within the arithmetic's bound across tiles (on an H200 they differed in the last
+bits).
 
-The kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how it
-is tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
+A second decode kernel, CudaAttention.decode_variant "dot" (default "sum": the kernel above), reads
+the group's shared blocks by tl.dot (tensor cores) on a tile of max(16, R) rows, as the prefill
+kernel does (float32: IEEE; 16-bit: q and keys in their dtype, the probabilities rounded to the
+values' dtype before P.V, HF's rule, float32 sums; quantized blocks dequantized to the compute
+dtype), then moves the running softmax to the R rows and reads each row's own blocks as "sum" does
+(blocks under 16 tokens: "sum"). Its output is within the same arithmetic's bound, not the same bits;
+it is chosen by setting the attribute (benchmarks/profile_steps.py --attention-variant), no user flag.
+Nothing about it has been measured or compiled on a GPU yet: whether it is faster is the next GPU
+session's question.
+
+The kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how they
+are tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
 """
 
 from __future__ import annotations
@@ -104,6 +115,100 @@ if triton is not None:
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
 
         out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
+        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_decode_dot_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
+                                 row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
+                                 omax, scale, D,
+                                 s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
+                                 B: tl.constexpr, BLOCK_R: tl.constexpr, DOT_R: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
+        """_paged_decode_kernel's "dot" variant: the group's shared blocks by tl.dot (tensor cores) on a
+        tile of DOT_R = max(16, BLOCK_R) rows, with the prefill kernel's conventions (float32: IEEE;
+        16-bit: q and keys in their dtype, the probabilities rounded to the values' dtype, float32
+        sums; quantized blocks dequantized to the compute dtype); the running softmax then moves to
+        the BLOCK_R rows (an exact selection) and each row's own blocks are read as the "sum" kernel
+        reads them."""
+        g = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.load(row0_ptr + g)
+        end = tl.load(row0_ptr + g + 1)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        t = tl.arange(0, B)
+        r16 = tl.arange(0, DOT_R)
+        q16 = tl.load(q_ptr + (first + r16)[:, None] * s_qn + h * s_qh + d[None, :],
+                      mask=((first + r16) < end)[:, None] & dmask[None, :], other=0.0)  # (DOT_R, D), q's dtype
+        m16 = tl.full([DOT_R], float("-inf"), tl.float32)
+        den16 = tl.zeros([DOT_R], tl.float32)
+        acc16 = tl.zeros([DOT_R, BLOCK_D], tl.float32)
+
+        # the group's shared blocks: scores (DOT_R, B) = q . k^T and values p . v, both by tl.dot
+        slen = tl.load(slen_ptr + g)
+        soff = tl.load(soff_ptr + g)
+        for j in range(0, tl.cdiv(slen, B)):
+            block = tl.load(stab_ptr + soff + j).to(tl.int64)
+            tmask = j * B + t < slen
+            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0)  # (B, D)
+            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0)
+            if QUANTIZED:  # dequantized to the compute dtype, as the prefill kernel reads them
+                sat = block * s_sb + h * s_sh + t
+                k = k.to(tl.float32) * tl.load(ks_ptr + sat, mask=tmask, other=0.0)[:, None]
+                v = v.to(tl.float32) * tl.load(vs_ptr + sat, mask=tmask, other=0.0)[:, None]
+            k = k.to(q16.dtype)
+            v = v.to(q16.dtype)
+            if IEEE:
+                s = tl.dot(q16, tl.trans(k), input_precision="ieee") * scale  # (DOT_R, B) float32
+            else:
+                s = tl.dot(q16, tl.trans(k)) * scale
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m16, tl.max(s, axis=1))
+            alpha = tl.exp(m16 - m_new)  # 0 at the first tile (m = -inf); every tile has a key
+            p = tl.exp(s - m_new[:, None])
+            den16 = den16 * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc16 = acc16 * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:  # the probabilities rounded to the values' dtype (HF's rule), summed in float32
+                acc16 = acc16 * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m16 = m_new
+
+        # the running softmax from the DOT_R tile to the BLOCK_R rows: each row's own values, exactly
+        if DOT_R == BLOCK_R:
+            m, den, acc = m16, den16, acc16
+        else:
+            pick = tl.arange(0, BLOCK_R)[:, None] == r16[None, :]  # (R, DOT_R)
+            m = tl.max(tl.where(pick, m16[None, :], float("-inf")), axis=1)
+            den = tl.sum(tl.where(pick, den16[None, :], 0.0), axis=1)
+            acc = tl.sum(tl.where(pick[:, :, None], acc16[None, :, :], 0.0), axis=1)
+
+        # each row's own blocks: as _paged_decode_kernel reads them (float32 on CUDA cores)
+        rows = first + tl.arange(0, BLOCK_R)
+        rmask = rows < end
+        q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
+        olen = tl.load(olen_ptr + g)
+        for j in range(0, tl.cdiv(olen, B)):
+            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
+            tmask = j * B + t < olen
+            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
+            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
+            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
+                smask = rmask[:, None] & tmask[None, :]
+                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
+                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
+            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
+            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
+
+        out = acc / tl.maximum(den, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & dmask[None, :])
 
@@ -235,6 +340,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
 
 
 PREFILL_TILE = 16  # queries per program (tl.dot's smallest tile); key blocks of 16 tokens or more
+DECODE_VARIANTS = ("sum", "dot")  # paged_decode's kernels (CudaAttention.decode_variant)
 
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
@@ -266,9 +372,12 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
 
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
                  max_rows: int, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                 variant: str = "sum") -> torch.Tensor:
     """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) of
     out_dtype: float32 sums rounded once to it (in the kernel, as a cast after it would round them).
+    variant: "sum" (float32 on CUDA cores throughout) or "dot" (the shared blocks by tl.dot, as the
+    module says; blocks of fewer than 16 tokens, below tl.dot's smallest tile, run "sum").
 
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
     int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
@@ -280,10 +389,22 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     B = kc.shape[2]
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"paged_decode: variant {variant!r}, not one of {', '.join(DECODE_VARIANTS)}")
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
+    if variant == "dot" and B >= PREFILL_TILE:
+        block_r = triton.next_power_of_2(max_rows)
+        _paged_decode_dot_kernel[(len(soff), H)](
+            q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
+            otab.shape[1], 1.0 / math.sqrt(D), D,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
+            B=B, BLOCK_R=block_r, DOT_R=max(PREFILL_TILE, block_r), BLOCK_D=triton.next_power_of_2(D),
+            QUANTIZED=quantized, IEEE=q.dtype == torch.float32)
+        return out
     _paged_decode_kernel[(len(soff), H)](
         q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
         otab.shape[1], 1.0 / math.sqrt(D), D,
@@ -301,6 +422,7 @@ class CudaAttention(ReferenceAttention):
 
     name = "cuda"
     reads_tables = True
+    decode_variant = "sum"  # paged_decode's kernel ("sum" or "dot": a benchmark's choice, no user flag)
 
     def __init__(self, compiled: bool = False) -> None:
         super().__init__(compiled)
@@ -311,7 +433,7 @@ class CudaAttention(ReferenceAttention):
             tables = meta.tables
             try:
                 return paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer),
-                                    out_dtype=kv.compute)
+                                    out_dtype=kv.compute, variant=self.decode_variant)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
                 self._kernel_failed("decode", e)
         return super().decode(kv, layer, q, meta)
