@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                         row["act_rel_error"] = float((y.double() - x.double() @ exact.T).abs().max()
                                                      / (x.double().abs() @ terms.T).max())
                     results.append(row)
+        if args.out:  # what is done so far, in case the run is cut short (the full report replaces it)
+            args.out.write_text(json.dumps({"partial": True, "dtype": args.dtype, "results": results}, indent=1))
     best = choose(results, kinds, rows[0])
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": args.dtype, "results": results, "best": best}
