@@ -60,6 +60,29 @@ if triton is not None:
         return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
 
     @triton.jit
+    def _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
+                    omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B: tl.constexpr,
+                    QUANTIZED: tl.constexpr):
+        """Each row's own blocks (beams: what they wrote since the prompt) into its running softmax,
+        an (R, B, D) tile a step, float32 on CUDA cores: q (R, D) float32 -> (m, den, acc)."""
+        olen = tl.load(olen_ptr + g)
+        for j in range(0, tl.cdiv(olen, B)):
+            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
+            tmask = j * B + t < olen
+            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
+            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
+            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
+            if QUANTIZED:
+                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
+                smask = rmask[:, None] & tmask[None, :]
+                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
+                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
+            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
+            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
+        return m, den, acc
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
                              row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
                              omax, scale, D,
@@ -98,21 +121,8 @@ if triton is not None:
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v[None, :, :], m, den, acc)
 
         # each row's own blocks (beams: what they wrote since the prompt): an (R, B, D) tile
-        olen = tl.load(olen_ptr + g)
-        for j in range(0, tl.cdiv(olen, B)):
-            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
-            tmask = j * B + t < olen
-            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
-            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
-            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
-            if QUANTIZED:
-                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
-                smask = rmask[:, None] & tmask[None, :]
-                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
-                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
-            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
+        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
+                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, QUANTIZED)
 
         out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -192,21 +202,8 @@ if triton is not None:
         rmask = rows < end
         q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
-        olen = tl.load(olen_ptr + g)
-        for j in range(0, tl.cdiv(olen, B)):
-            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
-            tmask = j * B + t < olen
-            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
-            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
-            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
-            if QUANTIZED:
-                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
-                smask = rmask[:, None] & tmask[None, :]
-                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
-                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
-            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
+        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
+                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, QUANTIZED)
 
         out = acc / tl.maximum(den, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
