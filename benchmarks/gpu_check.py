@@ -177,6 +177,23 @@ def offline_samples_s(log_dir: Path) -> float | None:
     return None
 
 
+def engine_steps(log_dir: Path) -> dict | None:
+    """The run's engine step times (run.json's engine_steps: schedule, forward, wait, update ms a step)."""
+    try:
+        return json.loads((log_dir / "run.json").read_text()).get("engine_steps")
+    except (OSError, ValueError):
+        return None
+
+
+def steps_text(steps: dict | None) -> str:
+    """'a step X ms: wait W (the device), host H' from engine_steps, or ''."""
+    if not steps:
+        return ""
+    host = steps["schedule_ms"] + steps["forward_ms"] + steps["update_ms"]
+    return (f"a step {steps['step_ms']:.1f} ms ({steps['mean_decode_rows']:.0f} rows): waiting on the device "
+            f"{steps['wait_ms']:.1f}, host {host:.1f}")
+
+
 def loadgen_summary(log_dir: Path) -> dict:
     """LoadGen's verdict and latencies from its summary (Server: completed samples/s, p99 in s)."""
     summary = log_dir / "mlperf_log_summary.txt"
@@ -282,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                     *batch_flags),
                          out, args.long_step_timeout)
             res[name] = {"samples_s": offline_samples_s(log_dir), "samples": args.samples, "error": r["error"],
+                         "engine_steps": engine_steps(log_dir),
                          "quant": " ".join(extra)}
     device = res.get("bandwidth", {}).get("device", "")
     trt = next((v for k, v in TRT_LLM_SERVER.items() if k in device), None)
@@ -390,12 +408,14 @@ def table(res: dict) -> list[str]:
     if off.get("samples_s"):
         trt = next((v for k, v in TRT_LLM_OFFLINE.items() if k in device), None)
         vs = f"{off['samples_s'] / trt:.0%} of TensorRT-LLM's {trt} (target >= 50 %)" if trt else ""
-        rows.append((f"MLPerf Offline ({off['samples']} samples)", f"{off['samples_s']:.2f} samples/s", vs))
+        rows.append((f"MLPerf Offline ({off['samples']} samples)", f"{off['samples_s']:.2f} samples/s",
+                     ", ".join(filter(None, [vs, steps_text(off.get("engine_steps"))]))))
     offq = res.get("offline-q", {})
     if offq.get("samples_s"):
         trt = next((v for k, v in TRT_LLM_OFFLINE.items() if k in device), None)
         vs = [f"{offq['samples_s'] / trt:.0%} of TensorRT-LLM's {trt} (target >= 75 %)" if trt else "",
-              f"{offq['samples_s'] / off['samples_s']:.2f}x bf16 (target >= 1.5x)" if off.get("samples_s") else ""]
+              f"{offq['samples_s'] / off['samples_s']:.2f}x bf16 (target >= 1.5x)" if off.get("samples_s") else "",
+              steps_text(offq.get("engine_steps"))]
         rows.append((f"MLPerf Offline, {offq['quant']}", f"{offq['samples_s']:.2f} samples/s",
                      ", ".join(filter(None, vs))))
     for key in ("server", "server-q"):

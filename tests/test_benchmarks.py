@@ -275,6 +275,8 @@ def check_gpu_check(out: dict, err: str) -> None:
         assert positive(out[step]["decode_tok_s"]) and positive(out[step]["weights_gb_s"])
     assert out["latency-b32"]["batch"] == 2
     assert positive(out["offline"]["samples_s"]) and out["offline"]["samples"] == 4
+    steps = out["offline"]["engine_steps"]  # the run's engine step times, from its run.json
+    assert steps["steps"] > 0 and positive(steps["step_ms"]) and steps["wait_ms"] >= 0
     assert positive(out["hf"]["samples_s"]) and out["hf"]["samples"] == 1 and out["hf"]["new_tokens"] >= 30
     server = out["server"]  # 1 s at 2 q/s: too few queries for LoadGen's early stopping, so INVALID here
     assert server["result"] in ("VALID", "INVALID") and positive(server["p99_s"]) and server["target_qps"] == 2.0
