@@ -46,7 +46,7 @@ case $part in
     (nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
       > "$O/machine.txt" 2>&1
     gc model --steps model > "$O/model-part.txt" 2>&1 &   # CPU-bound (~1 min): beside the tests
-    gc tests --steps tests --step-timeout 200
+    gc tests --steps tests --step-timeout 240 --test-workers 12  # ~330 cuda tests now, many kernels to compile
     wait
     gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --step-timeout 120
     # at gptj mlperf's default batch for CUDA (256 samples at once): two waves of samples
