@@ -350,8 +350,8 @@ class BeamSearch:
         self.n_steps = 0
         dev = device
         self._stack: _Stack | None = None
-        self._at = 0  # with a stack: this search's first row there, and its place among the stack's searches
-        self._index = 0
+        self._at = 0  # with a stack: this search's first row there
+        self._index = 0  # and its place among the stack's searches (its done flag's)
         self._done_now = torch.zeros((), dtype=torch.bool, device=dev)  # every prompt done (on the device)
         own = self._own = {}
         # Running beams. All K start as the prompt; only beam 0 is live at first (the others score

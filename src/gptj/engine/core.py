@@ -51,8 +51,12 @@ class Engine:
         self.updater = Updater(self.kv, self.scheduler, self.requests, self.device, self.times)
         self.adapters: list[str] = list(getattr(model, "lora_names", []))  # LoRA adapters (gptj.lora.attach_adapters)
         self._ids = itertools.count()
-        self.steps = 0
         self.decode_batch_sizes: list[int] = []  # sequences per decode forward, for stats and tests
+
+    @property
+    def steps(self) -> int:
+        """Steps run (since the start, or since warm)."""
+        return self.times.steps
 
     # --- the step ---
 
@@ -66,11 +70,10 @@ class Engine:
         t2 = time.perf_counter()
         if result.decode_rows:
             self.decode_batch_sizes.append(result.decode_rows)
-        self.steps += 1
-        waited = times.wait
-        finished = self.updater.apply(scheduled, result)  # adds the sampler's wait to times.wait
         times.steps += 1
         times.decode_rows += result.decode_rows
+        waited = times.wait
+        finished = self.updater.apply(scheduled, result)  # adds the sampler's wait to times.wait
         times.schedule += t1 - t0
         times.forward += t2 - t1
         times.update += time.perf_counter() - t2 - (times.wait - waited)
@@ -84,9 +87,9 @@ class Engine:
         self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
         warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
         self.kv.forget()
-        self.steps, self.updater.prefill_tokens = 0, 0
+        self.updater.prefill_tokens = 0
         self.decode_batch_sizes.clear()
-        self.times.reset()  # in place: the updater holds it
+        self.times.reset()  # in place (the updater holds it): steps from 0 again
         return warmed
 
     # --- requests ---

@@ -138,6 +138,10 @@ class GraphRunner:
         the kernel's tables) and no capture failed."""
         return getattr(self.backend, "kernel_ok", True) and not self.failed
 
+    def takes(self, rows: int) -> bool:
+        """Whether a decode-only step of `rows` sequences runs from a graph here."""
+        return self.ready and 0 < rows <= self.max_rows
+
     def forward(self, step: DecodeInputs) -> torch.Tensor:
         """The step's logits (rows, V) float32 (only while `ready`)."""
         rows = len(step.tokens)

@@ -58,8 +58,7 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         self.kv.copy(sched.copies)
-        rows = sum(req.n_seqs for req in sched.decode)
-        if sched.prefill and self.graphs is not None and self.graphs.ready and 0 < rows <= self.graphs.max_rows:
+        if sched.prefill and self.graphs is not None and self.graphs.takes(sum(req.n_seqs for req in sched.decode)):
             # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
             # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)
             parts = [(sched.decode, []), ([], sched.prefill)]
@@ -95,7 +94,7 @@ class ModelRunner:
     def _forward(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
         """One forward of these decode requests' next tokens and these prompt chunks; logits into `out`."""
         step = decode_inputs(decode, self.kv.block_size)
-        if not prefill and self.graphs is not None and self.graphs.ready and len(step.tokens) <= self.graphs.max_rows:
+        if not prefill and self.graphs is not None and self.graphs.takes(len(step.tokens)):
             try:
                 logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
             except Exception:  # noqa: BLE001 - a capture that failed (logged): this step eagerly
