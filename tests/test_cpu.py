@@ -62,7 +62,11 @@ def test_this_machine_is_described_in_one_line():
 def test_w8a8_takes_an_exact_form_on_every_kind(kind, monkeypatch):
     fake_cpu(monkeypatch, kind)
     vnni = kind in (cpu.AVX512_BF16, cpu.AVX512_VNNI)
+    assert policy.w8a8_form() == (policy.SHIFTED if vnni else policy.NATIVE if policy.native_gemv_available()
+                                  else policy.SPLIT)
+    monkeypatch.setattr(policy, "native_gemv_available", lambda: False)  # without gptj.native: oneDNN's
     assert policy.w8a8_form() == (policy.SHIFTED if vnni else policy.SPLIT)
+    assert policy.w8a8_form("cuda") is None and not policy.can_pack_int8("cuda")
     for rows in (1, 64, 4096):
         assert policy.linear_path("cpu", torch.bfloat16, rows, "w8a8") == (policy.INT_MM if vnni else policy.DEQUANTIZE)
     # CUDA's choice does not depend on the host CPU
@@ -148,6 +152,7 @@ with torch.no_grad():
            "plain": same(m(x)), "chosen_packed": same(fused.PackedW8A8Linear(m)(x)),
            "split": same(fused.PackedW8A8Linear(m, policy.SPLIT)(x)),
            "shifted": same(fused.PackedW8A8Linear(m, policy.SHIFTED)(x)),
+           "native_form": same(fused.PackedW8A8Linear(m, policy.NATIVE)(x)) if native.available() else None,
            "int_mm": bool(torch.equal(torch._int_mm(q2, m.weight.t()).float(), truth))}
 print(json.dumps(out))
 """
@@ -159,7 +164,7 @@ def _has_avx2() -> str | None:
 
 
 @pytest.mark.skipif(_has_avx2() is not None, reason=str(_has_avx2()))
-@pytest.mark.skipif(not policy.can_pack_int8("cpu"), reason="oneDNN's int8 GEMM is not in this torch build")
+@pytest.mark.skipif(not policy.onednn_int8("cpu"), reason="oneDNN's int8 GEMM is not in this torch build")
 @pytest.mark.parametrize(("isa", "kind"), [("AVX2", cpu.AVX2), ("AVX512_CORE", cpu.AVX512)])
 def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
     """Under ONEDNN_MAX_CPU_ISA, oneDNN runs the kernels such a CPU runs (an AVX-512 ceiling on an
@@ -172,8 +177,9 @@ def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["kind"] in ((kind, cpu.AVX2) if kind == cpu.AVX512 else (kind,))
     assert got["native"] is (native.unavailable_reason() is None)  # AVX2's library, where this CPU runs one
-    assert got["form"] == policy.SPLIT and got["path"] == policy.DEQUANTIZE
-    assert got["plain"] and got["chosen_packed"] and got["split"]
+    # gptj.native's GEMM where its library runs, else oneDNN's SPLIT form: both exact
+    assert got["form"] == (policy.NATIVE if got["native"] else policy.SPLIT) and got["path"] == policy.DEQUANTIZE
+    assert got["plain"] and got["chosen_packed"] and got["split"] and got["native_form"] in (True, None)
     assert not got["shifted"] and not got["int_mm"]
 
 

@@ -272,38 +272,71 @@ def test_attention_group_matches_float64_over_strided_views(N, T, native_isa):
 
 
 @pytest.mark.parametrize("K", [37, 256, 1000])
-def test_w8a8_gemv_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
+def test_w8a8_gemm_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
     """int32 sums of int8 x int8 products are exact on every ISA (vpmaddwd / vpdpwssd), so the result
-    is W8A8Linear's expression to the bit: (sum * ws * sx) rounded to bfloat16, + bias rounded again."""
+    is W8A8Linear's expression to the bit: (sum * ws * sx) rounded to bfloat16, + bias rounded again.
+    N = 70 ends in a part-filled panel (and vector); the row counts cover every tile height (1-6 rows),
+    tiles past the first, and (K = 1000, 131 rows) more rows than one block of x in L2 (126 there)."""
     g = torch.Generator().manual_seed(K)
     N = 70
     w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     w[0] = 127  # the largest sums: every product 127 x (q + 128 - 128) at its extremes
+    w[1] = -127
     ws = torch.rand(N, generator=g) * 0.01
     bias = torch.randn(N, generator=g).bfloat16()
-    for M in (1, 2, 5, 9):
+    packed = native.pack_w8a8(w)
+    assert packed.shape[1:] == ((K + 1) // 2, packed.shape[2], 2) and packed.shape[0] * packed.shape[2] >= N
+    for M in (1, 2, 3, 4, 5, 6, 9, 13) + ((131,) if K == 1000 else ()):
         qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
         qu[0] = 255
+        qu[-1] = 0  # q = -128: with w = -127 the largest positive products
         sx = torch.rand(M, 1, generator=g) + 0.1
         acc = ((qu.long() - 128) @ w.long().t()).float()
-        for dtype, b in ((torch.bfloat16, bias), (torch.bfloat16, None), (torch.float32, bias)):
-            y = native.linear_w8a8(qu, sx, w, ws, b, dtype)
+        for dtype, b in ((torch.bfloat16, bias), (torch.bfloat16, None), (torch.float32, bias), (torch.float32, None)):
+            y = native.linear_w8a8(qu, sx, packed, ws, b, dtype)
             want = (acc * ws * sx).to(dtype)
             if b is not None:
                 want = want + b.to(dtype)
             assert y.dtype == dtype and torch.equal(y, want), (M, dtype, b is None)
 
 
-def test_w8a8_gemv_refuses_bad_inputs(native_isa):
+def test_w8a8_gemm_rows_do_not_depend_on_their_call(native_isa):
+    """Each output is its lane's own sum in k order, carried across slices of K exactly (int32): a row's
+    result is the same alone (one pass over K), in any tile height, and among 130 rows (K = 4096: four
+    slices of 1024 inputs, blocks of 126 rows), at 1 and 2 threads, and it is the exact sum's."""
+    g = torch.Generator().manual_seed(5)
+    K, N, M = 4096, 40, 130
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    packed, ws = native.pack_w8a8(w), torch.rand(N, generator=g)
+    qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
+    sx = torch.rand(M, 1, generator=g)
+    whole = native.linear_w8a8(qu, sx, packed, ws, dtype=torch.float32)
+    assert torch.equal(whole, ((qu.long() - 128) @ w.long().t()).float() * ws * sx)
+    for r in (0, 5, 127, 129):
+        assert torch.equal(native.linear_w8a8(qu[r:r + 1], sx[r:r + 1], packed, ws, dtype=torch.float32),
+                           whole[r:r + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_w8a8(qu, sx, packed, ws, dtype=torch.float32), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_w8a8_gemm_refuses_bad_inputs(native_isa):
     qu, w = torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(8, 64, dtype=torch.int8)
     sx, ws = torch.ones(2, 1), torch.ones(8)
     with pytest.raises(ValueError, match="int8"):
-        native.linear_w8a8(qu, sx, w.float(), ws)
+        native.pack_w8a8(w.float())
+    with pytest.raises(ValueError, match="pack_w8a8's int8"):
+        native.linear_w8a8(qu, sx, w, ws)  # the plain layout
+    packed = native.pack_w8a8(w)
+    with pytest.raises(ValueError, match="pack_w8a8's int8"):
+        native.linear_w8a8(qu[:, :62].contiguous(), sx, packed, ws)  # packed for another K
     with pytest.raises(ValueError, match="weight_scale"):
-        native.linear_w8a8(qu, sx, w, ws[:3])
+        native.linear_w8a8(qu, sx, packed, ws.bfloat16())
     with pytest.raises(ValueError, match="above 131072"):
-        native.linear_w8a8(torch.zeros(1, 131073, dtype=torch.uint8), sx[:1], torch.zeros(1, 131073, dtype=torch.int8),
-                           ws[:1])
+        native.linear_w8a8(torch.zeros(1, 131073, dtype=torch.uint8), sx[:1], packed, ws)
 
 
 def test_attention_group_refuses_bad_inputs(native_isa):

@@ -11,7 +11,7 @@ from torch import nn
 
 from cpu_kinds import fake_cpu
 
-from gptj import cpu, policy, quant
+from gptj import cpu, native, policy, quant
 from gptj.cli import main
 from gptj.config import GPTJConfig
 from gptj.decode import GenerationConfig, generate
@@ -162,18 +162,23 @@ def test_a_quantized_checkpoint_round_trips_and_gives_the_same_tokens(calibrated
     assert generate(load_model(kept, quantize="w8a8"), prompts, gen) == generate(saved, prompts, gen)
 
 
-@pytest.fixture(params=[policy.SHIFTED, policy.SPLIT, "plain"])
+@pytest.fixture(params=[policy.SHIFTED, policy.NATIVE, policy.SPLIT, "plain"])
 def w8a8_kernel(request, monkeypatch):
     """Serving's kernel for W8A8 layers: oneDNN's packed int8 GEMM in the form of a CPU with VNNI
-    (SHIFTED: skips where this CPU lacks it, as its sums would saturate) or without (SPLIT, with the
-    choices of an AVX2 CPU faked: on every machine), or, as where oneDNN's is missing, the layer as
-    loaded (torch._int_mm with VNNI, the exact float32 sums without)."""
-    if request.param != "plain" and not policy.can_pack_int8("cpu"):
+    (SHIFTED: skips where this CPU lacks it, as its sums would saturate); on a CPU without (AVX2's flags
+    faked: on every machine) gptj.native's GEMM (NATIVE, where it loads) or, without gptj.native,
+    oneDNN's in the SPLIT form; or, as where neither is there, the layer as loaded (torch._int_mm with
+    VNNI, the exact float32 sums without)."""
+    if request.param in (policy.SHIFTED, policy.SPLIT) and not policy.onednn_int8("cpu"):
         pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
     if request.param == policy.SHIFTED and not cpu.int8_sums_exact():
         pytest.skip(f"the SHIFTED form needs AVX-512 VNNI: its int8 sums saturate on this {cpu.describe()} CPU")
-    if request.param == policy.SPLIT:
+    if request.param == policy.NATIVE and not policy.native_gemv_available():
+        pytest.skip(f"gptj.native is not available here: {native.unavailable_reason()}")
+    if request.param in (policy.NATIVE, policy.SPLIT):
         fake_cpu(monkeypatch, cpu.AVX2)
+    if request.param == policy.SPLIT:
+        monkeypatch.setattr(policy, "native_gemv_available", lambda: False)
     if request.param == "plain":
         monkeypatch.setattr(fused, "can_pack_int8", lambda device: False)
     return request.param
@@ -190,11 +195,11 @@ def test_the_packed_layer_gives_the_plain_layers_numbers(w8a8_kernel):
         assert torch.equal(holder(x.to(dtype)), m(x.to(dtype)))
     rows = torch.cat([holder(x[i:i + 1]) for i in range(7)])
     assert torch.equal(rows, holder(x))
-    # more rows than gptj.native's W8A8 GEMV takes on a CPU without VNNI (SPLIT): oneDNN's GEMM, same numbers
-    many = outlier_input(policy.NATIVE_W8A8_MAX_ROWS[policy.SPLIT] + 9, 256).bfloat16()
+    # a prefill's rows: more than one block of rows of gptj.native's GEMM (510 a block at K = 256)
+    many = outlier_input(600, 256).bfloat16()
     assert torch.equal(holder(many), m(many))
-    if w8a8_kernel == policy.SPLIT:  # the plain int8 rows kept for the GEMV exactly where it runs
-        assert (holder[0].weight is not None) is policy.native_available()
+    if w8a8_kernel == policy.NATIVE:  # one packed copy of the weight: gptj.native's panels
+        assert holder[0].packed.dtype == torch.int8 and holder[0].packed.numel() == 96 * 256
 
 
 def test_the_packed_layer_runs_its_rows_in_chunks_on_both_kernel_paths(kernel_path, monkeypatch):
@@ -288,14 +293,15 @@ def test_the_quantization_report_covers_w8a8(calibrated, kind, monkeypatch):
     report = quantization_report(folder, modes=["int8", "w8a8"], prompts=prompts_of([20, 12]), dtype=torch.float32)
     hw = report["hardware"]
     assert hw["cpu"] == cpu.describe() and f"{policy.w8a8_form()} form" in hw["w8a8_kernel"]
-    assert (kind == cpu.AVX2) <= (policy.w8a8_form() == policy.SPLIT and "no AVX-512 VNNI" in hw["w8a8_kernel"])
+    without_vnni = policy.NATIVE if policy.native_gemv_available() else policy.SPLIT
+    assert (kind == cpu.AVX2) <= (policy.w8a8_form() == without_vnni and "no AVX-512 VNNI" in hw["w8a8_kernel"])
     for r in report["modes"].values():
         assert r["one_token_ms"] > 0 and r["prefill_tok_s"] > 0
     fast = report["fastest"]
     assert fast["one_token_ms"] == min(report["modes"], key=lambda m: report["modes"][m]["one_token_ms"])
     assert fast["prefill_tok_s"] == max(report["modes"], key=lambda m: report["modes"][m]["prefill_tok_s"])
     text = format_report(report)
-    assert f"CPU: {hw['cpu']}; w8a8 runs oneDNN u8 x s8, {policy.w8a8_form()} form" in text
+    assert f"CPU: {hw['cpu']}; w8a8 runs {hw['w8a8_kernel']}" in text
     assert f"one token {fast['one_token_ms']}, prefill {fast['prefill_tok_s']}" in text
     w8a8, int8 = report["modes"]["w8a8"], report["modes"]["int8"]
     assert report["positions"] == 32 and 0 <= w8a8["top1_agreement"] <= 1

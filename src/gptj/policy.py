@@ -20,10 +20,10 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
   cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       more                             DEQUANTIZE   (or UPCAST, as int8's)
-  cpu     w8a8, oneDNN layout         <= NATIVE_W8A8_MAX_ROWS (32,     NATIVE       gptj.native W8A8 GEMV, exact int32 sums
-          (PackedW8A8Linear)          CPUs without VNNI)                            (`w8a8_native`)
-                                      more                             ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums, in
-                                                                                    the form `w8a8_form` names for the CPU
+  cpu     w8a8, packed               any, in the form `w8a8_form`      ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums
+          (PackedW8A8Linear)          names: SHIFTED (VNNI) or SPLIT                (SPLIT: twice the rows)
+                                      any, form NATIVE (no VNNI,        NATIVE       gptj.native's W8A8 GEMM on its packed
+                                      gptj.native loaded)                           panels, exact int32 sums (vpmaddwd)
   cpu     w8a8 (int8 x int8)          any, CPU with VNNI               INT_MM       torch._int_mm, int32 sums
                                       any, CPU without                 DEQUANTIZE   float32 products, exact (see below)
   cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
@@ -54,8 +54,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
   `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16 (the oneDNN
                  layout), or with gptj.native's GEMV (the native layout)
-  `can_pack_int8` a W8A8 linear is packed for oneDNN's int8 GEMM on a CPU that has it
-  `w8a8_form`    ...in one GEMM of activations shifted to uint8 (SHIFTED, VNNI) or two halves (SPLIT)
+  `can_pack_int8` a W8A8 linear is packed (PackedW8A8Linear) on a CPU with oneDNN's int8 GEMM or gptj.native
+  `w8a8_form`    ...for oneDNN's GEMM of activations shifted to uint8 (SHIFTED, VNNI), else gptj.native's
+                 (NATIVE), else oneDNN's on two halves (SPLIT)
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
                  and gptj.native's GEMV is available, or at any rows where oneDNN has no bfloat16
                  (AVX2), else oneDNN's
@@ -173,32 +174,33 @@ KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
 # CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8.
 INT_MM_CUDA_MIN_ROWS = 17
 
-# The forms of the packed W8A8 GEMM (PackedW8A8Linear), both with int32 sums of the same products:
+# The forms of the packed W8A8 GEMM (PackedW8A8Linear), all with int32 sums of the same products:
 SHIFTED = "shifted"  # q + 128 as uint8 (zero point 128), one GEMM: exact with VNNI's int32 dot products
 SPLIT = "split"  # q = p - n with p, n = max(+-q, 0) in [0, 127], stacked as twice the rows of one GEMM
 # with zero point 0: a pair of products is at most 2 * 127 * 127 = 32258 < 2**15, so the 16-bit pair
 # sums of CPUs without VNNI cannot saturate. It costs twice the rows' arithmetic, not the weight's reads.
+# (NATIVE, the path's name: gptj.native's W8A8 GEMM, q widened to int16, pairs of products into int32.)
 # float32 sums of int8 x int8 products (each at most 127**2) are exact while they stay below 2**24:
 # up to 1040 products; W8A8's DEQUANTIZE path sums this many inputs at a time, then adds in int32.
 EXACT_F32_INT8_TERMS = 1024
+W8A8_FORMS = (SHIFTED, SPLIT, NATIVE)
 
 
-# W8A8 at few rows: gptj.native's W8A8 GEMV (native.linear_w8a8: the weight streamed once, int8 x int8
-# products summed exactly in int32 by vpmaddwd on AVX2 or VNNI's vpdpwssd, the same numbers) against
-# oneDNN's packed GEMM in the form the CPU takes. Measured 2026-11-27 on the 2-core Zen 4, 2 threads,
-# bfloat16 x, each call on another of 3 weights, median of 15 alternated calls, ms (16384 x 4096 weight;
-# 4096 x 4096 and 4096 x 16384 gave the same crossovers):
-#   rows                                      1     2     4     8    16    32
-#   AVX2 code paths (SPLIT)   native        3.1   3.2   4.9   8.5  15.6  29.6
-#                             oneDNN       14.1  14.7  15.9  18.4  23.3  33.5
-#   AVX-512 VNNI (SHIFTED)    native        2.5   2.6   3.6   5.4   9.3  16.9
-#                             oneDNN        3.0   3.3   2.6   3.3   4.2   6.9
-# so the GEMV up to 32 rows without VNNI (4.3-5.4x oneDNN at 1-2 rows, 1.13-1.31x at 32). With VNNI it
-# wins only at 1-2 rows (1.2-1.4x) and would keep the plain int8 weight beside oneDNN's packed copy (twice
-# the weights' memory), so never there.
-NATIVE_W8A8_MAX_ROWS = {SPLIT: 32, SHIFTED: 0}
-
-
+# W8A8 without VNNI: gptj.native's W8A8 GEMM (native.linear_w8a8: int8 weights packed in panels of 16
+# output channels, x widened to int16, vpmaddwd's pairs of products summed into int32, exact) against
+# oneDNN's SPLIT GEMM. Measured 2026-11-28 on the 2-core Zen 4 under the AVX2 ceiling, 2 threads,
+# bfloat16 x, best of two rounds of 3-10 calls, ms (/tmp-free: benchmarks/w8a8_gemm.py):
+#   rows                            1      8     32    128    512
+#   4096 x 4096    native        0.17   0.96   3.93   15.3   61.5
+#                  oneDNN SPLIT  3.49   4.52   9.22   24.0   85.4
+#   16384 x 4096   native        2.23   6.63   16.7   69.9    249
+#                  oneDNN SPLIT  14.3   20.3   35.1   95.8    419
+#   4096 x 16384   native        1.89   6.67   19.5   75.4    235
+#                  oneDNN SPLIT  14.4   21.1   38.1    109    348
+# so the native GEMM at every row count where the CPU lacks VNNI (1.4-20x), on its own packed weight
+# alone (oneDNN's copy is not made: the weights' memory of W8A8, not twice it). With VNNI oneDNN's
+# SHIFTED GEMM (vpdpbusd: 4 products a lane) took half the native one's time from 8 rows on (the AVX-512
+# library's, vpdpwssd: 2 a lane), so never there.
 def exact(dtype: torch.dtype) -> bool:
     """Whether `dtype` runs the exact path (float32), not the fast one."""
     return dtype == torch.float32
@@ -271,29 +273,31 @@ def can_pack(dtype: torch.dtype, device: torch.device | str, layout: str | None 
         return False
 
 
-def can_pack_int8(device: torch.device | str) -> bool:
-    """oneDNN's int8 GEMM on packed weights (torch.ops.onednn.qlinear_prepack) runs W8A8 on this CPU."""
+def onednn_int8(device: torch.device | str) -> bool:
+    """oneDNN's int8 GEMM on packed weights (torch.ops.onednn.qlinear_prepack) runs on this CPU."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def w8a8_form() -> str:
-    """The form of a packed W8A8 GEMM on this CPU: SHIFTED where oneDNN sums u8 x s8 in int32 (VNNI),
-    else SPLIT (see above; both exact)."""
-    return SHIFTED if cpu.int8_sums_exact() else SPLIT
+def w8a8_form(device: torch.device | str = "cpu") -> str | None:
+    """The form of a packed W8A8 GEMM (PackedW8A8Linear) on this CPU: SHIFTED where oneDNN sums u8 x s8
+    in int32 (VNNI); else NATIVE where gptj.native's GEMM is loaded; else oneDNN's SPLIT (see above; all
+    exact); None where none of them runs (not a CPU, no oneDNN and no gptj.native): the layer stays as
+    loaded."""
+    if torch.device(device).type != "cpu":
+        return None
+    onednn = onednn_int8(device)
+    if onednn and cpu.int8_sums_exact():
+        return SHIFTED
+    if native_gemv_available():
+        return NATIVE
+    return SPLIT if onednn else None
 
 
-def w8a8_native_max_rows(form: str) -> int:
-    """The most rows a packed W8A8 linear of oneDNN `form` sends to gptj.native's W8A8 GEMV here
-    (NATIVE_W8A8_MAX_ROWS; 0 without gptj.native): above 0, the module keeps the plain int8 weight."""
-    return NATIVE_W8A8_MAX_ROWS[form] if native_available() else 0
-
-
-def w8a8_native(device: torch.device | str, dtype: torch.dtype, rows: int, form: str) -> bool:
-    """Whether a packed W8A8 linear (oneDNN `form`) runs a call of `rows` rows of `dtype` activations on
-    gptj.native's W8A8 GEMV instead (bfloat16 on CPU, few rows: w8a8_native_max_rows)."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and rows <= w8a8_native_max_rows(form)
+def can_pack_int8(device: torch.device | str) -> bool:
+    """A W8A8 linear on `device` is packed for serving (PackedW8A8Linear, in `w8a8_form`'s form)."""
+    return w8a8_form(device) is not None
 
 
 def pack_layout(max_rows: int | None) -> str:

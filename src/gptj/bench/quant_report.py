@@ -79,9 +79,11 @@ def hardware(device: Any) -> dict[str, str]:
     if torch.device(device).type != "cpu":
         return {"device": str(device)}
     form = policy.w8a8_form()
-    why = ("AVX-512 VNNI: int32 sums in one GEMM" if form == policy.SHIFTED else
-           "no AVX-512 VNNI: exact, with twice the rows' arithmetic")
-    return {"device": "cpu", "cpu": cpu.describe(), "w8a8_kernel": f"oneDNN u8 x s8, {form} form ({why})"}
+    kernel = {policy.SHIFTED: "oneDNN u8 x s8, shifted form (AVX-512 VNNI: int32 sums in one GEMM)",
+              policy.NATIVE: "gptj.native's W8A8 GEMM, native form (no AVX-512 VNNI: int16 pairs into int32, exact)",
+              policy.SPLIT: "oneDNN u8 x s8, split form (no AVX-512 VNNI: exact, with twice the rows' arithmetic)",
+              None: "W8A8Linear as loaded (no packed int8 GEMM here)"}[form]
+    return {"device": "cpu", "cpu": cpu.describe(), "w8a8_kernel": kernel}
 
 
 @torch.inference_mode()

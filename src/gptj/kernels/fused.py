@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, can_pack, can_pack_int8,
-                         elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout, w8a8_form,
-                         w8a8_native, w8a8_native_max_rows)
+from gptj.policy import (NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, W8A8_FORMS, can_pack,
+                         can_pack_int8, elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout,
+                         w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 
@@ -81,41 +81,41 @@ class PackedLinear(nn.Module):
 
 
 class PackedW8A8Linear(nn.Module):
-    """A W8A8Linear's forward on oneDNN's int8 GEMM, its weight packed once (CPU, policy.can_pack_int8).
+    """A W8A8Linear's forward on a CPU's int8 GEMM, its weight packed once (policy.can_pack_int8).
 
-    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale) and goes to
-    oneDNN's u8 x s8 GEMM (the form it runs fast) in the form policy.w8a8_form names for the CPU:
+    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale) and goes to the
+    GEMM in the form policy.w8a8_form names for the CPU:
 
-      SHIFTED (CPUs with VNNI)  q + 128 with zero point 128; oneDNN returns sum * weight_scale in float32
-      SPLIT (CPUs without)      p = max(q, 0) and n = max(-q, 0), stacked as twice the rows, zero point
-                                0; sum = sum(p) - sum(n), each half's float32 exact below 2**24
+      SHIFTED (CPUs with VNNI)  oneDNN's u8 x s8 GEMM on q + 128 with zero point 128; it returns
+                                sum * weight_scale in float32
+      NATIVE (CPUs without,     gptj.native's W8A8 GEMM (native.linear_w8a8) on its own packed panels:
+      gptj.native loaded)       q widened to int16, pairs of products summed into int32 (vpmaddwd)
+      SPLIT (CPUs without,      oneDNN's GEMM on p = max(q, 0) and n = max(-q, 0), stacked as twice the
+      no gptj.native)           rows, zero point 0; sum = sum(p) - sum(n), each half's float32 exact
+                                below 2**24
 
-    The int32 sums are exact either way; then x's scale and the bias follow, in W8A8Linear's order:
+    The int32 sums are exact in every form; then x's scale and the bias follow, in W8A8Linear's order:
     the same numbers as the module it replaces (SPLIT: whenever each half's sum stays below 2**24,
     else within float32's rounding of it). Like PackedLinear it serves, and is not saved, moved or cast.
-
-    On CPUs without VNNI, calls of up to 32 rows (policy.w8a8_native) run gptj.native's W8A8 GEMV on
-    the plain int8 weight, kept beside the packed one, instead: the same exact int32 sums, the weight
-    read once (oneDNN's AVX2 kernel was 4.3-5.4x slower at 1-2 rows).
+    The module keeps one packed copy of the weight: oneDNN's or gptj.native's.
 
     In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
     GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
-    call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they are
-    scaled. torch's ops take several passes over the whole call: at 4,096 rows of a 5120 -> 1024
-    layer they took 135 ms around a 21 ms GEMM (docs/PERFORMANCE.md)."""
+    SHIFTED call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they
+    are scaled (gptj.native's GEMM scales its own sums). torch's ops take several passes over the whole
+    call: at 4,096 rows of a 5120 -> 1024 layer they took 135 ms around a 21 ms GEMM (docs/PERFORMANCE.md)."""
 
     CHUNK_ROWS = 256
 
     def __init__(self, m: W8A8Linear, form: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = m.in_features, m.out_features
-        self.form = w8a8_form() if form is None else form
-        if self.form not in (SHIFTED, SPLIT):
+        self.form = w8a8_form(m.weight.device) if form is None else form
+        if self.form not in W8A8_FORMS:
             raise ValueError(f"unknown W8A8 form {self.form!r}")
-        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(m.weight, None), persistent=False)
-        # the plain int8 rows too, where gptj.native's W8A8 GEMV takes few-row calls (CPUs without VNNI)
-        keep = m.weight.device.type == "cpu" and w8a8_native_max_rows(self.form) > 0
-        self.register_buffer("weight", m.weight if keep else None, persistent=False)
+        packed = native.pack_w8a8(m.weight) if self.form == NATIVE else torch.ops.onednn.qlinear_prepack(m.weight,
+                                                                                                          None)
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
         self.register_buffer("unit_scale", torch.ones(m.out_features), persistent=False)
         self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
@@ -136,11 +136,8 @@ class PackedW8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.weight is not None and w8a8_native(x.device, x.dtype, x2.shape[0], self.form):  # few rows
-            qu, sx = native.quantize_rows_u8(x2, self.inv_smooth)
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return native.linear_w8a8(qu, sx, self.weight, self.weight_scale, bias).view(*x.shape[:-1],
-                                                                                         self.out_features)
+        if self.form == NATIVE:
+            return self._native(x2).view(*x.shape[:-1], self.out_features)
         if self.form == SHIFTED and native_elementwise(x.device, x.dtype):
             y = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -158,11 +155,25 @@ class PackedW8A8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _native(self, x2: torch.Tensor) -> torch.Tensor:
+        """The NATIVE form: bfloat16 rows rounded in gptj.native's one pass and scaled, biased and rounded
+        in its GEMM; other dtypes rounded by torch's ops, the GEMM's float32 result then cast and biased
+        as W8A8Linear does."""
+        if native_elementwise(x2.device, x2.dtype):
+            qu, sx = native.quantize_rows_u8(x2, self.inv_smooth)
+            bias = None if self.bias is None else self.bias.to(x2.dtype)
+            return native.linear_w8a8(qu, sx, self.packed, self.weight_scale, bias)
+        qx, sx = quantize_rows_int8(x2.float() * self.inv_smooth)
+        qu = (qx.to(torch.int16) + 128).to(torch.uint8)
+        y = native.linear_w8a8(qu, sx.contiguous(), self.packed, self.weight_scale, None, torch.float32).to(x2.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         raise RuntimeError("a PackedW8A8Linear cannot be moved or cast; load the checkpoint again instead")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 onednn {self.form}"
+        kernel = "gptj.native" if self.form == NATIVE else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 {kernel} {self.form}"
 
 
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
@@ -172,7 +183,7 @@ def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None
     (policy.pack_layout: gptj.native's for few rows where it is available, otherwise oneDNN's).
 
     mode "off" (or a model that is not bfloat16 on a CPU with oneDNN bf16) leaves it unchanged.
-    W8A8 layers on a CPU with oneDNN's int8 GEMM become PackedW8A8Linear (any float dtype); the other
+    W8A8 layers on a CPU with oneDNN's int8 GEMM or gptj.native's become PackedW8A8Linear (any float dtype); the other
     quantized layers (gptj.quant) keep their own kernels.
     """
     if mode not in PACK_MODES:

@@ -53,7 +53,7 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
-           "linear_bf16", "linear_int8", "linear_w8a8", "load", "open_isa", "prefill_paged", "quantize_rows_u8", "requested_isa",
+           "linear_bf16", "linear_int8", "linear_w8a8", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa",
            "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
@@ -200,7 +200,8 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemv_bf16": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_bf16_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_set_tuning": ([ctypes.c_int, ctypes.c_int], None),
-    "gemv_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
+    "gemm_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
+    "w8a8_panel": ([], ctypes.c_int),
 }
 
 
@@ -298,18 +299,20 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
-_gemv_int8 = _gemv_bf16 = _gemv_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
+_gemv_int8 = _gemv_bf16 = _gemm_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
 _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
-BOUND = ("_gemv_int8", "_gemv_bf16", "_gemv_w8a8", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu",
-         "_rotary", "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
+_w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
+BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_attend_group", "_attend_paged", "_prefill_paged",
+         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
-    global _gemv_int8, _gemv_bf16, _gemv_w8a8, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
+    global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
     global _store_kv, _quantize_rows, _scale_rows
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
-    _gemv_w8a8 = lib.gemv_w8a8
+    _gemm_w8a8 = lib.gemm_w8a8
+    _w8a8_panel = lib.w8a8_panel()
     if "attention" not in chosen.kernels:  # a library without them (none of ISAS today)
         return
     _attend_group = lib.attend_group_bf16
@@ -447,33 +450,52 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 W8A8_MAX_K = 131072  # int32 sums of int8 x int8 products stay exact up to this many terms (gemv.c)
 
 
-def linear_w8a8(qu: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, dtype: torch.dtype = _bf16) -> torch.Tensor:
-    """W8A8's linear at few rows: (int32 sums of q x weight, exact) * weight_scale * row_scale, then
-    `dtype` (bfloat16: rounded, then + bias rounded again; float32: + bias), W8A8Linear's numbers.
+def pack_w8a8(weight: torch.Tensor) -> torch.Tensor:
+    """W8A8's int8 weight (N, K) in the loaded library's packed layout for linear_w8a8: panels of P
+    output channels (P = 16 for AVX2, 32 for AVX-512), each pair of inputs' weights side by side,
+    zeros past N and K: shape (ceil(N / P), ceil(K / 2), P, 2), int8. A pure rearrangement: the same
+    bytes (N x K of them) plus the padding."""
+    if _gemm_w8a8 is None:
+        _lib_or_raise("pack_w8a8")
+    if weight.dtype is not _i8 or weight.dim() != 2:
+        raise _bad("pack_w8a8", "weight must be an int8 (N, K) tensor")
+    N, K = weight.shape
+    P = _w8a8_panel
+    padded = torch.nn.functional.pad(weight.cpu(), (0, K % 2, 0, -N % P))
+    return padded.view(-(-N // P), P, (K + 1) // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    qu (M, K) uint8, q + 128 (quantize_rows_u8's form); row_scale (M, 1) float32; weight (N, K) int8;
-    weight_scale (N,) float32; bias (N,) bfloat16 or None. Returns (M, N) of `dtype`. Reads the weight
-    once (vpmaddwd on AVX2, vpdpwssd on AVX-512), torch.get_num_threads() threads."""
-    if _gemv_w8a8 is None:
+
+def linear_w8a8(qu: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, dtype: torch.dtype = _bf16) -> torch.Tensor:
+    """W8A8's linear: (int32 sums of q x weight, exact) * weight_scale * row_scale, then `dtype`
+    (bfloat16: rounded, then + bias rounded again; float32: + bias), W8A8Linear's numbers, at any rows.
+
+    qu (M, K) uint8, q + 128 (quantize_rows_u8's form); row_scale (M, 1) float32; packed: the int8
+    weight (N, K) as pack_w8a8 lays it out; weight_scale (N,) float32 (N is its length); bias (N,)
+    bfloat16 or None. Returns (M, N) of `dtype`. int16 pairs of products (vpmaddwd on AVX2, vpdpwssd
+    on AVX-512), 6 rows x one panel a tile; torch.get_num_threads() threads."""
+    if _gemm_w8a8 is None:
         _lib_or_raise("linear_w8a8")
     if qu.dtype is not torch.uint8 or qu.dim() != 2 or not qu.is_contiguous() or not qu.is_cpu:
         raise _bad("linear_w8a8", "qu must be a contiguous uint8 (M, K) CPU tensor")
     M, K = qu.shape
-    if weight.dtype is not _i8 or weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
-        raise _bad("linear_w8a8", f"weight must be a contiguous int8 (N, {K}) tensor")
-    N = weight.shape[0]
     if K > W8A8_MAX_K:
         raise _bad("linear_w8a8", f"K = {K} is above {W8A8_MAX_K}: its int32 sums could overflow")
-    for t, n, what in ((row_scale, M, "row_scale"), (weight_scale, N, "weight_scale")):
-        if t.dtype is not torch.float32 or t.numel() != n or not t.is_contiguous():
-            raise _bad("linear_w8a8", f"{what} must be a contiguous float32 tensor of {n} values")
+    if weight_scale.dtype is not torch.float32 or weight_scale.dim() != 1 or not weight_scale.is_contiguous():
+        raise _bad("linear_w8a8", "weight_scale must be a contiguous float32 (N,) tensor")
+    N, P = weight_scale.numel(), _w8a8_panel
+    shape = (-(-N // P), (K + 1) // 2, P, 2)
+    if packed.dtype is not _i8 or tuple(packed.shape) != shape or not packed.is_contiguous():
+        raise _bad("linear_w8a8", f"packed must be pack_w8a8's int8 {shape} tensor for {N} outputs of {K} "
+                                  f"inputs, got {packed.dtype} {tuple(packed.shape)}")
+    if row_scale.dtype is not torch.float32 or row_scale.numel() != M or not row_scale.is_contiguous():
+        raise _bad("linear_w8a8", f"row_scale must be a contiguous float32 tensor of {M} values")
     if bias is not None:
         _check_vec(bias, N, "bias", "linear_w8a8")
     if dtype not in (_bf16, torch.float32):
         raise _bad("linear_w8a8", f"dtype must be bfloat16 or float32, got {dtype}")
     y = torch.empty((M, N), dtype=dtype)
-    if M and N and _gemv_w8a8(qu.data_ptr(), row_scale.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(),
+    if M and N and _gemm_w8a8(qu.data_ptr(), row_scale.data_ptr(), packed.data_ptr(), weight_scale.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), int(dtype == torch.float32),
                               M, N, K, torch.get_num_threads()):
         raise MemoryError("linear_w8a8: no memory for q's int16 copy")

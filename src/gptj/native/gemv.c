@@ -532,74 +532,165 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
     return run(&j, nthreads);
 }
 
-/* ---- W8A8 at few rows: int8 activations x int8 weights, exact int32 sums -----------------------------
+/* ---- W8A8: int8 activations x int8 weights, exact int32 sums, at any rows ---------------------------
 
    y[m, n] = bfloat16(bfloat16(float(sum_k q[m, k] w[n, k]) * ws[n] * sx[m]) + bias[n]) (no bias: the
-   first rounding only; y_f32: float32, no roundings but the products'): the numbers of W8A8Linear
-   and PackedW8A8Linear, whose int32 sums are exact too. q arrives as oneDNN's uint8 form (q + 128,
-   gptj.native's quantize_rows_u8), widened to int16 once per call; weights widened to int16 as they
-   stream, pairs of products summed into int32 lanes (AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd): exact
-   while |sum| < 2^31, so K <= 131072 (each product at most 127 x 128). Output channels are split
-   across threads, W8_R at a time; each tile's weight rows are read from memory once (the rows of x,
-   two at a time, re-read them from cache). Returns 0; -1 for K too large; -2 without memory. */
+   first rounding only; y_f32: float32, float(sum) * ws * sx + bias): the numbers of W8A8Linear, whose
+   int32 sums are exact too. q arrives as oneDNN's uint8 form (q + 128, gptj.native's quantize_rows_u8)
+   and is widened to int16 once per call; each product is at most 128 x 127, a lane's pair of them
+   (vpmaddwd on AVX2, VNNI's vpdpwssd on AVX-512) adds into an int32 exactly, and so do the sums while
+   |sum| < 2^31: K <= 131072.
 
-#define W8_R 4 /* weight rows per tile */
+   The weight is packed once (gptj.native.pack_w8a8) into panels of W8A8_PANEL output channels, two
+   vectors of VW: panel t holds, for each pair of inputs (2p, 2p + 1), its channels' two weights side by
+   side, w[t P + c, 2p + j] at ((t pairs + p) P + c) 2 + j, zeros past N and past K. One load widens VW
+   channels' pairs (16 or 32 bytes); a pair of x's int16 broadcast to every lane multiplies all of them.
+   So the channels lie along the lanes: no horizontal sums, and each output is its lane's own int32,
+   added in k order (results do not depend on the rows or threads of the call).
 
-static inline void w8a8_tile(const int16_t *xq, long kp, const float *sx, const int8_t *w, const float *ws,
-                             const uint16_t *bias, void *y, int y_f32, int M, int n0, int nr, int N, int K)
+   The tile is 6 rows of x by one panel: 12 int32 accumulators, 2 weight vectors and a broadcast fill
+   AVX2's 16 registers, every weight load serves 6 rows and every broadcast 2 vectors. Named variables,
+   not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed). Rows go
+   W8A8_ROWS_L2 bytes of int16 x at a time (these stay in L2 while every panel passes over them); the
+   threads split the panels. Returns 0; -1 for K too large; -2 without memory. */
+
+#define W8A8_PANEL (2 * VW)  /* output channels per panel */
+#define W8A8_MR 6            /* rows of x per tile */
+#ifndef W8A8_KC
+#define W8A8_KC 512          /* pairs of inputs per slice: a panel's slice (16 or 32 KiB) stays in L1 */
+#endif
+#ifndef W8A8_X_BYTES
+#define W8A8_X_BYTES (256 * 1024)  /* int16 x per block of rows and slice: it stays in L2 */
+#endif
+
+int w8a8_panel(void) { return W8A8_PANEL; }
+
+/* acc[m][v] += the int32 sums of the first mr rows of x (int16, rows ldx apart) against one panel's
+   2 vectors of channels, over `pairs` pairs of inputs; mr is a constant where it is inlined */
+static inline __attribute__((always_inline)) void w8a8_tile(const int16_t *x, long ldx, const int8_t *panel,
+                                                             long pairs, const int mr, vi acc[W8A8_MR][2])
 {
-    const int kv = K / VI16 * VI16;
-    for (int m0 = 0; m0 < M; m0 += 2) {
-        const int mr = M - m0 < 2 ? M - m0 : 2;
-        vi acc[W8_R][2];
-        for (int r = 0; r < W8_R; r++) acc[r][0] = acc[r][1] = vi_zero();
-        for (int k = 0; k < kv; k += VI16) {
-            const vi x0 = vi_load_i16(xq + (long)m0 * kp + k);
-            const vi x1 = mr > 1 ? vi_load_i16(xq + (long)(m0 + 1) * kp + k) : x0;
-#pragma GCC unroll 4
-            for (int r = 0; r < W8_R; r++) {
-                if (r < nr) {
-                    const vi wv = vi_load_i8_i16(w + (long)(n0 + r) * K + k);
-                    acc[r][0] = vi_dot_i16(acc[r][0], wv, x0);
-                    acc[r][1] = vi_dot_i16(acc[r][1], wv, x1);
-                }
-            }
+    vi a00 = acc[0][0], a01 = acc[0][1], a10 = acc[1][0], a11 = acc[1][1], a20 = acc[2][0], a21 = acc[2][1];
+    vi a30 = acc[3][0], a31 = acc[3][1], a40 = acc[4][0], a41 = acc[4][1], a50 = acc[5][0], a51 = acc[5][1];
+    const int16_t *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+    for (long p = 0; p < pairs; p++) {
+        const int8_t *wp = panel + p * W8A8_PANEL * 2;
+        const vi w0 = vi_load_i8_i16(wp), w1 = vi_load_i8_i16(wp + VI16);
+#define W8A8_ROW(m)                                                                                        \
+        if (mr > m) {                                                                                      \
+            const vi xb = vi_bcast_pair(x##m + 2 * p);                                                     \
+            a##m##0 = vi_dot_i16(a##m##0, w0, xb);                                                         \
+            a##m##1 = vi_dot_i16(a##m##1, w1, xb);                                                         \
         }
-        for (int r = 0; r < nr; r++) {
-            for (int j = 0; j < mr; j++) {
-                int32_t sum = vi_reduce_add(acc[r][j]);
-                for (int k = kv; k < K; k++) sum += (int32_t)xq[(long)(m0 + j) * kp + k] * w[(long)(n0 + r) * K + k];
-                const long at = (long)(m0 + j) * N + n0 + r;
-                const float v = (float)sum * ws[n0 + r] * sx[m0 + j];
-                if (y_f32) {
-                    ((float *)y)[at] = bias ? v + bf16_to_f32(bias[n0 + r]) : v;
-                } else {
-                    uint16_t h = f32_to_bf16(v);
-                    if (bias) h = f32_to_bf16(bf16_to_f32(h) + bf16_to_f32(bias[n0 + r]));
-                    ((uint16_t *)y)[at] = h;
-                }
+        W8A8_ROW(0) W8A8_ROW(1) W8A8_ROW(2) W8A8_ROW(3) W8A8_ROW(4) W8A8_ROW(5)
+#undef W8A8_ROW
+    }
+    acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11; acc[2][0] = a20; acc[2][1] = a21;
+    acc[3][0] = a30; acc[3][1] = a31; acc[4][0] = a40; acc[4][1] = a41; acc[5][0] = a50; acc[5][1] = a51;
+}
+
+typedef struct {
+    const int16_t *xq;   /* x as int16, rows ldx apart */
+    long ldx, pairs;     /* pairs of inputs in all (the panels' length) */
+    const float *sx, *ws;
+    const int8_t *w;     /* the panels */
+    const uint16_t *bias;
+    void *y;
+    int y_f32, N;
+    int32_t *c;          /* the sums between slices: a block's rows x the panels' channels */
+    long ldc;
+} w8a8_job;
+
+/* one tile: rows [m, m + mr) of block m0, panel t, over the slice [k0, k0 + kn) of the pairs: the
+   sums so far from c (none at the first slice), and after the last slice W8A8Linear's scaling, bias
+   and roundings into y; before it, the sums back into c */
+static void w8a8_block(const w8a8_job *j, int m0, int m, int mr, int t, long k0, long kn)
+{
+    vi acc[W8A8_MR][2];
+    const int first = k0 == 0, last = k0 + kn == j->pairs;
+    int32_t *c = j->c + (long)(m - m0) * j->ldc + (long)t * W8A8_PANEL;
+    for (int r = 0; r < W8A8_MR; r++)
+        for (int v = 0; v < 2; v++)
+            acc[r][v] = first || r >= mr ? vi_zero() : vi_load(c + r * j->ldc + v * VW);
+    const int8_t *panel = j->w + ((long)t * j->pairs + k0) * W8A8_PANEL * 2;
+    const int16_t *x = j->xq + (long)m * j->ldx + 2 * k0;
+    switch (mr) {
+    case 1: w8a8_tile(x, j->ldx, panel, kn, 1, acc); break;
+    case 2: w8a8_tile(x, j->ldx, panel, kn, 2, acc); break;
+    case 3: w8a8_tile(x, j->ldx, panel, kn, 3, acc); break;
+    case 4: w8a8_tile(x, j->ldx, panel, kn, 4, acc); break;
+    case 5: w8a8_tile(x, j->ldx, panel, kn, 5, acc); break;
+    default: w8a8_tile(x, j->ldx, panel, kn, 6, acc); break;
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < 2; v++) vi_store(c + r * j->ldc + v * VW, acc[r][v]);
+        return;
+    }
+    for (int v = 0; v < 2; v++) {
+        const int col = t * W8A8_PANEL + v * VW, n = j->N - col;
+        if (n <= 0) break;
+        const vf s = vf_loadu_upto(j->ws + col, n), b = j->bias ? vf_load_bf16_upto(j->bias + col, n) : vf_zero();
+        for (int r = 0; r < mr; r++) {
+            vf f = vf_mul(vf_mul(vi_to_vf(acc[r][v]), s), vf_set1(j->sx[m + r]));
+            const long at = (long)(m + r) * j->N + col;
+            if (j->y_f32) {
+                if (j->bias) f = vf_add(f, b);
+                if (n >= VW) vf_storeu((float *)j->y + at, f);
+                else vf_store_f32_n((float *)j->y + at, f, n);
+            } else {
+                if (j->bias) f = vf_add(vf_round_bf16(f), b);
+                vf_store_bf16_upto((uint16_t *)j->y + at, f, n);
             }
         }
     }
 }
 
-int gemv_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *ws, const uint16_t *bias, void *y,
+int gemm_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *ws, const uint16_t *bias, void *y,
               int y_f32, int M, int N, int K, int nthreads)
 {
     if (K > 131072) return -1;
-    const long kp = (K + VI16 - 1) / VI16 * VI16;
-    int16_t *xq = aligned_alloc(64, ((sizeof(int16_t) * M * kp + 63) / 64) * 64);
-    if (!xq) return -2;
-    for (int m = 0; m < M; m++) {
-        for (int k = 0; k < K; k++) xq[(long)m * kp + k] = (int16_t)qu[(long)m * K + k] - 128;
-        for (long k = K; k < kp; k++) xq[(long)m * kp + k] = 0;
+    const long pairs = (K + 1) / 2;
+    /* x's rows: int16, a zero after an odd K, each row an odd number of 64-byte lines apart (rows a
+       multiple of 4 KiB apart would share an L1 set) */
+    long ldx = (2 * pairs + 31) / 32 * 32;
+    if (ldx / 32 % 2 == 0) ldx += 32;
+    const int panels = (N + W8A8_PANEL - 1) / W8A8_PANEL;
+    /* x small enough to stay in L2 whole (decode's few rows): one slice, each panel read from memory
+       in one run; else slices of W8A8_KC pairs, in blocks of rows whose slice of x stays in L2 */
+    const int whole = (long)M * ldx * 2 <= W8A8_X_BYTES;
+    const long kc = whole || pairs < W8A8_KC ? pairs : W8A8_KC;
+    int mc = whole ? M : (int)(W8A8_X_BYTES / (4 * kc)) / W8A8_MR * W8A8_MR;
+    if (mc > M) mc = M;
+    if (mc < 1) mc = 1;
+    w8a8_job j = {NULL, ldx, pairs, sx, ws, w, bias, y, y_f32, N, NULL, (long)panels * W8A8_PANEL};
+    int16_t *xq = aligned_alloc(64, sizeof(int16_t) * M * ldx);
+    int32_t *c = pairs > kc ? aligned_alloc(64, sizeof(int32_t) * mc * j.ldc) : NULL;
+    if (!xq || (pairs > kc && !c)) {
+        free(xq);
+        free(c);
+        return -2;
     }
-    const int tiles = (N + W8_R - 1) / W8_R;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int t = 0; t < tiles; t++) {
-        const int n0 = t * W8_R, nr = N - n0 < W8_R ? N - n0 : W8_R;
-        w8a8_tile(xq, kp, sx, w, ws, bias, y, y_f32, M, n0, nr, N, K);
+    for (int m = 0; m < M; m++) {
+        for (int k = 0; k < K; k++) xq[(long)m * ldx + k] = (int16_t)qu[(long)m * K + k] - 128;
+        if (K % 2) xq[(long)m * ldx + K] = 0;
+    }
+    j.xq = xq;
+    j.c = c;
+    /* a block of rows, one slice of the pairs at a time (its x stays in L2), the threads splitting the
+       panels (a panel's slice stays in L1 while the block's tiles pass over it) */
+#pragma omp parallel num_threads(nthreads)
+    for (int m0 = 0; m0 < M; m0 += mc) {
+        const int me = M - m0 < mc ? M : m0 + mc;
+        for (long k0 = 0; k0 < pairs; k0 += kc) {
+            const long kn = pairs - k0 < kc ? pairs - k0 : kc;
+#pragma omp for schedule(static)
+            for (int t = 0; t < panels; t++)
+                for (int m = m0; m < me; m += W8A8_MR)
+                    w8a8_block(&j, m0, m, me - m < W8A8_MR ? me - m : W8A8_MR, t, k0, kn);
+        }
     }
     free(xq);
+    free(c);
     return 0;
 }

@@ -92,14 +92,18 @@ static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
 }
 static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline vf vf_hsum(const vf *v, long stride);  /* hsum16, below */
-/* vi: int16 pairs summed into int32 lanes (W8A8's exact integer dot products); VI16 int16 per vector */
+/* vi: VW int32 lanes (VI16 int16) for W8A8's exact integer dot products: vi_load_i8_i16 widens VI16 int8,
+   vi_bcast_pair repeats one pair of int16 in every lane, vi_dot_i16 adds each lane's pair of products
+   to its int32, vi_to_vf converts the lanes to float32 (rounded to nearest) */
 typedef __m512i vi;
 #define VI16 32
 #define vi_zero() _mm512_setzero_si512()
 static inline vi vi_load_i8_i16(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-static inline vi vi_load_i16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi vi_bcast_pair(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline void vi_store(int32_t *p, vi v) { _mm512_storeu_si512((void *)p, v); }
 static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }  /* VNNI */
-static inline int32_t vi_reduce_add(vi v) { return _mm512_reduce_add_epi32(v); }
+static inline vf vi_to_vf(vi v) { return _mm512_cvtepi32_ps(v); }
 /* v rounded to bfloat16 (nearest even), as float32 */
 static inline vf vf_round_bf16(vf v)
 {
@@ -222,14 +226,11 @@ typedef __m256i vi;
 #define VI16 16
 #define vi_zero() _mm256_setzero_si256()
 static inline vi vi_load_i8_i16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline vi vi_load_i16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_bcast_pair(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(int32_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  /* vpmaddwd */
-static inline int32_t vi_reduce_add(vi v)
-{
-    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1)));
-}
+static inline vf vi_to_vf(vi v) { return _mm256_cvtepi32_ps(v); }
 static inline vf vf_keep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm256_blendv_ps(v, fill, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_zero_where_neginf(vf v, vf s)
