@@ -208,6 +208,21 @@ def check_native_gemv(out: dict, err: str) -> None:
     assert all(positive(v) for pair in out["interleave"]["pairs"].values() for v in pair.values())
 
 
+def check_w8a8_gemm(out: dict, err: str) -> None:
+    from gptj import cpu, native, policy
+
+    if not native.has("gemv"):
+        assert "not available" in out["skipped"] and "w8a8_gemm: skipped" in err
+        return
+    assert out["isa"] == native.isa().name and [(r["N"], r["K"], r["M"]) for r in out["rows"]] == [(64, 96, 1),
+                                                                                                    (64, 96, 7)]
+    want = {"native"} | ({"oneDNN SPLIT"} if policy.onednn_int8("cpu") else set())
+    want |= {"oneDNN SHIFTED"} if policy.onednn_int8("cpu") and cpu.int8_sums_exact() else set()
+    for row in out["rows"]:
+        assert set(row["ms"]) == want and all(positive(v) for v in row["ms"].values())
+        assert row["ms"][row["fastest"]] == min(row["ms"].values()) and positive(row["gop_s"])
+
+
 def _check_load(result: dict) -> None:
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 2 * 4), result
     for key in ("output_throughput", "ttft_p50_ms", "e2e_p50_ms", "tpot_p50_ms"):
@@ -402,6 +417,7 @@ SMOKE: dict[str, Job] = {
     "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
                                                                   "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),
     "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
+    "w8a8_gemm.py": Job("w8a8_gemm.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_w8a8_gemm),
     "quant_trained.py": Job("quant_trained.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "qt")],
                             check_quant_trained),
     "ray_serve.py": Job("ray_serve.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",

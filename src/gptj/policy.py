@@ -179,7 +179,8 @@ SHIFTED = "shifted"  # q + 128 as uint8 (zero point 128), one GEMM: exact with V
 SPLIT = "split"  # q = p - n with p, n = max(+-q, 0) in [0, 127], stacked as twice the rows of one GEMM
 # with zero point 0: a pair of products is at most 2 * 127 * 127 = 32258 < 2**15, so the 16-bit pair
 # sums of CPUs without VNNI cannot saturate. It costs twice the rows' arithmetic, not the weight's reads.
-# (NATIVE, the path's name: gptj.native's W8A8 GEMM, q widened to int16, pairs of products into int32.)
+# NATIVE, the path of that name, is the third form: gptj.native's W8A8 GEMM (q widened to int16, pairs of
+# products summed into int32: exact without VNNI).
 # float32 sums of int8 x int8 products (each at most 127**2) are exact while they stay below 2**24:
 # up to 1040 products; W8A8's DEQUANTIZE path sums this many inputs at a time, then adds in int32.
 EXACT_F32_INT8_TERMS = 1024
@@ -188,19 +189,22 @@ W8A8_FORMS = (SHIFTED, SPLIT, NATIVE)
 
 # W8A8 without VNNI: gptj.native's W8A8 GEMM (native.linear_w8a8: int8 weights packed in panels of 16
 # output channels, x widened to int16, vpmaddwd's pairs of products summed into int32, exact) against
-# oneDNN's SPLIT GEMM. Measured 2026-11-28 on the 2-core Zen 4 under the AVX2 ceiling, 2 threads,
-# bfloat16 x, best of two rounds of 3-10 calls, ms (/tmp-free: benchmarks/w8a8_gemm.py):
+# oneDNN's SPLIT GEMM. benchmarks/w8a8_gemm.py, 2026-11-28, the 2-core Zen 4 under the AVX2 ceiling
+# (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), 2 threads, ms per call:
 #   rows                            1      8     32    128    512
-#   4096 x 4096    native        0.17   0.96   3.93   15.3   61.5
-#                  oneDNN SPLIT  3.49   4.52   9.22   24.0   85.4
-#   16384 x 4096   native        2.23   6.63   16.7   69.9    249
-#                  oneDNN SPLIT  14.3   20.3   35.1   95.8    419
-#   4096 x 16384   native        1.89   6.67   19.5   75.4    235
-#                  oneDNN SPLIT  14.4   21.1   38.1    109    348
-# so the native GEMM at every row count where the CPU lacks VNNI (1.4-20x), on its own packed weight
-# alone (oneDNN's copy is not made: the weights' memory of W8A8, not twice it). With VNNI oneDNN's
-# SHIFTED GEMM (vpdpbusd: 4 products a lane) took half the native one's time from 8 rows on (the AVX-512
-# library's, vpdpwssd: 2 a lane), so never there.
+#   4096 x 4096    native        0.21   1.13   3.90   14.2   58.1
+#                  oneDNN SPLIT  3.87   4.79   8.59   23.3   86.9
+#   16384 x 4096   native        2.21   6.19   18.3   75.5    249
+#                  oneDNN SPLIT  14.4   18.8   38.7   95.1    376
+#   4096 x 16384   native        2.21   8.15   21.0   78.3    301
+#                  oneDNN SPLIT  15.5   19.0   40.3    112    419
+# so the native GEMM at every row count where the CPU lacks VNNI (1.4-18x), on its own packed weight
+# alone (no oneDNN copy: W8A8's weight memory, not twice it). With VNNI (the same run without the
+# ceiling) oneDNN's SHIFTED GEMM (vpdpbusd: 4 products a lane) took 0.45-0.86x the native one's time
+# (vpdpwssd: 2 a lane) from 8 rows on; the native one won only at 1 row (1.5-2.0x on the large
+# shapes), not worth a second copy of the weights, so never there.
+
+
 def exact(dtype: torch.dtype) -> bool:
     """Whether `dtype` runs the exact path (float32), not the fast one."""
     return dtype == torch.float32

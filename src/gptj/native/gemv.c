@@ -36,6 +36,9 @@
      kernels run on the same OpenMP runtime (and thread pool) as torch's own kernels.
    Every output is summed by one thread in a fixed order: results do not depend on the thread
    count.
+
+   W8A8's GEMM (int8 x int8, exact int32 sums, at any rows: gemm_w8a8, at the end) is the other
+   kind of kernel here: on its own packed weight, a register tile of rows by output channels.
 */
 
 #include "simd.h"
