@@ -30,8 +30,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       else                             DEQUANTIZE   the same products in float32
   W8A8's integer sums are exact on every path: oneDNN's (and so torch._int_mm's) u8 x s8 kernels sum
   in int32 only on CPUs with AVX-512 VNNI (gptj.cpu.int8_sums_exact); without it they add pairs of
-  products in 16 bits, which saturate. There the packed layer takes the SPLIT form and the plain one
-  DEQUANTIZE, whose float32 sums run EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
+  products in 16 bits, which saturate. There the packed layer takes gptj.native's GEMM (NATIVE) or,
+  without gptj.native, the SPLIT form, and the plain one DEQUANTIZE, whose float32 sums run
+  EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
   cuda    int8                        <= TRITON_MAX_ROWS (16)          TRITON       gptj.quant.cuda's GEMV: the int8
                                                                                     weight read once, scaled in the kernel
                                       more                             DEQUANTIZE
