@@ -297,8 +297,7 @@ def check_gpu_check(out: dict, err: str) -> None:
     assert server["result"] in ("VALID", "INVALID") and positive(server["p99_s"]) and server["target_qps"] == 2.0
     # the precision steps, rehearsed with int8 (fp8 is refused on CPU)
     assert positive(out["latency-b1-int8"]["decode_tok_s"])
-    assert positive(out["offline-q"]["samples_s"]) and out["offline-q"]["quant"] == "--quantize int8 --kv-dtype int8"
-    assert out["server-q"]["result"] in ("VALID", "INVALID") and out["server-q"]["quant"]
+    assert "offline-q" not in out and "server-q" not in out  # the same loops as offline's and server's
     assert 0 < out["quant-report"]["modes"]["int8"]["top1_agreement"] <= 1
     acc = out["accuracy"]["modes"]
     assert set(acc) == {"float32", "int8", "--quantize int8 --kv-dtype int8"}
@@ -306,8 +305,7 @@ def check_gpu_check(out: dict, err: str) -> None:
     assert 0 < acc["int8"]["rougeL_vs_float"] <= 100
     table = "\n".join(out["table"])
     for row in ("copy bandwidth", "batch-1 decode", "batch-2 decode step", "MLPerf Offline", "MLPerf Server",
-                "HF one at a time", "batch-1 decode, int8", "MLPerf Offline, --quantize int8",
-                "quant-report int8", "MLPerf accuracy, int8"):
+                "HF one at a time", "batch-1 decode, int8", "quant-report int8", "MLPerf accuracy, int8"):
         assert row in table, table
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py's rehearsal on CPU (--smoke: every step of the GPU session's plan, int8 in
-fp8's place), in a module of its own: test_benchmarks.py's scripts run one after another on one
+"""benchmarks/gpu_check.py's rehearsal on CPU (--smoke: every step of the GPU session's plan but the
+quantized Offline and Server runs, which are those loops with accuracy's flags; int8 in fp8's place), in a module of its own: test_benchmarks.py's scripts run one after another on one
 pytest-xdist worker (--dist loadfile), and this one, the longest, now runs beside them."""
 
 from __future__ import annotations

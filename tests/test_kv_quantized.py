@@ -72,28 +72,38 @@ def test_quantized_kv_memory_holds_its_dtype_with_its_scales(model, kernel_path,
     assert (engine.runner.attention.name == "cpu-native") == (kernel_path != "fallback" and kv_dtype == "int8")
 
 
+def _top1(model, kv_dtype: str, prompts) -> list[int]:
+    """The most likely next token at every position of `prompts`, teacher-forced, on an engine with
+    `kv_dtype` KV."""
+    engine = Engine(model, EngineConfig(max_seqs=4, max_len=1024, kv_dtype=kv_dtype))
+    requests = [engine.add_request(p, GenerationConfig(max_new_tokens=1), prompt_logprobs=1) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    return [t.top[0][0] for r in requests for t in r.prompt_token_logprobs if t is not None]
+
+
+@pytest.fixture(scope="module")
+def teacher_forced():
+    """(model, prompts, float32 KV's top-1s, the bfloat16 model's top-1s): the std 0.1 model on the
+    bundled prompts, its references computed once for both KV dtypes."""
+    sd = random_state_dict(CFG, seed=3, std=0.1)
+    model = model_from_state_dict(CFG, sd)
+    prompts = Dataset.load(max_examples=12).input_ids
+    bf16 = _top1(model_from_state_dict(CFG, {k: v.to(torch.bfloat16) for k, v in sd.items()}), "auto", prompts)
+    return model, prompts, _top1(model, "auto", prompts), bf16
+
+
 @pytest.mark.parametrize("kv_dtype, floor", [("int8", 0.99), ("fp8", None)])
-def test_teacher_forced_top1_agrees_with_float_kv_on_the_bundled_prompts(kv_dtype, floor):
+def test_teacher_forced_top1_agrees_with_float_kv_on_the_bundled_prompts(kv_dtype, floor, teacher_forced):
     """Every position of the bundled prompts: the most likely next token with quantized KV against
     the model's own float32 KV (std 0.1 weights), and against the yardstick: the same weights in
     bfloat16 (its KV included) against float32. The per-head scales lose less than bfloat16 does
     (int8 within s / 2 of each value: at least 99 % here; e4m3 within 2**-4 of it, relative)."""
-    sd = random_state_dict(CFG, seed=3, std=0.1)
-    model = model_from_state_dict(CFG, sd)
-    prompts = Dataset.load(max_examples=12).input_ids
-
-    def top1(kv_dtype, model=model):
-        engine = Engine(model, EngineConfig(max_seqs=4, max_len=1024, kv_dtype=kv_dtype))
-        requests = [engine.add_request(p, GenerationConfig(max_new_tokens=1), prompt_logprobs=1) for p in prompts]
-        while engine.has_work:
-            engine.step()
-        return [t.top[0][0] for r in requests for t in r.prompt_token_logprobs if t is not None]
-
-    ref, got = top1("auto"), top1(kv_dtype)
+    model, prompts, ref, bf16 = teacher_forced
+    got = _top1(model, kv_dtype, prompts)
     assert len(ref) == len(got) == sum(len(p) - 1 for p in prompts)
     agreement = sum(a == b for a, b in zip(ref, got)) / len(ref)
     assert floor is None or agreement >= floor, agreement
-    bf16 = top1("auto", model_from_state_dict(CFG, {k: v.to(torch.bfloat16) for k, v in sd.items()}))
     assert agreement >= sum(a == b for a, b in zip(ref, bf16)) / len(ref)
 
 
