@@ -553,9 +553,12 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
 
    The tile is 6 rows of x by one panel: 12 int32 accumulators, 2 weight vectors and a broadcast fill
    AVX2's 16 registers, every weight load serves 6 rows and every broadcast 2 vectors. Named variables,
-   not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed). Rows go
-   W8A8_ROWS_L2 bytes of int16 x at a time (these stay in L2 while every panel passes over them); the
-   threads split the panels. Returns 0; -1 for K too large; -2 without memory. */
+   not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed). The
+   threads split the panels. An x of more than W8A8_X_BYTES (prefill's rows) goes in blocks of rows, and
+   K in slices of W8A8_KC pairs, one slice of all panels at a time: the block's slice of x stays in L2,
+   a panel's slice in L1 while the block's tiles pass over it, and the int32 sums wait in a buffer
+   between slices (still exact; at K = 16384 unsliced panels were evicted by x's stream: 160 -> 290
+   GOP/s). Returns 0; -1 for K too large; -2 without memory. */
 
 #define W8A8_PANEL (2 * VW)  /* output channels per panel */
 #define W8A8_MR 6            /* rows of x per tile */
