@@ -202,7 +202,7 @@ W8A8_FORMS = (SHIFTED, SPLIT, NATIVE)
 # so the native GEMM at every row count where the CPU lacks VNNI (1.4-18x), on its own packed weight
 # alone (no oneDNN copy: W8A8's weight memory, not twice it). With VNNI (the same run without the
 # ceiling) oneDNN's SHIFTED GEMM (vpdpbusd: 4 products a lane) took 0.45-0.86x the native one's time
-# (vpdpwssd: 2 a lane) from 8 rows on; the native one won only at 1 row (1.5-2.0x on the large
+# (vpdpwssd: 2 a lane) from 8 rows on; the native one won only at 1 row (1.7-2.0x on the large
 # shapes), not worth a second copy of the weights, so never there.
 
 

@@ -117,8 +117,10 @@ class PackedW8A8Linear(nn.Module):
                                                                                                           None)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
-        self.register_buffer("unit_scale", torch.ones(m.out_features), persistent=False)
-        self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64), persistent=False)
+        onednn = self.form != NATIVE  # oneDNN's GEMM takes its scales and zero points as tensors
+        self.register_buffer("unit_scale", torch.ones(m.out_features) if onednn else None, persistent=False)
+        self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64) if onednn else None,
+                             persistent=False)
         self.register_buffer("inv_smooth", 1 / m.input_smooth.float(), persistent=False)
         self.register_buffer("bias", None if m.bias is None else m.bias.detach(), persistent=False)
 

@@ -553,7 +553,8 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
 
    The tile is 6 rows of x by one panel: 12 int32 accumulators, 2 weight vectors and a broadcast fill
    AVX2's 16 registers, every weight load serves 6 rows and every broadcast 2 vectors. Named variables,
-   not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed). The
+   not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed, in a
+   one-off build during development, as are the figures below but the last). The
    threads split the panels. An x of more than W8A8_X_BYTES (prefill's rows) goes in blocks of rows, and
    K in slices of W8A8_KC pairs, one slice of all panels at a time: the block's slice of x stays in L2,
    a panel's slice in L1 while the block's tiles pass over it, and the int32 sums wait in a buffer
@@ -625,8 +626,9 @@ static void w8a8_block(const w8a8_job *j, int m0, int m, int mr, int t, long k0,
     const int16_t *x = j->xq + (long)m * j->ldx + 2 * k0;
     /* the first tile over a whole panel (one slice) reads it from memory: from 2 rows on, a cursor
        W8A8_PF_DIST bytes ahead (into the thread's next panels, which follow in memory) hides the
-       latency (at 8 rows of GPT-J's 16384 x 4096: 6.6 -> 4.5 ms); a single row streams as fast
-       without it (the hardware's prefetchers keep up; with it, 4096 x 16384 took 2.3 -> 2.6 ms) */
+       latency (at 8 rows of GPT-J's 16384 x 4096: 6.6 -> 4.5 ms in a one-off sweep of distances 0-16 KiB;
+       benchmarks/w8a8_gemm.py times the result); a single row streams as fast without it (the
+       hardware's prefetchers keep up; with it, 4096 x 16384 took 2.3 -> 2.6 ms) */
     const int8_t *pf = mr > 1 && m == m0 && first && last ? panel + W8A8_PF_DIST : NULL;
     switch (mr) {
     case 1: w8a8_tile(x, j->ldx, panel, kn, 1, acc, pf); break;
