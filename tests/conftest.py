@@ -36,13 +36,15 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 
 KERNEL_PATHS = ("native", "native-avx2", "fallback")  # native: the best ISA's library
 
-# The modules that take longest (each over 25 s on a 2-core machine, measured 2026-11-27), run
-# first: pytest-xdist (the README's command runs two workers, one module per worker at a time)
-# hands out modules in collection order, so the long ones do not end up last on one worker.
-LONGEST_FIRST = ("test_ray_serve.py", "test_train.py", "test_benchmarks.py", "test_benchmarks_gpu.py",
-                 "test_mlperf_submission.py", "test_mlperf_interrupt.py", "test_parallel_tp.py",
-                 "test_parallel_serve.py", "test_parallel_pp.py",
-                 "test_ray_multinode.py")  # (added 2026-11-28: 26-28 s alone)
+# The modules that take longest, longest first (each over 25 s in the README's run on a 2-core
+# machine, measured 2026-11-28): pytest-xdist (the README's command runs two workers, one module per
+# worker at a time) hands out modules in collection order (`--no-loadscope-reorder` in pyproject.toml:
+# by default it reorders them by their number of tests), so the long ones do not end up last on one
+# worker while the other idles.
+LONGEST_FIRST = ("test_benchmarks.py", "test_ray_serve.py", "test_train.py", "test_benchmarks_gpu.py",
+                 "test_ray_multinode.py", "test_parallel_serve.py", "test_graphs.py", "test_parallel_tp.py",
+                 "test_attention_backends.py", "test_mlperf_submission.py", "test_quant_cuda.py",
+                 "test_parallel_pp.py", "test_lora.py", "test_mlperf_interrupt.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
