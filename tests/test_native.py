@@ -276,7 +276,8 @@ def test_w8a8_gemm_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
     """int32 sums of int8 x int8 products are exact on every ISA (vpmaddwd / vpdpwssd), so the result
     is W8A8Linear's expression to the bit: (sum * ws * sx) rounded to bfloat16, + bias rounded again.
     N = 70 ends in a part-filled panel (and vector); the row counts cover every tile height (1-6 rows),
-    tiles past the first, and (K = 1000, 131 rows) more rows than one block of x in L2 (126 there)."""
+    tiles past the first, and (K = 1000, 200 rows) an x too large for L2, in blocks of rows (126 there)
+    and slices of K."""
     g = torch.Generator().manual_seed(K)
     N = 70
     w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
@@ -286,7 +287,7 @@ def test_w8a8_gemm_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
     bias = torch.randn(N, generator=g).bfloat16()
     packed = native.pack_w8a8(w)
     assert packed.shape[1:] == ((K + 1) // 2, packed.shape[2], 2) and packed.shape[0] * packed.shape[2] >= N
-    for M in (1, 2, 3, 4, 5, 6, 9, 13) + ((131,) if K == 1000 else ()):
+    for M in (1, 2, 3, 4, 5, 6, 9, 13) + ((200,) if K == 1000 else ()):
         qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
         qu[0] = 255
         qu[-1] = 0  # q = -128: with w = -127 the largest positive products
@@ -300,19 +301,22 @@ def test_w8a8_gemm_is_the_exact_integer_sum_then_w8a8s_roundings(K, native_isa):
             assert y.dtype == dtype and torch.equal(y, want), (M, dtype, b is None)
 
 
-def test_w8a8_gemm_rows_do_not_depend_on_their_call(native_isa):
+@pytest.mark.parametrize("K, M", [(4096, 130), (9000, 13)])
+def test_w8a8_gemm_rows_do_not_depend_on_their_call(K, M, native_isa):
     """Each output is its lane's own sum in k order, carried across slices of K exactly (int32): a row's
-    result is the same alone (one pass over K), in any tile height, and among 130 rows (K = 4096: four
-    slices of 1024 inputs, blocks of 126 rows), at 1 and 2 threads, and it is the exact sum's."""
+    result is the same alone (one pass over K), in any tile height, among 130 rows (K = 4096: slices of
+    1024 inputs, blocks of 126 rows) and among 13 (K = 9000: decode's rows, each panel, too long to stay
+    in L2, in slices of 1024 inputs that every tile passes over), at 1 and 2 threads, and it is the exact
+    sum's."""
     g = torch.Generator().manual_seed(5)
-    K, N, M = 4096, 40, 130
+    N = 40
     w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     packed, ws = native.pack_w8a8(w), torch.rand(N, generator=g)
     qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
     sx = torch.rand(M, 1, generator=g)
     whole = native.linear_w8a8(qu, sx, packed, ws, dtype=torch.float32)
     assert torch.equal(whole, ((qu.long() - 128) @ w.long().t()).float() * ws * sx)
-    for r in (0, 5, 127, 129):
+    for r in (0, 5, M - 3, M - 1):
         assert torch.equal(native.linear_w8a8(qu[r:r + 1], sx[r:r + 1], packed, ws, dtype=torch.float32),
                            whole[r:r + 1])
     threads = torch.get_num_threads()

@@ -555,7 +555,7 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
    AVX2's 16 registers, every weight load serves 6 rows and every broadcast 2 vectors. Named variables,
    not arrays: with arrays GCC spilled 9 of the 12 accumulators to the stack (half the speed, in a
    one-off build during development, as are the figures below but the last). The
-   threads split the panels. An x of more than W8A8_X_BYTES (prefill's rows) goes in blocks of rows, and
+   threads split the panels. An x of more than W8A8_WHOLE_BYTES (prefill's rows) goes in blocks of rows, and
    K in slices of W8A8_KC pairs, one slice of all panels at a time: the block's slice of x stays in L2,
    a panel's slice in L1 while the block's tiles pass over it, and the int32 sums wait in a buffer
    between slices (still exact; at K = 16384 unsliced panels were evicted by x's stream: 160 -> 290
@@ -569,6 +569,12 @@ int gemv_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *bias, fl
 #define W8A8_PF_DIST 4096   /* bytes of the panels a tile's prefetch runs ahead (see w8a8_block) */
 #ifndef W8A8_X_BYTES
 #define W8A8_X_BYTES (256 * 1024)  /* int16 x per block of rows and slice: it stays in L2 */
+#endif
+#ifndef W8A8_WHOLE_BYTES
+#define W8A8_WHOLE_BYTES (384 * 1024)  /* int16 x up to this stays in L2 whole: decode's rows */
+#endif
+#ifndef W8A8_PANEL_L2
+#define W8A8_PANEL_L2 (128 * 1024)  /* a panel up to this stays in L2 while decode's tiles pass over it whole */
 #endif
 
 int w8a8_panel(void) { return W8A8_PANEL; }
@@ -609,6 +615,7 @@ typedef struct {
     int y_f32, N;
     int32_t *c;          /* the sums between slices: a block's rows x the panels' channels */
     long ldc;
+    int stream;          /* each panel is read from memory once, by the first tile over each of its slices */
 } w8a8_job;
 
 /* one tile: rows [m, m + mr) of block m0, panel t, over the slice [k0, k0 + kn) of the pairs: the
@@ -624,12 +631,12 @@ static void w8a8_block(const w8a8_job *j, int m0, int m, int mr, int t, long k0,
             acc[r][v] = first || r >= mr ? vi_zero() : vi_load(c + r * j->ldc + v * VW);
     const int8_t *panel = j->w + ((long)t * j->pairs + k0) * W8A8_PANEL * 2;
     const int16_t *x = j->xq + (long)m * j->ldx + 2 * k0;
-    /* the first tile over a whole panel (one slice) reads it from memory: from 2 rows on, a cursor
+    /* the first tile over a panel (decode's x) reads it from memory: from 2 rows on, a cursor
        W8A8_PF_DIST bytes ahead (into the thread's next panels, which follow in memory) hides the
        latency (at 8 rows of GPT-J's 16384 x 4096: 6.6 -> 4.5 ms in a one-off sweep of distances 0-16 KiB;
        benchmarks/w8a8_gemm.py times the result); a single row streams as fast without it (the
        hardware's prefetchers keep up; with it, 4096 x 16384 took 2.3 -> 2.6 ms) */
-    const int8_t *pf = mr > 1 && m == m0 && first && last ? panel + W8A8_PF_DIST : NULL;
+    const int8_t *pf = mr > 1 && m == m0 && j->stream ? panel + W8A8_PF_DIST : NULL;
     switch (mr) {
     case 1: w8a8_tile(x, j->ldx, panel, kn, 1, acc, pf); break;
     case 2: w8a8_tile(x, j->ldx, panel, kn, 2, acc, pf); break;
@@ -672,14 +679,22 @@ int gemm_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *
     long ldx = (2 * pairs + 31) / 32 * 32;
     if (ldx / 32 % 2 == 0) ldx += 32;
     const int panels = (N + W8A8_PANEL - 1) / W8A8_PANEL;
-    /* x small enough to stay in L2 whole (decode's few rows): one slice, each panel read from memory
-       in one run; else slices of W8A8_KC pairs, in blocks of rows whose slice of x stays in L2 */
-    const int whole = (long)M * ldx * 2 <= W8A8_X_BYTES;
-    const long kc = whole || pairs < W8A8_KC ? pairs : W8A8_KC;
+    /* x small enough to stay in L2 whole (decode's rows): the threads split the panels, and each panel
+       is read from memory in one run by its first tile; the others read it from L2 or, a panel longer
+       than W8A8_PANEL_L2, from L1: such a panel goes in slices of W8A8_KC pairs, each passed over by
+       every tile (the sums wait in c between slices). Else (prefill's rows) slices of W8A8_KC pairs of
+       all panels at a time, in blocks of rows whose slice of x stays in L2. (A one-off sweep, 2 threads,
+       AVX2 code, two runs: at 8 and 10 rows of 4096 x 16384, whose x had been just over W8A8_X_BYTES,
+       6.9-7.2 and 7.6-7.9 -> 4.3-4.6 and 5.4 ms; at 32 rows of 16384 x 4096 and 50400 x 4096, 16.9-18.6
+       -> 13.5-14.7 and 55.7 -> 44.7 ms; 1-24 rows of K = 4096 the same within the noise. Slices of
+       every panel at 7-24 rows of K = 4096 had been 3-8 % slower than its whole 64 KiB from L2.) */
+    const int whole = (long)M * ldx * 2 <= W8A8_WHOLE_BYTES;
+    const int slice = !whole || (M > W8A8_MR && pairs * W8A8_PANEL * 2 > W8A8_PANEL_L2);
+    const long kc = slice && pairs > W8A8_KC ? W8A8_KC : pairs;
     int mc = whole ? M : (int)(W8A8_X_BYTES / (4 * kc)) / W8A8_MR * W8A8_MR;
     if (mc > M) mc = M;
     if (mc < 1) mc = 1;
-    w8a8_job j = {NULL, ldx, pairs, sx, ws, w, bias, y, y_f32, N, NULL, (long)panels * W8A8_PANEL};
+    w8a8_job j = {NULL, ldx, pairs, sx, ws, w, bias, y, y_f32, N, NULL, (long)panels * W8A8_PANEL, whole};
     int16_t *xq = aligned_alloc(64, sizeof(int16_t) * M * ldx);
     int32_t *c = pairs > kc ? aligned_alloc(64, sizeof(int32_t) * mc * j.ldc) : NULL;
     if (!xq || (pairs > kc && !c)) {
@@ -693,17 +708,26 @@ int gemm_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *
     }
     j.xq = xq;
     j.c = c;
-    /* a block of rows, one slice of the pairs at a time (its x stays in L2), the threads splitting the
-       panels (a panel's slice stays in L1 while the block's tiles pass over it) */
+    if (whole) {
+        /* decode: panel by panel, each slice of a panel passed over by every tile */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int t = 0; t < panels; t++)
+            for (long k0 = 0; k0 < pairs; k0 += kc)
+                for (int m = 0; m < M; m += W8A8_MR)
+                    w8a8_block(&j, 0, m, M - m < W8A8_MR ? M - m : W8A8_MR, t, k0, pairs - k0 < kc ? pairs - k0 : kc);
+    } else {
+        /* a block of rows, one slice of the pairs at a time (its x stays in L2), the threads splitting
+           the panels (a panel's slice stays in L1 while the block's tiles pass over it) */
 #pragma omp parallel num_threads(nthreads)
-    for (int m0 = 0; m0 < M; m0 += mc) {
-        const int me = M - m0 < mc ? M : m0 + mc;
-        for (long k0 = 0; k0 < pairs; k0 += kc) {
-            const long kn = pairs - k0 < kc ? pairs - k0 : kc;
+        for (int m0 = 0; m0 < M; m0 += mc) {
+            const int me = M - m0 < mc ? M : m0 + mc;
+            for (long k0 = 0; k0 < pairs; k0 += kc) {
+                const long kn = pairs - k0 < kc ? pairs - k0 : kc;
 #pragma omp for schedule(static)
-            for (int t = 0; t < panels; t++)
-                for (int m = m0; m < me; m += W8A8_MR)
-                    w8a8_block(&j, m0, m, me - m < W8A8_MR ? me - m : W8A8_MR, t, k0, kn);
+                for (int t = 0; t < panels; t++)
+                    for (int m = m0; m < me; m += W8A8_MR)
+                        w8a8_block(&j, m0, m, me - m < W8A8_MR ? me - m : W8A8_MR, t, k0, kn);
+            }
         }
     }
     free(xq);
