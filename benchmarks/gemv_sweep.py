@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -90,7 +89,8 @@ def timer(device: str):
     """-> time(fn) in ms. On a GPU: the median of a CUDA graph's replays of fn (do_bench_cudagraph), as
     the engine's decode steps run (the Python launch, some 20-40 us a call, is not paid; the small
     shapes' times were that launch under plain do_bench, 2026-11-28), else of do_bench's CUDA-event
-    timings where fn cannot be captured. Elsewhere: the median of perf_counter timings."""
+    timings where fn cannot be captured. Elsewhere (Triton's interpreter: a rehearsal, not a
+    measurement): one perf_counter timing of a call after the first."""
     if device == "cuda":
         import triton.testing
 
@@ -104,14 +104,10 @@ def timer(device: str):
 
         return cuda
 
-    def cpu(fn) -> float:  # noqa: ANN001
+    def cpu(fn) -> float:  # noqa: ANN001 - a plan ran once before, its result checked
+        t0 = time.perf_counter()
         fn()
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return (time.perf_counter() - t0) * 1e3
 
     return cpu
 
