@@ -712,9 +712,11 @@ int gemm_w8a8(const uint8_t *qu, const float *sx, const int8_t *w, const float *
         /* decode: panel by panel, each slice of a panel passed over by every tile */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int t = 0; t < panels; t++)
-            for (long k0 = 0; k0 < pairs; k0 += kc)
+            for (long k0 = 0; k0 < pairs; k0 += kc) {
+                const long kn = pairs - k0 < kc ? pairs - k0 : kc;
                 for (int m = 0; m < M; m += W8A8_MR)
-                    w8a8_block(&j, 0, m, M - m < W8A8_MR ? M - m : W8A8_MR, t, k0, pairs - k0 < kc ? pairs - k0 : kc);
+                    w8a8_block(&j, 0, m, M - m < W8A8_MR ? M - m : W8A8_MR, t, k0, kn);
+            }
     } else {
         /* a block of rows, one slice of the pairs at a time (its x stays in L2), the threads splitting
            the panels (a panel's slice stays in L1 while the block's tiles pass over it) */
