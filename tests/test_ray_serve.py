@@ -269,6 +269,14 @@ def test_flag_errors_without_a_cluster(models, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and 'pip install -e ".[ray]"' in err, err
 
 
+def test_the_cluster_commands_module_does_not_import_torch():
+    """`gptj ls / unpublish --ray-address` import gptj.serve.ray_serve in a process of their own; the
+    server's modules (torch) are imported only where a replica or the gateway runs them."""
+    probe = "import sys, gptj.serve.ray_serve; print(sorted(m for m in ('torch', 'gptj.engine') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
 def test_sigterm_stops_serving_and_removes_the_applications(served, cluster):
     url, proc = served
     proc.send_signal(signal.SIGTERM)
