@@ -37,10 +37,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptj.errors import GptjError
-from gptj.serve.completions import APIError, Completion, plan, precheck
+from gptj.serve.completions import Completion, plan, precheck
 from gptj.serve.metrics import CONTENT_TYPE, ServerMetrics
-from gptj.serve.protocol import (MAX_BODY_BYTES, MAX_PROMPTS, CompletionRequest, CompletionResponse, ErrorResponse, Health, LoadModelRequest,
-                                 ModelCard, ModelList, ModelStatus)
+from gptj.serve.protocol import (MAX_BODY_BYTES, MAX_PROMPTS, APIError, CompletionRequest, CompletionResponse,
+                                 ErrorResponse, Health, LoadModelRequest, ModelCard, ModelList, ModelStatus)
 from gptj.serve.registry import ServedModel, ServerConfig, check_under_root, load_served_model
 
 log = logging.getLogger("gptj.serve")

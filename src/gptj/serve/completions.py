@@ -21,26 +21,8 @@ from typing import Any
 
 from gptj.decode import SAMPLING_EPS, GenerationConfig
 from gptj.errors import GptjError
-from gptj.serve.protocol import CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from gptj.serve.protocol import APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from gptj.serve.registry import ServedModel
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The server's request and response schemas: OpenAI's completions API, plus vLLM's common extras.
+"""The server's request and response schemas: OpenAI's completions API, plus vLLM's common extras,
+and APIError, an error answered in OpenAI's format (torch-free: Ray's gateway imports it too).
 
 FastAPI publishes these as the server's OpenAPI document (/openapi.json); clients and the
 tests' schema fuzzing read them from there. Requests are strict: wrong JSON types are refused
@@ -12,7 +13,7 @@ early_stopping, stop_token_ids, ignore_eos, return_token_ids.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -131,6 +132,24 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
 
 
 class Health(BaseModel):

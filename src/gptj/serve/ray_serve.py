@@ -42,7 +42,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import RayServeException
 
 from gptj.errors import GptjError
-from gptj.serve.protocol import MAX_BODY_BYTES, ModelCard, ModelList
+from gptj.serve.protocol import MAX_BODY_BYTES, APIError, ModelCard, ModelList
 from gptj.serve.registry import ServerConfig, check_model_name
 
 log = logging.getLogger("gptj.serve.ray")
@@ -176,8 +176,6 @@ class GPTJModel:
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    from gptj.serve.completions import APIError
-
     e = APIError(status, message, param, code)
     return JSONResponse(e.body(), status_code=status)
 
@@ -192,8 +190,6 @@ def _model_apps(running: bool = False) -> list[str]:
 
 def build_gateway_app() -> FastAPI:
     """The OpenAI routes at "/", routed by model name to the model applications."""
-    from gptj.serve.completions import APIError
-
     app = FastAPI(title="gptj gateway (Ray Serve)",
                   description="OpenAI-compatible completions, routed to gptj model applications on Ray Serve.")
     handles: dict[str, Any] = {}
