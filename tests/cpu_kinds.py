@@ -22,6 +22,8 @@ FLAGS = {
     cpu.AVX2: _BASE,  # AMD Zen 2/3
     cpu.OTHER: frozenset({"sse4_1", "sse4_2"}),
 }
+# Intel Sapphire Rapids and later: the avx512-bf16 kind with AMX's tiles, which oneDNN's GEMMs run on
+AMX = FLAGS[cpu.AVX512_BF16] | {"avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"}
 
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import force_fallback
-from cpu_kinds import FLAGS, fake_cpu
+from cpu_kinds import AMX, FLAGS, fake_cpu
 
 from gptj import cpu, native, policy, quant
 
@@ -114,6 +114,22 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
     if kind in (cpu.AVX2, cpu.OTHER):
         assert not policy.can_pack(torch.bfloat16, "cpu")  # torch's oneDNN bfloat16 wants AVX-512
     assert policy.attention_path("cpu", torch.float32, "auto", "auto").backend == policy.REFERENCE  # exact
+
+
+def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):
+    """With AMX, the dequantized weight through oneDNN's bfloat16 GEMM beats gptj.native's int8 GEMV
+    past NATIVE_INT8_AMX_MAX_ROWS rows; without it (Zen 4, or AMX under a lower ceiling) past
+    NATIVE_INT8_MAX_ROWS."""
+    monkeypatch.setattr(policy, "native_gemv_available", lambda: True)
+    below_amx = cpu.cap(AMX, "avx512_core_bf16")
+    assert cpu.kind(AMX) == cpu.kind(below_amx) == cpu.AVX512_BF16 and "amx_bf16" not in below_amx
+    for flags, most in ((AMX, policy.NATIVE_INT8_AMX_MAX_ROWS), (FLAGS[cpu.AVX512_BF16], policy.NATIVE_INT8_MAX_ROWS),
+                        (below_amx, policy.NATIVE_INT8_MAX_ROWS)):
+        monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
+        assert policy.native_int8_max_rows() == most
+        assert policy.linear_path("cpu", torch.bfloat16, most, "int8") == policy.NATIVE
+        assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int8") == policy.DEQUANTIZE
+    assert policy.NATIVE_INT8_AMX_MAX_ROWS < policy.NATIVE_INT8_MAX_ROWS
 
 
 @pytest.mark.parametrize("kind", cpu.KINDS)

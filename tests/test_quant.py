@@ -34,7 +34,7 @@ def make_linear(n_in, n_out, bias, seed=0):
 
 def dequant_rows(mode):
     """The fewest rows whose call dequantizes the weight (gptj.policy.linear_path), native kernels or not."""
-    return (policy.NATIVE_INT8_MAX_ROWS if mode == "int8" else quant.KERNEL_MAX_ROWS[mode]) + 1
+    return (policy.native_int8_max_rows() if mode == "int8" else quant.KERNEL_MAX_ROWS[mode]) + 1
 
 
 def quantized(lin, mode):
@@ -97,6 +97,29 @@ def test_dequant_path_in_chunks(monkeypatch, mode):
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)
     assert len(list(quant._row_chunks(560, 64))) == 3
     torch.testing.assert_close(m(x), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantized_chunks_reuse_one_buffer_outside_autograd(monkeypatch, dtype):
+    """chunked_linear converts each chunk of the weight into one buffer kept from call to call (CPU,
+    no autograd), with the numbers of a tensor per chunk, which is what it does where autograd records
+    the call: there backward needs every chunk, and gets the right gradient."""
+    monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)  # 560 rows: chunks of 256, 256 and 48
+    monkeypatch.setattr(quant.ops._scratch, "buffers", {}, raising=False)  # none from an earlier test
+    m = quantized(make_linear(64, 560, False), "int8")
+    x = torch.randn(dequant_rows("int8"), 64).to(dtype)
+    with torch.no_grad():
+        y = m(x)
+        buf = quant.ops._scratch.buffers[(dtype, x.device)]
+        assert buf.numel() == 256 * 64 and torch.equal(m(x), y)
+        assert quant.ops._scratch.buffers[(dtype, x.device)].data_ptr() == buf.data_ptr()
+    xg = x.clone().requires_grad_()
+    yg = m(xg)
+    assert torch.equal(yg.detach(), y)
+    yg.float().square().sum().backward()
+    w = m.dequantized_weight(torch.float32)
+    ref = (2 * yg.detach().float()) @ w  # d(sum y^2)/dx = 2 y W
+    assert xg.grad.dtype == dtype and rel_err(xg.grad, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -13,8 +13,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     at a time, F.linear in float32
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
-  cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512)    NATIVE       gptj.native int8 GEMV, 8-row tiles
-                                                                                    (AVX-512 or AVX2, as above)
+  cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
+                                      16 with AMX: `native_int8_max_rows`)          (AVX-512 or AVX2, as above)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
@@ -127,6 +127,21 @@ NATIVE_MAX_ROWS = 8
 #   dequantize + F.linear, bf16 x         76.7  98.9   137   224   401   749  1450
 #   dequantize + F.linear, float32 x       127   131   148   174   221   310   489
 NATIVE_INT8_MAX_ROWS = 512
+# A CPU with AMX (Intel Sapphire Rapids on) runs oneDNN's bfloat16 GEMM on its tile units, about 10x
+# the AVX-512 GEMV's arithmetic, so the weight dequantized for F.linear (a chunk at a time into one
+# reused buffer: gptj.quant.ops.chunked_linear) wins from a few rows on. A throwaway script, 2-core
+# Intel Xeon with AMX, 2 threads, best of 3, 2026-11-28, ms:
+#   rows                              8     16     32    128    512
+#   28672 x 4096 (q|k|v|fc_in) native 13.5   27.5   53.2    214    910
+#                 dequantize         31.0   30.4   33.9   48.5    103
+#   4096 x 16384 (fc_out)     native  8.3   16.1   30.2    121    496
+#                 dequantize         19.0   19.4   22.7   29.0   57.6
+#   4096 x 4096               native  2.3    3.7    7.6   30.4    122
+#                 dequantize          3.8    3.6    4.1    6.7   12.9
+# The same CPU without AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) crossed over between 64 and 256 rows
+# (at 512: 463-871 against 344-628 ms), about where NATIVE_INT8_MAX_ROWS' Zen 4 table, measured
+# before the reused buffer, puts it.
+NATIVE_INT8_AMX_MAX_ROWS = 16
 # An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
 # both layouts would double the weights' memory, so the layout is chosen once, when packing.
@@ -243,6 +258,18 @@ def cpu_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_amx() -> bool:
+    """This CPU has AMX's bfloat16 tiles (gptj.cpu's flags, ceilings applied), which oneDNN's
+    bfloat16 GEMMs run on."""
+    return "amx_bf16" in cpu.flags()
+
+
+def native_int8_max_rows() -> int:
+    """The most rows of a call that gptj.native's int8 GEMV takes (more: the dequantized matmul):
+    NATIVE_INT8_AMX_MAX_ROWS on a CPU with AMX, else NATIVE_INT8_MAX_ROWS."""
+    return NATIVE_INT8_AMX_MAX_ROWS if cpu_amx() else NATIVE_INT8_MAX_ROWS
+
+
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a fused block's GELU and rotary, and the engine's KV stores, of `dtype` activations
     on `device` run gptj.native's one-pass kernels (bfloat16 on CPU) instead of torch's ops."""
@@ -345,7 +372,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
-        if rows <= NATIVE_INT8_MAX_ROWS and native_gemv_available():
+        if rows <= native_int8_max_rows() and native_gemv_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else _dequantize(kind, dtype)
     if weight == "w8a8":
