@@ -117,6 +117,58 @@ def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: c
         assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
 
 
+def _amx_reason() -> str | None:
+    if not {"amx_tile", "amx_bf16"} <= cpu.flags():
+        return f"this CPU ({cpu.describe()}) has no AMX bfloat16 tiles"
+    return None if native.amx_available() else f"gptj.native's AMX kernel is not loaded here ({WHY_NOT or 'no AMX'})"
+
+
+needs_amx = pytest.mark.skipif(_amx_reason() is not None, reason=str(_amx_reason()))
+
+
+@needs_amx
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 100, 64), (16, 32, 4096), (17, 33, 96), (33, 70, 1024),
+                                   (40, 1024, 4096), (100, 50, 160)])
+def test_amx_int8_gemm_is_within_float32_sums_and_one_bfloat16_rounding(M, N, K):
+    """amx.c's GEMM: float32 sums of the exact products (every int8 weight is a bfloat16, every product
+    of two bfloat16 values a float32), then scale and bias, rounded once to bfloat16. tdpbf16ps adds
+    each product pair into the float32 sum in k order (<= 2 roundings a pair), so |sum error| <=
+    (K + 2) u sum|terms| (Higham 3.1, u = 2^-24); scale and bias add 2 more; bfloat16's rounding
+    at most 2^-8 of the value. Shapes: rows past the 16- and 32-row tiles, channels past a block of 32,
+    the decode (<= 32 rows) and prefill paths."""
+    x, w, scale, bias = _int8_case(M, N, K, seed=2)
+    y = native.linear_int8_amx(x, w, scale, bias)
+    xd, wd = x.double(), w.double() * scale.double()[:, None]
+    ref = xd @ wd.T + bias.double()
+    sums = (K + 4) * 2.0**-24 * (xd.abs() @ wd.abs().T + bias.double().abs())
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert ((y.double() - ref).abs() <= 2.0**-8 * (ref.abs() + sums) + sums + 1e-30).all()
+    assert torch.equal(native.linear_int8_amx(x, w, scale), native.linear_int8_amx(x, w, scale, torch.zeros_like(bias)))
+
+
+@needs_amx
+def test_amx_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads():
+    """Each output is one tile accumulator summed in k order whatever the rows beside it (the few-row
+    path, <= 32 rows, and the blocked one alike) or the thread count: batch invariance."""
+    x, w, scale, bias = _int8_case(70, 200, 1024, seed=3)
+    full = native.linear_int8_amx(x, w, scale, bias)
+    for rows in (slice(0, 1), slice(5, 8), slice(0, 32), slice(30, 70), slice(1, 70)):
+        assert torch.equal(native.linear_int8_amx(x[rows], w, scale, bias), full[rows]), rows
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_int8_amx(x, w, scale, bias), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_amx_int8_gemm_refuses_inputs_not_in_steps_of_32():
+    x, w, scale, _ = _int8_case(4, 8, 48)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.linear_int8_amx(x, w, scale)
+
+
 def test_shapes_layouts_and_threads(gemv_isa: ctypes.CDLL) -> None:
     x, w, scale, bias = _int8_case(6, 70, 512)
     x3 = x.reshape(2, 3, 512)

@@ -1,6 +1,7 @@
 """Weight-only quantization: int8/int4 layers against a dequantized reference, error bounds,
 whole models, quantized checkpoints, and refusals."""
 
+import itertools
 import json
 
 import pytest
@@ -32,9 +33,11 @@ def make_linear(n_in, n_out, bias, seed=0):
     return lin
 
 
-def dequant_rows(mode):
-    """The fewest rows whose call dequantizes the weight (gptj.policy.linear_path), native kernels or not."""
-    return (policy.native_int8_max_rows() if mode == "int8" else quant.KERNEL_MAX_ROWS[mode]) + 1
+def dequant_rows(mode, features=(128, 96)):
+    """The fewest rows whose call dequantizes the weight (gptj.policy.linear_path) for a layer of
+    `features` (in, out), native kernels or not."""
+    return next(rows for rows in itertools.count(1)
+                if policy.linear_path("cpu", torch.bfloat16, rows, mode, features) in (policy.DEQUANTIZE, policy.UPCAST))
 
 
 def quantized(lin, mode):
@@ -92,7 +95,7 @@ def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf1
 def test_dequant_path_in_chunks(monkeypatch, mode):
     lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
     m = quantized(lin, mode)
-    x = torch.randn(dequant_rows(mode), 64)
+    x = torch.randn(dequant_rows(mode, (64, 560)), 64)
     whole = m(x)
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)
     assert len(list(quant._row_chunks(560, 64))) == 3
@@ -107,12 +110,14 @@ def test_the_dequantized_chunks_reuse_one_buffer_outside_autograd(monkeypatch, d
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)  # 560 rows: chunks of 256, 256 and 48
     monkeypatch.setattr(quant.ops._scratch, "buffers", {}, raising=False)  # none from an earlier test
     m = quantized(make_linear(64, 560, False), "int8")
-    x = torch.randn(dequant_rows("int8"), 64).to(dtype)
+    x = torch.randn(dequant_rows("int8", (64, 560)), 64).to(dtype)
+    path = policy.linear_path(x.device, dtype, x.shape[0], "int8", (64, 560))
+    key = (torch.float32 if path == policy.UPCAST else dtype, x.device)  # UPCAST: float32 sums (no bf16 arithmetic)
     with torch.no_grad():
         y = m(x)
-        buf = quant.ops._scratch.buffers[(dtype, x.device)]
+        buf = quant.ops._scratch.buffers[key]
         assert buf.numel() == 256 * 64 and torch.equal(m(x), y)
-        assert quant.ops._scratch.buffers[(dtype, x.device)].data_ptr() == buf.data_ptr()
+        assert quant.ops._scratch.buffers[key].data_ptr() == buf.data_ptr()
     xg = x.clone().requires_grad_()
     yg = m(xg)
     assert torch.equal(yg.detach(), y)

@@ -13,7 +13,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     at a time, F.linear in float32
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
-  cpu     int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
+  cpu     int8, AMX, in % 32 == 0     AMX_INT8_MIN_ROWS (3) to         AMX          gptj.native's AMX GEMM (amx.c)
+          (`native_amx_available`)    AMX_INT8_MAX_ROWS (256)
+          int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
                                       16 with AMX: `native_int8_max_rows`)          (AVX-512 or AVX2, as above)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
@@ -91,6 +93,7 @@ PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this
 # Linear paths (see the table above).
 TORCH = "torch"  # F.linear on the weight as it is (float32: the exact path)
 NATIVE = "native"  # gptj.native's GEMV (AVX-512 or AVX2)
+AMX = "amx"  # gptj.native's int8 GEMM on AMX's tiles (amx.c)
 ONEDNN = "onednn"  # oneDNN's bfloat16 GEMM on its packed layout
 WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
@@ -142,6 +145,17 @@ NATIVE_INT8_MAX_ROWS = 512
 # (at 512: 463-871 against 344-628 ms), about where NATIVE_INT8_MAX_ROWS' Zen 4 table, measured
 # before the reused buffer, puts it.
 NATIVE_INT8_AMX_MAX_ROWS = 16
+# ...and gptj.native's own AMX GEMM (amx.c: the int8 weight made bfloat16 a tile at a time, in L1 or
+# L2, and multiplied on the tiles) beats both from 3 rows to a few hundred. Same script and CPU, ms:
+#   rows                              1     2     3     4      8     32    128    256    512
+#   28672 x 4096   GEMV             3.4   5.5   6.5   7.6   13.4   52.7    210    410    844
+#                  AMX GEMM         6.7   6.1   5.9   6.1    7.5   10.2   26.4   49.7    113
+#                  dequantize         -     -     -     -   31.0   33.9   48.5   56.8   93.6
+#   4096 x 16384   GEMV             1.6   2.8   3.5   4.1    7.7   30.7    122    227    449
+#                  AMX GEMM         3.3   3.4   3.4   3.5    3.7    5.4   21.1   36.9   67.1
+#                  dequantize         -     -     -     -   19.0   22.7   29.0   34.7   49.2
+# (the GEMV streams its weight at 1-2 rows; the AMX GEMM is bound by converting int8 to bfloat16)
+AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS = 3, 256
 # An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
 # both layouts would double the weights' memory, so the layout is chosen once, when packing.
@@ -258,6 +272,11 @@ def cpu_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def native_amx_available() -> bool:
+    """gptj.native's AMX int8 GEMM runs here (native.amx_available: the AVX-512 library, AMX's tiles)."""
+    return native.amx_available()
+
+
 def cpu_amx() -> bool:
     """This CPU has AMX's bfloat16 tiles (gptj.cpu's flags, ceilings applied), which oneDNN's
     bfloat16 GEMMs run on."""
@@ -372,6 +391,8 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
+        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and features[0] % 32 == 0:
+            return AMX
         if rows <= native_int8_max_rows() and native_gemv_available():
             return NATIVE
         return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else _dequantize(kind, dtype)

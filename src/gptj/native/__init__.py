@@ -52,8 +52,8 @@ import torch
 
 from gptj import cpu
 
-__all__ = ["ISAS", "Isa", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
-           "linear_bf16", "linear_int8", "linear_w8a8", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa",
+__all__ = ["ISAS", "Isa", "amx_available", "attention_group", "attention_paged", "available", "best_isa", "gelu", "has", "isa",
+           "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa",
            "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
@@ -85,7 +85,8 @@ class Isa:
 # Best first. The AVX2 library is built for AVX2 alone (-mavx2, not -march=native): on a CPU with
 # AVX-512 it runs the code an AVX2-only CPU runs (how its tests run on either kind).
 ISAS = (
-    Isa("avx512-bf16", REQUIRED_CPU_FLAGS, ("-march=native", "-DGPTJ_ISA_AVX512"), SOURCES, KERNELS),
+    Isa("avx512-bf16", REQUIRED_CPU_FLAGS, ("-march=native", "-DGPTJ_ISA_AVX512"), (*SOURCES, HERE / "amx.c"),
+        KERNELS),
     Isa("avx2", AVX2_CPU_FLAGS, ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"), SOURCES,
         KERNELS),
 )
@@ -262,6 +263,20 @@ def isa() -> Isa | None:
     return _state.get("isa")  # type: ignore[return-value]
 
 
+def amx_available() -> bool:
+    """gptj.native's AMX int8 GEMM (amx.c) runs here: the AVX-512 library is loaded, the CPU has AMX's
+    bfloat16 tiles (gptj.cpu's flags, so a ceiling below AMX says no) and Linux lets this process use
+    them (asked once)."""
+    load()
+    if _gemm_int8_amx is None or not {"amx_tile", "amx_bf16"} <= cpu.flags():
+        return False
+    if "amx" not in _state:
+        with _lock:
+            if "amx" not in _state:
+                _state["amx"] = _amx_init() == 0
+    return bool(_state["amx"])
+
+
 def has(kernel: str) -> bool:
     """Whether the loaded library holds `kernel` ("gemv", "attention", "elementwise")."""
     if kernel not in KERNELS:
@@ -301,18 +316,27 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
 _gemv_int8 = _gemv_bf16 = _gemm_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
 _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
+_gemm_int8_amx = _amx_init = None  # the AVX-512 library's AMX GEMM (amx.c), where the library has it
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_attend_group", "_attend_paged", "_prefill_paged",
-         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows")  # what a test clears to take the native path away
+         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows",
+         "_gemm_int8_amx", "_amx_init")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _store_kv, _quantize_rows, _scale_rows
+    global _store_kv, _quantize_rows, _scale_rows, _gemm_int8_amx, _amx_init
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _gemm_w8a8 = lib.gemm_w8a8
     _w8a8_panel = lib.w8a8_panel()
+    if hasattr(lib, "gemm_int8_amx"):  # the AVX-512 library's (amx.c)
+        _gemm_int8_amx = lib.gemm_int8_amx
+        _gemm_int8_amx.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        _gemm_int8_amx.restype = ctypes.c_int
+        _amx_init = lib.amx_init
+        _amx_init.argtypes = []
+        _amx_init.restype = ctypes.c_int
     if "attention" not in chosen.kernels:  # a library without them (none of ISAS today)
         return
     _attend_group = lib.attend_group_bf16
@@ -428,6 +452,27 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                               None if bias is None else bias.data_ptr(), y.data_ptr(),
                               M, N, K, torch.get_num_threads()):
         raise MemoryError("linear_int8: no memory for x's float32 copy")
+    return y
+
+
+AMX_K_MULTIPLE = 32  # the AMX GEMM's inputs come in tile steps of 32 (amx.c)
+
+
+def linear_int8_amx(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_int8's formula on AMX's tiles (amx.c): float32 sums of the same products, added 32 at a
+    time, then scaled, biased and rounded once. K must be a multiple of AMX_K_MULTIPLE; `amx_available()`
+    says whether it runs here."""
+    if not amx_available():
+        raise RuntimeError("linear_int8_amx: gptj.native's AMX kernel is not available on this machine")
+    x, M, N, K, y = _prepare("linear_int8_amx", x, weight, _i8, bias, out)
+    _check_vec(scale, N, "scale", "linear_int8_amx")
+    if K % AMX_K_MULTIPLE:
+        raise _bad("linear_int8_amx", f"K = {K} is not a multiple of {AMX_K_MULTIPLE}")
+    if M and N and _gemm_int8_amx(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                  M, N, K, torch.get_num_threads()):
+        raise MemoryError("linear_int8_amx: no memory for x's tile layout")
     return y
 
 

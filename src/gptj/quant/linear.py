@@ -33,7 +33,7 @@ from torch import nn
 
 from gptj import native
 from gptj.errors import GptjError
-from gptj.policy import (DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
+from gptj.policy import (AMX, DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
                          linear_path)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
@@ -146,17 +146,21 @@ class Int8Linear(nn.Module):
 
     def use_kernel(self, x: torch.Tensor) -> bool:
         """Whether a call on x runs a kernel (gptj.native's or torch's), not the dequantized matmul."""
-        return linear_path(x.device, x.dtype, _rows(x), "int8") not in (DEQUANTIZE, UPCAST)
+        return self._path(x) not in (DEQUANTIZE, UPCAST)
+
+    def _path(self, x: torch.Tensor) -> str:
+        return linear_path(x.device, x.dtype, _rows(x), "int8", (self.in_features, self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        path = linear_path(x.device, x.dtype, _rows(x), "int8")
-        if path == NATIVE:
+        path = self._path(x)
+        if path in (NATIVE, AMX):
+            kernel = native.linear_int8 if path == NATIVE else native.linear_int8_amx
             if x.dtype == KERNEL_DTYPE and self.bias is not None and self.bias.dtype == KERNEL_DTYPE:
                 # bfloat16 in and out: the kernel adds the bias (one rounding, no extra pass)
-                y = native.linear_int8(x2, self.weight, self.weight_scale, self.bias)
+                y = kernel(x2, self.weight, self.weight_scale, self.bias)
                 return y.view(*x.shape[:-1], self.out_features)
-            y = native.linear_int8(x2.to(KERNEL_DTYPE), self.weight, self.weight_scale).to(x.dtype)
+            y = kernel(x2.to(KERNEL_DTYPE), self.weight, self.weight_scale).to(x.dtype)
         elif path == WEIGHT_ONLY:
             y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
             y = y.to(x.dtype)
