@@ -16,7 +16,7 @@ _BASE = frozenset({"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 _AVX512 = _BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 
 FLAGS = {
-    cpu.AVX512_BF16: _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_vbmi"},  # AMD Zen 4
+    cpu.AVX512_BF16: _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512vbmi"},  # AMD Zen 4
     cpu.AVX512_VNNI: _AVX512 | {"avx512_vnni"},  # Intel Cascade Lake
     cpu.AVX512: _AVX512,  # Intel Skylake-SP
     cpu.AVX2: _BASE,  # AMD Zen 2/3

@@ -134,7 +134,7 @@ def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(m
 
 def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):
     """gptj.native's AMX GEMM from AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows, for inputs in steps of
-    32; the GEMV below (it streams the weight), the dequantized matmul above."""
+    64; the GEMV below (it streams the weight), the dequantized matmul above."""
     monkeypatch.setattr(cpu, "flags", lambda: AMX)
     monkeypatch.setattr(policy, "native_gemv_available", lambda: True)
     monkeypatch.setattr(policy, "native_amx_available", lambda: True)
@@ -144,7 +144,7 @@ def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):
     assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", gptj_j) == policy.AMX
     assert policy.linear_path("cpu", torch.bfloat16, hi, "int8", gptj_j) == policy.AMX
     assert policy.linear_path("cpu", torch.bfloat16, hi + 1, "int8", gptj_j) == policy.DEQUANTIZE
-    assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", (4100, 4096)) == policy.NATIVE  # 4100 % 32
+    assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", (4128, 4096)) == policy.NATIVE  # 4128 % 64
     monkeypatch.setattr(policy, "native_amx_available", lambda: False)
     assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", gptj_j) == policy.NATIVE
 

@@ -127,8 +127,8 @@ needs_amx = pytest.mark.skipif(_amx_reason() is not None, reason=str(_amx_reason
 
 
 @needs_amx
-@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 100, 64), (16, 32, 4096), (17, 33, 96), (33, 70, 1024),
-                                   (40, 1024, 4096), (100, 50, 160)])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 64), (3, 100, 64), (16, 32, 4096), (17, 33, 128), (33, 70, 1024),
+                                   (40, 1024, 4096), (100, 50, 192)])
 def test_amx_int8_gemm_is_within_float32_sums_and_one_bfloat16_rounding(M, N, K):
     """amx.c's GEMM: float32 sums of the exact products (every int8 weight is a bfloat16, every product
     of two bfloat16 values a float32), then scale and bias, rounded once to bfloat16. tdpbf16ps adds
@@ -163,9 +163,9 @@ def test_amx_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads():
 
 
 @needs_amx
-def test_amx_int8_gemm_refuses_inputs_not_in_steps_of_32():
-    x, w, scale, _ = _int8_case(4, 8, 48)
-    with pytest.raises(ValueError, match="multiple of 32"):
+def test_amx_int8_gemm_refuses_inputs_not_in_steps_of_64():
+    x, w, scale, _ = _int8_case(4, 8, 96)
+    with pytest.raises(ValueError, match="multiple of 64"):
         native.linear_int8_amx(x, w, scale)
 
 

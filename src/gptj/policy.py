@@ -13,7 +13,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     at a time, F.linear in float32
   cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
           (PackedLinear "onednn")
-  cpu     int8, AMX, in % 32 == 0     AMX_INT8_MIN_ROWS (3) to         AMX          gptj.native's AMX GEMM (amx.c)
+  cpu     int8, AMX, in % 64 == 0     AMX_INT8_MIN_ROWS (2) to         AMX          gptj.native's AMX GEMM (amx.c)
           (`native_amx_available`)    AMX_INT8_MAX_ROWS (256)
           int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
                                       16 with AMX: `native_int8_max_rows`)          (AVX-512 or AVX2, as above)
@@ -145,17 +145,22 @@ NATIVE_INT8_MAX_ROWS = 512
 # (at 512: 463-871 against 344-628 ms), about where NATIVE_INT8_MAX_ROWS' Zen 4 table, measured
 # before the reused buffer, puts it.
 NATIVE_INT8_AMX_MAX_ROWS = 16
-# ...and gptj.native's own AMX GEMM (amx.c: the int8 weight made bfloat16 a tile at a time, in L1 or
-# L2, and multiplied on the tiles) beats both from 3 rows to a few hundred. Same script and CPU, ms:
-#   rows                              1     2     3     4      8     32    128    256    512
-#   28672 x 4096   GEMV             3.4   5.5   6.5   7.6   13.4   52.7    210    410    844
-#                  AMX GEMM         6.7   6.1   5.9   6.1    7.5   10.2   26.4   49.7    113
-#                  dequantize         -     -     -     -   31.0   33.9   48.5   56.8   93.6
-#   4096 x 16384   GEMV             1.6   2.8   3.5   4.1    7.7   30.7    122    227    449
-#                  AMX GEMM         3.3   3.4   3.4   3.5    3.7    5.4   21.1   36.9   67.1
-#                  dequantize         -     -     -     -   19.0   22.7   29.0   34.7   49.2
-# (the GEMV streams its weight at 1-2 rows; the AMX GEMM is bound by converting int8 to bfloat16)
-AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS = 3, 256
+# ...and gptj.native's own AMX GEMM (amx.c: the int8 weight made bfloat16 64 inputs at a time by byte
+# lookups, in L1 or L2, and multiplied on the tiles) beats both from 2 rows to a few hundred. Same CPU,
+# 2 threads, median of 7 (GEMV, AMX) or best of 3 (dequantize, the table above), ms:
+#   rows                              1     2     4      8     16     32    128    256    512
+#   28672 x 4096   GEMV             2.9   5.0   7.3   12.4   24.5   49.9    210    410    844
+#                  AMX GEMM         4.6   4.4   4.5    4.9    5.4    7.9   23.0   46.9    102
+#                  dequantize         -     -     -   31.0   30.4   33.9   48.5   56.8   93.6
+#   50400 x 4096   GEMV             8.1  10.9  13.6   21.8   43.3   85.1      -      -      -
+#   (lm_head)      AMX GEMM         9.8   9.1   9.3    9.5   10.4   14.1   40.7   81.1    184
+#   4096 x 16384   GEMV             1.6   2.8   4.2    7.4   14.2   28.0    122    227    449
+#                  AMX GEMM         2.8   2.7   2.9    3.0    3.1    3.9   21.6   37.1   69.6
+#                  dequantize         -     -     -   19.0   19.4   22.7   29.0   34.7   49.2
+# (one row: the GEMV streams the weight at 25-40 GB/s; from 2 rows the AMX GEMM, which at 8 rows of
+# lm_head streams at 22 GB/s, the DRAM's rate here; past 32 rows it keeps the whole converted block in
+# L2 for every 32 rows of x, and past 256 oneDNN's blocking wins)
+AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS = 2, 256
 # An engine of at most this many rows per step takes the native layout for its bfloat16 linears:
 # bf16 GEMV 1.4-1.8x oneDNN at 1-2 rows, ~1x at 4, 0.83-0.99x at 8 rows with K = 4096. Holding
 # both layouts would double the weights' memory, so the layout is chosen once, when packing.
@@ -391,7 +396,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
-        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and features[0] % 32 == 0:
+        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and features[0] % 64 == 0:
             return AMX
         if rows <= native_int8_max_rows() and native_gemv_available():
             return NATIVE

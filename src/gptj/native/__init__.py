@@ -268,7 +268,7 @@ def amx_available() -> bool:
     bfloat16 tiles (gptj.cpu's flags, so a ceiling below AMX says no) and Linux lets this process use
     them (asked once)."""
     load()
-    if _gemm_int8_amx is None or not {"amx_tile", "amx_bf16"} <= cpu.flags():
+    if _gemm_int8_amx is None or not {"amx_tile", "amx_bf16", "avx512vbmi"} <= cpu.flags():
         return False
     if "amx" not in _state:
         with _lock:
@@ -455,7 +455,7 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-AMX_K_MULTIPLE = 32  # the AMX GEMM's inputs come in tile steps of 32 (amx.c)
+AMX_K_MULTIPLE = 64  # the AMX GEMM converts its weight 64 inputs at a time (amx.c)
 
 
 def linear_int8_amx(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
