@@ -7,6 +7,7 @@ Kinds, by what gptj's kernels and oneDNN's int8 GEMM can use (`kind`):
 
   kind          the CPU has                                   e.g.
   avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI            AMD Zen 4/5, Intel Cooper Lake, Sapphire Rapids
+                (with AMX from Sapphire Rapids on: gptj.policy's `cpu_amx` reads it)
   avx512-vnni   AVX-512 with VNNI, no BF16                    Intel Cascade Lake, Ice Lake
   avx512        AVX-512 without VNNI                          Intel Skylake-SP/X
   avx2          AVX2 and FMA, no AVX-512                      AMD Zen 2/3, Intel Haswell to Comet Lake, Alder Lake

@@ -377,7 +377,7 @@ def fusable(dtype: torch.dtype | None) -> bool:
 def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str,
                 features: tuple[int, int] = (8, 8)) -> str:
     """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
-    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, ONEDNN, WEIGHT_ONLY, INT_MM, TRITON,
+    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, AMX, ONEDNN, WEIGHT_ONLY, INT_MM, TRITON,
     SCALED_MM, DEQUANTIZE, UPCAST, TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both
     divisible by 8, SCALED_MM by 16)."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type

@@ -137,6 +137,41 @@ static void store_block(const float *c, const uint16_t *scale, const uint16_t *b
     }
 }
 
+/* C tiles 4-7 (channels 0-15 / 16-31 x rows 0-15 / 16-31 of x) to zero */
+AMX_TARGET static inline __attribute__((always_inline)) void tiles_zero(void)
+{
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+}
+
+/* one step of 32 inputs: C += A (the two tiles at a: channels 0-15, 16-31) x B (b0: rows 0-15 of x;
+   b1: rows 16-31, where `two`) */
+AMX_TARGET static inline __attribute__((always_inline)) void tiles_step(const uint16_t *a, const uint16_t *b0,
+                                                                      const uint16_t *b1, int two)
+{
+    _tile_loadd(0, a, 64);
+    _tile_loadd(1, a + 512, 64);
+    _tile_loadd(2, b0, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+    if (two) {
+        _tile_loadd(3, b1, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+    }
+}
+
+/* C's tiles into c[channel][row of x] (NB x 32 float32; the rows-16-31 half is stale where not `two`) */
+AMX_TARGET static inline __attribute__((always_inline)) void tiles_store(float *c)
+{
+    _tile_stored(4, c, 128);
+    _tile_stored(5, c + 16 * 32, 128);
+    _tile_stored(6, c + 16, 128);
+    _tile_stored(7, c + 16 * 32 + 16, 128);
+}
+
 /* 64 inputs [k, k + 64) of rows [n0, n0 + nc) of w as the four A tiles at a (two steps, as above) */
 AMX_TARGET static inline void convert_steps(const int8_t *w, long n0, int nc, long K, long k, const tables_t *t,
                                             uint16_t *a)
@@ -159,30 +194,13 @@ AMX_TARGET static void run_block_few(const int8_t *w, const uint16_t *xb, const 
     tables_t t;
     load_tables(&t);
     if (nc < NB) memset(a, 0, NB * 2 * KT * 2);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    tiles_zero();
     for (long k = 0; k < K; k += 2 * KT) {
         convert_steps(w, n0, nc, K, k, &t, a);
-        for (int h = 0; h < 2; h++) {
-            const long kk = k + h * KT;
-            _tile_loadd(0, a + h * 1024, 64);
-            _tile_loadd(1, a + h * 1024 + 512, 64);
-            _tile_loadd(2, xb + kk * 16, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(5, 1, 2);
-            if (two) {
-                _tile_loadd(3, xb + K * 16 + kk * 16, 64);
-                _tile_dpbf16ps(6, 0, 3);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-        }
+        tiles_step(a, xb + k * 16, xb + K * 16 + k * 16, two);
+        tiles_step(a + 1024, xb + (k + KT) * 16, xb + K * 16 + (k + KT) * 16, two);
     }
-    _tile_stored(4, c, 128);
-    _tile_stored(5, c + 16 * 32, 128);
-    _tile_stored(6, c + 16, 128);
-    _tile_stored(7, c + 16 * 32 + 16, 128);
+    tiles_store(c);
     store_block(c, scale, bias, y, N, n0, nc, 0, (int)M);
 }
 
@@ -195,31 +213,9 @@ AMX_TARGET static void run_block(const int8_t *w, const uint16_t *xb, const uint
     for (long mb = 0; mb < mblocks; mb += 2) {
         const int two = mb + 1 < mblocks;
         const uint16_t *b0 = xb + mb * K * 16, *b1 = b0 + K * 16;  /* a block of B: K / 2 rows of 64 bytes */
-        _tile_zero(4);
-        _tile_zero(5);
-        if (two) {
-            _tile_zero(6);
-            _tile_zero(7);
-        }
-        for (long k = 0; k < K; k += KT) {
-            _tile_loadd(0, a + k * 32, 64);
-            _tile_loadd(1, a + k * 32 + 512, 64);
-            _tile_loadd(2, b0 + k * 16, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(5, 1, 2);
-            if (two) {
-                _tile_loadd(3, b1 + k * 16, 64);
-                _tile_dpbf16ps(6, 0, 3);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-        }
-        /* c[channel][row]: channels 0-15 / 16-31, rows 0-15 / 16-31 of this pair of blocks */
-        _tile_stored(4, c, 128);
-        _tile_stored(5, c + 16 * 32, 128);
-        if (two) {
-            _tile_stored(6, c + 16, 128);
-            _tile_stored(7, c + 16 * 32 + 16, 128);
-        }
+        tiles_zero();
+        for (long k = 0; k < K; k += KT) tiles_step(a + k * 32, b0 + k * 16, b1 + k * 16, two);
+        tiles_store(c);
         const long m0 = mb * 16;
         const int mc = (int)(M - m0 < 32 ? M - m0 : 32);
         store_block(c, scale, bias, y, N, n0, nc, m0, mc);
