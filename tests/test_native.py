@@ -163,6 +163,27 @@ def test_amx_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads():
 
 
 @needs_amx
+@pytest.mark.parametrize("M,N,K", [(1, 16, 64), (8, 100, 256), (17, 64, 4096), (40, 33, 128), (70, 300, 1024)])
+def test_amx_w8a8_gemm_returns_onednns_float32_bit_for_bit(M, N, K):
+    """amx.c's W8A8 GEMM (tdpbssd) against oneDNN's u8 x s8 GEMM with zero point 128 (the SHIFTED form):
+    exact int32 sums in both, converted to float32 and multiplied by the weight scale once: equal."""
+    g = torch.Generator().manual_seed(M * 31 + N + K)
+    qu = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
+    w = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    ws = torch.rand(N, generator=g) * 0.01
+    y = native.linear_w8a8_amx(qu, w, ws)
+    exact = (qu.long() - 128) @ w.long().T  # int64: the integer sums
+    assert torch.equal(y, exact.float() * ws)
+    if hasattr(torch.ops.onednn, "qlinear_prepack"):
+        ref = torch.ops.onednn.qlinear_pointwise(qu, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None), ws,
+                                                 torch.zeros(N, dtype=torch.int64), None, 1.0, 0, torch.float32,
+                                                 "none", [], "")
+        assert torch.equal(y, ref)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        native.linear_w8a8_amx(qu[:, :K - 32].contiguous() if K > 32 else qu, w[:, :K - 32].contiguous(), ws)
+
+
+@needs_amx
 def test_amx_int8_gemm_refuses_inputs_not_in_steps_of_64():
     x, w, scale, _ = _int8_case(4, 8, 96)
     with pytest.raises(ValueError, match="multiple of 64"):

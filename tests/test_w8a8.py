@@ -162,13 +162,17 @@ def test_a_quantized_checkpoint_round_trips_and_gives_the_same_tokens(calibrated
     assert generate(load_model(kept, quantize="w8a8"), prompts, gen) == generate(saved, prompts, gen)
 
 
-@pytest.fixture(params=[policy.SHIFTED, policy.NATIVE, policy.SPLIT, "plain"])
+@pytest.fixture(params=[policy.AMX, policy.SHIFTED, policy.NATIVE, policy.SPLIT, "plain"])
 def w8a8_kernel(request, monkeypatch):
-    """Serving's kernel for W8A8 layers: oneDNN's packed int8 GEMM in the form of a CPU with VNNI
-    (SHIFTED: skips where this CPU lacks it, as its sums would saturate); on a CPU without (AVX2's flags
-    faked: on every machine) gptj.native's GEMM (NATIVE, where it loads) or, without gptj.native,
-    oneDNN's in the SPLIT form; or, as where neither is there, the layer as loaded (torch._int_mm with
-    VNNI, the exact float32 sums without)."""
+    """Serving's kernel for W8A8 layers: gptj.native's AMX-INT8 GEMM (AMX: skips where the CPU has no
+    AMX); oneDNN's packed int8 GEMM in the form of a CPU with VNNI (SHIFTED: skips where this CPU lacks
+    it, as its sums would saturate); on a CPU without (AVX2's flags faked: on every machine) gptj.native's
+    GEMM (NATIVE, where it loads) or, without gptj.native, oneDNN's in the SPLIT form; or, as where
+    neither is there, the layer as loaded (torch._int_mm with VNNI, the exact float32 sums without)."""
+    if request.param == policy.AMX and not policy.native_amx_available():
+        pytest.skip(f"gptj.native's AMX kernels do not run on this CPU ({cpu.describe()})")
+    if request.param != policy.AMX:
+        monkeypatch.setattr(policy, "native_amx_available", lambda: False)
     if request.param in (policy.SHIFTED, policy.SPLIT) and not policy.onednn_int8("cpu"):
         pytest.skip("oneDNN's int8 GEMM (torch.ops.onednn.qlinear_prepack) is not available here")
     if request.param == policy.SHIFTED and not cpu.int8_sums_exact():
@@ -200,6 +204,10 @@ def test_the_packed_layer_gives_the_plain_layers_numbers(w8a8_kernel):
     assert torch.equal(holder(many), m(many))
     if w8a8_kernel == policy.NATIVE:  # one packed copy of the weight: gptj.native's panels
         assert holder[0].packed.dtype == torch.int8 and holder[0].packed.numel() == 96 * 256
+    if w8a8_kernel == policy.AMX:  # the plain weight itself
+        assert holder[0].packed.data_ptr() == m.weight.data_ptr()
+        odd = quant.W8A8Linear.from_float(make_linear(96, 32), torch.ones(96))  # 96 inputs: not in steps of 64
+        assert fused.PackedW8A8Linear(odd).form == policy.SHIFTED
 
 
 def test_the_packed_layer_runs_its_rows_in_chunks_on_both_kernel_paths(kernel_path, monkeypatch):

@@ -58,8 +58,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `can_pack`     a float linear is packed when bfloat16 on a CPU with oneDNN bfloat16 (the oneDNN
                  layout), or with gptj.native's GEMV (the native layout)
   `can_pack_int8` a W8A8 linear is packed (PackedW8A8Linear) on a CPU with oneDNN's int8 GEMM or gptj.native
-  `w8a8_form`    ...for oneDNN's GEMM of activations shifted to uint8 (SHIFTED, VNNI), else gptj.native's
-                 (NATIVE), else oneDNN's on two halves (SPLIT)
+  `w8a8_form`    ...for gptj.native's AMX-INT8 GEMM (AMX), else oneDNN's GEMM of activations shifted to
+                 uint8 (SHIFTED, VNNI), else gptj.native's (NATIVE), else oneDNN's on two halves (SPLIT)
   `pack_layout`  into gptj.native's layout when no step has more than NATIVE_LAYOUT_MAX_ROWS rows
                  and gptj.native's GEMV is available, or at any rows where oneDNN has no bfloat16
                  (AVX2), else oneDNN's
@@ -219,7 +219,15 @@ SPLIT = "split"  # q = p - n with p, n = max(+-q, 0) in [0, 127], stacked as twi
 # float32 sums of int8 x int8 products (each at most 127**2) are exact while they stay below 2**24:
 # up to 1040 products; W8A8's DEQUANTIZE path sums this many inputs at a time, then adds in int32.
 EXACT_F32_INT8_TERMS = 1024
-W8A8_FORMS = (SHIFTED, SPLIT, NATIVE)
+# AMX, the path of that name, is the fourth: gptj.native's GEMM on AMX-INT8 (tdpbssd: int8 x int8 into
+# int32, exact) on the plain int8 weight, the same float32 result as SHIFTED's bit for bit (amx.c).
+# 2 threads, the Intel Xeon with AMX, 2026-11-28, median of 7, ms (AMX / oneDNN SHIFTED):
+#   rows                     1          8          32         128        512
+#   28672 x 4096        3.2 / 3.8  3.3 / 4.3  4.2 / 7.2  9.6 / 12.1  44.9 / 59.6
+#   50400 x 4096        8.1 / 10.6 8.4 / 10.8 9.7 / 14.8 20.5 / 21.7 81.4 / 96.7
+#   4096 x 16384        1.5 / 1.7  1.6 / 1.7  1.7 / 2.1  5.5 / 5.7   27.0 / 23.7
+#   4096 x 4096         0.45/ 0.53 0.45/ 0.46 0.50/ 0.60 1.24/ 1.29  5.8 / 4.4
+W8A8_FORMS = (SHIFTED, SPLIT, NATIVE, AMX)
 
 
 # W8A8 without VNNI: gptj.native's W8A8 GEMM (native.linear_w8a8: int8 weights packed in panels of 16
@@ -337,12 +345,15 @@ def onednn_int8(device: torch.device | str) -> bool:
 
 
 def w8a8_form(device: torch.device | str = "cpu") -> str | None:
-    """The form of a packed W8A8 GEMM (PackedW8A8Linear) on this CPU: SHIFTED where oneDNN sums u8 x s8
-    in int32 (VNNI); else NATIVE where gptj.native's GEMM is loaded; else oneDNN's SPLIT (see above; all
+    """The form of a packed W8A8 GEMM (PackedW8A8Linear) on this CPU: AMX where gptj.native's AMX GEMMs
+    run (a layer whose inputs are not a multiple of 64 takes SHIFTED there); SHIFTED where oneDNN sums
+    u8 x s8 in int32 (VNNI); else NATIVE where gptj.native's GEMM is loaded; else oneDNN's SPLIT (see above; all
     exact); None where none of them runs (not a CPU, no oneDNN and no gptj.native): the layer stays as
     loaded."""
     if torch.device(device).type != "cpu":
         return None
+    if native_amx_available():
+        return AMX
     onednn = onednn_int8(device)
     if onednn and cpu.int8_sums_exact():
         return SHIFTED

@@ -79,7 +79,8 @@ def hardware(device: Any) -> dict[str, str]:
     if torch.device(device).type != "cpu":
         return {"device": str(device)}
     form = policy.w8a8_form()
-    kernel = {policy.SHIFTED: "oneDNN u8 x s8, shifted form (AVX-512 VNNI: int32 sums in one GEMM)",
+    kernel = {policy.AMX: "gptj.native's W8A8 GEMM, amx form (AMX-INT8: int32 sums, exact)",
+              policy.SHIFTED: "oneDNN u8 x s8, shifted form (AVX-512 VNNI: int32 sums in one GEMM)",
               policy.NATIVE: "gptj.native's W8A8 GEMM, native form (no AVX-512 VNNI: int16 pairs into int32, exact)",
               policy.SPLIT: "oneDNN u8 x s8, split form (no AVX-512 VNNI: exact, with twice the rows' arithmetic)",
               None: "W8A8Linear as loaded (no packed int8 GEMM here)"}[form]

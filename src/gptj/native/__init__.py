@@ -54,7 +54,7 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "amx_available", "attention_group", "attention_paged", "available", "best_isa",
-           "gelu", "has", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8", "load",
+           "gelu", "has", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8", "linear_w8a8_amx", "load",
            "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa", "rotary_",
            "scale_rows", "store_kv", "unavailable_reason"]
 
@@ -318,16 +318,16 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
 _gemv_int8 = _gemv_bf16 = _gemm_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
 _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
-_gemm_int8_amx = _amx_init = None  # the AVX-512 library's AMX GEMM (amx.c), where the library has it
+_gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_attend_group", "_attend_paged", "_prefill_paged",
          "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows",
-         "_gemm_int8_amx", "_amx_init")  # what a test clears to take the native path away
+         "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _store_kv, _quantize_rows, _scale_rows, _gemm_int8_amx, _amx_init
+    global _store_kv, _quantize_rows, _scale_rows, _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _gemm_w8a8 = lib.gemm_w8a8
@@ -339,6 +339,9 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
         _amx_init = lib.amx_init
         _amx_init.argtypes = []
         _amx_init.restype = ctypes.c_int
+        _gemm_w8a8_amx = lib.gemm_w8a8_amx
+        _gemm_w8a8_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        _gemm_w8a8_amx.restype = ctypes.c_int
     if "attention" not in chosen.kernels:  # a library without them (none of ISAS today)
         return
     _attend_group = lib.attend_group_bf16
@@ -475,6 +478,30 @@ def linear_int8_amx(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                   None if bias is None else bias.data_ptr(), y.data_ptr(),
                                   M, N, K, torch.get_num_threads()):
         raise MemoryError("linear_int8_amx: no memory for x's tile layout")
+    return y
+
+
+def linear_w8a8_amx(qu: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """W8A8's integer sums on AMX's tiles (amx.c's gemm_w8a8_amx, tdpbssd: exact int32), times
+    weight_scale, in float32: qu (M, K) uint8, q + 128 as quantize_rows_u8 writes it; weight (N, K)
+    int8; weight_scale (N,) float32. Returns (M, N) float32: what oneDNN's u8 x s8 GEMM returns for
+    the same operands (PackedW8A8Linear's SHIFTED form), bit for bit. K a multiple of AMX_K_MULTIPLE."""
+    if not amx_available():
+        raise RuntimeError("linear_w8a8_amx: gptj.native's AMX kernels are not available on this machine")
+    if qu.dtype is not torch.uint8 or qu.dim() != 2 or not qu.is_contiguous():
+        raise _bad("linear_w8a8_amx", "qu must be a contiguous uint8 (M, K) tensor")
+    if weight.dtype is not _i8 or weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != qu.shape[1]:
+        raise _bad("linear_w8a8_amx", f"weight must be a contiguous int8 (N, {qu.shape[1]}) tensor")
+    M, K = qu.shape
+    N = weight.shape[0]
+    if weight_scale.dtype is not torch.float32 or weight_scale.shape != (N,) or not weight_scale.is_contiguous():
+        raise _bad("linear_w8a8_amx", f"weight_scale must be a contiguous float32 ({N},) tensor")
+    if K % AMX_K_MULTIPLE:
+        raise _bad("linear_w8a8_amx", f"K = {K} is not a multiple of {AMX_K_MULTIPLE}")
+    y = torch.empty(M, N)
+    if M and N and _gemm_w8a8_amx(qu.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(), y.data_ptr(),
+                                  M, N, K, torch.get_num_threads()):
+        raise MemoryError("linear_w8a8_amx: no memory for x's tile layout")
     return y
 
 

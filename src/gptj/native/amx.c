@@ -37,7 +37,7 @@
 
 #include "simd.h"
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define NB 32   /* output channels per block (two A tiles) */
@@ -264,6 +264,106 @@ AMX_TARGET int gemm_int8_amx(const uint16_t *x, const int8_t *w, const uint16_t 
             _tile_release();
         }
         free(a);
+        free(c);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+
+/* ---- W8A8 on AMX-INT8: int8 activations x int8 weights, exact int32 sums (tdpbssd) ----
+
+   y[m, n] = float(sum_k q[m, k] * w[n, k]) * ws[n]   (float32: what oneDNN's u8 x s8 GEMM returns to
+   PackedW8A8Linear's SHIFTED form, so the same numbers: the sums are exact in both)
+
+   qu: (M, K) uint8, q + 128 (gptj.native.quantize_rows_u8's output); w: (N, K) int8 row-major; ws: (N,)
+   float32; y: (M, N) float32. K a multiple of 64. No conversion: A tiles are 16 weight rows of 64
+   inputs read where they lie (a block of 32 rows x K stays in L2 for every 32 rows of x), B is x laid
+   out once per call as [K / 4][16 rows][4 inputs], its bytes flipped back to int8 (q = qu ^ 0x80). */
+
+AMX_TARGET static inline __attribute__((always_inline)) void itiles_step(const int8_t *a0, const int8_t *a1, long lda,
+                                                                       const int8_t *b0, const int8_t *b1, int two)
+{
+    _tile_loadd(0, a0, lda);
+    _tile_loadd(1, a1, lda);
+    _tile_loadd(2, b0, 64);
+    _tile_dpbssd(4, 0, 2);
+    _tile_dpbssd(5, 1, 2);
+    if (two) {
+        _tile_loadd(3, b1, 64);
+        _tile_dpbssd(6, 0, 3);
+        _tile_dpbssd(7, 1, 3);
+    }
+}
+
+AMX_TARGET static void w8a8_block(const int8_t *w, const int8_t *xb, const float *ws, float *y, long M, long N, long K,
+                                  long n0, int8_t *pad, int32_t *c)
+{
+    const int nc = (int)(N - n0 < NB ? N - n0 : NB);
+    const int8_t *a = w + n0 * K;
+    if (nc < NB) {  /* the last block: its rows, then zeros, in a buffer (never read past w) */
+        memcpy(pad, a, (size_t)nc * K);
+        memset(pad + (long)nc * K, 0, (size_t)(NB - nc) * K);
+        a = pad;
+    }
+    const long mblocks = (M + 15) / 16;
+    for (long mb = 0; mb < mblocks; mb += 2) {
+        const int two = mb + 1 < mblocks;
+        const int8_t *b0 = xb + mb * K * 16, *b1 = b0 + K * 16;  /* a block of B: K / 4 rows of 64 bytes */
+        tiles_zero();
+        for (long k = 0; k < K; k += 64) {
+            if (mb == 0)
+                for (int r = 0; r < NB; r++) _mm_prefetch((const char *)(a + r * K + k + PF_AHEAD), _MM_HINT_T0);
+            itiles_step(a + k, a + 16 * K + k, K, b0 + k * 16, b1 + k * 16, two);
+        }
+        tiles_store((float *)c);  /* int32 sums, stored as they are */
+        const long m0 = mb * 16;
+        const int mc = (int)(M - m0 < 32 ? M - m0 : 32);
+        for (int m = 0; m < mc; m++) {
+            float *row = y + (m0 + m) * N + n0;
+            for (int r = 0; r < nc; r++) row[r] = (float)c[r * 32 + m] * ws[n0 + r];
+        }
+    }
+}
+
+/* returns 0, -1 where memory could not be had, -2 where K is not a multiple of 64 */
+AMX_TARGET int gemm_w8a8_amx(const uint8_t *qu, const int8_t *w, const float *ws, float *y, int M, int N, int K,
+                             int nthreads)
+{
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0 || K % 64) return -2;
+    const long mblocks = (M + 15) / 16;
+    int8_t *xb = (int8_t *)aligned_alloc(64, (size_t)mblocks * K * 16);
+    if (!xb) return -1;
+    const long nblocks = (N + NB - 1) / NB;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > nblocks) nthreads = (int)nblocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long mb = t; mb < mblocks; mb += nt)
+            for (int i = 0; i < 16; i++) {
+                const long m = mb * 16 + i;
+                uint32_t *dst = (uint32_t *)xb + mb * K / 4 * 16 + i;
+                const uint32_t *src = (const uint32_t *)(qu + m * K);
+                if (m < M)
+                    for (long p = 0; p < K / 4; p++) dst[p * 16] = src[p] ^ 0x80808080u;
+                else
+                    for (long p = 0; p < K / 4; p++) dst[p * 16] = 0;
+            }
+#pragma omp barrier
+        int8_t *pad = (int8_t *)aligned_alloc(64, (size_t)NB * K);
+        int32_t *c = (int32_t *)aligned_alloc(64, NB * 32 * sizeof(int32_t));
+        if (!pad || !c) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            tiles_on();
+            const long b0 = nblocks * t / nt, b1 = nblocks * (t + 1) / nt;
+            for (long b = b0; b < b1; b++) w8a8_block(w, xb, ws, y, M, N, K, b * NB, pad, c);
+            _tile_release();
+        }
+        free(pad);
         free(c);
     }
     free(xb);
