@@ -5,9 +5,10 @@
     avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  float32 FMAs on bfloat16 / int8 widened, int16 pairs
 
 Each library holds every kernel: the decode GEMV, paged decode and prefill attention, the elementwise
-passes. The AVX-512 one also holds amx.c's int8 GEMM on AMX's tiles, compiled for AMX whatever the
-building CPU and used only where the CPU has AMX and Linux grants the tiles (`amx_available`). The same C sources are compiled per ISA: simd.h's vector layer is where the instruction set
-shows, plus a section per ISA in attention.c for the key dot products and the prefill tile. `isa()`
+passes. The AVX-512 one also holds amx.c's int8 and W8A8 GEMMs on AMX's tiles, compiled for AMX
+whatever the building CPU and used only where the CPU has AMX and Linux grants the tiles
+(`amx_available`). The same C sources are compiled per ISA: simd.h's vector layer is where the
+instruction set shows, plus a section per ISA in attention.c for the key dot products and the prefill tile. `isa()`
 is the best ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies);
 `has(kernel)` says whether its library holds a kernel ("gemv", "attention", "elementwise");
 `available()` is true where all of them are. GPTJ_NATIVE_ISA=avx2 picks the AVX2 library on a CPU
@@ -54,9 +55,9 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "amx_available", "attention_group", "attention_paged", "available", "best_isa",
-           "gelu", "has", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8", "linear_w8a8_amx", "load",
-           "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa", "rotary_",
-           "scale_rows", "store_kv", "unavailable_reason"]
+           "gelu", "has", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8",
+           "linear_w8a8_amx", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8",
+           "requested_isa", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library

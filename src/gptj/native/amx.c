@@ -146,22 +146,25 @@ AMX_TARGET static inline __attribute__((always_inline)) void tiles_zero(void)
     _tile_zero(7);
 }
 
-/* one step of 32 inputs: C += A (the two tiles at a: channels 0-15, 16-31) x B (b0: rows 0-15 of x;
-   b1: rows 16-31, where `two`) */
-AMX_TARGET static inline __attribute__((always_inline)) void tiles_step(const uint16_t *a, const uint16_t *b0,
-                                                                      const uint16_t *b1, int two)
-{
-    _tile_loadd(0, a, 64);
-    _tile_loadd(1, a + 512, 64);
-    _tile_loadd(2, b0, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 1, 2);
-    if (two) {
-        _tile_loadd(3, b1, 64);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
+/* one tile step: C += A (a0: channels 0-15, a1: 16-31, rows lda bytes apart) x B (b0: rows 0-15 of x;
+   b1: rows 16-31, where `two`), by DP: tdpbf16ps (32 bfloat16 inputs) or tdpbssd (64 int8 inputs) */
+#define TILES_STEP(NAME, T, DP)                                                                        \
+    AMX_TARGET static inline __attribute__((always_inline)) void NAME(const T *a0, const T *a1, long lda, \
+                                                                     const T *b0, const T *b1, int two) \
+    {                                                                                                  \
+        _tile_loadd(0, a0, lda);                                                                       \
+        _tile_loadd(1, a1, lda);                                                                       \
+        _tile_loadd(2, b0, 64);                                                                        \
+        DP(4, 0, 2);                                                                                   \
+        DP(5, 1, 2);                                                                                   \
+        if (two) {                                                                                     \
+            _tile_loadd(3, b1, 64);                                                                    \
+            DP(6, 0, 3);                                                                               \
+            DP(7, 1, 3);                                                                               \
+        }                                                                                              \
     }
-}
+TILES_STEP(tiles_step, uint16_t, _tile_dpbf16ps)
+TILES_STEP(itiles_step, int8_t, _tile_dpbssd)
 
 /* C's tiles into c[channel][row of x] (NB x 32 float32; the rows-16-31 half is stale where not `two`) */
 AMX_TARGET static inline __attribute__((always_inline)) void tiles_store(float *c)
@@ -184,6 +187,71 @@ AMX_TARGET static inline void convert_steps(const int8_t *w, long n0, int nc, lo
     }
 }
 
+/* One call of either GEMM: x laid out as B once (`lay`, a block of 16 rows of x at a time), then each
+   thread runs its range of blocks of NB output channels (`block`) with `scratch` bytes of its own. */
+typedef struct amx_job amx_job;
+struct amx_job {
+    const void *x;          /* (M, K): bfloat16 (int8 weights) or uint8 q + 128 (W8A8) */
+    const int8_t *w;        /* (N, K) */
+    const void *scale;      /* (N,): bfloat16 (int8 weights), float32 (W8A8) */
+    const uint16_t *bias;   /* (N,) bfloat16 or NULL (int8 weights) */
+    void *y;                /* (M, N): bfloat16 (int8 weights), float32 (W8A8) */
+    long M, N, K;
+    void *xb;               /* x in B's layout: 64 bytes per 16 rows of x per B row, zeros past M */
+    size_t xb_row;          /* bytes of xb per block of 16 rows of x */
+    size_t scratch;         /* bytes per thread */
+    void (*lay)(const amx_job *j, long m, void *dst);  /* row m of x (m < M) into its column of B */
+    void (*block)(const amx_job *j, long n0, void *scratch, void *c);
+};
+
+AMX_TARGET static int amx_run(amx_job *j, int nthreads)
+{
+    const long mblocks = (j->M + 15) / 16;
+    j->xb = aligned_alloc(64, (size_t)mblocks * j->xb_row);
+    if (!j->xb) return -1;
+    const long nblocks = (j->N + NB - 1) / NB;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > nblocks) nthreads = (int)nblocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long mb = t; mb < mblocks; mb += nt)
+            for (int i = 0; i < 16; i++) {  /* column i of block mb: 4 bytes per B row, 64 bytes apart */
+                uint32_t *dst = (uint32_t *)((char *)j->xb + mb * j->xb_row) + i;
+                if (mb * 16 + i < j->M)
+                    j->lay(j, mb * 16 + i, dst);
+                else
+                    for (size_t p = 0; p < j->xb_row / 64; p++) dst[p * 16] = 0;
+            }
+#pragma omp barrier
+        void *scratch = aligned_alloc(64, j->scratch);
+        void *c = aligned_alloc(64, NB * 32 * sizeof(float));
+        if (!scratch || !c) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            tiles_on();
+            const long b0 = nblocks * t / nt, b1 = nblocks * (t + 1) / nt;
+            for (long b = b0; b < b1; b++) j->block(j, b * NB, scratch, c);
+            _tile_release();
+        }
+        free(scratch);
+        free(c);
+    }
+    free(j->xb);
+    return failed ? -1 : 0;
+}
+
+/* int8 weights: row m of x as B's pairs of bfloat16 inputs, in the order convert64 gives A's rows */
+static void lay_bf16(const amx_job *j, long m, void *dst)
+{
+    uint32_t *d = (uint32_t *)dst;
+    const uint32_t *src = (const uint32_t *)((const uint16_t *)j->x + m * j->K);
+    for (long p = 0; p < j->K / 2; p++)
+        d[p * 16] = src[(p >> 5) * 32 + ((p & 15) >> 2) * 8 + ((p >> 4) & 1) * 4 + (p & 3)];
+}
+
 /* at most 32 rows of x: the weight converted a step at a time into L1 (A's two tiles, 2 KiB) and
    used at once, C held in the tiles over all of K */
 AMX_TARGET static void run_block_few(const int8_t *w, const uint16_t *xb, const uint16_t *scale, const uint16_t *bias,
@@ -197,8 +265,8 @@ AMX_TARGET static void run_block_few(const int8_t *w, const uint16_t *xb, const 
     tiles_zero();
     for (long k = 0; k < K; k += 2 * KT) {
         convert_steps(w, n0, nc, K, k, &t, a);
-        tiles_step(a, xb + k * 16, xb + K * 16 + k * 16, two);
-        tiles_step(a + 1024, xb + (k + KT) * 16, xb + K * 16 + (k + KT) * 16, two);
+        tiles_step(a, a + 512, 64, xb + k * 16, xb + K * 16 + k * 16, two);
+        tiles_step(a + 1024, a + 1536, 64, xb + (k + KT) * 16, xb + K * 16 + (k + KT) * 16, two);
     }
     tiles_store(c);
     store_block(c, scale, bias, y, N, n0, nc, 0, (int)M);
@@ -214,12 +282,18 @@ AMX_TARGET static void run_block(const int8_t *w, const uint16_t *xb, const uint
         const int two = mb + 1 < mblocks;
         const uint16_t *b0 = xb + mb * K * 16, *b1 = b0 + K * 16;  /* a block of B: K / 2 rows of 64 bytes */
         tiles_zero();
-        for (long k = 0; k < K; k += KT) tiles_step(a + k * 32, b0 + k * 16, b1 + k * 16, two);
+        for (long k = 0; k < K; k += KT) tiles_step(a + k * 32, a + k * 32 + 512, 64, b0 + k * 16, b1 + k * 16, two);
         tiles_store(c);
         const long m0 = mb * 16;
         const int mc = (int)(M - m0 < 32 ? M - m0 : 32);
         store_block(c, scale, bias, y, N, n0, nc, m0, mc);
     }
+}
+
+AMX_TARGET static void int8_block(const amx_job *j, long n0, void *scratch, void *c)
+{
+    (j->M <= FEW ? run_block_few : run_block)(j->w, (const uint16_t *)j->xb, (const uint16_t *)j->scale, j->bias,
+                                              (uint16_t *)j->y, j->M, j->N, j->K, n0, (uint16_t *)scratch, (float *)c);
 }
 
 /* returns 0, -1 where memory could not be had, -2 where K is not a multiple of 64 */
@@ -228,46 +302,8 @@ AMX_TARGET int gemm_int8_amx(const uint16_t *x, const int8_t *w, const uint16_t 
 {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0 || K % (2 * KT)) return -2;
-    const long mblocks = (M + 15) / 16;
-    /* x in B's layout: per block of 16 rows, [K / 2][16 rows][2 inputs], zeros past M */
-    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)mblocks * K * 16 * 2);
-    if (!xb) return -1;
-    const long nblocks = (N + NB - 1) / NB;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > nblocks) nthreads = (int)nblocks;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (long mb = t; mb < mblocks; mb += nt)
-            for (int i = 0; i < 16; i++) {
-                const long m = mb * 16 + i;
-                uint32_t *dst = (uint32_t *)xb + mb * K / 2 * 16 + i;
-                const uint32_t *src = (const uint32_t *)(x + m * K);
-                if (m < M)  /* row p of B: the pair of inputs convert64 put at that place of A's rows */
-                    for (long p = 0; p < K / 2; p++)
-                        dst[p * 16] = src[(p >> 5) * 32 + ((p & 15) >> 2) * 8 + ((p >> 4) & 1) * 4 + (p & 3)];
-                else
-                    for (long p = 0; p < K / 2; p++) dst[p * 16] = 0;
-            }
-#pragma omp barrier
-        uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)NB * K * 2);
-        float *c = (float *)aligned_alloc(64, NB * 32 * sizeof(float));
-        if (!a || !c) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            tiles_on();
-            const long b0 = nblocks * t / nt, b1 = nblocks * (t + 1) / nt;
-            for (long b = b0; b < b1; b++)
-                (M <= FEW ? run_block_few : run_block)(w, xb, scale, bias, y, M, N, K, b * NB, a, c);
-            _tile_release();
-        }
-        free(a);
-        free(c);
-    }
-    free(xb);
-    return failed ? -1 : 0;
+    amx_job j = {x, w, scale, bias, y, M, N, K, NULL, (size_t)K * 32, (size_t)NB * K * 2, lay_bf16, int8_block};
+    return amx_run(&j, nthreads);
 }
 
 /* ---- W8A8 on AMX-INT8: int8 activations x int8 weights, exact int32 sums (tdpbssd) ----
@@ -279,21 +315,6 @@ AMX_TARGET int gemm_int8_amx(const uint16_t *x, const int8_t *w, const uint16_t 
    float32; y: (M, N) float32. K a multiple of 64. No conversion: A tiles are 16 weight rows of 64
    inputs read where they lie (a block of 32 rows x K stays in L2 for every 32 rows of x), B is x laid
    out once per call as [K / 4][16 rows][4 inputs], its bytes flipped back to int8 (q = qu ^ 0x80). */
-
-AMX_TARGET static inline __attribute__((always_inline)) void itiles_step(const int8_t *a0, const int8_t *a1, long lda,
-                                                                       const int8_t *b0, const int8_t *b1, int two)
-{
-    _tile_loadd(0, a0, lda);
-    _tile_loadd(1, a1, lda);
-    _tile_loadd(2, b0, 64);
-    _tile_dpbssd(4, 0, 2);
-    _tile_dpbssd(5, 1, 2);
-    if (two) {
-        _tile_loadd(3, b1, 64);
-        _tile_dpbssd(6, 0, 3);
-        _tile_dpbssd(7, 1, 3);
-    }
-}
 
 AMX_TARGET static void w8a8_block(const int8_t *w, const int8_t *xb, const float *ws, float *y, long M, long N, long K,
                                   long n0, int8_t *pad, int32_t *c)
@@ -325,47 +346,26 @@ AMX_TARGET static void w8a8_block(const int8_t *w, const int8_t *xb, const float
     }
 }
 
+/* W8A8: row m of x as B's groups of 4 int8 inputs, q = qu ^ 0x80 */
+static void lay_i8(const amx_job *j, long m, void *dst)
+{
+    uint32_t *d = (uint32_t *)dst;
+    const uint32_t *src = (const uint32_t *)((const uint8_t *)j->x + m * j->K);
+    for (long p = 0; p < j->K / 4; p++) d[p * 16] = src[p] ^ 0x80808080u;
+}
+
+AMX_TARGET static void w8a8_job_block(const amx_job *j, long n0, void *scratch, void *c)
+{
+    w8a8_block(j->w, (const int8_t *)j->xb, (const float *)j->scale, (float *)j->y, j->M, j->N, j->K, n0,
+               (int8_t *)scratch, (int32_t *)c);
+}
+
 /* returns 0, -1 where memory could not be had, -2 where K is not a multiple of 64 */
 AMX_TARGET int gemm_w8a8_amx(const uint8_t *qu, const int8_t *w, const float *ws, float *y, int M, int N, int K,
                              int nthreads)
 {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0 || K % 64) return -2;
-    const long mblocks = (M + 15) / 16;
-    int8_t *xb = (int8_t *)aligned_alloc(64, (size_t)mblocks * K * 16);
-    if (!xb) return -1;
-    const long nblocks = (N + NB - 1) / NB;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > nblocks) nthreads = (int)nblocks;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (long mb = t; mb < mblocks; mb += nt)
-            for (int i = 0; i < 16; i++) {
-                const long m = mb * 16 + i;
-                uint32_t *dst = (uint32_t *)xb + mb * K / 4 * 16 + i;
-                const uint32_t *src = (const uint32_t *)(qu + m * K);
-                if (m < M)
-                    for (long p = 0; p < K / 4; p++) dst[p * 16] = src[p] ^ 0x80808080u;
-                else
-                    for (long p = 0; p < K / 4; p++) dst[p * 16] = 0;
-            }
-#pragma omp barrier
-        int8_t *pad = (int8_t *)aligned_alloc(64, (size_t)NB * K);
-        int32_t *c = (int32_t *)aligned_alloc(64, NB * 32 * sizeof(int32_t));
-        if (!pad || !c) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            tiles_on();
-            const long b0 = nblocks * t / nt, b1 = nblocks * (t + 1) / nt;
-            for (long b = b0; b < b1; b++) w8a8_block(w, xb, ws, y, M, N, K, b * NB, pad, c);
-            _tile_release();
-        }
-        free(pad);
-        free(c);
-    }
-    free(xb);
-    return failed ? -1 : 0;
+    amx_job j = {qu, w, ws, NULL, y, M, N, K, NULL, (size_t)K * 16, (size_t)NB * K, lay_i8, w8a8_job_block};
+    return amx_run(&j, nthreads);
 }
