@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gptj import policy, quant
+from gptj import cpu, policy, quant
 from gptj.bench import quant_report
 from gptj.cli import main
 from gptj.config import GPTJConfig
@@ -25,6 +25,23 @@ from gptj.weights.io import convert, load_model, random_state_dict, save_checkpo
 
 CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)
 U32 = 2.0**-24  # float32's unit roundoff
+
+
+def _cpu_scaled_mm_fails() -> str | None:
+    """Why torch._scaled_mm cannot be relied on in this process, or None. torch takes oneDNN's FP8
+    matmul from the CPU's own flags (AVX512-FP16: an Intel Xeon with AMX), and where an
+    ONEDNN_MAX_CPU_ISA ceiling takes those away (the suite run as an AVX2 CPU would) oneDNN has no such
+    kernel: once a bfloat16 matmul has run, the call fails ("could not create a primitive descriptor";
+    seen 2026-11-28 under the AVX2 ceiling, with or without gptj's code in between). gptj calls it only
+    on CUDA (the commands refuse fp8 on CPU); these tests run its CPU form."""
+    if "avx512_fp16" in cpu.read_flags() and "avx512_fp16" not in cpu.flags():
+        return (f"torch._scaled_mm on this CPU needs AVX512-FP16, which ONEDNN_MAX_CPU_ISA={cpu.ceiling()} "
+                "takes from oneDNN")
+    return None
+
+
+SCALED_MM_WHY_NOT = _cpu_scaled_mm_fails()
+needs_cpu_scaled_mm = pytest.mark.skipif(SCALED_MM_WHY_NOT is not None, reason=str(SCALED_MM_WHY_NOT))
 
 
 def make_linear(n_in, n_out, bias=True, seed=0):
@@ -83,6 +100,7 @@ def test_the_dequantize_path_is_the_weight_only_product(dtype):
     assert ((y.double() - want).abs() <= weight_only_bound(x, w, dtype) + 2.0**-8 * want.abs()).all()
 
 
+@needs_cpu_scaled_mm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_scaled_mm_path_sums_e4m3_products(dtype):
     """SCALED_MM (torch._scaled_mm, on CPU here): the rows rounded to e4m3 per token, the exact
@@ -213,6 +231,8 @@ def float_model(sd, dtype=torch.float32):
 # stays within the float model's top 5.
 @pytest.mark.parametrize("path", [policy.DEQUANTIZE, policy.SCALED_MM])
 def test_an_fp8_model_stays_close_to_float(float_sd, path, monkeypatch):
+    if path == policy.SCALED_MM and SCALED_MM_WHY_NOT is not None:
+        pytest.skip(SCALED_MM_WHY_NOT)
     ref_model = float_model(float_sd)
     model = float_model(float_sd)
     quant.quantize_model(model, "fp8")
