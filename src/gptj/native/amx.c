@@ -1,4 +1,6 @@
-/* Weight-only int8 linear layers on AMX's tiles (Intel Sapphire Rapids on): the AVX-512 library only.
+/* int8 linear layers on AMX's tiles (Intel Sapphire Rapids on): the AVX-512 library only. Two GEMMs
+   on one driver (amx_run): weight-only int8 (gemm_int8_amx, tdpbf16ps; this comment) and W8A8
+   (gemm_w8a8_amx, tdpbssd; its own comment further down).
 
    y[m, n] = bfloat16(sum_k x[m, k] * w[n, k] * scale[n] + bias[n])
 
@@ -23,9 +25,11 @@
 
    - OpenMP threads (static) each own a contiguous range of blocks of 32 output channels: one
      sequential stream of weight bytes per thread, as in gemv.c.
-   - Per block: the 32 rows of w, converted to bfloat16 into a per-thread buffer (32 x K x 2 bytes:
-     256 KiB at K = 4096, in L2), then for each pair of 16-row blocks of x, 2 x 2 C tiles summed over
-     K, 32 inputs a step. Each converted weight tile serves every row of x.
+   - Up to 32 rows of x (run_block_few): 32 channels x 64 inputs converted into L1 and multiplied at
+     once, C held in the tiles over all of K.
+   - More rows (run_block): the 32 rows of w, converted to bfloat16 into a per-thread buffer (32 x K x
+     2 bytes: 256 KiB at K = 4096, in L2), then for each pair of 16-row blocks of x, 2 x 2 C tiles
+     summed over K, 32 inputs a step. Each converted weight tile serves every row of x.
    - Tiles 0-1: A (channels 0-15, 16-31 of the block), 2-3: B (two blocks of 16 rows of x), 4-7: C.
    - Rows of x past M and channels past N are zeros in B and A; their sums are not stored.
    Every output is summed by one thread in a fixed order: results do not depend on the thread count.
