@@ -113,8 +113,11 @@ def test_the_dequantized_chunks_reuse_one_buffer_outside_autograd(monkeypatch, d
     x = torch.randn(dequant_rows("int8", (64, 560)), 64).to(dtype)
     path = policy.linear_path(x.device, dtype, x.shape[0], "int8", (64, 560))
     key = (torch.float32 if path == policy.UPCAST else dtype, x.device)  # UPCAST: float32 sums (no bf16 arithmetic)
-    with torch.no_grad():
+    with torch.inference_mode():  # the buffer is made here (as an engine's call makes it) ...
+        y_inf = m(x)
+    with torch.no_grad():  # ... and written outside inference mode after
         y = m(x)
+        assert torch.equal(y, y_inf)
         buf = quant.ops._scratch.buffers[key]
         assert buf.numel() == 256 * 64 and torch.equal(m(x), y)
         assert quant.ops._scratch.buffers[key].data_ptr() == buf.data_ptr()

@@ -109,7 +109,9 @@ def _chunk_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device
         cache = _scratch.buffers = {}
     buf = cache.get((dtype, device))
     if buf is None or buf.numel() < rows * cols:
-        buf = cache[(dtype, device)] = torch.empty(rows * cols, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: one made under inference_mode could not be
+            buf = torch.empty(rows * cols, dtype=dtype, device=device)  # written outside it later
+        cache[(dtype, device)] = buf
     return buf[:rows * cols].view(rows, cols)
 
 
