@@ -146,6 +146,7 @@ def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):
     assert policy.linear_path("cpu", torch.bfloat16, hi + 1, "int8", gptj_j) == policy.DEQUANTIZE
     assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", (4128, 4096)) == policy.NATIVE  # 4128 % 64
     assert policy.w8a8_form() == policy.AMX and policy.can_pack_int8("cpu")
+    assert policy.w8a8_form("cpu", 4096) == policy.AMX and policy.w8a8_form("cpu", 96) != policy.AMX
     monkeypatch.setattr(policy, "native_amx_available", lambda: False)
     assert policy.linear_path("cpu", torch.bfloat16, lo, "int8", gptj_j) == policy.NATIVE
     assert policy.w8a8_form() != policy.AMX

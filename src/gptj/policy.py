@@ -286,8 +286,14 @@ def cpu_bf16() -> bool:
 
 
 def native_amx_available() -> bool:
-    """gptj.native's AMX int8 GEMM runs here (native.amx_available: the AVX-512 library, AMX's tiles)."""
+    """gptj.native's AMX GEMMs (int8 weights, W8A8) run here (native.amx_available: the AVX-512
+    library, AMX's tiles)."""
     return native.amx_available()
+
+
+def amx_fits(in_features: int) -> bool:
+    """A layer of `in_features` inputs can run gptj.native's AMX GEMMs (they take inputs 64 at a time)."""
+    return in_features % native.AMX_K_MULTIPLE == 0
 
 
 def cpu_amx() -> bool:
@@ -344,15 +350,15 @@ def onednn_int8(device: torch.device | str) -> bool:
     return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def w8a8_form(device: torch.device | str = "cpu") -> str | None:
-    """The form of a packed W8A8 GEMM (PackedW8A8Linear) on this CPU: AMX where gptj.native's AMX GEMMs
-    run (a layer whose inputs are not a multiple of 64 takes SHIFTED there); SHIFTED where oneDNN sums
-    u8 x s8 in int32 (VNNI); else NATIVE where gptj.native's GEMM is loaded; else oneDNN's SPLIT (see above; all
-    exact); None where none of them runs (not a CPU, no oneDNN and no gptj.native): the layer stays as
-    loaded."""
+def w8a8_form(device: torch.device | str = "cpu", in_features: int | None = None) -> str | None:
+    """The form of a packed W8A8 GEMM (PackedW8A8Linear) of `in_features` inputs (None: any layer) on
+    this CPU: AMX where gptj.native's AMX GEMMs run and take the layer (`amx_fits`); else SHIFTED where
+    oneDNN sums u8 x s8 in int32 (VNNI); else NATIVE where gptj.native's GEMM is loaded; else oneDNN's
+    SPLIT (see above; all exact); None where none of them runs (not a CPU, no oneDNN and no
+    gptj.native): the layer stays as loaded."""
     if torch.device(device).type != "cpu":
         return None
-    if native_amx_available():
+    if native_amx_available() and (in_features is None or amx_fits(in_features)):
         return AMX
     onednn = onednn_int8(device)
     if onednn and cpu.int8_sums_exact():
@@ -407,7 +413,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int8":
         if kind != "cpu":
             return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
-        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and features[0] % 64 == 0:
+        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and amx_fits(features[0]):
             return AMX
         if rows <= native_int8_max_rows() and native_gemv_available():
             return NATIVE

@@ -112,11 +112,9 @@ class PackedW8A8Linear(nn.Module):
     def __init__(self, m: W8A8Linear, form: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = m.in_features, m.out_features
-        self.form = w8a8_form(m.weight.device) if form is None else form
+        self.form = w8a8_form(m.weight.device, m.in_features) if form is None else form
         if self.form not in W8A8_FORMS:
             raise ValueError(f"unknown W8A8 form {self.form!r}")
-        if self.form == AMX and m.in_features % native.AMX_K_MULTIPLE:
-            self.form = SHIFTED  # the AMX GEMM takes inputs 64 at a time; oneDNN's runs on the same CPU
         if self.form == AMX:
             packed = m.weight.contiguous()  # the AMX GEMM reads the plain weight
         elif self.form == NATIVE:
