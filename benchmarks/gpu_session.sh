@@ -79,7 +79,10 @@ case $part in
       --min-query-count 64 --target-latency-ms 2000 --log-dir "$O/singlestream" > "$O/singlestream.log" 2>&1
     tail -3 "$O/singlestream.log"
     mkdir -p "$O/sub-runs"  # what no program knows about the machine, as a submitter fills it in
-    echo '{"status": "available", "cooling": "air", "host_memory_configuration": "as lent",' \
+    # the H200's name does not say its memory kind (an H100 SXM's does: the probe reads it there)
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
+      *H200*) memory='"accelerator_memory_configuration": "HBM3e", ' ;; *) memory='' ;; esac
+    echo '{"status": "available", "cooling": "air", "host_memory_configuration": "as lent",' "$memory" \
       '"host_storage_type": "SSD", "host_networking": "none", "host_network_card_count": "0"}' \
       > "$O/sub-runs/system_desc.json"
     checker=(); [ -d .mlperf-inference ] && checker=(--mlperf-inference .mlperf-inference)

@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="profile-steps")
     ap.add_argument("--trace", action="store_true", help="also write the profiler's Chrome trace (large)")
     ap.add_argument("--json", action="store_true", help="print profile.json's object instead of the table")
-    ap.add_argument("--attention-variant", choices=("sum", "dot"),
-                    help="the cuda attention backend's decode kernel (CudaAttention.decode_variant: sum, its "
-                         "default, or dot: the shared blocks by tl.dot), set before the CUDA graphs are captured")
+    ap.add_argument("--attention-variant", choices=("sum", "dot", "auto"),
+                    help="the cuda attention backend's decode kernel (CudaAttention.decode_variant: auto, its "
+                         "default, runs dot for beam steps; sum: CUDA cores; dot: the shared blocks by tl.dot), "
+                         "set before the CUDA graphs are captured")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "samples": 3, "max_new_tokens": 12,
                            "warm_steps": 1, "steps": 2, "top": 5}, argv)
     out = Path(args.out)
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels: dict[str, float] = defaultdict(float)  # name -> device (or CPU self) microseconds over the steps
     for ev in prof.key_averages():
         us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
-        if us > 0 and (cuda or ev.key.startswith("aten::")):
+        # CUDA: the kernels by name. An aten op that launched one can carry its time as its own device
+        # time too (torch 2.11 on the H200, 2026-11-28: index_put's 9.1 ms listed as the op and as its
+        # kernel), so ops are left out there, or the copies counted twice; CPU: the ops (no kernels)
+        if us > 0 and ev.key.startswith("aten::") != cuda:
             kernels[ev.key] += us
     by_kind: dict[str, float] = defaultdict(float)
     for name, us in kernels.items():

@@ -137,8 +137,8 @@ def test_decode_is_within_the_arithmetics_bound_of_exact(backend, compute, stora
     perm = torch.randperm(20, generator=torch.Generator().manual_seed(1)).tolist()
     groups = groups_of(B, perm)
     impl = att.make_backend(policy.AttentionPath(backend, False))
-    if variant != "sum":
-        impl.decode_variant = variant
+    if backend == "cuda":
+        impl.decode_variant = variant  # each kernel by name (the default, "auto", picks by the step's groups)
     meta = impl.build(kv, groups, [0] * 7, [0] * 7)
     q = torch.randn(7, H, D, generator=torch.Generator().manual_seed(2)).to(compute).to(DEVICE)
     got = impl.decode(kv, 0, q, meta).double()
@@ -170,6 +170,20 @@ def assert_within_the_bound(kv: att.PagedKV, groups: list[att.DecodeGroup], q: t
             assert (err <= bound).all(), (row, float((err / bound).max()))
             row += 1
     assert row == len(got)
+
+
+def test_auto_runs_the_dot_kernel_for_beam_steps_and_the_sum_kernel_for_single_sequences():
+    """CudaAttention's default decode variant "auto": tensor cores (dot) where a step's groups have
+    rows that share their prompt's blocks (beam search), "sum" for single sequences, and "sum" over
+    blocks below tl.dot's 16-token tile whatever was asked; a variant it does not know is refused."""
+    from gptj.engine.attention import cuda
+
+    assert cuda.CudaAttention.decode_variant == "auto"
+    assert [cuda.decode_kernel("auto", rows, 16) for rows in (1, 2, 4, 9)] == ["sum", "dot", "dot", "dot"]
+    assert cuda.decode_kernel("auto", 4, 8) == "sum" and cuda.decode_kernel("dot", 1, 16) == "dot"
+    assert cuda.decode_kernel("sum", 4, 16) == "sum" and cuda.decode_kernel("dot", 4, 8) == "sum"
+    with pytest.raises(ValueError, match="variant 'tensor'"):
+        cuda.decode_kernel("tensor", 1, 16)
 
 
 @needs_triton

@@ -15,15 +15,18 @@ compiled reduction's order follows the tile: a group's rows are the same bit for
 the same tile, and within the arithmetic's bound across tiles (on an H200 they differed in the last
 bits).
 
-A second decode kernel, CudaAttention.decode_variant "dot" (default "sum": the kernel above), reads
-the group's shared blocks by tl.dot (tensor cores) on a tile of max(16, R) rows, as the prefill
-kernel does (float32: IEEE; 16-bit: q and keys in their dtype, the probabilities rounded to the
-values' dtype before P.V, HF's rule, float32 sums; quantized blocks dequantized to the compute
-dtype), then moves the running softmax to the R rows and reads each row's own blocks as "sum" does
-(blocks under 16 tokens: "sum"). Its output is within the same arithmetic's bound, not the same bits;
-it is chosen by setting the attribute (benchmarks/profile_steps.py --attention-variant), no user flag.
-Nothing about it has been measured or compiled on a GPU yet: whether it is faster is the next GPU
-session's question.
+A second decode kernel, "dot", reads the group's shared blocks by tl.dot (tensor cores) on a tile of
+max(16, R) rows, as the prefill kernel does (float32: IEEE; 16-bit: q and keys in their dtype, the
+probabilities rounded to the values' dtype before P.V, HF's rule, float32 sums; quantized blocks
+dequantized to the compute dtype), then moves the running softmax to the R rows and reads each row's
+own blocks as "sum" does (blocks under 16 tokens: "sum"). Its output is within the same arithmetic's
+bound, not the same bits. CudaAttention.decode_variant chooses (no user flag): "auto", the default,
+runs "dot" where the step's tile of rows is 2 or more (beam search: a group's rows share its prompt)
+and "sum" for steps of single sequences (tile 1: no rows to share a block's read); the variant
+follows the tile, so the batch-invariance promise above holds as it is. Measured on an H200
+(2026-11-28, bfloat16, MLPerf's shape: 256 samples x 4 beams, benchmarks/profile_steps.py): the
+decode attention took 42.7 ms a step with "sum" and 16.9 ms with "dot"; "dot" at tile 1 has not
+been timed.
 
 The kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how they
 are tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
@@ -337,7 +340,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
 
 
 PREFILL_TILE = 16  # queries per program (tl.dot's smallest tile); key blocks of 16 tokens or more
-DECODE_VARIANTS = ("sum", "dot")  # paged_decode's kernels (CudaAttention.decode_variant)
+DECODE_VARIANTS = ("sum", "dot", "auto")  # paged_decode's kernels (CudaAttention.decode_variant)
+DOT_MIN_ROWS = 2  # "auto": the "dot" kernel for steps whose largest group has this many rows or more
+
+
+def decode_kernel(variant: str, max_rows: int, block_size: int) -> str:
+    """The decode kernel ("sum" or "dot") a step runs: `variant` as paged_decode takes it, for a step
+    whose largest group has max_rows rows, over blocks of block_size tokens (tl.dot needs 16)."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"paged_decode: variant {variant!r}, not one of {', '.join(DECODE_VARIANTS)}")
+    if variant == "auto":
+        variant = "dot" if max_rows >= DOT_MIN_ROWS else "sum"
+    return "dot" if variant == "dot" and block_size >= PREFILL_TILE else "sum"
 
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
@@ -373,8 +387,9 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
                  variant: str = "sum") -> torch.Tensor:
     """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) of
     out_dtype: float32 sums rounded once to it (in the kernel, as a cast after it would round them).
-    variant: "sum" (float32 on CUDA cores throughout) or "dot" (the shared blocks by tl.dot, as the
-    module says; blocks of fewer than 16 tokens, below tl.dot's smallest tile, run "sum").
+    variant: "sum" (float32 on CUDA cores throughout), "dot" (the shared blocks by tl.dot, as the
+    module says; blocks of fewer than 16 tokens, below tl.dot's smallest tile, run "sum") or "auto"
+    ("dot" where max_rows >= DOT_MIN_ROWS): decode_kernel.
 
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
     int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
@@ -386,13 +401,12 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     B = kc.shape[2]
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
-    if variant not in DECODE_VARIANTS:
-        raise ValueError(f"paged_decode: variant {variant!r}, not one of {', '.join(DECODE_VARIANTS)}")
+    kernel = decode_kernel(variant, max_rows, B)
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
-    if variant == "dot" and B >= PREFILL_TILE:
+    if kernel == "dot":
         block_r = triton.next_power_of_2(max_rows)
         _paged_decode_dot_kernel[(len(soff), H)](
             q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
@@ -419,7 +433,7 @@ class CudaAttention(ReferenceAttention):
 
     name = "cuda"
     reads_tables = True
-    decode_variant = "sum"  # paged_decode's kernel ("sum" or "dot": a benchmark's choice, no user flag)
+    decode_variant = "auto"  # paged_decode's kernel ("auto", "sum" or "dot": decode_kernel; no user flag)
 
     def __init__(self, compiled: bool = False) -> None:
         super().__init__(compiled)
