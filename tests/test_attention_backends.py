@@ -235,6 +235,34 @@ def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage, variant,
     assert impl.kernel_ok
 
 
+@needs_triton
+@pytest.mark.parametrize("storage", ["float32", "float16", "int8", "fp8"])
+def test_the_cuda_backends_copy_on_write_moves_each_copys_tokens_and_nothing_else(storage):
+    """CudaAttention.copy (the Triton kernel): block dst gets the first n tokens of block src in every
+    layer and head, keys, values and (int8 / e4m3) their scales, bit for bit; the dst rows from n on
+    and every other block keep what they held (the reference's indexing copies whole blocks: only the
+    first n rows are the contract). Heads of 48 values: rows not a power of two."""
+    L, H, B, D, n_blocks = 3, 2, 8, 48, 10
+    cfg = GPTJConfig(n_layer=L, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=512)
+    dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "float16": torch.float16}.get(storage, torch.float32)
+    kv = att.PagedKV(cfg, n_blocks, B, dtype, DEVICE, compute=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    for t in kv.stacked:  # random bits in every byte (any pattern must move as it is)
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8).to(DEVICE))
+    before = [t.view(torch.uint8).clone() for t in kv.stacked]
+    copies = [(1, 5, 3), (2, 6, B), (4, 7, 0), (1, 8, 1)]
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    impl.copy(kv, copies)
+    assert impl.store_ok  # the kernel ran, not the reference's indexing after a failure
+    for t, old in zip(kv.stacked, before):
+        want = old.view(t.dtype).clone()
+        for src, dst, n in copies:
+            want[:, dst, :, :n] = want[:, src, :, :n]
+        assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+    assert any(not torch.equal(t.view(torch.uint8), old) for t, old in zip(kv.stacked, before))
+
+
 def test_a_step_builds_its_index_tensors_once_on_the_kvs_device():
     """build: the write slots, each group's blocks and each segment's slots, all on the KV's device;
     the DecodeTables a kernel reads (gptj.native's layout: int32, own tables padded with block 0)."""

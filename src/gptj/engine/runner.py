@@ -57,7 +57,7 @@ class ModelRunner:
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        self.kv.copy(sched.copies)
+        self.attention.copy(self.kv, sched.copies)
         if sched.prefill and self.graphs is not None and self.graphs.takes(sum(req.n_seqs for req in sched.decode)):
             # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
             # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)

@@ -183,6 +183,11 @@ class AttentionBackend:
               write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = ()) -> StepMetadata:
         return build_step(kv, groups, write_blocks, write_offsets, segments, tables=self.reads_tables)
 
+    def copy(self, kv: PagedKV, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy-on-write before a step's forward: block dst gets the first n tokens of block src, for
+        each (src, dst, n), in every layer (PagedKV.copy's contract)."""
+        kv.copy(copies)
+
     def store(self, kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
               offsets: torch.Tensor) -> None:
         """Token n's key and value k[n], v[n] (N, H, D) into block blocks[n], row offsets[n]."""
