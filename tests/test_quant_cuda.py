@@ -355,6 +355,25 @@ def test_one_row_a_program(tiles):
     assert torch.equal(cuda.int4_linear(x[1:2], packed, scale, zero, 64, bias, tiles=tiles), y[1:2])
 
 
+def test_calls_without_a_plan_run_plan_fors_by_rows():
+    """Where no plan is given, a call of 1 row runs the one-row plan of its weight's kind (the kind
+    fma) and a call of 2 to 16 rows the few-rows plan: each call equals that plan's, bit for bit, and
+    a row stays the same bit for bit within its class (here 2 rows and 7). e4m3 and int8 share the
+    int8 kernel; each kind has a plan of its own."""
+    assert {cuda.plan_for(w, 1).kind for w in ("int8", "e4m3", "int4")} == {"fma"}
+    assert cuda.plan_for("int8", 2) == cuda.plan_for("int8", 16) != cuda.plan_for("int8", 1)
+    assert cuda.plan_for("e4m3", 1) != cuda.plan_for("int8", 1)
+    x, w, bias = inputs(7, 40, 256, torch.float16, True)
+    q, scale, _ = int8_weight(w)
+    for rows, plan in ((x[:1], cuda.plan_for("int8", 1)), (x[:2], cuda.plan_for("int8", 2)), (x, cuda.FEW_ROWS["int8"])):
+        assert torch.equal(cuda.int8_linear(rows, q, scale, bias), cuda.int8_linear(rows, q, scale, bias, tiles=plan))
+    assert torch.equal(cuda.int8_linear(x[:2], q, scale, bias), cuda.int8_linear(x, q, scale, bias)[:2])
+    packed, scale, zero, _, _ = int4_weight(w, 64)
+    for rows, plan in ((x[:1], cuda.ONE_ROW["int4"]), (x, cuda.FEW_ROWS["int4"])):
+        assert torch.equal(cuda.int4_linear(rows, packed, scale, zero, 64, bias),
+                           cuda.int4_linear(rows, packed, scale, zero, 64, bias, tiles=plan))
+
+
 def test_more_rows_than_one_tile():
     """M past MAX_ROWS: a second tile of rows, each computed as in the first."""
     x, w, bias = inputs(20, 40, 128, torch.float32, True)

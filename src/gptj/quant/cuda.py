@@ -35,7 +35,7 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
   The kinds "swapped" and "fma" put the row tiles on the grid's fastest axis (programs of one block
   of outputs run together: a call of more rows than a program's reads the weight again, mostly from
   L2) and take int8_block_k // group_size int4 groups a loop step (unrolled).
-  No GPU has timed "swapped" or "fma" yet: benchmarks/gemv_sweep.py times them beside "mma".
+  benchmarks/gemv_sweep.py times them all; plan_for's table (below TILES) says which the calls run.
   Tiles.convert "bits" (kinds "mma" and "swapped", bfloat16 x only; float16 / float32 x run "cast"):
       the weight made bfloat16 by integer operations instead of w.to(x.dtype): the recipes and their
       ranges above INT8_MAGIC (int8, int4 exact for every byte; e4m3 exact for every finite byte,
@@ -46,20 +46,22 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
       drops the masked-byte select); e4m3's cast is F2F / F2FP conversions, which "bits" replaces by
       permutes, a shift and a mask (plus x's scaling: a packed bfloat16 multiply per 2 x values of
       each warp's copy of x); int4's drops the int8 -> bfloat16 conversions. Static instruction
-      counts differ by -15 to +9%; only a GPU's timings can tell (benchmarks/gemv_sweep.py).
+      counts differ by -15 to +9%. Timed on an H200 (2026-11-28): "bits" made the mma kind's int8
+      and e4m3 GEMVs 1.45x faster (n64 k128: 145 against 209 µs over the four shapes at 16 rows).
 
 Batch invariance: every row is computed alike whatever else is in the call (under every kind, a
 row's sums do not depend on the other rows of its program, nor on its place among them; rows past M
 are masked or read row M - 1 and are not stored), and the plan (kind, block sizes, rows a program,
 K split) depends on N, K and the device only, so for a fixed plan a row's result is the same bit for
 bit in a call of any number of rows. Different plans sum in different orders: their results may
-differ in the last bits, so a caller switching plans by row count would lose this.
+differ in the last bits. The calls choose their plan by rows (plan_for: one for a call of 1 row, one
+for 2 to MAX_ROWS, as timed on an H200), so a row is the same bit for bit within each class.
 
-Tested under Triton's interpreter only (TRITON_INTERPRET=1, on CPU tensors, float32 and float16;
-the interpreter has no bfloat16 arithmetic); the new kinds were compiled for sm_90a offline
-(triton.compile, ptxas: no spills at benchmarks/gemv_sweep.py's "small" grid), never run on a GPU.
+Tested under Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors, float32 and float16: the
+interpreter has no bfloat16 arithmetic) and on an H200 (2026-11-28: tests/test_quant_cuda.py with
+-m cuda, bfloat16 "bits" kernels included, all passed; gemv_sweep's results within their bounds).
 The "bits" recipes are tested on every byte in torch and, for int8 and e4m3, as the kernels' own
-helpers under the interpreter; the kernels with "bits" on bfloat16 x only on a GPU (not yet run).
+helpers under the interpreter.
 """
 
 from __future__ import annotations
@@ -196,7 +198,31 @@ class Tiles:
                              f"got {self.rows}")
 
 
-TILES = Tiles()
+TILES = Tiles()  # the first default: reasoned, not timed (the kind "mma", float casts)
+
+# The plans the calls run where none is given (plan_for), chosen by benchmarks/gemv_sweep.py on an H200
+# (2026-11-28, torch 2.11, bfloat16 x; µs summed over GPT-J 6B's four decode shapes, bfloat16's
+# F.linear 213 at 1 row and 215 at 16; TILES 238 / 234 int8, 241 / 238 e4m3, 327 / 742 int4):
+#   1 row      int8  fma r1 n32 k256 w4      115 (1.85x F.linear's speed)
+#              e4m3  fma r1 n16 k512 w4      115 (1.85x)
+#              int4  fma r1 n32 k256 w4      182 (1.17x)
+#   2-16 rows  int8  mma n64 k128 w4 bits    145 at 16 rows (1.48x); at 1 row 1.57x (fma's 1.85x wins there)
+#              e4m3  mma n64 k128 w4 bits    144 (1.49x)
+#              int4  swapped r16 n128 k128   361 (0.59x: torch's tinygemm runs int4 for bfloat16 x, policy)
+# The kind "fma" of one row reads the weight once per row: 0.13-0.22x F.linear at 16 rows.
+# Batch invariance therefore holds within each class of calls (1 row; 2 to MAX_ROWS rows): a row's
+# result is the same bit for bit in any call of its class; between classes the sums' order differs.
+ONE_ROW = {"int8": Tiles(kind="fma", rows=1, block_n=32, int8_block_k=256),
+           "e4m3": Tiles(kind="fma", rows=1, block_n=16, int8_block_k=512),
+           "int4": Tiles(kind="fma", rows=1, block_n=32, int8_block_k=256)}
+FEW_ROWS = {"int8": Tiles(block_n=64, int8_block_k=128, convert="bits"),
+            "e4m3": Tiles(block_n=64, int8_block_k=128, convert="bits"),
+            "int4": Tiles(kind="swapped", rows=16, block_n=128, int8_block_k=128)}
+
+
+def plan_for(weight: str, rows: int) -> Tiles:
+    """The launch plan of a call of `rows` rows on a weight of kind "int8", "e4m3" or "int4"."""
+    return (ONE_ROW if rows == 1 else FEW_ROWS)[weight]
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT8_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # both exact in every x dtype
@@ -562,11 +588,11 @@ if triton is not None:
 
 
 def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                *, split_k: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
+                *, split_k: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """(x2 @ q.T) * scale + bias -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
 
     split_k: the number of K slices (None: tiles.split, else the plan's, from N, K and the device);
-    tiles: the block sizes (for tests and tuning)."""
+    tiles: the launch plan (None: plan_for's for the weight and M; others for tests and tuning)."""
     _need_triton()
     M, K = _check_x(x2)
     if q.dtype not in _INT8_WEIGHT_DTYPES or q.dim() != 2 or q.shape[1] != K or not q.is_contiguous():
@@ -576,6 +602,7 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     _check_param(scale, "scale", (N,))
     _check_bias(bias, N)
     _check_devices(x2, q, scale, bias)
+    tiles = tiles or plan_for("int8" if q.dtype == torch.int8 else "e4m3", M)
     bn, bk, rows = tiles.block_n, tiles.int8_block_k, tiles.rows
     k_blocks = triton.cdiv(K, bk)
     split, per_slice = _plan(N, k_blocks, x2.device, tiles.split if split_k is None else split_k, bn)
@@ -599,13 +626,14 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
 
 
 def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None, *, split_k: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, split_k: int | None = None,
+                tiles: Tiles | None = None) -> torch.Tensor:
     """x2 @ w.T + bias with w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] from the portable
     packed layout -> (M, N) in x2's dtype, float32 sums; see the module's docstring.
 
     split_k: the number of K slices, in whole K steps (None: tiles.split, else the plan's); tiles:
-    the launch plan (a K step: one group for the kind "mma", int8_block_k // group_size groups, at
-    least one, for the others); for tests and tuning."""
+    the launch plan (None: plan_for's; a K step: one group for the kind "mma", int8_block_k //
+    group_size groups, at least one, for the others)."""
     _need_triton()
     M, K = _check_x(x2)
     if isinstance(group_size, bool) or group_size not in _GROUP_SIZES:
@@ -621,6 +649,7 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     _check_param(zero, "zero", (N, groups))
     _check_bias(bias, N)
     _check_devices(x2, packed, scale, zero, bias)
+    tiles = tiles or plan_for("int4", M)
     bn, rows = tiles.block_n, tiles.rows
     step = 1 if tiles.kind == "mma" else max(1, tiles.int8_block_k // group_size)  # groups a loop step
     split, per_slice = _plan(N, triton.cdiv(groups, step), x2.device, tiles.split if split_k is None else split_k, bn)
