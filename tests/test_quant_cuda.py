@@ -21,6 +21,8 @@ from gptj.quant.ops import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
+    quantize_rows_fp8,
+    quantize_rows_int8,
     unpack_int4,
 )
 from test_attention_backends import triton_reason
@@ -512,3 +514,29 @@ def test_the_quantizers_scales_are_correctly_rounded_divisions_on_the_device():
         assert torch.equal(divide(amax, d), exact)
     # the reason for `divide`: a multiplication by the reciprocal is not the division for every x
     assert not torch.equal(amax * torch.full_like(amax, 1 / 127), (amax.double() / 127).float())
+
+
+@pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["int8", "e4m3"])
+@pytest.mark.parametrize("with_mul", [False, True], ids=["plain", "times-smoothing"])
+def test_quantize_rows_is_torchs_rounding_bit_for_bit(kind, dtype, with_mul):
+    """gptj.quant.cuda.quantize_rows (one launch: fp8's and w8a8's per-token rounding on CUDA) gives
+    gptj.quant.ops' values and scales bit for bit: rows of 2,500 inputs (past one 1,024-value loop
+    step, not a power of two) spanning 2^-20 to 2^12, a zero row (its tiny scale), a row of one
+    outlier, negative values rounding to zero, and a per-column float32 factor (W8A8's 1 / smooth)."""
+    g = torch.Generator().manual_seed(3)
+    K = 2500
+    x = torch.randn(6, K, generator=g) * 2.0 ** torch.randint(-20, 12, (6, 1), generator=g).float()
+    x[2] = 0.0
+    x[3] = 1e-3
+    x[3, 77] = -900.0  # the rest rounds to (signed) zero or e4m3's subnormals
+    x = x.to(dtype).to(DEVICE)
+    mul = (torch.rand(K, generator=g) + 0.25).to(DEVICE) if with_mul else None
+    q, s = cuda.quantize_rows(x, kind, mul)
+    xf = x.float() if mul is None else x.float() * mul
+    want_q, want_s = quantize_rows_int8(xf) if kind == "int8" else quantize_rows_fp8(xf)
+    assert q.dtype == want_q.dtype and s.shape == want_s.shape == (6, 1)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="mul must be"):
+        cuda.quantize_rows(x, kind, torch.ones(K + 1, device=DEVICE))

@@ -34,7 +34,7 @@ from torch import nn
 from gptj import native
 from gptj.errors import GptjError
 from gptj.policy import (AMX, DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
-                         linear_path)
+                         linear_path, triton_available)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
@@ -61,6 +61,18 @@ from gptj.quant.ops import (
 )
 
 KERNEL_DTYPE = torch.bfloat16  # the CPU kernels run in bfloat16 (their float32 paths are 10-30x slower)
+
+
+def _quantize_rows(x2: torch.Tensor, kind: str, mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations rounded per row (kind "int8" or "e4m3") after a per-column float32 factor mul (W8A8's
+    smoothing) -> (q, scale (rows, 1)): on CUDA one Triton kernel (gptj.quant.cuda.quantize_rows),
+    elsewhere torch's forms (gptj.quant.ops); the same values, bit for bit."""
+    if x2.is_cuda and triton_available():
+        from gptj.quant import cuda
+
+        return cuda.quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous(), kind, mul)
+    xf = x2.float() if mul is None else x2.float() * mul
+    return quantize_rows_int8(xf) if kind == "int8" else quantize_rows_fp8(xf)
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -219,7 +231,7 @@ class W8A8Linear(_Prepared):
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qx int8 (rows, in), sx float32 (rows, 1)) for the rows x2 (rows, in)."""
-        return quantize_rows_int8(x2.float() * self._inv_smooth)
+        return _quantize_rows(x2, "int8", self._inv_smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -275,7 +287,7 @@ class Fp8Linear(_Prepared):
         """SCALED_MM's product (rows, out) in x2's dtype, without the bias: bfloat16 rows take the
         scales in torch._scaled_mm's epilogue (row-wise scaling), other dtypes float32 sums, then the
         scales. Runs wherever torch._scaled_mm does (CUDA with FP8 units; torch's CPU form, slowly)."""
-        qx, sx = quantize_rows_fp8(x2)
+        qx, sx = _quantize_rows(x2, "e4m3")
         w = self.weight.t()  # column-major (in, out), as the GEMM wants its second operand
         if x2.dtype == torch.bfloat16:
             return torch._scaled_mm(qx, w, scale_a=sx, scale_b=self._scale_row, out_dtype=torch.bfloat16)

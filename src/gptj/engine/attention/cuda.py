@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 try:
     import triton
     import triton.language as tl
+
+    from gptj.quant.cuda import quantize_values, row_scale  # the quantizers' jit helpers (the KV store's)
 except ImportError:  # policy.attention_path chooses this backend only where Triton is installed
     triton = None
 
@@ -266,17 +268,6 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _round_e4m3(y):
-        """float32 y within +-448 rounded to the nearest e4m3 value, ties to even, as a float32 (whose
-        cast to e4m3 is then exact, whichever way a conversion rounds): the addition of 1.5 x 2^23 ulps
-        rounds y to whole ulps of its e4m3 binade (2^-9 below 2^-6: the subnormals')."""
-        exponent = tl.maximum((tl.abs(y).to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
-        ulp = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-        big = ulp * 12582912.0
-        r = (y + big) - big
-        return tl.where(r == 0.0, y * 0.0, r)  # a negative value rounded to zero keeps its sign, as a cast does
-
-    @triton.jit
     def _store_one(x_ptr, c_ptr, s_ptr, n, h, dst, sdst, s_xn, s_xh, D, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
         """Token n's head h of x into its block row (dst: the row's first value, sdst: its scale's place);
         QUANT 1 int8, 2 e4m3: per head vector s = max |x| / qmax (at least 2^-120), q = x / s rounded to
@@ -289,15 +280,8 @@ if triton is not None:
             tl.store(c_ptr + dst + d, x.to(c_ptr.dtype.element_ty), mask=dmask)
         else:
             xf = x.to(tl.float32)
-            qmax = 127.0 if QUANT == 1 else 448.0
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xf), axis=0), qmax), 2.0**-120)
-            y = tl.math.div_rn(xf, tl.zeros_like(xf) + scale)
-            y = tl.minimum(tl.maximum(y, -qmax), qmax)
-            if QUANT == 1:
-                y = (y + 12582912.0) - 12582912.0  # 1.5 x 2^23: float32 addition rounds to an integer, ties to even
-            else:
-                y = _round_e4m3(y)
-            tl.store(c_ptr + dst + d, y.to(c_ptr.dtype.element_ty), mask=dmask)
+            scale = row_scale(tl.max(tl.abs(xf), axis=0), QUANT)
+            tl.store(c_ptr + dst + d, quantize_values(xf, scale, QUANT).to(c_ptr.dtype.element_ty), mask=dmask)
             tl.store(s_ptr + sdst, scale)
 
     @triton.jit
