@@ -367,7 +367,8 @@ def test_calls_without_a_plan_run_plan_fors_by_rows():
     assert cuda.plan_for("e4m3", 1) != cuda.plan_for("int8", 1)
     x, w, bias = inputs(7, 40, 256, torch.float16, True)
     q, scale, _ = int8_weight(w)
-    for rows, plan in ((x[:1], cuda.plan_for("int8", 1)), (x[:2], cuda.plan_for("int8", 2)), (x, cuda.FEW_ROWS["int8"])):
+    for rows, plan in ((x[:1], cuda.plan_for("int8", 1)), (x[:2], cuda.plan_for("int8", 2)),
+                       (x, cuda.FEW_ROWS["int8"])):
         assert torch.equal(cuda.int8_linear(rows, q, scale, bias), cuda.int8_linear(rows, q, scale, bias, tiles=plan))
     assert torch.equal(cuda.int8_linear(x[:2], q, scale, bias), cuda.int8_linear(x, q, scale, bias)[:2])
     packed, scale, zero, _, _ = int4_weight(w, 64)
