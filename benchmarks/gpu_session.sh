@@ -5,10 +5,10 @@
 #   bash benchmarks/gpu_session.sh 1     # ~7 min: the CUDA tests, copy bandwidth, batch-1 decode per
 #                                        # precision, Offline bf16 and fp8 + fp8 KV (512 samples, 256 at
 #                                        # once), a decode step of 256 x 4 beams profiled (profile_steps.py)
-#   bash benchmarks/gpu_session.sh 2     # ~5 min: batch-32 decode, the GEMV plans (gemv_sweep.py), the decode
-#                                        # step with tensor-core attention (profile_steps.py --attention-variant
-#                                        # dot), Server with fp8 (at 75 % of TensorRT-LLM's queries/s for the
-#                                        # GPU, at most 80 % of Offline's)
+#   bash benchmarks/gpu_session.sh 2     # ~5 min: batch-32 decode, the GEMV plans at 1, 2, 4 and 16 rows
+#                                        # (gemv_sweep.py: whether plan_for's classes split where they should),
+#                                        # Server with fp8 (at 75 % of TensorRT-LLM's queries/s for the GPU,
+#                                        # at most 80 % of Offline's)
 #   bash benchmarks/gpu_session.sh 3     # if time is left: SingleStream, `gptj submission --device cuda`,
 #                                        # (datacenter, open, short runs) checked by MLCommons' checker, carried
 #                                        # as .mlperf-inference (a copy of ../shared/mlperf-inference, ignored),
@@ -63,12 +63,8 @@ case $part in
   2)
     gc b32 --steps latency-b32 --step-timeout 120
     left=$(( end - $(date +%s) ))   # the GEMVs' launch plans (~2-3 min; results kept shape by shape): TILES
-    timeout $(( left < 200 ? left : 200 )) python3 benchmarks/gemv_sweep.py --out "$O/gemv.json" ${GC_ARGS:+--smoke} \
-      > "$O/gemv.txt" 2>&1; tail -8 "$O/gemv.txt"
-    left=$(( end - $(date +%s) ))   # the decode attention on tensor cores (CudaAttention.decode_variant "dot")
-    [ "$left" -gt 20 ] && timeout $(( left < 120 ? left : 120 )) python3 benchmarks/profile_steps.py --model "$O/model" \
-      --samples 256 --device "${GC_DEVICE:-cuda}" --dtype "${GC_DTYPE:-bfloat16}" --attention-variant dot \
-      --out "$O/profile-dot" ${GC_ARGS:+--smoke --samples 2} > "$O/profile-dot.txt" 2>&1; tail -14 "$O/profile-dot.txt"
+    timeout $(( left < 200 ? left : 200 )) python3 benchmarks/gemv_sweep.py --out "$O/gemv.json" --kinds int8,fp8 \
+      --rows 1,2,4,16 ${GC_ARGS:+--smoke} > "$O/gemv.txt" 2>&1; tail -12 "$O/gemv.txt"
     gc server --steps bandwidth,server-q --server-seconds 30 --samples 128 --long-step-timeout 100
     ;;
   3)  # SingleStream, and a datacenter submission (Offline + Server) read by MLCommons' checker: short runs

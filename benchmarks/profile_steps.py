@@ -46,7 +46,7 @@ KINDS = (("gemm", ("gemm", "gemv", "cutlass", "cublas", "matmul", "::mm", "addmm
          ("kv store / copy", ("_store_kernel", "copy", "memcpy", "memset", "index", "gather", "scatter", "cat")),
          ("sampling", ("softmax", "topk", "sort", "argmax", "radix", "take_along")),
          ("elementwise", ("elementwise", "vectorized", "layer_norm", "layernorm", "gelu", "rotary", "reduce",
-                          "unrolled", "fill")))
+                          "quantize", "unrolled", "fill")))
 
 
 def kind_of(name: str) -> str:
