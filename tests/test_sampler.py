@@ -62,6 +62,18 @@ def test_a_mixed_step_is_chosen_with_one_host_read_and_each_rule_as_alone(monkey
     assert (e.source, e.tokens, e.done) == (source.tolist(), tokens.tolist(), False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_rows_take_the_first_of_tied_largest_logits_as_argmax_does(dtype):
+    """The greedy choice is torch.argmax's (HF's) on every row, where logits tie (few distinct values:
+    the first index of the largest) and where a row holds NaN."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 4, (6, 50400), generator=g).to(dtype)
+    logits[2, 7] = float("nan")
+    reqs = [request(f"r{i}", GenerationConfig(max_new_tokens=4)) for i in range(6)]
+    choices = choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+    assert [choices[req].tokens[0] for req in reqs] == torch.argmax(logits, dim=-1).tolist()
+
+
 def test_a_beam_search_is_done_when_its_last_token_is_chosen():
     gen = GenerationConfig(max_new_tokens=2, num_beams=2, eos_token_id=None)
     req = request("r", gen)

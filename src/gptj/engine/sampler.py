@@ -94,8 +94,10 @@ def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
 
 
 def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
-    """The greedy requests' next tokens (R,)."""
-    return torch.argmax(_stacked(rows), dim=-1)
+    """The greedy requests' next tokens (R,): the first index of each row's largest logit (as
+    torch.argmax, ties and NaN alike). torch.max's indices, not torch.argmax: on CPU it took 98
+    against 276 µs for 8 rows of 50,400 float32 logits at 2 threads (Xeon with AMX, 2026-11-28)."""
+    return _stacked(rows).max(dim=-1).indices
 
 
 def _warped_probs(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
