@@ -132,6 +132,26 @@ def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(m
     assert policy.NATIVE_INT8_AMX_MAX_ROWS < policy.NATIVE_INT8_MAX_ROWS
 
 
+def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):
+    """bfloat16 int4 calls leave torch's int4 kernel past INT4_AMX_KERNEL_MAX_ROWS rows on a CPU with
+    AMX and gptj.native (which unpacks the layout); past KERNEL_MAX_ROWS["int4"] without AMX (Zen 4,
+    AMX under a lower ceiling), without gptj.native, and for float32 activations."""
+    monkeypatch.setattr(policy, "native_available", lambda: True)
+    below_amx = cpu.cap(AMX, "avx512_core_bf16")
+    few, many = policy.INT4_AMX_KERNEL_MAX_ROWS, quant.KERNEL_MAX_ROWS["int4"]
+    assert few < many
+    for flags, most in ((AMX, few), (FLAGS[cpu.AVX512_BF16], many), (below_amx, many)):
+        monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
+        assert policy.int4_kernel_max_rows("cpu", torch.bfloat16) == most
+        assert policy.linear_path("cpu", torch.bfloat16, most, "int4") == policy.WEIGHT_ONLY
+        assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int4") == policy.DEQUANTIZE
+    monkeypatch.setattr(cpu, "flags", lambda: AMX)
+    assert policy.int4_kernel_max_rows("cpu", torch.float32) == many
+    assert policy.int4_kernel_max_rows("cuda", torch.bfloat16) == many
+    monkeypatch.setattr(policy, "native_available", lambda: False)
+    assert policy.int4_kernel_max_rows("cpu", torch.bfloat16) == many
+
+
 def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):
     """gptj.native's AMX GEMM from AMX_INT8_MIN_ROWS to AMX_INT8_MAX_ROWS rows, for inputs in steps of
     64; the GEMV below (it streams the weight), the dequantized matmul above."""

@@ -564,6 +564,42 @@ def test_w8a8_rounding_is_gptj_quants_to_the_bit(K, native_isa):
         native.scale_rows(acc, s[:-1])
 
 
+def pack_int4_cpu_layout(q: torch.Tensor, block: int, split: bool) -> torch.Tensor:
+    """Whole blocks of nibbles q (n, K) in torch's CPU int4 layout as gptj.quant.ops._unpack_cpu_int4
+    reads it: per block, K columns of block / 2 bytes, byte j holding rows j and j + block / 2 (split)
+    or rows 2j and 2j + 1."""
+    n, K = q.shape
+    b = q.view(n // block, block, K).permute(0, 2, 1)  # (blocks, K, block)
+    lo, hi = (b[..., :block // 2], b[..., block // 2:]) if split else (b[..., 0::2], b[..., 1::2])
+    return (lo | (hi << 4)).contiguous().view(n, K // 2)
+
+
+@pytest.mark.parametrize("block, split", [(64, True), (32, False), (16, True)])
+def test_int4_dequantize_is_int4_linears_values_transposed(block, split, native_isa):
+    """int4_dequant_t: torch's CPU int4 layout (either byte order, blocks of 16 to 64 rows) to the
+    bfloat16 values Int4Linear._dequant_rows computes (addcmul of q with the scale onto zero - 8 *
+    scale rounded to bfloat16), transposed, bit for bit, into a strided output; bad shapes refused."""
+    from gptj.quant.ops import _unpack_cpu_int4
+
+    g = torch.Generator().manual_seed(block)
+    n, K, group = 2 * block, 256, 64
+    q = torch.randint(0, 16, (n, K), generator=g, dtype=torch.uint8)
+    packed = pack_int4_cpu_layout(q, block, split)
+    assert torch.equal(_unpack_cpu_int4(packed, (block, split)), q)
+    scale = (torch.rand(n, K // group, generator=g) * 0.1).bfloat16()
+    zero = (torch.randn(n, K // group, generator=g) * 0.3).bfloat16()
+    zp = (zero.float() - 8 * scale.float()).bfloat16()
+    want = torch.addcmul(zp[..., None], q.view(n, K // group, group).bfloat16(), scale[..., None]).view(n, K)
+    out = torch.zeros(K, n + 8).bfloat16()
+    native.int4_dequant_t(packed, K, (block, split), scale, zero, group, out[:, 4:4 + n])
+    assert torch.equal(out[:, 4:4 + n], want.t()) and not out[:, :4].any() and not out[:, 4 + n:].any()
+    with pytest.raises(ValueError, match="whole blocks"):
+        native.int4_dequant_t(packed[:block // 2], K, (block, split), scale[:block // 2], zero[:block // 2], group,
+                              out[:, :block // 2])
+    with pytest.raises(ValueError, match="scale must"):
+        native.int4_dequant_t(packed, K, (block, split), scale.t(), zero, group, out[:, :n])
+
+
 def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):
     """int8 blocks: each token's head vectors rounded per head (gptj.quant's rounding) with the scale
     beside them; other slots untouched. Blocks without their scales, or scales of the wrong shape,

@@ -33,11 +33,11 @@ def make_linear(n_in, n_out, bias, seed=0):
     return lin
 
 
-def dequant_rows(mode, features=(128, 96)):
-    """The fewest rows whose call dequantizes the weight (gptj.policy.linear_path) for a layer of
-    `features` (in, out), native kernels or not."""
+def dequant_rows(mode, features=(128, 96), dtype=torch.bfloat16):
+    """The fewest rows whose call of `dtype` activations dequantizes the weight (gptj.policy.linear_path)
+    for a layer of `features` (in, out), native kernels or not."""
     return next(rows for rows in itertools.count(1)
-                if policy.linear_path("cpu", torch.bfloat16, rows, mode, features) in (policy.DEQUANTIZE, policy.UPCAST))
+                if policy.linear_path("cpu", dtype, rows, mode, features) in (policy.DEQUANTIZE, policy.UPCAST))
 
 
 def quantized(lin, mode):
@@ -60,7 +60,7 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
     matmul) against the float32 product with the dequantized weight, native kernels on and off."""
     lin = make_linear(128, 96, bias)
     m = quantized(lin, mode)
-    rows = 3 if path == "kernel" else dequant_rows(mode)
+    rows = 3 if path == "kernel" else dequant_rows(mode, dtype=dtype)
     x = torch.randn(1, rows, 128).to(dtype)
     assert m.use_kernel(x) == (path == "kernel")
     y = m(x)
@@ -79,7 +79,7 @@ def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf1
     the float32 call's math and rounds it once (UPCAST); with it, the dequantized matmul in bfloat16."""
     monkeypatch.setattr(policy, "cpu_bf16", lambda: bf16_arithmetic)
     m = quantized(make_linear(128, 96, True), mode)
-    x = torch.randn(dequant_rows(mode), 128).to(torch.bfloat16)
+    x = torch.randn(dequant_rows(mode, dtype=torch.float32), 128).to(torch.bfloat16)  # float32's too
     path = policy.linear_path(x.device, x.dtype, x.shape[0], mode)
     assert path == (policy.DEQUANTIZE if bf16_arithmetic else policy.UPCAST) and not m.use_kernel(x)
     assert policy.linear_path(x.device, torch.float32, x.shape[0], mode) == policy.DEQUANTIZE
@@ -95,11 +95,31 @@ def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf1
 def test_dequant_path_in_chunks(monkeypatch, mode):
     lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
     m = quantized(lin, mode)
-    x = torch.randn(dequant_rows(mode, (64, 560)), 64)
+    x = torch.randn(dequant_rows(mode, (64, 560), dtype=torch.float32), 64)
     whole = m(x)
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)
     assert len(list(quant._row_chunks(560, 64))) == 3
     torch.testing.assert_close(m(x), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks"])
+def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch, chunked, kernel_path):
+    """bfloat16 int4 calls past the kernel's rows take the weight from gptj.native's unpacking of
+    torch's CPU layout (whole blocks, native kernels loaded), torch's unpacking elsewhere: the same
+    dequantized values (tests/test_native.py, bit for bit), so each within bfloat16's rounding of
+    the float32 product, in one chunk or several."""
+    lin = make_linear(256, 512, True)
+    m = quant.Int4Linear.from_float(lin, 64)
+    if chunked:
+        monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)  # chunks of 256 rows
+    x = torch.randn(policy.int4_kernel_max_rows("cpu", torch.bfloat16) + 1, 256).bfloat16()
+    native_unpacks = kernel_path != "fallback" and quant.cpu_int4_layout() is not None
+    assert not m.use_kernel(x) and m._native_dequant(x) == native_unpacks
+    y = m(x)
+    ref = F.linear(x.float(), m.dequantized_weight(torch.float32), lin.bias.detach())
+    assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1.5e-2
+    monkeypatch.setattr(quant.Int4Linear, "_native_dequant", lambda self, x2: False)
+    assert rel_err(m(x), y.float()) < 1.5e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +130,7 @@ def test_the_dequantized_chunks_reuse_one_buffer_outside_autograd(monkeypatch, d
     monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)  # 560 rows: chunks of 256, 256 and 48
     monkeypatch.setattr(quant.ops._scratch, "buffers", {}, raising=False)  # none from an earlier test
     m = quantized(make_linear(64, 560, False), "int8")
-    x = torch.randn(dequant_rows("int8", (64, 560)), 64).to(dtype)
+    x = torch.randn(dequant_rows("int8", (64, 560), dtype=dtype), 64).to(dtype)
     path = policy.linear_path(x.device, dtype, x.shape[0], "int8", (64, 560))
     key = (torch.float32 if path == policy.UPCAST else dtype, x.device)  # UPCAST: float32 sums (no bf16 arithmetic)
     with torch.inference_mode():  # the buffer is made here (as an engine's call makes it) ...

@@ -20,8 +20,10 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
-  cpu     int4                        <= KERNEL_MAX_ROWS["int4"] (512) WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
-                                      more                             DEQUANTIZE   (or UPCAST, as int8's)
+  cpu     int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
+                                      16 with AMX, bfloat16)
+                                      more                             DEQUANTIZE   (or UPCAST, as int8's; the CPU
+                                                                                    layout unpacked by gptj.native)
   cpu     w8a8, packed               any, in the form `w8a8_form`      ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums
           (PackedW8A8Linear)          names: SHIFTED (VNNI) or SPLIT                (SPLIT: twice the rows)
                                       any, form NATIVE (no VNNI,        NATIVE       gptj.native's W8A8 GEMM on its packed
@@ -195,6 +197,18 @@ NATIVE_EMULATED_BF16_MAX_ROWS = 512
 # and win to even more rows, but the dequantize path keeps float32 precision, so the bfloat16
 # crossovers are used for every activation dtype.
 KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
+# int4 on a CPU with AMX, bfloat16 activations: gptj.native unpacks torch's CPU int4 layout
+# (native.int4_dequant_t, about 0.17 ns a weight where torch's ops took 3) and oneDNN multiplies on
+# AMX's tiles, so the dequantized matmul wins from 32 rows. Xeon with AMX, 2 threads, 2026-11-28,
+# mean of 5 after a warm-up, ms (a throwaway script timing both paths of one Int4Linear, group 128):
+#   rows                           16     32     64    128    512
+#   28672 x 4096  int4 kernel     23.4   45.9   94.6  194.6  768.4
+#                 dequantize      35.0   28.2   33.3   40.8   96.3
+#   4096 x 16384  int4 kernel     12.6   25.8   51.7  103.1  417.3
+#                 dequantize      16.6   18.9   19.3   23.3   61.6
+# Without AMX (the same CPU under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) they crossed between 128 and
+# 512 rows (at 512: 680 against 747 and 389 against 408 ms): KERNEL_MAX_ROWS["int4"] stays there.
+INT4_AMX_KERNEL_MAX_ROWS = 16
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for
@@ -306,6 +320,15 @@ def native_int8_max_rows() -> int:
     """The most rows of a call that gptj.native's int8 GEMV takes (more: the dequantized matmul):
     NATIVE_INT8_AMX_MAX_ROWS on a CPU with AMX, else NATIVE_INT8_MAX_ROWS."""
     return NATIVE_INT8_AMX_MAX_ROWS if cpu_amx() else NATIVE_INT8_MAX_ROWS
+
+
+def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
+    """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul):
+    INT4_AMX_KERNEL_MAX_ROWS for bfloat16 on a CPU with AMX and gptj.native (its unpacking), else
+    KERNEL_MAX_ROWS["int4"]."""
+    if cpu_amx() and native_elementwise(device, dtype):
+        return INT4_AMX_KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS["int4"]
 
 
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -425,7 +448,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return INT_MM
         return DEQUANTIZE
     if weight == "int4":
-        if rows > KERNEL_MAX_ROWS["int4"]:
+        if rows > int4_kernel_max_rows(kind, dtype):
             return _dequantize(kind, dtype)
         if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):
             return WEIGHT_ONLY

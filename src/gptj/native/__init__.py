@@ -318,17 +318,17 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
 
 # Bound ctypes functions, set by load(): module globals keep the per-call overhead small.
 _gemv_int8 = _gemv_bf16 = _gemm_w8a8 = _attend_group = _attend_paged = _prefill_paged = None
-_gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = None
+_gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = _int4_dequant = None
 _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_attend_group", "_attend_paged", "_prefill_paged",
-         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows",
+         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows", "_int4_dequant",
          "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")  # what a test clears to take the native path away
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _store_kv, _quantize_rows, _scale_rows, _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
+    global _store_kv, _quantize_rows, _scale_rows, _int4_dequant, _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _gemm_w8a8 = lib.gemm_w8a8
@@ -370,6 +370,9 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     _scale_rows = lib.scale_rows_bf16
     _scale_rows.argtypes = [P, L, P, P, P, L, L, L, I]
     _scale_rows.restype = None
+    _int4_dequant = lib.int4_dequant_t_bf16
+    _int4_dequant.argtypes = [P, L, I, I, I, P, P, I, P, L, I]
+    _int4_dequant.restype = I
 
 
 def _openmp_runtimes() -> list[str]:
@@ -805,6 +808,39 @@ def quantize_rows_u8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) ->
         _quantize_rows(x2.data_ptr(), x2.stride(0), None if inv_smooth is None else inv_smooth.data_ptr(),
                        qu.data_ptr(), scale.data_ptr(), M, K, torch.get_num_threads())
     return qu, scale
+
+
+INT4_MAX_BLOCK = 128  # the layout's rows a block, at most (int4_dequant_t's buffer)
+
+
+def int4_dequant_t(packed: torch.Tensor, K: int, layout: tuple[int, bool], scale: torch.Tensor,
+                   zero: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of an int4 weight in torch's CPU layout (`layout` = gptj.quant.ops.cpu_int4_layout(),
+    packed: (n, K/2) uint8 rows of it, n a multiple of the block) dequantized and transposed into
+    `out` (K, n) bfloat16 (rows may be strided): out[k, r] = bfloat16(q[r, k] * s + zp), s = scale[r, g],
+    zp = bfloat16(zero[r, g] - 8 s), g = k // group; scale, zero (n, K / group) bfloat16:
+    Int4Linear._dequant_rows' values, transposed. Returns out."""
+    if _int4_dequant is None:
+        _lib_or_raise("int4_dequant_t", "elementwise")
+    block, split = layout
+    n = packed.shape[0]
+    if (packed.dtype is not torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != K or not packed.is_contiguous()
+            or not packed.is_cpu):
+        raise _bad("int4_dequant_t", f"packed must be a contiguous uint8 CPU (n, {K // 2}) tensor")
+    if block % 16 or block > INT4_MAX_BLOCK or n % block:  # 16: a vector's lanes on every ISA (8 or 16)
+        raise _bad("int4_dequant_t", f"{n} rows are not whole blocks of {block} (a multiple of 16, at most "
+                   f"{INT4_MAX_BLOCK})")
+    if group < 1 or K % group:
+        raise _bad("int4_dequant_t", f"group {group} does not divide K = {K}")
+    for t, what in ((scale, "scale"), (zero, "zero")):
+        if t.dtype is not _bf16 or t.shape != (n, K // group) or not t.is_contiguous() or not t.is_cpu:
+            raise _bad("int4_dequant_t", f"{what} must be a contiguous bfloat16 CPU ({n}, {K // group}) tensor")
+    if out.dtype is not _bf16 or out.shape != (K, n) or out.stride(1) != 1 or not out.is_cpu:
+        raise _bad("int4_dequant_t", f"out must be a bfloat16 CPU ({K}, {n}) tensor with contiguous rows")
+    if n and K and _int4_dequant(packed.data_ptr(), K, n // block, block, int(split), scale.data_ptr(),
+                                 zero.data_ptr(), group, out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        raise MemoryError("int4_dequant_t: no memory for the scales' buffers")
+    return out
 
 
 def scale_rows(acc: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None, *,

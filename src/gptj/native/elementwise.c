@@ -138,3 +138,56 @@ void scale_rows_bf16(const float *acc, long sa, const float *rs, const uint16_t 
         }
     }
 }
+
+/* ---- int4 weights in torch's CPU layout, dequantized to bfloat16 (int4's many-row calls) ----------
+
+   torch's CPU int4 layout (gptj.quant.ops._unpack_cpu_int4, probed at run time): nblocks blocks of
+   `block` output rows, each block K columns of block/2 bytes; with `split` byte j of column k holds
+   rows j (low nibble) and j + block/2 (high), else rows 2j and 2j + 1. Written transposed, column k of
+   the weight as row k of wt (ld_wt values apart), so every column's block is one contiguous store:
+       wt[k][n] = bfloat16(q[n][k] * s[n][g] + zp[n][g]),  g = k / group,  zp = bfloat16(zero - 8 s)
+   with scale and zero (n, K / group) bfloat16: Int4Linear._dequant_rows' formula (q * s is exact in
+   float32, so one rounding to float32 and one to bfloat16, as torch's bfloat16 addcmul). block a
+   multiple of VW, at most 128. Groups split across threads (each thread lays a group's scales out by
+   column first); each value is computed alone. Returns 0, or -1 if a buffer could not be had. */
+int int4_dequant_t_bf16(const uint8_t *packed, long K, int nblocks, int block, int split, const uint16_t *scale,
+                        const uint16_t *zero, int group, uint16_t *wt, long ld_wt, int nthreads)
+{
+    const int half = block / 2;
+    const long n = (long)nblocks * block, groups = K / group;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (K * n >= 65536)
+    {
+        uint16_t *st = malloc(2 * n * sizeof(uint16_t)), *zt = st + n;
+        if (st == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long g = 0; g < groups; g++) {
+            if (st == NULL) continue;
+            for (long r = 0; r < n; r++) {
+                st[r] = scale[r * groups + g];
+                const float z = bf16_to_f32(zero[r * groups + g]) - 8.0f * bf16_to_f32(st[r]);
+                zt[r] = f32_to_bf16(z);
+            }
+            for (long k = g * group; k < (g + 1) * group; k++) {
+                int8_t q[128];
+                for (int b = 0; b < nblocks; b++) {
+                    const uint8_t *p = packed + ((long)b * K + k) * half;
+                    if (split) {
+                        for (int j = 0; j < half; j++) { q[j] = (int8_t)(p[j] & 15); q[j + half] = (int8_t)(p[j] >> 4); }
+                    } else {
+                        for (int j = 0; j < half; j++) { q[2 * j] = (int8_t)(p[j] & 15); q[2 * j + 1] = (int8_t)(p[j] >> 4); }
+                    }
+                    const uint16_t *sb = st + (long)b * block, *zb = zt + (long)b * block;
+                    uint16_t *o = wt + k * ld_wt + (long)b * block;
+                    for (int c = 0; c < block; c += VW)
+                        vf_store_bf16(o + c, vf_fmadd(vf_load_i8(q + c), vf_load_bf16(sb + c), vf_load_bf16(zb + c)));
+                }
+            }
+        }
+        free(st);
+    }
+    return failed ? -1 : 0;
+}

@@ -34,12 +34,13 @@ from torch import nn
 from gptj import native
 from gptj.errors import GptjError
 from gptj.policy import (AMX, DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
-                         linear_path, triton_available)
+                         linear_path, native_elementwise, triton_available)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
     FP8_DTYPE,
     SCALE_DTYPE,
+    _chunk_buffer,
     _cpu_int4_kernel_ok,
     _dequant_int4_values,
     _pack_cpu_int4,
@@ -460,11 +461,31 @@ class Int4Linear(nn.Module):
     def _dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         dt = x2.dtype
         chunks = list(_row_chunks(self.out_features, self.in_features))
+        if self._native_dequant(x2):  # gptj.native unpacks the CPU layout, into one reused buffer
+            return self._native_dequant_linear(x2, chunks)
         if len(chunks) == 1:
             return F.linear(x2, self._dequant_rows(0, self.out_features, dt))
         y = torch.empty(x2.shape[0], self.out_features, dtype=dt, device=x2.device)
         for a, b in chunks:
             y[:, a:b] = F.linear(x2, self._dequant_rows(a, b, dt))
+        return y
+
+    def _native_dequant(self, x2: torch.Tensor) -> bool:
+        """Whether the dequantized matmul's weight comes from gptj.native's int4_dequant_t: bfloat16 on
+        a CPU with gptj.native, the weight in torch's CPU layout in whole blocks, outside autograd.
+        torch's unpacking of that layout took about 3 ns a weight (Xeon with AMX, 2026-11-28)."""
+        layout = cpu_int4_layout() if self.layout == "cpu" else None
+        return (layout is not None and native_elementwise(x2.device, x2.dtype) and self.out_features % layout[0] == 0
+                and not (torch.is_grad_enabled() and x2.requires_grad))
+
+    def _native_dequant_linear(self, x2: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
+        K = self.in_features
+        for a, b in chunks:  # whole blocks: the chunks start at multiples of 256 rows
+            wt = native.int4_dequant_t(self.weight[a:b], K, cpu_int4_layout(), self.weight_scale[a:b],
+                                       self.weight_zero[a:b], self.group_size, _chunk_buffer(K, b - a, x2.dtype,
+                                                                                             x2.device))
+            y[:, a:b] = x2 @ wt  # (x2 @ the weight's rows a:b transposed)
         return y
 
     def extra_repr(self) -> str:
