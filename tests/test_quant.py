@@ -105,10 +105,11 @@ def test_dequant_path_in_chunks(monkeypatch, mode):
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks"])
 def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch, chunked, kernel_path):
     """bfloat16 int4 calls past the kernel's rows take the weight from gptj.native's unpacking of
-    torch's CPU layout (whole blocks, native kernels loaded), torch's unpacking elsewhere: the same
+    torch's CPU layout (whole blocks, native kernels loaded; a partial last block, and every block
+    without them, torch's unpacking): the same
     dequantized values (tests/test_native.py, bit for bit), so each within bfloat16's rounding of
     the float32 product, in one chunk or several."""
-    lin = make_linear(256, 512, True)
+    lin = make_linear(256, 560, True)  # 560: 8 blocks of 64 and 48 rows (lm_head's 50,400 end so)
     m = quant.Int4Linear.from_float(lin, 64)
     if chunked:
         monkeypatch.setattr(quant.ops, "DEQUANT_CHUNK_ELEMENTS", 1)  # chunks of 256 rows

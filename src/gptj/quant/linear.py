@@ -475,17 +475,23 @@ class Int4Linear(nn.Module):
         a CPU with gptj.native, the weight in torch's CPU layout in whole blocks, outside autograd.
         torch's unpacking of that layout took about 3 ns a weight (Xeon with AMX, 2026-11-28)."""
         layout = cpu_int4_layout() if self.layout == "cpu" else None
-        return (layout is not None and native_elementwise(x2.device, x2.dtype) and self.out_features % layout[0] == 0
+        return (layout is not None and native_elementwise(x2.device, x2.dtype)
                 and not (torch.is_grad_enabled() and x2.requires_grad))
 
     def _native_dequant_linear(self, x2: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """The chunks' whole blocks by native.int4_dequant_t (the chunks start at multiples of 256
+        rows: block boundaries); a last partial block (lm_head's 50,400 rows: 32 past 787 blocks of
+        64) by torch's unpacking."""
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
-        K = self.in_features
-        for a, b in chunks:  # whole blocks: the chunks start at multiples of 256 rows
-            wt = native.int4_dequant_t(self.weight[a:b], K, cpu_int4_layout(), self.weight_scale[a:b],
-                                       self.weight_zero[a:b], self.group_size, _chunk_buffer(K, b - a, x2.dtype,
-                                                                                             x2.device))
-            y[:, a:b] = x2 @ wt  # (x2 @ the weight's rows a:b transposed)
+        K, layout = self.in_features, cpu_int4_layout()
+        for a, b in chunks:
+            c = a + (b - a) // layout[0] * layout[0]
+            if c > a:
+                wt = native.int4_dequant_t(self.weight[a:c], K, layout, self.weight_scale[a:c], self.weight_zero[a:c],
+                                           self.group_size, _chunk_buffer(K, c - a, x2.dtype, x2.device))
+                y[:, a:c] = x2 @ wt  # x2 @ the weight's rows a:c, transposed
+            if b > c:
+                y[:, c:b] = F.linear(x2, self._dequant_rows(c, b, x2.dtype))
         return y
 
     def extra_repr(self) -> str:
