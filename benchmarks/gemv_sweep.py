@@ -1,5 +1,6 @@
 """gptj.quant.cuda's weight-only GEMVs under other launch plans (block sizes, warps, K split), timed
-against bfloat16's F.linear on GPT-J 6B's decode linears, so one GPU call can choose the plan (TILES).
+against bfloat16's F.linear on GPT-J 6B's decode linears, so one GPU call can choose the plans
+(gptj.quant.cuda.plan_for's tables, per row count; "default" below is TILES, the first default).
 
     python benchmarks/gemv_sweep.py --out gemv.json     # a GPU: GPT-J 6B's shapes, bfloat16 inputs
     python benchmarks/gemv_sweep.py --smoke             # CPU: Triton's interpreter, tiny shapes (runs, not speed)

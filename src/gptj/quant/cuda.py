@@ -673,7 +673,7 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
 
 # --- per-row quantization of activations (fp8's and w8a8's larger calls) -------------------------
 
-ROW_KINDS = {"int8": (1, torch.int8, 127.0), "e4m3": (2, torch.float8_e4m3fn, 448.0)}  # code, dtype, qmax
+ROW_KINDS = {"int8": (1, torch.int8), "e4m3": (2, torch.float8_e4m3fn)}  # the kernels' QUANT code, q's dtype
 ROW_BLOCK = 1024  # a row's values a loop step
 
 if triton is not None:
@@ -739,7 +739,7 @@ def quantize_rows(x2: torch.Tensor, kind: str, mul: torch.Tensor | None = None) 
     kernels a decode step at 1,024 rows) -> (q (M, K), scale float32 (M, 1))."""
     _need_triton()
     M, K = _check_x(x2)
-    code, dtype, _ = ROW_KINDS[kind]
+    code, dtype = ROW_KINDS[kind]
     if mul is not None and (mul.dtype != torch.float32 or mul.shape != (K,) or not mul.is_contiguous()):
         raise ValueError(f"quantize_rows: mul must be a contiguous float32 ({K},), got {mul.dtype} {tuple(mul.shape)}")
     q = torch.empty((M, K), dtype=dtype, device=x2.device)

@@ -68,7 +68,7 @@ def _quantize_rows(x2: torch.Tensor, kind: str, mul: torch.Tensor | None = None)
     """Activations rounded per row (kind "int8" or "e4m3") after a per-column float32 factor mul (W8A8's
     smoothing) -> (q, scale (rows, 1)): on CUDA one Triton kernel (gptj.quant.cuda.quantize_rows),
     elsewhere torch's forms (gptj.quant.ops); the same values, bit for bit."""
-    if x2.is_cuda and triton_available():
+    if x2.is_cuda and x2.shape[0] and triton_available():  # (the kernel takes 1 row or more)
         from gptj.quant import cuda
 
         return cuda.quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous(), kind, mul)
@@ -447,7 +447,7 @@ class Int4Linear(nn.Module):
         return _finish(self, y, x).to(x.dtype)
 
     def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
-        if self.layout == "cpu":  # a, b are multiples of 256 (or b = out_features): whole blocks
+        if self.layout == "cpu":  # a starts a block of the layout (b ends one, or the weight): whole blocks
             return _unpack_cpu_int4(self.weight[a:b], cpu_int4_layout())
         return unpack_int4(self.weight[a:b])
 
