@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptj.decode import BeamSearch, GenerationConfig, block_eos, warp
+from gptj.decode import BeamSearch, GenerationConfig, block_eos, stacked_rows, warp
 from gptj.engine.request import Request
 from gptj.engine.sampler import choose
 
@@ -142,3 +142,54 @@ def test_sampled_rows_warped_together_draw_what_each_draws_alone():
             probs = torch.softmax(warp(block_eos(x, 2, gen), gen), dim=-1)
             want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(gen.seed))[0, 0])
             assert choices[req].tokens == [want], (gen, trial)
+
+
+def test_stacked_rows_is_a_view_of_rows_in_order_and_a_copy_otherwise():
+    """stacked_rows equals torch.cat always; it is a view of the caller's tensor only where the parts lie
+    one after another in one storage (a forward's logits handed out in order), else a fresh copy."""
+    base = torch.randn(7, V, generator=torch.Generator().manual_seed(2))
+    in_order = [base[0:2], base[2:3], base[3:7]]
+    joined = stacked_rows(in_order)
+    assert torch.equal(joined, torch.cat(in_order)) and joined.data_ptr() == base.data_ptr()
+    other = torch.randn(2, V)
+    for parts in ([base[2:3], base[0:2]],  # out of order
+                  [base[0:2], base[3:5]],  # a gap
+                  [base[0:1].expand(3, -1), base[1:2]],  # a beam request's first step: one row, expanded
+                  [base[:, :V - 1][0:2], base[:, :V - 1][2:4]],  # rows of a narrower view: not contiguous
+                  [base[0:2], other]):  # two storages
+        joined = stacked_rows(parts)
+        assert torch.equal(joined, torch.cat(parts))
+        assert joined.untyped_storage().data_ptr() not in (base.untyped_storage().data_ptr(),
+                                                           other.untyped_storage().data_ptr())
+
+
+def test_the_engines_beam_pass_writes_over_its_own_rows_only():
+    """choose advances beams over the runner's logits in place (the log-probabilities written over the
+    beam rows: update.py reads no beam request's logits); the greedy rows of the same forward, which
+    update.py reads again for log-probabilities, are left as they were, and every choice equals the
+    one made on separate copies. BeamSearch.step (decode.beam_search's, a caller's tensor) writes
+    over nothing."""
+    gen_beam = GenerationConfig(max_new_tokens=8, num_beams=3, eos_token_id=None)
+    gen_greedy = GenerationConfig(max_new_tokens=8)
+    forward = torch.randn(2 + 3 + 3 + 1, V, generator=torch.Generator().manual_seed(4))  # rows as the runner's
+    kept = forward.clone()
+    spans = {"g1": (0, 1), "b1": (1, 4), "b2": (4, 7), "g2": (7, 8)}
+
+    def step(logits_of):
+        reqs = {k: request(k, gen_beam if k[0] == "b" else gen_greedy, output=[5]) for k in spans}
+        for k in ("b1", "b2"):
+            reqs[k].beam = BeamSearch(1, gen_beam, "cpu")
+            reqs[k].seqs = [None] * 3
+        choices = choose([(reqs[k], logits_of(*spans[k])) for k in spans])
+        return {k: (c.tokens, c.source, c.done) for k, c in ((k, choices[reqs[k]]) for k in spans)}
+
+    apart = step(lambda a, b: kept[a:b].clone())
+    shared = step(lambda a, b: forward[a:b])
+    assert shared == apart
+    assert torch.equal(forward[0], kept[0]) and torch.equal(forward[7], kept[7])  # the greedy rows
+    assert not torch.equal(forward[1:7], kept[1:7])  # (the beam rows: the pass reused them)
+
+    search = BeamSearch(1, gen_beam, "cpu")
+    mine = kept[1:4].clone()
+    search.step(mine)
+    assert torch.equal(mine, kept[1:4])

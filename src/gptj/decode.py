@@ -399,7 +399,7 @@ class BeamSearch:
         return out
 
     @staticmethod
-    def advance(searches: Sequence[BeamSearch], logits: Sequence[torch.Tensor]
+    def advance(searches: Sequence[BeamSearch], logits: Sequence[torch.Tensor], reuse_logits: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """step_all's pass, its results flat: (source_rows, next_tokens), each search's B*K in turn
         (source_rows within the search's own rows, as `step`), and done (len(searches),) bool, each
@@ -407,7 +407,11 @@ class BeamSearch:
 
         The searches' state stays stacked between steps (`_Stack`): a step of the searches the last
         one advanced, in the same order, reads the stack as it is; others gather their rows (a few
-        kernels whatever the number of searches, not a few per search)."""
+        kernels whatever the number of searches, not a few per search).
+
+        reuse_logits: the caller reads the logits no more (the engine's), so the log-probabilities
+        may be written over them. Each full-vocabulary pass is one read and one write of (B*K, V)
+        float32; a new such tensor costs the CPU its page faults too (103 MB at 512 rows)."""
         gen = searches[0].gen
         K, L = gen.num_beams, searches[0].L
         if any(s.gen != gen for s in searches):
@@ -416,7 +420,9 @@ class BeamSearch:
         run_tokens, run_scores = state["run_tokens"], state["run_scores"]
         fin_tokens, fin_scores, fin_lens = state["fin_tokens"], state["fin_scores"], state["fin_lens"]
         fin_valid, improvable = state["fin_valid"], state["improvable"]
-        x = logits[0] if len(logits) == 1 else torch.cat(list(logits))  # (B*K, V)
+        x = stacked_rows(logits)  # (B*K, V): a view of the caller's logits or a copy of them
+        reuse_logits = reuse_logits or not any(x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                               for t in logits)
         B, V, dev = run_scores.shape[0], x.shape[-1], x.device
         steps = [s.n_steps for s in searches for _ in range(s.B)]  # each row's step (its new tokens so far)
         n_new = [t + 1 for t in steps]  # new tokens of each candidate, this one included
@@ -432,11 +438,14 @@ class BeamSearch:
         at = per_row(steps, torch.long)[:, None, None]  # (B, 1, 1): where this step's token goes
         last = per_row([n == L for n in n_new], torch.bool)  # (B,)
 
-        log_probs = F.log_softmax(x, dim=-1)  # (B*K, V)
+        if reuse_logits and x.is_contiguous():  # the same kernel, its output over its input (each
+            log_probs = torch.log_softmax(x, dim=-1, out=x)  # element written after the row's max and sum)
+        else:
+            log_probs = F.log_softmax(x, dim=-1)  # (B*K, V)
         short = [beam for p, t in enumerate(steps) if t < gen.min_new_tokens for beam in range(p * K, p * K + K)]
         if eos is not None and short:  # min_new_tokens after the log_softmax (HF): EOS -inf, no renormalizing
             log_probs[per_row(short, torch.long), eos] = -math.inf
-        scores = (log_probs.view(B, K, V) + run_scores[:, :, None]).view(B, K * V)
+        scores = log_probs.view(B, K, V).add_(run_scores[:, :, None]).view(B, K * V)  # in place: log_probs is ours
 
         cand_scores, flat = torch.topk(scores, 2 * K, dim=1)  # (B, 2K), best first
         cand_beam = flat // V  # (B, 2K) which running beam it extends
@@ -511,6 +520,25 @@ class BeamSearch:
         lens = self.fin_lens[:, 0].tolist()
         tokens = [row[:n] for row, n in zip(self.fin_tokens[:, 0].tolist(), lens)]
         return tokens, self.fin_scores[:, 0].tolist()
+
+
+def stacked_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """parts (n_i, V) stacked (sum n_i, V): a view when they lie one after another in one storage (the
+    engine's rows of one forward's logits, in order), else a copy (torch.cat). A copy of the MLPerf
+    step's logits (512 rows x 50,400 float32: 103 MB) cost the CPU more than the forward of a small
+    model: a fresh allocation's page faults, then the write."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    V, storage = first.shape[-1], first.untyped_storage().data_ptr()
+    rows, at = 0, first.data_ptr()
+    for t in parts:
+        if (t.dim() != 2 or t.shape[1] != V or not t.is_contiguous() or t.dtype != first.dtype
+                or t.data_ptr() != at or t.untyped_storage().data_ptr() != storage):
+            return torch.cat(list(parts))
+        rows += t.shape[0]
+        at += t.numel() * t.element_size()
+    return first.as_strided((rows, V), (V, 1))  # (a 1-row part's row stride can be anything)
 
 
 class _Stack:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptj.decode import BeamSearch
+from gptj.decode import BeamSearch, stacked_rows
 from gptj.engine.config import StepTimes
 from gptj.engine.request import Request
 
@@ -38,6 +38,7 @@ class Choice:
     done: bool = False
 
 
+@torch.inference_mode()  # the runner's logits are inference tensors, and the beams' pass writes over them
 def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | None = None) -> dict[Request, Choice]:
     """items: (request, its logits (n_seqs, V) float32) -> each request's Choice. A beam request's
     `beam` (a BeamSearch) is advanced; nothing else of a request is changed. `times.wait` gets the
@@ -58,7 +59,8 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
     beams = [item for group in by_config.values() for item in group]  # in the order their results come
     dones = []
     for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
-        sources, tokens, done = BeamSearch.advance([req.beam for req, _ in group], [logits for _, logits in group])
+        sources, tokens, done = BeamSearch.advance([req.beam for req, _ in group], [logits for _, logits in group],
+                                                   reuse_logits=True)  # (update.py reads no beam request's)
         K = group[0][0].gen.num_beams
         parts.append(torch.stack([sources.view(-1, K), tokens.view(-1, K)], dim=1).view(-1))
         dones.append(done)
@@ -82,14 +84,15 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
 
 
 def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
-    """The requests' logits stacked (R, V) (a copy), EOS -inf on the rows still short of
-    min_new_tokens (gptj.decode.block_eos, row by row)."""
-    scores = torch.cat([logits[:1] for _, logits in rows])
+    """The requests' logits stacked (R, V), EOS -inf on the rows still short of min_new_tokens
+    (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the runner's logits)."""
     blocked = [(r, req.gen.eos_token_id) for r, (req, _) in enumerate(rows)
                if req.gen.eos_token_id is not None and len(req.output) < req.gen.min_new_tokens]
-    if blocked:
-        r, eos = zip(*blocked)
-        scores[list(r), list(eos)] = -math.inf
+    if not blocked:  # read only: a view where the rows lie in order (one forward's), as most steps'
+        return stacked_rows([logits[:1] for _, logits in rows])
+    scores = torch.cat([logits[:1] for _, logits in rows])
+    r, eos = zip(*blocked)
+    scores[list(r), list(eos)] = -math.inf
     return scores
 
 
