@@ -4,6 +4,8 @@ under torch.profiler, the device's kernels grouped by kind, at N samples x 4 bea
     python benchmarks/profile_steps.py --model DIR --device cuda --dtype bfloat16 --samples 256 --out prof
     python benchmarks/profile_steps.py --model DIR ... --quantize fp8 --kv-dtype fp8
     python benchmarks/profile_steps.py --model TINY --smoke    # CPU, a tiny model: runs, not a measurement
+    python benchmarks/profile_steps.py --model TINY --device cpu --dtype float32 --samples 128 --no-kernels
+                                       # the host phases alone (the profiler's hooks slow the host)
 
 The engine is built as `gptj mlperf` builds it (gptj.runtime.build, MLPerf's generation settings,
 warmed: CUDA graphs captured). The --samples prompts (the bundled articles, each copy told apart as
@@ -18,6 +20,7 @@ Writes OUT/profile.json (and OUT/trace.json, the profiler's Chrome trace, with -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="profile-steps")
     ap.add_argument("--trace", action="store_true", help="also write the profiler's Chrome trace (large)")
     ap.add_argument("--json", action="store_true", help="print profile.json's object instead of the table")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="time the steps without torch.profiler (its hooks slow the host): host phases only")
     ap.add_argument("--attention-variant", choices=("sum", "dot", "auto"),
                     help="the cuda attention backend's decode kernel (CudaAttention.decode_variant: auto, its "
                          "default, runs dot for beam steps; sum: CUDA cores; dot: the shared blocks by tl.dot), "
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.times.reset()
     if cuda:
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
+    with contextlib.nullcontext() if args.no_kernels else torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_s = time.perf_counter() - start
     rows = engine.times.per_step_ms()["decode_rows"]
     kernels: dict[str, float] = defaultdict(float)  # name -> device (or CPU self) microseconds over the steps
-    for ev in prof.key_averages():
+    for ev in prof.key_averages() if prof is not None else ():
         us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
         # CUDA: the kernels by name. An aten op that launched one can carry its time as its own device
         # time too (torch 2.11 on the H200, 2026-11-28: index_put's 9.1 ms listed as the op and as its
@@ -138,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "samples": args.samples, "decode_rows_per_step": rows, "prefill_s": prefill_s,
         "step_ms": 1000 * wall_s / n,
-        "kernel_ms_per_step": device_ms,  # CPU: the aten ops' own time (not the device's: there is none)
+        "kernel_ms_per_step": None if args.no_kernels else device_ms,  # CPU: the aten ops' own time (not the device's: there is none)
         "host_phases_ms": {k: v for k, v in engine.times.per_step_ms().items() if k not in ("step", "decode_rows")},
         "by_kind_ms": {k: v / 1000 / n for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [{"name": k[:120], "ms": v / 1000 / n, "kind": kind_of(k)}
                 for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]],
     }
-    if args.trace:
+    if args.trace and prof is not None:
         prof.export_chrome_trace(str(out / "trace.json"))
     atomic_write_json(out / "profile.json", result)
     if args.json:
@@ -153,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['device']}, torch {result['torch']}: {args.samples} samples x {gen.num_beams} beams "
           f"({rows:.0f} rows a step), prefill of all {prefill_s:.1f} s"
           + (f", attention decode variant {variant}" if variant else ""))
-    print(f"decode step {result['step_ms']:.2f} ms wall, {device_ms:.2f} ms of kernels "
-          f"({'device' if cuda else 'CPU ops'}); host phases: "
+    kernel_note = "kernels not profiled" if args.no_kernels else \
+        f"{device_ms:.2f} ms of kernels ({'device' if cuda else 'CPU ops'})"
+    print(f"decode step {result['step_ms']:.2f} ms wall, {kernel_note}; host phases: "
           + ", ".join(f"{k} {v:.2f}" for k, v in result["host_phases_ms"].items()))
     for kind, ms in result["by_kind_ms"].items():
         print(f"  {kind:16s} {ms:8.2f} ms a step")

@@ -186,6 +186,15 @@ def check_profile_steps(out: dict, err: str) -> None:
     assert (Path(out["settings"]["out"]) / "profile.json").is_file()
 
 
+def check_profile_steps_host_only(out: dict, err: str) -> None:
+    """--no-kernels: the same steps timed without the profiler: host phases, no kernel table."""
+    assert out["decode_rows_per_step"] == 12 and out["kernel_ms_per_step"] is None
+    assert out["by_kind_ms"] == {} and out["top"] == []
+    phases = out["host_phases_ms"]
+    assert positive(phases["forward"]) and positive(phases["update"])
+    assert sum(phases.values()) <= out["step_ms"] * 1.001
+
+
 def check_native_gemv(out: dict, err: str) -> None:
     from gptj import native
 
@@ -437,6 +446,9 @@ MORE: dict[str, Job] = {
                                             "--variants", "gptj-fp32,hf-fp32,ct2-int8", "--bandwidth", "1",
                                             "--work-dir", str(tmp / "work")],
         check_compare_peers_without_peers, env=without_peers),
+    "profile_steps.py without the profiler": Job(
+        "profile_steps.py", lambda m, tmp: ["--model", m, "--smoke", "--json", "--no-kernels", "--out", str(tmp / "p")],
+        check_profile_steps_host_only),
 }
 JOBS = {**SMOKE, **MORE}
 # run by a module of their own (tests/test_benchmarks_gpu.py), so that pytest-xdist (--dist loadfile)
