@@ -263,6 +263,38 @@ def test_the_cuda_backends_copy_on_write_moves_each_copys_tokens_and_nothing_els
     assert any(not torch.equal(t.view(torch.uint8), old) for t, old in zip(kv.stacked, before))
 
 
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "fp8"])
+def test_copy_on_write_on_a_cpu_moves_each_copys_tokens_and_nothing_else(storage):
+    """PagedKV.copy on a CPU (kv_cache.copy_rows): block dst gets the first n tokens of block src in every
+    layer and head, keys, values and (int8 / e4m3) scales, bit for bit; the dst rows from n on and every
+    other block keep what they held. copy_whole_blocks (the indexed copy of other devices without a
+    kernel of their own) moves whole blocks: the same first n rows."""
+    from gptj.engine.attention.kv_cache import copy_whole_blocks
+
+    L, H, B, D, n_blocks = 3, 2, 8, 48, 10
+    cfg = GPTJConfig(n_layer=L, n_embd=H * D, n_head=H, rotary_dim=8, n_inner=4 * H * D, n_positions=512)
+    dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}.get(storage, torch.float32)
+    kv = att.PagedKV(cfg, n_blocks, B, dtype, "cpu", compute=torch.float32)
+    g = torch.Generator().manual_seed(8)
+    for t in kv.stacked:  # random bits in every byte (any pattern must move as it is)
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    before = [t.view(torch.uint8).clone() for t in kv.stacked]
+    copies = [(1, 5, 3), (2, 6, B), (4, 7, 0), (1, 8, 1)]
+    kv.copy(copies)
+    for t, old in zip(kv.stacked, before):
+        want = old.view(t.dtype).clone()  # (rows in the tensor's own dtype: a scale is 4 bytes)
+        for src, dst, n in copies:
+            want[:, dst, :, :n] = want[:, src, :, :n]
+        assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+    whole = [old.clone() for old in before]
+    copy_whole_blocks(whole, copies)
+    for t, old in zip(whole, before):
+        for src, dst, n in copies:
+            assert torch.equal(t[:, dst], old[:, src])
+        untouched = [b for b in range(n_blocks) if b not in {dst for _, dst, _ in copies}]
+        assert torch.equal(t[:, untouched], old[:, untouched])
+
+
 def test_a_step_builds_its_index_tensors_once_on_the_kvs_device():
     """build: the write slots, each group's blocks and each segment's slots, all on the KV's device;
     the DecodeTables a kernel reads (gptj.native's layout: int32, own tables padded with block 0)."""
