@@ -89,6 +89,15 @@ case $part in
     # measured twice alike (2026-11-27, -28): again where the quantizers' numerics changed
     gc quant --steps quant-report --long-step-timeout 100
     gc accuracy --steps accuracy --quant-modes fp8 --long-step-timeout 100
+    # SingleStream's step (1 sample x 4 beams): is its update (3.2 ms of 8.7 on 2026-11-28) the host's
+    # own time or waiting on the device? Host phases without the profiler, then the kernels: if time is left
+    if [ "$(left)" -gt 60 ]; then
+      for k in --no-kernels ""; do
+        timeout $(( $(left) - 5 )) python3 benchmarks/profile_steps.py --model "$O/model" --samples 1 --steps 20 \
+          --device "${GC_DEVICE:-cuda}" --dtype "${GC_DTYPE:-bfloat16}" --out "$O/profile-1$k" $k \
+          ${GC_ARGS:+--smoke --samples 1} > "$O/profile-1$k.txt" 2>&1; tail -8 "$O/profile-1$k.txt"
+      done
+    fi
     ;;
   *) echo "gpu_session.sh: part 1, 2 or 3" >&2; exit 2 ;;
 esac
