@@ -193,3 +193,11 @@ def test_the_engines_beam_pass_writes_over_its_own_rows_only():
     mine = kept[1:4].clone()
     search.step(mine)
     assert torch.equal(mine, kept[1:4])
+    # two searches' logits joined by a copy, which the pass then owns and writes over: the callers'
+    # tensors are untouched, and tensors that autograd tracks (left out of place) give the same choices
+    graded = [kept[1:4].clone().requires_grad_(), kept[4:7].clone().requires_grad_()]
+    plain = [kept[1:4].clone(), kept[4:7].clone()]
+    got = BeamSearch.step_all([BeamSearch(1, gen_beam, "cpu") for _ in graded], graded)
+    want = BeamSearch.step_all([BeamSearch(1, gen_beam, "cpu") for _ in plain], plain)
+    assert all(torch.equal(g, w) for pair_g, pair_w in zip(got, want) for g, w in zip(pair_g, pair_w))
+    assert torch.equal(plain[0], kept[1:4]) and torch.equal(plain[1], kept[4:7])  # the copy's, not the caller's

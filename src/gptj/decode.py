@@ -438,8 +438,9 @@ class BeamSearch:
         at = per_row(steps, torch.long)[:, None, None]  # (B, 1, 1): where this step's token goes
         last = per_row([n == L for n in n_new], torch.bool)  # (B,)
 
-        if reuse_logits and x.is_contiguous():  # the same kernel, its output over its input (each
-            log_probs = torch.log_softmax(x, dim=-1, out=x)  # element written after the row's max and sum)
+        if reuse_logits and x.is_contiguous() and not x.requires_grad:  # (out= takes no autograd)
+            # the same kernel, its output over its input: each element written after its row's max and sum
+            log_probs = torch.log_softmax(x, dim=-1, out=x)
         else:
             log_probs = F.log_softmax(x, dim=-1)  # (B*K, V)
         short = [beam for p, t in enumerate(steps) if t < gen.min_new_tokens for beam in range(p * K, p * K + K)]
