@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "samples": args.samples, "decode_rows_per_step": rows, "prefill_s": prefill_s,
         "step_ms": 1000 * wall_s / n,
-        "kernel_ms_per_step": None if args.no_kernels else device_ms,  # CPU: the aten ops' own time (not the device's: there is none)
+        # CPU: the aten ops' own time (not the device's: there is none); None with --no-kernels
+        "kernel_ms_per_step": None if args.no_kernels else device_ms,
         "host_phases_ms": {k: v for k, v in engine.times.per_step_ms().items() if k not in ("step", "decode_rows")},
         "by_kind_ms": {k: v / 1000 / n for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [{"name": k[:120], "ms": v / 1000 / n, "kind": kind_of(k)}

@@ -438,7 +438,7 @@ class BeamSearch:
         at = per_row(steps, torch.long)[:, None, None]  # (B, 1, 1): where this step's token goes
         last = per_row([n == L for n in n_new], torch.bool)  # (B,)
 
-        if reuse_logits and x.is_contiguous() and not x.requires_grad:  # (out= takes no autograd)
+        if reuse_logits and x.is_contiguous() and not x.requires_grad:  # (a backward reads log_softmax's output)
             # the same kernel, its output over its input: each element written after its row's max and sum
             log_probs = torch.log_softmax(x, dim=-1, out=x)
         else:
