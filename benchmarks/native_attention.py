@@ -8,9 +8,10 @@ each round measuring every library in a rotated order), on 16 heads of 256 in bl
                            --context tokens (bfloat16 KV)
     gelu                   8 rows of 16384 (fc_in's output at batch 8)
 for each library of gptj.native.ISAS this CPU runs (built if needed; the AVX2 one on an AVX-512
-machine too), and for each --library NAME=PATH:ISA given (a library built from other sources, for
-example an earlier commit's, compiled with that ISA's flags): how a change to the kernels is checked
-against the code before it on the same machine, in the same process.
+machine too, and the portable one, what an ARM CPU would build), and for each --library
+NAME=PATH:ISA given (a library built from other sources, for example an earlier commit's, compiled
+with that ISA's flags): how a change to the kernels is checked against the code before it on the
+same machine, in the same process.
 
     python benchmarks/native_attention.py
     python benchmarks/native_attention.py --library old=/tmp/old.so:avx512-bf16

@@ -3,10 +3,11 @@ machine runs) and fallback (what runs where they are unavailable), so all are ch
 machine CI lands.
 
 `kernel_path` is parametrized: "native" skips, with the reason, where gptj.native cannot be used;
-"native-avx2" runs the AVX2 library where the CPU's best is another (AVX-512); "fallback" switches
-gptj.native off for the test as `GPTJ_NATIVE=0` does (the environment variable, for any process the
-test starts, and the in-process caches that hold the loaded library). `native_isa` runs a test once
-per ISA of gptj.native.
+"native-avx2" runs the AVX2 library where the CPU's best is another (AVX-512); "native-generic" the
+portable one (simd_generic.h: what an ARM CPU would build), on any machine that can build it;
+"fallback" switches gptj.native off for the test as `GPTJ_NATIVE=0` does (the environment variable,
+for any process the test starts, and the in-process caches that hold the loaded library).
+`native_isa` runs a test once per ISA of gptj.native.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
         torch.set_num_threads(1)
 
-KERNEL_PATHS = ("native", "native-avx2", "fallback")  # native: the best ISA's library
+KERNEL_PATHS = ("native", "native-avx2", "native-generic", "fallback")  # native: the best ISA's library
 
 # The modules that take longest, longest first (each over 25 s in the README's run on a 2-core
 # machine, measured 2026-11-28): pytest-xdist (the README's command runs two workers, one module per
@@ -82,10 +83,13 @@ def use_isa(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 @pytest.fixture(params=KERNEL_PATHS)
 def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """"native" (the best ISA's library), "native-avx2" (the AVX2 library where the best is another:
-    both ISAs' kernels run on an AVX-512 machine) or "fallback" (torch's ops)."""
+    both ISAs' kernels run on an AVX-512 machine), "native-generic" (the portable library, on any CPU)
+    or "fallback" (torch's ops)."""
     from gptj import native
 
-    if request.param.startswith("native"):
+    if request.param == "native-generic":
+        use_isa(monkeypatch, "generic")
+    elif request.param.startswith("native"):
         reason = native.unavailable_reason()
         if reason is not None:
             pytest.skip(f"native kernels unavailable: {reason}")

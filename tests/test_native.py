@@ -441,7 +441,7 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
     elif not os.environ.get("GPTJ_NATIVE_ISA"):
         assert native.isa() == best
     assert "GPTJ_NATIVE=0" in native.unavailable_reason({"GPTJ_NATIVE": "0"})
-    assert "not one of avx512-bf16, avx2" in native.unavailable_reason({"GPTJ_NATIVE_ISA": "sse9"})
+    assert "not one of avx512-bf16, avx2, generic" in native.unavailable_reason({"GPTJ_NATIVE_ISA": "sse9"})
 
 
 def test_gptj_native_isa_picks_a_lower_isa_only_where_the_cpu_runs_it(monkeypatch):
@@ -453,6 +453,46 @@ def test_gptj_native_isa_picks_a_lower_isa_only_where_the_cpu_runs_it(monkeypatc
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse4_2"}))
     assert native.requested_isa({}) == (None, None)
     assert "lacks avx2, fma, f16c" in native.unavailable_reason({})
+    assert "GPTJ_NATIVE_ISA=generic" in native.unavailable_reason({})
+
+
+def test_the_generic_library_runs_only_when_asked_for_on_any_cpu(monkeypatch):
+    """The portable library is chosen by GPTJ_NATIVE_ISA=generic alone, on any CPU (ARM's flags are no
+    x86 flags: gptj.cpu reads none there); never by the CPU's flags, even where no other runs."""
+    generic = next(i for i in native.ISAS if i.name == "generic")
+    assert not generic.auto and generic.cpu_flags == ()
+    for flags in (frozenset(native.REQUIRED_CPU_FLAGS), frozenset({"avx2", "fma", "f16c"}), frozenset()):
+        monkeypatch.setattr(cpu, "flags", lambda flags=flags: flags)
+        assert native.best_isa() is not generic
+        assert native.requested_isa({"GPTJ_NATIVE_ISA": "generic"}) == (generic, None)
+    assert native.best_isa() is None  # no x86 flags: torch's kernels, unless asked
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    why = native.unavailable_reason({})
+    assert "not an x86-64 CPU (aarch64)" in why and "GPTJ_NATIVE_ISA=generic" in why
+    assert native.unavailable_reason({"GPTJ_NATIVE": "0", "GPTJ_NATIVE_ISA": "generic"}).startswith("switched off")
+
+
+def test_the_generic_kernels_compile_for_aarch64(tmp_path):
+    """simd_generic.h is the vector layer an ARM CPU would build (GCC's vector extensions, no intrinsic):
+    every kernel source compiles with it for AArch64, by zig's clang, a cross compiler pip installs
+    (`pip install ziglang`: not a test extra, 400 MB; skipped without it). Linking would need an
+    OpenMP runtime zig does not ship: the sources are compiled, not linked, against a header declaring
+    the one OpenMP function they call."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ziglang") is None:
+        pytest.skip("no AArch64 cross compiler here (pip install ziglang provides one)")
+    (tmp_path / "omp.h").write_text("int omp_get_max_threads(void);\n")
+    for src in native.SOURCES:
+        obj = tmp_path / f"{src.stem}.o"
+        proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu", "-O2", "-std=c11",
+                               "-fopenmp", f"-I{tmp_path}", "-DGPTJ_ISA_GENERIC", "-c", str(src), "-o", str(obj)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        head = obj.read_bytes()[:20]
+        assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # e_machine: EM_AARCH64
 
 
 # --- a fused block's elementwise steps ------------------------------------------------------------

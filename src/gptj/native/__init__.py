@@ -1,18 +1,24 @@
-"""Native kernels for x86-64 CPUs, built at first use, one library per instruction set (ISA).
+"""Native CPU kernels, built at first use, one library per instruction set (ISA).
 
     ISA           CPUs                                   arithmetic
     avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI     bfloat16 dot products (vdpbf16ps), int16 ones
     avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  float32 FMAs on bfloat16 / int8 widened, int16 pairs
+    generic       any CPU gcc targets (ARM's NEON…)      as avx2, in portable C (GCC's vector extensions);
+                                                         only when asked for: GPTJ_NATIVE_ISA=generic
 
 Each library holds every kernel: the decode GEMV, paged decode and prefill attention, the elementwise
 passes. The AVX-512 one also holds amx.c's int8 and W8A8 GEMMs on AMX's tiles, compiled for AMX
 whatever the building CPU and used only where the CPU has AMX and Linux grants the tiles
-(`amx_available`). The same C sources are compiled per ISA: simd.h's vector layer is where the
-instruction set shows, plus a section per ISA in attention.c for the key dot products and the prefill tile. `isa()`
-is the best ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies);
-`has(kernel)` says whether its library holds a kernel ("gemv", "attention", "elementwise");
-`available()` is true where all of them are. GPTJ_NATIVE_ISA=avx2 picks the AVX2 library on a CPU
-that runs a better one (to measure or test it there).
+(`amx_available`). The same C sources are compiled per ISA: the vector layer (simd.h, and one file
+per ISA: simd_avx512.h, simd_avx2.h, simd_generic.h) is where the instruction set shows, plus the
+GEMV's and attention's bfloat16 dot-product sections for AVX512-BF16 (`HAVE_DP`). `isa()` is the best
+ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies); `has(kernel)` says
+whether its library holds a kernel ("gemv", "attention", "elementwise"); `available()` is true where
+all of them are. GPTJ_NATIVE_ISA=avx2 picks the AVX2 library on a CPU that runs a better one (to
+measure or test it there); GPTJ_NATIVE_ISA=generic the portable one, on any CPU. The generic library
+is never chosen on its own: on x86-64 it is what an AVX2 CPU runs, less the instructions, and where
+it would be the only one (ARM, which cannot be tested or timed here) torch's kernels stay the
+default until it has been measured against them there.
 
 torch's CPU kernels leave much of the memory bandwidth unused when a linear layer sees one row (a
 decode step): `torch._weight_int8pack_mm` reads a 7168 x 1024 int8 weight at about 12 GB/s and
@@ -61,7 +67,8 @@ __all__ = ["ISAS", "Isa", "amx_available", "attention_group", "attention_paged",
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
-HEADERS = (HERE / "simd.h",)  # included by every source: part of what the build's name hashes
+HEADERS = tuple(HERE / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h", "simd_generic.h"))  # what
+# the sources include: part of what the build's name hashes
 # -falign-loops=64: every loop starts on a cache line. Without it the GEMV's hot loops ran 10-20 %
 # slower once the kernels were split into three files (int8 at 8 rows, 2 threads: 3.8 against 3.0 ms
 # for 28672 x 4096; the same code, placed elsewhere), and as fast with it as the single file was.
@@ -83,6 +90,7 @@ class Isa:
     cflags: tuple[str, ...]  # beside CFLAGS
     sources: tuple[Path, ...]
     kernels: tuple[str, ...]
+    auto: bool = True  # chosen from the CPU's flags; False: only by GPTJ_NATIVE_ISA
 
 
 # Best first. The AVX2 library is built for AVX2 alone (-mavx2, not -march=native): on a CPU with
@@ -92,13 +100,15 @@ ISAS = (
         KERNELS),
     Isa("avx2", AVX2_CPU_FLAGS, ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"), SOURCES,
         KERNELS),
+    # the target's baseline (no -m flags): SSE2 on x86-64, NEON on AArch64
+    Isa("generic", (), ("-Wno-psabi", "-DGPTJ_ISA_GENERIC"), SOURCES, KERNELS, auto=False),
 )
 
 
 def best_isa(flags: set[str] | frozenset[str] | None = None) -> Isa | None:
     """The best ISA a CPU with `flags` (default: this one's, ceilings applied) runs, or None."""
     flags = cpu.flags() if flags is None else flags
-    return next((i for i in ISAS if all(f in flags for f in i.cpu_flags)), None)
+    return next((i for i in ISAS if i.auto and all(f in flags for f in i.cpu_flags)), None)
 
 
 def requested_isa(env: dict[str, str] | os._Environ | None = None) -> tuple[Isa | None, str | None]:
@@ -176,9 +186,9 @@ def _build(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = No
     needed, or None where the native kernels are switched off (GPTJ_NATIVE=0), cannot run here or
     cannot be built."""
     env = os.environ if env is None else env
-    if _disabled(env) or platform.machine() not in ("x86_64", "AMD64"):
+    if _disabled(env):
         return None
-    flags = cpu.flags()
+    flags = cpu.flags()  # empty off x86-64: there only the generic library, when asked for
     isa = best_isa(flags) if isa is None else isa
     if isa is None or not all(f in flags for f in isa.cpu_flags):
         return None
@@ -300,15 +310,17 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
     env = os.environ if env is None else env
     if _disabled(env):
         return f"switched off (GPTJ_NATIVE={env.get('GPTJ_NATIVE')})"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not an x86-64 CPU ({platform.machine()})"
-    why = requested_isa(env)[1]
+    chosen, why = requested_isa(env)
     if why is not None:
         return why
+    if chosen is None and platform.machine() not in ("x86_64", "AMD64"):
+        return (f"not an x86-64 CPU ({platform.machine()}): torch's kernels run (GPTJ_NATIVE_ISA=generic builds "
+                "the portable ones)")
     if best_isa() is None:
         capped = f" under ONEDNN_MAX_CPU_ISA={cpu.ceiling().upper()}" if cpu.ceiling() else ""
         missing = [f for f in AVX2_CPU_FLAGS if f not in cpu.flags()]
-        return f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs AVX2 with FMA and F16C, or AVX-512)"
+        return (f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs AVX2 with FMA and F16C, or AVX-512; "
+                "GPTJ_NATIVE_ISA=generic builds the portable kernels)")
     if shutil.which(env.get("CC") or "gcc") is None:
         return f"no C compiler ({env.get('CC') or 'gcc'}) to build {SOURCES[0].parent}"
     if load() is None:

@@ -160,13 +160,13 @@ static inline const float *scales_at(const float *base, const pages_t *kv, int b
     return base + ((long)blk * kv->H + h) * kv->B;
 }
 
-/* The key dot products, per ISA: q_prepare puts a query in the form they want (QPREP_BYTES(D) bytes
+/* The key dot products, AVX512-BF16's (HAVE_DP) or the vector layer's: q_prepare puts a query in the form they want (QPREP_BYTES(D) bytes
    at `prepared`, and a scale *qs); scores_any(prepared, qs, kr, ks, n, D, scale, dst) sets
    dst[c] = scale * q . k[c] for the n <= VW keys k[c] = kr + c * D, bfloat16 (ks NULL) or int8 with
    scales ks[c]. int8 keys: q is rounded per head to int16 (s_q = max |q| / 32767: a relative error
    of 2^-16 of the largest, below bfloat16's own 2^-9) and summed against the keys sign-extended to
    int16 in int32, exactly (|sum| <= 32767 * 127 * 512 < 2^31), then times s_q and each key's scale. */
-#if defined(GPTJ_ISA_AVX512)
+#if HAVE_DP
 /* D / 32 vectors of 32 bfloat16 (vdpbf16ps), or of 32 int16 (vpdpwssd); zeros past D */
 #define QPREP_BYTES(D) ((((D) + 31) / 32) * 64)
 /* a query as the key dot products want it: D / 32 vectors of 32 bfloat16, or of 32 int16 with
@@ -244,9 +244,8 @@ static inline void scores_any(const void *qv, float qs, const void *kr, const fl
     if (ks) scores16_i8(qv, qs, kr, ks, n, D, scale, dst);
     else scores16((const __m512bh *)qv, kr, n, D, scale, dst);
 }
-#define VACC 16 /* value sums kept in registers: 16 vectors of D */
 
-#elif defined(GPTJ_ISA_AVX2)
+#else /* the vector layer's: VW keys at a time */
 /* D float32 (bfloat16 keys: q as it is, products exact), or D int16 (int8 keys) */
 #define QPREP_BYTES(D) ((long)(D) * 4)
 static inline void q_prepare(const float *q, int D, int int16, void *prepared, float *qs)
@@ -259,69 +258,58 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
     vf mx = vf_zero();
     for (int d = 0; d < D; d += VW) mx = vf_max(mx, vf_abs(vf_loadu(q + d)));
     const float top = vf_reduce_max(mx), s = top > 0 ? top / 32767.0f : 1.0f;
-    const vf inv = vf_set1(1.0f / s);
-    for (int d = 0; d < D; d += 16) { /* 16 int16 per step, saturated as vpmovsdw saturates */
-        const __m256i lo = _mm256_cvtps_epi32(vf_mul(vf_loadu(q + d), inv));
-        const __m256i hi = _mm256_cvtps_epi32(vf_mul(vf_loadu(q + d + 8), inv));
-        _mm256_storeu_si256((__m256i *)((int16_t *)prepared + d),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
-    }
+    const vf inv = vf_set1(1.0f / s), lo = vf_set1(-32768.0f), hi = vf_set1(32767.0f);
+    for (int d = 0; d < D; d += VW) /* rounded, then saturated (as AVX-512's vpmovsdw) */
+        vf_store_i16((int16_t *)prepared + d, vf_min(vf_max(vf_round(vf_mul(vf_loadu(q + d), inv)), lo), hi));
     *qs = s;
 }
 
-/* r[i] = the sum of the 8 int32 lanes of v[i], for 8 vectors, exact */
-static inline __m256i hsum8_epi32(const __m256i *v)
+/* bfloat16 keys: VW float32 FMA sums (exact products), one transposed reduction (vf_hsum) */
+static inline __attribute__((always_inline)) void scores_vw(const float *qf, const uint16_t *kr, int n, int D,
+                                                             float scale, float *dst)
 {
-    __m256i a[4], b[2];
-    for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_epi32(v[2 * i], v[2 * i + 1]);
-    b[0] = _mm256_hadd_epi32(a[0], a[1]);
-    b[1] = _mm256_hadd_epi32(a[2], a[3]);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
-}
-
-/* bfloat16 keys: 8 float32 FMA sums (exact products), one transposed reduction (vf_hsum) */
-static inline void scores8(const float *qf, const uint16_t *kr, int n, int D, float scale, float *dst)
-{
-    vf a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) a[c] = vf_zero();
+    vf a[VW];
+#pragma GCC unroll 16
+    for (int c = 0; c < VW; c++) a[c] = vf_zero();
     for (int d = 0; d < D; d += VW) {
         const vf qv = vf_loadu(qf + d);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++)
+#pragma GCC unroll 16
+        for (int c = 0; c < VW; c++)
             if (c < n) a[c] = vf_fmadd(vf_load_bf16(kr + (long)c * D + d), qv, a[c]);
     }
     vf_store_f32_n(dst, vf_mul(vf_hsum(a, 1), vf_set1(scale)), n);
 }
 
-/* int8 keys: vpmaddwd pairs of int16 products into int32 sums (exact), summed across lanes exactly,
-   rounded to float32 once */
-static inline void scores8_i8(const int16_t *qw, float qs, const int8_t *kr, const float *ks, int n, int D,
-                              float scale, float *dst)
+/* int8 keys: pairs of int16 products into int32 lanes (exact), each lane to float32, one transposed
+   reduction, times qs, scale and each key's scale (as AVX-512's scores16_i8). Both score functions are
+   forced inline: as a call (GCC's choice for scores_any) decode at 8 sequences ran 10-25 % slower. */
+static inline __attribute__((always_inline)) void scores_vw_i8(const int16_t *qw, float qs, const int8_t *kr,
+                                                                const float *ks, int n, int D, float scale, float *dst)
 {
-    __m256i a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_si256();
-    for (int d = 0; d < D; d += 16) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(qw + d));
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++)
-            if (c < n)
-                a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(kr + (long)c * D + d))), qv));
+    vi a[VW];
+    vf f[VW];
+#pragma GCC unroll 16
+    for (int c = 0; c < VW; c++) a[c] = vi_zero();
+    for (int d = 0; d < D; d += VI16) {
+        const vi qv = vi_load_i16(qw + d);
+#pragma GCC unroll 16
+        for (int c = 0; c < VW; c++)
+            if (c < n) a[c] = vi_dot_i16(a[c], vi_load_i8_i16(kr + (long)c * D + d), qv);
     }
-    const vf sums = vf_mul(_mm256_cvtepi32_ps(hsum8_epi32(a)), vf_set1(scale * qs));
+#pragma GCC unroll 16
+    for (int c = 0; c < VW; c++) f[c] = vi_to_vf(a[c]);
+    const vf sums = vf_mul(vf_hsum(f, 1), vf_set1(scale * qs));
     vf_store_f32_n(dst, vf_mul(sums, vf_loadu_n(ks, n)), n);
 }
 
-static inline void scores_any(const void *qv, float qs, const void *kr, const float *ks, int n, int D, float scale,
-                              float *dst)
+static inline __attribute__((always_inline)) void scores_any(const void *qv, float qs, const void *kr, const float *ks,
+                                                              int n, int D, float scale, float *dst)
 {
-    if (ks) scores8_i8(qv, qs, kr, ks, n, D, scale, dst);
-    else scores8(qv, kr, n, D, scale, dst);
+    if (ks) scores_vw_i8(qv, qs, kr, ks, n, D, scale, dst);
+    else scores_vw(qv, kr, n, D, scale, dst);
 }
-#define VACC 8 /* 16 registers: 8 sums, the weight, the rows */
 #endif
+#define VACC (VREGS / 2) /* value sums kept in registers (with the weight and the rows beside them) */
 
 /* o[0 .. D) += sum_c p[c] * v[c] for the n value rows v[c] = vr + c * D, p float32: bfloat16 rows
    (values_acc; vs unused), or int8 rows times their scales vs[c], folded into p[c] (values_acc_i8).
@@ -496,7 +484,7 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
    q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even;
    out bfloat16 at out[t * so + h * D + d], rounded to nearest even once. */
 
-/* Shared by both ISAs' tiles (their lanes are the tile's VW queries, query i at position pos0 + i):
+/* Shared by both tiles, HAVE_DP's and the vector layer's (their lanes are the tile's VW queries, query i at position pos0 + i):
    tile_score stores key kp's scores sv at st[kp], -inf in the lanes of queries before the key
    (kp > pos0 + i), and keeps the running maximum; tile_softmax turns st[0 .. L) into e^(s - max),
    0 where masked, and returns 1 / their sum per query. */
@@ -519,7 +507,7 @@ static inline vf tile_softmax(float *st, int L, vf mx)
     return vf_div(vf_set1(1.0f), sum);
 }
 
-#if defined(GPTJ_ISA_AVX512)
+#if HAVE_DP
 #define PF_QT 16 /* queries per tile */
 
 static const int16_t PAIR_IDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -650,12 +638,12 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     }
 }
 
-#elif defined(GPTJ_ISA_AVX2)
+#else /* the vector layer's */
 #define PF_QT VW /* queries per tile: the lanes */
 #define PF_KB 8  /* keys per pass: their 8 sums stay in registers */
 
-/* scratch per thread, for up to Lmax keys: st (Lmax, 8) float scores / probabilities; qt (D, 8) the
-   tile's queries transposed; kw (8, D) keys widened to float32 */
+/* scratch per thread, for up to Lmax keys: st (Lmax, VW) float scores / probabilities; qt (D, VW) the
+   tile's queries transposed; kw (PF_KB, D) keys widened to float32 */
 static long prefill_scratch_bytes(long Lmax, int D)
 {
     return sizeof(float) * (Lmax * PF_QT + (long)D * PF_QT + (long)PF_KB * D) + 64;
@@ -686,11 +674,11 @@ static inline __attribute__((always_inline)) void prefill_values(const pages_t *
     }
 }
 
-/* One tile of PF_QT = 8 queries, the lanes of every vector:
-   - scores, PF_KB keys at a time: acc[c] += q column d (8 queries) * key c's d broadcast, float32
+/* One tile of PF_QT = VW queries, the lanes of every vector:
+   - scores, PF_KB keys at a time: acc[c] += q column d (VW queries) * key c's d broadcast, float32
      FMAs on keys widened to float32 (exact products, float32 sums), then the causal mask as in the
      AVX-512 tile;
-   - softmax across the keys' vectors, 8 queries at once;
+   - softmax across the keys' vectors, VW queries at once;
    - the probabilities rounded to bfloat16 (an int8 value row's scale multiplied in first), as
      the AVX-512 tile rounds them, and summed against the value rows widened to float32 (exact
      products), 4 queries x 16 values at a time, rounded once. */
@@ -723,7 +711,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
             const vf qv = vf_loadu(qt + (long)d * PF_QT);
 #pragma GCC unroll 8
             for (int c = 0; c < PF_KB; c++)
-                if (c < n) acc[c] = vf_fmadd(qv, _mm256_broadcast_ss(kw + (long)c * D + d), acc[c]);
+                if (c < n) acc[c] = vf_fmadd(qv, vf_set1(kw[(long)c * D + d]), acc[c]);
         }
         const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
         for (int c = 0; c < n; c++) tile_score(st, c0 + c, pos0, vf_mul(acc[c], vf_set1(ks ? scale * ks[c] : scale)), &mx);

@@ -1,5 +1,5 @@
-/* Matrix x few-rows kernels for LLM decode on x86-64 CPUs: AVX-512 (F, BW, VL, BF16) or AVX2 + FMA,
-   one source for both (simd.h's vector layer; the build defines GPTJ_ISA_AVX512 or GPTJ_ISA_AVX2).
+/* Matrix x few-rows kernels for LLM decode on CPUs: one source for every ISA (simd.h's vector layer;
+   the build defines GPTJ_ISA_AVX512, GPTJ_ISA_AVX2 or GPTJ_ISA_GENERIC).
 
    y[m, n] = sum_k x[m, k] * w[n, k]     (then * scale[n] for int8 weights, then + bias[n])
 
@@ -29,9 +29,9 @@
      partial sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to
      bfloat16 (nearest even) and stored 16 outputs at a time.
    - K tails use masked loads (zeros beyond K).
-   - AVX2 (no bfloat16 arithmetic): every row of x is converted to float32 once per call and every
-     tile is a float32 FMA tile (TILE_F), int8 and bfloat16 weights alike (bfloat16 widened by a
-     16-bit shift, exact); 8 lanes, 16 registers, so smaller tiles.
+   - AVX2 and the generic build (no bfloat16 arithmetic: HAVE_DP 0): every row of x is converted to
+     float32 once per call and every tile is a float32 FMA tile (TILE_F), int8 and bfloat16 weights
+     alike (bfloat16 widened by a 16-bit shift, exact); 8 lanes, 16 registers, so smaller tiles.
    - Built with -fopenmp and loaded into a process that already has torch's libgomp.so.1, the
      kernels run on the same OpenMP runtime (and thread pool) as torch's own kernels.
    Every output is summed by one thread in a fixed order: results do not depend on the thread
@@ -62,11 +62,9 @@ int gemv_omp_max_threads(void) { return omp_get_max_threads(); }
 
 /* ---- weight loaders ---- */
 
-#if defined(GPTJ_ISA_AVX512)
-#define HAVE_DP 1  /* bfloat16 dot products (vdpbf16ps) */
+#if HAVE_DP  /* bfloat16 dot products (vdpbf16ps; simd.h's ISA file says) */
 #define F_MAXMT 1  /* int8 against at most this many rows of x (in a pass) uses float32 x */
 #else
-#define HAVE_DP 0
 #define F_MAXMT MAXMT  /* every pass uses float32 x */
 #endif
 
@@ -117,9 +115,10 @@ typedef struct {
     const char *end;  /* end of the thread's rows: nothing is prefetched from there on */
 } cursor_t;
 
-/* PF_HINT, X_L1_BYTES and the R_* tile sizes can be overridden with -D for experiments */
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
+/* PF_LOCALITY (__builtin_prefetch's: 2 is L2, x86's prefetcht1), X_L1_BYTES and the R_* tile sizes
+   can be overridden with -D for experiments */
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2
 #endif
 
 #define TILE_BEGIN(R, MT, NA)                                                                  \
@@ -134,7 +133,7 @@ typedef struct {
 #define TILE_PREFETCH(R)                                                                       \
     if (pf < pf_end) {                                                                        \
         _Pragma("GCC unroll 16") for (int l = 0; l < 4 * (R); l++)                            \
-            _mm_prefetch(pf + 64 * l, PF_HINT);                                               \
+            __builtin_prefetch(pf + 64 * l, 0, PF_LOCALITY);                                  \
         pf += (R) * IT_BYTES;                                                                 \
     }
 
@@ -272,7 +271,7 @@ static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
 static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
 static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {{0, 0}, {0, 0}};  /* bfloat16 weights take DP tiles */
 #else
-/* AVX2: 16 registers. One row of x: four accumulators of one row of w (rows read in address order);
+/* Without HAVE_DP (AVX2, generic: 16 registers). One row of x: four accumulators of one row of w (rows read in address order);
    more rows of x: two rows of w share each load of x where the accumulators leave room. */
 #define TILES_F(PFX, WT, LOAD, LOADN)                                                            \
     TILE_F(PFX##_1, WT, LOAD, LOADN, 1, 1, 4)                                                     \
@@ -436,7 +435,7 @@ static void run_rows(const job_t *j, long n0, long n1)
     if (pfp) {  /* the lines the cursor starts ahead of: requested at once, not left to demand */
         const char *p0 = (const char *)j->w + n0 * K * esz;
         long end = (n1 - n0) * K * esz < ahead ? (n1 - n0) * K * esz : ahead;
-        for (long off = 0; off < end; off += 64) _mm_prefetch(p0 + off, PF_HINT);
+        for (long off = 0; off < end; off += 64) __builtin_prefetch(p0 + off, 0, PF_LOCALITY);
     }
     for (long n = n0; n < n1; n += GROUP) {
         int g = (int)(n1 - n < GROUP ? n1 - n : GROUP);
@@ -590,7 +589,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int16_t *x, lo
     const int16_t *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
     for (long p = 0; p < pairs; p++) {
         const int8_t *wp = panel + p * W8A8_PANEL * 2;
-        if (pf && (p * W8A8_PANEL * 2) % 64 == 0) _mm_prefetch((const char *)(pf + p * W8A8_PANEL * 2), _MM_HINT_T0);
+        if (pf && (p * W8A8_PANEL * 2) % 64 == 0) __builtin_prefetch(pf + p * W8A8_PANEL * 2, 0, 3);
         const vi w0 = vi_load_i8_i16(wp), w1 = vi_load_i8_i16(wp + VI16);
 #define W8A8_ROW(m)                                                                                        \
         if (mr > m) {                                                                                      \
