@@ -296,6 +296,38 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert native._build(env) != path  # another source, another name
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_builds_started_together_compile_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Processes that need the library at once (pytest-xdist's workers, torchrun's ranks) build it once:
+    the others wait on the cache folder's lock, then load what the first wrote. Threads here: each opens
+    the folder itself, so their flocks exclude each other as two processes' do; the compile is slowed so
+    that, without the lock, all four would be compiling at once."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset(native.REQUIRED_CPU_FLAGS))
+    src = tmp_path / "tiny.c"
+    src.write_text("int gemv_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in native.ISAS))
+    compiles, real, start = [], native._compile, threading.Barrier(4)
+
+    def slow_compile(cc, target, isa):
+        compiles.append(target)
+        time.sleep(0.5)
+        return real(cc, target, isa)
+
+    def build(_):
+        start.wait()
+        return native._build({"GPTJ_CACHE_DIR": str(tmp_path / "cache")})
+
+    monkeypatch.setattr(native, "_compile", slow_compile)
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(build, range(4)))
+    assert len(compiles) == 1 and len(set(paths)) == 1 and paths[0].is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [paths[0].name]  # no lock file left either
+
+
 @needs_native
 def test_one_openmp_runtime() -> None:
     """The library's libgomp.so.1 dependency resolves to the runtime torch already loaded."""

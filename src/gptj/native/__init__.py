@@ -31,7 +31,8 @@ as given (never quantized).
 `load()` compiles the ISA's C files (simd.h their shared helpers) with gcc the first time it is
 needed, into a cache folder (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if
 that cannot be written) under a name that hashes the sources, the ISA and its flags, the compiler,
-the machine type and the CPU's flags, writing it atomically, and loads it with ctypes. It returns
+the machine type and the CPU's flags, writing it atomically (one process at a time: the others that
+need it then wait on a lock on the folder and load the one built), and loads it with ctypes. It returns
 None, and never raises, when the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU
 without even AVX2 + FMA, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
 after torch, whose CPU wheel ships and loads `libgomp.so.1`, they run on torch's OpenMP runtime
@@ -202,10 +203,37 @@ def _build(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = No
         if target.exists():
             return target
         try:
-            return target if _compile(cc_path, target, isa) else None
+            folder.mkdir(parents=True, exist_ok=True)
+            with _folder_lock(folder):  # one build at a time: the others wait, then find its library
+                if target.exists():
+                    return target
+                return target if _compile(cc_path, target, isa) else None
         except OSError:
             continue
     return None
+
+
+class _folder_lock:
+    """An exclusive flock on the cache folder while a library is built in it, so that processes
+    starting together (pytest-xdist's workers, torchrun's ranks) compile it once, not once each.
+    Where flock is missing (not POSIX) it locks nothing: each process then builds its own copy and
+    the atomic rename keeps whichever lands last, as before."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.fd: int | None = None
+
+    def __enter__(self) -> None:
+        try:
+            import fcntl
+        except ImportError:
+            return
+        self.fd = os.open(self.folder, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor of the open file releases its lock
 
 
 _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, return type
