@@ -28,8 +28,8 @@ software prefetch, at about the streaming rate for one row (benchmarks/native_ge
 it): float32 FMAs (int8, one row of x) or AVX512-BF16 dot products, float32 accumulation, x used
 as given (never quantized).
 
-`load()` compiles the ISA's C files (simd.h their shared helpers) with gcc the first time it is
-needed, into a cache folder (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if
+`load()` compiles the ISA's C files (simd.h and simd_*.h their shared helpers) with gcc the first time
+it is needed, into a cache folder (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if
 that cannot be written) under a name that hashes the sources, the ISA and its flags, the compiler,
 the machine type and the CPU's flags, writing it atomically (one process at a time: the others that
 need it then wait on a lock on the folder and load the one built), and loads it with ctypes. It returns
