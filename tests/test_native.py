@@ -5,6 +5,7 @@ rounding; validation, loading."""
 from __future__ import annotations
 
 import ctypes
+import math
 import dataclasses
 import os
 import platform
@@ -696,3 +697,44 @@ def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):
         native.store_kv(k, v, kc, vc, blocks, offsets)
     with pytest.raises(ValueError, match="float32 scales of shape"):
         native.store_kv(k, v, kc, vc, blocks, offsets, ks[:, :, :2].contiguous(), vs)
+
+
+# --- the greedy step's argmax -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [1, 7, 16, 50400])
+def test_argmax_rows_is_torch_max_indices_with_ties_infinities_and_nans(N, native_isa):
+    """gptj.native.argmax_rows gives torch.max(dim=-1)'s indices: the first of tied maxima (rows of few
+    distinct values; maxima in two of the kernel's blocks), -0.0 and 0.0 equal, an infinity as large as
+    it is, a NaN the largest (its first); rows that are views into a wider matrix; one thread or more."""
+    g = torch.Generator().manual_seed(N)
+    wide = torch.randint(-3, 3, (12, N + 5), generator=g).float()  # ties in every row
+    x = wide[:, 2:N + 2]  # rows strided, N + 5 apart
+    x[1] = -math.inf
+    x[2, N // 2] = math.inf
+    x[3, N - 1] = math.nan
+    x[4, N // 3] = math.nan
+    x[4, N - 1] = math.nan
+    x[5] = -0.0
+    x[5, N - 1] = 0.0
+    x[6, N // 2] = -math.inf
+    x[7] = torch.randn(N, generator=g) * 1e30
+    x[8, 0] = math.inf
+    x[8, N - 1] = math.inf
+    x[9] = torch.randn(N, generator=g)
+    x[9, N - 1] = 100.0  # the maximum in the last of the kernel's blocks of 256
+    x[10] = 0.0
+    x[10, (N * 2) // 3] = 5.0  # tied maxima in two blocks: the first wins
+    x[10, N - 1] = 5.0
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = native.argmax_rows(x)
+        finally:
+            torch.set_num_threads(before)
+        assert got.dtype is torch.int64 and torch.equal(got, x.max(dim=-1).indices), (threads, got)
+    assert native.argmax_rows(x[:0]).shape == (0,)
+    for bad in (x.double(), x.t(), x[0], torch.empty(3, 0), [[1.0]]):
+        with pytest.raises(ValueError):
+            native.argmax_rows(bad)

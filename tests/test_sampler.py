@@ -63,15 +63,22 @@ def test_a_mixed_step_is_chosen_with_one_host_read_and_each_rule_as_alone(monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_greedy_rows_take_the_first_of_tied_largest_logits_as_argmax_does(dtype):
+def test_greedy_rows_take_the_first_of_tied_largest_logits_as_argmax_does(dtype, kernel_path, monkeypatch):
     """The greedy choice is torch.argmax's (HF's) on every row, where logits tie (few distinct values:
-    the first index of the largest) and where a row holds NaN."""
+    the first index of the largest) and where a row holds NaN: by gptj.native's argmax where the policy
+    says (float32 logits on a CPU with the native kernels), by torch's elsewhere."""
+    from gptj import native
+
+    calls = []
+    real = native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
     g = torch.Generator().manual_seed(1)
     logits = torch.randint(0, 4, (6, 50400), generator=g).to(dtype)
     logits[2, 7] = float("nan")
     reqs = [request(f"r{i}", GenerationConfig(max_new_tokens=4)) for i in range(6)]
     choices = choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
     assert [choices[req].tokens[0] for req in reqs] == torch.argmax(logits, dim=-1).tolist()
+    assert calls == ([(6, 50400)] if dtype is torch.float32 and kernel_path != "fallback" else [])
 
 
 def test_a_beam_search_is_done_when_its_last_token_is_chosen():

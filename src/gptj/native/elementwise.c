@@ -191,3 +191,60 @@ int int4_dequant_t_bf16(const uint8_t *packed, long K, int nblocks, int block, i
     }
     return failed ? -1 : 0;
 }
+
+/* ---- the greedy step's argmax (engine/sampler.py) ------------------------------------------------
+
+   idx[m] = the first index of the largest of row m's N float32 values (rows sx apart), as
+   torch.max(dim=-1).indices gives it: ties to the first; a NaN counts as the largest, its first one
+   wins. One vector pass over blocks of ARGMAX_BLOCK values keeps the first block holding the
+   maximum, and whether the row holds anything but finite values (x - x is 0 for a finite x, NaN for
+   an infinity or a NaN); that block is then searched for the maximum's first index. A row with an
+   infinity or a NaN is scanned again by the scalar loop that follows the definition. Rows are split
+   across threads. */
+#define ARGMAX_BLOCK 256
+
+static long argmax_exact(const float *x, long N)
+{
+    long best = 0;
+    for (long i = 0; i < N; i++) {
+        if (x[i] != x[i]) return i; /* NaN */
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
+
+void argmax_rows_f32(const float *x, long sx, long M, long N, int64_t *idx, int nthreads)
+{
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 65536)
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * sx;
+        vf bad = vf_zero();
+        float best = -INFINITY;
+        long at = 0;
+        for (long b0 = 0; b0 < N; b0 += ARGMAX_BLOCK) {
+            const long end = N - b0 < ARGMAX_BLOCK ? N : b0 + ARGMAX_BLOCK;
+            vf mx = vf_set1(-INFINITY);
+            long i = b0;
+            for (; i + VW <= end; i += VW) {
+                const vf v = vf_loadu(row + i);
+                mx = vf_max(mx, v);
+                bad = vf_add(bad, vf_sub(v, v));
+            }
+            if (i < end) {
+                const vf v = vf_loadu_n(row + i, (int)(end - i)); /* zeros past the end: x - x = 0 there */
+                mx = vf_max(mx, vf_fill_below(vf_set1(-INFINITY), (int)(end - i), v));
+                bad = vf_add(bad, vf_sub(v, v));
+            }
+            const float top = vf_reduce_max(mx);
+            if (top > best) {
+                best = top;
+                at = b0;
+            }
+        }
+        const float nonfinite = vf_reduce_add(bad);
+        if (nonfinite != nonfinite) at = argmax_exact(row, N);
+        else
+            while (row[at] != best) at++; /* the block holds it: every value is finite */
+        idx[m] = at;
+    }
+}
