@@ -297,6 +297,23 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert native._build(env) != path  # another source, another name
 
 
+def test_only_the_library_built_for_this_cpu_is_named_by_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX-512 library is compiled for the building CPU (-march=native): its name holds that CPU's
+    flags as /proc/cpuinfo lists them, whatever a ceiling or a faked kind says. A fixed instruction
+    set's library (AVX2, generic) is the same on every CPU: its name holds none, so a capped or faked
+    kind (tests/test_cpu.py's) loads the one already built."""
+    by = {i.name: i for i in native.ISAS}
+    fixed = [by["avx2"], by["generic"]]
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # a faked kind
+    monkeypatch.setattr(cpu, "read_flags", lambda path="/proc/cpuinfo": frozenset({"avx512f", "avx512_bf16"}))
+    assert all(native._build_flags(i) == frozenset() for i in fixed)
+    assert native._build_flags(by["avx512-bf16"]) == {"avx512f", "avx512_bf16"}
+    names = {native._library_name(b"src", "gcc 12", native._build_flags(by["avx512-bf16"]), by["avx512-bf16"])}
+    monkeypatch.setattr(cpu, "read_flags", lambda path="/proc/cpuinfo": frozenset({"avx512f", "avx512_bf16", "amx"}))
+    names.add(native._library_name(b"src", "gcc 12", native._build_flags(by["avx512-bf16"]), by["avx512-bf16"]))
+    assert len(names) == 2  # another CPU, another build
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 def test_builds_started_together_compile_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Processes that need the library at once (pytest-xdist's workers, torchrun's ranks) build it once:

@@ -31,8 +31,9 @@ as given (never quantized).
 `load()` compiles the ISA's C files (simd.h and simd_*.h their shared helpers) with gcc the first time
 it is needed, into a cache folder (`$GPTJ_CACHE_DIR`, else `~/.cache/gptj/native/`; a temporary folder if
 that cannot be written) under a name that hashes the sources, the ISA and its flags, the compiler,
-the machine type and the CPU's flags, writing it atomically (one process at a time: the others that
-need it then wait on a lock on the folder and load the one built), and loads it with ctypes. It returns
+the machine type and, for the library compiled for this CPU (-march=native), the CPU's flags. It
+writes it atomically, one process at a time (the others that need it wait on a lock on the folder,
+then load the one built), and loads it with ctypes. It returns
 None, and never raises, when the native path cannot or should not be used: `GPTJ_NATIVE=0`, a CPU
 without even AVX2 + FMA, no gcc, or a failed build. The kernels use OpenMP; built with `-fopenmp` and loaded
 after torch, whose CPU wheel ships and loads `libgomp.so.1`, they run on torch's OpenMP runtime
@@ -156,6 +157,14 @@ def _library_name(source: bytes, compiler: str, flags: set[str], isa: Isa = ISAS
     return f"gptj-{isa.name}-{platform.machine()}-{h.hexdigest()[:16]}.so"
 
 
+def _build_flags(isa: Isa) -> frozenset[str]:
+    """What a build depends on of the CPU building it: its flags as /proc/cpuinfo lists them where the
+    ISA compiles for that CPU (-march=native: the compiler reads the real CPU, whatever a ceiling or a
+    test's fake says), none for a fixed instruction set, whose library is the same on every CPU (so a
+    capped or faked CPU kind reuses it instead of building it again: 7-9 s a kind in tests/test_cpu.py)."""
+    return cpu.read_flags() if "-march=native" in isa.cflags else frozenset()
+
+
 def _compiler_id(cc: str) -> str:
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -196,7 +205,7 @@ def _build(env: dict[str, str] | os._Environ | None = None, isa: Isa | None = No
     cc_path = shutil.which(env.get("CC") or "gcc")
     if cc_path is None:
         return None
-    name = _library_name(_source_bytes(isa), _compiler_id(cc_path), flags, isa)
+    name = _library_name(_source_bytes(isa), _compiler_id(cc_path), _build_flags(isa), isa)
     folders = [cache_dir(env), Path(tempfile.gettempdir()) / f"gptj-native-{os.getuid()}"]
     for folder in folders:  # the second where the cache folder cannot be written
         target = folder / name
