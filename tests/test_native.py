@@ -535,10 +535,11 @@ def test_the_generic_kernels_compile_for_aarch64(tmp_path):
     if importlib.util.find_spec("ziglang") is None:
         pytest.skip("no AArch64 cross compiler here (pip install ziglang provides one)")
     (tmp_path / "omp.h").write_text("int omp_get_max_threads(void);\n")
+    generic = next(i for i in native.ISAS if i.name == "generic")
     for src in native.SOURCES:
         obj = tmp_path / f"{src.stem}.o"
         proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu", "-O2", "-std=c11",
-                               "-fopenmp", f"-I{tmp_path}", "-DGPTJ_ISA_GENERIC", "-c", str(src), "-o", str(obj)],
+                               "-fopenmp", f"-I{tmp_path}", *generic.cflags, "-c", str(src), "-o", str(obj)],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         head = obj.read_bytes()[:20]

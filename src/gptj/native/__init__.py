@@ -102,8 +102,9 @@ ISAS = (
         KERNELS),
     Isa("avx2", AVX2_CPU_FLAGS, ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"), SOURCES,
         KERNELS),
-    # the target's baseline (no -m flags): SSE2 on x86-64, NEON on AArch64
-    Isa("generic", (), ("-Wno-psabi", "-DGPTJ_ISA_GENERIC"), SOURCES, KERNELS, auto=False),
+    # the target's baseline (no -m flags): SSE2 on x86-64, NEON on AArch64; -ffp-contract=fast: a * b + c
+    # becomes an FMA where the target has one (GCC contracts nothing under -std=c11 otherwise)
+    Isa("generic", (), ("-ffp-contract=fast", "-Wno-psabi", "-DGPTJ_ISA_GENERIC"), SOURCES, KERNELS, auto=False),
 )
 
 

@@ -4,8 +4,9 @@
    no -m flags. So any CPU those compilers target runs every kernel: no intrinsic here, no instruction
    assumed. What is lost against a file of the target's own intrinsics: masked loads and stores go
    through a zeroed copy, horizontal sums lane by lane, and `a * b + c` is fused only where the target
-   has an FMA (GCC contracts it there; -ffp-contract=fast is its C default), so on a plain x86-64 every
-   product is rounded once more than on AVX2 (tests/test_native.py's bounds allow it).
+   has an FMA (AArch64 has; the build passes -ffp-contract=fast, as GCC fuses nothing under -std=c11
+   otherwise), so on a plain x86-64 every product is rounded once more than on AVX2 (the tests' bounds
+   allow it).
 
    It is the reference a NEON (or SVE) file would be measured and tested against, with the same
    kernels: GPTJ_NATIVE_ISA=generic builds and loads it on any machine (never chosen on its own:
