@@ -88,31 +88,21 @@ static inline vf vf_from_i8_(vi8x8_ b)
 {
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, vi16x8_), vi), vf);
 }
-static inline vf vf_load_i8(const int8_t *p)
-{
-    vi8x8_ b;
-    memcpy(&b, p, sizeof b);
-    return vf_from_i8_(b);
-}
 static inline vf vf_load_i8_n(const int8_t *p, int n)
 {
     vi8x8_ b = {0};
     memcpy(&b, p, (size_t)n);
     return vf_from_i8_(b);
 }
+static inline vf vf_load_i8(const int8_t *p) { return vf_load_i8_n(p, VW); } /* the zeros are dead stores */
 static inline vf vf_from_bf16_(vu16x8_ h) { return (vf)(__builtin_convertvector(h, vu_) << 16); }
-static inline vf vf_load_bf16(const uint16_t *p)
-{
-    vu16x8_ h;
-    memcpy(&h, p, sizeof h);
-    return vf_from_bf16_(h);
-}
 static inline vf vf_load_bf16_n(const uint16_t *p, int n)
 {
     vu16x8_ h = {0};
     memcpy(&h, p, sizeof(uint16_t) * n);
     return vf_from_bf16_(h);
 }
+static inline vf vf_load_bf16(const uint16_t *p) { return vf_load_bf16_n(p, VW); }
 /* v rounded to bfloat16 (nearest even, in the integer domain as f32_to_bf16; NaN quieted) */
 static inline vu16x8_ bf16_bits_(vf v)
 {
