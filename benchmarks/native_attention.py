@@ -7,6 +7,9 @@ each round measuring every library in a rotated order), on 16 heads of 256 in bl
     prefill bf16 / int8    prefill_paged: a --chunk-token prompt chunk from position 0, and one after
                            --context tokens (bfloat16 KV)
     gelu                   8 rows of 16384 (fc_in's output at batch 8)
+    argmax 32x50400        argmax_rows over 32 rows of 50,400 float32 logits (a greedy step's), and
+                           torch's `max(dim=-1).indices` on the same rows, in the same rounds (the
+                           "torch" row; "-" where a library predates the kernel)
 for each library of gptj.native.ISAS this CPU runs (built if needed; the AVX2 one on an AVX-512
 machine too, and the portable one, what an ARM CPU would build), and for each --library
 NAME=PATH:ISA given (a library built from other sources, for example an earlier commit's, compiled
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> dict:
     ki, vi = (torch.randint(-127, 128, (n_blocks, H, B, D), generator=g, dtype=torch.int8) for _ in range(2))
     ks, vs = (torch.rand(n_blocks, H, B, generator=g) * 0.01 for _ in range(2))
     x = torch.randn(8, 16384, generator=g).bfloat16()
+    logits = torch.randn(32 if not args.smoke else 4, 50400, generator=g)
+    argmax = f"argmax {logits.shape[0]}x{logits.shape[1]}"
 
     def tables(N: int):
         order = torch.randperm(n_blocks, generator=g).int()
@@ -96,6 +101,10 @@ def run(args: argparse.Namespace) -> dict:
             row.setdefault(f"prefill bf16 @{args.context}", []).append(
                 timed(lambda: native.prefill_paged(q_chunk, kc, vc, table, args.context - args.chunk), args.repeats))
             row.setdefault("gelu 8x16384", []).append(timed(lambda: native.gelu(x), args.repeats))
+            if native._argmax_rows is not None:
+                row.setdefault(argmax, []).append(timed(lambda: native.argmax_rows(logits), args.repeats))
+        times.setdefault("torch", {}).setdefault(argmax, []).append(
+            timed(lambda: logits.max(dim=-1).indices, args.repeats))
     results = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in times.items()}
     native._state.clear()  # the process's own library is loaded again on next use
     for bound in native.BOUND:
@@ -127,12 +136,12 @@ def main() -> None:
     if "skipped" in out:
         print(f"skipped: {out['skipped']}")
         return
-    cols = list(next(iter(out["ms"].values())))
+    cols = list(dict.fromkeys(c for row in out["ms"].values() for c in row))
     print(f"{out['threads']} threads, {out['heads']} heads of {out['head_dim']}, {out['context']} tokens, ms")
     print("| library | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in out["ms"].items():
-        print(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
+        print(f"| {name} | " + " | ".join(f"{row[c]:.3f}" if c in row else "-" for c in cols) + " |")
 
 
 if __name__ == "__main__":
