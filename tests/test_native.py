@@ -516,6 +516,12 @@ def test_the_generic_library_runs_only_when_asked_for_on_any_cpu(monkeypatch):
         assert native.best_isa() is not generic
         assert native.requested_isa({"GPTJ_NATIVE_ISA": "generic"}) == (generic, None)
     assert native.best_isa() is None  # no x86 flags: torch's kernels, unless asked
+    if shutil.which(os.environ.get("CC") or "gcc") is not None:  # asked: it builds, loads and says nothing is wrong
+        monkeypatch.setenv("GPTJ_NATIVE_ISA", "generic")
+        monkeypatch.setattr(native, "_state", {})
+        for bound in native.BOUND:
+            monkeypatch.setattr(native, bound, None)
+        assert native.unavailable_reason() is None and native.isa() is generic and native.available()
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     why = native.unavailable_reason({})
     assert "not an x86-64 CPU (aarch64)" in why and "GPTJ_NATIVE_ISA=generic" in why

@@ -354,7 +354,7 @@ def unavailable_reason(env: dict[str, str] | os._Environ | None = None) -> str |
     if chosen is None and platform.machine() not in ("x86_64", "AMD64"):
         return (f"not an x86-64 CPU ({platform.machine()}): torch's kernels run (GPTJ_NATIVE_ISA=generic builds "
                 "the portable ones)")
-    if best_isa() is None:
+    if chosen is None:  # no ISA of the CPU's flags, none asked for
         capped = f" under ONEDNN_MAX_CPU_ISA={cpu.ceiling().upper()}" if cpu.ceiling() else ""
         missing = [f for f in AVX2_CPU_FLAGS if f not in cpu.flags()]
         return (f"the CPU lacks {', '.join(missing)}{capped} (gptj.native needs AVX2 with FMA and F16C, or AVX-512; "
