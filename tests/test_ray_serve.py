@@ -140,6 +140,13 @@ def _state_of(pid: int) -> str:
         return ""
 
 
+def test_ls_on_a_cluster_serve_never_ran_on_lists_nothing(cluster):
+    """(first in the module: before `served` starts Serve on the cluster) no Serve instance is no
+    published model, not an internal error."""
+    proc = gptj("ls", "--ray-address", cluster)  # (--json's rows are the same list: [] at the end of the module)
+    assert proc.stdout.split() == ["NAME", "REPLICAS", "STATUS", "ROUTE"] and proc.stderr == ""
+
+
 def test_openai_client_through_the_gateway_and_the_models_route(served, models, capsys):
     url, _ = served
     prompt = "The quick brown fox"

@@ -409,10 +409,15 @@ def unpublish(name: str) -> None:
 
 def list_models() -> list[dict[str, Any]]:
     """One row per published model: name, replicas (running / target), status, route, and each
-    replica's state, node (Ray's node id, and its IP) and process id."""
+    replica's state, node (Ray's node id, and its IP) and process id; none on a cluster where Serve
+    has not been started."""
     from ray.serve.context import _get_global_client
 
-    details = _get_global_client().get_serve_details()
+    try:
+        client = _get_global_client()
+    except RayServeException:  # Serve was never started on this cluster: nothing is published
+        return []
+    details = client.get_serve_details()
     rows = []
     for name, app in sorted(details.get("applications", {}).items()):
         dep = app.get("deployments", {}).get(DEPLOYMENT)
