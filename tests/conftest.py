@@ -3,7 +3,8 @@ machine runs) and fallback (what runs where they are unavailable), so all are ch
 machine CI lands.
 
 `kernel_path` is parametrized: "native" skips, with the reason, where gptj.native cannot be used;
-"native-avx2" runs the AVX2 library where the CPU's best is another (AVX-512); "native-generic" the
+"native-avx512" and "native-avx2" run those libraries where the CPU's best is another (on an
+AVX-512-BF16 machine all three run; "native-avx512" is AVX-512 without BF16's); "native-generic" the
 portable one (simd_generic.h: what an ARM CPU would build), on any machine that can build it;
 "fallback" switches gptj.native off for the test as `GPTJ_NATIVE=0` does (the environment variable,
 for any process the test starts, and the in-process caches that hold the loaded library).
@@ -35,7 +36,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
         torch.set_num_threads(1)
 
-KERNEL_PATHS = ("native", "native-avx2", "native-generic", "fallback")  # native: the best ISA's library
+KERNEL_PATHS = ("native", "native-avx512", "native-avx2", "native-generic", "fallback")  # native: the best ISA's
 
 # The modules that take longest, longest first (each over 25 s in the README's run on a 2-core
 # machine, measured 2026-11-28): pytest-xdist (the README's command runs two workers, one module per
@@ -82,9 +83,9 @@ def use_isa(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
 @pytest.fixture(params=KERNEL_PATHS)
 def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """"native" (the best ISA's library), "native-avx2" (the AVX2 library where the best is another:
-    both ISAs' kernels run on an AVX-512 machine), "native-generic" (the portable library, on any CPU)
-    or "fallback" (torch's ops)."""
+    """"native" (the best ISA's library), "native-avx512" / "native-avx2" (that library where the best
+    is another: an AVX-512-BF16 machine runs all three), "native-generic" (the portable library, on
+    any CPU) or "fallback" (torch's ops)."""
     from gptj import native
 
     if request.param == "native-generic":
@@ -93,10 +94,11 @@ def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         reason = native.unavailable_reason()
         if reason is not None:
             pytest.skip(f"native kernels unavailable: {reason}")
-        if request.param == "native-avx2":
-            if native.isa().name == "avx2":
-                pytest.skip("AVX2 is this CPU's best ISA: the native case runs its kernels")
-            use_isa(monkeypatch, "avx2")
+        name = request.param.removeprefix("native-")
+        if name != "native":
+            if native.isa().name == name:
+                pytest.skip(f"{name} is this CPU's best ISA: the native case runs its kernels")
+            use_isa(monkeypatch, name)
     else:
         force_fallback(monkeypatch)
     return request.param

@@ -2,7 +2,7 @@
 
 Each kind's flags are what /proc/cpuinfo lists on such a CPU, cut to the ones gptj.cpu reads.
 `fake_cpu` makes gptj.cpu.flags() return them until the test ends, and loads that kind's gptj.native
-library (AVX2's on the kinds without AVX-512-BF16) where this machine runs it, or takes gptj.native
+library (the avx512 one on AVX-512 without BF16, AVX2's on AVX2) where this machine runs it, or takes gptj.native
 away (conftest.force_fallback: its library is loaded once a process)."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ AMX = FLAGS[cpu.AVX512_BF16] | {"avx512_fp16", "amx_tile", "amx_bf16", "amx_int8
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:
     """gptj.cpu.flags() answers as a CPU of `kind` (one of gptj.cpu.KINDS) does, and gptj.native
-    loads that kind's library (its best ISA's: the AVX2 one for the AVX2 and AVX-512-without-BF16
-    kinds) where this machine can run it too, or none."""
+    loads that kind's library (its best ISA's: avx512 for the AVX-512 kinds without BF16, avx2 for
+    AVX2) where this machine can run it too, or none."""
     from gptj import native
 
     flags = FLAGS[kind]

@@ -85,10 +85,11 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
         return
     fake_cpu(monkeypatch, kind)
     reason = native.unavailable_reason()
-    lib = kind != cpu.OTHER and native.open_isa("avx2") is not None  # the AVX2 library runs here
+    want = {cpu.AVX2: "avx2", cpu.AVX512: "avx512", cpu.AVX512_VNNI: "avx512"}.get(kind)
+    lib = want is not None and native.open_isa(want) is not None  # the kind's library runs here
     assert policy.native_available() is policy.native_gemv_available() is lib
-    if lib:  # every kernel, AVX2's: the GEMV (native layout), attention, the elementwise passes
-        assert reason is None and native.isa().name == "avx2"
+    if lib:  # every kernel, the kind's library's: the GEMV (native layout), attention, the elementwise passes
+        assert reason is None and native.isa().name == want
         assert native.has("attention") and native.has("elementwise")
         assert policy.pack_layout(1) == policy.NATIVE and policy.can_pack(torch.bfloat16, "cpu", policy.NATIVE)
         assert policy.linear_path("cpu", torch.bfloat16, 1, "native-layout") == policy.NATIVE

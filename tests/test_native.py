@@ -491,15 +491,33 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
     elif not os.environ.get("GPTJ_NATIVE_ISA"):
         assert native.isa() == best
     assert "GPTJ_NATIVE=0" in native.unavailable_reason({"GPTJ_NATIVE": "0"})
-    assert "not one of avx512-bf16, avx2, generic" in native.unavailable_reason({"GPTJ_NATIVE_ISA": "sse9"})
+    assert "not one of avx512-bf16, avx512, avx2, generic" in native.unavailable_reason({"GPTJ_NATIVE_ISA": "sse9"})
+
+
+def test_each_cpu_kind_gets_the_best_library_it_runs():
+    """AVX-512 with BF16 and VNNI: the avx512-bf16 library; AVX-512 without BF16 (Cascade Lake, Ice
+    Lake, Skylake-SP): the avx512 one; AVX2: avx2's; an older x86-64: none."""
+    from cpu_kinds import AMX, FLAGS
+
+    want = {cpu.AVX512_BF16: "avx512-bf16", cpu.AVX512_VNNI: "avx512", cpu.AVX512: "avx512", cpu.AVX2: "avx2",
+            cpu.OTHER: None}
+    assert set(want) == set(cpu.KINDS)
+    for kind, name in want.items():
+        assert getattr(native.best_isa(FLAGS[kind]), "name", None) == name, kind
+    assert native.best_isa(AMX).name == "avx512-bf16"
+    # a ceiling below BF16 on an AVX-512-BF16 CPU: the avx512 library, as on the CPU it stands for
+    capped = cpu.cap(FLAGS[cpu.AVX512_BF16], cpu.ceiling({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}))
+    assert native.best_isa(capped).name == "avx512"
 
 
 def test_gptj_native_isa_picks_a_lower_isa_only_where_the_cpu_runs_it(monkeypatch):
+    avx2 = next(i for i in native.ISAS if i.name == "avx2")
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    assert native.requested_isa({"GPTJ_NATIVE_ISA": "avx2"}) == (native.ISAS[1], None)
-    assert native.requested_isa({}) == (native.ISAS[1], None)
-    isa, why = native.requested_isa({"GPTJ_NATIVE_ISA": "AVX512-BF16"})
-    assert isa is None and "lacks avx512f" in why and "GPTJ_NATIVE_ISA=avx512-bf16" in why
+    assert native.requested_isa({"GPTJ_NATIVE_ISA": "avx2"}) == (avx2, None)
+    assert native.requested_isa({}) == (avx2, None)
+    for name in ("AVX512-BF16", "avx512"):
+        isa, why = native.requested_isa({"GPTJ_NATIVE_ISA": name})
+        assert isa is None and "lacks avx512f" in why and f"GPTJ_NATIVE_ISA={name.lower()}" in why
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse4_2"}))
     assert native.requested_isa({}) == (None, None)
     assert "lacks avx2, fma, f16c" in native.unavailable_reason({})
@@ -518,6 +536,7 @@ def test_the_generic_library_runs_only_when_asked_for_on_any_cpu(monkeypatch):
     assert native.best_isa() is None  # no x86 flags: torch's kernels, unless asked
     if shutil.which(os.environ.get("CC") or "gcc") is not None:  # asked: it builds, loads and says nothing is wrong
         monkeypatch.setenv("GPTJ_NATIVE_ISA", "generic")
+        monkeypatch.delenv("GPTJ_NATIVE", raising=False)  # (a run with the native kernels switched off)
         monkeypatch.setattr(native, "_state", {})
         for bound in native.BOUND:
             monkeypatch.setattr(native, bound, None)

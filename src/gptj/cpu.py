@@ -13,8 +13,8 @@ Kinds, by what gptj's kernels and oneDNN's int8 GEMM can use (`kind`):
   avx2          AVX2 and FMA, no AVX-512                      AMD Zen 2/3, Intel Haswell to Comet Lake, Alder Lake
   other         an older x86-64, or not x86-64
 
-gptj.native's AVX-512 library needs avx512-bf16; its AVX2 library (every kernel, the same sources)
-runs on every kind from avx2 up, and its portable one, by request only, on any (gptj.native.ISAS).
+gptj.native's libraries (every kernel, the same sources): avx512-bf16 on that kind, avx512 on the
+other AVX-512 kinds, avx2 on avx2, and its portable one, by request only, on any (gptj.native.ISAS).
 oneDNN's u8 x s8 GEMM sums its products in int32 only with VNNI
 (vpdpbusd); without it (avx512, avx2) the kernels add pairs of products in 16 bits first
 (vpmaddubsw), which saturate at 32767: 2 * 255 * 127 does not fit, so W8A8 takes another form

@@ -283,13 +283,13 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def native_available() -> bool:
-    """All of gptj.native's kernels are built and loaded here: the AVX-512-BF16 or the AVX2 library
+    """All of gptj.native's kernels are built and loaded here: one of its ISAs' libraries
     (gptj.native caches the answer; GPTJ_NATIVE=0 says no). The attention and elementwise paths need it."""
     return native.available()
 
 
 def native_gemv_available() -> bool:
-    """gptj.native's decode GEMV is loaded here: the AVX-512-BF16 or the AVX2 library."""
+    """gptj.native's decode GEMV is loaded here: one of its ISAs' libraries."""
     return native.has("gemv")
 
 

@@ -2,6 +2,7 @@
 
     ISA           CPUs                                   arithmetic
     avx512-bf16   AVX-512 F/BW/VL with BF16 and VNNI     bfloat16 dot products (vdpbf16ps), int16 ones
+    avx512        AVX-512 F/BW/VL/DQ without BF16        as avx2, 16 lanes (Skylake-SP, Cascade Lake, Ice Lake)
     avx2          AVX2 + FMA + F16C (Zen 2/3, Haswell…)  float32 FMAs on bfloat16 / int8 widened, int16 pairs
     generic       any CPU gcc targets (ARM's NEON…)      as avx2, in portable C (GCC's vector extensions);
                                                          only when asked for: GPTJ_NATIVE_ISA=generic
@@ -14,8 +15,8 @@ per ISA: simd_avx512.h, simd_avx2.h, simd_generic.h) is where the instruction se
 GEMV's and attention's bfloat16 dot-product sections for AVX512-BF16 (`HAVE_DP`). `isa()` is the best
 ISA this CPU's flags allow (gptj.cpu, so ONEDNN_MAX_CPU_ISA's ceiling applies); `has(kernel)` says
 whether its library holds a kernel ("gemv", "attention", "elementwise"); `available()` is true where
-all of them are. GPTJ_NATIVE_ISA=avx2 picks the AVX2 library on a CPU that runs a better one (to
-measure or test it there); GPTJ_NATIVE_ISA=generic the portable one, on any CPU. The generic library
+all of them are. GPTJ_NATIVE_ISA=avx2 (or avx512) picks that library on a CPU that runs a better one
+(to measure or test it there); GPTJ_NATIVE_ISA=generic the portable one, on any CPU. The generic library
 is never chosen on its own: on x86-64 it is what an AVX2 CPU runs, less the instructions, and where
 it would be the only one (ARM, which cannot be tested or timed here) torch's kernels stay the
 default until it has been measured against them there.
@@ -79,6 +80,7 @@ CFLAGS = ("-O3", "-falign-loops=64", "-std=c11", "-fopenmp", "-shared", "-fPIC",
 # on the CPU that built it (the cache name holds the CPU's flags, so another CPU type builds its own copy).
 # gptj.cpu.flags() is what is checked: a ceiling set by ONEDNN_MAX_CPU_ISA switches these kernels off.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")  # gptj.cpu's avx512 kinds
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 KERNELS = ("gemv", "attention", "elementwise")
 
@@ -95,11 +97,14 @@ class Isa:
     auto: bool = True  # chosen from the CPU's flags; False: only by GPTJ_NATIVE_ISA
 
 
-# Best first. The AVX2 library is built for AVX2 alone (-mavx2, not -march=native): on a CPU with
-# AVX-512 it runs the code an AVX2-only CPU runs (how its tests run on either kind).
+# Best first. The AVX2 and AVX-512 libraries are built for their flags alone (-mavx2 / -mavx512f..., not
+# -march=native): on a better CPU they run the code a CPU of their kind runs (how their tests run there).
 ISAS = (
     Isa("avx512-bf16", REQUIRED_CPU_FLAGS, ("-march=native", "-DGPTJ_ISA_AVX512"), (*SOURCES, HERE / "amx.c"),
         KERNELS),
+    # AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): simd_avx512.h's layer, HAVE_DP 0
+    Isa("avx512", AVX512_CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                                     "-mtune=native", "-DGPTJ_ISA_AVX512"), SOURCES, KERNELS),
     Isa("avx2", AVX2_CPU_FLAGS, ("-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DGPTJ_ISA_AVX2"), SOURCES,
         KERNELS),
     # the target's baseline (no -m flags): SSE2 on x86-64, NEON on AArch64; -ffp-contract=fast: a * b + c

@@ -261,6 +261,8 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
     const vf inv = vf_set1(1.0f / s), lo = vf_set1(-32768.0f), hi = vf_set1(32767.0f);
     for (int d = 0; d < D; d += VW) /* rounded, then saturated (as AVX-512's vpmovsdw) */
         vf_store_i16((int16_t *)prepared + d, vf_min(vf_max(vf_round(vf_mul(vf_loadu(q + d), inv)), lo), hi));
+    /* zeros to a whole vector of VI16 int16 (D is a multiple of VW, not always of VI16) */
+    memset((int16_t *)prepared + D, 0, sizeof(int16_t) * ((VI16 - D % VI16) % VI16));
     *qs = s;
 }
 
@@ -290,11 +292,18 @@ static inline __attribute__((always_inline)) void scores_vw_i8(const int16_t *qw
     vf f[VW];
 #pragma GCC unroll 16
     for (int c = 0; c < VW; c++) a[c] = vi_zero();
-    for (int d = 0; d < D; d += VI16) {
+    int d = 0;
+    for (; d + VI16 <= D; d += VI16) {
         const vi qv = vi_load_i16(qw + d);
 #pragma GCC unroll 16
         for (int c = 0; c < VW; c++)
             if (c < n) a[c] = vi_dot_i16(a[c], vi_load_i8_i16(kr + (long)c * D + d), qv);
+    }
+    if (d < D) { /* the last D - d < VI16 (q_prepare's zeros after D) */
+        const vi qv = vi_load_i16(qw + d);
+#pragma GCC unroll 16
+        for (int c = 0; c < VW; c++)
+            if (c < n) a[c] = vi_dot_i16(a[c], vi_load_i8_i16_n(kr + (long)c * D + d, D - d), qv);
     }
 #pragma GCC unroll 16
     for (int c = 0; c < VW; c++) f[c] = vi_to_vf(a[c]);
@@ -649,10 +658,12 @@ static long prefill_scratch_bytes(long Lmax, int D)
     return sizeof(float) * (Lmax * PF_QT + (long)D * PF_QT + (long)PF_KB * D) + 64;
 }
 
-/* out[i][d0 .. d0 + 2 VW) for queries i0 .. i0 + 3 of the tile: sum over keys of p[i][key] v[key][d],
-   value rows widened (exact) from bfloat16 or int8 (their scales already in p), float32 FMAs */
+/* out[i][d0 .. d0 + 2 VW) (with `two`; else d0 .. d0 + VW: D's last VW where D / VW is odd) for queries
+   i0 .. i0 + 3 of the tile: sum over keys of p[i][key] v[key][d], value rows widened (exact) from
+   bfloat16 or int8 (their scales already in p), float32 FMAs */
 static inline __attribute__((always_inline)) void prefill_values(const pages_t *kv, int h, const int *tab, int L,
-                                                                  const float *st, int i0, int d0, int i8, vf o[4][2])
+                                                                  const float *st, int i0, int d0, int i8, int two,
+                                                                  vf o[4][2])
 {
     const int B = kv->B, D = kv->D;
     for (int j = 0; j * B < L; j++) {
@@ -661,14 +672,14 @@ static inline __attribute__((always_inline)) void prefill_values(const pages_t *
         for (int r = 0; r < nr; r++) {
             const vf v0 = i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0)
                              : vf_load_bf16((const uint16_t *)rows + (long)r * D + d0);
-            const vf v1 = i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0 + VW)
-                             : vf_load_bf16((const uint16_t *)rows + (long)r * D + d0 + VW);
+            const vf v1 = !two ? vf_zero() : i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0 + VW)
+                                               : vf_load_bf16((const uint16_t *)rows + (long)r * D + d0 + VW);
             const float *pk = st + (long)(j * B + r) * PF_QT + i0;
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 const vf p = vf_set1(pk[i]);
                 o[i][0] = vf_fmadd(p, v0, o[i][0]);
-                o[i][1] = vf_fmadd(p, v1, o[i][1]);
+                if (two) o[i][1] = vf_fmadd(p, v1, o[i][1]);
             }
         }
     }
@@ -726,16 +737,22 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     }
     /* values */
     for (int i0 = 0; i0 < nq; i0 += 4) {
-        for (int d0 = 0; d0 < D; d0 += 2 * VW) {
+        for (int d0 = 0; d0 < D; d0 += 2 * VW) { /* D is a multiple of 16: of VW, not always of 2 VW */
+            const int two = d0 + 2 * VW <= D;
             vf o[4][2];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) o[i][0] = o[i][1] = vf_zero();
-            if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, o);
-            else prefill_values(kv, h, tab, L, st, i0, d0, 0, o);
+            if (two) {
+                if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, 1, o);
+                else prefill_values(kv, h, tab, L, st, i0, d0, 0, 1, o);
+            } else {
+                if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, 0, o);
+                else prefill_values(kv, h, tab, L, st, i0, d0, 0, 0, o);
+            }
             for (int i = 0; i < 4 && i0 + i < nq; i++) {
                 uint16_t *dst = out + (long)(p0 + i0 + i) * so + (long)h * D + d0;
                 vf_store_bf16(dst, o[i][0]);
-                vf_store_bf16(dst + VW, o[i][1]);
+                if (two) vf_store_bf16(dst + VW, o[i][1]);
             }
         }
     }

@@ -4,9 +4,10 @@
 
    The build defines one ISA (gptj/native/__init__.py's ISAS, one library per ISA, chosen at load from
    the CPU's flags), and this header includes its file:
-     GPTJ_ISA_AVX512   simd_avx512.h   AVX-512 F/BW/VL with BF16 and VNNI, 16 lanes; HAVE_DP: bfloat16
-                                       dot products (vdpbf16ps) in the GEMV's and attention's own
-                                       sections, int16 ones (vpdpwssd)
+     GPTJ_ISA_AVX512   simd_avx512.h   AVX-512 F/BW/VL, 16 lanes; with BF16 and VNNI (the avx512-bf16
+                                       library) HAVE_DP: bfloat16 dot products (vdpbf16ps) in the
+                                       GEMV's and attention's own sections, int16 ones (vpdpwssd);
+                                       without (avx512: Skylake-SP to Ice Lake) the layer's code
      GPTJ_ISA_AVX2     simd_avx2.h     AVX2 + FMA + F16C (AMD Zen 2/3, Intel Haswell on), 8 lanes:
                                        float32 FMAs on bfloat16 and int8 widened (exact), int16 pairs
                                        (vpmaddwd)
@@ -15,8 +16,8 @@
                                        target's vectors
    Every kernel is written once against the layer; only where a target has an instruction the layer
    does not express (HAVE_DP: AVX512-BF16's bfloat16 dot products) do gemv.c and attention.c keep a
-   section of their own under `#if HAVE_DP`. Another ISA (ARM NEON intrinsics, SVE, AVX-512 without
-   BF16) is one more file defining what follows, and one more entry in ISAS.
+   section of their own under `#if HAVE_DP`. Another ISA (ARM NEON intrinsics, SVE) is one more file
+   defining what follows, and one more entry in ISAS.
 
    What an ISA file defines (lanes are float32 in vf, int32 in vi, loads and stores unaligned):
      VW, VI16        float32 lanes of vf; int16 lanes of vi (2 VW)
@@ -36,9 +37,10 @@
      vf_keep_n(v, n) vf_fill_below(v, n, fill) vf_zero_where_neginf(v, s) vf_rotate_pairs(v)
        lanes >= n zeroed; lanes < n set to fill; v where s is not -inf, else 0; lane 2i gets -v[2i + 1],
        lane 2i + 1 gets v[2i]
-     vi_zero() vi_load(p) vi_store(p, v) vi_load_i16(p) vi_load_i8_i16(p) vi_bcast_pair(p) vi_to_vf(v)
-       int32 lanes; VI16 int16 (from int16, or from int8 widened); one pair of int16 in every lane;
-       int32 -> float32 (nearest)
+     vi_zero() vi_load(p) vi_store(p, v) vi_load_i16(p) vi_load_i8_i16(p) vi_load_i8_i16_n(p, n)
+       vi_bcast_pair(p) vi_to_vf(v)
+       int32 lanes; VI16 int16 (from int16, or from int8 widened; *_n: the first n < VI16, zeros
+       after); one pair of int16 in every lane; int32 -> float32 (nearest)
      vi_dot_i16(acc, a, b)           acc + each lane's two int16 products (exact: |a b| <= 2^30) */
 
 #ifndef GPTJ_NATIVE_SIMD_H

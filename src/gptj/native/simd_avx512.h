@@ -1,14 +1,22 @@
-/* gptj.native's vector layer for AVX-512 F/BW/VL with BF16 and VNNI (simd.h includes it under
-   GPTJ_ISA_AVX512): vf is 16 float32 lanes (__m512), vi 16 int32 / 32 int16 lanes (__m512i). Besides the
-   layer, HAVE_DP says the kernels may use bfloat16 dot products (vdpbf16ps) directly, in the sections
-   gemv.c and attention.c keep under `#if HAVE_DP`. */
+/* gptj.native's vector layer for AVX-512 F/BW/VL/DQ (simd.h includes it under GPTJ_ISA_AVX512): vf is 16
+   float32 lanes (__m512), vi 16 int32 / 32 int16 lanes (__m512i). Two libraries compile it:
+   - avx512-bf16 (with BF16 and VNNI, -march=native on such a CPU): HAVE_DP says the kernels may use
+     bfloat16 dot products (vdpbf16ps) directly, in the sections gemv.c and attention.c keep under
+     `#if HAVE_DP`; float32 -> bfloat16 is vcvtneps2bf16, int16 pairs vpdpwssd;
+   - avx512 (F/BW/VL/DQ only: Intel Skylake-SP, Cascade Lake, Ice Lake): HAVE_DP 0, so the kernels
+     run the layer's code, as on AVX2 but 16 lanes wide; float32 -> bfloat16 rounds in integers (as
+     simd.h's f32_to_bf16), int16 pairs are vpmaddwd + vpaddd. */
 
 #ifndef GPTJ_NATIVE_SIMD_AVX512_H
 #define GPTJ_NATIVE_SIMD_AVX512_H
 
 #include <immintrin.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define HAVE_DP 1  /* AVX512-BF16's vdpbf16ps */
+#else
+#define HAVE_DP 0
+#endif
 #define VREGS 32   /* vector registers */
 typedef __m512 vf;
 #define VW 16
@@ -47,11 +55,28 @@ static inline vf vf_load_bf16_n(const uint16_t *p, int n)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(VMASK(n), p)), 16));
 }
 static inline void vf_store_f32_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, VMASK(n), v); }
-static inline void vf_store_bf16_n(uint16_t *p, vf v, int n)
+#if HAVE_DP
+/* v's 16 lanes rounded to bfloat16 (nearest even, NaN kept), in 16 int16 lanes */
+static inline __m256i bf16_of(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+/* v rounded to bfloat16, as float32 */
+static inline vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_of(v)), 16)); }
+#else
+/* as f32_to_bf16 in each int32 lane, the bfloat16 in the lane's upper half (low half zero) */
+static inline __m512i bf16_hi(vf v)
 {
-    _mm256_mask_storeu_epi16(p, VMASK(n), (__m256i)_mm512_cvtneps_pbh(v));
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));  /* quiet NaN */
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
-static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m256i bf16_of(vf v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_hi(v), 16)); }
+static inline vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(bf16_hi(v)); }
+#endif
+static inline void vf_store_bf16_n(uint16_t *p, vf v, int n) { _mm256_mask_storeu_epi16(p, VMASK(n), bf16_of(v)); }
+static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_of(v)); }
 /* vi: VW int32 lanes (VI16 int16) for W8A8's exact integer dot products: vi_load_i8_i16 widens VI16 int8,
    vi_bcast_pair repeats one pair of int16 in every lane, vi_dot_i16 adds each lane's pair of products
    to its int32, vi_to_vf converts the lanes to float32 (rounded to nearest) */
@@ -59,17 +84,20 @@ typedef __m512i vi;
 #define VI16 32
 #define vi_zero() _mm512_setzero_si512()
 static inline vi vi_load_i8_i16(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi vi_load_i8_i16_n(const int8_t *p, int n)
+{
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1), p));
+}
 static inline vi vi_bcast_pair(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi vi_load_i16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline void vi_store(int32_t *p, vi v) { _mm512_storeu_si512((void *)p, v); }
-static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }  /* VNNI */
+#if defined(__AVX512VNNI__)
+static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
 static inline vf vi_to_vf(vi v) { return _mm512_cvtepi32_ps(v); }
-/* v rounded to bfloat16 (nearest even), as float32 */
-static inline vf vf_round_bf16(vf v)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
 /* VW integral float32 values in int16's range -> int16 at p */
 static inline void vf_store_i16(int16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v))); }
 /* p * 2^n, n integral */
