@@ -10,7 +10,7 @@ tokens/s and each mode's ratio to bfloat16 on the same kind, and the fastest mod
 
 The kinds other than this CPU's own ("native") are its code paths under a ceiling, on this CPU:
 ONEDNN_MAX_CPU_ISA (oneDNN's kernels; gptj.cpu reads it too, so gptj.native loads that kind's
-library, the AVX2 one below AVX-512-BF16, and W8A8 runs its GEMM: the NATIVE form) and ATEN_CPU_CAPABILITY (torch's own kernels and inductor's code). That is how such
+library: avx512 on AVX-512 without BF16, avx2 on AVX2; and without VNNI W8A8 runs its GEMM: the NATIVE form) and ATEN_CPU_CAPABILITY (torch's own kernels and inductor's code). That is how such
 a CPU's code runs, not how fast such a CPU is: the ratios between modes carry over, the absolute
 figures do not (cores, caches and memory differ). Each run prints the kind the process saw.
 
@@ -36,7 +36,8 @@ from gptj.weights.io import calibrate, random_state_dict, save_checkpoint
 
 ISAS = {  # name: the environment a process of that kind runs under ("native": this CPU as it is)
     "native": {},
-    "AVX512_CORE": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"},
+    "AVX512_CORE_VNNI": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512"},  # Cascade Lake
+    "AVX512_CORE": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"},  # Skylake-SP
     "AVX2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
 
