@@ -179,6 +179,11 @@ NATIVE_LAYOUT_MAX_ROWS = 4
 # On AVX-512 without BF16 oneDNN packs bfloat16 but emulates its arithmetic: a bench engine of 8 rows
 # on its layout decoded at 33.1 tok/s and prefilled 89.2 (GPT-J's shapes, 2 layers, AVX512_CORE
 # ceiling, benchmarks/cpu_kinds.py), the native layout there at 95-100 and 157 (docs/PERFORMANCE.md).
+# Such a CPU's own library (avx512, 16 lanes) keeps the lead to 512 rows too (AVX512_CORE ceiling, the
+# same shape, best of 3, ms; 2026-11-29, a throwaway script):
+#   rows                        64   128   256   512  1024
+#   native (avx512)           54.2   105   214   410   995
+#   upcast + F.linear float32  193   253   354   556   979
 NATIVE_EMULATED_BF16_MAX_ROWS = 512
 
 # Weight-only kernels: calls with at most this many rows use torch's kernel; bigger ones dequantize
