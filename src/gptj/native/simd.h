@@ -37,10 +37,9 @@
      vf_keep_n(v, n) vf_fill_below(v, n, fill) vf_zero_where_neginf(v, s) vf_rotate_pairs(v)
        lanes >= n zeroed; lanes < n set to fill; v where s is not -inf, else 0; lane 2i gets -v[2i + 1],
        lane 2i + 1 gets v[2i]
-     vi_zero() vi_load(p) vi_store(p, v) vi_load_i16(p) vi_load_i8_i16(p) vi_load_i8_i16_n(p, n)
-       vi_bcast_pair(p) vi_to_vf(v)
-       int32 lanes; VI16 int16 (from int16, or from int8 widened; *_n: the first n < VI16, zeros
-       after); one pair of int16 in every lane; int32 -> float32 (nearest)
+     vi_zero() vi_load(p) vi_store(p, v) vi_load_i16(p) vi_load_i8_i16(p) vi_bcast_pair(p) vi_to_vf(v)
+       int32 lanes; VI16 int16 (from int16, or from int8 widened); one pair of int16 in every lane;
+       int32 -> float32 (nearest)
      vi_dot_i16(acc, a, b)           acc + each lane's two int16 products (exact: |a b| <= 2^30) */
 
 #ifndef GPTJ_NATIVE_SIMD_H
@@ -83,6 +82,15 @@ static inline uint16_t f32_to_bf16(float f)
 #endif
 
 /* ---- on the vector layer, every ISA ---- */
+
+/* the first n < VI16 int8 at p widened to int16, zeros after (through a zeroed copy: only a key row's
+   tail where D is not a multiple of VI16 takes it) */
+static inline vi vi_load_i8_i16_n(const int8_t *p, int n)
+{
+    int8_t t[VI16] = {0};
+    memcpy(t, p, (size_t)n);
+    return vi_load_i8_i16(t);
+}
 
 /* the first min(n, VW) values at p (zeros after), and their store */
 static inline vf vf_load_bf16_upto(const uint16_t *p, long n) { return n >= VW ? vf_load_bf16(p) : vf_load_bf16_n(p, (int)n); }

@@ -100,12 +100,6 @@ typedef __m256i vi;
 #define VI16 16
 #define vi_zero() _mm256_setzero_si256()
 static inline vi vi_load_i8_i16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline vi vi_load_i8_i16_n(const int8_t *p, int n)  /* through a zeroed copy */
-{
-    int8_t t[VI16] = {0};
-    memcpy(t, p, (size_t)n);
-    return vi_load_i8_i16(t);
-}
 static inline vi vi_bcast_pair(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi vi_load_i16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }

@@ -84,10 +84,6 @@ typedef __m512i vi;
 #define VI16 32
 #define vi_zero() _mm512_setzero_si512()
 static inline vi vi_load_i8_i16(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-static inline vi vi_load_i8_i16_n(const int8_t *p, int n)
-{
-    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1), p));
-}
 static inline vi vi_bcast_pair(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi vi_load_i16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }

@@ -170,12 +170,6 @@ static inline vi vi_load_i8_i16(const int8_t *p)
     memcpy(&b, p, sizeof b);
     return (vi)__builtin_convertvector(b, vi16_);
 }
-static inline vi vi_load_i8_i16_n(const int8_t *p, int n)
-{
-    int8_t t[VI16] = {0};
-    memcpy(t, p, (size_t)n);
-    return vi_load_i8_i16(t);
-}
 static inline vi vi_bcast_pair(const int16_t *p)
 {
     int32_t v;
