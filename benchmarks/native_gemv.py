@@ -28,6 +28,15 @@ native and torch calls alternated run as fast as each alone.
     python benchmarks/native_gemv.py                       # all shapes, M = 1 2 4 8
     python benchmarks/native_gemv.py --shapes 7168x1024 --rows 1 --rounds 15
     python benchmarks/native_gemv.py --smoke --json     # small shapes, one round: does it run?
+    python benchmarks/native_gemv.py --int8-gemm --rows 8 16 24 32 64 128 512 1024 2048 --rounds 5
+
+--int8-gemm times int8 weights at many rows instead (prefill's calls: one weight copy, computed on, not
+streamed): gptj.native's int8 GEMV and, where the library has one (AVX512-BF16's), its int8 GEMM (the
+GEMV forced with int8_gemm_min_rows, then the GEMM), the weight dequantized for F.linear a chunk at a
+time (gptj.quant.ops.chunked_linear: the policy's DEQUANTIZE), and oneDNN's bfloat16 GEMM on bfloat16
+weights of the shape (what bfloat16 runs); the median over rounds, in ms, the implementations
+alternated within each round. It says where the policy's native_int8_max_rows and the GEMM's crossover
+come from.
 
 Where gptj.native's GEMV is not available (GPTJ_NATIVE=0, no compiler, a CPU without AVX2 + FMA)
 it says so in one line and exits 0 (with --json: {"skipped": REASON}).
@@ -203,6 +212,55 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
     return {"pairs": data, "openmp_runtimes": list(runtimes)}, "\n".join(lines)
 
 
+GEMM_SHAPES = ("28672x4096", "16384x4096", "4096x16384", "4096x4096", "50400x4096")
+
+
+def bench_int8_gemm(shapes: list[str], rows: list[int], rounds: int, out) -> list[dict]:
+    """--int8-gemm's table: int8 weights at many rows, each implementation's median ms."""
+    from gptj.quant.ops import chunked_linear
+
+    default = native.int8_gemm_min_rows()
+    impls = ["GEMV", *(["GEMM"] if default else []), "dequantize",
+             *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else [])]
+    print(f"int8 weights at many rows (the GEMM from {default or '-'} rows by default); median of {rounds}, ms\n",
+          file=out)
+    print(f"{'shape':>12} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls), file=out, flush=True)
+    table = []
+    try:
+        for shape in shapes:
+            N, K = (int(v) for v in shape.lower().split("x"))
+            g = torch.Generator().manual_seed(N + K)
+            w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+            scale = (torch.rand(N, generator=g) * 0.01 + 0.001).bfloat16()
+            packed = (torch.ops.mkldnn._reorder_linear_weight(torch.randn(N, K, generator=g).bfloat16(), 1)
+                      if "oneDNN bf16" in impls else None)
+            for M in rows:
+                x = torch.randn(M, K, generator=g).bfloat16()
+
+                def forced(at: int):
+                    def call():
+                        native.int8_gemm_min_rows(at)
+                        native.linear_int8(x, w, scale)
+                    return call
+                calls = {"GEMV": forced(1 << 30), "GEMM": forced(1),
+                         "dequantize": lambda: chunked_linear(x, w, torch.bfloat16, scale),
+                         "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+                times: dict[str, list[float]] = {i: [] for i in impls}
+                for i in impls:
+                    calls[i]()  # warm-up
+                for _ in range(rounds):
+                    for i in random.sample(impls, len(impls)):
+                        t = time.perf_counter()
+                        calls[i]()
+                        times[i].append((time.perf_counter() - t) * 1e3)
+                med = {i: statistics.median(v) for i, v in times.items()}
+                print(f"{shape:>12} {M:>5} " + " ".join(f"{med[i]:>12.2f}" for i in impls), file=out, flush=True)
+                table.append({"shape": shape, "rows": M, **{i: med[i] for i in impls}})
+    finally:
+        native.int8_gemm_min_rows(default or None)
+    return table
+
+
 SMOKE = dict(shapes=["256x128"], rows=[1, 2], rounds=1, min_mb=1.0, burst_ms=0.1, interleave_calls=10)
 
 
@@ -217,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-interleave", action="store_true", help="skip the OpenMP interleave check")
     ap.add_argument("--interleave-calls", type=int, default=400, help="timed calls per kernel in the interleave check")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
+    ap.add_argument("--int8-gemm", action="store_true",
+                    help=f"int8 weights at many rows instead (default shapes {' '.join(GEMM_SHAPES)})")
     args = _smoke.parse_args(ap, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
@@ -228,6 +288,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"skipped": why}))
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    if args.int8_gemm:
+        print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads\n",
+              file=out)
+        shapes = args.shapes if args.shapes != list(SHAPES) else list(GEMM_SHAPES)
+        with torch.inference_mode():
+            table = bench_int8_gemm(shapes, args.rows, args.rounds, out)
+        if args.json:
+            print(json.dumps({"cpu": cpu, "isa": native.isa().name, "int8_gemm": table}))
+        return
     print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n", file=out)
     print(HEADER, file=out, flush=True)

@@ -219,6 +219,25 @@ def check_native_gemv(out: dict, err: str) -> None:
     assert all(positive(v) for pair in out["interleave"]["pairs"].values() for v in pair.values())
 
 
+def check_native_gemv_int8_gemm(out: dict, err: str) -> None:
+    from gptj import native
+
+    import torch
+
+    from gptj import policy
+
+    if not native.has("gemv"):
+        assert "not available" in out["skipped"]
+        return
+    assert out["isa"] == native.isa().name
+    impls = ["GEMV", *(["GEMM"] if native.int8_gemm_min_rows() else []), "dequantize",
+             *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else [])]
+    assert [(r["shape"], r["rows"]) for r in out["int8_gemm"]] == [("256x128", 1), ("256x128", 2)]
+    for row in out["int8_gemm"]:
+        assert sorted(k for k in row if k not in ("shape", "rows")) == sorted(impls)
+        assert all(positive(row[i]) for i in impls)
+
+
 def check_w8a8_gemm(out: dict, err: str) -> None:
     from gptj import cpu, native, policy
 
@@ -448,6 +467,9 @@ MORE: dict[str, Job] = {
                                             "--variants", "gptj-fp32,hf-fp32,ct2-int8", "--bandwidth", "1",
                                             "--work-dir", str(tmp / "work")],
         check_compare_peers_without_peers, env=without_peers),
+    "native_gemv.py --int8-gemm": Job("native_gemv.py",
+                                      lambda m, tmp: ["--smoke", "--json", "--int8-gemm", "--threads", "1"],
+                                      check_native_gemv_int8_gemm),
     "profile_steps.py without the profiler": Job(
         "profile_steps.py", lambda m, tmp: ["--model", m, "--smoke", "--json", "--no-kernels", "--out", str(tmp / "p")],
         check_profile_steps_host_only),

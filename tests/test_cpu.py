@@ -80,8 +80,11 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
             pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
         fake_cpu(monkeypatch, kind)
         assert policy.native_available()
-        many = policy.NATIVE_INT8_MAX_ROWS + 1  # bfloat16 sums where the CPU has them
-        assert policy.linear_path("cpu", torch.bfloat16, many, "int8") == policy.DEQUANTIZE
+        most = policy.native_int8_max_rows()  # the int8 GEMM's limit: this CPU's own library has it
+        assert most == (policy.NATIVE_INT8_AMX_MAX_ROWS if policy.cpu_amx() else policy.NATIVE_INT8_GEMM_MAX_ROWS)
+        assert policy.linear_path("cpu", torch.bfloat16, most, "int8") in (policy.NATIVE, policy.AMX)
+        # past it, bfloat16 sums where the CPU has them
+        assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int8") == policy.DEQUANTIZE
         return
     fake_cpu(monkeypatch, kind)
     reason = native.unavailable_reason()
@@ -117,20 +120,24 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
     assert policy.attention_path("cpu", torch.float32, "auto", "auto").backend == policy.REFERENCE  # exact
 
 
-def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):
+@pytest.mark.parametrize("gemm", [True, False])
+def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(gemm, monkeypatch):
     """With AMX, the dequantized weight through oneDNN's bfloat16 GEMM beats gptj.native's int8 GEMV
     past NATIVE_INT8_AMX_MAX_ROWS rows; without it (Zen 4, or AMX under a lower ceiling) past
-    NATIVE_INT8_MAX_ROWS."""
+    NATIVE_INT8_GEMM_MAX_ROWS where the loaded library has the int8 GEMM (AVX512-BF16's), else past
+    the GEMV's NATIVE_INT8_MAX_ROWS."""
     monkeypatch.setattr(policy, "native_gemv_available", lambda: True)
+    monkeypatch.setattr(native, "int8_gemm_min_rows", lambda rows=None: 32 if gemm else 0)
     below_amx = cpu.cap(AMX, "avx512_core_bf16")
     assert cpu.kind(AMX) == cpu.kind(below_amx) == cpu.AVX512_BF16 and "amx_bf16" not in below_amx
-    for flags, most in ((AMX, policy.NATIVE_INT8_AMX_MAX_ROWS), (FLAGS[cpu.AVX512_BF16], policy.NATIVE_INT8_MAX_ROWS),
-                        (below_amx, policy.NATIVE_INT8_MAX_ROWS)):
+    without_amx = policy.NATIVE_INT8_GEMM_MAX_ROWS if gemm else policy.NATIVE_INT8_MAX_ROWS
+    for flags, most in ((AMX, policy.NATIVE_INT8_AMX_MAX_ROWS), (FLAGS[cpu.AVX512_BF16], without_amx),
+                        (below_amx, without_amx)):
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
         assert policy.native_int8_max_rows() == most
         assert policy.linear_path("cpu", torch.bfloat16, most, "int8") == policy.NATIVE
         assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int8") == policy.DEQUANTIZE
-    assert policy.NATIVE_INT8_AMX_MAX_ROWS < policy.NATIVE_INT8_MAX_ROWS
+    assert policy.NATIVE_INT8_AMX_MAX_ROWS < policy.NATIVE_INT8_MAX_ROWS < policy.NATIVE_INT8_GEMM_MAX_ROWS
 
 
 def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):

@@ -81,8 +81,9 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: 
     16 lanes of an AVX-512 accumulator adds K/16 of them (<= 2 roundings each: DPBF16PS may round
     after each of its pair; AVX2's 8 lanes add K/8 with one rounding each), then the lanes are
     summed (<= 16) and scale and bias applied (2):
-    |error| <= (K/8 + 18) u sum|terms| (Higham 3.1). A dropped or doubled block of 16 products
-    moves a sum by ~16/K of sum|terms|, far more."""
+    |error| <= (K/8 + 18) u sum|terms| (Higham 3.1). The int8 GEMM (AVX512-BF16's, from
+    int8_gemm_min_rows rows) sums each output in one lane, every product rounded once: (K + 2) u. A
+    dropped or doubled block of 16 products moves a sum by ~16/K of sum|terms|, far more."""
     u = 2.0**-24
     lib = gemv_isa
     x, w, scale, bias = _int8_case(M, N, K, seed=1)
@@ -91,7 +92,8 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: 
     xd, wd = x.double(), w.double() * scale.double()[:, None]
     ref = xd @ wd.T + bias.double()
     k = (K / 8 + 18) * u
-    bound = (xd.abs() @ wd.abs().T + bias.double().abs()) * k + 1e-30
+    gemm = 0 < native.int8_gemm_min_rows() <= M
+    bound = (xd.abs() @ wd.abs().T + bias.double().abs()) * ((K + 2) * u if gemm else k) + 1e-30
     assert ((y.double() - ref).abs() <= bound).all()
 
     wb = (torch.randn(N, K) * 0.05).bfloat16()
@@ -106,16 +108,72 @@ def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: c
     """Each output of a pass of 3-8 rows of x is one accumulator summed in k order: a row's result
     does not depend on the rows beside it, where no pass of 8 is left with 1 or 2 rows (those take
     more accumulators, and AVX-512's int8 takes float32 x for a last pass of one). The M below
-    leave none."""
+    leave none. (int8 calls of int8_gemm_min_rows rows or more take the GEMM where the library has
+    one: the GEMV's rows are compared below that, the GEMM's in its own test.)"""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 1000, generator=g).bfloat16()
     w8 = torch.randint(-128, 128, (300, 1000), generator=g, dtype=torch.int8)
     scale = (torch.rand(300, generator=g) * 0.02).bfloat16()
     wb = (torch.randn(300, 1000, generator=g) * 0.05).bfloat16()
-    full8, fullb = native.linear_int8(x, w8, scale), native.linear_bf16(x, wb)
+    below = native.int8_gemm_min_rows() - 1 if native.int8_gemm_min_rows() else 40
+    full8, fullb = native.linear_int8(x[:min(below, 24)], w8, scale), native.linear_bf16(x, wb)
     for M in (3, 8, 12, 13, 16, 24):
         assert torch.equal(native.linear_int8(x[:M], w8, scale), full8[:M]), M
         assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
+
+
+def _needs_int8_gemm() -> None:
+    if not native.int8_gemm_min_rows():
+        pytest.skip(f"the {native.isa().name} library has no int8 GEMM (AVX512-BF16's only)")
+
+
+@pytest.mark.parametrize("M,N,K", [(32, 33, 64), (45, 100, 1001), (70, 32, 4096), (33, 50, 9000), (1030, 17, 40)])
+def test_int8_gemm_is_within_float32_sums_and_one_bfloat16_rounding(M, N, K, gemv_isa):
+    """AVX512-BF16's int8 GEMM (from int8_gemm_min_rows rows): tails of every kind (N not a multiple of
+    its 32-channel panels, M of its 12-row tiles, an odd K, K in three slices of 2048 pairs, M past its
+    1024-row blocks). Each output is one float32 lane over K products rounded once each, times the
+    scale, plus the bias: within (K + 2) u sum|terms| of the float64 value (float32 outputs), and that
+    value rounded once to bfloat16 (its unit roundoff, 2^-8, more) for bfloat16 outputs."""
+    _needs_int8_gemm()
+    assert M >= native.int8_gemm_min_rows()
+    u = 2.0**-24
+    x, w, scale, bias = _int8_case(M, N, K, seed=3)
+    xd, wd = x.double(), w.double() * scale.double()[:, None]
+    terms = xd.abs() @ wd.abs().T + bias.double().abs()
+    for b in (None, bias):
+        ref = xd @ wd.T + (0 if b is None else b.double())
+        y32 = torch.empty(M, N)
+        gemv_isa.gemv_int8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), None if b is None else b.data_ptr(),
+                               y32.data_ptr(), M, N, K, 2)
+        f32 = terms * (K + 2) * u + 1e-30
+        assert ((y32.double() - ref).abs() <= f32).all()
+        y = native.linear_int8(x, w, scale, b)  # bfloat16's unit roundoff: 2^-8
+        assert ((y.double() - ref).abs() <= f32 + (ref.abs() + f32) * 2.0**-8).all()
+
+
+def test_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads(gemv_isa):
+    """One lane per output, its products added in k order: a row's result is the same in every call
+    of the GEMM's rows and at any thread count; and within both kernels' bounds of the GEMV's."""
+    _needs_int8_gemm()
+    lo = native.int8_gemm_min_rows()
+    x, w, scale, bias = _int8_case(lo + 40, 70, 4100, seed=4)
+    full = native.linear_int8(x, w, scale, bias)
+    for M in (lo, lo + 1, lo + 13):
+        assert torch.equal(native.linear_int8(x[-M:], w, scale, bias), full[-M:]), M
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_int8(x, w, scale, bias), full)
+    finally:
+        torch.set_num_threads(threads)
+    native.int8_gemm_min_rows(1 << 30)
+    try:
+        gemv = native.linear_int8(x, w, scale, bias)
+    finally:
+        native.int8_gemm_min_rows(lo)
+    assert native.int8_gemm_min_rows() == lo
+    _close(full, gemv)
+    assert not torch.equal(full, gemv)  # the GEMV's order of additions is another: the knob chose it
 
 
 def _amx_reason() -> str | None:

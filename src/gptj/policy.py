@@ -16,7 +16,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   cpu     int8, AMX, in % 64 == 0     AMX_INT8_MIN_ROWS (2) to         AMX          gptj.native's AMX GEMM (amx.c)
           (`native_amx_available`)    AMX_INT8_MAX_ROWS (256)
           int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
-                                      16 with AMX: `native_int8_max_rows`)          (AVX-512 or AVX2, as above)
+                                      16 with AMX, 1024 where the                   (AVX-512 or AVX2, as above); from
+                                      library has the int8 GEMM:                    32 rows AVX512-BF16's int8 GEMM
+                                      `native_int8_max_rows`)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
@@ -132,6 +134,20 @@ NATIVE_MAX_ROWS = 8
 #   dequantize + F.linear, bf16 x         76.7  98.9   137   224   401   749  1450
 #   dequantize + F.linear, float32 x       127   131   148   174   221   310   489
 NATIVE_INT8_MAX_ROWS = 512
+# The AVX512-BF16 library has an int8 GEMM besides (gemv.c: each weight converted once per call, a
+# register tile of bfloat16 dot products), which linear_int8 runs from 32 rows (its own crossover with
+# the GEMV, gptj.native.int8_gemm_min_rows). It runs at 0.86-0.98x oneDNN's bfloat16 GEMM on bfloat16
+# weights at 32-64 rows and 0.89-1.04x from 128, and stays ahead of dequantizing for that GEMM to 1024
+# rows (`python benchmarks/native_gemv.py --int8-gemm --rows 8 16 24 32 48 64 128 512 1024 2048
+# --rounds 5`, 2 threads, Zen 4, 2026-11-29, median of 5, ms):
+#   rows                          24     32     64    128    512   1024   2048
+#   16384 x 4096  GEMV          10.5   13.7   25.8   53.1    205    427    978
+#                 GEMM          10.8   13.2   22.8   41.6    157    314    675
+#                 dequantize    18.4   21.2   30.8   50.8    171    352    699
+#                 (bf16 oneDNN  10.1   12.2   21.4   40.4    154    327    661)
+#   4096 x 16384  GEMM          11.0   13.3   23.5   41.7    165    335    728
+#                 dequantize    19.4   21.4   31.6   51.5    183    358    703
+NATIVE_INT8_GEMM_MAX_ROWS = 1024
 # A CPU with AMX (Intel Sapphire Rapids on) runs oneDNN's bfloat16 GEMM on its tile units, about 10x
 # the AVX-512 GEMV's arithmetic, so the weight dequantized for F.linear (a chunk at a time into one
 # reused buffer: gptj.quant.ops.chunked_linear) wins from a few rows on. A throwaway script, 2-core
@@ -322,9 +338,12 @@ def cpu_amx() -> bool:
 
 
 def native_int8_max_rows() -> int:
-    """The most rows of a call that gptj.native's int8 GEMV takes (more: the dequantized matmul):
-    NATIVE_INT8_AMX_MAX_ROWS on a CPU with AMX, else NATIVE_INT8_MAX_ROWS."""
-    return NATIVE_INT8_AMX_MAX_ROWS if cpu_amx() else NATIVE_INT8_MAX_ROWS
+    """The most rows of a call that gptj.native's int8 kernels take (more: the dequantized matmul):
+    NATIVE_INT8_AMX_MAX_ROWS on a CPU with AMX, NATIVE_INT8_GEMM_MAX_ROWS where the loaded library
+    has the int8 GEMM (AVX512-BF16's), else NATIVE_INT8_MAX_ROWS (the GEMV's)."""
+    if cpu_amx():
+        return NATIVE_INT8_AMX_MAX_ROWS
+    return NATIVE_INT8_GEMM_MAX_ROWS if native.int8_gemm_min_rows() > 0 else NATIVE_INT8_MAX_ROWS
 
 
 def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:

@@ -64,7 +64,7 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "amx_available", "argmax_rows", "attention_group", "attention_paged", "available", "best_isa",
-           "gelu", "has", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8",
+           "gelu", "has", "int8_gemm_min_rows", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8",
            "linear_w8a8_amx", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8",
            "requested_isa", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
 
@@ -259,6 +259,7 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemv_set_tuning": ([ctypes.c_int, ctypes.c_int], None),
     "gemm_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
     "w8a8_panel": ([], ctypes.c_int),
+    "int8_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -520,8 +521,17 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if M and N and _gemv_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(),
                               M, N, K, torch.get_num_threads()):
-        raise MemoryError("linear_int8: no memory for x's float32 copy")
+        raise MemoryError("linear_int8: no memory for the kernel's copy of x")
     return y
+
+
+def int8_gemm_min_rows(rows: int | None = None) -> int:
+    """The rows of x from which linear_int8 runs the loaded library's int8 GEMM (gemv.c: a register
+    tile on bfloat16 dot products, each weight converted once per call) instead of its GEMV; 0 where the
+    library has none (only AVX512-BF16's has). `rows` sets it for this process (benchmarks/native_gemv.py
+    times both sides of it); the value before is returned."""
+    lib = load()
+    return 0 if lib is None else lib.int8_gemm_set_min_rows(0 if rows is None else rows)
 
 
 AMX_K_MULTIPLE = 64  # the AMX GEMM converts its weight 64 inputs at a time (amx.c)

@@ -38,7 +38,8 @@
    count.
 
    W8A8's GEMM (int8 x int8, exact int32 sums, at any rows: gemm_w8a8, at the end) is the other
-   kind of kernel here: on its own packed weight, a register tile of rows by output channels.
+   kind of kernel here: on its own packed weight, a register tile of rows by output channels. So is,
+   on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x (gemm_int8_dp, after the GEMV).
 */
 
 #include "simd.h"
@@ -502,7 +503,222 @@ static int run(job_t *j, int nthreads)
     return 0;
 }
 
+#if HAVE_DP
+/* ---- int8 weights at many rows of x: a GEMM on bfloat16 dot products (AVX512-BF16) -------------------
+
+   The GEMV above converts each weight to bfloat16 once per pass of 8 rows of x and re-reads x for every
+   group of 16 weight rows: from 32 rows on it ran at 0.77-0.82x oneDNN's bfloat16 GEMM on bfloat16
+   weights of the same shapes (2 threads, Zen 4, 2026-11-29), so int8 prefilled slower than bfloat16.
+   Here each weight is converted once per call (per block of I8G_MC rows of x), and the arithmetic is a
+   register tile:
+
+   - A panel of I8G_PANEL (32) output channels, a slice of I8G_KC pairs of inputs at a time, is made
+     bfloat16 (exact) into a per-thread buffer in the layout the tile reads: for each pair of inputs
+     (2p, 2p + 1), the panel's channels' two weights side by side (16 weight rows converted, then
+     transposed as 16 x 16 pairs).
+   - The tile is I8G_MR (12) rows of x by the panel's 2 vectors of 16 channels: 24 float32 accumulators;
+     each step loads the 2 weight vectors of one pair and broadcasts that pair of each row of x to every
+     lane (vdpbf16ps: lane c adds x's pair times channel c's pair). The channels lie along the lanes: no
+     horizontal sums, and every output is one lane's sum over the pairs in k order, so results depend
+     neither on the rows of the call nor on the threads (they differ from the GEMV's in the order of the
+     float32 additions only).
+   - x is copied once per call into rows an odd number of 64-byte lines apart (rows 8 KiB apart share L1
+     sets), with a zero after an odd K; the sums wait in a per-thread buffer between slices.
+   - The threads split the panels (static): each reads its contiguous range of weight rows once per block
+     of rows of x.
+   Tuned by one-off builds (benchmarks/native_gemv.py --int8-gemm's shapes, Zen 4, 2 threads): tiles of
+   8 x 3, 6 x 4, 9 x 3 and 12 x 2 vectors all ran at 0.93-1.00x oneDNN's bfloat16 GEMM from 128 rows,
+   12 x 2 best by 1-3 %; slices of 128, 256, 512 and 2048 pairs (8 x 3 tiles) at 0.84-0.90, 0.89-0.94,
+   0.94-0.97 and 0.93-0.97x. Converting whole cache lines of a row at once, or prefetching the next panel, did not
+   help. What the conversion costs (4-8 ms a call for GPT-J's layers, twice the GEMV's time at 4 rows)
+   puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS); a layout packed for it at load time, as
+   W8A8's, would lower both. */
+
+#ifndef I8G_NV
+#define I8G_NV 2                  /* vectors of 16 channels per panel */
+#endif
+#define I8G_PANEL (16 * I8G_NV)   /* output channels per panel */
+#ifndef I8G_MR
+#define I8G_MR 12                 /* rows of x per tile */
+#endif
+#ifndef I8G_KC
+#define I8G_KC 2048               /* pairs of inputs per slice: a panel's slice is 256 KiB of bfloat16 (L2) */
+#endif
+#ifndef I8G_MC
+#define I8G_MC 1024               /* rows of x per block: the weight is converted once per block */
+#endif
+#ifndef I8G_MIN_ROWS
+#define I8G_MIN_ROWS 32           /* gemv_int8 takes this GEMM from this many rows of x on */
+#endif
+
+static int g_i8g_min_rows = I8G_MIN_ROWS;
+
+/* 16 x 16 32-bit elements: r[i] lane j -> r[j] lane i */
+static inline void transpose16_epi32(__m512i r[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {  /* u[4g + j]: rows 4g..4g+3 of columns j, j + 4, j + 8, j + 12 */
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i va = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), vb = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i wa = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), wb = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(va, wa, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(va, wa, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(vb, wb, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(vb, wb, 0xdd);
+    }
+}
+
+/* channels [n0, n0 + I8G_PANEL) of w (zeros past N), pairs [p0, p0 + kn) (zeros past K), as bfloat16
+   pairs: buf[p * I8G_PANEL + c] = (w[n0 + c, 2 (p0 + p)], w[n0 + c, 2 (p0 + p) + 1]) */
+static void i8g_convert(const int8_t *w, long N, long K, long n0, long p0, long kn, uint32_t *buf)
+{
+    for (int v = 0; v < I8G_NV; v++)
+        for (long p = 0; p < kn; p += 16) {
+            __m512i r[16];
+            const long k = 2 * (p0 + p), left = K - k;
+            const __mmask32 mask = left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
+            for (int c = 0; c < 16; c++) {
+                const long n = n0 + 16 * v + c;
+                r[c] = n < N ? (__m512i)load_w_i8_tail(w + n * K + k, mask) : _mm512_setzero_si512();
+            }
+            transpose16_epi32(r);
+            const int np = kn - p < 16 ? (int)(kn - p) : 16;
+            for (int q = 0; q < np; q++) _mm512_store_si512(buf + (p + q) * I8G_PANEL + 16 * v, r[q]);
+        }
+}
+
+/* acc[m][v] += rows [0, mr) of x (bfloat16 pairs, rows ldx apart) times the panel's slice in buf, over
+   kn pairs; mr is a constant where it is inlined */
+static inline __attribute__((always_inline)) void i8g_tile(const uint16_t *x, long ldx, const uint32_t *buf, long kn,
+                                                            const int mr, __m512 acc[I8G_MR][I8G_NV])
+{
+    __m512 a[I8G_MR][I8G_NV];
+    _Pragma("GCC unroll 16") for (int m = 0; m < I8G_MR; m++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < I8G_NV; v++) a[m][v] = acc[m][v];
+    for (long p = 0; p < kn; p++) {
+        const uint32_t *wp = buf + p * I8G_PANEL;
+        __m512bh wv[I8G_NV];
+        _Pragma("GCC unroll 4") for (int v = 0; v < I8G_NV; v++) wv[v] = (__m512bh)_mm512_load_si512(wp + 16 * v);
+        _Pragma("GCC unroll 16") for (int m = 0; m < I8G_MR; m++) {
+            if (m >= mr) break;
+            int32_t pair;
+            memcpy(&pair, x + m * ldx + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            _Pragma("GCC unroll 4") for (int v = 0; v < I8G_NV; v++) a[m][v] = _mm512_dpbf16_ps(a[m][v], wv[v], xb);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int m = 0; m < I8G_MR; m++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < I8G_NV; v++) acc[m][v] = a[m][v];
+}
+
+/* rows [m, m + mr) of x (xp: the padded copy), the panel of channel n0 in buf, the slice [p0, p0 + kn):
+   the sums so far from c (rows ldc = I8G_PANEL apart; none at the first slice), and after the last slice
+   gemv_int8's scaling, bias and rounding into y; before it, the sums back into c */
+static void i8g_block(const job_t *j, const uint16_t *xp, long ldx, const uint32_t *buf, float *c, long m, int mr,
+                      long n0, long p0, long kn, int first, int last)
+{
+    __m512 acc[I8G_MR][I8G_NV];
+    for (int r = 0; r < I8G_MR; r++)
+        for (int v = 0; v < I8G_NV; v++)
+            acc[r][v] = first || r >= mr ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * I8G_PANEL + 16 * v);
+    const uint16_t *x = xp + m * ldx + 2 * p0;
+    switch (mr) {  /* mr <= I8G_MR: each case a tile of its own */
+#define I8G_CASE(r) case r: i8g_tile(x, ldx, buf, kn, r < I8G_MR ? r : I8G_MR, acc); break;
+    I8G_CASE(1) I8G_CASE(2) I8G_CASE(3) I8G_CASE(4) I8G_CASE(5) I8G_CASE(6) I8G_CASE(7) I8G_CASE(8)
+    default: i8g_tile(x, ldx, buf, kn, I8G_MR, acc); break;
+#undef I8G_CASE
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < I8G_NV; v++) _mm512_storeu_ps(c + r * I8G_PANEL + 16 * v, acc[r][v]);
+        return;
+    }
+    for (int v = 0; v < I8G_NV; v++) {
+        const long col = n0 + 16 * v, n = j->N - col;
+        if (n <= 0) break;
+        const int cnt = n < 16 ? (int)n : 16;
+        const vf s = vf_load_bf16_upto(j->scale + col, cnt), b = j->bias ? vf_load_bf16_upto(j->bias + col, cnt) : vf_zero();
+        for (int r = 0; r < mr; r++) {
+            vf f = vf_mul(acc[r][v], s);
+            if (j->bias) f = vf_add(f, b);
+            const long at = (m + r) * j->N + col;
+            if (j->y_f32 && cnt == 16) vf_storeu((float *)j->y + at, f);
+            else if (j->y_f32) vf_store_f32_n((float *)j->y + at, f, cnt);
+            else vf_store_bf16_upto((uint16_t *)j->y + at, f, cnt);
+        }
+    }
+}
+
+/* y = gemv_int8's numbers for M >= I8G_MIN_ROWS rows: 0, or -1 without memory */
+static int gemm_int8_dp(const job_t *j, int nthreads)
+{
+    const long M = j->M, N = j->N, K = j->K, pairs = (K + 1) / 2;
+    long ldx = (2 * pairs + 31) / 32 * 32;  /* bfloat16s a row: whole 64-byte lines, an odd number of them */
+    if (ldx / 32 % 2 == 0) ldx += 32;
+    const long kc = pairs < I8G_KC ? pairs : I8G_KC, mc = M < I8G_MC ? M : I8G_MC;
+    const long panels = (N + I8G_PANEL - 1) / I8G_PANEL;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > panels) nthreads = (int)panels;
+    const size_t per_thread = ((size_t)kc + (size_t)mc) * I8G_PANEL * 4;  /* a converted slice, the sums */
+    uint16_t *xp = aligned_alloc(64, (size_t)M * ldx * 2);
+    char *scratch = aligned_alloc(64, per_thread * (size_t)nthreads);
+    if (!xp || !scratch) {
+        free(xp);
+        free(scratch);
+        return -1;
+    }
+    for (long m = 0; m < M; m++) {
+        memcpy(xp + m * ldx, j->x + m * K, (size_t)K * 2);
+        memset(xp + m * ldx + K, 0, (size_t)(ldx - K) * 2);
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *buf = (uint32_t *)(scratch + per_thread * (size_t)omp_get_thread_num());
+        float *c = (float *)(buf + kc * I8G_PANEL);
+#pragma omp for schedule(static)
+        for (long t = 0; t < panels; t++)
+            for (long m0 = 0; m0 < M; m0 += mc) {
+                const long me = M - m0 < mc ? M : m0 + mc;
+                for (long p0 = 0; p0 < pairs; p0 += kc) {
+                    const long kn = pairs - p0 < kc ? pairs - p0 : kc;
+                    i8g_convert((const int8_t *)j->w, N, K, t * I8G_PANEL, p0, kn, buf);
+                    for (long m = m0; m < me; m += I8G_MR)
+                        i8g_block(j, xp, ldx, buf, c + (m - m0) * I8G_PANEL, m, me - m < I8G_MR ? (int)(me - m) : I8G_MR,
+                                  t * I8G_PANEL, p0, kn, p0 == 0, p0 + kn == pairs);
+                }
+            }
+    }
+    free(xp);
+    free(scratch);
+    return 0;
+}
+#endif /* HAVE_DP */
+
 /* ---- exported entry points ---- */
+
+/* the rows of x from which gemv_int8 takes the int8 GEMM (rows > 0 sets it: benchmarks compare the two);
+   returns the value before, or 0 where the library has no such GEMM (without HAVE_DP) */
+int int8_gemm_set_min_rows(int rows)
+{
+#if HAVE_DP
+    const int old = g_i8g_min_rows;
+    if (rows > 0) g_i8g_min_rows = rows;
+    return old;
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
 
 /* each returns 0, or -1 where memory for x's float32 copy could not be had (AVX2) */
 
@@ -510,6 +726,9 @@ int gemv_int8(const uint16_t *x, const int8_t *w, const uint16_t *scale, const u
               uint16_t *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 0, 1, M, N, K, NULL, 0};
+#if HAVE_DP
+    if (M >= g_i8g_min_rows && K > 0 && N > 0) return gemm_int8_dp(&j, nthreads);
+#endif
     return run(&j, nthreads);
 }
 
@@ -517,6 +736,9 @@ int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, con
                   float *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 1, 1, M, N, K, NULL, 0};
+#if HAVE_DP
+    if (M >= g_i8g_min_rows && K > 0 && N > 0) return gemm_int8_dp(&j, nthreads);
+#endif
     return run(&j, nthreads);
 }
 
