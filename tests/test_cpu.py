@@ -142,17 +142,20 @@ def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(g
 
 def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):
     """bfloat16 int4 calls leave torch's int4 kernel past INT4_AMX_KERNEL_MAX_ROWS rows on a CPU with
-    AMX and gptj.native (which unpacks the layout); past KERNEL_MAX_ROWS["int4"] without AMX (Zen 4,
-    AMX under a lower ceiling), without gptj.native, and for float32 activations."""
+    AMX and gptj.native (which unpacks the layout), past INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16 but
+    no AMX (Zen 4, AMX under a lower ceiling); past KERNEL_MAX_ROWS["int4"] without bfloat16 arithmetic,
+    without gptj.native, and for float32 activations."""
     monkeypatch.setattr(policy, "native_available", lambda: True)
     below_amx = cpu.cap(AMX, "avx512_core_bf16")
-    few, many = policy.INT4_AMX_KERNEL_MAX_ROWS, quant.KERNEL_MAX_ROWS["int4"]
-    assert few < many
-    for flags, most in ((AMX, few), (FLAGS[cpu.AVX512_BF16], many), (below_amx, many)):
+    few, bf16, many = policy.INT4_AMX_KERNEL_MAX_ROWS, policy.INT4_BF16_KERNEL_MAX_ROWS, quant.KERNEL_MAX_ROWS["int4"]
+    assert few < bf16 < many
+    for flags, most, past in ((AMX, few, policy.DEQUANTIZE), (FLAGS[cpu.AVX512_BF16], bf16, policy.DEQUANTIZE),
+                              (below_amx, bf16, policy.DEQUANTIZE), (FLAGS[cpu.AVX2], many, policy.UPCAST),
+                              (FLAGS[cpu.AVX512], many, policy.UPCAST)):  # (float32 sums without bfloat16's)
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
         assert policy.int4_kernel_max_rows("cpu", torch.bfloat16) == most
         assert policy.linear_path("cpu", torch.bfloat16, most, "int4") == policy.WEIGHT_ONLY
-        assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int4") == policy.DEQUANTIZE
+        assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int4") == past
     monkeypatch.setattr(cpu, "flags", lambda: AMX)
     assert policy.int4_kernel_max_rows("cpu", torch.float32) == many
     assert policy.int4_kernel_max_rows("cuda", torch.bfloat16) == many

@@ -23,7 +23,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
   cpu     int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
-                                      16 with AMX, bfloat16)
+                                      bfloat16: 16 with AMX, 64 with
+                                      AVX512-BF16)
                                       more                             DEQUANTIZE   (or UPCAST, as int8's; the CPU
                                                                                     layout unpacked by gptj.native)
   cpu     w8a8, packed               any, in the form `w8a8_form`      ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums
@@ -230,6 +231,21 @@ KERNEL_MAX_ROWS = {"int8": 16, "int4": 512}
 # Without AMX (the same CPU under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) they crossed between 128 and
 # 512 rows (at 512: 680 against 747 and 389 against 408 ms): KERNEL_MAX_ROWS["int4"] stays there.
 INT4_AMX_KERNEL_MAX_ROWS = 16
+# Without AMX but with bfloat16 arithmetic (AMD Zen 4 and 5, Intel Cooper Lake), the same unpacking and
+# oneDNN's AVX512-BF16 GEMM overtake torch's int4 kernel at about 64 rows on a Zen 4 (2 threads,
+# 2026-11-29, median of 5, ms; a throwaway script timing both paths of one Int4Linear, group 128, with
+# oneDNN's bfloat16 GEMM on bfloat16 weights beside):
+#   rows                           32     48     64     96    128    512
+#   16384 x 4096  int4 kernel     25.4   38.5   52.0   77.4    102    414
+#                 dequantize      39.7   46.3   51.3   61.7   70.5    214
+#                 (bf16 oneDNN    12.0   16.8   21.5   33.0   40.7    167)
+#   4096 x 16384  int4 kernel     27.7   38.6   51.5   77.8    108    443
+#                 dequantize      43.6   43.9   48.5   59.2   77.7    195
+#   28672 x 4096  int4 kernel     44.0   66.9   90.3    133    177    713
+#                 dequantize      69.8   80.4   86.1    138    126    339
+# (The Xeon above, held to AVX512_CORE_BF16, crossed between 128 and 512 rows; such CPUs in service
+# without AMX are mostly AMD's, so the Zen 4's crossover is the rule.)
+INT4_BF16_KERNEL_MAX_ROWS = 64
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for
@@ -347,11 +363,13 @@ def native_int8_max_rows() -> int:
 
 
 def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
-    """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul):
-    INT4_AMX_KERNEL_MAX_ROWS for bfloat16 on a CPU with AMX and gptj.native (its unpacking), else
-    KERNEL_MAX_ROWS["int4"]."""
-    if cpu_amx() and native_elementwise(device, dtype):
+    """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul): for
+    bfloat16 on a CPU with gptj.native (its unpacking), INT4_AMX_KERNEL_MAX_ROWS with AMX and
+    INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16; else KERNEL_MAX_ROWS["int4"]."""
+    if native_elementwise(device, dtype) and cpu_amx():
         return INT4_AMX_KERNEL_MAX_ROWS
+    if native_elementwise(device, dtype) and cpu_bf16():
+        return INT4_BF16_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS["int4"]
 
 
