@@ -80,8 +80,9 @@ def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
             pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
         fake_cpu(monkeypatch, kind)
         assert policy.native_available()
-        most = policy.native_int8_max_rows()  # the int8 GEMM's limit: this CPU's own library has it
-        assert most == (policy.NATIVE_INT8_AMX_MAX_ROWS if policy.cpu_amx() else policy.NATIVE_INT8_GEMM_MAX_ROWS)
+        most = policy.native_int8_max_rows()  # the int8 GEMM's limit where the loaded library has it
+        gemm = policy.NATIVE_INT8_GEMM_MAX_ROWS if native.int8_gemm_min_rows() else policy.NATIVE_INT8_MAX_ROWS
+        assert most == (policy.NATIVE_INT8_AMX_MAX_ROWS if policy.cpu_amx() else gemm)
         assert policy.linear_path("cpu", torch.bfloat16, most, "int8") in (policy.NATIVE, policy.AMX)
         # past it, bfloat16 sums where the CPU has them
         assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int8") == policy.DEQUANTIZE
