@@ -122,6 +122,16 @@ def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: c
         assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
 
 
+def _at_one_thread(call):
+    """call() with torch's (and so the kernels') thread count at 1, then as it was."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
 def _needs_int8_gemm() -> None:
     if not native.int8_gemm_min_rows():
         pytest.skip(f"the {native.isa().name} library has no int8 GEMM (AVX512-BF16's only)")
@@ -160,12 +170,7 @@ def test_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads(gemv_isa):
     full = native.linear_int8(x, w, scale, bias)
     for M in (lo, lo + 1, lo + 13):
         assert torch.equal(native.linear_int8(x[-M:], w, scale, bias), full[-M:]), M
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(native.linear_int8(x, w, scale, bias), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(_at_one_thread(lambda: native.linear_int8(x, w, scale, bias)), full)
     native.int8_gemm_min_rows(1 << 30)
     try:
         gemv = native.linear_int8(x, w, scale, bias)
@@ -213,12 +218,7 @@ def test_amx_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads():
     full = native.linear_int8_amx(x, w, scale, bias)
     for rows in (slice(0, 1), slice(5, 8), slice(0, 32), slice(30, 70), slice(1, 70)):
         assert torch.equal(native.linear_int8_amx(x[rows], w, scale, bias), full[rows]), rows
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(native.linear_int8_amx(x, w, scale, bias), full)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(_at_one_thread(lambda: native.linear_int8_amx(x, w, scale, bias)), full)
 
 
 @needs_amx
