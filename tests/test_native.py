@@ -629,6 +629,112 @@ def test_the_generic_kernels_compile_for_aarch64(tmp_path):
         assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # e_machine: EM_AARCH64
 
 
+_QEMU_DRIVER = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+int gemv_int8_f32(const uint16_t *, const int8_t *, const uint16_t *, const uint16_t *, float *, int, int, int, int);
+int gemv_bf16_f32(const uint16_t *, const uint16_t *, const uint16_t *, float *, int, int, int, int);
+int gemm_w8a8(const uint8_t *, const float *, const int8_t *, const float *, const uint16_t *, void *, int, int, int,
+              int, int);
+void gelu_bf16(const uint16_t *, long, uint16_t *, long, long, long, int);
+static FILE *in;
+static void *next(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p || fread(p, 1, n, in) != n) exit(3);
+    return p;
+}
+/* argv[1]: kind (int32), M, N, K, then the kernel's arrays in order; argv[2]: its float32 or bfloat16 out */
+int main(int argc, char **argv)
+{
+    if (argc != 3 || !(in = fopen(argv[1], "rb"))) return 2;
+    const int32_t *h = next(16);
+    const long M = h[1], N = h[2], K = h[3], P = 16;  /* P: the generic library's W8A8 panel */
+    void *y = malloc(M * N * 4);
+    int rc = 0;
+    if (h[0] == 0) {
+        const void *x = next(M * K * 2), *w = next(N * K), *s = next(N * 2), *b = next(N * 2);
+        rc = gemv_int8_f32(x, w, s, b, y, M, N, K, 1);
+    } else if (h[0] == 1) {
+        const void *x = next(M * K * 2), *w = next(N * K * 2), *b = next(N * 2);
+        rc = gemv_bf16_f32(x, w, b, y, M, N, K, 1);
+    } else if (h[0] == 2) {
+        const void *q = next(M * K), *sx = next(M * 4), *w = next((N + P - 1) / P * P * ((K + 1) / 2) * 2);
+        const void *ws = next(N * 4), *b = next(N * 2);
+        rc = gemm_w8a8(q, sx, w, ws, b, y, 1, M, N, K, 1);
+    } else {
+        const void *x = next(M * N * 2);
+        gelu_bf16(x, N, y, N, M, N, 1);
+    }
+    FILE *out = fopen(argv[2], "wb");
+    if (rc || !out || fwrite(y, h[0] == 3 ? 2 : 4, M * N, out) != (size_t)(M * N)) return 4;
+    return fclose(out);
+}
+"""
+
+
+def test_the_generic_kernels_run_on_aarch64(tmp_path):
+    """The portable library's kernels built for AArch64 (zig's clang, static against musl) and run by
+    Debian's qemu-user (`apt-get install qemu-user`; skipped without it or ziglang): an ARM CPU's
+    NEON code from GCC's vector extensions, with its fused multiply-adds. Each output within the bounds
+    the x86 libraries' tests use: the GEMVs' float32 sums, W8A8's exact integer sums then its float32
+    scaling, GELU its float64 value rounded once to bfloat16. One thread: zig ships no OpenMP runtime,
+    so a header stands for the three OpenMP functions the sources call, and their loops run serially."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ziglang") is None or shutil.which("qemu-aarch64") is None:
+        pytest.skip("needs an AArch64 cross compiler and emulator (pip install ziglang; apt-get install qemu-user)")
+    (tmp_path / "omp.h").write_text("static inline int omp_get_max_threads(void) { return 1; }\n"
+                                    "static inline int omp_get_thread_num(void) { return 0; }\n"
+                                    "static inline int omp_get_num_threads(void) { return 1; }\n")
+    (tmp_path / "driver.c").write_text(_QEMU_DRIVER)
+    generic = next(i for i in native.ISAS if i.name == "generic")
+    exe = tmp_path / "kernels"
+    proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-musl", "-O2", "-std=c11",
+                           f"-I{tmp_path}", *generic.cflags, str(tmp_path / "driver.c"), *map(str, native.SOURCES),
+                           "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run(kind: int, M: int, N: int, K: int, *arrays: torch.Tensor, out=torch.float32) -> torch.Tensor:
+        data = torch.tensor([kind, M, N, K], dtype=torch.int32).numpy().tobytes()
+        data += b"".join(a.contiguous().view(torch.uint8).numpy().tobytes() for a in arrays)
+        (tmp_path / "in").write_bytes(data)
+        done = subprocess.run(["qemu-aarch64", str(exe), str(tmp_path / "in"), str(tmp_path / "out")],
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, done
+        raw = bytearray((tmp_path / "out").read_bytes())
+        return torch.frombuffer(raw, dtype=out).view(M, N)
+
+    u = 2.0**-24
+    for M, N, K in ((1, 40, 1000), (5, 33, 64), (9, 70, 300)):
+        x, w, scale, bias = _int8_case(M, N, K, seed=7)
+        xd, wd = x.double(), w.double() * scale.double()[:, None]
+        bound = (xd.abs() @ wd.abs().T + bias.double().abs()) * (K / 8 + 18) * u + 1e-30
+        y = run(0, M, N, K, x, w, scale, bias)
+        assert ((y.double() - (xd @ wd.T + bias.double())).abs() <= bound).all(), (M, N, K)
+        wb = (torch.randn(N, K) * 0.05).bfloat16()
+        y = run(1, M, N, K, x, wb, bias)
+        ref = xd @ wb.double().T + bias.double()
+        assert ((y.double() - ref).abs() <= (xd.abs() @ wb.double().abs().T + bias.double().abs())
+                * (K / 8 + 18) * u + 1e-30).all(), (M, N, K)
+        # W8A8: int8 x int8 summed exactly, then float(sum) * ws * sx + bias in float32 (2 roundings of the
+        # product, 1 of the sum)
+        q = torch.randint(-128, 128, (M, K), dtype=torch.int8)
+        sx, ws = torch.rand(M) * 0.01 + 1e-3, torch.rand(N) * 0.01 + 1e-3
+        packed = F.pad(w, (0, K % 2, 0, -N % 16)).view(-(-N // 16), 16, (K + 1) // 2, 2).permute(0, 2, 1, 3)
+        y = run(2, M, N, K, (q.to(torch.int16) + 128).to(torch.uint8), sx, packed, ws, bias)
+        prod = (q.double() @ w.double().T) * ws.double() * sx.double()[:, None]  # the sums < 2^24: exact in float32
+        exact = prod + bias.double()
+        assert ((y.double() - exact).abs() <= prod.abs() * 3 * u + exact.abs() * u + 1e-30).all(), (M, N, K)
+    x = torch.cat([torch.linspace(-14, 8, 3000), 3 * torch.randn(1000, generator=torch.Generator().manual_seed(8))])
+    x = x.bfloat16().view(4, 1000)
+    got, want = run(3, 4, 1000, 0, x, out=torch.bfloat16).double(), _gelu64(x)
+    assert ((got - want).abs() <= want.abs() * (U_BF16 + 1e-5) + 1e-30).all()
+
+
 # --- a fused block's elementwise steps ------------------------------------------------------------
 
 U_BF16 = 2.0**-8  # bfloat16's unit roundoff: rounding to nearest moves a value by <= 2^-8 of it
