@@ -630,6 +630,7 @@ def test_the_generic_kernels_compile_for_aarch64(tmp_path):
 
 
 _QEMU_DRIVER = r"""
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -638,6 +639,8 @@ int gemv_bf16_f32(const uint16_t *, const uint16_t *, const uint16_t *, float *,
 int gemm_w8a8(const uint8_t *, const float *, const int8_t *, const float *, const uint16_t *, void *, int, int, int,
               int, int);
 void gelu_bf16(const uint16_t *, long, uint16_t *, long, long, long, int);
+int attend_group_bf16(const float *, int, int, int, const uint16_t *, const uint16_t *, long, long, int,
+                      const uint16_t *, const uint16_t *, long, long, long, int, float *, float, int);
 static FILE *in;
 static void *next(size_t n)
 {
@@ -645,14 +648,22 @@ static void *next(size_t n)
     if (!p || fread(p, 1, n, in) != n) exit(3);
     return p;
 }
-/* argv[1]: kind (int32), M, N, K, then the kernel's arrays in order; argv[2]: its float32 or bfloat16 out */
+/* argv[1]: kind (int32), M, N, K, then the kernel's arrays in order; argv[2]: its float32 or bfloat16 out
+   (M x N values; attention: M queries x N heads x K dimensions, after two more int32: prompt and tail) */
 int main(int argc, char **argv)
 {
     if (argc != 3 || !(in = fopen(argv[1], "rb"))) return 2;
     const int32_t *h = next(16);
-    const long M = h[1], N = h[2], K = h[3], P = 16;  /* P: the generic library's W8A8 panel */
+    const long M = h[1], N = h[2] * (h[0] == 4 ? h[3] : 1), K = h[3], P = 16;  /* P: the W8A8 panel */
     void *y = malloc(M * N * 4);
     int rc = 0;
+    if (h[0] == 4) {
+        const int32_t *pt = next(8);
+        const long H = h[2], L = pt[0], T = pt[1];
+        const void *q = next(M * H * K * 4), *pk = next(H * L * K * 2), *pv = next(H * L * K * 2);
+        const void *tk = next(M * H * T * K * 2), *tv = next(M * H * T * K * 2);
+        rc = attend_group_bf16(q, M, H, K, pk, pv, L * K, K, L, tk, tv, H * T * K, T * K, K, T, y, 1.0f / sqrtf(K), 1);
+    }
     if (h[0] == 0) {
         const void *x = next(M * K * 2), *w = next(N * K), *s = next(N * 2), *b = next(N * 2);
         rc = gemv_int8_f32(x, w, s, b, y, M, N, K, 1);
@@ -663,7 +674,7 @@ int main(int argc, char **argv)
         const void *q = next(M * K), *sx = next(M * 4), *w = next((N + P - 1) / P * P * ((K + 1) / 2) * 2);
         const void *ws = next(N * 4), *b = next(N * 2);
         rc = gemm_w8a8(q, sx, w, ws, b, y, 1, M, N, K, 1);
-    } else {
+    } else if (h[0] == 3) {
         const void *x = next(M * N * 2);
         gelu_bf16(x, N, y, N, M, N, 1);
     }
@@ -679,8 +690,9 @@ def test_the_generic_kernels_run_on_aarch64(tmp_path):
     Debian's qemu-user (`apt-get install qemu-user`; skipped without it or ziglang): an ARM CPU's
     NEON code from GCC's vector extensions, with its fused multiply-adds. Each output within the bounds
     the x86 libraries' tests use: the GEMVs' float32 sums, W8A8's exact integer sums then its float32
-    scaling, GELU its float64 value rounded once to bfloat16. One thread: zig ships no OpenMP runtime,
-    so a header stands for the three OpenMP functions the sources call, and their loops run serially."""
+    scaling, GELU its float64 value rounded once to bfloat16, decode attention's float32 softmax. One
+    thread: zig ships no OpenMP runtime, so a header stands for the three OpenMP functions the sources
+    call, and their loops run serially."""
     import importlib.util
     import subprocess
     import sys
@@ -706,7 +718,7 @@ def test_the_generic_kernels_run_on_aarch64(tmp_path):
                               capture_output=True, timeout=600)
         assert done.returncode == 0, done
         raw = bytearray((tmp_path / "out").read_bytes())
-        return torch.frombuffer(raw, dtype=out).view(M, N)
+        return torch.frombuffer(raw, dtype=out).view(M, -1)
 
     u = 2.0**-24
     for M, N, K in ((1, 40, 1000), (5, 33, 64), (9, 70, 300)):
@@ -733,6 +745,18 @@ def test_the_generic_kernels_run_on_aarch64(tmp_path):
     x = x.bfloat16().view(4, 1000)
     got, want = run(3, 4, 1000, 0, x, out=torch.bfloat16).double(), _gelu64(x)
     assert ((got - want).abs() <= want.abs() * (U_BF16 + 1e-5) + 1e-30).all()
+    # decode attention over a shared prompt and a tail each: the bound of the x86 test above
+    g = torch.Generator().manual_seed(9)
+    N, H, D, P, T = 3, 2, 32, 21, 5
+    q = torch.randn(N, H, D, generator=g)
+    pk, pv = torch.randn(2, H, P, D, generator=g).bfloat16()
+    tk, tv = torch.randn(2, N, H, T, D, generator=g).bfloat16()
+    got = run(4, N, H, D, torch.tensor([P, T], dtype=torch.int32), q, pk, pv, tk, tv).view(N, H, D)
+    S = max(float((torch.cat([pk, tk[n]], 1).double().abs() @ q[n].double().abs()[:, :, None]).max())
+            for n in range(N)) / D**0.5
+    vmax = max(float(pv.double().abs().max()), float(tv.double().abs().max()))
+    bound = vmax * (2 * D * u * S + (2 * (P + T) + 6) * u)
+    torch.testing.assert_close(got.double(), _attention_reference(q, pk, pv, tk, tv), rtol=0, atol=bound)
 
 
 # --- a fused block's elementwise steps ------------------------------------------------------------
