@@ -377,19 +377,23 @@ _gemv_int8 = _gemv_bf16 = _gemm_w8a8 = _attend_group = _attend_paged = _prefill_
 _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = _int4_dequant = _argmax_rows = None
 _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
-BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_attend_group", "_attend_paged", "_prefill_paged",
-         "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows", "_int4_dequant", "_argmax_rows",
-         "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")  # what a test clears to take the native path away
+_int8_gemm_rows = 0  # the loaded library's int8 GEMM crossover; 0: it has none (int8_gemm_min_rows)
+# what a test clears to take the native path away
+BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_attend_group", "_attend_paged",
+         "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows", "_int4_dequant",
+         "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
+    global _int8_gemm_rows
     global _store_kv, _quantize_rows, _scale_rows, _int4_dequant, _argmax_rows
     global _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
     _gemv_bf16 = lib.gemv_bf16
     _gemm_w8a8 = lib.gemm_w8a8
     _w8a8_panel = lib.w8a8_panel()
+    _int8_gemm_rows = lib.int8_gemm_set_min_rows(0)  # (0 sets nothing)
     if hasattr(lib, "gemm_int8_amx"):  # the AVX-512 library's (amx.c)
         _gemm_int8_amx = lib.gemm_int8_amx
         _gemm_int8_amx.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
@@ -529,9 +533,17 @@ def int8_gemm_min_rows(rows: int | None = None) -> int:
     """The rows of x from which linear_int8 runs the loaded library's int8 GEMM (gemv.c: a register
     tile on bfloat16 dot products, each weight converted once per call) instead of its GEMV; 0 where the
     library has none (only AVX512-BF16's has). `rows` sets it for this process (benchmarks/native_gemv.py
-    times both sides of it); the value before is returned."""
+    times both sides of it); the value before is returned. Read without a call into the library: the
+    policy asks on every int8 layer's call."""
+    global _int8_gemm_rows
     lib = load()
-    return 0 if lib is None else lib.int8_gemm_set_min_rows(0 if rows is None else rows)
+    if lib is None or not _int8_gemm_rows:
+        return 0
+    before = _int8_gemm_rows
+    if rows is not None and rows > 0:
+        lib.int8_gemm_set_min_rows(rows)
+        _int8_gemm_rows = rows
+    return before
 
 
 AMX_K_MULTIPLE = 64  # the AMX GEMM converts its weight 64 inputs at a time (amx.c)

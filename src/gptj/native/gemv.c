@@ -323,24 +323,35 @@ typedef struct {
 
 /* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
    16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
+/* the scales and the bias of columns [col, col + c), c <= VW (1 and 0 where the job has none) */
+static inline vf scales_of(const job_t *j, long col, int c)
+{
+    return j->scale ? vf_load_bf16_upto(j->scale + col, c) : vf_set1(1.0f);
+}
+static inline vf bias_of(const job_t *j, long col, int c)
+{
+    return j->bias ? vf_load_bf16_upto(j->bias + col, c) : vf_zero();
+}
+
+/* c (<= VW) outputs at y's row-major index `at` from their float32 sums v: times the scales s, plus the
+   bias b (where the job has them), rounded once to bfloat16 unless y is float32 */
+static inline void store_out(const job_t *j, long at, vf v, vf s, vf b, int c)
+{
+    if (j->scale) v = vf_mul(v, s);
+    if (j->bias) v = vf_add(v, b);
+    if (j->y_f32) vf_store_f32_n((float *)j->y + at, v, c);
+    else vf_store_bf16_n((uint16_t *)j->y + at, v, c);
+}
+
 static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
 {
     for (int r = g; r < GROUP; r++)
         for (int m = 0; m < mt; m++) acc[r * mt + m] = vf_zero();
     for (int h = 0; h < g; h += VW) {  /* VW outputs at a time: one pass (AVX-512), two (AVX2) */
         const int c = g - h < VW ? g - h : VW;
-        const vf s = !j->scale ? vf_set1(1.0f)
-                     : c == VW ? vf_load_bf16(j->scale + n + h) : vf_load_bf16_n(j->scale + n + h, c);
-        const vf b = !j->bias ? vf_zero()
-                     : c == VW ? vf_load_bf16(j->bias + n + h) : vf_load_bf16_n(j->bias + n + h, c);
-        for (int m = 0; m < mt; m++) {
-            vf v = vf_hsum(acc + h * mt + m, mt);
-            if (j->scale) v = vf_mul(v, s);
-            if (j->bias) v = vf_add(v, b);
-            long idx = (m0 + m) * j->N + n + h;
-            if (j->y_f32) vf_store_f32_n((float *)j->y + idx, v, c);
-            else vf_store_bf16_n((uint16_t *)j->y + idx, v, c);
-        }
+        const vf s = scales_of(j, n + h, c), b = bias_of(j, n + h, c);
+        for (int m = 0; m < mt; m++)
+            store_out(j, (m0 + m) * j->N + n + h, vf_hsum(acc + h * mt + m, mt), s, b, c);
     }
 }
 
@@ -645,16 +656,9 @@ static void i8g_block(const job_t *j, const uint16_t *xp, long ldx, const uint32
     for (int v = 0; v < I8G_NV; v++) {
         const long col = n0 + 16 * v, n = j->N - col;
         if (n <= 0) break;
-        const int cnt = n < 16 ? (int)n : 16;
-        const vf s = vf_load_bf16_upto(j->scale + col, cnt), b = j->bias ? vf_load_bf16_upto(j->bias + col, cnt) : vf_zero();
-        for (int r = 0; r < mr; r++) {
-            vf f = vf_mul(acc[r][v], s);
-            if (j->bias) f = vf_add(f, b);
-            const long at = (m + r) * j->N + col;
-            if (j->y_f32 && cnt == 16) vf_storeu((float *)j->y + at, f);
-            else if (j->y_f32) vf_store_f32_n((float *)j->y + at, f, cnt);
-            else vf_store_bf16_upto((uint16_t *)j->y + at, f, cnt);
-        }
+        const int c = n < 16 ? (int)n : 16;
+        const vf s = scales_of(j, col, c), b = bias_of(j, col, c);
+        for (int r = 0; r < mr; r++) store_out(j, (m + r) * j->N + col, acc[r][v], s, b, c);
     }
 }
 
@@ -720,26 +724,30 @@ int int8_gemm_set_min_rows(int rows)
 }
 
 
-/* each returns 0, or -1 where memory for x's float32 copy could not be had (AVX2) */
+/* each returns 0, or -1 where memory for the kernel's copy of x (AVX2: in float32; the int8 GEMM: padded)
+   or its buffers could not be had */
+
+/* int8 weights: the GEMM from g_i8g_min_rows rows of x where the library has it, else the GEMV */
+static int run_int8(job_t *j, int nthreads)
+{
+#if HAVE_DP
+    if (j->M >= g_i8g_min_rows && j->K > 0 && j->N > 0) return gemm_int8_dp(j, nthreads);
+#endif
+    return run(j, nthreads);
+}
 
 int gemv_int8(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
               uint16_t *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 0, 1, M, N, K, NULL, 0};
-#if HAVE_DP
-    if (M >= g_i8g_min_rows && K > 0 && N > 0) return gemm_int8_dp(&j, nthreads);
-#endif
-    return run(&j, nthreads);
+    return run_int8(&j, nthreads);
 }
 
 int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
                   float *y, int M, int N, int K, int nthreads)
 {
     job_t j = {x, w, scale, bias, y, 1, 1, M, N, K, NULL, 0};
-#if HAVE_DP
-    if (M >= g_i8g_min_rows && K > 0 && N > 0) return gemm_int8_dp(&j, nthreads);
-#endif
-    return run(&j, nthreads);
+    return run_int8(&j, nthreads);
 }
 
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
