@@ -29,6 +29,7 @@ native and torch calls alternated run as fast as each alone.
     python benchmarks/native_gemv.py --shapes 7168x1024 --rows 1 --rounds 15
     python benchmarks/native_gemv.py --smoke --json     # small shapes, one round: does it run?
     python benchmarks/native_gemv.py --int8-gemm --rows 8 16 24 32 64 128 512 1024 2048 --rounds 5
+    python benchmarks/native_gemv.py --int4-gemm --rows 1 4 8 16 32 64 128 512 --rounds 5
 
 --int8-gemm times int8 weights at many rows instead (prefill's calls: one weight copy, computed on, not
 streamed): gptj.native's int8 GEMV and, where the library has one (AVX512-BF16's), its int8 GEMM (the
@@ -37,6 +38,11 @@ time (gptj.quant.ops.chunked_linear: the policy's DEQUANTIZE), and oneDNN's bflo
 weights of the shape (what bfloat16 runs); the median over rounds, in ms, the implementations
 alternated within each round. It says where the policy's native_int8_max_rows and the GEMM's crossover
 come from.
+
+--int4-gemm does the same for int4 weights (an Int4Linear of a random weight, --group): torch's int4
+kernel, the dequantized matmul (Int4Linear's, gptj.native unpacking torch's layout), gptj.native's int4
+GEMM where it runs (AVX512-BF16's library) and oneDNN's bfloat16 GEMM: where the policy's
+INT4_GEMM_MIN_ROWS and int4 crossovers come from.
 
 Where gptj.native's GEMV is not available (GPTJ_NATIVE=0, no compiler, a CPU without AVX2 + FMA)
 it says so in one line and exits 0 (with --json: {"skipped": REASON}).
@@ -245,20 +251,59 @@ def bench_int8_gemm(shapes: list[str], rows: list[int], rounds: int, out) -> lis
                 calls = {"GEMV": forced(1 << 30), "GEMM": forced(1),
                          "dequantize": lambda: chunked_linear(x, w, torch.bfloat16, scale),
                          "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-                times: dict[str, list[float]] = {i: [] for i in impls}
-                for i in impls:
-                    calls[i]()  # warm-up
-                for _ in range(rounds):
-                    for i in random.sample(impls, len(impls)):
-                        t = time.perf_counter()
-                        calls[i]()
-                        times[i].append((time.perf_counter() - t) * 1e3)
-                med = {i: statistics.median(v) for i, v in times.items()}
-                print(f"{shape:>12} {M:>5} " + " ".join(f"{med[i]:>12.2f}" for i in impls), file=out, flush=True)
-                table.append({"shape": shape, "rows": M, **{i: med[i] for i in impls}})
+                table.append(_time_row(shape, M, impls, calls, rounds, out))
     finally:
         native.int8_gemm_min_rows(default or None)
     return table
+
+
+def _time_row(shape: str, M: int, impls: list[str], calls: dict, rounds: int, out) -> dict:
+    """One line of a many-rows table: each implementation's median ms over rounds (a warm-up call first;
+    the implementations in a fresh order every round)."""
+    times: dict[str, list[float]] = {i: [] for i in impls}
+    for i in impls:
+        calls[i]()  # warm-up
+    for _ in range(rounds):
+        for i in random.sample(impls, len(impls)):
+            t = time.perf_counter()
+            calls[i]()
+            times[i].append((time.perf_counter() - t) * 1e3)
+    med = {i: statistics.median(v) for i, v in times.items()}
+    print(f"{shape:>12} {M:>5} " + " ".join(f"{med[i]:>12.2f}" for i in impls), file=out, flush=True)
+    return {"shape": shape, "rows": M, **med}
+
+
+def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int, out) -> list[dict]:
+    """--int4-gemm's table: int4 weights (an Int4Linear of a random weight) at many rows, each path's
+    median ms: torch's int4 kernel, the dequantized matmul, gptj.native's int4 GEMM (where it runs) and
+    oneDNN's bfloat16 GEMM on bfloat16 weights."""
+    from gptj.quant import Int4Linear
+    from gptj.quant.ops import cpu_int4_layout
+
+    gemm = native.int4_gemm_available(cpu_int4_layout())
+    impls = ["int4 kernel", "dequantize", *(["int4 GEMM"] if gemm else []),
+             *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else [])]
+    print(f"int4 weights (group {group}) at many rows; median of {rounds}, ms\n", file=out)
+    print(f"{'shape':>12} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls), file=out, flush=True)
+    table = []
+    for shape in shapes:
+        N, K = (int(v) for v in shape.lower().split("x"))
+        g = torch.Generator().manual_seed(N + K)
+        weight = torch.randn(N, K, generator=g).bfloat16()
+        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(weight)
+        m = Int4Linear.from_float(lin, group)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if "oneDNN bf16" in impls else None
+        kernel = m.weight if m.layout == "cpu" else m._kernel_weight
+        for M in rows:
+            x = torch.randn(M, K, generator=g).bfloat16()
+            calls = {"int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(x, kernel, m.group_size,
+                                                                              m._scales_and_zeros),
+                     "dequantize": lambda: m._dequant_linear(x), "int4 GEMM": lambda: m._native_gemm(x),
+                     "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+            table.append(_time_row(shape, M, impls, calls, rounds, out))
+    return table
+
 
 
 SMOKE = dict(shapes=["256x128"], rows=[1, 2], rounds=1, min_mb=1.0, burst_ms=0.1, interleave_calls=10)
@@ -277,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--int8-gemm", action="store_true",
                     help=f"int8 weights at many rows instead (default shapes {' '.join(GEMM_SHAPES)})")
+    ap.add_argument("--int4-gemm", action="store_true",
+                    help="int4 weights at many rows instead (shapes as --int8-gemm)")
+    ap.add_argument("--group", type=int, default=128, help="--int4-gemm's group size")
     args = _smoke.parse_args(ap, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
@@ -288,14 +336,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"skipped": why}))
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    if args.int8_gemm:
+    if args.int8_gemm or args.int4_gemm:
         print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads\n",
               file=out)
         shapes = args.shapes if args.shapes != list(SHAPES) else list(GEMM_SHAPES)
         with torch.inference_mode():
-            table = bench_int8_gemm(shapes, args.rows, args.rounds, out)
+            key, table = (("int8_gemm", bench_int8_gemm(shapes, args.rows, args.rounds, out)) if args.int8_gemm else
+                          ("int4_gemm", bench_int4_gemm(shapes, args.rows, args.rounds, args.group, out)))
         if args.json:
-            print(json.dumps({"cpu": cpu, "isa": native.isa().name, "int8_gemm": table}))
+            print(json.dumps({"cpu": cpu, "isa": native.isa().name, key: table}))
         return
     print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n", file=out)

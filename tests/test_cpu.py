@@ -144,9 +144,11 @@ def test_int8_layers_leave_the_gemv_after_a_few_rows_where_amx_runs_bf16_gemms(g
 def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkeypatch):
     """bfloat16 int4 calls leave torch's int4 kernel past INT4_AMX_KERNEL_MAX_ROWS rows on a CPU with
     AMX and gptj.native (which unpacks the layout), past INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16 but
-    no AMX (Zen 4, AMX under a lower ceiling); past KERNEL_MAX_ROWS["int4"] without bfloat16 arithmetic,
-    without gptj.native, and for float32 activations."""
+    no AMX (Zen 4, AMX under a lower ceiling) where gptj.native has no int4 GEMM; past
+    KERNEL_MAX_ROWS["int4"] without bfloat16 arithmetic, without gptj.native, and for float32
+    activations."""
     monkeypatch.setattr(policy, "native_available", lambda: True)
+    monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: False)
     below_amx = cpu.cap(AMX, "avx512_core_bf16")
     few, bf16, many = policy.INT4_AMX_KERNEL_MAX_ROWS, policy.INT4_BF16_KERNEL_MAX_ROWS, quant.KERNEL_MAX_ROWS["int4"]
     assert few < bf16 < many
@@ -162,6 +164,32 @@ def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkey
     assert policy.int4_kernel_max_rows("cuda", torch.bfloat16) == many
     monkeypatch.setattr(policy, "native_available", lambda: False)
     assert policy.int4_kernel_max_rows("cpu", torch.bfloat16) == many
+
+
+@pytest.mark.parametrize("gemm", [True, False], ids=["int4-gemm", "no-int4-gemm"])
+def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_without_amx(monkeypatch, gemm):
+    """Where the loaded library has the int4 GEMM (AVX512-BF16's), bfloat16 int4 calls take it from
+    INT4_GEMM_MIN_ROWS rows at any count on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
+    Not with AMX (oneDNN's AMX GEMM on the unpacked weight), not without bfloat16 arithmetic, not for
+    float32 activations, and not where the library has none (then as before: torch's kernel, then the
+    dequantized matmul)."""
+    monkeypatch.setattr(policy, "native_available", lambda: True)
+    monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: gemm)
+    lo = policy.INT4_GEMM_MIN_ROWS
+    assert 1 < lo <= policy.INT4_BF16_KERNEL_MAX_ROWS
+    for flags in (FLAGS[cpu.AVX512_BF16], cpu.cap(AMX, "avx512_core_bf16")):
+        monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
+        assert policy.native_int4_gemm("cpu", torch.bfloat16) == gemm
+        assert policy.linear_path("cpu", torch.bfloat16, lo - 1, "int4") == policy.WEIGHT_ONLY
+        for rows in (lo, policy.INT4_BF16_KERNEL_MAX_ROWS + 1, 4096):
+            want = policy.NATIVE if gemm else (policy.WEIGHT_ONLY if rows <= policy.INT4_BF16_KERNEL_MAX_ROWS
+                                               else policy.DEQUANTIZE)
+            assert policy.linear_path("cpu", torch.bfloat16, rows, "int4") == want, rows
+        assert policy.linear_path("cpu", torch.float32, 4096, "int4") == policy.DEQUANTIZE
+    for flags in (AMX, FLAGS[cpu.AVX2], FLAGS[cpu.AVX512]):
+        monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
+        assert not policy.native_int4_gemm("cpu", torch.bfloat16)
+        assert policy.linear_path("cpu", torch.bfloat16, 4096, "int4") != policy.NATIVE
 
 
 def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):

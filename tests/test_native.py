@@ -904,6 +904,73 @@ def test_int4_dequantize_is_int4_linears_values_transposed(block, split, native_
         native.int4_dequant_t(packed, K, (block, split), scale.t(), zero, group, out[:, :n])
 
 
+def _int4_case(n: int, K: int, group: int, block: int, split: bool, seed: int):
+    """An int4 weight in torch's CPU layout (whole blocks), its scales and zeros, and the bfloat16 values
+    int4_dequant_t makes of it (n, K): Int4Linear._dequant_rows' formula."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, K), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, K // group, generator=g) * 0.1 + 0.01).bfloat16()
+    zero = (torch.randn(n, K // group, generator=g) * 0.3).bfloat16()
+    zp = (zero.float() - 8 * scale.float()).bfloat16()
+    want = torch.addcmul(zp[..., None], q.view(n, K // group, group).bfloat16(), scale[..., None]).view(n, K)
+    return pack_int4_cpu_layout(q, block, split), scale, zero, want
+
+
+def _needs_int4_gemm() -> None:
+    if not native.int4_gemm_available():
+        with pytest.raises(RuntimeError, match="int4 GEMM is not available here"):
+            native.linear_int4(torch.zeros(1, 64).bfloat16(), torch.zeros(32, 32, dtype=torch.uint8), 64, (32, True),
+                               torch.zeros(32, 1).bfloat16(), torch.zeros(32, 1).bfloat16(), 64)
+        lib = native.isa()
+        pytest.skip(f"the {lib.name} library has no int4 GEMM (AVX512-BF16's only)" if lib else
+                    f"native kernels unavailable: {WHY_NOT}")
+
+
+@pytest.mark.parametrize("block, split", [(64, True), (32, True), (64, False), (32, False)])
+@pytest.mark.parametrize("M,n,K,group", [(1, 64, 256, 32), (13, 128, 4352, 128), (45, 192, 512, 256),
+                                         (1030, 64, 64, 64)])
+def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split, M, n, K, group):
+    """linear_int4 (AVX512-BF16's int4 GEMM) on torch's CPU layout, in each byte order and block it takes:
+    each output is one float32 lane over the products of x with int4_dequant_t's bfloat16 weights, each
+    product exact (bfloat16 x bfloat16) and each addition rounded once, then rounded to bfloat16: within
+    (K + 2) u sum|terms| of the float64 value, plus bfloat16's unit roundoff (2^-8) of it. The shapes take
+    a row, tiles of 12 rows and their tails, K in three slices (4352 inputs: 2048 + 128 pairs), every
+    group size, and M past the 1024-row block; the output is columns of a wider tensor, left alone
+    elsewhere."""
+    _needs_int4_gemm()
+    packed, scale, zero, want = _int4_case(n, K, group, block, split, seed=M + n + K)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    out = torch.zeros(M, n + 8).bfloat16()
+    native.linear_int4(x, packed, K, (block, split), scale, zero, group, out=out[:, 4:4 + n])
+    xd, wd = x.double(), want.double()
+    ref = xd @ wd.T
+    f32 = (xd.abs() @ wd.abs().T) * (K + 2) * 2.0**-24 + 1e-30
+    y = out[:, 4:4 + n].double()
+    assert ((y - ref).abs() <= f32 + (ref.abs() + f32) * 2.0**-8).all()
+    assert not out[:, :4].any() and not out[:, 4 + n:].any()
+
+
+def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
+    """One lane per output, its products added in k order: a row's int4 GEMM result is the same in every
+    call and at any thread count. Layouts it does not take, and bad arguments, are refused in one line."""
+    _needs_int4_gemm()
+    packed, scale, zero, _ = _int4_case(128, 4352, 128, 64, True, seed=11)
+    x = torch.randn(40, 4352, generator=torch.Generator().manual_seed(12)).bfloat16()
+    full = native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128)
+    for M in (1, 12, 13, 27):
+        assert torch.equal(native.linear_int4(x[-M:], packed, 4352, (64, True), scale, zero, 128), full[-M:]), M
+    assert torch.equal(_at_one_thread(lambda: native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128)), full)
+    with pytest.raises(ValueError, match="blocks of 16 rows"):
+        native.linear_int4(x, packed, 4352, (16, True), scale, zero, 128)
+    with pytest.raises(ValueError, match="x must be"):
+        native.linear_int4(x.float(), packed, 4352, (64, True), scale, zero, 128)
+    with pytest.raises(ValueError, match="out must be"):
+        native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128, out=torch.empty(40, 64).bfloat16())
+    with pytest.raises(ValueError, match="scale must"):
+        native.linear_int4(x, packed, 4352, (64, True), scale[:, :4].contiguous(), zero, 128)
+
+
 def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):
     """int8 blocks: each token's head vectors rounded per head (gptj.quant's rounding) with the scale
     beside them; other slots untouched. Blocks without their scales, or scales of the wrong shape,

@@ -1,7 +1,6 @@
 """Weight-only quantization: int8/int4 layers against a dequantized reference, error bounds,
 whole models, quantized checkpoints, and refusals."""
 
-import itertools
 import json
 
 import pytest
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gptj import policy, quant
+from gptj import native, policy, quant
 from gptj.bench import quant_report
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
@@ -35,9 +34,19 @@ def make_linear(n_in, n_out, bias, seed=0):
 
 def dequant_rows(mode, features=(128, 96), dtype=torch.bfloat16):
     """The fewest rows whose call of `dtype` activations dequantizes the weight (gptj.policy.linear_path)
-    for a layer of `features` (in, out), native kernels or not."""
-    return next(rows for rows in itertools.count(1)
-                if policy.linear_path("cpu", dtype, rows, mode, features) in (policy.DEQUANTIZE, policy.UPCAST))
+    for a layer of `features` (in, out), native kernels or not. (Where gptj.native's int4 GEMM takes
+    bfloat16 int4 calls of every size, none does: the tests of the dequantized path switch it off with
+    `no_int4_gemm`.)"""
+    rows = next((rows for rows in range(1, 1 << 16)
+                 if policy.linear_path("cpu", dtype, rows, mode, features) in (policy.DEQUANTIZE, policy.UPCAST)), None)
+    assert rows is not None, f"no {mode} call of {dtype} activations dequantizes here"
+    return rows
+
+
+@pytest.fixture
+def no_int4_gemm(monkeypatch):
+    """The policy without gptj.native's int4 GEMM (tests of the paths it would take over; its own below)."""
+    monkeypatch.setattr(policy, "native_int4_gemm", lambda device, dtype: False)
 
 
 def quantized(lin, mode):
@@ -55,7 +64,7 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("path", ["kernel", "dequant"])
-def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_path):
+def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_path, no_int4_gemm):
     """Each path of an Int8/Int4 linear (its CPU kernel: gptj.native's GEMV or torch's; the dequantized
     matmul) against the float32 product with the dequantized weight, native kernels on and off."""
     lin = make_linear(128, 96, bias)
@@ -74,7 +83,8 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("bf16_arithmetic", [True, False])
-def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf16_arithmetic, monkeypatch):
+def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf16_arithmetic, monkeypatch,
+                                                                         no_int4_gemm):
     """Past the kernels' rows a bfloat16 call on a CPU without bfloat16 arithmetic (faked here) runs
     the float32 call's math and rounds it once (UPCAST); with it, the dequantized matmul in bfloat16."""
     monkeypatch.setattr(policy, "cpu_bf16", lambda: bf16_arithmetic)
@@ -92,7 +102,7 @@ def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf1
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_dequant_path_in_chunks(monkeypatch, mode):
+def test_dequant_path_in_chunks(monkeypatch, mode, no_int4_gemm):
     lin = make_linear(64, 560, True)  # 560 = 2 * 256 + 48 rows: chunks of 256 and a tail
     m = quantized(lin, mode)
     x = torch.randn(dequant_rows(mode, (64, 560), dtype=torch.float32), 64)
@@ -103,7 +113,8 @@ def test_dequant_path_in_chunks(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks"])
-def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch, chunked, kernel_path):
+def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch, chunked, kernel_path,
+                                                                     no_int4_gemm):
     """bfloat16 int4 calls past the kernel's rows take the weight from gptj.native's unpacking of
     torch's CPU layout (whole blocks, native kernels loaded; a partial last block, and every block
     without them, torch's unpacking): the same
@@ -121,6 +132,37 @@ def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch
     assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1.5e-2
     monkeypatch.setattr(quant.Int4Linear, "_native_dequant", lambda self, x2: False)
     assert rel_err(m(x), y.float()) < 1.5e-2
+
+
+def test_int4_layers_take_the_native_int4_gemm_where_it_runs(monkeypatch):
+    """Where the policy gives bfloat16 int4 calls gptj.native's int4 GEMM (AVX512-BF16 without AMX), a
+    layer's whole blocks of rows take it and a last partial block (560 = 8 x 64 + 48 rows, as lm_head's
+    50,400 end) the dequantized matmul: that block's columns equal the dequantized path's bit for bit, the
+    others within bfloat16's rounding of it and of the float32 product. A weight the GEMM cannot take (not
+    in torch's CPU layout) takes the dequantized matmul."""
+    if not policy.native_int4_gemm("cpu", torch.bfloat16):
+        pytest.skip("gptj.native's int4 GEMM does not run here (AVX512-BF16 without AMX, its library loaded)")
+    lin = make_linear(256, 560, True)
+    m = quant.Int4Linear.from_float(lin, 64)
+    calls = []
+    real = native.linear_int4
+    monkeypatch.setattr(native, "linear_int4", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    ref_w = m.dequantized_weight(torch.float32)
+    for rows in (policy.INT4_GEMM_MIN_ROWS, 70):
+        x = torch.randn(rows, 256).bfloat16()
+        assert policy.linear_path("cpu", x.dtype, rows, "int4") == policy.NATIVE and not m.use_kernel(x)
+        y = m(x)
+        assert calls[-1] == rows
+        dq = m._dequant_linear(x) + m.bias.to(torch.bfloat16)  # the dequantized path's output
+        full = 560 // quant.cpu_int4_layout()[0] * quant.cpu_int4_layout()[0]
+        assert torch.equal(y[:, full:], dq[:, full:])
+        assert rel_err(y, dq.float()) < 1.5e-2
+        assert rel_err(y, F.linear(x.float(), ref_w, lin.bias.detach())) < 1.5e-2
+    n = len(calls)
+    m._to_portable()  # the portable layout (where torch's is unknown): the GEMM cannot read it
+    m._prepared = True
+    assert not m._native_gemm_ready()
+    assert rel_err(m(x), y.float()) < 1.5e-2 and len(calls) == n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,7 +22,10 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
-  cpu     int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
+  cpu     int4, bfloat16 x, on a CPU  >= INT4_GEMM_MIN_ROWS (9)        NATIVE       gptj.native's int4 GEMM on torch's
+          with AVX512-BF16, no AMX                                                  CPU layout (blocks of 32 or 64 rows)
+          (`native_int4_gemm`)
+          int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       bfloat16: 16 with AMX, 64 with
                                       AVX512-BF16)
                                       more                             DEQUANTIZE   (or UPCAST, as int8's; the CPU
@@ -245,7 +248,23 @@ INT4_AMX_KERNEL_MAX_ROWS = 16
 #                 dequantize      69.8   80.4   86.1    138    126    339
 # (The Xeon above, held to AVX512_CORE_BF16, crossed between 128 and 512 rows; such CPUs in service
 # without AMX are mostly AMD's, so the Zen 4's crossover is the rule.)
-INT4_BF16_KERNEL_MAX_ROWS = 64
+INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the layer's layout)
+# There gptj.native's int4 GEMM (gemv.c: the int8 GEMM's tiles on panels dequantized from torch's layout
+# once per call) beats both from 10 rows (level with torch's kernel at 8). Zen 4, 2 threads, 2026-11-29,
+# median of 5 (the 10-row column: of 7, another run), ms, group 128, `benchmarks/native_gemv.py --int4-gemm
+# --rows 1 4 8 16 32 64 128 512` ("oneDNN bf16": bfloat16 weights in oneDNN's layout, what bfloat16 runs):
+#   rows                           1      4      8     10     16     32     64    128    512
+#   16384 x 4096  int4 kernel    1.77   3.18   6.29   9.55   12.4   24.8   49.6   99.2    400
+#                 dequantize     30.1   31.1   32.1   36.2   34.0   39.5   50.2   68.2    190
+#                 int4 GEMM      4.79   5.11   6.30   7.45   8.63   13.3   22.8   42.0    157
+#                 (oneDNN bf16   6.17   5.37   6.18   6.46   7.59   12.1   21.4   39.9    159)
+#   4096 x 16384  int4 kernel    1.81   3.18   6.30   9.46   12.4   25.4   52.5    101    403
+#                 int4 GEMM      4.78   5.13   6.23   7.75   8.67   13.5   23.7   46.8    173
+#                 (oneDNN bf16   6.46   5.61   6.55   7.07   7.97   12.5   22.2   41.5    161)
+#   50400 x 4096  int4 kernel    5.44   9.69   19.3   33.3   38.6   78.7    156    315   1282
+#                 int4 GEMM      15.3   17.4   19.5   25.3   27.1   42.0   71.1    131    518
+#                 (oneDNN bf16   13.7   11.8   15.2   20.7   20.9   35.1   64.8    122    512)
+INT4_GEMM_MIN_ROWS = 9
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for
@@ -373,6 +392,13 @@ def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
     return KERNEL_MAX_ROWS["int4"]
 
 
+def native_int4_gemm(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether int4 calls of `dtype` activations on `device` from INT4_GEMM_MIN_ROWS rows take gptj.native's
+    int4 GEMM: bfloat16 on a CPU with AVX512-BF16 but no AMX (with AMX, oneDNN's GEMM on the unpacked
+    weight is faster) whose loaded library has it (AVX512-BF16's)."""
+    return native_elementwise(device, dtype) and cpu_bf16() and not cpu_amx() and native.int4_gemm_available()
+
+
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a fused block's GELU and rotary, and the engine's KV stores, of `dtype` activations
     on `device` run gptj.native's one-pass kernels (bfloat16 on CPU) instead of torch's ops."""
@@ -498,6 +524,8 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return INT_MM
         return DEQUANTIZE
     if weight == "int4":
+        if rows >= INT4_GEMM_MIN_ROWS and native_int4_gemm(kind, dtype):
+            return NATIVE
         if rows > int4_kernel_max_rows(kind, dtype):
             return _dequantize(kind, dtype)
         if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):

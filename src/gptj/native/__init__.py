@@ -63,10 +63,11 @@ import torch
 
 from gptj import cpu
 
-__all__ = ["ISAS", "Isa", "amx_available", "argmax_rows", "attention_group", "attention_paged", "available", "best_isa",
-           "gelu", "has", "int8_gemm_min_rows", "isa", "linear_bf16", "linear_int8", "linear_int8_amx", "linear_w8a8",
-           "linear_w8a8_amx", "load", "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8",
-           "requested_isa", "rotary_", "scale_rows", "store_kv", "unavailable_reason"]
+__all__ = ["ISAS", "Isa", "amx_available", "argmax_rows", "attention_group", "attention_paged", "available",
+           "best_isa", "gelu", "has", "int4_dequant_t", "int4_gemm_available", "int8_gemm_min_rows", "isa",
+           "linear_bf16", "linear_int4", "linear_int8", "linear_int8_amx", "linear_w8a8", "linear_w8a8_amx", "load",
+           "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa", "rotary_", "scale_rows",
+           "store_kv", "unavailable_reason"]
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
@@ -260,6 +261,8 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemm_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
     "w8a8_panel": ([], ctypes.c_int),
     "int8_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
+    "gemm_int4": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long, ctypes.c_int], ctypes.c_int),
+    "gemm_int4_available": ([], ctypes.c_int),
 }
 
 
@@ -378,15 +381,16 @@ _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = _int4_dequant = _ar
 _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 _int8_gemm_rows = 0  # the loaded library's int8 GEMM crossover; 0: it has none (int8_gemm_min_rows)
+_gemm_int4 = None  # the loaded library's int4 GEMM (AVX512-BF16's), None where it has none (linear_int4)
 # what a test clears to take the native path away
-BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_attend_group", "_attend_paged",
-         "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows", "_int4_dequant",
-         "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
+BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_attend_group",
+         "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows",
+         "_int4_dequant", "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _int8_gemm_rows
+    global _int8_gemm_rows, _gemm_int4
     global _store_kv, _quantize_rows, _scale_rows, _int4_dequant, _argmax_rows
     global _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
@@ -394,6 +398,7 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     _gemm_w8a8 = lib.gemm_w8a8
     _w8a8_panel = lib.w8a8_panel()
     _int8_gemm_rows = lib.int8_gemm_set_min_rows(0)  # (0 sets nothing)
+    _gemm_int4 = lib.gemm_int4 if lib.gemm_int4_available() else None
     if hasattr(lib, "gemm_int8_amx"):  # the AVX-512 library's (amx.c)
         _gemm_int8_amx = lib.gemm_int8_amx
         _gemm_int8_amx.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
@@ -910,6 +915,25 @@ def quantize_rows_u8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) ->
 
 
 INT4_MAX_BLOCK = 128  # the layout's rows a block, at most (int4_dequant_t's buffer)
+INT4_GEMM_BLOCKS = (32, 64)  # the blocks linear_int4 takes: a 32-channel panel is a block or half of one
+
+
+def _check_int4(name: str, packed: torch.Tensor, K: int, layout: tuple[int, bool], scale: torch.Tensor,
+                zero: torch.Tensor, group: int) -> int:
+    """int4_dequant_t's and linear_int4's weight arguments checked; returns the rows n."""
+    block = layout[0]
+    n = packed.shape[0] if packed.dim() == 2 else 0
+    if (packed.dtype is not torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != K or not packed.is_contiguous()
+            or not packed.is_cpu):
+        raise _bad(name, f"packed must be a contiguous uint8 CPU (n, {K // 2}) tensor")
+    if block % 16 or block > INT4_MAX_BLOCK or n % block:  # 16: a vector's lanes on every ISA (8 or 16)
+        raise _bad(name, f"{n} rows are not whole blocks of {block} (a multiple of 16, at most {INT4_MAX_BLOCK})")
+    if group < 1 or K % group:
+        raise _bad(name, f"group {group} does not divide K = {K}")
+    for t, what in ((scale, "scale"), (zero, "zero")):
+        if t.dtype is not _bf16 or t.shape != (n, K // group) or not t.is_contiguous() or not t.is_cpu:
+            raise _bad(name, f"{what} must be a contiguous bfloat16 CPU ({n}, {K // group}) tensor")
+    return n
 
 
 def int4_dequant_t(packed: torch.Tensor, K: int, layout: tuple[int, bool], scale: torch.Tensor,
@@ -921,24 +945,46 @@ def int4_dequant_t(packed: torch.Tensor, K: int, layout: tuple[int, bool], scale
     Int4Linear._dequant_rows' values, transposed. Returns out."""
     if _int4_dequant is None:
         _lib_or_raise("int4_dequant_t", "elementwise")
+    n = _check_int4("int4_dequant_t", packed, K, layout, scale, zero, group)
     block, split = layout
-    n = packed.shape[0]
-    if (packed.dtype is not torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != K or not packed.is_contiguous()
-            or not packed.is_cpu):
-        raise _bad("int4_dequant_t", f"packed must be a contiguous uint8 CPU (n, {K // 2}) tensor")
-    if block % 16 or block > INT4_MAX_BLOCK or n % block:  # 16: a vector's lanes on every ISA (8 or 16)
-        raise _bad("int4_dequant_t", f"{n} rows are not whole blocks of {block} (a multiple of 16, at most "
-                   f"{INT4_MAX_BLOCK})")
-    if group < 1 or K % group:
-        raise _bad("int4_dequant_t", f"group {group} does not divide K = {K}")
-    for t, what in ((scale, "scale"), (zero, "zero")):
-        if t.dtype is not _bf16 or t.shape != (n, K // group) or not t.is_contiguous() or not t.is_cpu:
-            raise _bad("int4_dequant_t", f"{what} must be a contiguous bfloat16 CPU ({n}, {K // group}) tensor")
     if out.dtype is not _bf16 or out.shape != (K, n) or out.stride(1) != 1 or not out.is_cpu:
         raise _bad("int4_dequant_t", f"out must be a bfloat16 CPU ({K}, {n}) tensor with contiguous rows")
     if n and K and _int4_dequant(packed.data_ptr(), K, n // block, block, int(split), scale.data_ptr(),
                                  zero.data_ptr(), group, out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise MemoryError("int4_dequant_t: no memory for the scales' buffers")
+    return out
+
+
+def int4_gemm_available(layout: tuple[int, bool] | None = None) -> bool:
+    """Whether linear_int4 runs here: the loaded library has the int4 GEMM (AVX512-BF16's) and, when
+    given, `layout`'s block is one it takes (INT4_GEMM_BLOCKS)."""
+    load()
+    return _gemm_int4 is not None and (layout is None or layout[0] in INT4_GEMM_BLOCKS)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, K: int, layout: tuple[int, bool], scale: torch.Tensor,
+                zero: torch.Tensor, group: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bfloat16 times the transpose of int4_dequant_t's weight (same arguments: whole blocks of
+    torch's CPU layout, blocks of INT4_GEMM_BLOCKS rows): (M, n) bfloat16, each output the float32 sum of
+    x's products with those bfloat16 weights, rounded once; no bias. Into `out` ((M, n) bfloat16, rows may
+    be strided: columns of a wider output) when given. The loaded library's int4 GEMM (gemv.c: each weight
+    dequantized once per call into panels, a register tile of bfloat16 dot products). Returns out."""
+    if not int4_gemm_available():
+        raise RuntimeError("linear_int4: gptj.native's int4 GEMM is not available here (AVX512-BF16's library only)")
+    n = _check_int4("linear_int4", packed, K, layout, scale, zero, group)
+    block, split = layout
+    if block not in INT4_GEMM_BLOCKS:
+        raise _bad("linear_int4", f"blocks of {block} rows (it takes {' or '.join(map(str, INT4_GEMM_BLOCKS))})")
+    if x.dtype is not _bf16 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or not x.is_cpu:
+        raise _bad("linear_int4", f"x must be a contiguous bfloat16 CPU (M, {K}) tensor")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty((M, n), dtype=_bf16)
+    if out.dtype is not _bf16 or out.shape != (M, n) or out.stride(1) != 1 or not out.is_cpu:
+        raise _bad("linear_int4", f"out must be a bfloat16 CPU ({M}, {n}) tensor with contiguous rows")
+    if M and n and _gemm_int4(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
+                              M, n, K, block, int(split), group, out.stride(0), torch.get_num_threads()):
+        raise MemoryError("linear_int4: no memory for the kernel's copy of x")
     return out
 
 

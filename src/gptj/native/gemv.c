@@ -319,7 +319,11 @@ typedef struct {
     long M, N, K;
     const float *xf;        /* int8: rows [xf_m0, M) of x in float32 (row stride K), or NULL */
     long xf_m0;
+    long ldy;               /* y's row stride; 0: N */
+    const struct i4_info *i4;  /* int4 weights (the int4 GEMM), or NULL */
 } job_t;
+
+static inline long ldy_of(const job_t *j) { return j->ldy ? j->ldy : j->N; }
 
 /* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
    16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
@@ -351,7 +355,7 @@ static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
         const int c = g - h < VW ? g - h : VW;
         const vf s = scales_of(j, n + h, c), b = bias_of(j, n + h, c);
         for (int m = 0; m < mt; m++)
-            store_out(j, (m0 + m) * j->N + n + h, vf_hsum(acc + h * mt + m, mt), s, b, c);
+            store_out(j, (m0 + m) * ldy_of(j) + n + h, vf_hsum(acc + h * mt + m, mt), s, b, c);
     }
 }
 
@@ -658,12 +662,21 @@ static void i8g_block(const job_t *j, const uint16_t *xp, long ldx, const uint32
         if (n <= 0) break;
         const int c = n < 16 ? (int)n : 16;
         const vf s = scales_of(j, col, c), b = bias_of(j, col, c);
-        for (int r = 0; r < mr; r++) store_out(j, (m + r) * j->N + col, acc[r][v], s, b, c);
+        for (int r = 0; r < mr; r++) store_out(j, (m + r) * ldy_of(j) + col, acc[r][v], s, b, c);
     }
 }
 
-/* y = gemv_int8's numbers for M >= I8G_MIN_ROWS rows: 0, or -1 without memory */
-static int gemm_int8_dp(const job_t *j, int nthreads)
+/* makes the panel of channels [n0, n0 + I8G_PANEL), pairs [p0, p0 + kn), in buf (i8g_convert's layout) */
+typedef void (*panel_fn)(const job_t *j, long n0, long p0, long kn, uint32_t *buf);
+
+static void i8g_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
+{
+    i8g_convert((const int8_t *)j->w, j->N, j->K, n0, p0, kn, buf);
+}
+
+/* y = the panels' products with x for M rows (the int8 GEMM: gemv_int8's numbers; the int4 GEMM): 0, or
+   -1 without memory */
+static int gemm_panels_dp(const job_t *j, int nthreads, panel_fn make_panel)
 {
     const long M = j->M, N = j->N, K = j->K, pairs = (K + 1) / 2;
     long ldx = (2 * pairs + 31) / 32 * 32;  /* bfloat16s a row: whole 64-byte lines, an odd number of them */
@@ -694,7 +707,7 @@ static int gemm_int8_dp(const job_t *j, int nthreads)
                 const long me = M - m0 < mc ? M : m0 + mc;
                 for (long p0 = 0; p0 < pairs; p0 += kc) {
                     const long kn = pairs - p0 < kc ? pairs - p0 : kc;
-                    i8g_convert((const int8_t *)j->w, N, K, t * I8G_PANEL, p0, kn, buf);
+                    make_panel(j, t * I8G_PANEL, p0, kn, buf);
                     for (long m = m0; m < me; m += I8G_MR)
                         i8g_block(j, xp, ldx, buf, c + (m - m0) * I8G_PANEL, m, me - m < I8G_MR ? (int)(me - m) : I8G_MR,
                                   t * I8G_PANEL, p0, kn, p0 == 0, p0 + kn == pairs);
@@ -704,6 +717,83 @@ static int gemm_int8_dp(const job_t *j, int nthreads)
     free(xp);
     free(scratch);
     return 0;
+}
+
+/* ---- int4 weights at many rows of x: the same GEMM on panels dequantized from torch's CPU int4 layout ----
+
+   elementwise.c's int4_dequant_t_bf16 says the layout: blocks of `block` output rows; in a block, column
+   k of the weight is block/2 bytes, with `split` byte i holding rows i (low nibble) and i + block/2 (high),
+   else rows 2i and 2i + 1. A panel of 32 channels is a whole block (32) or half of one (64), so a column's
+   32 values are 16 or 32 bytes side by side: the layout is already channels by column, and each pair of
+   columns becomes the panel's row of pairs by interleaving bytes (no transpose, unlike int8's row-major
+   weight). Each weight is dequantized as int4_dequant_t dequantizes it, bfloat16(q * s + zp) with
+   zp = bfloat16(zero - 8 s): the panel holds those very bfloat16 values, so the GEMM's outputs are float32
+   sums of the products of x with the weight that the dequantized matmul multiplies, rounded once. */
+
+struct i4_info {
+    int block, split, group;
+    const uint16_t *scale, *zero;  /* (N, K / group) bfloat16 */
+};
+
+/* column k's 32 nibbles of the panel at row r0 of its block (bytes at col), in channel order, as bytes */
+static inline __m256i i4_column(const uint8_t *col, int block, int split, int r0)
+{
+    const __m128i low4 = _mm_set1_epi8(15);
+    if (split && block == 64) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)col);
+        return _mm256_and_si256(r0 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    }
+    if (split) {  /* block 32: rows 0-15 low nibbles, rows 16-31 high */
+        const __m128i v = _mm_loadu_si128((const __m128i *)col);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(col + r0 / 2));  /* rows 2i (low), 2i + 1 (high) */
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+/* the scale and zp of channels n0 .. n0 + 31 for group g, each twice (lanes 2i, 2i + 1: channel 8 q + i) */
+static inline void i4_group_scales(const struct i4_info *q, long groups, long n0, long g, __m512 sd[4], __m512 zd[4])
+{
+    float s[40], z[40];
+    for (int c = 0; c < 32; c++) {
+        const long at = (n0 + c) * groups + g;
+        s[c] = bf16_to_f32(q->scale[at]);
+        z[c] = bf16_to_f32(f32_to_bf16(bf16_to_f32(q->zero[at]) - 8.0f * s[c]));
+    }
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int h = 0; h < 4; h++) {
+        sd[h] = _mm512_permutexvar_ps(twice, _mm512_loadu_ps(s + 8 * h));
+        zd[h] = _mm512_permutexvar_ps(twice, _mm512_loadu_ps(z + 8 * h));
+    }
+}
+
+static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
+{
+    const struct i4_info *q = j->i4;
+    const long K = j->K, groups = K / q->group, half = q->block / 2;
+    const int r0 = (int)(n0 % q->block);
+    const uint8_t *blk = (const uint8_t *)j->w + n0 / q->block * K * half;  /* column k at blk + k * half */
+    __m512 sd[4], zd[4];
+    long g_at = -1;
+    for (long p = 0; p < kn; p++) {
+        const long k = 2 * (p0 + p);
+        if (k / q->group != g_at) {
+            g_at = k / q->group;
+            i4_group_scales(q, groups, n0, g_at, sd, zd);
+        }
+        const __m256i a = i4_column(blk + k * half, q->block, q->split, r0);
+        const __m256i b = i4_column(blk + (k + 1) * half, q->block, q->split, r0);
+        for (int h = 0; h < 2; h++) {  /* channels 16 h .. 16 h + 15 */
+            const __m128i ah = h ? _mm256_extracti128_si256(a, 1) : _mm256_castsi256_si128(a);
+            const __m128i bh = h ? _mm256_extracti128_si256(b, 1) : _mm256_castsi256_si128(b);
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(ah, bh))),
+                                              sd[2 * h], zd[2 * h]);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(ah, bh))),
+                                              sd[2 * h + 1], zd[2 * h + 1]);
+            _mm512_store_si512(buf + p * I8G_PANEL + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
 }
 #endif /* HAVE_DP */
 
@@ -731,7 +821,7 @@ int int8_gemm_set_min_rows(int rows)
 static int run_int8(job_t *j, int nthreads)
 {
 #if HAVE_DP
-    if (j->M >= g_i8g_min_rows && j->K > 0 && j->N > 0) return gemm_int8_dp(j, nthreads);
+    if (j->M >= g_i8g_min_rows && j->K > 0 && j->N > 0) return gemm_panels_dp(j, nthreads, i8g_panel);
 #endif
     return run(j, nthreads);
 }
@@ -749,6 +839,29 @@ int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, con
     job_t j = {x, w, scale, bias, y, 1, 1, M, N, K, NULL, 0};
     return run_int8(&j, nthreads);
 }
+
+/* int4 weights (whole blocks of torch's CPU layout, elementwise.c's int4_dequant_t_bf16 says it; block 32 or
+   64): y (M, N) bfloat16, rows ldy apart, = x times the dequantized weight's transpose, float32 sums
+   rounded once (no bias). Returns 0, -1 without memory, -2 where the library has no such GEMM (without
+   HAVE_DP) or the block is not 32 or 64. */
+int gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, uint16_t *y,
+              int M, int N, int K, int block, int split, int group, long ldy, int nthreads)
+{
+#if HAVE_DP
+    if (block != 32 && block != 64) return -2;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    const struct i4_info q = {block, split, group, scale, zero};
+    job_t j = {x, packed, NULL, NULL, y, 0, 0, M, N, K, NULL, 0, ldy, &q};
+    return gemm_panels_dp(&j, nthreads, i4_panel);
+#else
+    (void)x; (void)packed; (void)scale; (void)zero; (void)y; (void)M; (void)N; (void)K; (void)block; (void)split;
+    (void)group; (void)ldy; (void)nthreads;
+    return -2;
+#endif
+}
+
+/* 1 where the library has gemm_int4 (HAVE_DP), else 0 */
+int gemm_int4_available(void) { return HAVE_DP; }
 
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
               int M, int N, int K, int nthreads)

@@ -433,7 +433,9 @@ class Int4Linear(nn.Module):
             y = cuda.int4_linear(x2.contiguous(), self.weight, self.weight_scale, self.weight_zero, self.group_size,
                                  self.bias)  # on CUDA the weight stays in the portable layout
             return y.view(*x.shape[:-1], self.out_features)
-        if self._torch_kernel(x, path):
+        if path == NATIVE and self._native_gemm_ready():
+            y = self._native_gemm(x2)
+        elif self._torch_kernel(x, path):
             if x.device.type == "cpu":
                 w = self.weight if self.layout == "cpu" else self._kernel_weight
                 y = torch._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), w, self.group_size,
@@ -442,9 +444,27 @@ class Int4Linear(nn.Module):
                 y = torch._weight_int4pack_mm(x2.contiguous(), self._kernel_weight, self.group_size,
                                               self._scales_and_zeros)
             y = y.to(x.dtype)
-        else:  # DEQUANTIZE, or UPCAST: the same in float32, rounded to x's dtype once
-            y = self._dequant_linear(x2.to(_dequantize_dtype(path, x2.dtype)))
+        else:  # DEQUANTIZE, or UPCAST: the same in float32, rounded to x's dtype once (also NATIVE's
+            y = self._dequant_linear(x2.to(_dequantize_dtype(path, x2.dtype)))  # math where it cannot run)
         return _finish(self, y, x).to(x.dtype)
+
+    def _native_gemm_ready(self) -> bool:
+        """Whether gptj.native's int4 GEMM can take this weight: in torch's CPU layout, in blocks it takes."""
+        return self.layout == "cpu" and native.int4_gemm_available(cpu_int4_layout())
+
+    def _native_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (rows, in) bfloat16 times the weight: the whole blocks by native.linear_int4 (the dequantized
+        matmul's weights, float32 sums rounded once), a last partial block (lm_head's 50,400 rows: 32 past
+        787 blocks of 64) by the dequantized matmul."""
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
+        layout = cpu_int4_layout()
+        full = self.out_features // layout[0] * layout[0]
+        if full:
+            native.linear_int4(x2.contiguous(), self.weight[:full], self.in_features, layout,
+                               self.weight_scale[:full], self.weight_zero[:full], self.group_size, out=y[:, :full])
+        if full < self.out_features:
+            y[:, full:] = F.linear(x2, self._dequant_rows(full, self.out_features, x2.dtype))
+        return y
 
     def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
         if self.layout == "cpu":  # a starts a block of the layout (b ends one, or the weight): whole blocks
