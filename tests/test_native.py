@@ -137,11 +137,13 @@ def _needs_int8_gemm() -> None:
         pytest.skip(f"the {native.isa().name} library has no int8 GEMM (AVX512-BF16's only)")
 
 
-@pytest.mark.parametrize("M,N,K", [(32, 33, 64), (45, 100, 1001), (70, 32, 4096), (33, 50, 9000), (1030, 17, 40)])
+@pytest.mark.parametrize("M,N,K", [(32, 33, 64), (45, 100, 1001), (70, 32, 4096), (33, 50, 9000), (1030, 17, 40),
+                                   (40, 40, 100)])
 def test_int8_gemm_is_within_float32_sums_and_one_bfloat16_rounding(M, N, K, gemv_isa):
     """AVX512-BF16's int8 GEMM (from int8_gemm_min_rows rows): tails of every kind (N not a multiple of
-    its 32-channel panels, M of its 12-row tiles, an odd K, K in three slices of 2048 pairs, M past its
-    1024-row blocks). Each output is one float32 lane over K products rounded once each, times the
+    its 32-channel panels, M of its tiles of up to 12 rows (split as evenly as they go: 40 rows are
+    10 + 10 + 10 + 10, 1030 are 86 tiles of 11 or 12 and one of 6), an odd K, K in three slices of
+    2048 pairs, M past its 1024-row blocks). Each output is one float32 lane over K products rounded once each, times the
     scale, plus the bias: within (K + 2) u sum|terms| of the float64 value (float32 outputs), and that
     value rounded once to bfloat16 (its unit roundoff, 2^-8, more) for bfloat16 outputs."""
     _needs_int8_gemm()
@@ -928,13 +930,13 @@ def _needs_int4_gemm() -> None:
 
 @pytest.mark.parametrize("block, split", [(64, True), (32, True), (64, False), (32, False)])
 @pytest.mark.parametrize("M,n,K,group", [(1, 64, 256, 32), (13, 128, 4352, 128), (45, 192, 512, 256),
-                                         (1030, 64, 64, 64)])
+                                         (28, 64, 128, 64), (1030, 64, 64, 64)])
 def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split, M, n, K, group):
     """linear_int4 (AVX512-BF16's int4 GEMM) on torch's CPU layout, in each byte order and block it takes:
     each output is one float32 lane over the products of x with int4_dequant_t's bfloat16 weights, each
     product exact (bfloat16 x bfloat16) and each addition rounded once, then rounded to bfloat16: within
     (K + 2) u sum|terms| of the float64 value, plus bfloat16's unit roundoff (2^-8) of it. The shapes take
-    a row, tiles of 12 rows and their tails, K in three slices (4352 inputs: 2048 + 128 pairs), every
+    a row, tiles of 6 to 12 rows (28: 10 + 9 + 9), K in three slices (4352 inputs: 2048 + 128 pairs), every
     group size, and M past the 1024-row block; the output is columns of a wider tensor, left alone
     elsewhere."""
     _needs_int4_gemm()

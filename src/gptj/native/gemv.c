@@ -38,8 +38,9 @@
    count.
 
    W8A8's GEMM (int8 x int8, exact int32 sums, at any rows: gemm_w8a8, at the end) is the other
-   kind of kernel here: on its own packed weight, a register tile of rows by output channels. So is,
-   on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x (gemm_int8_dp, after the GEMV).
+   kind of kernel here: on its own packed weight, a register tile of rows by output channels. So are,
+   on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x and the int4 GEMM (gemm_int4) on
+   torch's CPU int4 layout: one driver (gemm_panels_dp, after the GEMV) over panels each makes its way.
 */
 
 #include "simd.h"
@@ -531,7 +532,8 @@ static int run(job_t *j, int nthreads)
      bfloat16 (exact) into a per-thread buffer in the layout the tile reads: for each pair of inputs
      (2p, 2p + 1), the panel's channels' two weights side by side (16 weight rows converted, then
      transposed as 16 x 16 pairs).
-   - The tile is I8G_MR (12) rows of x by the panel's 2 vectors of 16 channels: 24 float32 accumulators;
+   - The tile is up to I8G_MR (12) rows of x (a block's rows in tiles as even as they divide) by the
+     panel's 2 vectors of 16 channels: 24 float32 accumulators;
      each step loads the 2 weight vectors of one pair and broadcasts that pair of each row of x to every
      lane (vdpbf16ps: lane c adds x's pair times channel c's pair). The channels lie along the lanes: no
      horizontal sums, and every output is one lane's sum over the pairs in k order, so results depend
@@ -546,8 +548,16 @@ static int run(job_t *j, int nthreads)
    12 x 2 best by 1-3 %; slices of 128, 256, 512 and 2048 pairs (8 x 3 tiles) at 0.84-0.90, 0.89-0.94,
    0.94-0.97 and 0.93-0.97x. Converting whole cache lines of a row at once, or prefetching the next panel, did not
    help. What the conversion costs (4-8 ms a call for GPT-J's layers, twice the GEMV's time at 4 rows)
-   puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS); a layout packed for it at load time, as
-   W8A8's, would lower both. */
+   puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS).
+   A layout packed for it at load time would not pay (one-off builds, 16384 x 4096 at 32 rows, cycles of
+   thread 0 by rdtsc, 2026-11-29): reading each panel as one sequential stream with no transpose (the
+   bytes a packed layout would hold) cut the conversion from 9.7 to 3.3 M cycles but slowed the tiles
+   from 24.3 to 28 M (the memory traffic moves under them), 12.2-12.5 ms a call against the row-major
+   13.4 and oneDNN's bfloat16 12.1; a software prefetch of the next panel during the tiles, on either
+   layout, and dequantizing inside the first tile instead of a separate pass were slower still. The
+   tiles run close to Zen 4's one 512-bit vdpbf16ps a cycle (33.5 M a thread in 9.3 ms): int8 weights at
+   24-64 rows pay their conversion on top of the arithmetic bfloat16 weights need, and stay at 0.9-1.0x
+   bfloat16's speed there. */
 
 #ifndef I8G_NV
 #define I8G_NV 2                  /* vectors of 16 channels per panel */
@@ -646,9 +656,12 @@ static void i8g_block(const job_t *j, const uint16_t *xp, long ldx, const uint32
         for (int v = 0; v < I8G_NV; v++)
             acc[r][v] = first || r >= mr ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * I8G_PANEL + 16 * v);
     const uint16_t *x = xp + m * ldx + 2 * p0;
-    switch (mr) {  /* mr <= I8G_MR: each case a tile of its own */
+    switch (mr) {  /* mr <= I8G_MR: each case a tile of its own, reading rows [m, m + mr) of x only */
 #define I8G_CASE(r) case r: i8g_tile(x, ldx, buf, kn, r < I8G_MR ? r : I8G_MR, acc); break;
     I8G_CASE(1) I8G_CASE(2) I8G_CASE(3) I8G_CASE(4) I8G_CASE(5) I8G_CASE(6) I8G_CASE(7) I8G_CASE(8)
+#if I8G_MR > 8
+    I8G_CASE(9) I8G_CASE(10) I8G_CASE(11)
+#endif
     default: i8g_tile(x, ldx, buf, kn, I8G_MR, acc); break;
 #undef I8G_CASE
     }
@@ -708,9 +721,15 @@ static int gemm_panels_dp(const job_t *j, int nthreads, panel_fn make_panel)
                 for (long p0 = 0; p0 < pairs; p0 += kc) {
                     const long kn = pairs - p0 < kc ? pairs - p0 : kc;
                     make_panel(j, t * I8G_PANEL, p0, kn, buf);
-                    for (long m = m0; m < me; m += I8G_MR)
-                        i8g_block(j, xp, ldx, buf, c + (m - m0) * I8G_PANEL, m, me - m < I8G_MR ? (int)(me - m) : I8G_MR,
-                                  t * I8G_PANEL, p0, kn, p0 == 0, p0 + kn == pairs);
+                    /* the block's rows in tiles of at most I8G_MR, as even as they divide (16 rows: 8 + 8,
+                       not 12 + 4: a tile of few rows spends its weight loads on few products) */
+                    const long tiles = (me - m0 + I8G_MR - 1) / I8G_MR, base = (me - m0) / tiles;
+                    for (long i = 0, m = m0; i < tiles; i++) {
+                        const int mr = (int)(base + (i < (me - m0) % tiles));
+                        i8g_block(j, xp, ldx, buf, c + (m - m0) * I8G_PANEL, m, mr, t * I8G_PANEL, p0, kn, p0 == 0,
+                                  p0 + kn == pairs);
+                        m += mr;
+                    }
                 }
             }
     }
