@@ -109,17 +109,20 @@ def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: c
     does not depend on the rows beside it, where no pass of 8 is left with 1 or 2 rows (those take
     more accumulators, and AVX-512's int8 takes float32 x for a last pass of one). The M below
     leave none. (int8 calls of int8_gemm_min_rows rows or more take the GEMM where the library has
-    one: the GEMV's rows are compared below that, the GEMM's in its own test.)"""
+    one: here the knob keeps them on the GEMV; the GEMM's rows are compared in its own test.)"""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 1000, generator=g).bfloat16()
     w8 = torch.randint(-128, 128, (300, 1000), generator=g, dtype=torch.int8)
     scale = (torch.rand(300, generator=g) * 0.02).bfloat16()
     wb = (torch.randn(300, 1000, generator=g) * 0.05).bfloat16()
-    below = native.int8_gemm_min_rows() - 1 if native.int8_gemm_min_rows() else 40
-    full8, fullb = native.linear_int8(x[:min(below, 24)], w8, scale), native.linear_bf16(x, wb)
-    for M in (3, 8, 12, 13, 16, 24):
-        assert torch.equal(native.linear_int8(x[:M], w8, scale), full8[:M]), M
-        assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
+    crossover = native.int8_gemm_min_rows(1 << 30)  # (0, and nothing set, where the library has no GEMM)
+    try:
+        full8, fullb = native.linear_int8(x[:24], w8, scale), native.linear_bf16(x, wb)
+        for M in (3, 8, 12, 13, 16, 24):
+            assert torch.equal(native.linear_int8(x[:M], w8, scale), full8[:M]), M
+            assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
+    finally:
+        native.int8_gemm_min_rows(crossover or None)
 
 
 def _at_one_thread(call):
@@ -173,14 +176,22 @@ def test_int8_gemm_rows_do_not_depend_on_their_call_or_the_threads(gemv_isa):
     for M in (lo, lo + 1, lo + 13):
         assert torch.equal(native.linear_int8(x[-M:], w, scale, bias), full[-M:]), M
     assert torch.equal(_at_one_thread(lambda: native.linear_int8(x, w, scale, bias)), full)
+
+    def f32():  # float32 outputs: where the order of additions shows
+        y = torch.empty(x.shape[0], 70)
+        gemv_isa.gemv_int8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                               x.shape[0], 70, 4100, 2)
+        return y
+
+    gemm32 = f32()
     native.int8_gemm_min_rows(1 << 30)
     try:
-        gemv = native.linear_int8(x, w, scale, bias)
+        gemv, gemv32 = native.linear_int8(x, w, scale, bias), f32()
     finally:
         native.int8_gemm_min_rows(lo)
     assert native.int8_gemm_min_rows() == lo
     _close(full, gemv)
-    assert not torch.equal(full, gemv)  # the GEMV's order of additions is another: the knob chose it
+    assert not torch.equal(gemm32, gemv32)  # the GEMV's order of additions is another: the knob chose it
 
 
 def _amx_reason() -> str | None:
