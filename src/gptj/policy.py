@@ -17,7 +17,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (`native_amx_available`)    AMX_INT8_MAX_ROWS (256)
           int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
                                       16 with AMX, 1024 where the                   (AVX-512 or AVX2, as above); from
-                                      library has the int8 GEMM:                    17 rows AVX512-BF16's int8 GEMM
+                                      library has the int8 GEMM:                    32 rows AVX512-BF16's int8 GEMM
                                       `native_int8_max_rows`)
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
@@ -139,7 +139,7 @@ NATIVE_MAX_ROWS = 8
 #   dequantize + F.linear, float32 x       127   131   148   174   221   310   489
 NATIVE_INT8_MAX_ROWS = 512
 # The AVX512-BF16 library has an int8 GEMM besides (gemv.c: each weight converted once per call, a
-# register tile of bfloat16 dot products), which linear_int8 runs from 17 rows (its own crossover with
+# register tile of bfloat16 dot products), which linear_int8 runs from 32 rows (its own crossover with
 # the GEMV, gptj.native.int8_gemm_min_rows). It runs at 0.86-0.98x oneDNN's bfloat16 GEMM on bfloat16
 # weights at 32-64 rows and 0.89-1.04x from 128, and stays ahead of dequantizing for that GEMM to 1024
 # rows (`python benchmarks/native_gemv.py --int8-gemm --rows 8 16 24 32 48 64 128 512 1024 2048

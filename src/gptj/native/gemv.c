@@ -39,7 +39,7 @@
 
    W8A8's GEMM (int8 x int8, exact int32 sums, at any rows: gemm_w8a8, at the end) is the other
    kind of kernel here: on its own packed weight, a register tile of rows by output channels. So are,
-   on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 17 rows of x and the int4 GEMM (gemm_int4) on
+   on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x and the int4 GEMM (gemm_int4) on
    torch's CPU int4 layout: one driver (gemm_panels_dp, after the GEMV) over panels each makes its way.
 */
 
@@ -548,9 +548,11 @@ static int run(job_t *j, int nthreads)
    12 x 2 best by 1-3 %; slices of 128, 256, 512 and 2048 pairs (8 x 3 tiles) at 0.84-0.90, 0.89-0.94,
    0.94-0.97 and 0.93-0.97x. Converting whole cache lines of a row at once, or prefetching the next panel, did not
    help. What the conversion costs (4-8 ms a call for GPT-J's layers, twice the GEMV's time at 4 rows)
-   puts the crossover with the GEMV past 16 rows (I8G_MIN_ROWS), where the GEMV needs a third pass of 8:
-   at 16 rows the GEMV was faster on 4 of GPT-J's 5 shapes, at 17 and 18 the GEMM on 4 and 5 of 5 (by up
-   to 1.25x; 2026-11-29, after the even split of tiles; it had been 32 before that).
+   puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS). With tiles split evenly the GEMM timed
+   faster than the GEMV from 17 rows on one weight computed on (benchmarks/native_gemv.py --int8-gemm:
+   4-5 of GPT-J's 5 shapes at 17-28 rows, by up to 1.25x), but a model decoding batches of 24, each layer's
+   weight cold, ran slower with it (cpu_kinds.py: 211 and 212 tok/s against 223 at 32; 2026-11-29): the
+   GEMV streams its weight with a prefetch cursor ahead, the GEMM's conversion waits on memory.
    A layout packed for it at load time would not pay (one-off builds, 16384 x 4096 at 32 rows, cycles of
    thread 0 by rdtsc, 2026-11-29): reading each panel as one sequential stream with no transpose (the
    bytes a packed layout would hold) cut the conversion from 9.7 to 3.3 M cycles but slowed the tiles
@@ -575,7 +577,7 @@ static int run(job_t *j, int nthreads)
 #define I8G_MC 1024               /* rows of x per block: the weight is converted once per block */
 #endif
 #ifndef I8G_MIN_ROWS
-#define I8G_MIN_ROWS 17           /* gemv_int8 takes this GEMM from this many rows of x on */
+#define I8G_MIN_ROWS 32           /* gemv_int8 takes this GEMM from this many rows of x on */
 #endif
 
 static int g_i8g_min_rows = I8G_MIN_ROWS;
