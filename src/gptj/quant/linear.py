@@ -9,18 +9,18 @@ SmoothQuant style) or `Fp8Linear` (e4m3 weights; e4m3 activations per token in b
 with FP8 matrix units). The buffers are the checkpoint's tensors (gptj.quant.format).
 
 Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
-gptj.native's int8 GEMV for a few rows on CPU; torch's weight-only kernels
-(torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu) in bfloat16 up to
-KERNEL_MAX_ROWS[mode] rows (activations of other dtypes are cast to bfloat16 for the call: the
-kernels' float32 paths are not vectorized and measured 10-30x slower than their bfloat16 paths,
-slower than a float32 F.linear on the unquantized weight); on CUDA, gptj.quant.cuda's Triton
-GEMVs for decode's few rows (int8, fp8, and int4 beside torch._weight_int4pack_mm) and
-torch._scaled_mm for fp8's bigger calls; otherwise (prefill, odd shapes) the weight dequantized to
-the activation dtype, a chunk of output rows at a time, and F.linear: weight-only kernels pay for
-decode (memory bound), not for big prefills (compute bound). The CUDA paths are tested here under
-Triton's interpreter and torch's CPU torch._scaled_mm, not on a GPU. The packed layout the CPU int4
-kernel wants is made at load time, on the device (see `Int4Linear.prepare`).
-"""
+gptj.native's int8 GEMV for a few rows on CPU (and its int8 and int4 GEMMs for more, on AVX512-BF16
+without AMX); torch's weight-only kernels (torch._weight_int8pack_mm /
+torch._weight_int4pack_mm_for_cpu) in bfloat16 up to KERNEL_MAX_ROWS[mode] rows (activations of
+other dtypes are cast to bfloat16 for the call: the kernels' float32 paths are not vectorized and
+measured 10-30x slower than their bfloat16 paths, slower than a float32 F.linear on the unquantized
+weight); on CUDA, gptj.quant.cuda's Triton GEMVs for decode's few rows (int8, fp8, and int4 beside
+torch._weight_int4pack_mm) and torch._scaled_mm for fp8's bigger calls; otherwise (prefill, odd
+shapes) the weight dequantized to the activation dtype, a chunk of output rows at a time, and
+F.linear: weight-only kernels pay for decode (memory bound), not for big prefills (compute bound).
+The CUDA paths are tested here under Triton's interpreter and torch's CPU torch._scaled_mm, not on a
+GPU. The packed layout the CPU int4 kernel wants is made at load time, on the device (see
+`Int4Linear.prepare`)."""
 
 from __future__ import annotations
 
