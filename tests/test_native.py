@@ -143,12 +143,12 @@ def _needs_int8_gemm() -> None:
 @pytest.mark.parametrize("M,N,K", [(32, 33, 64), (45, 100, 1001), (70, 32, 4096), (33, 50, 9000), (1030, 17, 40),
                                    (40, 40, 100)])
 def test_int8_gemm_is_within_float32_sums_and_one_bfloat16_rounding(M, N, K, gemv_isa):
-    """AVX512-BF16's int8 GEMM (from int8_gemm_min_rows rows): tails of every kind (N not a multiple of
-    its 32-channel panels, M of its tiles of up to 12 rows (split as evenly as they go: 40 rows are
-    10 + 10 + 10 + 10, 1030 are 86 tiles of 11 or 12 and one of 6), an odd K, K in three slices of
-    2048 pairs, M past its 1024-row blocks). Each output is one float32 lane over K products rounded once each, times the
-    scale, plus the bias: within (K + 2) u sum|terms| of the float64 value (float32 outputs), and that
-    value rounded once to bfloat16 (its unit roundoff, 2^-8, more) for bfloat16 outputs."""
+    """AVX512-BF16's int8 GEMM (from int8_gemm_min_rows rows): tails of every kind (N not a multiple of its 32-channel
+    panels, M of its tiles of up to 12 rows (split as evenly as they go: 40 rows are 10 + 10 + 10 + 10, 1030 are 86
+    tiles of 11 or 12 and one of 6), an odd K, K in three slices of 2048 pairs, M past its 1024-row blocks). Each
+    output is one float32 lane over K products rounded once each, times the scale, plus the bias: within (K + 2) u
+    sum|terms| of the float64 value (float32 outputs), and that value rounded once to bfloat16 (its unit roundoff,
+    2^-8, more) for bfloat16 outputs."""
     _needs_int8_gemm()
     assert M >= native.int8_gemm_min_rows()
     u = 2.0**-24
