@@ -326,8 +326,6 @@ typedef struct {
 
 static inline long ldy_of(const job_t *j) { return j->ldy ? j->ldy : j->N; }
 
-/* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
-   16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
 /* the scales and the bias of columns [col, col + c), c <= VW (1 and 0 where the job has none) */
 static inline vf scales_of(const job_t *j, long col, int c)
 {
@@ -348,6 +346,8 @@ static inline void store_out(const job_t *j, long at, vf v, vf s, vf b, int c)
     else vf_store_bf16_n((uint16_t *)j->y + at, v, c);
 }
 
+/* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
+   16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
 static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
 {
     for (int r = g; r < GROUP; r++)
@@ -778,7 +778,7 @@ static inline __m256i i4_column(const uint8_t *col, int block, int split, int r0
 /* the scale and zp of channels n0 .. n0 + 31 for group g, each twice (lanes 2i, 2i + 1: channel 8 q + i) */
 static inline void i4_group_scales(const struct i4_info *q, long groups, long n0, long g, __m512 sd[4], __m512 zd[4])
 {
-    float s[40], z[40];
+    float s[32], z[32];
     for (int c = 0; c < 32; c++) {
         const long at = (n0 + c) * groups + g;
         s[c] = bf16_to_f32(q->scale[at]);
@@ -786,8 +786,8 @@ static inline void i4_group_scales(const struct i4_info *q, long groups, long n0
     }
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int h = 0; h < 4; h++) {
-        sd[h] = _mm512_permutexvar_ps(twice, _mm512_loadu_ps(s + 8 * h));
-        zd[h] = _mm512_permutexvar_ps(twice, _mm512_loadu_ps(z + 8 * h));
+        sd[h] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * h)));
+        zd[h] = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(z + 8 * h)));
     }
 }
 
