@@ -41,8 +41,9 @@ come from.
 
 --int4-gemm does the same for int4 weights (an Int4Linear of a random weight, --group): torch's int4
 kernel, the dequantized matmul (Int4Linear's, gptj.native unpacking torch's layout), gptj.native's int4
-GEMM where it runs (AVX512-BF16's library) and oneDNN's bfloat16 GEMM: where the policy's
-INT4_GEMM_MIN_ROWS and int4 crossovers come from.
+GEMV and GEMM where they run (AVX512-BF16's library; each forced with int4_gemm_min_rows) and oneDNN's
+bfloat16 GEMM: where the policy's INT4_NATIVE_MIN_ROWS, the GEMM's crossover and the int4 crossovers
+come from.
 
 Where gptj.native's GEMV is not available (GPTJ_NATIVE=0, no compiler, a CPU without AVX2 + FMA)
 it says so in one line and exits 0 (with --json: {"skipped": REASON}).
@@ -275,35 +276,45 @@ def _time_row(shape: str, M: int, impls: list[str], calls: dict, rounds: int, ou
 
 def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int, out) -> list[dict]:
     """--int4-gemm's table: int4 weights (an Int4Linear of a random weight) at many rows, each path's
-    median ms: torch's int4 kernel, the dequantized matmul, gptj.native's int4 GEMM (where it runs) and
-    oneDNN's bfloat16 GEMM on bfloat16 weights."""
+    median ms: torch's int4 kernel, the dequantized matmul, gptj.native's int4 GEMV and GEMM (each forced
+    with int4_gemm_min_rows, where they run) and oneDNN's bfloat16 GEMM on bfloat16 weights."""
     from gptj.quant import Int4Linear
     from gptj.quant.ops import cpu_int4_layout
 
-    gemm = native.int4_gemm_available(cpu_int4_layout())
-    impls = ["int4 kernel", "dequantize", *(["int4 GEMM"] if gemm else []),
+    default = native.int4_gemm_min_rows() if native.int4_gemm_available(cpu_int4_layout()) else 0
+    impls = ["int4 kernel", "dequantize", *(["int4 GEMV", "int4 GEMM"] if default else []),
              *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else [])]
-    print(f"int4 weights (group {group}) at many rows; median of {rounds}, ms\n", file=out)
+    print(f"int4 weights (group {group}) at many rows (gptj.native's GEMM from {default or '-'} rows by default); "
+          f"median of {rounds}, ms\n", file=out)
     print(f"{'shape':>12} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls), file=out, flush=True)
     table = []
-    for shape in shapes:
-        N, K = (int(v) for v in shape.lower().split("x"))
-        g = torch.Generator().manual_seed(N + K)
-        weight = torch.randn(N, K, generator=g).bfloat16()
-        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16).requires_grad_(False)
-        lin.weight.copy_(weight)
-        m = Int4Linear.from_float(lin, group)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if "oneDNN bf16" in impls else None
-        kernel = m.weight if m.layout == "cpu" else m._kernel_weight
-        for M in rows:
-            x = torch.randn(M, K, generator=g).bfloat16()
-            calls = {"int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(x, kernel, m.group_size,
-                                                                              m._scales_and_zeros),
-                     "dequantize": lambda: m._dequant_linear(x), "int4 GEMM": lambda: m._native_gemm(x),
-                     "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-            table.append(_time_row(shape, M, impls, calls, rounds, out))
-    return table
+    try:
+        for shape in shapes:
+            N, K = (int(v) for v in shape.lower().split("x"))
+            g = torch.Generator().manual_seed(N + K)
+            weight = torch.randn(N, K, generator=g).bfloat16()
+            lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+            lin.weight.copy_(weight)
+            m = Int4Linear.from_float(lin, group)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if "oneDNN bf16" in impls else None
+            kernel = m.weight if m.layout == "cpu" else m._kernel_weight
+            for M in rows:
+                x = torch.randn(M, K, generator=g).bfloat16()
 
+                def forced(at: int):
+                    def call():
+                        native.int4_gemm_min_rows(at)
+                        m._native_gemm(x)
+                    return call
+                calls = {"int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(x, kernel, m.group_size,
+                                                                                  m._scales_and_zeros),
+                         "dequantize": lambda: m._dequant_linear(x), "int4 GEMV": forced(1 << 30),
+                         "int4 GEMM": forced(1),
+                         "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+                table.append(_time_row(shape, M, impls, calls, rounds, out))
+    finally:
+        native.int4_gemm_min_rows(default or None)
+    return table
 
 
 SMOKE = dict(shapes=["256x128"], rows=[1, 2], rounds=1, min_mb=1.0, burst_ms=0.1, interleave_calls=10)

@@ -168,14 +168,14 @@ def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkey
 
 @pytest.mark.parametrize("gemm", [True, False], ids=["int4-gemm", "no-int4-gemm"])
 def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_without_amx(monkeypatch, gemm):
-    """Where the loaded library has the int4 GEMM (AVX512-BF16's), bfloat16 int4 calls take it from
-    INT4_GEMM_MIN_ROWS rows at any count on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
+    """Where the loaded library has the int4 GEMV and GEMM (AVX512-BF16's), bfloat16 int4 calls take them from
+    INT4_NATIVE_MIN_ROWS rows at any count on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
     Not with AMX (oneDNN's AMX GEMM on the unpacked weight), not without bfloat16 arithmetic, not for
     float32 activations, and not where the library has none (then as before: torch's kernel, then the
     dequantized matmul)."""
     monkeypatch.setattr(policy, "native_available", lambda: True)
     monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: gemm)
-    lo = policy.INT4_GEMM_MIN_ROWS
+    lo = policy.INT4_NATIVE_MIN_ROWS
     assert 1 < lo <= policy.INT4_BF16_KERNEL_MAX_ROWS
     for flags in (FLAGS[cpu.AVX512_BF16], cpu.cap(AMX, "avx512_core_bf16")):
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)

@@ -4,6 +4,7 @@ rounding; validation, loading."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import dataclasses
@@ -918,15 +919,15 @@ def test_int4_dequantize_is_int4_linears_values_transposed(block, split, native_
 
 
 def _int4_case(n: int, K: int, group: int, block: int, split: bool, seed: int):
-    """An int4 weight in torch's CPU layout (whole blocks), its scales and zeros, and the bfloat16 values
-    int4_dequant_t makes of it (n, K): Int4Linear._dequant_rows' formula."""
+    """An int4 weight in torch's CPU layout (whole blocks), its scales and zeros, the bfloat16 values
+    int4_dequant_t makes of it (n, K): Int4Linear._dequant_rows' formula, and its integers q (n, K)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, K), generator=g, dtype=torch.uint8)
     scale = (torch.rand(n, K // group, generator=g) * 0.1 + 0.01).bfloat16()
     zero = (torch.randn(n, K // group, generator=g) * 0.3).bfloat16()
     zp = (zero.float() - 8 * scale.float()).bfloat16()
     want = torch.addcmul(zp[..., None], q.view(n, K // group, group).bfloat16(), scale[..., None]).view(n, K)
-    return pack_int4_cpu_layout(q, block, split), scale, zero, want
+    return pack_int4_cpu_layout(q, block, split), scale, zero, want, q
 
 
 def _needs_int4_gemm() -> None:
@@ -939,23 +940,37 @@ def _needs_int4_gemm() -> None:
                     f"native kernels unavailable: {WHY_NOT}")
 
 
-@pytest.mark.parametrize("block, split", [(64, True), (32, True), (64, False), (32, False)])
-@pytest.mark.parametrize("M,n,K,group", [(1, 64, 256, 32), (13, 128, 4352, 128), (45, 192, 512, 256),
-                                         (28, 64, 128, 64), (1030, 64, 64, 64)])
+@contextlib.contextmanager
+def _int4_kernel(kind: str):
+    """linear_int4 runs its GEMV ("gemv") or its GEMM ("gemm") at every row count until the block ends."""
+    before = native.int4_gemm_min_rows(1 << 30 if kind == "gemv" else 1)
+    try:
+        yield
+    finally:
+        native.int4_gemm_min_rows(before)
+
+
+INT4_LAYOUTS = [(64, True), (32, True), (64, False), (32, False)]
+INT4_SHAPES = [(1, 64, 256, 32), (13, 128, 4352, 128), (45, 192, 512, 256), (28, 64, 128, 64), (1030, 64, 64, 64)]
+
+
+@pytest.mark.parametrize("block, split", INT4_LAYOUTS)
+@pytest.mark.parametrize("M,n,K,group", INT4_SHAPES)
 def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split, M, n, K, group):
-    """linear_int4 (AVX512-BF16's int4 GEMM) on torch's CPU layout, in each byte order and block it takes:
-    each output is one float32 lane over the products of x with int4_dequant_t's bfloat16 weights, each
-    product exact (bfloat16 x bfloat16) and each addition rounded once, then rounded to bfloat16: within
-    (K + 2) u sum|terms| of the float64 value, plus bfloat16's unit roundoff (2^-8) of it. The shapes take
-    a row, tiles of 6 to 12 rows (28: 10 + 9 + 9), K in three slices (4352 inputs: 2048 + 128 pairs), every
-    group size, and M past the 1024-row block; the output is columns of a wider tensor, left alone
-    elsewhere."""
+    """linear_int4's GEMM (AVX512-BF16's; forced at every row count) on torch's CPU layout, in each byte
+    order and block it takes: each output is one float32 lane over the products of x with int4_dequant_t's
+    bfloat16 weights, each product exact (bfloat16 x bfloat16) and each addition rounded once, then
+    rounded to bfloat16: within (K + 2) u sum|terms| of the float64 value, plus bfloat16's unit roundoff
+    (2^-8) of it. The shapes take a row, tiles of 6 to 12 rows (28: 10 + 9 + 9), K in three slices (4352
+    inputs: 2048 + 128 pairs), every group size, and M past the 1024-row block; the output is columns of
+    a wider tensor, left alone elsewhere."""
     _needs_int4_gemm()
-    packed, scale, zero, want = _int4_case(n, K, group, block, split, seed=M + n + K)
+    packed, scale, zero, want, _ = _int4_case(n, K, group, block, split, seed=M + n + K)
     g = torch.Generator().manual_seed(K)
     x = torch.randn(M, K, generator=g).bfloat16()
     out = torch.zeros(M, n + 8).bfloat16()
-    native.linear_int4(x, packed, K, (block, split), scale, zero, group, out=out[:, 4:4 + n])
+    with _int4_kernel("gemm"):
+        native.linear_int4(x, packed, K, (block, split), scale, zero, group, out=out[:, 4:4 + n])
     xd, wd = x.double(), want.double()
     ref = xd @ wd.T
     f32 = (xd.abs() @ wd.abs().T) * (K + 2) * 2.0**-24 + 1e-30
@@ -964,16 +979,57 @@ def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split
     assert not out[:, :4].any() and not out[:, 4 + n:].any()
 
 
-def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
-    """One lane per output, its products added in k order: a row's int4 GEMM result is the same in every
-    call and at any thread count. Layouts it does not take, and bad arguments, are refused in one line."""
+@pytest.mark.parametrize("block, split", INT4_LAYOUTS)
+@pytest.mark.parametrize("M,n,K,group", INT4_SHAPES[:4] + [(8, 256, 1024, 32)])
+def test_int4_gemv_is_within_float32_sums_of_the_exact_weights_and_one_bfloat16_rounding(block, split, M, n, K,
+                                                                                        group):
+    """linear_int4's GEMV (AVX512-BF16's; forced at every row count) multiplies the weights (q - 8) s + zero
+    exactly, as torch's int4 kernel does, not their bfloat16 roundings: per group, x's products with
+    128 + q (a bfloat16 exactly) in float32 lanes (each product exact, each addition rounded once: at
+    most K u of sum|x| (128 + q)), scaled once by s and corrected by (zero - 136 s) times x's float32
+    group sum (a rounding each), then rounded once to bfloat16. So within (K + 2 G + 4) u of
+    sum|x| (s (128 + q) + |zero - 136 s|) (G: the groups) of the float64 value, plus bfloat16's unit
+    roundoff of it. Every layout, a row to 45 (tiles of up to 8 or 4 rows), every group size; the output
+    is columns of a wider tensor, left alone elsewhere."""
     _needs_int4_gemm()
-    packed, scale, zero, _ = _int4_case(128, 4352, 128, 64, True, seed=11)
+    packed, scale, zero, _, q = _int4_case(n, K, group, block, split, seed=M + n + K)
+    q = q.double()
+    s, z = (t.double().repeat_interleave(group, 1) for t in (scale, zero))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    out = torch.zeros(M, n + 8).bfloat16()
+    with _int4_kernel("gemv"):
+        native.linear_int4(x, packed, K, (block, split), scale, zero, group, out=out[:, 4:4 + n])
+    xd = x.double()
+    ref = xd @ ((q - 8) * s + z).T
+    f32 = (xd.abs() @ (s * (128 + q) + (z - 136 * s).abs()).T) * (K + 2 * K // group + 4) * 2.0**-24 + 1e-30
+    y = out[:, 4:4 + n].double()
+    assert ((y - ref).abs() <= f32 + (ref.abs() + f32) * 2.0**-8).all()
+    assert not out[:, :4].any() and not out[:, 4 + n:].any()
+
+
+def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
+    """One lane per output, its products added in k order, in the GEMV and in the GEMM: a row's result is
+    the same in every call of either and at any thread count; by default the GEMV runs below
+    int4_gemm_min_rows() rows (32), the GEMM from there. Layouts it does not take, and bad arguments, are
+    refused in one line."""
+    _needs_int4_gemm()
+    packed, scale, zero, _, _ = _int4_case(128, 4352, 128, 64, True, seed=11)
     x = torch.randn(40, 4352, generator=torch.Generator().manual_seed(12)).bfloat16()
-    full = native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128)
-    for M in (1, 12, 13, 27):
-        assert torch.equal(native.linear_int4(x[-M:], packed, 4352, (64, True), scale, zero, 128), full[-M:]), M
-    assert torch.equal(_at_one_thread(lambda: native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128)), full)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return native.linear_int4(rows, packed, 4352, (64, True), scale, zero, 128)
+
+    assert native.int4_gemm_min_rows() == 32
+    for kind in ("gemv", "gemm"):
+        with _int4_kernel(kind):
+            full = run(x)
+            for M in (1, 3, 8, 12, 13, 27):
+                assert torch.equal(run(x[-M:]), full[-M:]), (kind, M)
+            assert torch.equal(_at_one_thread(lambda: run(x)), full), kind
+        if kind == "gemv":
+            assert torch.equal(run(x[:31]), full[:31])  # the default below 32 rows
+            gemv = full
+    assert torch.equal(run(x), full) and not torch.equal(gemv, full)  # the GEMM from 32 rows
     with pytest.raises(ValueError, match="blocks of 16 rows"):
         native.linear_int4(x, packed, 4352, (16, True), scale, zero, 128)
     with pytest.raises(ValueError, match="x must be"):
@@ -982,6 +1038,9 @@ def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
         native.linear_int4(x, packed, 4352, (64, True), scale, zero, 128, out=torch.empty(40, 64).bfloat16())
     with pytest.raises(ValueError, match="scale must"):
         native.linear_int4(x, packed, 4352, (64, True), scale[:, :4].contiguous(), zero, 128)
+    with pytest.raises(ValueError, match="groups of 8 inputs"):
+        native.linear_int4(x, packed, 4352, (64, True), torch.zeros(128, 544).bfloat16(),
+                           torch.zeros(128, 544).bfloat16(), 8)
 
 
 def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):

@@ -148,7 +148,7 @@ def test_int4_layers_take_the_native_int4_gemm_where_it_runs(monkeypatch):
     real = native.linear_int4
     monkeypatch.setattr(native, "linear_int4", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     ref_w = m.dequantized_weight(torch.float32)
-    for rows in (policy.INT4_GEMM_MIN_ROWS, 70):
+    for rows in (policy.INT4_NATIVE_MIN_ROWS, 70):
         x = torch.randn(rows, 256).bfloat16()
         assert policy.linear_path("cpu", x.dtype, rows, "int4") == policy.NATIVE and not m.use_kernel(x)
         y = m(x)

@@ -22,9 +22,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
-  cpu     int4, bfloat16 x, on a CPU  >= INT4_GEMM_MIN_ROWS (9)        NATIVE       gptj.native's int4 GEMM on torch's
-          with AVX512-BF16, no AMX                                                  CPU layout (blocks of 32 or 64 rows)
-          (`native_int4_gemm`)
+  cpu     int4, bfloat16 x, on a CPU  >= INT4_NATIVE_MIN_ROWS (3)      NATIVE       gptj.native's int4 GEMV (GEMM from
+          with AVX512-BF16, no AMX                                                  32 rows) on torch's CPU layout
+          (`native_int4_gemm`)                                                      (blocks of 32 or 64 rows)
           int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       bfloat16: 16 with AMX, 64 with
                                       AVX512-BF16)
@@ -249,22 +249,28 @@ INT4_AMX_KERNEL_MAX_ROWS = 16
 # (The Xeon above, held to AVX512_CORE_BF16, crossed between 128 and 512 rows; such CPUs in service
 # without AMX are mostly AMD's, so the Zen 4's crossover is the rule.)
 INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the layer's layout)
-# There gptj.native's int4 GEMM (gemv.c: the int8 GEMM's tiles on panels dequantized from torch's layout
-# once per call) beats both from 10 rows (level with torch's kernel at 8). Zen 4, 2 threads, 2026-11-29,
-# median of 5 (the 10-row column: of 7, another run), ms, group 128, `benchmarks/native_gemv.py --int4-gemm
-# --rows 1 4 8 16 32 64 128 512` ("oneDNN bf16": bfloat16 weights in oneDNN's layout, what bfloat16 runs):
-#   rows                           1      4      8     10     16     32     64    128    512
-#   16384 x 4096  int4 kernel    1.77   3.18   6.29   9.55   12.4   24.8   49.6   99.2    400
-#                 dequantize     30.1   31.1   32.1   36.2   34.0   39.5   50.2   68.2    190
-#                 int4 GEMM      4.79   5.11   6.30   7.45   8.63   13.3   22.8   42.0    157
-#                 (oneDNN bf16   6.17   5.37   6.18   6.46   7.59   12.1   21.4   39.9    159)
-#   4096 x 16384  int4 kernel    1.81   3.18   6.30   9.46   12.4   25.4   52.5    101    403
-#                 int4 GEMM      4.78   5.13   6.23   7.75   8.67   13.5   23.7   46.8    173
-#                 (oneDNN bf16   6.46   5.61   6.55   7.07   7.97   12.5   22.2   41.5    161)
-#   50400 x 4096  int4 kernel    5.44   9.69   19.3   33.3   38.6   78.7    156    315   1282
-#                 int4 GEMM      15.3   17.4   19.5   25.3   27.1   42.0   71.1    131    518
-#                 (oneDNN bf16   13.7   11.8   15.2   20.7   20.9   35.1   64.8    122    512)
-INT4_GEMM_MIN_ROWS = 9
+# There gptj.native's int4 kernels beat both from 3 rows: its GEMV (gemv.c: the weight's integers in
+# bfloat16 dot products, scaled once a group) below 32 rows, its GEMM (the int8 GEMM's tiles on panels
+# dequantized once per call) from 32 (the crossover is gemv.c's I4G_MIN_ROWS). Zen 4, 2 threads,
+# 2026-11-29, median of 7 (1-4 rows) and 5, ms, group 128, `benchmarks/native_gemv.py --int4-gemm
+# --rows 1 2 3 4` and `--rows 4 8 12 16 24 32` (one weight; "oneDNN bf16": bfloat16 weights in
+# oneDNN's layout, what bfloat16 runs; a busier day than the table above, whose GEMM then ran at 1.6-1.8x
+# torch's kernel from 16 rows):
+#   rows                           1      2      3      4      8     16     24     32
+#   16384 x 4096  int4 kernel    2.03   2.92   3.68   4.44   7.47   14.8   22.3   29.7
+#                 int4 GEMV      2.17   3.25   3.41   4.09   4.87   8.35   11.7   15.3
+#                 int4 GEMM         -      -      -      -   7.57   9.98   12.5   14.9
+#                 (oneDNN bf16   6.21   6.49   6.09   6.24   7.89   9.31   11.8   14.2)
+#   4096 x 16384  int4 kernel    2.10   2.57   3.00   3.27   7.53   14.8   22.3   29.5
+#                 int4 GEMV      2.42   2.77   2.95   2.76   5.18   8.47   12.1   15.9
+#                 int4 GEMM         -      -      -      -   8.05   10.5   12.8   15.4
+#   50400 x 4096  int4 kernel    6.06   7.77   9.50   11.8   19.5   39.1   58.4   78.2
+#                 int4 GEMV      7.19   8.32   10.1   12.0   13.9   23.2   32.8   41.9
+#                 int4 GEMM         -      -      -      -   19.8   27.7   34.8   42.7
+#   28672 x 4096  int4 kernel    3.50   4.52   5.55   6.52
+#                 int4 GEMV      3.43   4.43   4.50   5.66
+# Torch's kernel keeps 1 and 2 rows (its weight stream is the faster one there).
+INT4_NATIVE_MIN_ROWS = 3
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for
@@ -393,9 +399,9 @@ def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
 
 
 def native_int4_gemm(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether int4 calls of `dtype` activations on `device` from INT4_GEMM_MIN_ROWS rows take gptj.native's
-    int4 GEMM: bfloat16 on a CPU with AVX512-BF16 but no AMX (with AMX, oneDNN's GEMM on the unpacked
-    weight is faster) whose loaded library has it (AVX512-BF16's)."""
+    """Whether int4 calls of `dtype` activations on `device` from INT4_NATIVE_MIN_ROWS rows take gptj.native's
+    int4 GEMV and GEMM (native.linear_int4): bfloat16 on a CPU with AVX512-BF16 but no AMX (with AMX,
+    oneDNN's GEMM on the unpacked weight is faster) whose loaded library has them (AVX512-BF16's)."""
     return native_elementwise(device, dtype) and cpu_bf16() and not cpu_amx() and native.int4_gemm_available()
 
 
@@ -524,7 +530,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return INT_MM
         return DEQUANTIZE
     if weight == "int4":
-        if rows >= INT4_GEMM_MIN_ROWS and native_int4_gemm(kind, dtype):
+        if rows >= INT4_NATIVE_MIN_ROWS and native_int4_gemm(kind, dtype):
             return NATIVE
         if rows > int4_kernel_max_rows(kind, dtype):
             return _dequantize(kind, dtype)

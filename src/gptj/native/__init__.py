@@ -64,7 +64,8 @@ import torch
 from gptj import cpu
 
 __all__ = ["ISAS", "Isa", "amx_available", "argmax_rows", "attention_group", "attention_paged", "available",
-           "best_isa", "gelu", "has", "int4_dequant_t", "int4_gemm_available", "int8_gemm_min_rows", "isa",
+           "best_isa", "gelu", "has", "int4_dequant_t", "int4_gemm_available", "int4_gemm_min_rows",
+           "int8_gemm_min_rows", "isa",
            "linear_bf16", "linear_int4", "linear_int8", "linear_int8_amx", "linear_w8a8", "linear_w8a8_amx", "load",
            "open_isa", "pack_w8a8", "prefill_paged", "quantize_rows_u8", "requested_isa", "rotary_", "scale_rows",
            "store_kv", "unavailable_reason"]
@@ -261,6 +262,7 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemm_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
     "w8a8_panel": ([], ctypes.c_int),
     "int8_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
+    "int4_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
     "gemm_int4": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long, ctypes.c_int], ctypes.c_int),
     "gemm_int4_available": ([], ctypes.c_int),
 }
@@ -381,16 +383,18 @@ _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = _int4_dequant = _ar
 _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 _int8_gemm_rows = 0  # the loaded library's int8 GEMM crossover; 0: it has none (int8_gemm_min_rows)
-_gemm_int4 = None  # the loaded library's int4 GEMM (AVX512-BF16's), None where it has none (linear_int4)
+_gemm_int4 = None  # the loaded library's int4 GEMV and GEMM (AVX512-BF16's), None where it has none (linear_int4)
+_int4_gemm_rows = 0  # their crossover (int4_gemm_min_rows)
 # what a test clears to take the native path away
-BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_attend_group",
+BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_int4_gemm_rows",
+         "_attend_group",
          "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows", "_scale_rows",
          "_int4_dequant", "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
 
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _int8_gemm_rows, _gemm_int4
+    global _int8_gemm_rows, _gemm_int4, _int4_gemm_rows
     global _store_kv, _quantize_rows, _scale_rows, _int4_dequant, _argmax_rows
     global _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
@@ -399,6 +403,7 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     _w8a8_panel = lib.w8a8_panel()
     _int8_gemm_rows = lib.int8_gemm_set_min_rows(0)  # (0 sets nothing)
     _gemm_int4 = lib.gemm_int4 if lib.gemm_int4_available() else None
+    _int4_gemm_rows = lib.int4_gemm_set_min_rows(0)
     if hasattr(lib, "gemm_int8_amx"):  # the AVX-512 library's (amx.c)
         _gemm_int8_amx = lib.gemm_int8_amx
         _gemm_int8_amx.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
@@ -540,14 +545,20 @@ def int8_gemm_min_rows(rows: int | None = None) -> int:
     library has none (only AVX512-BF16's has). `rows` sets it for this process (benchmarks/native_gemv.py
     times both sides of it); the value before is returned. Read without a call into the library: the
     policy asks on every int8 layer's call."""
-    global _int8_gemm_rows
+    return _gemm_min_rows("int8", rows)
+
+
+def _gemm_min_rows(kind: str, rows: int | None) -> int:
+    """int8_gemm_min_rows' and int4_gemm_min_rows': the crossover `kind`'s kernels keep in the library
+    and, bound with it, in _int8_gemm_rows or _int4_gemm_rows."""
+    name = f"_{kind}_gemm_rows"
     lib = load()
-    if lib is None or not _int8_gemm_rows:
+    before = globals()[name]
+    if lib is None or not before:
         return 0
-    before = _int8_gemm_rows
     if rows is not None and rows > 0:
-        lib.int8_gemm_set_min_rows(rows)
-        _int8_gemm_rows = rows
+        getattr(lib, f"{kind}_gemm_set_min_rows")(rows)
+        globals()[name] = rows
     return before
 
 
@@ -955,6 +966,14 @@ def int4_dequant_t(packed: torch.Tensor, K: int, layout: tuple[int, bool], scale
     return out
 
 
+def int4_gemm_min_rows(rows: int | None = None) -> int:
+    """The rows of x from which linear_int4 runs the loaded library's int4 GEMM (weights dequantized into
+    panels once per call) instead of its int4 GEMV (on the integers, scaled per group); 0 where the
+    library has neither. `rows` sets it for this process (benchmarks/native_gemv.py times both sides of
+    it); the value before is returned."""
+    return _gemm_min_rows("int4", rows)
+
+
 def int4_gemm_available(layout: tuple[int, bool] | None = None) -> bool:
     """Whether linear_int4 runs here: the loaded library has the int4 GEMM (AVX512-BF16's) and, when
     given, `layout`'s block is one it takes (INT4_GEMM_BLOCKS)."""
@@ -964,17 +983,21 @@ def int4_gemm_available(layout: tuple[int, bool] | None = None) -> bool:
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, K: int, layout: tuple[int, bool], scale: torch.Tensor,
                 zero: torch.Tensor, group: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bfloat16 times the transpose of int4_dequant_t's weight (same arguments: whole blocks of
-    torch's CPU layout, blocks of INT4_GEMM_BLOCKS rows): (M, n) bfloat16, each output the float32 sum of
-    x's products with those bfloat16 weights, rounded once; no bias. Into `out` ((M, n) bfloat16, rows may
-    be strided: columns of a wider output) when given. The loaded library's int4 GEMM (gemv.c: each weight
-    dequantized once per call into panels, a register tile of bfloat16 dot products). Returns out."""
+    """x (M, K) bfloat16 times the transpose of the int4 weight (int4_dequant_t's arguments: whole blocks
+    of torch's CPU layout, blocks of INT4_GEMM_BLOCKS rows): (M, n) bfloat16, float32 sums rounded once;
+    no bias. Into `out` ((M, n) bfloat16, rows may be strided: columns of a wider output) when given.
+    Below int4_gemm_min_rows() rows (32) the loaded library's int4 GEMV (gemv.c: the integers in bfloat16
+    dot products, each group's sums scaled once) multiplies the weights (q - 8) s + zero exactly, as
+    torch's int4 kernel does; from there its GEMM (each weight dequantized once per call into panels, a
+    register tile) multiplies int4_dequant_t's bfloat16 roundings of them. Returns out."""
     if not int4_gemm_available():
         raise RuntimeError("linear_int4: gptj.native's int4 GEMM is not available here (AVX512-BF16's library only)")
     n = _check_int4("linear_int4", packed, K, layout, scale, zero, group)
     block, split = layout
     if block not in INT4_GEMM_BLOCKS:
         raise _bad("linear_int4", f"blocks of {block} rows (it takes {' or '.join(map(str, INT4_GEMM_BLOCKS))})")
+    if group % 16:
+        raise _bad("linear_int4", f"groups of {group} inputs (it takes multiples of 16)")
     if x.dtype is not _bf16 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or not x.is_cpu:
         raise _bad("linear_int4", f"x must be a contiguous bfloat16 CPU (M, {K}) tensor")
     M = x.shape[0]

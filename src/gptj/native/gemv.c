@@ -41,6 +41,8 @@
    kind of kernel here: on its own packed weight, a register tile of rows by output channels. So are,
    on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x and the int4 GEMM (gemm_int4) on
    torch's CPU int4 layout: one driver (gemm_panels_dp, after the GEMV) over panels each makes its way.
+   Below 32 rows gemm_int4 runs an int4 GEMV of its own instead (gemv_int4_dp: the weight's integers in
+   bfloat16 dot products, each group's sums scaled once).
 */
 
 #include "simd.h"
@@ -818,6 +820,195 @@ static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
         }
     }
 }
+
+/* ---- int4 weights at a few rows of x: a GEMV on torch's CPU int4 layout, on the integers ----
+
+   At a few rows the GEMM above spends most of its time dequantizing (a multiply-add and a rounding a
+   weight). Here a weight is used as its integer, and each group's sums are scaled once, the weights
+   (q - 8) s + zero exactly:
+     y[m, n] = sum over groups g of  s[n, g] A[m, n, g] + zero[n, g] X[m, g],
+     A = sum_{k in g} x[m, k] (q[n, k] - 8) (vdpbf16ps: exact products, float32 sums; computed as the
+       sums of x (128 + q) less 136 X, below),
+     X = sum_{k in g} x[m, k] (float32, once per call),
+   then rounded once to bfloat16. These are torch's int4 kernel's weights, (q - 8) s + zero in float32,
+   not the bfloat16 roundings the GEMM and the dequantized matmul multiply (each within a bfloat16 rounding
+   of the other).
+   - 16 bytes of each column of a block are a unit of 32 channels (a block of 64 has two): their low
+     nibbles one vector of 16 channels, their high nibbles another (I4V_CHANNEL says which). Per pair of
+     columns, two zero-extending loads, a shift and an or make 16 lanes of (column k, column k + 1) nibble
+     pairs, and a vpternlogd per vector or's each nibble into the bits of bfloat16 128: the bfloat16
+     128 + q exactly, 7 instructions for 64 weights, shared by all rows of x. The group's sums are then of
+     128 + q, and the correction zero - 136 s (one rounding) takes the 128 back with the 8.
+   - A tile is up to I4V_MR rows of x by a block's 2 or 4 vectors (up to 8 or 4 rows: 16 accumulators); a
+     row's pair of x is broadcast to every lane. After each group the tile's sums are scaled into the
+     block's running sums (a per-thread buffer), the scales gathered (i4v_group_scales).
+   - The threads split the blocks (static): each streams its contiguous range of the weight, with a software
+     prefetch 2 g_pf_dist bytes ahead (without it one row of x ran at 0.5-0.7x torch's int4 kernel's speed;
+     with it 0.84-1.02x, 0.94-1.23x at 3 rows, 1.4-1.55x at 8: benchmarks/native_gemv.py --int4-gemm, Zen 4,
+     2 threads, 2026-11-29). Each output is one lane's sums in a fixed order: results depend neither on
+     the other rows of the call nor on the threads.
+   - Tried (one thread, the weight in cache): vpermw on a table of bfloat16(q - 8) instead of or'ing into
+     128's bits took 1.2-1.6x the time at 4-8 rows; units of 32 channels, each its own pass over a block
+     of 64, 1.3-1.45x. */
+
+#ifndef I4V_MR
+#define I4V_MR 8                  /* rows of x per tile of 2 vectors (half as many of 4) */
+#endif
+#ifndef I4G_MIN_ROWS
+#define I4G_MIN_ROWS 32           /* gemm_int4 takes the GEMM from this many rows of x on */
+#endif
+
+static int g_i4g_min_rows = I4G_MIN_ROWS;
+
+/* the channel, in its block, of lane i of vector v (0: low nibbles, 1: high) of unit c (bytes 16c..) */
+#define I4V_CHANNEL(block, split, c, v, i) ((split) ? (v) * ((block) / 2) + 16 * (c) + (i) : 32 * (c) + 2 * (i) + (v))
+
+/* rows [0, mr) of x (pairs from x, rows ldx apart) times kp pairs of columns of a block (col: its first; columns
+   half bytes apart), ns units (1 or 2: 16 bytes of a column each): acc[m][2 u + v] += lane sums of unit u's
+   vector v, the weights as 128 + q */
+static inline __attribute__((always_inline)) void i4v_tile(const uint8_t *col, long half, long kp, const uint16_t *x,
+                                                           long ldx, int ns, int mr, long pf, __m512 acc[I4V_MR][4])
+{
+    const __m512i low = _mm512_set1_epi32(0x000f000f), b128 = _mm512_set1_epi32(0x43004300);
+    for (long p = 0; p < kp; p++) {
+        __m512bh w[4];
+        _mm_prefetch((const char *)col + 2 * p * half + pf, _MM_HINT_T1);  /* the stream's line pf bytes ahead */
+        _Pragma("GCC unroll 2") for (int u = 0; u < 2; u++) {
+            if (u >= ns) break;
+            const uint8_t *at = col + 2 * p * half + 16 * u;
+            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + half)));
+            const __m512i c = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));  /* word 2i: column k's byte, 2i+1: k+1's */
+            /* each word's nibble or'd into bfloat16 128's bits: the bfloat16 128 + q, exactly */
+            w[2 * u] = (__m512bh)_mm512_ternarylogic_epi32(c, low, b128, 0xea);  /* (c & low) | b128 */
+            w[2 * u + 1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 4), low, b128, 0xea);
+        }
+        _Pragma("GCC unroll 8") for (int m = 0; m < I4V_MR; m++) {
+            if (m >= mr) break;
+            int32_t pair;
+            memcpy(&pair, x + m * ldx + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
+                if (v >= 2 * ns) break;
+                acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], xb);
+            }
+        }
+    }
+}
+
+/* channels (I4V_CHANNEL) of unit c, vector v, times G: where their group-0 scales are, in elements */
+static inline __m512i i4v_index(int block, int split, int c, int v, long G)
+{
+    int32_t at[16];
+    for (int i = 0; i < 16; i++) at[i] = (int32_t)(I4V_CHANNEL(block, split, c, v, i) * G);
+    return _mm512_loadu_si512(at);
+}
+
+/* unit c of block b, group g: scales s (bfloat16 -> float32) and zero - 136 s (one rounding) of both vectors'
+   channels. Gathered as the high halves of 32-bit words ending at each bfloat16, so no byte past the tensors'
+   ends is read; the word of the tensors' first element (block 0, unit 0, group 0) would start 2 bytes
+   before them, so that one is read a value at a time */
+static inline void i4v_group_scales(const struct i4_info *q, long G, long b, int c, long g, const __m512i idx[2],
+                                    __m512 sv[2], __m512 zv[2])
+{
+    const long first = b * q->block * G + g;  /* the element of channel 0 of the block, group g */
+    for (int v = 0; v < 2; v++) {
+        __m512 s, z;
+        if (first == 0 && c == 0) {
+            float sc[16], zc[16];
+            for (int i = 0; i < 16; i++) {
+                const long at = I4V_CHANNEL(q->block, q->split, 0, v, i) * G;
+                sc[i] = bf16_to_f32(q->scale[at]);
+                zc[i] = bf16_to_f32(q->zero[at]);
+            }
+            s = _mm512_loadu_ps(sc);
+            z = _mm512_loadu_ps(zc);
+        } else {
+            const __m512i high = _mm512_set1_epi32((int32_t)0xffff0000);
+            s = _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_i32gather_epi32(idx[v], (const char *)(q->scale + first) - 2, 2), high));
+            z = _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_i32gather_epi32(idx[v], (const char *)(q->zero + first) - 2, 2), high));
+        }
+        sv[v] = s;
+        zv[v] = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), s, z);
+    }
+}
+
+/* y = x times the int4 weight for M rows of x (gemm_int4 below I4G_MIN_ROWS rows): 0, or -1 without memory */
+static int gemv_int4_dp(const job_t *j, int nthreads)
+{
+    const struct i4_info *q = j->i4;
+    const long M = j->M, N = j->N, K = j->K, G = K / q->group, half = q->block / 2, blocks = N / q->block;
+    const int ns = q->block / 32, nv = 2 * ns, mt = I4V_MR * 2 / nv, gp = q->group / 2;  /* mt: rows a tile */
+    float *xs = malloc(sizeof(float) * (size_t)(M * G));  /* X[m, g] */
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > blocks) nthreads = (int)blocks;
+    if (N * K / 2 < g_min_parallel) nthreads = 1;
+    float *tots = malloc(sizeof(float) * 64 * (size_t)M * (size_t)nthreads);
+    if (!xs || !tots) {
+        free(xs);
+        free(tots);
+        return -1;
+    }
+    for (long m = 0; m < M; m++)
+        for (long g = 0; g < G; g++) {
+            __m512 s = _mm512_setzero_ps();
+            for (long k = g * q->group; k < (g + 1) * q->group; k += 16)
+                s = _mm512_add_ps(s, vf_load_bf16(j->x + m * K + k));
+            xs[m * G + g] = _mm512_reduce_add_ps(s);
+        }
+    const long ly = ldy_of(j), pf = 2 * g_pf_dist;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *tot = tots + 64 * M * omp_get_thread_num();  /* row m's sums: tot[64 m + 16 v' + lane] */
+        __m512i idx[4];
+        for (int v = 0; v < nv; v++) idx[v] = i4v_index(q->block, q->split, v / 2, v % 2, G);
+#pragma omp for schedule(static)
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *cols = (const uint8_t *)j->w + b * K * half;
+            for (long g = 0; g < G; g++) {
+                __m512 sv[4], zv[4];  /* the scales, and zero - 136 s (the sums are of 128 + q, not q - 8) */
+                for (int u = 0; u < ns; u++) i4v_group_scales(q, G, b, u, g, idx + 2 * u, sv + 2 * u, zv + 2 * u);
+                const long tiles = (M + mt - 1) / mt, base = M / tiles;
+                for (long t = 0, m0 = 0; t < tiles; t++) {
+                    const int mr = (int)(base + (t < M % tiles));
+                    __m512 acc[I4V_MR][4];
+                    for (int r = 0; r < I4V_MR; r++)
+                        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+                    const uint8_t *col = cols + g * q->group * half;
+                    const uint16_t *x = j->x + m0 * K + g * q->group;
+                    /* each case a tile of its own, reading rows [m0, m0 + mr) of x only */
+#define I4V_CASE(r) case r: if (ns == 1) i4v_tile(col, half, gp, x, K, 1, r, pf, acc); \
+                            else i4v_tile(col, half, gp, x, K, 2, r < I4V_MR / 2 ? r : I4V_MR / 2, pf, acc); break;
+                    switch (mr) {
+                    I4V_CASE(1) I4V_CASE(2) I4V_CASE(3) I4V_CASE(4) I4V_CASE(5) I4V_CASE(6) I4V_CASE(7)
+                    default: i4v_tile(col, half, gp, x, K, 1, I4V_MR, pf, acc); break;
+                    }
+#undef I4V_CASE
+                    for (int r = 0; r < mr; r++) {
+                        const __m512 xg = _mm512_set1_ps(xs[(m0 + r) * G + g]);
+                        for (int v = 0; v < nv; v++) {
+                            float *at = tot + (m0 + r) * 64 + 16 * v;
+                            __m512 t0 = g ? _mm512_loadu_ps(at) : _mm512_setzero_ps();
+                            t0 = _mm512_fmadd_ps(acc[r][v], sv[v], t0);
+                            _mm512_storeu_ps(at, _mm512_fmadd_ps(zv[v], xg, t0));
+                        }
+                    }
+                    m0 += mr;
+                }
+            }
+            uint16_t *y = (uint16_t *)j->y + b * q->block;
+            for (long m = 0; m < M; m++)
+                for (int v = 0; v < nv; v++)
+                    for (int i = 0; i < 16; i++)
+                        y[m * ly + I4V_CHANNEL(q->block, q->split, v / 2, v % 2, i)] = f32_to_bf16(tot[m * 64 + 16 * v + i]);
+        }
+    }
+    free(xs);
+    free(tots);
+    return 0;
+}
 #endif /* HAVE_DP */
 
 /* ---- exported entry points ---- */
@@ -864,22 +1055,38 @@ int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, con
 }
 
 /* int4 weights (whole blocks of torch's CPU layout, elementwise.c's int4_dequant_t_bf16 says it; block 32 or
-   64): y (M, N) bfloat16, rows ldy apart, = x times the dequantized weight's transpose, float32 sums
-   rounded once (no bias). Returns 0, -1 without memory, -2 where the library has no such GEMM (without
-   HAVE_DP) or the block is not 32 or 64. */
+   64; groups of a multiple of 16 inputs): y (M, N) bfloat16, rows ldy apart, = x times the weight's
+   transpose, float32 sums rounded once (no bias): below g_i4g_min_rows rows of x the GEMV (the weights
+   (q - 8) s + zero exactly), from there the GEMM (their bfloat16 roundings, as int4_dequant_t makes them).
+   Returns 0, -1 without memory, -2 where the library has neither (without HAVE_DP), the block is not 32 or
+   64 or the group not a multiple of 16. */
 int gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, uint16_t *y,
               int M, int N, int K, int block, int split, int group, long ldy, int nthreads)
 {
 #if HAVE_DP
-    if (block != 32 && block != 64) return -2;
+    if ((block != 32 && block != 64) || group <= 0 || group % 16) return -2;
     if (M <= 0 || N <= 0 || K <= 0) return 0;
     const struct i4_info q = {block, split, group, scale, zero};
     job_t j = {x, packed, NULL, NULL, y, 0, 0, M, N, K, NULL, 0, ldy, &q};
-    return gemm_panels_dp(&j, nthreads, i4_panel);
+    return M < g_i4g_min_rows ? gemv_int4_dp(&j, nthreads) : gemm_panels_dp(&j, nthreads, i4_panel);
 #else
     (void)x; (void)packed; (void)scale; (void)zero; (void)y; (void)M; (void)N; (void)K; (void)block; (void)split;
     (void)group; (void)ldy; (void)nthreads;
     return -2;
+#endif
+}
+
+/* the rows of x from which gemm_int4 takes the GEMM instead of the GEMV (rows > 0 sets it: benchmarks compare
+   the two); returns the value before, or 0 where the library has neither (without HAVE_DP) */
+int int4_gemm_set_min_rows(int rows)
+{
+#if HAVE_DP
+    const int old = g_i4g_min_rows;
+    if (rows > 0) g_i4g_min_rows = rows;
+    return old;
+#else
+    (void)rows;
+    return 0;
 #endif
 }
 

@@ -9,8 +9,8 @@ SmoothQuant style) or `Fp8Linear` (e4m3 weights; e4m3 activations per token in b
 with FP8 matrix units). The buffers are the checkpoint's tensors (gptj.quant.format).
 
 Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
-gptj.native's int8 GEMV for a few rows on CPU (and its int8 and int4 GEMMs for more, on AVX512-BF16
-without AMX); torch's weight-only kernels (torch._weight_int8pack_mm /
+gptj.native's int8 GEMV for a few rows on CPU (and its int8 GEMM for more, and its int4 GEMV and GEMM
+from 3 rows, on AVX512-BF16 without AMX); torch's weight-only kernels (torch._weight_int8pack_mm /
 torch._weight_int4pack_mm_for_cpu) in bfloat16 up to KERNEL_MAX_ROWS[mode] rows (activations of
 other dtypes are cast to bfloat16 for the call: the kernels' float32 paths are not vectorized and
 measured 10-30x slower than their bfloat16 paths, slower than a float32 F.linear on the unquantized
@@ -24,7 +24,7 @@ GPU. The packed layout the CPU int4 kernel wants is made at load time, on the de
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -449,21 +449,31 @@ class Int4Linear(nn.Module):
         return _finish(self, y, x).to(x.dtype)
 
     def _native_gemm_ready(self) -> bool:
-        """Whether gptj.native's int4 GEMM can take this weight: in torch's CPU layout, in blocks it takes."""
+        """Whether gptj.native's int4 GEMV and GEMM can take this weight: in torch's CPU layout, in blocks
+        they take."""
         return self.layout == "cpu" and native.int4_gemm_available(cpu_int4_layout())
 
     def _native_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 (rows, in) bfloat16 times the weight: the whole blocks by native.linear_int4 (the dequantized
-        matmul's weights, float32 sums rounded once), a last partial block (lm_head's 50,400 rows: 32 past
+        """x2 (rows, in) bfloat16 times the weight: its whole blocks by native.linear_int4 (its GEMV below 32
+        rows, on the exact weights as torch's int4 kernel; its GEMM from there, on the dequantized
+        matmul's; float32 sums rounded once)."""
+        x2, K, layout = x2.contiguous(), self.in_features, cpu_int4_layout()
+        return self._by_blocks(x2, [(0, self.out_features)], lambda a, c, out: native.linear_int4(
+            x2, self.weight[a:c], K, layout, self.weight_scale[a:c], self.weight_zero[a:c], self.group_size, out=out))
+
+    def _by_blocks(self, x2: torch.Tensor, spans: list[tuple[int, int]],
+                   whole: Callable[[int, int, torch.Tensor], object]) -> torch.Tensor:
+        """x2 times the weight's rows, span by span (each starting a block of torch's CPU layout): a span's
+        whole blocks a:c by whole(a, c, y[:, a:c]), a last partial block (lm_head's 50,400 rows: 32 past
         787 blocks of 64) by the dequantized matmul."""
-        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
-        layout = cpu_int4_layout()
-        full = self.out_features // layout[0] * layout[0]
-        if full:
-            native.linear_int4(x2.contiguous(), self.weight[:full], self.in_features, layout,
-                               self.weight_scale[:full], self.weight_zero[:full], self.group_size, out=y[:, :full])
-        if full < self.out_features:
-            y[:, full:] = F.linear(x2, self._dequant_rows(full, self.out_features, x2.dtype))
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
+        block = cpu_int4_layout()[0]
+        for a, b in spans:
+            c = a + (b - a) // block * block
+            if c > a:
+                whole(a, c, y[:, a:c])
+            if b > c:
+                y[:, c:b] = F.linear(x2, self._dequant_rows(c, b, x2.dtype))
         return y
 
     def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:
@@ -499,20 +509,16 @@ class Int4Linear(nn.Module):
                 and not (torch.is_grad_enabled() and x2.requires_grad))
 
     def _native_dequant_linear(self, x2: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
-        """The chunks' whole blocks by native.int4_dequant_t (the chunks start at multiples of 256
-        rows: block boundaries); a last partial block (lm_head's 50,400 rows: 32 past 787 blocks of
-        64) by torch's unpacking."""
-        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
+        """The chunks' whole blocks by native.int4_dequant_t into one reused buffer, then x2 @ it (the
+        chunks start at multiples of 256 rows: block boundaries)."""
         K, layout = self.in_features, cpu_int4_layout()
-        for a, b in chunks:
-            c = a + (b - a) // layout[0] * layout[0]
-            if c > a:
-                wt = native.int4_dequant_t(self.weight[a:c], K, layout, self.weight_scale[a:c], self.weight_zero[a:c],
-                                           self.group_size, _chunk_buffer(K, c - a, x2.dtype, x2.device))
-                y[:, a:c] = x2 @ wt  # x2 @ the weight's rows a:c, transposed
-            if b > c:
-                y[:, c:b] = F.linear(x2, self._dequant_rows(c, b, x2.dtype))
-        return y
+
+        def whole(a: int, c: int, out: torch.Tensor) -> None:
+            wt = native.int4_dequant_t(self.weight[a:c], K, layout, self.weight_scale[a:c], self.weight_zero[a:c],
+                                       self.group_size, _chunk_buffer(K, c - a, x2.dtype, x2.device))
+            out.copy_(x2 @ wt)  # x2 @ the weight's rows a:c, transposed
+
+        return self._by_blocks(x2, chunks, whole)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
