@@ -22,7 +22,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
                                       more                             DEQUANTIZE   dequantize + F.linear
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
-  cpu     int4, bfloat16 x, on a CPU  >= INT4_NATIVE_MIN_ROWS (3)      NATIVE       gptj.native's int4 GEMV (GEMM from
+  cpu     int4, bfloat16 x, on a CPU  >= INT4_NATIVE_MIN_ROWS (2)      NATIVE       gptj.native's int4 GEMV (GEMM from
           with AVX512-BF16, no AMX                                                  32 rows) on torch's CPU layout
           (`native_int4_gemm`)                                                      (blocks of 32 or 64 rows)
           int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
@@ -249,7 +249,7 @@ INT4_AMX_KERNEL_MAX_ROWS = 16
 # (The Xeon above, held to AVX512_CORE_BF16, crossed between 128 and 512 rows; such CPUs in service
 # without AMX are mostly AMD's, so the Zen 4's crossover is the rule.)
 INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the layer's layout)
-# There gptj.native's int4 kernels beat both from 3 rows: its GEMV (gemv.c: the weight's integers in
+# There gptj.native's int4 kernels beat both from 2 rows: its GEMV (gemv.c: the weight's integers in
 # bfloat16 dot products, scaled once a group) below 32 rows, its GEMM (the int8 GEMM's tiles on panels
 # dequantized once per call) from 32 (the crossover is gemv.c's I4G_MIN_ROWS). Zen 4, 2 threads,
 # 2026-11-29, median of 7 (1-4 rows) and 5, ms, group 128, `benchmarks/native_gemv.py --int4-gemm
@@ -269,8 +269,13 @@ INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the
 #                 int4 GEMM         -      -      -      -   19.8   27.7   34.8   42.7
 #   28672 x 4096  int4 kernel    3.50   4.52   5.55   6.52
 #                 int4 GEMV      3.43   4.43   4.50   5.66
-# Torch's kernel keeps 1 and 2 rows (its weight stream is the faster one there).
-INT4_NATIVE_MIN_ROWS = 3
+# On one weight torch's kernel was faster at 1-2 rows. Decode streams its weights: there (8 copies of the
+# weight in turn, median of 7) the GEMV took 2.05-2.19 ms against torch's 2.38 at 2 rows of 16384 x 4096,
+# 2.13 against 2.32 of 4096 x 16384, and tied at 1 row (2.06-2.13 against 2.01; 1.79-1.91 against 1.79);
+# `cpu_kinds.py --modes none,int4` decoded batches of 2 at 91.5-93.6 tok/s with the GEMV against
+# 84.5-87.0 with torch's kernel (3 rounds each, alternated), batch 1 at 52.8-54.7 against 48.6-55.1
+# (noise). Torch's kernel keeps 1 row.
+INT4_NATIVE_MIN_ROWS = 2
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for

@@ -10,7 +10,7 @@ with FP8 matrix units). The buffers are the checkpoint's tensors (gptj.quant.for
 
 Kernels. Which one a call runs is gptj.policy's `linear_path`, by device, dtype and rows:
 gptj.native's int8 GEMV for a few rows on CPU (and its int8 GEMM for more, and its int4 GEMV and GEMM
-from 3 rows, on AVX512-BF16 without AMX); torch's weight-only kernels (torch._weight_int8pack_mm /
+from 2 rows, on AVX512-BF16 without AMX); torch's weight-only kernels (torch._weight_int8pack_mm /
 torch._weight_int4pack_mm_for_cpu) in bfloat16 up to KERNEL_MAX_ROWS[mode] rows (activations of
 other dtypes are cast to bfloat16 for the call: the kernels' float32 paths are not vectorized and
 measured 10-30x slower than their bfloat16 paths, slower than a float32 F.linear on the unquantized
