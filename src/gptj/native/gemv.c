@@ -839,8 +839,10 @@ static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
      pairs, and a vpternlogd per vector or's each nibble into the bits of bfloat16 128: the bfloat16
      128 + q exactly, 7 instructions for 64 weights, shared by all rows of x. The group's sums are then of
      128 + q, and the correction zero - 136 s (one rounding) takes the 128 back with the 8.
-   - A tile is up to I4V_MR rows of x by a block's 2 or 4 vectors (up to 8 or 4 rows: 16 accumulators); a
-     row's pair of x is broadcast to every lane. After each group the tile's sums are scaled into the
+   - A tile is up to I4V_MR rows of x by a block's 2 vectors (16 accumulators) or I4V_MR4 rows by its 4
+     (24: with the 4 weight vectors, a broadcast and 2 constants, 31 of the 32 registers); a row's pair of
+     x is broadcast to every lane. Tiles of 6 rows on blocks of 64 instead of 4 ran 5-12 % faster at 8-32
+     rows (native_gemv.py --int4-gemm, 2026-11-29). After each group the tile's sums are scaled into the
      block's running sums (a per-thread buffer), the scales gathered (i4v_group_scales).
    - The threads split the blocks (static): each streams its contiguous range of the weight, with a software
      prefetch 2 g_pf_dist bytes ahead (without it one row of x ran at 0.5-0.7x torch's int4 kernel's speed;
@@ -849,10 +851,15 @@ static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
      the other rows of the call nor on the threads.
    - Tried (one thread, the weight in cache): vpermw on a table of bfloat16(q - 8) instead of or'ing into
      128's bits took 1.2-1.6x the time at 4-8 rows; units of 32 channels, each its own pass over a block
-     of 64, 1.3-1.45x. */
+     of 64, 1.3-1.45x. With 6-row tiles the GEMV timed level with the GEMM at 32 rows and faster at 40-48
+     on one weight, but a model decoding batches of 48 ran at 220 tok/s on it against 261 on the GEMM
+     (cpu_kinds.py): the crossover stays at 32. */
 
 #ifndef I4V_MR
-#define I4V_MR 8                  /* rows of x per tile of 2 vectors (half as many of 4) */
+#define I4V_MR 8                  /* rows of x per tile of 2 vectors */
+#endif
+#ifndef I4V_MR4
+#define I4V_MR4 6                 /* rows of x per tile of 4 vectors (blocks of 64) */
 #endif
 #ifndef I4G_MIN_ROWS
 #define I4G_MIN_ROWS 32           /* gemm_int4 takes the GEMM from this many rows of x on */
@@ -940,7 +947,7 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
 {
     const struct i4_info *q = j->i4;
     const long M = j->M, N = j->N, K = j->K, G = K / q->group, half = q->block / 2, blocks = N / q->block;
-    const int ns = q->block / 32, nv = 2 * ns, mt = I4V_MR * 2 / nv, gp = q->group / 2;  /* mt: rows a tile */
+    const int ns = q->block / 32, nv = 2 * ns, mt = ns == 1 ? I4V_MR : I4V_MR4, gp = q->group / 2;  /* mt: rows a tile */
     float *xs = malloc(sizeof(float) * (size_t)(M * G));  /* X[m, g] */
     if (nthreads < 1) nthreads = 1;
     if (nthreads > blocks) nthreads = (int)blocks;
@@ -980,7 +987,7 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
                     const uint16_t *x = j->x + m0 * K + g * q->group;
                     /* each case a tile of its own, reading rows [m0, m0 + mr) of x only */
 #define I4V_CASE(r) case r: if (ns == 1) i4v_tile(col, half, gp, x, K, 1, r, pf, acc); \
-                            else i4v_tile(col, half, gp, x, K, 2, r < I4V_MR / 2 ? r : I4V_MR / 2, pf, acc); break;
+                            else i4v_tile(col, half, gp, x, K, 2, r < I4V_MR4 ? r : I4V_MR4, pf, acc); break;
                     switch (mr) {
                     I4V_CASE(1) I4V_CASE(2) I4V_CASE(3) I4V_CASE(4) I4V_CASE(5) I4V_CASE(6) I4V_CASE(7)
                     default: i4v_tile(col, half, gp, x, K, 1, I4V_MR, pf, acc); break;
