@@ -942,12 +942,41 @@ static inline void i4v_group_scales(const struct i4_info *q, long G, long b, int
     }
 }
 
+/* one tile: rows [m0, m0 + mr) of x times group g's columns of a block (col: the group's first), the sums
+   scaled into the block's running sums tot (row m at tot + 64 m; the group's first sets them) */
+static inline void i4v_rows(const job_t *j, const uint8_t *col, long m0, int mr, long g, long G, long pf,
+                            const float *xs, const __m512 sv[4], const __m512 zv[4], float *tot)
+{
+    const long K = j->K, group = j->i4->group, half = j->i4->block / 2, gp = group / 2;
+    const int ns = (int)(half / 16);
+    const uint16_t *x = j->x + m0 * K + g * group;
+    __m512 acc[I4V_MR][4];
+    for (int r = 0; r < I4V_MR; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    /* each case a tile of its own, reading rows [m0, m0 + mr) of x only */
+#define I4V_CASE(r) case r: if (ns == 1) i4v_tile(col, half, gp, x, K, 1, r, pf, acc); \
+                        else i4v_tile(col, half, gp, x, K, 2, r < I4V_MR4 ? r : I4V_MR4, pf, acc); break;
+    switch (mr) {
+    I4V_CASE(1) I4V_CASE(2) I4V_CASE(3) I4V_CASE(4) I4V_CASE(5) I4V_CASE(6) I4V_CASE(7)
+    default: i4v_tile(col, half, gp, x, K, 1, I4V_MR, pf, acc); break;
+    }
+#undef I4V_CASE
+    for (int r = 0; r < mr; r++) {
+        const __m512 xg = _mm512_set1_ps(xs[(m0 + r) * G + g]);
+        for (int v = 0; v < 2 * ns; v++) {
+            float *at = tot + (m0 + r) * 64 + 16 * v;
+            const __m512 t0 = _mm512_fmadd_ps(acc[r][v], sv[v], g ? _mm512_loadu_ps(at) : _mm512_setzero_ps());
+            _mm512_storeu_ps(at, _mm512_fmadd_ps(zv[v], xg, t0));
+        }
+    }
+}
+
 /* y = x times the int4 weight for M rows of x (gemm_int4 below I4G_MIN_ROWS rows): 0, or -1 without memory */
 static int gemv_int4_dp(const job_t *j, int nthreads)
 {
     const struct i4_info *q = j->i4;
     const long M = j->M, N = j->N, K = j->K, G = K / q->group, half = q->block / 2, blocks = N / q->block;
-    const int ns = q->block / 32, nv = 2 * ns, mt = ns == 1 ? I4V_MR : I4V_MR4, gp = q->group / 2;  /* mt: rows a tile */
+    const int ns = q->block / 32, nv = 2 * ns, mt = ns == 1 ? I4V_MR : I4V_MR4;  /* mt: rows a tile */
     float *xs = malloc(sizeof(float) * (size_t)(M * G));  /* X[m, g] */
     if (nthreads < 1) nthreads = 1;
     if (nthreads > blocks) nthreads = (int)blocks;
@@ -980,28 +1009,7 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
                 const long tiles = (M + mt - 1) / mt, base = M / tiles;
                 for (long t = 0, m0 = 0; t < tiles; t++) {
                     const int mr = (int)(base + (t < M % tiles));
-                    __m512 acc[I4V_MR][4];
-                    for (int r = 0; r < I4V_MR; r++)
-                        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
-                    const uint8_t *col = cols + g * q->group * half;
-                    const uint16_t *x = j->x + m0 * K + g * q->group;
-                    /* each case a tile of its own, reading rows [m0, m0 + mr) of x only */
-#define I4V_CASE(r) case r: if (ns == 1) i4v_tile(col, half, gp, x, K, 1, r, pf, acc); \
-                            else i4v_tile(col, half, gp, x, K, 2, r < I4V_MR4 ? r : I4V_MR4, pf, acc); break;
-                    switch (mr) {
-                    I4V_CASE(1) I4V_CASE(2) I4V_CASE(3) I4V_CASE(4) I4V_CASE(5) I4V_CASE(6) I4V_CASE(7)
-                    default: i4v_tile(col, half, gp, x, K, 1, I4V_MR, pf, acc); break;
-                    }
-#undef I4V_CASE
-                    for (int r = 0; r < mr; r++) {
-                        const __m512 xg = _mm512_set1_ps(xs[(m0 + r) * G + g]);
-                        for (int v = 0; v < nv; v++) {
-                            float *at = tot + (m0 + r) * 64 + 16 * v;
-                            __m512 t0 = g ? _mm512_loadu_ps(at) : _mm512_setzero_ps();
-                            t0 = _mm512_fmadd_ps(acc[r][v], sv[v], t0);
-                            _mm512_storeu_ps(at, _mm512_fmadd_ps(zv[v], xg, t0));
-                        }
-                    }
+                    i4v_rows(j, cols + g * q->group * half, m0, mr, g, G, pf, xs, sv, zv, tot);
                     m0 += mr;
                 }
             }
@@ -1020,14 +1028,20 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
 
 /* ---- exported entry points ---- */
 
+/* *at, set to rows where rows > 0: the crossover setters' body; returns the value before */
+static inline int swap_min_rows(int *at, int rows)
+{
+    const int old = *at;
+    if (rows > 0) *at = rows;
+    return old;
+}
+
 /* the rows of x from which gemv_int8 takes the int8 GEMM (rows > 0 sets it: benchmarks compare the two);
    returns the value before, or 0 where the library has no such GEMM (without HAVE_DP) */
 int int8_gemm_set_min_rows(int rows)
 {
 #if HAVE_DP
-    const int old = g_i8g_min_rows;
-    if (rows > 0) g_i8g_min_rows = rows;
-    return old;
+    return swap_min_rows(&g_i8g_min_rows, rows);
 #else
     (void)rows;
     return 0;
@@ -1088,9 +1102,7 @@ int gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, c
 int int4_gemm_set_min_rows(int rows)
 {
 #if HAVE_DP
-    const int old = g_i4g_min_rows;
-    if (rows > 0) g_i4g_min_rows = rows;
-    return old;
+    return swap_min_rows(&g_i4g_min_rows, rows);
 #else
     (void)rows;
     return 0;
