@@ -276,16 +276,19 @@ def _time_row(shape: str, M: int, impls: list[str], calls: dict, rounds: int, ou
 
 def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int, out) -> list[dict]:
     """--int4-gemm's table: int4 weights (an Int4Linear of a random weight) at many rows, each path's
-    median ms: torch's int4 kernel, the dequantized matmul, gptj.native's int4 GEMV and GEMM (each forced
-    with int4_gemm_min_rows, where they run) and oneDNN's bfloat16 GEMM on bfloat16 weights."""
+    median ms: torch's int4 kernel, the dequantized matmul (in float32 where the policy upcasts), gptj.native's
+    int4 GEMV and GEMM (each forced with int4_gemm_min_rows where the library has both), oneDNN's bfloat16
+    GEMM on bfloat16 weights (where oneDNN computes bfloat16) and gptj.native's bfloat16 GEMV."""
     from gptj.quant import Int4Linear
     from gptj.quant.ops import cpu_int4_layout
 
-    default = native.int4_gemm_min_rows() if native.int4_gemm_available(cpu_int4_layout()) else 0
-    impls = ["int4 kernel", "dequantize", *(["int4 GEMV", "int4 GEMM"] if default else []),
-             *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else [])]
-    print(f"int4 weights (group {group}) at many rows (gptj.native's GEMM from {default or '-'} rows by default); "
-          f"median of {rounds}, ms\n", file=out)
+    runs = native.int4_gemm_available(cpu_int4_layout())
+    default = native.int4_gemm_min_rows() if runs else 0  # 0: no GEMM (the GEMV at every row count)
+    impls = ["int4 kernel", "dequantize", *(["int4 GEMV"] if runs else []), *(["int4 GEMM"] if default else []),
+             *(["oneDNN bf16"] if policy.can_pack(torch.bfloat16, "cpu") else []),
+             *(["native bf16"] if native.available() else [])]
+    print(f"int4 weights (group {group}) at many rows (gptj.native's {native.isa().name if runs else '-'} library: "
+          f"GEMM from {default or '-'} rows by default); median of {rounds}, ms\n", file=out)
     print(f"{'shape':>12} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls), file=out, flush=True)
     table = []
     try:
@@ -298,6 +301,8 @@ def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int,
             m = Int4Linear.from_float(lin, group)
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if "oneDNN bf16" in impls else None
             kernel = m.weight if m.layout == "cpu" else m._kernel_weight
+            # the dequantized matmul as the policy runs it: in float32 (UPCAST) where a CPU has no bfloat16 arithmetic
+            up = torch.float32 if policy._dequantize("cpu", torch.bfloat16) == policy.UPCAST else torch.bfloat16
             for M in rows:
                 x = torch.randn(M, K, generator=g).bfloat16()
 
@@ -308,9 +313,11 @@ def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int,
                     return call
                 calls = {"int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(x, kernel, m.group_size,
                                                                                   m._scales_and_zeros),
-                         "dequantize": lambda: m._dequant_linear(x), "int4 GEMV": forced(1 << 30),
+                         "dequantize": lambda: m._dequant_linear(x.to(up)),
+                         "int4 GEMV": forced(1 << 30) if default else lambda: m._native_gemm(x),
                          "int4 GEMM": forced(1),
-                         "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+                         "oneDNN bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                         "native bf16": lambda: native.linear_bf16(x, weight)}
                 table.append(_time_row(shape, M, impls, calls, rounds, out))
     finally:
         native.int4_gemm_min_rows(default or None)

@@ -171,15 +171,17 @@ def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_wi
     """Where the loaded library has the int4 GEMV and GEMM (AVX512-BF16's), bfloat16 int4 calls take them from
     INT4_NATIVE_MIN_ROWS rows at any count on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
     Not with AMX (oneDNN's AMX GEMM on the unpacked weight), not without bfloat16 arithmetic, not for
-    float32 activations, and not where the library has none (then as before: torch's kernel, then the
+    float32 activations, and not where the library has no GEMM (then as before: torch's kernel, then the
     dequantized matmul)."""
     monkeypatch.setattr(policy, "native_available", lambda: True)
-    monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: gemm)
+    monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: True)
+    monkeypatch.setattr(native, "int4_gemm_min_rows", lambda rows=None: 32 if gemm else 0)
+    monkeypatch.setattr(native, "isa", lambda: native.ISAS[0])  # AVX512-BF16's library (the avx2 one: below)
     lo = policy.INT4_NATIVE_MIN_ROWS
     assert 1 < lo <= policy.INT4_BF16_KERNEL_MAX_ROWS
     for flags in (FLAGS[cpu.AVX512_BF16], cpu.cap(AMX, "avx512_core_bf16")):
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
-        assert policy.native_int4_gemm("cpu", torch.bfloat16) == gemm
+        assert (lo in policy.native_int4_rows("cpu", torch.bfloat16)) == gemm
         assert policy.linear_path("cpu", torch.bfloat16, lo - 1, "int4") == policy.WEIGHT_ONLY
         for rows in (lo, policy.INT4_BF16_KERNEL_MAX_ROWS + 1, 4096):
             want = policy.NATIVE if gemm else (policy.WEIGHT_ONLY if rows <= policy.INT4_BF16_KERNEL_MAX_ROWS
@@ -188,8 +190,30 @@ def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_wi
         assert policy.linear_path("cpu", torch.float32, 4096, "int4") == policy.DEQUANTIZE
     for flags in (AMX, FLAGS[cpu.AVX2], FLAGS[cpu.AVX512]):
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
-        assert not policy.native_int4_gemm("cpu", torch.bfloat16)
+        assert not policy.native_int4_rows("cpu", torch.bfloat16)
         assert policy.linear_path("cpu", torch.bfloat16, 4096, "int4") != policy.NATIVE
+
+
+@pytest.mark.parametrize("library", ["avx2", "generic", "avx512"])
+def test_int4_layers_take_the_vector_layers_int4_gemv_on_avx2(monkeypatch, library):
+    """On an AVX2 CPU with gptj.native's avx2 library, bfloat16 int4 calls of 1 to INT4_AVX2_MAX_ROWS rows
+    take its int4 GEMV (the vector layer's: the library has no GEMM), more the dequantized matmul in
+    float32; float32 activations, the portable library (unmeasured), and the avx512 library on AVX-512
+    without BF16 (torch's int4 kernel was faster there) keep torch's paths."""
+    monkeypatch.setattr(policy, "native_available", lambda: True)
+    monkeypatch.setattr(native, "int4_gemm_available", lambda layout=None: True)
+    monkeypatch.setattr(native, "int4_gemm_min_rows", lambda rows=None: 0)
+    monkeypatch.setattr(native, "isa", lambda: next(i for i in native.ISAS if i.name == library))
+    most = policy.INT4_AVX2_MAX_ROWS
+    assert most <= policy.KERNEL_MAX_ROWS["int4"]
+    monkeypatch.setattr(cpu, "flags", lambda: FLAGS[cpu.AVX512] if library == "avx512" else FLAGS[cpu.AVX2])
+    for rows, want in ((1, policy.NATIVE), (most, policy.NATIVE), (most + 1, policy.UPCAST)):
+        if library != "avx2":
+            want = policy.WEIGHT_ONLY if rows <= policy.KERNEL_MAX_ROWS["int4"] else policy.UPCAST
+        assert policy.linear_path("cpu", torch.bfloat16, rows, "int4") == want, rows
+    assert policy.linear_path("cpu", torch.float32, 1, "int4") == policy.WEIGHT_ONLY
+    monkeypatch.setattr(cpu, "flags", lambda: FLAGS[cpu.AVX512_BF16])  # the avx2 library forced on AVX-512
+    assert policy.linear_path("cpu", torch.bfloat16, 1, "int4") == policy.WEIGHT_ONLY
 
 
 def test_int8_layers_take_the_amx_gemm_where_it_runs(monkeypatch):

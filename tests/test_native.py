@@ -624,14 +624,14 @@ def test_the_generic_kernels_compile_for_aarch64(tmp_path):
     every kernel source compiles with it for AArch64, by zig's clang, a cross compiler pip installs
     (`pip install ziglang`: not a test extra, 400 MB; skipped without it). Linking would need an
     OpenMP runtime zig does not ship: the sources are compiled, not linked, against a header declaring
-    the one OpenMP function they call."""
+    the OpenMP functions they call."""
     import importlib.util
     import subprocess
     import sys
 
     if importlib.util.find_spec("ziglang") is None:
         pytest.skip("no AArch64 cross compiler here (pip install ziglang provides one)")
-    (tmp_path / "omp.h").write_text("int omp_get_max_threads(void);\n")
+    (tmp_path / "omp.h").write_text("int omp_get_max_threads(void);\nint omp_get_thread_num(void);\n")
     generic = next(i for i in native.ISAS if i.name == "generic")
     for src in native.SOURCES:
         obj = tmp_path / f"{src.stem}.o"
@@ -931,13 +931,18 @@ def _int4_case(n: int, K: int, group: int, block: int, split: bool, seed: int):
 
 
 def _needs_int4_gemm() -> None:
-    if not native.int4_gemm_available():
-        with pytest.raises(RuntimeError, match="int4 GEMM is not available here"):
-            native.linear_int4(torch.zeros(1, 64).bfloat16(), torch.zeros(32, 32, dtype=torch.uint8), 64, (32, True),
-                               torch.zeros(32, 1).bfloat16(), torch.zeros(32, 1).bfloat16(), 64)
-        lib = native.isa()
-        pytest.skip(f"the {lib.name} library has no int4 GEMM (AVX512-BF16's only)" if lib else
-                    f"native kernels unavailable: {WHY_NOT}")
+    """Skips where the bound library has no int4 GEMM (AVX512-BF16's only: the others run their GEMV at
+    every row count) or gptj.native is unavailable."""
+    if not native.available():
+        pytest.skip(f"native kernels unavailable: {WHY_NOT}")
+    if not native.int4_gemm_min_rows():
+        pytest.skip(f"the {native.isa().name} library has no int4 GEMM (AVX512-BF16's only)")
+
+
+def _int4_gemv_offset() -> int:
+    """What the bound library's int4 GEMV adds to each nibble q in its sums: 128 on AVX512-BF16's (the
+    bfloat16 128 + q), 0 on the vector layer's (q in float32)."""
+    return 128 if native.int4_gemm_min_rows() else 0
 
 
 @contextlib.contextmanager
@@ -982,18 +987,18 @@ def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split
 @pytest.mark.parametrize("block, split", INT4_LAYOUTS)
 @pytest.mark.parametrize("M,n,K,group", INT4_SHAPES[:4] + [(8, 256, 1024, 32)])
 def test_int4_gemv_is_within_float32_sums_of_the_exact_weights_and_one_bfloat16_rounding(block, split, M, n, K,
-                                                                                        group):
-    """linear_int4's GEMV (AVX512-BF16's; forced at every row count) multiplies the weights (q - 8) s + zero
-    exactly, as torch's int4 kernel does, not their bfloat16 roundings: per group, x's products with
-    128 + q (a bfloat16 exactly) in float32 lanes (each product exact, each addition rounded once: at
-    most K u of sum|x| (128 + q)), scaled once by s and corrected by (zero - 136 s) times x's float32
-    group sum (a rounding each), then rounded once to bfloat16. So within (K + 2 G + 4) u of
-    sum|x| (s (128 + q) + |zero - 136 s|) (G: the groups) of the float64 value, plus bfloat16's unit
-    roundoff of it. Every layout, a row to 45 (tiles of up to 8 or 4 rows), every group size; the output
+                                                                                        group, native_isa):
+    """linear_int4's GEMV (forced at every row count on AVX512-BF16's library; the others have no other)
+    multiplies the weights (q - 8) s + zero exactly, as torch's int4 kernel does, not their bfloat16
+    roundings: per group, x's products with o + q (o = 128 on AVX512-BF16's library: the bfloat16 128 + q;
+    0 on the vector layer's, x and q in float32) in float32 lanes (each product exact, each addition
+    rounded once: at most K u of sum|x| (o + q)), scaled once by s and corrected by (zero - (o + 8) s)
+    times x's float32 group sum (a rounding each), then rounded once to bfloat16. So within (K + 2 G + 4) u
+    of sum|x| (s (o + q) + |zero - (o + 8) s|) (G: the groups) of the float64 value, plus bfloat16's unit
+    roundoff of it. Every layout, a row to 45 (tiles of up to 8, 6 or 4 rows), every group size; the output
     is columns of a wider tensor, left alone elsewhere."""
-    _needs_int4_gemm()
     packed, scale, zero, _, q = _int4_case(n, K, group, block, split, seed=M + n + K)
-    q = q.double()
+    q, o = q.double(), _int4_gemv_offset()
     s, z = (t.double().repeat_interleave(group, 1) for t in (scale, zero))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).bfloat16()
     out = torch.zeros(M, n + 8).bfloat16()
@@ -1001,26 +1006,27 @@ def test_int4_gemv_is_within_float32_sums_of_the_exact_weights_and_one_bfloat16_
         native.linear_int4(x, packed, K, (block, split), scale, zero, group, out=out[:, 4:4 + n])
     xd = x.double()
     ref = xd @ ((q - 8) * s + z).T
-    f32 = (xd.abs() @ (s * (128 + q) + (z - 136 * s).abs()).T) * (K + 2 * K // group + 4) * 2.0**-24 + 1e-30
+    f32 = (xd.abs() @ (s * (o + q) + (z - (o + 8) * s).abs()).T) * (K + 2 * K // group + 4) * 2.0**-24 + 1e-30
     y = out[:, 4:4 + n].double()
     assert ((y - ref).abs() <= f32 + (ref.abs() + f32) * 2.0**-8).all()
     assert not out[:, :4].any() and not out[:, 4 + n:].any()
 
 
 def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
-    """One lane per output, its products added in k order, in the GEMV and in the GEMM: a row's result is
-    the same in every call of either and at any thread count; by default the GEMV runs below
-    int4_gemm_min_rows() rows (32), the GEMM from there. Layouts it does not take, and bad arguments, are
-    refused in one line."""
-    _needs_int4_gemm()
+    """One lane per output, its products added in k order, in the GEMV and (AVX512-BF16's library) the
+    GEMM: a row's result is the same in every call of either and at any thread count; by default the GEMV
+    runs below int4_gemm_min_rows() rows (32), the GEMM from there; the other libraries have no GEMM
+    (int4_gemm_min_rows() 0) and run the GEMV at every row count. Layouts it does not take, and bad
+    arguments, are refused in one line."""
     packed, scale, zero, _, _ = _int4_case(128, 4352, 128, 64, True, seed=11)
     x = torch.randn(40, 4352, generator=torch.Generator().manual_seed(12)).bfloat16()
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         return native.linear_int4(rows, packed, 4352, (64, True), scale, zero, 128)
 
-    assert native.int4_gemm_min_rows() == 32
-    for kind in ("gemv", "gemm"):
+    gemm = native.int4_gemm_min_rows() != 0
+    assert native.int4_gemm_min_rows() == (32 if native_isa == "avx512-bf16" else 0)
+    for kind in ("gemv", "gemm") if gemm else ("gemv",):
         with _int4_kernel(kind):
             full = run(x)
             for M in (1, 3, 8, 12, 13, 27):
@@ -1029,7 +1035,7 @@ def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
         if kind == "gemv":
             assert torch.equal(run(x[:31]), full[:31])  # the default below 32 rows
             gemv = full
-    assert torch.equal(run(x), full) and not torch.equal(gemv, full)  # the GEMM from 32 rows
+    assert torch.equal(run(x), full) and torch.equal(gemv, full) != gemm  # the GEMM from 32 rows, where it is
     with pytest.raises(ValueError, match="blocks of 16 rows"):
         native.linear_int4(x, packed, 4352, (16, True), scale, zero, 128)
     with pytest.raises(ValueError, match="x must be"):

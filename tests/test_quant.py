@@ -45,8 +45,8 @@ def dequant_rows(mode, features=(128, 96), dtype=torch.bfloat16):
 
 @pytest.fixture
 def no_int4_gemm(monkeypatch):
-    """The policy without gptj.native's int4 GEMM (tests of the paths it would take over; its own below)."""
-    monkeypatch.setattr(policy, "native_int4_gemm", lambda device, dtype: False)
+    """The policy without gptj.native's int4 kernels (tests of the paths they would take over; their own below)."""
+    monkeypatch.setattr(policy, "native_int4_rows", lambda device, dtype: range(0))
 
 
 def quantized(lin, mode):
@@ -135,13 +135,14 @@ def test_int4s_many_rows_take_the_native_unpacking_of_the_cpu_layout(monkeypatch
 
 
 def test_int4_layers_take_the_native_int4_gemm_where_it_runs(monkeypatch):
-    """Where the policy gives bfloat16 int4 calls gptj.native's int4 GEMM (AVX512-BF16 without AMX), a
-    layer's whole blocks of rows take it and a last partial block (560 = 8 x 64 + 48 rows, as lm_head's
-    50,400 end) the dequantized matmul: that block's columns equal the dequantized path's bit for bit, the
-    others within bfloat16's rounding of it and of the float32 product. A weight the GEMM cannot take (not
-    in torch's CPU layout) takes the dequantized matmul."""
-    if not policy.native_int4_gemm("cpu", torch.bfloat16):
-        pytest.skip("gptj.native's int4 GEMM does not run here (AVX512-BF16 without AMX, its library loaded)")
+    """Where the policy gives bfloat16 int4 calls gptj.native's int4 kernels (AVX512-BF16 without AMX: the
+    GEMV at 2 rows, the GEMM at 70; AVX2: the vector layer's GEMV at both), a layer's whole blocks of rows take
+    them and a last partial block (560 = 8 x 64 + 48 rows, as lm_head's 50,400 end) the dequantized matmul:
+    that block's columns equal the dequantized path's bit for bit, the others within bfloat16's rounding of
+    it and of the float32 product. A weight they cannot take (not in torch's CPU layout) takes the
+    dequantized matmul."""
+    if not {policy.INT4_NATIVE_MIN_ROWS, 70} <= set(policy.native_int4_rows("cpu", torch.bfloat16)[:71]):
+        pytest.skip("gptj.native's int4 kernels do not run here (AVX512-BF16 without AMX, or AVX2; the library loaded)")
     lin = make_linear(256, 560, True)
     m = quant.Int4Linear.from_float(lin, 64)
     calls = []

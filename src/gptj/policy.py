@@ -24,7 +24,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
           ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
   cpu     int4, bfloat16 x, on a CPU  >= INT4_NATIVE_MIN_ROWS (2)      NATIVE       gptj.native's int4 GEMV (GEMM from
           with AVX512-BF16, no AMX                                                  32 rows) on torch's CPU layout
-          (`native_int4_gemm`)                                                      (blocks of 32 or 64 rows)
+          (`native_int4_rows`)                                                      (blocks of 32 or 64 rows)
+          ...on an AVX2 CPU          1 to INT4_AVX2_MAX_ROWS (512)    NATIVE       the vector layer's int4 GEMV
           int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
                                       bfloat16: 16 with AMX, 64 with
                                       AVX512-BF16)
@@ -276,6 +277,23 @@ INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the
 # 84.5-87.0 with torch's kernel (3 rounds each, alternated), batch 1 at 52.8-54.7 against 48.6-55.1
 # (noise). Torch's kernel keeps 1 row.
 INT4_NATIVE_MIN_ROWS = 2
+# On an AVX2 CPU (gptj.cpu's avx2 kind, gptj.native's avx2 library) the vector layer's int4 GEMV (gemv.c's
+# gemv_int4_vf: the nibbles converted to float32 in registers, float32 FMAs, each group's sums scaled once;
+# tiles of 5 rows) beats torch's int4 kernel at every row count from 1 to 512, and the dequantized matmul
+# in float32 (UPCAST) takes over between 512 and 1024. Zen 4 held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2
+# ATEN_CPU_CAPABILITY=avx2`), 2 threads, 2026-11-29, group 128, median of 5 (512 and 1024: of 3), ms,
+# `benchmarks/native_gemv.py --int4-gemm --rows 1 2 4 8 16 24 32 64 128 256` (one weight; "native bf16":
+# the bfloat16 GEMV on bfloat16 weights, what bfloat16 runs there):
+#   rows                           1      2      4      8     16     24     32     64    128    256
+#   16384 x 4096  int4 kernel    4.25   4.37   6.95   11.2   20.1   31.0   39.7   79.3    166    333
+#                 int4 GEMV      2.41   3.73   6.06   8.15   17.4   23.1   29.9   53.6    105    201
+#                 (native bf16   4.20   6.01   8.56   9.33   16.0   22.9   29.0   58.2    114    220)
+#   4096 x 16384  int4 kernel    4.14   4.21   5.07   9.91   21.2   29.6   39.5   81.0    164    333
+#                 int4 GEMV      3.58   3.92   4.57   7.81   14.2   20.7   27.6   55.7    112    263
+#   at 512 and 1024 rows of 4096 x 16384: int4 kernel 648, 1312; dequantized in float32 647, 1055; GEMV 514, 1452.
+# On AVX-512 without BF16 (the avx512 library, 16 lanes) torch's int4 kernel was faster at 1-8 rows (1.95
+# against 2.45 ms at 1 row of 16384 x 4096) and level from 16: there torch's kernel stays.
+INT4_AVX2_MAX_ROWS = 512
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same
 # whatever else is in the call (batch invariance by construction). Serving packs the weight for
@@ -403,11 +421,21 @@ def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
     return KERNEL_MAX_ROWS["int4"]
 
 
-def native_int4_gemm(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether int4 calls of `dtype` activations on `device` from INT4_NATIVE_MIN_ROWS rows take gptj.native's
-    int4 GEMV and GEMM (native.linear_int4): bfloat16 on a CPU with AVX512-BF16 but no AMX (with AMX,
-    oneDNN's GEMM on the unpacked weight is faster) whose loaded library has them (AVX512-BF16's)."""
-    return native_elementwise(device, dtype) and cpu_bf16() and not cpu_amx() and native.int4_gemm_available()
+def native_int4_rows(device: torch.device | str, dtype: torch.dtype) -> range:
+    """The rows of int4 calls of `dtype` activations on `device` that gptj.native's int4 kernels take
+    (native.linear_int4), bfloat16 on a CPU: with AVX512-BF16 but no AMX, where the loaded library has the
+    int4 GEMM (AVX512-BF16's), from INT4_NATIVE_MIN_ROWS rows on (its GEMV, its GEMM from 32 rows); on an
+    AVX2 CPU with the avx2 library loaded, 1 to INT4_AVX2_MAX_ROWS rows (the vector layer's GEMV). None
+    elsewhere (an empty range): with AMX oneDNN's GEMM on the unpacked weight is faster, on AVX-512 without
+    BF16 torch's int4 kernel."""
+    if not native_elementwise(device, dtype) or not native.int4_gemm_available():
+        return range(0)
+    if cpu_bf16() and not cpu_amx() and native.int4_gemm_min_rows() > 0:
+        return range(INT4_NATIVE_MIN_ROWS, 1 << 62)
+    lib = native.isa()
+    if cpu.kind() == cpu.AVX2 and lib is not None and lib.name == "avx2":
+        return range(1, INT4_AVX2_MAX_ROWS + 1)
+    return range(0)
 
 
 def native_elementwise(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -535,7 +563,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
             return INT_MM
         return DEQUANTIZE
     if weight == "int4":
-        if rows >= INT4_NATIVE_MIN_ROWS and native_int4_gemm(kind, dtype):
+        if rows in native_int4_rows(kind, dtype):
             return NATIVE
         if rows > int4_kernel_max_rows(kind, dtype):
             return _dequantize(kind, dtype)

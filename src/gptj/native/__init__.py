@@ -383,8 +383,8 @@ _gelu = _rotary = _store_kv = _quantize_rows = _scale_rows = _int4_dequant = _ar
 _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX GEMMs (amx.c)
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 _int8_gemm_rows = 0  # the loaded library's int8 GEMM crossover; 0: it has none (int8_gemm_min_rows)
-_gemm_int4 = None  # the loaded library's int4 GEMV and GEMM (AVX512-BF16's), None where it has none (linear_int4)
-_int4_gemm_rows = 0  # their crossover (int4_gemm_min_rows)
+_gemm_int4 = None  # the loaded library's int4 GEMV (and AVX512-BF16's GEMM), None before a library is bound
+_int4_gemm_rows = 0  # their crossover (int4_gemm_min_rows); 0: no GEMM, the GEMV at every row count
 # what a test clears to take the native path away
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_int4_gemm_rows",
          "_attend_group",
@@ -969,14 +969,15 @@ def int4_dequant_t(packed: torch.Tensor, K: int, layout: tuple[int, bool], scale
 def int4_gemm_min_rows(rows: int | None = None) -> int:
     """The rows of x from which linear_int4 runs the loaded library's int4 GEMM (weights dequantized into
     panels once per call) instead of its int4 GEMV (on the integers, scaled per group); 0 where the
-    library has neither. `rows` sets it for this process (benchmarks/native_gemv.py times both sides of
-    it); the value before is returned."""
+    library has no GEMM (all but AVX512-BF16's: the GEMV at every row count) or none is loaded. `rows`
+    sets it for this process (benchmarks/native_gemv.py times both sides of it); the value before is
+    returned."""
     return _gemm_min_rows("int4", rows)
 
 
 def int4_gemm_available(layout: tuple[int, bool] | None = None) -> bool:
-    """Whether linear_int4 runs here: the loaded library has the int4 GEMM (AVX512-BF16's) and, when
-    given, `layout`'s block is one it takes (INT4_GEMM_BLOCKS)."""
+    """Whether linear_int4 runs here: a library is loaded (each has an int4 GEMV; AVX512-BF16's a GEMM
+    too) and, when given, `layout`'s block is one it takes (INT4_GEMM_BLOCKS)."""
     load()
     return _gemm_int4 is not None and (layout is None or layout[0] in INT4_GEMM_BLOCKS)
 
@@ -986,12 +987,13 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, K: int, layout: tuple[int
     """x (M, K) bfloat16 times the transpose of the int4 weight (int4_dequant_t's arguments: whole blocks
     of torch's CPU layout, blocks of INT4_GEMM_BLOCKS rows): (M, n) bfloat16, float32 sums rounded once;
     no bias. Into `out` ((M, n) bfloat16, rows may be strided: columns of a wider output) when given.
-    Below int4_gemm_min_rows() rows (32) the loaded library's int4 GEMV (gemv.c: the integers in bfloat16
-    dot products, each group's sums scaled once) multiplies the weights (q - 8) s + zero exactly, as
-    torch's int4 kernel does; from there its GEMM (each weight dequantized once per call into panels, a
-    register tile) multiplies int4_dequant_t's bfloat16 roundings of them. Returns out."""
+    The loaded library's int4 GEMV (gemv.c: the integers in float32 sums, each group's sums scaled once;
+    on AVX512-BF16's library in bfloat16 dot products) multiplies the weights (q - 8) s + zero exactly, as
+    torch's int4 kernel does: on AVX512-BF16's library below int4_gemm_min_rows() rows (32), on the others
+    at every row count. From there AVX512-BF16's GEMM (each weight dequantized once per call into panels,
+    a register tile) multiplies int4_dequant_t's bfloat16 roundings of them. Returns out."""
     if not int4_gemm_available():
-        raise RuntimeError("linear_int4: gptj.native's int4 GEMM is not available here (AVX512-BF16's library only)")
+        _lib_or_raise("linear_int4")
     n = _check_int4("linear_int4", packed, K, layout, scale, zero, group)
     block, split = layout
     if block not in INT4_GEMM_BLOCKS:

@@ -311,6 +311,12 @@ static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {
 #define X_L1_BYTES 16384  /* x (the rows of a pass) is split along K to stay within this */
 #endif
 
+/* an int4 weight in torch's CPU layout (the int4 GEMM's and GEMVs' comments say it) */
+struct i4_info {
+    int block, split, group;
+    const uint16_t *scale, *zero;  /* (N, K / group) bfloat16 */
+};
+
 typedef struct {
     const uint16_t *x;
     const void *w;
@@ -755,11 +761,6 @@ static int gemm_panels_dp(const job_t *j, int nthreads, panel_fn make_panel)
    zp = bfloat16(zero - 8 s): the panel holds those very bfloat16 values, so the GEMM's outputs are float32
    sums of the products of x with the weight that the dequantized matmul multiplies, rounded once. */
 
-struct i4_info {
-    int block, split, group;
-    const uint16_t *scale, *zero;  /* (N, K / group) bfloat16 */
-};
-
 /* column k's 32 nibbles of the panel at row r0 of its block (bytes at col), in channel order, as bytes */
 static inline __m256i i4_column(const uint8_t *col, int block, int split, int r0)
 {
@@ -1024,6 +1025,157 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
     free(tots);
     return 0;
 }
+#else /* !HAVE_DP */
+
+/* ---- int4 weights without bfloat16 dot products (AVX2, AVX-512 without BF16, the generic build): a GEMV
+   on the integers in float32 FMAs ----
+
+   gemv_int4_dp's sums on the vector layer: the weights (q - 8) s + zero exactly, as torch's int4 kernel,
+     y[m, n] = sum over groups g of  s[n, g] A[m, n, g] + (zero[n, g] - 8 s[n, g]) X[m, g],
+     A = sum_{k in g} x[m, k] q[n, k]  (x widened to float32 once per call: each product exact; float32
+       lane sums in k order),  X = sum_{k in g} x[m, k]  (float32, once per call),
+   rounded once to bfloat16.
+   - VW bytes of a column of a block are a unit: vf_load_u4 makes their low nibbles one vector of VW
+     channels and their high nibbles another (I4F_CHANNEL says which), as float32: a zero-extending load, an
+     and, a shift and two conversions for 2 VW weights, shared by the tile's rows of x.
+   - One row of x takes all of a block's units in one tile (2 units per 16 bytes of a column: up to 8
+     accumulators on AVX2, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows
+     of x a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads).
+   - The threads split the blocks (static), each streaming its range of the weight, a software prefetch
+     2 g_pf_dist bytes ahead (gemv_int4_dp's); each output is one lane's sums in a fixed order, whatever
+     the call's other rows and the threads. */
+
+#ifndef I4F_MR
+#define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 5) */
+#endif
+#define I4F_NV (64 / VW)  /* vectors of a block of 64's column (AVX2: 8) */
+
+/* the channel, in its block, of lane i of vector v (0: low nibbles, 1: high) of unit u (bytes VW u..) */
+#define I4F_CHANNEL(block, split, u, v, i) \
+    ((split) ? (v) * ((block) / 2) + VW * (u) + (i) : 2 * (VW * (u) + (i)) + (v))
+
+/* rows [0, mr) of x (x: float32, column k's rows at x + k ldx, side by side) times kn columns (half bytes
+   apart) of units [0, nu) at col: acc[m][2 u + v] += x times unit u's vector v, in k order; a prefetch pf
+   bytes ahead every 64 bytes (pf 0: none) */
+static inline __attribute__((always_inline)) void i4f_tile(const uint8_t *col, long half, long kn, const float *x,
+                                                           long ldx, int nu, int mr, long pf, vf acc[I4F_MR][I4F_NV])
+{
+    const long line = 64 / half - 1;  /* columns a cache line, less 1 (2 or 4 columns: a mask) */
+    for (long k = 0; k < kn; k++) {
+        const uint8_t *at = col + k * half;
+        if (pf && (k & line) == 0) __builtin_prefetch(at + pf, 0, 2);
+        _Pragma("GCC unroll 8") for (int u = 0; u < I4F_NV / 2; u++) {
+            if (u >= nu) break;
+            vf lo, hi;
+            vf_load_u4(at + VW * u, &lo, &hi);
+            _Pragma("GCC unroll 8") for (int m = 0; m < I4F_MR; m++) {
+                if (m >= mr) break;
+                const vf xb = vf_set1(x[k * ldx + m]);
+                acc[m][2 * u] = vf_fmadd(lo, xb, acc[m][2 * u]);
+                acc[m][2 * u + 1] = vf_fmadd(hi, xb, acc[m][2 * u + 1]);
+            }
+        }
+    }
+}
+
+/* y = x times the int4 weight (gemm_int4 at every row count without HAVE_DP): 0, or -1 without memory */
+static int gemv_int4_vf(const job_t *j, int nthreads)
+{
+    const struct i4_info *q = j->i4;
+    const long M = j->M, N = j->N, K = j->K, group = q->group, G = K / group, half = q->block / 2;
+    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = 2 * g_pf_dist;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > blocks) nthreads = (int)blocks;
+    if (N * K / 2 < g_min_parallel) nthreads = 1;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K + M * G));  /* x in float32, then X[m, g] */
+    float *tots = malloc(sizeof(float) * 64 * (size_t)M * (size_t)nthreads);
+    if (!xf || !tots) {
+        free(xf);
+        free(tots);
+        return -1;
+    }
+    float *xs = xf + M * K;  /* xf: x transposed, x[m, k] at xf[k M + m] (a tile's rows of a column side by side) */
+    for (long m = 0; m < M; m++)  /* K is a multiple of the group, the group of 16 */
+        for (long g = 0; g < G; g++) {
+            vf s = vf_zero();
+            for (long k = g * group; k < (g + 1) * group; k += VW) {
+                const vf v = vf_load_bf16(j->x + m * K + k);
+                float f[VW];
+                vf_storeu(f, v);
+                for (int i = 0; i < VW; i++) xf[(k + i) * M + m] = f[i];
+                s = vf_add(s, v);
+            }
+            xs[m * G + g] = vf_reduce_add(s);
+        }
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *tot = tots + 64 * M * omp_get_thread_num();  /* row m's sums: tot[64 m + VW v' + lane] */
+        float sc[64], zc[64];  /* a group's scales and zero - 8 s, lane by lane */
+        uint16_t s16[64], z16[64];
+        long off[64];  /* lane L's channel's scales (in the block's first channel's row) */
+        for (long u = 0; u < units; u++)
+            for (int v = 0; v < 2; v++)
+                for (int i = 0; i < VW; i++) off[(2 * u + v) * VW + i] = I4F_CHANNEL(q->block, q->split, u, v, i) * G;
+#pragma omp for schedule(static)
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *cols = (const uint8_t *)j->w + b * K * half;
+            for (long g = 0; g < G; g++) {
+                const uint16_t *sp = q->scale + b * q->block * G + g, *zp = q->zero + b * q->block * G + g;
+                for (int L = 0; L < q->block; L++) {
+                    s16[L] = sp[off[L]];
+                    z16[L] = zp[off[L]];
+                }
+                for (int L = 0; L < q->block; L += VW) {
+                    const vf s = vf_load_bf16(s16 + L);
+                    vf_storeu(sc + L, s);
+                    vf_storeu(zc + L, vf_fnmadd(vf_set1(8.0f), s, vf_load_bf16(z16 + L)));  /* 8 s exact: one rounding */
+                }
+                const uint8_t *col = cols + g * group * half;
+                const float *x = xf + g * group * M;
+                /* (m0, mr rows) x (units u0 .. u0 + nu): the tile, then its sums scaled into tot */
+                for (long u0 = 0; u0 < units; u0 += M == 1 ? units : 1) {
+                    const int nu = M == 1 ? (int)units : 1;
+                    const long tiles = (M + I4F_MR - 1) / I4F_MR, base = M / tiles;
+                    for (long t = 0, m0 = 0; t < tiles; t++) {
+                        const int mr = (int)(base + (t < M % tiles));
+                        vf acc[I4F_MR][I4F_NV];
+                        for (int r = 0; r < I4F_MR; r++)
+                            for (int v = 0; v < I4F_NV; v++) acc[r][v] = vf_zero();
+                        const long p = u0 == 0 && t == 0 ? pf : 0;
+                        if (nu == 4) i4f_tile(col, half, group, x + m0, M, 4, 1, p, acc);
+                        else if (nu == 2) i4f_tile(col, half, group, x + m0, M, 2, 1, p, acc);
+                        else switch (mr) {  /* each case a tile of its own, reading rows [m0, m0 + mr) only */
+#define I4F_CASE(r) case r: i4f_tile(col + VW * u0, half, group, x + m0, M, 1, r, p, acc); break;
+                        I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
+                        default: i4f_tile(col + VW * u0, half, group, x + m0, M, 1, I4F_MR, p, acc); break;
+#undef I4F_CASE
+                        }
+                        for (int r = 0; r < mr; r++) {
+                            const vf xg = vf_set1(xs[(m0 + r) * G + g]);
+                            for (int v = 0; v < 2 * nu; v++) {
+                                const long lane = (2 * u0 + v) * VW;
+                                float *o = tot + (m0 + r) * 64 + lane;
+                                const vf t0 = vf_fmadd(acc[r][v], vf_loadu(sc + lane), g ? vf_loadu(o) : vf_zero());
+                                vf_storeu(o, vf_fmadd(vf_loadu(zc + lane), xg, t0));
+                            }
+                        }
+                        m0 += mr;
+                    }
+                }
+            }
+            uint16_t *y = (uint16_t *)j->y + b * q->block;
+            for (long m = 0; m < M; m++)
+                for (long u = 0; u < units; u++)
+                    for (int v = 0; v < 2; v++)
+                        for (int i = 0; i < VW; i++)
+                            y[m * ly + I4F_CHANNEL(q->block, q->split, u, v, i)] =
+                                f32_to_bf16(tot[m * 64 + (2 * u + v) * VW + i]);
+        }
+    }
+    free(xf);
+    free(tots);
+    return 0;
+}
 #endif /* HAVE_DP */
 
 /* ---- exported entry points ---- */
@@ -1077,28 +1229,27 @@ int gemv_int8_f32(const uint16_t *x, const int8_t *w, const uint16_t *scale, con
 
 /* int4 weights (whole blocks of torch's CPU layout, elementwise.c's int4_dequant_t_bf16 says it; block 32 or
    64; groups of a multiple of 16 inputs): y (M, N) bfloat16, rows ldy apart, = x times the weight's
-   transpose, float32 sums rounded once (no bias): below g_i4g_min_rows rows of x the GEMV (the weights
-   (q - 8) s + zero exactly), from there the GEMM (their bfloat16 roundings, as int4_dequant_t makes them).
-   Returns 0, -1 without memory, -2 where the library has neither (without HAVE_DP), the block is not 32 or
-   64 or the group not a multiple of 16. */
+   transpose, float32 sums rounded once (no bias). With HAVE_DP: below g_i4g_min_rows rows of x the GEMV (the
+   weights (q - 8) s + zero exactly), from there the GEMM (their bfloat16 roundings, as int4_dequant_t makes
+   them); without, the vector layer's GEMV at every row count (the exact weights). Returns 0, -1 without
+   memory, -2 where the block is not 32 or 64 or the group not a multiple of 16. */
 int gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, uint16_t *y,
               int M, int N, int K, int block, int split, int group, long ldy, int nthreads)
 {
-#if HAVE_DP
     if ((block != 32 && block != 64) || group <= 0 || group % 16) return -2;
     if (M <= 0 || N <= 0 || K <= 0) return 0;
     const struct i4_info q = {block, split, group, scale, zero};
     job_t j = {x, packed, NULL, NULL, y, 0, 0, M, N, K, NULL, 0, ldy, &q};
+#if HAVE_DP
     return M < g_i4g_min_rows ? gemv_int4_dp(&j, nthreads) : gemm_panels_dp(&j, nthreads, i4_panel);
 #else
-    (void)x; (void)packed; (void)scale; (void)zero; (void)y; (void)M; (void)N; (void)K; (void)block; (void)split;
-    (void)group; (void)ldy; (void)nthreads;
-    return -2;
+    return gemv_int4_vf(&j, nthreads);
 #endif
 }
 
 /* the rows of x from which gemm_int4 takes the GEMM instead of the GEMV (rows > 0 sets it: benchmarks compare
-   the two); returns the value before, or 0 where the library has neither (without HAVE_DP) */
+   the two); returns the value before, or 0 where the library has no int4 GEMM (without HAVE_DP: the GEMV at
+   every row count) */
 int int4_gemm_set_min_rows(int rows)
 {
 #if HAVE_DP
@@ -1109,8 +1260,9 @@ int int4_gemm_set_min_rows(int rows)
 #endif
 }
 
-/* 1 where the library has gemm_int4 (HAVE_DP), else 0 */
-int gemm_int4_available(void) { return HAVE_DP; }
+/* 1: every library has gemm_int4 (a library built before the vector layer's int4 GEMV answered 0 without
+   HAVE_DP) */
+int gemm_int4_available(void) { return 1; }
 
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
               int M, int N, int K, int nthreads)

@@ -28,6 +28,7 @@
      vf_loadu(p) vf_storeu(p, v) vf_loadu_n(p, n) vf_store_f32_n(p, v, n)   float32; *_n: the first n < VW
        lanes (zeros after on loads)
      vf_load_i8(p) vf_load_i8_n(p, n) vf_load_bf16(p) vf_load_bf16_n(p, n)   widened to float32 (exact)
+     vf_load_u4(p, &lo, &hi)         VW bytes: their low nibbles in lo, high nibbles in hi, as float32
      vf_store_bf16(p, v) vf_store_bf16_n(p, v, n) vf_round_bf16(v)   rounded to bfloat16, nearest even,
        NaN kept a (quiet) NaN
      vf_store_i16(p, v)              VW integral values in int16's range, as int16

@@ -41,6 +41,13 @@ static inline vf vf_load_i8_n(const int8_t *p, int n)  /* no byte masks: through
     memcpy(t, p, (size_t)n);
     return vf_load_i8(t);
 }
+/* the VW bytes at p: their low nibbles (lo) and high nibbles (hi) as float32 (exact) */
+static inline void vf_load_u4(const uint8_t *p, vf *lo, vf *hi)
+{
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
 static inline vf vf_load_bf16(const uint16_t *p)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));

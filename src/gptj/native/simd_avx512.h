@@ -46,6 +46,13 @@ static inline vf vf_load_i8_n(const int8_t *p, int n)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(VMASK(n), p)));
 }
+/* the VW bytes at p: their low nibbles (lo) and high nibbles (hi) as float32 (exact) */
+static inline void vf_load_u4(const uint8_t *p, vf *lo, vf *hi)
+{
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+}
 static inline vf vf_load_bf16(const uint16_t *p)
 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));

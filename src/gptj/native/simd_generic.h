@@ -95,6 +95,15 @@ static inline vf vf_load_i8_n(const int8_t *p, int n)
     return vf_from_i8_(b);
 }
 static inline vf vf_load_i8(const int8_t *p) { return vf_load_i8_n(p, VW); } /* the zeros are dead stores */
+/* the VW bytes at p: their low nibbles (lo) and high nibbles (hi) as float32 (exact) */
+static inline void vf_load_u4(const uint8_t *p, vf *lo, vf *hi)
+{
+    vu8x8_ b;
+    memcpy(&b, p, VW);
+    const vi c = __builtin_convertvector(b, vi);
+    *lo = __builtin_convertvector(c & 15, vf);
+    *hi = __builtin_convertvector(c >> 4, vf);
+}
 static inline vf vf_from_bf16_(vu16x8_ h) { return (vf)(__builtin_convertvector(h, vu_) << 16); }
 static inline vf vf_load_bf16_n(const uint16_t *p, int n)
 {
