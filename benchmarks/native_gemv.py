@@ -40,10 +40,11 @@ alternated within each round. It says where the policy's native_int8_max_rows an
 come from.
 
 --int4-gemm does the same for int4 weights (an Int4Linear of a random weight, --group): torch's int4
-kernel, the dequantized matmul (Int4Linear's, gptj.native unpacking torch's layout), gptj.native's int4
-GEMV and GEMM where they run (AVX512-BF16's library; each forced with int4_gemm_min_rows) and oneDNN's
-bfloat16 GEMM: where the policy's INT4_NATIVE_MIN_ROWS, the GEMM's crossover and the int4 crossovers
-come from.
+kernel, the dequantized matmul (Int4Linear's, gptj.native unpacking torch's layout; in float32 where the
+policy upcasts: a CPU without bfloat16 arithmetic), gptj.native's int4 GEMV (every library) and GEMM
+(AVX512-BF16's; there each forced with int4_gemm_min_rows), oneDNN's bfloat16 GEMM and gptj.native's
+bfloat16 GEMV: where the policy's INT4_NATIVE_MIN_ROWS, INT4_AVX2_MAX_ROWS, the GEMM's crossover and the
+int4 crossovers come from.
 
 Where gptj.native's GEMV is not available (GPTJ_NATIVE=0, no compiler, a CPU without AVX2 + FMA)
 it says so in one line and exits 0 (with --json: {"skipped": REASON}).

@@ -42,7 +42,8 @@
    on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x and the int4 GEMM (gemm_int4) on
    torch's CPU int4 layout: one driver (gemm_panels_dp, after the GEMV) over panels each makes its way.
    Below 32 rows gemm_int4 runs an int4 GEMV of its own instead (gemv_int4_dp: the weight's integers in
-   bfloat16 dot products, each group's sums scaled once).
+   bfloat16 dot products, each group's sums scaled once). The libraries without HAVE_DP run an int4 GEMV
+   on the vector layer at every row count (gemv_int4_vf: the same sums in float32 FMAs).
 */
 
 #include "simd.h"
