@@ -42,8 +42,7 @@
    on AVX512-BF16, the int8 GEMM that gemv_int8 runs from 32 rows of x and the int4 GEMM (gemm_int4) on
    torch's CPU int4 layout: one driver (gemm_panels_dp, after the GEMV) over panels each makes its way.
    Below 32 rows gemm_int4 runs an int4 GEMV of its own instead (gemv_int4_dp: the weight's integers in
-   bfloat16 dot products, each group's sums scaled once). The libraries without HAVE_DP run an int4 GEMV
-   on the vector layer at every row count (gemv_int4_vf: the same sums in float32 FMAs).
+   bfloat16 dot products, each group's sums scaled once).
 */
 
 #include "simd.h"
@@ -1042,12 +1041,15 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
    - One row of x takes all of a block's units in one tile (2 units per 16 bytes of a column: up to 8
      accumulators on AVX2, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows
      of x a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads).
-   - The threads split the blocks (static), each streaming its range of the weight, a software prefetch
-     2 g_pf_dist bytes ahead (gemv_int4_dp's); each output is one lane's sums in a fixed order, whatever
-     the call's other rows and the threads. */
+   - The threads split the blocks (static), each streaming its range of the weight. From 2 rows of x a
+     software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's alone kept
+     up better: 1.87-1.96 ms against 1.96-2.22 with it for 16384 x 4096 on AVX2 (three A/B runs of two
+     builds, calls alternated), while 4 and 8 rows ran 0-5 % faster with it (8 copies in turn, 2 threads,
+     Zen 4, 2026-11-29). Each output is one lane's
+     sums in a fixed order, whatever the call's other rows and the threads. */
 
 #ifndef I4F_MR
-#define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 5) */
+#define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 6) */
 #endif
 #define I4F_NV (64 / VW)  /* vectors of a block of 64's column (AVX2: 8) */
 
@@ -1084,7 +1086,7 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
 {
     const struct i4_info *q = j->i4;
     const long M = j->M, N = j->N, K = j->K, group = q->group, G = K / group, half = q->block / 2;
-    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = 2 * g_pf_dist;
+    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = M > 1 ? 2 * g_pf_dist : 0;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > blocks) nthreads = (int)blocks;
     if (N * K / 2 < g_min_parallel) nthreads = 1;
