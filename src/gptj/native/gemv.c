@@ -1038,18 +1038,20 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
    - VW bytes of a column of a block are a unit: vf_load_u4 makes their low nibbles one vector of VW
      channels and their high nibbles another (I4F_CHANNEL says which), as float32: a zero-extending load, an
      and, a shift and two conversions for 2 VW weights, shared by the tile's rows of x.
-   - One row of x takes all of a block's units in one tile (2 units per 16 bytes of a column: up to 8
-     accumulators on AVX2, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows
-     of x a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads).
+   - One row of x takes all of a block's units in one tile (on AVX2 a column of a block of 32 is 2 units:
+     4 accumulators, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows of x
+     a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads). Tiles of 6 rows
+     (12 accumulators) left AVX2's 16 registers one short: the compiler spilled an accumulator, and 6-24 rows
+     ran 1.5-1.7x slower than with 5 (A/B of two builds in one process, calls alternated, 2026-11-29).
+   - A group's scales are gathered through an offset table per lane, widened VW at a time.
    - The threads split the blocks (static), each streaming its range of the weight. From 2 rows of x a
      software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's alone kept
-     up better: 1.87-1.96 ms against 1.96-2.22 with it for 16384 x 4096 on AVX2 (three A/B runs of two
-     builds, calls alternated), while 4 and 8 rows ran 0-5 % faster with it (8 copies in turn, 2 threads,
-     Zen 4, 2026-11-29). Each output is one lane's
-     sums in a fixed order, whatever the call's other rows and the threads. */
+     up better: 1.87-1.96 ms against 1.96-2.22 with it for 16384 x 4096 on AVX2 (three A/B runs), while 4
+     and 8 rows ran 0-5 % faster with it (8 copies in turn, 2 threads, Zen 4, 2026-11-29). Each output is
+     one lane's sums in a fixed order, whatever the call's other rows and the threads. */
 
 #ifndef I4F_MR
-#define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 6) */
+#define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 5) */
 #endif
 #define I4F_NV (64 / VW)  /* vectors of a block of 64's column (AVX2: 8) */
 
@@ -1077,6 +1079,54 @@ static inline __attribute__((always_inline)) void i4f_tile(const uint8_t *col, l
                 acc[m][2 * u] = vf_fmadd(lo, xb, acc[m][2 * u]);
                 acc[m][2 * u + 1] = vf_fmadd(hi, xb, acc[m][2 * u + 1]);
             }
+        }
+    }
+}
+
+/* block b's scales of group g, lane by lane (off: each lane's channel's offset, in elements, from the
+   block's first channel's): sc the scales, zc zero - 8 s (8 s exact: one rounding) */
+static inline void i4f_group_scales(const struct i4_info *q, const long *off, long b, long g, long G, float *sc,
+                                    float *zc)
+{
+    const uint16_t *sp = q->scale + b * q->block * G + g, *zp = q->zero + b * q->block * G + g;
+    uint16_t s16[64], z16[64];
+    for (int L = 0; L < q->block; L++) {
+        s16[L] = sp[off[L]];
+        z16[L] = zp[off[L]];
+    }
+    for (int L = 0; L < q->block; L += VW) {
+        const vf s = vf_load_bf16(s16 + L);
+        vf_storeu(sc + L, s);
+        vf_storeu(zc + L, vf_fnmadd(vf_set1(8.0f), s, vf_load_bf16(z16 + L)));
+    }
+}
+
+/* one tile: rows [m0, m0 + mr) of x (xg: group g's columns, transposed) times units [u0, u0 + nu) of group g's
+   columns of a block (col: the group's first), the sums scaled (sc, zc: the group's lane by lane) into the
+   block's running sums tot (row m at tot + 64 m; the group's first sets them) */
+static inline void i4f_rows(const struct i4_info *q, const uint8_t *col, const float *xg, long M, long m0, int mr,
+                            long u0, int nu, long pf, long g, const float *xs, long G, const float *sc,
+                            const float *zc, float *tot)
+{
+    const long half = q->block / 2, group = q->group;
+    vf acc[I4F_MR][I4F_NV];
+    for (int r = 0; r < I4F_MR; r++)
+        for (int v = 0; v < I4F_NV; v++) acc[r][v] = vf_zero();
+    if (nu == 4) i4f_tile(col, half, group, xg + m0, M, 4, 1, pf, acc);
+    else if (nu == 2) i4f_tile(col, half, group, xg + m0, M, 2, 1, pf, acc);
+    else switch (mr) {  /* each case a tile of its own, reading rows [m0, m0 + mr) only */
+#define I4F_CASE(r) case r: i4f_tile(col + VW * u0, half, group, xg + m0, M, 1, r, pf, acc); break;
+    I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
+    default: i4f_tile(col + VW * u0, half, group, xg + m0, M, 1, I4F_MR, pf, acc); break;
+#undef I4F_CASE
+    }
+    for (int r = 0; r < mr; r++) {
+        const vf xsum = vf_set1(xs[(m0 + r) * G + g]);
+        for (int v = 0; v < 2 * nu; v++) {
+            const long lane = (2 * u0 + v) * VW;
+            float *o = tot + (m0 + r) * 64 + lane;
+            const vf t0 = vf_fmadd(acc[r][v], vf_loadu(sc + lane), g ? vf_loadu(o) : vf_zero());
+            vf_storeu(o, vf_fmadd(vf_loadu(zc + lane), xsum, t0));
         }
     }
 }
@@ -1114,7 +1164,6 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
     {
         float *tot = tots + 64 * M * omp_get_thread_num();  /* row m's sums: tot[64 m + VW v' + lane] */
         float sc[64], zc[64];  /* a group's scales and zero - 8 s, lane by lane */
-        uint16_t s16[64], z16[64];
         long off[64];  /* lane L's channel's scales (in the block's first channel's row) */
         for (long u = 0; u < units; u++)
             for (int v = 0; v < 2; v++)
@@ -1123,48 +1172,16 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
         for (long b = 0; b < blocks; b++) {
             const uint8_t *cols = (const uint8_t *)j->w + b * K * half;
             for (long g = 0; g < G; g++) {
-                const uint16_t *sp = q->scale + b * q->block * G + g, *zp = q->zero + b * q->block * G + g;
-                for (int L = 0; L < q->block; L++) {
-                    s16[L] = sp[off[L]];
-                    z16[L] = zp[off[L]];
-                }
-                for (int L = 0; L < q->block; L += VW) {
-                    const vf s = vf_load_bf16(s16 + L);
-                    vf_storeu(sc + L, s);
-                    vf_storeu(zc + L, vf_fnmadd(vf_set1(8.0f), s, vf_load_bf16(z16 + L)));  /* 8 s exact: one rounding */
-                }
-                const uint8_t *col = cols + g * group * half;
-                const float *x = xf + g * group * M;
-                /* (m0, mr rows) x (units u0 .. u0 + nu): the tile, then its sums scaled into tot */
-                for (long u0 = 0; u0 < units; u0 += M == 1 ? units : 1) {
-                    const int nu = M == 1 ? (int)units : 1;
-                    const long tiles = (M + I4F_MR - 1) / I4F_MR, base = M / tiles;
+                i4f_group_scales(q, off, b, g, G, sc, zc);
+                const int nu = M == 1 ? (int)units : 1;  /* units a tile */
+                const long tiles = (M + I4F_MR - 1) / I4F_MR, base = M / tiles;
+                for (long u0 = 0; u0 < units; u0 += nu)
                     for (long t = 0, m0 = 0; t < tiles; t++) {
                         const int mr = (int)(base + (t < M % tiles));
-                        vf acc[I4F_MR][I4F_NV];
-                        for (int r = 0; r < I4F_MR; r++)
-                            for (int v = 0; v < I4F_NV; v++) acc[r][v] = vf_zero();
-                        const long p = u0 == 0 && t == 0 ? pf : 0;
-                        if (nu == 4) i4f_tile(col, half, group, x + m0, M, 4, 1, p, acc);
-                        else if (nu == 2) i4f_tile(col, half, group, x + m0, M, 2, 1, p, acc);
-                        else switch (mr) {  /* each case a tile of its own, reading rows [m0, m0 + mr) only */
-#define I4F_CASE(r) case r: i4f_tile(col + VW * u0, half, group, x + m0, M, 1, r, p, acc); break;
-                        I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
-                        default: i4f_tile(col + VW * u0, half, group, x + m0, M, 1, I4F_MR, p, acc); break;
-#undef I4F_CASE
-                        }
-                        for (int r = 0; r < mr; r++) {
-                            const vf xg = vf_set1(xs[(m0 + r) * G + g]);
-                            for (int v = 0; v < 2 * nu; v++) {
-                                const long lane = (2 * u0 + v) * VW;
-                                float *o = tot + (m0 + r) * 64 + lane;
-                                const vf t0 = vf_fmadd(acc[r][v], vf_loadu(sc + lane), g ? vf_loadu(o) : vf_zero());
-                                vf_storeu(o, vf_fmadd(vf_loadu(zc + lane), xg, t0));
-                            }
-                        }
+                        i4f_rows(q, cols + g * group * half, xf + g * group * M, M, m0, mr, u0, nu,
+                                 u0 == 0 && t == 0 ? pf : 0, g, xs, G, sc, zc, tot);
                         m0 += mr;
                     }
-                }
             }
             uint16_t *y = (uint16_t *)j->y + b * q->block;
             for (long m = 0; m < M; m++)
