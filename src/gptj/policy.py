@@ -292,7 +292,8 @@ INT4_NATIVE_MIN_ROWS = 2
 #                 int4 GEMV      3.58   3.92   4.57   7.81   14.2   20.7   27.6   55.7    112    263
 #   at 512 and 1024 rows of 4096 x 16384: int4 kernel 648, 1312; dequantized in float32 647, 1055; GEMV 514, 1452.
 # On AVX-512 without BF16 (the avx512 library, 16 lanes) torch's int4 kernel was faster at 1-8 rows (1.95
-# against 2.45 ms at 1 row of 16384 x 4096) and level from 16: there torch's kernel stays.
+# against 2.45 ms at 1 row of 16384 x 4096) and level from 16: there torch's kernel stays (the same command
+# under `ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512`, --rows 1 2 4 8 16 32).
 INT4_AVX2_MAX_ROWS = 512
 
 # W8A8 on CPU: one kernel at every row count, with exact int32 sums, so a row's result is the same

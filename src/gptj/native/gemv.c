@@ -1042,7 +1042,8 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
      4 accumulators, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows of x
      a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads). Tiles of 6 rows
      (12 accumulators) left AVX2's 16 registers one short: the compiler spilled an accumulator, and 6-24 rows
-     ran 1.5-1.7x slower than with 5 (A/B of two builds in one process, calls alternated, 2026-11-29).
+     ran 1.5-1.7x slower than with 5 (A/B of two builds in one process, calls alternated, 2026-11-29: a
+     throwaway script, as for the prefetch below; docs/PERFORMANCE.md, "int4 on AVX2").
    - A group's scales are gathered through an offset table per lane, widened VW at a time.
    - The threads split the blocks (static), each streaming its range of the weight. From 2 rows of x a
      software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's alone kept
