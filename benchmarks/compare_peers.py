@@ -21,6 +21,9 @@ Two measurements, implementations alternated within every round so machine noise
              feeds the rest of longer prompts one token per step, so mixed lengths cost it steps).
              Each implementation first generates 2 tokens for one sample, not timed (first calls).
 
+CTranslate2's Generator is loaded before each timed call and deleted after it, untimed: alive, its
+worker thread's OpenMP team slowed every parallel region of torch and gptj.native (ct2_impl).
+
 Models have random weights (`random_state_dict(std=0.02)`), written once under --work-dir:
 
     0.2b   n_embd 1024, 8 layers, 16 heads, rotary 64, vocab 50400   (0.20B params)
@@ -90,6 +93,10 @@ class Impl:
     offline: Callable[[list[list[int]], GenerationConfig], list[list[int]]]
     weight_bytes: int  # per batch-1 decode step
     close: Callable[[], None] = field(default=lambda: None)
+    # untimed, before and after each timed call: ready() makes what the call needs, idle() lets go of what
+    # would slow the others between calls (CTranslate2's threads: see ct2_impl)
+    ready: Callable[[], None] = field(default=lambda: None)
+    idle: Callable[[], None] = field(default=lambda: None)
 
 
 def gptj_impl(name: str, model: torch.nn.Module, reload: Callable[[], torch.nn.Module]) -> Impl:
@@ -181,23 +188,40 @@ def ct2_dir(model_dir: Path, work: Path, quantization: str) -> Path:
 
 def ct2_impl(name: str, model_dir: Path, work: Path, compute_type: str, threads: int,
              offline_batch: int = 1) -> Impl:
+    """CTranslate2's Generator, loaded before each timed call and deleted after it (untimed). Its worker
+    thread runs OpenMP regions on the same libgomp as torch; while that thread lives, libgomp counts its
+    team beside torch's, finds more threads than cores, and lets every team spin only briefly before
+    sleeping, so each of torch's and gptj.native's parallel regions pays a wake-up: kept alive between
+    calls, it slowed gptj's batch-1 decode by 13-40 % and HF's by up to 45 % (docs/PERFORMANCE.md,
+    "Which thread runs the engine"). Deleting it ends the thread and its team."""
     import ctranslate2
 
     path = ct2_dir(model_dir, work, "int8" if compute_type == "int8" else "float32")
-    gen = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type,
-                                inter_threads=1, intra_threads=threads)
+    held: dict[str, ctranslate2.Generator] = {}
+
+    def ready() -> None:
+        if "gen" not in held:
+            held["gen"] = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type,
+                                                inter_threads=1, intra_threads=threads)
+
+    def idle() -> None:
+        held.pop("gen", None)
+        gc.collect()
+
     vocab = json.loads((path / "vocabulary.json").read_text(encoding="utf-8"))
 
     def tokens(prompts: list[list[int]]) -> list[list[str]]:
         return [[vocab[t] for t in p] for p in prompts]
 
     def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
-        res = gen.generate_batch(tokens(prompts), max_length=n, min_length=n, beam_size=1,
-                                 include_prompt_in_result=False)
+        ready()
+        res = held["gen"].generate_batch(tokens(prompts), max_length=n, min_length=n, beam_size=1,
+                                         include_prompt_in_result=False)
         return [r.sequences_ids[0] for r in res]
 
     def offline(prompts: list[list[int]], cfg: GenerationConfig) -> list[list[int]]:
-        res = gen.generate_batch(tokens(prompts), beam_size=cfg.num_beams, min_length=cfg.min_new_tokens,
+        ready()
+        res = held["gen"].generate_batch(tokens(prompts), beam_size=cfg.num_beams, min_length=cfg.min_new_tokens,
                                  max_length=cfg.max_new_tokens, length_penalty=cfg.length_penalty,
                                  end_token=[EOS_TOKEN_ID], return_end_token=True, include_prompt_in_result=False,
                                  max_batch_size=offline_batch)
@@ -206,7 +230,7 @@ def ct2_impl(name: str, model_dir: Path, work: Path, compute_type: str, threads:
     size = sum(f.stat().st_size for f in path.iterdir() if f.name == "model.bin")
     cfg = json.loads((model_dir / "config.json").read_text())
     wte = cfg["vocab_size"] * cfg["n_embd"] * (1 if compute_type == "int8" else 4)
-    return Impl(name, decode, offline, max(size - wte, 0), close=lambda: gen.unload_model())
+    return Impl(name, decode, offline, max(size - wte, 0), close=idle, ready=ready, idle=idle)
 
 
 # --- measurement ------------------------------------------------------------------------------
@@ -227,7 +251,9 @@ def run_decode(impls: list[Impl], batch: int, prompt_len: int, new_tokens: int, 
         order = impls if r % 2 == 0 else impls[::-1]
         for impl in order:
             for n in (1, new_tokens):
+                impl.ready()
                 t, out = timed(lambda: impl.decode(prompts, n))
+                impl.idle()
                 if n == new_tokens:
                     outputs[impl.name] = out
                     if any(len(o) != n for o in out):
@@ -251,9 +277,12 @@ def run_offline(impls: list[Impl], prompts: list[list[int]], gen: GenerationConf
     warm = dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=2)
     for impl in impls:  # first-call costs (kernel builds, allocations) out of the way, not counted
         impl.offline(prompts[:1], warm)
+        impl.idle()
     for r in range(rounds):
         for impl in impls if r % 2 == 0 else impls[::-1]:
+            impl.ready()
             t, out = timed(lambda: impl.offline(prompts, gen))
+            impl.idle()
             times[impl.name].append(t)
             outputs[impl.name] = out
             note(f"offline {impl.name}: {t:.1f} s, {sum(map(len, out))} new tokens")

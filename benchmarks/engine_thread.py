@@ -6,6 +6,8 @@ at once) in three layouts, each in a fresh subprocess, alternating, R rounds:
     main     load, warm up and run on the main thread (what `gptj generate` does)
     same     load, warm up and run on one worker thread (EngineLoop(build), the server since issue 5)
     cross    load on the main thread, warm up and run on a worker thread (the server before)
+    released the same, the main thread's OpenMP team let go before the run (gptj.threads.
+             release_openmp_threads: what EngineLoop(engine) does with an engine built on its caller)
 
 and prints output tokens/s of each and the ratios to `main`.
 
@@ -59,6 +61,10 @@ def job(model: str, dtype: str, layout: str, n_prompts: int, new_tokens: int, ba
         t.join()
     else:
         engine = build()
+        if layout == "released":
+            from gptj.threads import release_openmp_threads
+
+            release_openmp_threads()
         t = threading.Thread(target=lambda: run(engine))
         t.start()
         t.join()
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(job(args.model, args.dtype, args.one, args.prompts, args.new_tokens, args.batch)))
         return 0
-    results: dict[str, list[float]] = {"main": [], "same": [], "cross": []}
+    results: dict[str, list[float]] = {"main": [], "same": [], "cross": [], "released": []}
     for _ in range(args.rounds):
         for layout in results:
             out = subprocess.run([sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--one",
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds (median)", file=log)
     for layout, values in results.items():
         med = statistics.median(values)
-        print(f"  {layout:5s}  {med:7.1f} tok/s  {med / base:5.2f}x main   runs: "
+        print(f"  {layout:8s}  {med:7.1f} tok/s  {med / base:5.2f}x main   runs: "
               + ", ".join(f"{v:.1f}" for v in values), file=log)
     if args.json:
         print(json.dumps({"prompts": args.prompts, "new_tokens": args.new_tokens, "batch": args.batch,

@@ -63,7 +63,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gptj import native, policy
+from gptj import native, policy, threads
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
 
@@ -214,7 +214,7 @@ def interleave_check(calls: int = 400, min_mb: float = 250) -> tuple[dict, str]:
         lines.append(f"| {label} | {ms[0]:.4f} ms | {ms[1]:.4f} ms | {ms[2]:.4f} ms | {ms[3]:.4f} ms |")
         data[label] = dict(zip(("native_alone_ms", "native_alternated_ms", "torch_alone_ms", "torch_alternated_ms"),
                                ms))
-    runtimes = native._openmp_runtimes()
+    runtimes = threads.openmp_runtimes()
     lines.append("")
     lines.append(f"OpenMP runtimes mapped in this process: {len(runtimes)} ({', '.join(runtimes) or 'none'})")
     return {"pairs": data, "openmp_runtimes": list(runtimes)}, "\n".join(lines)

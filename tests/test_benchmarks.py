@@ -104,7 +104,7 @@ def check_compare_peers(out: dict, err: str) -> None:
 
 
 def check_engine_thread(out: dict, err: str) -> None:
-    assert set(out["layouts"]) == {"main", "same", "cross"}
+    assert set(out["layouts"]) == {"main", "same", "cross", "released"}
     for layout in out["layouts"].values():
         assert positive(layout["tok_s"]) and positive(layout["over_main"]) and len(layout["runs"]) == 1
     assert out["layouts"]["main"]["over_main"] == 1

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gptj import cpu, native
+from gptj.threads import openmp_runtimes
 
 WHY_NOT = native.unavailable_reason()
 needs_native = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels unavailable: {WHY_NOT}")
@@ -422,7 +423,7 @@ def test_builds_started_together_compile_once(monkeypatch: pytest.MonkeyPatch, t
 def test_one_openmp_runtime() -> None:
     """The library's libgomp.so.1 dependency resolves to the runtime torch already loaded."""
     native.load()
-    runtimes = native._openmp_runtimes()
+    runtimes = openmp_runtimes()
     assert len(runtimes) == 1, runtimes
 
 

@@ -1,4 +1,5 @@
-"""How many threads torch computes with: the usable cores, the cores kept beside the compute, --threads.
+"""How many threads torch computes with: the usable cores, the cores kept beside the compute, --threads;
+and the OpenMP teams of threads that no longer compute.
 
 torch is imported inside the functions so that `gptj --help` starts without it.
 """
@@ -48,3 +49,46 @@ def set_threads(requested: int | None = None, reserve: int = 0) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes (libgomp / libiomp / libomp) mapped into this process (Linux; else [])."""
+    import os
+
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def release_openmp_threads() -> int:
+    """Let the calling thread's OpenMP team go (`omp_pause_resource_all(omp_pause_soft)` in every OpenMP
+    runtime mapped here): its worker threads exit; a later parallel region on this thread makes a new
+    team. Returns how many runtimes did so.
+
+    Why: torch (and gptj.native, on torch's libgomp) keeps a team of workers for each thread that has
+    run a parallel region, for as long as that thread lives. libgomp counts the workers of all teams;
+    once they outnumber the cores, every team's workers spin only briefly (its throttled spin count)
+    before sleeping, so every parallel region pays a wake-up: a 1,024 x 1,024 GEMV took 2.5x its time
+    while a thread that had run one region with 2 threads lived on beside it (2 cores). A thread that
+    computed once (loaded a model) and then only waits should call this (docs/PERFORMANCE.md, "Which
+    thread runs the engine")."""
+    import ctypes
+
+    released = 0
+    for path in openmp_runtimes():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all  # the copy already mapped
+        except (OSError, AttributeError):
+            continue  # a runtime before OpenMP 5.0
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        if pause(1) == 0:  # 1: omp_pause_soft
+            released += 1
+    return released

@@ -18,6 +18,7 @@ from gptj.decode import GenerationConfig
 from gptj.engine.core import FAILED, Engine
 from gptj.engine.request import AbortRequest, AddRequest, Operation, Request
 from gptj.errors import GptjError
+from gptj.threads import release_openmp_threads
 
 
 HEARTBEAT_S = 5.0  # an idle leader still tells its followers it is there this often
@@ -54,9 +55,12 @@ class EngineLoop:
                  leader: Any = None) -> None:
         """`engine`, or a function that builds one (loads the model...) on the loop's own thread.
 
-        Prefer the function: torch ran this loop's steps a quarter slower (2-core CPU, bfloat16;
-        docs/PERFORMANCE.md, "Which thread runs the engine") when the model was loaded and prepared
-        on another thread than the one that runs it. The constructor waits for the build and raises its error.
+        Prefer the function. An engine built on the calling thread leaves that thread an OpenMP team
+        (torch's, from loading and preparing the model), and while two teams live libgomp lets their
+        workers spin only briefly, so each parallel region of the loop's steps pays a wake-up: steps ran
+        a quarter slower on a 2-core CPU (docs/PERFORMANCE.md, "Which thread runs the engine"). So once
+        the engine is up, the constructor lets the calling thread's team go (gptj.threads.
+        release_openmp_threads); it waits for the build and raises its error.
 
         `leader` (gptj.parallel.lockstep.Leader): the engine runs on several ranks; before each step
         the leader hands the other ranks what this loop applied since the last one."""
@@ -79,6 +83,7 @@ class EngineLoop:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
+        release_openmp_threads()  # this thread computes no more; its team would slow the loop's
 
     def submit(self, prompt: Sequence[int], gen: GenerationConfig,
                on_token: Callable[[Request, int], None] | None = None,

@@ -450,21 +450,6 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
         _argmax_rows.restype = None
 
 
-def _openmp_runtimes() -> list[str]:
-    """Paths of the OpenMP runtimes (libgomp / libiomp / libomp) mapped into this process."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
-                name = os.path.basename(path)
-                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name and path not in found:
-                    found.append(path)
-    except OSError:
-        pass
-    return found
-
-
 _MAX_DIM = 2**31 - 1
 _bf16 = torch.bfloat16
 _i8 = torch.int8
