@@ -93,8 +93,8 @@ class Impl:
     offline: Callable[[list[list[int]], GenerationConfig], list[list[int]]]
     weight_bytes: int  # per batch-1 decode step
     close: Callable[[], None] = field(default=lambda: None)
-    # untimed, before and after each timed call: ready() makes what the call needs, idle() lets go of what
-    # would slow the others between calls (CTranslate2's threads: see ct2_impl)
+    # untimed, around every call of decode and offline: ready() makes what the call needs, idle() lets go of
+    # what would slow the others between calls (CTranslate2's threads: see ct2_impl)
     ready: Callable[[], None] = field(default=lambda: None)
     idle: Callable[[], None] = field(default=lambda: None)
 
@@ -214,17 +214,15 @@ def ct2_impl(name: str, model_dir: Path, work: Path, compute_type: str, threads:
         return [[vocab[t] for t in p] for p in prompts]
 
     def decode(prompts: list[list[int]], n: int) -> list[list[int]]:
-        ready()
         res = held["gen"].generate_batch(tokens(prompts), max_length=n, min_length=n, beam_size=1,
                                          include_prompt_in_result=False)
         return [r.sequences_ids[0] for r in res]
 
     def offline(prompts: list[list[int]], cfg: GenerationConfig) -> list[list[int]]:
-        ready()
         res = held["gen"].generate_batch(tokens(prompts), beam_size=cfg.num_beams, min_length=cfg.min_new_tokens,
-                                 max_length=cfg.max_new_tokens, length_penalty=cfg.length_penalty,
-                                 end_token=[EOS_TOKEN_ID], return_end_token=True, include_prompt_in_result=False,
-                                 max_batch_size=offline_batch)
+                                         max_length=cfg.max_new_tokens, length_penalty=cfg.length_penalty,
+                                         end_token=[EOS_TOKEN_ID], return_end_token=True,
+                                         include_prompt_in_result=False, max_batch_size=offline_batch)
         return [r.sequences_ids[0] for r in res]
 
     size = sum(f.stat().st_size for f in path.iterdir() if f.name == "model.bin")
@@ -276,6 +274,7 @@ def run_offline(impls: list[Impl], prompts: list[list[int]], gen: GenerationConf
     outputs: dict[str, list[list[int]]] = {}
     warm = dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=2)
     for impl in impls:  # first-call costs (kernel builds, allocations) out of the way, not counted
+        impl.ready()
         impl.offline(prompts[:1], warm)
         impl.idle()
     for r in range(rounds):

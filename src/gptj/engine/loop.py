@@ -83,7 +83,7 @@ class EngineLoop:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
-        release_openmp_threads()  # this thread computes no more; its team would slow the loop's
+        release_openmp_threads()  # the caller's team, if it built an engine, would throttle the loop's
 
     def submit(self, prompt: Sequence[int], gen: GenerationConfig,
                on_token: Callable[[Request, int], None] | None = None,
