@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from gptj.errors import GptjError
+from gptj.errors import GptjError, UsageError
 from gptj.runtime import flags
 from gptj.runtime.flags import nonnegative as _nonnegative
 from gptj.runtime.flags import nonnegative_float as _nonnegative_float
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from gptj.serve import ServerConfig
 
 EXIT_USER_ERROR = 1
+EXIT_USAGE = 2  # a flag that can never work (argparse's code too)
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command that SIGPIPE ended
 EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
 EXIT_DIFFER = 3  # gptj compare: it ran; the two models differ beyond the tolerance
@@ -339,7 +340,8 @@ def _eval_only(args: argparse.Namespace, cfg) -> int:  # noqa: ANN001 - gptj.tra
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
     from gptj.serve.client import request_json
 
-    return request_json(args.server, method, path, body, token=args.admin_token, timeout=args.timeout)
+    return request_json(args.server, method, path, body, token=args.admin_token, timeout=args.timeout,
+                        token_source="--admin-token or $GPTJ_ADMIN_TOKEN")
 
 
 def _ray(args: argparse.Namespace):  # noqa: ANN202 - gptj.serve.ray_serve, connected
@@ -408,7 +410,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             (m["name"], f"{m['replicas_running']}/{m['replicas_target']}", str(m["status"]), str(m["route"]))
             for m in models])
         return 0
-    models = request_json(args.server, "GET", "/v1/models", token=args.api_key, timeout=args.timeout)["data"]
+    models = request_json(args.server, "GET", "/v1/models", token=args.api_key, timeout=args.timeout,
+                          token_source="--api-key or $GPTJ_SERVER_API_KEY")["data"]
     if args.json:
         print(json.dumps(models, indent=2))
         return 0
@@ -681,7 +684,8 @@ def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     p.add_argument("--max-connections", type=_positive, default=512,
                    help="open connections (and running requests) at most; beyond, 503 (default 512)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /metrics and the API "
-                                      "documents (/docs, /redoc, /openapi.json)")
+                                      "documents (/docs, /redoc, /openapi.json) (default: $GPTJ_SERVER_API_KEY "
+                                      "if set; never empty)")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key: serve /metrics without the key (a Prometheus scraper)")
     p.add_argument("--public-docs", action="store_true",
@@ -948,7 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a model folder to serve as NAME (default: the folder's name); repeatable")
     flags.add_lora_flag(p, served=True)
     _add_serving_flags(p)
-    p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token")
+    p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token (default: "
+                                         "$GPTJ_ADMIN_TOKEN if set; never empty)")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
     flags.add_parallel_flags(p)
@@ -970,7 +975,7 @@ def build_parser() -> argparse.ArgumentParser:
         where.add_argument("--ray-address", help="a Ray cluster (HOST:PORT, or auto for the one on this machine)")
         p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds to wait (default 600)")
         if name == "ls":
-            p.add_argument("--api-key", help="the server's --api-key, if it has one")
+            p.add_argument("--api-key", help="the server's --api-key, if it has one (default: $GPTJ_SERVER_API_KEY)")
             p.add_argument("--json", action="store_true")
             p.set_defaults(func=cmd_ls)
             continue
@@ -982,7 +987,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_serving_flags(g)
             _add_replica_flags(g)
             flags.add_parallel_flags(g)
-        p.add_argument("--admin-token", help="the server's --admin-token")
+        p.add_argument("--admin-token", help="the server's --admin-token (default: $GPTJ_ADMIN_TOKEN)")
         p.set_defaults(func=cmd_publish if name == "publish" else cmd_unpublish)
 
     from gptj.train.data_cli import register as register_prepare_data
@@ -1026,12 +1031,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_secrets(args: argparse.Namespace) -> None:
+    """--api-key and --admin-token, wherever a command has them: the flag, else its environment
+    variable (gptj.serve.auth); an empty or blank one is refused here, in one line (exit 2)."""
+    from gptj.serve.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, secret
+
+    for name, env in (("api_key", API_KEY_ENV), ("admin_token", ADMIN_TOKEN_ENV)):
+        if name in vars(args):
+            setattr(args, name, secret(getattr(args, name), f"--{name.replace('_', '-')}", env))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if argv is not None and "argv" in vars(args) and args.argv is None:
         args.argv = ["gptj", *argv]  # the command a run records (run.json, a submission's README)
     try:
+        _resolve_secrets(args)
         if getattr(args, "threads", None) is not None and args.command not in _OWN_THREADS:
             from gptj.threads import set_threads
 
@@ -1041,7 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"gptj {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"gptj {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -16,3 +16,7 @@ class CheckpointError(GptjError):
 
 class ConfigError(GptjError):
     """A config is not a GPT-J config, or has invalid values."""
+
+
+class UsageError(GptjError):
+    """A flag or setting that can never work (an empty secret): one line, exit code 2 as argparse's."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptj.errors import GptjError
 from gptj.serve.completions import Completion, plan, precheck
+from gptj.serve.auth import has_secret
 from gptj.serve.metrics import CONTENT_TYPE, ServerMetrics
 from gptj.serve.protocol import (MAX_BODY_BYTES, MAX_PROMPTS, APIError, CompletionRequest, CompletionResponse,
                                  ErrorResponse, Health, LoadModelRequest, ModelCard, ModelList, ModelStatus)
@@ -149,12 +149,6 @@ class Draining:
         await _error(_draining_error())(scope, receive, send)
 
 
-def _has_key(headers, token: str) -> bool:  # noqa: ANN001 - a Mapping of header names to values
-    header = headers.get("authorization", "")
-    given = header[7:] if header.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(given.encode(), token.encode())
-
-
 def _key_error(what: str) -> APIError:
     return APIError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')", code="invalid_api_key")
 
@@ -175,7 +169,7 @@ class KeyGate:
         if scope["type"] != "http" or scope["path"] not in self.gated:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if _has_key(headers, self.cfg.api_key):
+        if has_secret(headers, self.cfg.api_key):
             return await self.app(scope, receive, send)
         await _error(_key_error("API key"))(scope, receive, send)
 
@@ -373,7 +367,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     def check_key(request: Request, token: str | None, what: str) -> None:
         if token is None:
             return
-        if not _has_key(request.headers, token):
+        if not has_secret(request.headers, token):
             raise _key_error(what)
 
     def check_admin(request: Request) -> None:

@@ -73,6 +73,10 @@ class ServerConfig:
     def __post_init__(self, max_batch_size: int | None) -> None:
         if max_batch_size is not None:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, max_seqs=max_batch_size))
+        from gptj.serve.auth import check_secret
+
+        check_secret(self.api_key, "the server's api_key")  # an empty secret would open its door
+        check_secret(self.admin_token, "the server's admin_token")
         if self.threads is not None:
             from gptj.threads import compute_threads
 
