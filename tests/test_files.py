@@ -129,3 +129,31 @@ def test_a_sigkilled_writer_leaves_a_folder_the_next_run_removes(tmp_path):
     assert left.is_dir()  # nothing cleaned up after the kill
     files.temp_sibling(tmp_path / "out")
     assert not left.exists()
+
+
+def test_model_file_keeps_reads_inside_the_folder(tmp_path):
+    """gptj.files.model_file: a file (or a link to one) inside the folder passes as given; a link
+    whose target, or a name whose `..`, leaves the folder, and a link loop, are one-line GptjErrors."""
+    import pytest
+
+    from gptj.errors import GptjError
+
+    d = tmp_path / "model"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "real.json").write_text("{}")
+    (tmp_path / "secret").write_text("x")
+    (d / "inside.json").symlink_to(Path("sub") / "real.json")
+    (d / "out.json").symlink_to(tmp_path / "secret")
+    (d / "up").symlink_to(tmp_path)
+    (d / "loop").symlink_to(d / "loop")
+    assert files.model_file(d, "inside.json") == d / "inside.json"
+    assert files.model_file(d, "sub/real.json") == d / "sub" / "real.json"
+    assert files.model_file(d, "missing.json") == d / "missing.json"  # its reader says it is missing
+    for name in ("out.json", "../secret", "up/secret", "loop", "."):
+        with pytest.raises(GptjError) as e:
+            files.model_file(d, name)
+        assert str(e.value).startswith(f"{d / name}: ") and "model folder" in str(e.value), e.value
+        assert "\n" not in str(e.value)
+    linked_folder = tmp_path / "linked"  # the folder itself may be a link: its files are judged by its target
+    linked_folder.symlink_to(d)
+    assert files.model_file(linked_folder, "inside.json") == linked_folder / "inside.json"

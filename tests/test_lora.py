@@ -150,6 +150,39 @@ def test_adapter_folders_gptj_cannot_run_are_one_line(adapter_dir):
         read_adapter(folder)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_adapter_holding_non_finite_values_is_refused(adapter_dir, tiny_checkpoint, capsys, value):
+    """As the base loader refuses a checkpoint's: one line naming the file and the tensor (without
+    the check `gptj generate --lora` runs it and every token it touches turns NaN)."""
+    from safetensors.torch import save_file
+
+    folder, _ = adapter_dir
+    weights = folder / "adapter_model.safetensors"
+    sd = load_file(weights)
+    key = sorted(sd)[3]
+    sd[key][1, 0] = value
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(GptjError) as e:
+        read_adapter(folder)
+    assert str(e.value) == f"{weights}: tensor {key} has NaN or infinite values"
+    code = main(["generate", "--model", str(tiny_checkpoint), "--lora", str(folder), "--prompt-ids", "1,2,3",
+                 "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and f"{weights}: tensor {key} has NaN" in err, err
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_linked_out_of_its_folder_is_refused(adapter_dir, tmp_path, name):
+    import os
+
+    folder, _ = adapter_dir
+    (tmp_path / "elsewhere").mkdir()
+    os.replace(folder / name, tmp_path / "elsewhere" / name)
+    (folder / name).symlink_to(tmp_path / "elsewhere" / name)
+    with pytest.raises(GptjError, match=rf"^{folder / name}: leaves the model folder"):
+        read_adapter(folder)
+
+
 # --- gptj train with lora: ---------------------------------------------------------------------
 
 def lora_config(tmp_path: Path, **changes) -> Path:

@@ -283,12 +283,13 @@ def saved_ckpt(tmp_path_factory):
 
 
 def with_config(tmp_path: Path, src: Path, changes: dict, name: str = "hostile") -> Path:
-    """A checkpoint folder holding src's weights (linked) and its config.json with `changes`."""
+    """A checkpoint folder holding src's weights (hard-linked: a symbolic link out of a model folder
+    is refused) and its config.json with `changes`."""
     d = tmp_path / name
     d.mkdir()
     for f in src.iterdir():
         if f.name != "config.json":
-            (d / f.name).symlink_to(f)
+            os.link(f, d / f.name)
     (d / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text()) | changes))
     return d
 
@@ -364,3 +365,111 @@ def test_n_layer_1e9_cannot_exhaust_memory(tmp_path, saved_ckpt):
     r = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--model", str(d), "--prompt-ids", "1,2",
                         "--max-new-tokens", "1"], capture_output=True, text=True, preexec_fn=limit)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "'n_layer'" in r.stderr, r.stderr
+
+
+# --- every file read under a model folder stays inside it (issue 55, item 7) -----------------------
+
+
+def copied(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def moved_out(folder: Path, name: str, outside: Path) -> Path:
+    """Move folder/name to `outside` and leave a symbolic link to it in its place."""
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(folder / name, outside)
+    (folder / name).symlink_to(outside)
+    return folder / name
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_model_file_linked_out_of_its_folder_is_refused(tmp_path, saved_ckpt, capsys, name):
+    """config.json (or the weights) a link to a file outside the folder: refused in one line naming
+    it, though the file it points to is a valid one (without the check the model loads)."""
+    d = copied(saved_ckpt, tmp_path / "m")
+    link = moved_out(d, name, tmp_path / "elsewhere" / name)
+    with pytest.raises(GptjError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert msg.startswith(f"{link}: leaves the model folder") and "\n" not in msg, msg
+    code, err = cli(["generate", "--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1"], capsys)
+    assert code == 1 and err.count("\n") == 1 and f"{link}: leaves the model folder" in err, err
+    code, err = cli(["convert", d, "--out", tmp_path / "out"], capsys)
+    assert code == 1 and "leaves the model folder" in err and not (tmp_path / "out").exists(), err
+
+
+def test_a_shard_and_an_index_linked_out_are_refused(tmp_path, hf_model):
+    d = tmp_path / "sharded"
+    write_config(d, CFG)
+    write_sharded(d, hf_state_dict(hf_model), 3, "safetensors")
+    load_model(d)  # whole, it loads
+    shard = sorted(d.glob("model-*.safetensors"))[1]
+    link = moved_out(d, shard.name, tmp_path / "elsewhere" / shard.name)
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        load_model(d)
+    os.replace(tmp_path / "elsewhere" / shard.name, shard)  # the shard back; now the index leaves
+    link = moved_out(d, "model.safetensors.index.json", tmp_path / "elsewhere" / "index.json")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        load_model(d)
+
+
+def test_links_inside_the_folder_are_followed(tmp_path, saved_ckpt):
+    """A link to another file inside the folder (as the HF hub cache's snapshots are made of, there
+    into its blobs/ folder) loads as the file itself."""
+    d = copied(saved_ckpt, tmp_path / "m")
+    (d / "blobs").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        os.replace(d / name, d / "blobs" / name)
+        (d / name).symlink_to(Path("blobs") / name)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(logits(load_model(d), ids), logits(load_model(saved_ckpt), ids))
+
+
+def test_a_tokenizer_linked_out_is_refused(tmp_path, saved_ckpt):
+    from gptj.tokenizer import load_tokenizer, tokenizer_for_model
+
+    d = copied(saved_ckpt, tmp_path / "m")
+    load_tokenizer().save(tmp_path / "elsewhere")
+    (d / "tokenizer.json").symlink_to(tmp_path / "elsewhere" / "tokenizer.json")
+    for read in (tokenizer_for_model, load_tokenizer):
+        with pytest.raises(GptjError, match=rf"^{re.escape(str(d / 'tokenizer.json'))}: leaves the model folder"):
+            read(d)
+    assert load_tokenizer(tmp_path / "elsewhere" / "tokenizer.json").vocab_size == 50400  # a file named: read
+
+
+def test_a_slim_checkpoint_shard_linked_out_is_refused(tmp_path):
+    import numpy as np
+
+    d = tmp_path / "slim"
+    d.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    np.savez(tmp_path / "elsewhere" / "0.npz", np.zeros(2, dtype=np.float32))
+    (d / "shard_0").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(d / 'shard_0' / '0.npz'))}: leaves the model folder"):
+        load_model(d, config=CFG)
+
+
+def test_serving_a_folder_with_a_file_linked_out_is_a_400(tmp_path, saved_ckpt):
+    """The admin API's root check covers the folder; the loaders' check covers its files."""
+    import urllib.error
+    import urllib.request
+
+    from serve_util import server_thread
+
+    root = tmp_path / "root"
+    good = copied(saved_ckpt, root / "good")
+    bad = copied(saved_ckpt, root / "bad")
+    moved_out(bad, "config.json", tmp_path / "outside" / "config.json")
+    with server_thread({"good": good}, admin_token="adm", model_root=str(root)) as server:
+        req = urllib.request.Request(server.url + "/admin/models", method="POST",
+                                     data=json.dumps({"name": "bad", "path": str(bad)}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer adm"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=120)
+        body = json.loads(e.value.read())
+        assert e.value.code == 400 and "leaves the model folder" in body["error"]["message"], body
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["good"]

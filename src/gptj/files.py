@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -28,6 +29,29 @@ def read_text(path: Path, what: str = "input file") -> str:
         raise GptjError(f"{path}: not valid UTF-8 (byte {e.start})") from None
     except OSError as e:
         raise GptjError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+# --- files inside a model folder: a link may point elsewhere inside it, never out of it -----------
+
+
+def model_file(folder: str | os.PathLike, name: str | os.PathLike) -> Path:
+    """`folder / name`, a file gptj is about to read from a model (or adapter) folder, once its real
+    path (every link resolved) is found to lie inside the folder's real path; a one-line GptjError
+    naming the file otherwise. A root check on the folder alone would still follow a `config.json`
+    linked to /etc/passwd. The path returned is the one given (error messages keep naming it); a
+    file that does not exist passes (its reader reports it)."""
+    folder = Path(folder)
+    path = folder / name
+    try:
+        base = folder.resolve()
+        real = path.resolve()
+    except (OSError, RuntimeError):  # a link loop (pathlib raises RuntimeError for it before 3.13)
+        raise GptjError(f"{path}: a link that cannot be resolved (a loop?); it must stay inside the model "
+                        f"folder") from None
+    if base not in real.parents:
+        raise GptjError(f"{path}: leaves the model folder {folder} (it resolves to {real}); a model folder's "
+                        f"files must lie inside it")
+    return path
 
 
 # --- single files: a reader sees the old file or the whole new one, never half of it ---------------

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gptj.errors import GptjError
-from gptj.files import atomic_folder
+from gptj.files import atomic_folder, model_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")  # GPT-J's linears in a block
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for GPT-J
@@ -278,7 +278,7 @@ def is_adapter(folder: str | Path) -> bool:
 
 def read_config(folder: str | Path) -> LoRAConfig:
     """An adapter folder's LoRAConfig; one-line GptjError for what gptj cannot run."""
-    path = Path(folder) / CONFIG_FILE
+    path = model_file(folder, CONFIG_FILE)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -308,8 +308,10 @@ def read_adapter(folder: str | Path) -> Adapter:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from gptj.weights.io import check_finite
+
     config = read_config(folder)
-    path = Path(folder) / WEIGHTS_FILE
+    path = model_file(folder, WEIGHTS_FILE)
     try:
         sd = load_file(str(path))
     except FileNotFoundError:
@@ -325,6 +327,7 @@ def read_adapter(folder: str | Path) -> Adapter:
                             f"{', '.join(config.target_modules)}")
         if t.dim() != 2 or not t.is_floating_point():
             raise GptjError(f"{path}: {key!r} must be a float matrix")
+        check_finite(t, key, path)  # a NaN here would make every token it touches NaN
         pairs.setdefault((int(m[1]), m[3]), {})[m[4]] = t.float()
     for where, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"} or ab["A"].shape[0] != config.rank or ab["B"].shape[1] != config.rank:

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from gptj.errors import GptjError
+from gptj.files import model_file
 
 EOS_TOKEN = "<|endoftext|>"
 NUM_EXTRA_TOKENS = 143
@@ -154,6 +155,8 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
       `Tokenizer.save` or shipped with a HF checkpoint.
     - a directory with `vocab.json` + `merges.txt` (HF GPT-2 style): built like
       the packaged one, extra tokens included.
+
+    A directory's files must lie inside it (gptj.files.model_file): a link out of it is refused.
     """
     if path is None:
         return _packaged_tokenizer()
@@ -162,6 +165,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         raise GptjError(f"tokenizer path does not exist: {path}")
     tokenizer_json = path if path.is_file() else path / "tokenizer.json"
     vocab, merges = path / "vocab.json", path / "merges.txt"
+    if path.is_dir():
+        for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+            model_file(path, name)
     try:
         if tokenizer_json.is_file():
             return Tokenizer(_HFTokenizer.from_file(str(tokenizer_json)))

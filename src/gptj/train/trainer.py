@@ -267,7 +267,14 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = folder / STATE_FILE
+    from gptj.files import model_file
+
+    files = sorted(folder.glob("adapter_model.safetensors" if lora else "*.safetensors"))
+    try:  # every file read lies inside the checkpoint's folder (a link out of it is not followed)
+        path = model_file(folder, STATE_FILE)
+        files = [model_file(folder, f.name) for f in files]
+    except GptjError as e:
+        raise _Damaged(str(e)) from None
     try:
         # weights_only: a checkpoint folder is data, never code (torch's own advice to pass
         # weights_only=False on failure is not repeated: that would run whatever the file holds).
@@ -288,7 +295,6 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
             raise _Damaged(f"{path}: '{key}' is missing or not a {kind.__name__}")
     want = _trained_state(model, lora)
     sd: dict[str, torch.Tensor] = {}
-    files = sorted(folder.glob("adapter_model.safetensors" if lora else "*.safetensors"))
     if not files:
         raise _Damaged(f"{folder}: no {'adapter_model' if lora else 'model'}.safetensors")
     for f in files:

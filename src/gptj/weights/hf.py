@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gptj.errors import CheckpointError
+from gptj.files import model_file
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -32,10 +33,11 @@ def is_legacy_buffer(name: str) -> bool:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The weight files of an HF directory, preferring safetensors over .bin."""
+    """The weight files of an HF directory, preferring safetensors over .bin; each must lie inside it
+    (gptj.files.model_file)."""
     for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (BIN, BIN_INDEX)):
         if (path / index).is_file():
-            idx_path = path / index
+            idx_path = model_file(path, index)
             try:
                 weight_map = json.loads(idx_path.read_text(encoding="utf-8"))["weight_map"]
                 names = sorted(set(weight_map.values()), key=str)
@@ -46,10 +48,9 @@ def weight_files(path: Path) -> list[Path]:
                     raise CheckpointError(f"{idx_path}: shard name {n!r} must be a plain file name")
                 if not (path / n).is_file():
                     raise CheckpointError(f"{idx_path}: shard {n} is missing")
-            files = [path / n for n in names]
-            return files
+            return [model_file(path, n) for n in names]
         if (path / single).is_file():
-            return [path / single]
+            return [model_file(path, single)]
     raise CheckpointError(f"{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or {BIN_INDEX}")
 
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from gptj import quant
 from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
-from gptj.files import atomic_folder, atomic_write_json
+from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.model import GPTJForCausalLM, build_model
 from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj
@@ -91,7 +91,7 @@ def resolve_config(spec: str | os.PathLike | GPTJConfig | None) -> GPTJConfig:
         return spec
     p = Path(spec)
     if p.is_dir():
-        p = p / CONFIG
+        p = model_file(p, CONFIG)
     if p.suffix == ".json" or p.exists():
         return GPTJConfig.from_json_file(p)
     return get_preset(str(spec))
@@ -121,7 +121,7 @@ def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJCon
     # The config is validated (GPTJConfig) and its n_layer checked against the layers the checkpoint's
     # tensor listing names before any tensor table is built or any weight read.
     if found == "hf":
-        cfg = GPTJConfig.from_json_file(path / CONFIG)
+        cfg = GPTJConfig.from_json_file(model_file(path, CONFIG))
         if config is not None and resolve_config(config) != cfg:
             raise CheckpointError(f"{path}: its config.json differs from the config given")
         listed = hf.listed_tensor_names(path)
@@ -152,6 +152,13 @@ def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
     if p.is_dir():
         return str(p / CONFIG)
     return str(p) if p.suffix == ".json" or p.exists() else f"preset {str(spec)!r}"
+
+
+def check_finite(tensor: torch.Tensor, name: str, file: object) -> None:
+    """CheckpointError naming `file` and tensor `name` unless every value of `tensor` is finite: the one
+    finiteness check of everything gptj loads (a checkpoint's tensors, a LoRA adapter's)."""
+    if not all_finite(tensor):
+        raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
 
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
@@ -195,8 +202,7 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
             raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
                                   f"expected floating point")
         elif name in qweights:
-            if not all_finite(tensor):
-                raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
+            check_finite(tensor, name, file)
             module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
             for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"],
                                                  (smooth or {}).get(module)).items():
@@ -205,8 +211,7 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
         else:
             target = quant.SCALE_DTYPE if quant.is_quant_param(name) else (dtype or tensor.dtype)
             tensor = tensor.to(device=device, dtype=target)
-            if not all_finite(tensor):
-                raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
+            check_finite(tensor, name, file)
             if name.endswith(".weight_scale") and not bool((tensor > 0).all()):
                 raise CheckpointError(f"{file}: tensor {name} has scales that are not positive")
             out[name] = tensor
@@ -283,8 +288,9 @@ def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLik
     """The smoothing factors a w8a8 quantization `q` of the float checkpoint in `folder` needs (else None)."""
     if q is None or q["mode"] != "w8a8":
         return None
-    from gptj.quant.calibrate import load_factors
+    from gptj.quant.calibrate import CALIBRATION_FILE, load_factors
 
+    model_file(folder, CALIBRATION_FILE)
     return load_factors(Path(folder), q["modules"], quant.linear_in_features(config))
 
 
@@ -402,7 +408,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     if cfg.calibration is not None:  # a calibrated float checkpoint keeps its factors
         from gptj.quant.calibrate import CALIBRATION_FILE
 
-        extras.append(lambda folder: shutil.copyfile(Path(src) / CALIBRATION_FILE, folder / CALIBRATION_FILE))
+        extras.append(lambda folder: shutil.copyfile(model_file(src, CALIBRATION_FILE), folder / CALIBRATION_FILE))
     if also is not None:
         extras.append(lambda folder: also(folder, sd, cfg))
 
@@ -424,7 +430,7 @@ def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str,
     folder = Path(folder)
     if detect_format(folder) != "hf":
         raise GptjError(f"{folder}: calibration needs a model folder with config.json (gptj convert makes one)")
-    cfg = GPTJConfig.from_json_file(folder / CONFIG)
+    cfg = GPTJConfig.from_json_file(model_file(folder, CONFIG))
     if cfg.quantization is not None:
         raise GptjError(f"{folder}: already quantized ({cfg.quantization['mode']}): calibrate the float checkpoint")
     alpha = quant.SMOOTH_ALPHA if alpha is None else alpha
@@ -433,7 +439,7 @@ def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str,
     smooth = smoothing(model, absmax, alpha)
     record = make_record(alpha, dataset, len(prompts), tokens)
     save_factors(smooth, folder)
-    config_json = json.loads((folder / CONFIG).read_text())
+    config_json = json.loads(model_file(folder, CONFIG).read_text())
     config_json["calibration"] = record
     atomic_write_json(folder / CONFIG, config_json)
     return record

@@ -82,6 +82,7 @@ import torch
 from tqdm import tqdm
 
 from gptj.errors import CheckpointError
+from gptj.files import model_file
 from gptj.device import all_finite
 
 __all__ = [
@@ -285,6 +286,8 @@ def _scan(path: Path, n_shards: int | None) -> _Layout:
             if not re.fullmatch(r"\d+\.npz", p.name):
                 raise CheckpointError(f"{shard_dir}: unexpected file {p.name}; expected 0.npz, 1.npz, ...")
         files = _numbered(npz_files, r"(\d+)\.npz", "file {}.npz", shard_dir)
+        for f in files:  # each array file (and its shard folder) inside the checkpoint's folder
+            model_file(path, f.relative_to(path))
         if not files:
             raise CheckpointError(f"{shard_dir}: no .npz files")
         keys = [_npz_keys(f, f"{shard_dir.name}/{f.name}") for f in files]
