@@ -183,6 +183,49 @@ def test_log_covering_some_samples_scores_those(tmp_path, tok):
     assert result.rouge1 == 100.0
     assert result.subset
     assert any("covers 1 of the 3" in n for n in result.notes)
+    assert not result.complete and result.expected_samples == 3  # scored, but not a result
+
+
+def _dataset(path: Path, outputs) -> Path:
+    path.write_text(json.dumps([{"instruction": "Summarize", "input": "x", "output": o} for o in outputs]))
+    return path
+
+
+def test_evaluate_on_an_interrupted_run_says_how_much_it_covered_and_exits_non_zero(tmp_path, tok, capsys):
+    """A log that answers 2 of the data set's 3 samples (a run stopped early): the scores are
+    printed, marked as no result, with how many samples were covered, and the exit is non-zero."""
+    from gptj.cli import EXIT_NOT_A_RESULT, main
+
+    refs = ["the cat sat on the mat", "the dog ran", "a bird flew"]
+    dataset = _dataset(tmp_path / "cnn_eval.json", refs)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_log(run / ev.ACCURACY_LOG_NAME, [(0, tok.encode(refs[0])), (2, tok.encode(refs[2]))])
+    assert main(["evaluate", "--log-dir", str(run), "--dataset", str(dataset)]) == EXIT_NOT_A_RESULT != 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "NOT A RESULT: the accuracy log answers 2 of the 3 samples (an interrupted or " \
+                                  "partial run): these scores are not a result"
+    assert "ROUGE-1 100.0000" in out  # still scored, on what was answered
+    assert "PASS" not in out and "FAIL" not in out and "gptj-99:   no result (2 of 3 samples answered)" in out
+    assert len(err.strip().splitlines()) == 1 and "answers 2 of the 3 samples" in err
+    assert main(["evaluate", "--log-dir", str(run), "--dataset", str(dataset), "--json"]) == EXIT_NOT_A_RESULT
+    data = json.loads(capsys.readouterr().out)
+    assert data["complete"] is False and data["expected_samples"] == 3 and data["gen_num"] == 2
+    assert ev.main(["--mlperf-accuracy-file", str(run), "--dataset-file", str(dataset)]) == EXIT_NOT_A_RESULT
+    assert "NOT A RESULT" in capsys.readouterr().out
+
+    # The run's own record counts: a run of the first 2 examples (--max-examples 2) that answered both is whole ...
+    write_log(run / ev.ACCURACY_LOG_NAME, [(0, tok.encode(refs[0])), (1, tok.encode(refs[1]))])
+    record = {"dataset": {"path": None, "samples": 2}, "interrupted": None}
+    (run / "run.json").write_text(json.dumps(record))
+    assert main(["evaluate", "--log-dir", str(run), "--dataset", str(dataset)]) == 0
+    out = capsys.readouterr().out
+    assert "NOT A RESULT" not in out and "FAIL" in out
+    # ... and one its run.json marks interrupted is not, though it answered every sample (some empty)
+    (run / "run.json").write_text(json.dumps({**record, "interrupted": {"loadgen_finished": True}}))
+    assert main(["evaluate", "--log-dir", str(run), "--dataset", str(dataset)]) == EXIT_NOT_A_RESULT
+    out = capsys.readouterr().out
+    assert "NOT A RESULT: the accuracy log answers 2 of the 2 samples (the run was interrupted)" in out
 
 
 # ------------------------------------------------------------------------ targets

@@ -33,6 +33,7 @@ EXIT_USAGE = 2  # a flag that can never work (argparse's code too)
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command that SIGPIPE ended
 EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
 EXIT_DIFFER = 3  # gptj compare: it ran; the two models differ beyond the tolerance
+EXIT_NOT_A_RESULT = 3  # gptj evaluate: scored, but the log did not answer every sample of its run
 
 
 def _silence_stdout() -> None:
@@ -664,6 +665,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         references = read_references(Path(args.dataset) if args.dataset else DEFAULT_DATASET)
         result = evaluate_log(Path(args.log_dir), references)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
+    if not result.complete:  # an interrupted run: the scores are printed, but they are no result
+        print(f"gptj evaluate: {result.incomplete_reason()}", file=sys.stderr)
+        return EXIT_NOT_A_RESULT
     return 0
 
 

@@ -29,7 +29,11 @@ mlcommons/inference:
 
 Predictions are aligned with the references by `qsl_idx` (and kept sorted by it;
 the reference keeps log order, which changes no mean or sum). A log covering only
-some samples is scored on those; `gen_num` says how many.
+some samples is scored on those; `gen_num` says how many. An accuracy run answers
+every sample of its data set (the run's `run.json` beside the log says how many that
+was; else every reference): a log that answers fewer, or a run that `run.json` marks
+interrupted, is incomplete, and its scores are not a result (`complete` False;
+`gptj evaluate` says so and exits non-zero).
 
 Targets (MLPerf's submission checker): against the FP32 reference's ROUGE-1 42.9865,
 ROUGE-2 20.1235, ROUGE-L 29.9881, gptj-99 needs 99% and gptj-99.9 99.9% of each,
@@ -335,6 +339,23 @@ class EvaluationResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     duplicates_dropped: int = 0
     log_path: str | None = None
+    # the samples the run had to answer (its data set's, else the references'); fewer answered, or a
+    # run marked interrupted: the scores are not a result
+    expected_samples: int | None = None
+    interrupted: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return not self.interrupted and (self.expected_samples is None or self.gen_num >= self.expected_samples)
+
+    def incomplete_reason(self) -> str | None:
+        """One line saying why these scores are not a result (None: the log is complete)."""
+        if self.complete:
+            return None
+        expected = self.expected_samples if self.expected_samples is not None else self.num_references
+        why = "the run was interrupted" if self.interrupted else "an interrupted or partial run"
+        return (f"the accuracy log answers {self.gen_num:,} of the {expected:,} samples ({why}): "
+                "these scores are not a result")
 
     @property
     def scores(self) -> dict[str, Any]:
@@ -356,6 +377,8 @@ class EvaluationResult:
             **self.scores,
             "num_references": self.num_references,
             "subset": self.subset,
+            "complete": self.complete,
+            "expected_samples": self.expected_samples,
             "notes": list(self.notes),
             "duplicates_dropped": self.duplicates_dropped,
             "log_path": self.log_path,
@@ -364,9 +387,12 @@ class EvaluationResult:
 
 
 def make_result(scores: dict[str, Any], num_references: int, *, duplicates_dropped: int = 0,
-                log_path: str | None = None, against: str | None = None) -> EvaluationResult:
+                log_path: str | None = None, against: str | None = None, expected_samples: int | None = None,
+                interrupted: bool = False) -> EvaluationResult:
     """An EvaluationResult for a `score()` dict: target checks and subset notes. `against`: the
-    references were another run's outputs (that run's log): no gptj-99 target applies to them."""
+    references were another run's outputs (that run's log): no gptj-99 target applies to them.
+    `expected_samples`: how many the run had to answer (None: not known); `interrupted`: its
+    run.json says it was."""
     gen_num = int(scores["gen_num"])
     subset = gen_num != FULL_DATASET_SIZE
     notes = []
@@ -396,6 +422,8 @@ def make_result(scores: dict[str, Any], num_references: int, *, duplicates_dropp
         notes=notes,
         duplicates_dropped=duplicates_dropped,
         log_path=log_path,
+        expected_samples=expected_samples,
+        interrupted=interrupted,
     )
 
 
@@ -420,13 +448,16 @@ def references_from_log(log_dir_or_file: str | Path, tokenizer: Any = None,
 
 
 def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str | None], tokenizer: Any = None,
-                 dtype: str = "int64", against: str | None = None) -> EvaluationResult:
+                 dtype: str = "int64", against: str | None = None,
+                 expected_samples: int | None = None) -> EvaluationResult:
     """Score LoadGen's accuracy log against `references` (indexed by qsl_idx; None: none there).
 
     `log_dir_or_file`: mlperf_log_accuracy.json or the directory holding it.
     `tokenizer`: a `gptj.tokenizer.Tokenizer` (default: `load_tokenizer()`).
     `against`: where the references came from when they are another run's outputs
     (`references_from_log`); the result then checks no gptj-99 target.
+    `expected_samples`: how many samples the run had to answer (a run scoring itself knows); None:
+    what its run.json says, else every reference.
     """
     if tokenizer is None:
         from gptj.tokenizer import load_tokenizer
@@ -444,6 +475,8 @@ def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str | None], 
             + (f"in {against}'s outputs" if against else f"(outside the {len(references)} references)")
             + (f" ({len(outside)} such entries)" if len(outside) > 1 else "")
         )
+    run_samples, interrupted = _run_record(file) if expected_samples is None else (expected_samples, False)
+    num_references = sum(r is not None for r in references)
     preds, targets = [], []
     for idx, ids in by_idx.items():
         try:
@@ -451,8 +484,23 @@ def evaluate_log(log_dir_or_file: str | Path, references: Sequence[str | None], 
         except GptjError as e:
             raise GptjError(f"accuracy log {file}, qsl_idx {idx}: {e}") from e
         targets.append(references[idx])
-    return make_result(score(preds, targets), sum(r is not None for r in references), duplicates_dropped=duplicates,
-                       log_path=str(file), against=against)
+    return make_result(score(preds, targets), num_references, duplicates_dropped=duplicates, log_path=str(file),
+                       against=against, expected_samples=run_samples if run_samples is not None else num_references,
+                       interrupted=interrupted)
+
+
+def _run_record(log_file: Path) -> tuple[int | None, bool]:
+    """What gptj's run.json beside an accuracy log says: the samples of the run's data set (None:
+    no run.json, or it does not say) and whether the run was interrupted."""
+    try:
+        made = json.loads((log_file.parent / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, False
+    if not isinstance(made, dict):
+        return None, False
+    samples = (made.get("dataset") or {}).get("samples") if isinstance(made.get("dataset"), dict) else None
+    ok = isinstance(samples, int) and not isinstance(samples, bool) and samples > 0
+    return (samples if ok else None), bool(made.get("interrupted"))
 
 
 # ------------------------------------------------------------------------ output
@@ -481,7 +529,14 @@ def format_report(result: EvaluationResult) -> str:
     ]
     labels = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "gen_len": "gen_len"}
     width = max((len(t) for t in result.targets), default=0)
+    incomplete = result.incomplete_reason()
+    if incomplete is not None:  # first, so that no one reads the targets below as a result
+        lines.insert(0, f"NOT A RESULT: {incomplete}")
     for name, check in result.targets.items():
+        if incomplete is not None:
+            lines.append(f"{name + ':':<{width + 1}} no result ({result.gen_num:,} of "
+                         f"{result.expected_samples or result.num_references:,} samples answered)")
+            continue
         shown = [m for m in check.thresholds if check.passed or not check.met[m]]
         parts = [f"{labels[m]} {_num(result.scores[m], 4)} {'>=' if check.met[m] else '<'} "
                  f"{_num(check.thresholds[m], 6)}" for m in shown]
@@ -514,6 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(accuracy_line(result))
     print(format_report(result))
+    if not result.complete:
+        print(f"error: {result.incomplete_reason()}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -479,7 +479,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     if cfg.mode == "accuracy" and not interrupted:
         from gptj.mlperf.evaluate import evaluate_log
 
-        accuracy = evaluate_log(log_dir, dataset.references, tokenizer=tokenizer)
+        accuracy = evaluate_log(log_dir, dataset.references, tokenizer=tokenizer, expected_samples=len(dataset))
     summary = report.parse_loadgen_summary(log_dir / "mlperf_log_summary.txt") if finished else {}
     remote_info = None
     if remote is not None:
