@@ -416,6 +416,30 @@ def test_quantizing_a_quantized_checkpoint_differently_is_refused(tmp_path, floa
         quant.quantize_state_dict(float_sd, model.config, "int8")
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_hf_transformers_refuses_a_quantized_folder(tmp_path, float_ckpt, mode):
+    """Without config.json's quantization_config, from_pretrained loads gptj's int8 weights as floats
+    (only `weight_scale | UNEXPECTED` said) and generates garbage; with it, a ValueError."""
+    transformers = pytest.importorskip("transformers", reason="HF transformers is not installed")
+    out = convert(float_ckpt, tmp_path / mode, quantize=mode, group_size=G if mode == "int4" else None)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "gptj" and qc["mode"] == mode and "quant_method" not in qc
+    with pytest.raises(ValueError, match="quant_method"):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert "quantization_config" not in json.loads((float_ckpt / "config.json").read_text())
+    transformers.AutoModelForCausalLM.from_pretrained(float_ckpt)  # a float folder still loads
+
+
+def test_gptj_loads_quantized_folders_with_and_without_quantization_config(tmp_path, q8_ckpt):
+    """The entry is for HF transformers only: a folder written before it existed loads the same."""
+    old = rewrite(q8_ckpt, tmp_path / "old", change_config=lambda c: c.pop("quantization_config"))
+    a, b = load_model(q8_ckpt), load_model(old)
+    assert a.config == b.config and a.config.quantization["mode"] == "int8"
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(logits(a), logits(b))
+
+
 def rewrite(src, dst, change_tensors=None, change_config=None):
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())

@@ -783,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="for slim checkpoints: a preset name or config.json (default gptj-6b)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    flags.add_quantize_flags(p, "write quantized linears: int8 / int4 weight-only, w8a8, fp8 (a gptj-only format: HF transformers cannot load it)")
+    flags.add_quantize_flags(p, "write quantized linears: int8 / int4 weight-only, w8a8, fp8 (a gptj-only format: HF transformers refuses it)")
     p.add_argument("--tp", type=_positive, help="also write per-rank tensor-parallel shards (tp{N}/rank{r}.safetensors)")
     flags.add_threads_flag(p)
     p.set_defaults(func=cmd_convert)

@@ -20,7 +20,14 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
 config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8"|"fp8", "group_size": null|g,
 "modules": [every quantized module name]}`, and for w8a8 its `"calibration"` (how the factors were
 made, gptj.quant.calibrate); the format is read from there, never guessed.
-HF transformers cannot load these checkpoints (it does not know this format); gptj can.
+
+HF transformers cannot run these checkpoints (it does not know this format); gptj can. Without a
+sign in config.json transformers would load one anyway, its int8 weights taken as floats and its
+scales dropped ("weight_scale | UNEXPECTED"), and generate garbage. So config.json also carries
+`"quantization_config"` (hf_quantization_config): an entry with no `quant_method`, which
+transformers' from_pretrained refuses with a ValueError ("The model's quantization config ... has
+no `quant_method` attribute"). A known method would make it run that method's loader on gptj's
+tensors, and an unknown one it skips with a warning and loads the floats. gptj never reads the entry.
 
 QUANT_MODES is the one list of quantization modes: the CLI, the benchmarks and the runtime take
 their choices from here.
@@ -142,6 +149,15 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
     if mode == "w8a8":
         out["calibration"] = dict(calibration)
     return out
+
+
+def hf_quantization_config(q: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's `quantization_config` for a checkpoint quantized as `q`: what makes HF
+    transformers refuse the folder (no `quant_method`; see the module's docstring) and says why to
+    whoever reads the file."""
+    return {"format": "gptj", "mode": q["mode"],
+            "note": "gptj's own quantized format (config.json's 'quantization'): load it with gptj; "
+                    "HF transformers cannot run it, so no quant_method is given and it refuses the folder"}
 
 
 def check_quantization(q: object, config: Any, source: str = "config") -> dict[str, Any]:

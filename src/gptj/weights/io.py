@@ -12,8 +12,9 @@ Quantized checkpoints (see `gptj.quant`): config.json's "quantization" entry say
 hold int8/int4 weights (with their bfloat16 scales/zeros); those load into quantized modules,
 packed for the device's kernel at load time. `load_model(..., quantize="int8"|"int4")` and
 `convert(..., quantize=...)` quantize a float checkpoint tensor by tensor as it is read.
-HF transformers does not load quantized checkpoints (it does not know the format); float ones
-stay HF-compatible.
+HF transformers cannot run quantized checkpoints (it does not know the format): their config.json's
+`quantization_config` makes its from_pretrained refuse them with a ValueError (gptj.quant.format);
+float ones stay HF-compatible.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.model import GPTJForCausalLM, build_model
+from gptj.quant.format import hf_quantization_config
 from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj
 
@@ -358,6 +360,8 @@ def _write_checkpoint(sd: Mapping[str, torch.Tensor], config: GPTJConfig, out: P
         first_dtype = next((t.dtype for n, t in sd.items() if t.is_floating_point() and not quant.is_quant_param(n)),
                            torch.float32)
         cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(first_dtype)}
+        if config.quantization is not None:  # HF transformers refuses the folder instead of misreading it
+            cfg["quantization_config"] = hf_quantization_config(config.quantization)
         _write_json(tmp / CONFIG, cfg)
         _write_json(tmp / "generation_config.json",
                     {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
@@ -394,7 +398,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
 
     `quantize` ("int8" / "int4", `group_size` for int4) writes a quantized checkpoint (config.json
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
-    cannot load a quantized checkpoint; gptj's `load_model` can.
+    refuses a quantized checkpoint (a ValueError from from_pretrained); gptj's `load_model` loads it.
     """
     cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=src)
