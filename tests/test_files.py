@@ -157,3 +157,78 @@ def test_model_file_keeps_reads_inside_the_folder(tmp_path):
     linked_folder = tmp_path / "linked"  # the folder itself may be a link: its files are judged by its target
     linked_folder.symlink_to(d)
     assert files.model_file(linked_folder, "inside.json") == linked_folder / "inside.json"
+
+
+def test_a_full_disk_is_recognised_however_it_is_wrapped():
+    import errno
+
+    from safetensors import SafetensorError
+
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    full.__context__ = wrapped  # torch.save into a file object: the OSError, torch's error its context
+    outer = ValueError("saving failed")
+    outer.__cause__ = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert files.is_no_space(full) and files.is_no_space(outer)
+    assert files.is_no_space(SafetensorError("Error while serializing: I/O error: No space left on device "
+                                             "(os error 28)"))
+    for other in (wrapped, OSError(errno.EACCES, "Permission denied"), ValueError("os error 280"), None):
+        assert not files.is_no_space(other)
+
+
+def test_atomic_writes_on_a_full_disk_are_one_line_and_leave_the_old_file(tmp_path, monkeypatch):
+    """The write fails half-way: GptjError naming the file, the old content kept, no temporary left."""
+    import errno
+
+    import pytest
+
+    from gptj.errors import GptjError
+
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    real_fdopen = os.fdopen
+
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: HalfWriter(real_fdopen(fd, mode)))
+    with pytest.raises(GptjError) as e:
+        files.atomic_write_json(target, {"new": "x" * 100})
+    assert str(e.value).startswith(f"{target}: cannot write: no space left on device") and "\n" not in str(e.value)
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_append_line_on_a_full_disk_leaves_no_half_line(tmp_path, monkeypatch):
+    """metrics.jsonl: a line that cannot be written whole is not left half-written (a resumed run
+    parses every line)."""
+    import errno
+
+    import pytest
+
+    from gptj.errors import GptjError
+
+    log = tmp_path / "metrics.jsonl"
+    files.append_line(log, '{"step": 1}')
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "write", half_then_full)
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(log))}: cannot write: no space left on device"):
+        files.append_line(log, '{"step": 2, "loss": 1.5}')
+    assert log.read_text() == '{"step": 1}\n'

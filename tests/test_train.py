@@ -287,6 +287,48 @@ def test_resume_skips_a_damaged_checkpoint_or_refuses_in_one_line(corpus, stoppe
     assert said in err[0] and "weights_only" not in err[0] and "Traceback" not in err[0], err
 
 
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_older_ones(corpus, stopped_at_3, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """The trainer state of step 3 runs out of space half-way (as torch.save into a full disk does):
+    one line naming the checkpoint and the cause, exit 1, no step-3 folder or temporary folder left,
+    steps 1 and 2 as an uninterrupted run wrote them, and --resume goes on from step 2 to its weights."""
+    import errno
+    import io
+    import os
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if ".step-0000003." not in str(getattr(f, "name", f)):
+            return real_save(obj, f, *args, **kwargs)
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        half = buf.getvalue()[: len(buf.getvalue()) // 2]
+        if hasattr(f, "write"):
+            f.write(half)
+            f.flush()
+        else:
+            Path(f).write_bytes(half)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", save)
+    run = tmp_path / "run"
+    path = write_config(tmp_path / "b.yaml", train=corpus / "train.txt", out=str(run), **RESUME_RUN)
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    step3 = run / "checkpoints" / "step-0000003"
+    assert err.count("\n") == 1 and f"{step3}: cannot write: no space left on device" in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000001", "step-0000002"]
+    for step in ("step-0000001", "step-0000002"):
+        a, b = weights(run / "checkpoints" / step), weights(stopped_at_3 / "split" / "checkpoints" / step)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main(["train", "--config", str(path), "--resume", "--quiet"]) == 0
+    a, b = weights(stopped_at_3 / "straight"), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_grad_accumulation_and_activation_checkpointing_change_nothing(corpus, tmp_path):
     """Plain, two micro-steps of half the batch, and recomputed activations: each step's gradient
     is the exact (float64) gradient of the same global batch, to float32 rounding (GRAD_TOL).

@@ -473,3 +473,37 @@ def test_serving_a_folder_with_a_file_linked_out_is_a_400(tmp_path, saved_ckpt):
         assert e.value.code == 400 and "leaves the model folder" in body["error"]["message"], body
         with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
             assert [m["id"] for m in json.loads(r.read())["data"]] == ["good"]
+
+
+# --- a full disk while writing a model (issue 55, item 6) ------------------------------------------
+
+
+def full_disk_in_save_file(monkeypatch, module) -> None:
+    """`module`'s safetensors save_file writes half a file, then fails as safetensors does on a full disk."""
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(module, "save_file", save_file)
+
+
+@pytest.mark.parametrize("command", ["init", "init --force", "convert"])
+def test_a_full_disk_while_writing_a_model_is_one_line_and_leaves_nothing(tmp_path, saved_ckpt, capsys, monkeypatch,
+                                                                          command):
+    from gptj.weights import io
+
+    out = tmp_path / "out"
+    if command == "init --force":  # a model already there stays as it was
+        copied(saved_ckpt, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
+    full_disk_in_save_file(monkeypatch, io)
+    args = (["init", "--preset", "tiny", "--out", out] if command.startswith("init")
+            else ["convert", saved_ckpt, "--out", out, "--quiet"])
+    code, err = cli(args + (["--force"] if command == "init --force" else []), capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{out}: cannot write: no space left on device" in err and "internal error" not in err, err
+    after = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if before else [])  # no temporary folder left

@@ -54,22 +54,94 @@ def model_file(folder: str | os.PathLike, name: str | os.PathLike) -> Path:
     return path
 
 
+# --- a full disk: one line naming what was being written -----------------------------------------
+#
+# A write that runs out of space surfaces as an OSError (ENOSPC, or EDQUOT past a quota), or wrapped by
+# a library: safetensors raises SafetensorError("... No space left on device (os error 28)"), and
+# torch.save into a file object raises the OSError with torch's own RuntimeError as its context.
+# (torch.save given a path writes through C++ streams and reports only "unexpected pos": gptj hands
+# it a file object, see save_torch.)
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NO_SPACE_TEXTS = ("no space left on device", "disk quota exceeded",
+                   f"(os error {errno.ENOSPC})", f"(os error {errno.EDQUOT})")
+
+
+def is_no_space(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, says the disk is full."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(text in str(e).lower() for text in _NO_SPACE_TEXTS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def no_space_error(path: str | os.PathLike) -> GptjError:
+    return GptjError(f"{path}: cannot write: no space left on device (nothing was written there; free some "
+                     f"space and run again)")
+
+
+@contextlib.contextmanager
+def no_space_is_an_error(path: str | os.PathLike) -> Iterator[None]:
+    """Within the body, a write failing for lack of space becomes no_space_error(path). Nested, the
+    outermost names its path: what the caller asked to write, not a temporary file inside it."""
+    try:
+        yield
+    except Exception as e:
+        if is_no_space(e):
+            raise no_space_error(path) from None
+        raise
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append `line` and a newline to a log (metrics.jsonl) in one write. If the write fails (a full
+    disk: no_space_error), the file is cut back to its size before it, so no half line is left for
+    a reader (a resumed run's) to trip on."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    with no_space_is_an_error(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except BaseException:
+                with contextlib.suppress(OSError):  # (a device, a pipe: nothing to cut back)
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+
+
+def save_torch(obj: object, path: str | os.PathLike) -> None:
+    """torch.save(obj) to `path` through a Python file object, so that a full disk surfaces as
+    OSError(ENOSPC) (is_no_space) rather than as torch's "unexpected pos"."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 # --- single files: a reader sees the old file or the whole new one, never half of it ---------------
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with no_space_is_an_error(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
 
 
@@ -176,11 +248,13 @@ def move_into_place(tmp: Path, target: Path) -> None:
 def atomic_folder(target: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `target` (temp_sibling) to fill; when the body succeeds, move it
     into place (replacing `target`). On any failure, KeyboardInterrupt included, the temporary
-    folder is removed and `target` is left as it was."""
-    tmp = temp_sibling(target)
-    try:
-        yield tmp
-        move_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    folder is removed and `target` is left as it was; a write that fails for lack of space is one
+    line naming `target` (no_space_error)."""
+    with no_space_is_an_error(target):
+        tmp = temp_sibling(target)
+        try:
+            yield tmp
+            move_into_place(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptj.errors import GptjError
+from gptj.files import append_line, atomic_write_text, no_space_is_an_error, save_torch
 from gptj.train.config import DataSource, TrainConfig
 
 STATE_FILE = "trainer_state.pt"
@@ -382,8 +383,8 @@ def _save(out: Path, config: Any, model_sd: dict, optim_sd: dict | None, step: i
 
     target = out / "checkpoints" / f"step-{step:07d}"
 
-    def extra(folder: Path) -> None:
-        torch.save({"step": step, "optimizer": optim_sd, "optimizer_format": "fsdp" if mode == "fsdp" else "plain",
+    def extra(folder: Path) -> None:  # through a file object: a full disk is an OSError (gptj.files)
+        save_torch({"step": step, "optimizer": optim_sd, "optimizer_format": "fsdp" if mode == "fsdp" else "plain",
                     "fingerprint": cfg.fingerprint(), "torch_rng": torch.get_rng_state()}, folder / STATE_FILE)
 
     if cfg.lora is not None:
@@ -410,14 +411,15 @@ def _write_final(out: Path, config: Any, model_sd: dict, cfg: TrainConfig) -> No
 
     tmp = out / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.lora is not None:
-        from gptj.lora import CONFIG_FILE, save_adapter
+    with no_space_is_an_error(out):  # a full disk names OUT, not the temporary folder
+        if cfg.lora is not None:
+            from gptj.lora import CONFIG_FILE, save_adapter
 
-        save_adapter(model_sd, _lora_config(cfg), tmp, base_model=_base_name(cfg))
-        last = CONFIG_FILE
-    else:
-        save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
-        last = FINAL_FILES_LAST
+            save_adapter(model_sd, _lora_config(cfg), tmp, base_model=_base_name(cfg))
+            last = CONFIG_FILE
+        else:
+            save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
+            last = FINAL_FILES_LAST
     names = sorted(p.name for p in tmp.iterdir())
     for name in [n for n in names if n != last] + [last]:
         os.replace(tmp / name, out / name)
@@ -444,9 +446,7 @@ class Metrics:
         if resume_step is not None and self.path.exists():  # drop what the resumed steps will log again
             kept = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
         if tensorboard:
@@ -455,8 +455,7 @@ class Metrics:
     def log(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
         if self.writer is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, int | float):
