@@ -417,7 +417,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(models, indent=2))
         return 0
     _print_table([("NAME", "STATUS", "MAX_LEN", "PATH")] + [
-        (m["id"], m.get("status", "ready"), str(m.get("max_model_len", "")), m.get("root", "")) for m in models])
+        (m["id"], m.get("status", "ready") + (f" ({m['error']})" if m.get("error") else ""),
+         str(m.get("max_model_len", "")), m.get("root", "")) for m in models])
     return 0
 
 

@@ -390,7 +390,7 @@ class BeamSearch:
         prompts stacked as rows, each row at its own step (the engine's requests start at different
         times). logits[i]: search i's (B_i*K, V). -> each search's (source_rows, next_tokens), as
         `step`. No device-to-host sync: each search's `done_now` stays on the device."""
-        source_rows, next_tokens, _ = BeamSearch.advance(searches, logits)
+        source_rows, next_tokens, _, _ = BeamSearch.advance(searches, logits)
         out, at = [], 0
         for s in searches:
             n = s.B * s.K
@@ -402,8 +402,10 @@ class BeamSearch:
     def advance(searches: Sequence[BeamSearch], logits: Sequence[torch.Tensor], reuse_logits: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """step_all's pass, its results flat: (source_rows, next_tokens), each search's B*K in turn
-        (source_rows within the search's own rows, as `step`), and done (len(searches),) bool, each
-        search's done_now: device tensors, for the engine's one copy to the host.
+        (source_rows within the search's own rows, as `step`), done (len(searches),) bool, each
+        search's done_now, and finite (len(searches),) bool, False where a search's scores went NaN or
+        infinite this step (its tokens are then meaningless): device tensors, for the engine's one
+        copy to the host.
 
         The searches' state stays stacked between steps (`_Stack`): a step of the searches the last
         one advanced, in the same order, reads the stack as it is; others gather their rows (a few
@@ -489,20 +491,24 @@ class BeamSearch:
         # The next state, stacked for the next step; each search's rows and results are views of it.
         one_row_each = all(s.B == 1 for s in searches)
         starts = list(itertools.accumulate((s.B for s in searches), initial=0))
+        # A row's numbers went non-finite (NaN or infinite logits make its log-probabilities NaN, and
+        # topk ranks NaN first; all -inf leaves no candidate): its best candidate's score says so.
+        finite = torch.isfinite(cand_scores[:, 0])  # (B,)
         if one_row_each:  # a search's beams are its rows 0..K-1: source as it is
-            done_each = done
+            done_each, finite_each = done, finite
         elif len(searches) == 1:
-            source, done_each = source + searches[0].beam_offset, done.all()[None]
+            source, done_each, finite_each = source + searches[0].beam_offset, done.all()[None], finite.all()[None]
         else:  # each row's beam 0 within its own search: (row - its search's first row) * K
             source = source + per_row([(b - first) * K for s, first in zip(searches, starts) for b in
                                        range(first, first + s.B)], torch.long)[:, None]
             done_each = torch.stack([done[first:first + s.B].all() for s, first in zip(searches, starts)])
+            finite_each = torch.stack([finite[first:first + s.B].all() for s, first in zip(searches, starts)])
         stack = _Stack(dict(run_tokens=run_tokens, run_scores=run_scores, fin_tokens=fin_tokens, fin_scores=fin_scores,
                             fin_lens=fin_lens, fin_valid=fin_valid, improvable=improvable), done_each)
         for i, (s, first) in enumerate(zip(searches, starts)):
             s._stack, s._own, s._at, s._index = stack, None, first, i
             s.n_steps += 1
-        return source.reshape(-1), next_tokens.reshape(-1), done_each
+        return source.reshape(-1), next_tokens.reshape(-1), done_each, finite_each
 
     @property
     def finished(self) -> bool:

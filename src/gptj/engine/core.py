@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -86,11 +87,34 @@ class Engine:
         prompt = [gen.eos_token_id or 0] * max(1, min(prompt_len, self.plan.max_len - 2))
         self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
         warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
+        self._forget()
+        return warmed
+
+    def probe(self, prompt: Seq[int] = (0, 1, 2, 3)) -> None:
+        """Before serving: one greedy token of a short prompt with the base model and with each LoRA
+        adapter; GptjError (one line) if any gives logits that are not finite. A checkpoint whose
+        weights are finite but too large overflows here, at load, instead of on its first request.
+        Nothing of it stays (KV blocks, prefix cache, counters)."""
+        gen = GenerationConfig(max_new_tokens=1)
+        for adapter in [None, *self.adapters]:
+            req = self.add_request(list(prompt), gen, logprobs=0, adapter=adapter)
+            while not req.done:
+                self.step()
+            lp = req.token_logprobs[0].logprob if req.token_logprobs else math.nan
+            if req.status == FAILED or not math.isfinite(lp):
+                what = "the model" if adapter is None else f"LoRA adapter {adapter!r}"
+                self._forget()
+                raise GptjError(f"{what} gives logits that are not finite (NaN or infinity) on a probe prompt: its "
+                                f"weights overflow {self.model.transformer.wte.weight.dtype} (a damaged or mis-scaled "
+                                "checkpoint?)")
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop what warm-up or a probe left: cached KV blocks, counters, step times."""
         self.kv.forget()
         self.updater.prefill_tokens = 0
         self.decode_batch_sizes.clear()
         self.times.reset()  # in place (the updater holds it): steps from 0 again
-        return warmed
 
     # --- requests ---
 

@@ -24,6 +24,10 @@ from gptj.threads import release_openmp_threads
 HEARTBEAT_S = 5.0  # an idle leader still tells its followers it is there this often
 
 
+class EngineStopped(GptjError):
+    """The loop takes no more requests: it was shut down, or it stopped on an error (`EngineLoop.error`)."""
+
+
 class RequestHandle:
     """A submitted request: `result()` waits for its new tokens; `cancel()` stops it and frees its KV."""
 
@@ -92,8 +96,10 @@ class EngineLoop:
                adapter: str | None = None) -> RequestHandle:
         """Queue a request (validated now: a bad one raises GptjError here, in the caller's thread);
         `adapter`: a LoRA adapter of the engine's to run it with."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine stopped: {self.failure}")
         if self._stop.is_set():
-            raise GptjError("the engine is shut down")
+            raise EngineStopped("the engine is shut down")
         self.engine.validate(prompt, gen, logprobs, adapter)
         with self._lock:
             self._ids += 1
@@ -106,6 +112,8 @@ class EngineLoop:
             handle.future.set_result(req)
 
         self._inbox.put((AddRequest(rid, list(prompt), gen, logprobs, prompt_logprobs, adapter), on_token, finished))
+        if self.error is not None:  # the loop stopped after the check above: nothing will drain the inbox
+            self._fail_inbox(f"engine loop stopped: {self.failure}")
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -155,16 +163,38 @@ class EngineLoop:
                     self.engine.step()
                 elif self.leader is not None and (self._ops or time.monotonic() - self._synced > HEARTBEAT_S):
                     self._sync(step=False)
-        except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, loudly
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop, or out of memory: fail what is pending, loudly
             self.error = e
+            message = f"engine loop stopped: {self.failure}"
             for req in list(self.engine.requests.values()):
-                req.error = f"engine loop stopped: {type(e).__name__}: {e}"
+                req.error = message
                 req.status, req.finish_reason = FAILED, "error"
                 if req.on_finish is not None:
                     req.on_finish(req)
+            self._fail_inbox(message)
         finally:
             if self.leader is not None:
                 self.leader.stop()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the loop stopped on an error, in one line (None while it runs, or after a shutdown)."""
+        if self.error is None:
+            return None
+        text = str(self.error).strip().splitlines()
+        return f"{type(self.error).__name__}: {text[0]}" if text else type(self.error).__name__
+
+    def _fail_inbox(self, message: str) -> None:
+        """Requests submitted but never handed to the engine: they fail too (their handles complete)."""
+        while True:
+            try:
+                op, _, on_finish = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(op, AddRequest) and on_finish is not None:
+                req = Request(op.request_id, list(op.prompt), op.gen, status=FAILED, finish_reason="error",
+                              error=message)
+                on_finish(req)
 
     def _sync(self, step: bool) -> None:
         if self.leader is not None:

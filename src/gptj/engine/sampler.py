@@ -32,26 +32,52 @@ from gptj.engine.request import Request
 @dataclass
 class Choice:
     """A request's choice in one step: the next token of each of its sequences; beams: which beam
-    each continues (`source`), and whether the search is over (`done`)."""
+    each continues (`source`), and whether the search is over (`done`). `error`: the request's
+    numbers went non-finite this step, so it has no next token (it fails alone)."""
 
     tokens: list[int]
     source: list[int] | None = None
     done: bool = False
+    error: str | None = None
+
+
+# Why a request fails when its numbers are not finite (a checkpoint whose weights overflow on some
+# inputs, an adapter gone bad): said once, for the request's error and the server's 500.
+NOT_FINITE = {
+    "greedy": "the model's logits are not finite (NaN or infinity) at this token",
+    "sampled": "the sampling probabilities are not finite (NaN or infinity in the logits, or after the temperature)",
+    "beams": "the beam scores are not finite (NaN or infinity in the model's logits)",
+}
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors, and the beams' pass writes over them
 def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | None = None) -> dict[Request, Choice]:
     """items: (request, its logits (n_seqs, V) float32) -> each request's Choice. A beam request's
     `beam` (a BeamSearch) is advanced; nothing else of a request is changed. `times.wait` gets the
-    time of the step's device-to-host copy (where the host waits for the device's work)."""
+    time of the step's device-to-host copy (where the host waits for the device's work).
+
+    A request whose numbers are not finite gets a Choice with `error` set and no meaningful token;
+    the others' tokens are those they would have had without it (rows are never mixed). The checks
+    are device ops read with the step's one copy: a greedy row's chosen logit (torch's argmax picks
+    NaN and +inf first, so a finite maximum means a usable row), a sampled row's probability sum,
+    a beam search's best candidate score."""
     greedy = [(req, logits) for req, logits in items if req.beam is None and not req.gen.sampling]
     sampled = [(req, logits) for req, logits in items if req.beam is None and req.gen.sampling]
     beams = [(req, logits) for req, logits in items if req.beam is not None]
     parts: list[torch.Tensor] = []
+    finite: list[torch.Tensor] = []  # per request, greedy then sampled then beams: its numbers are finite
     if greedy:
-        parts.append(_argmax(greedy))
+        tokens, ok = _argmax(greedy)
+        parts.append(tokens)
+        finite.append(ok)
     if sampled:
         probs = _warped_probs(sampled)  # (S, V): HF's warpers, every sampled row at once
+        total = probs.sum(dim=-1)
+        ok = torch.isfinite(total) & (total > 0)
+        # a row that is no distribution draws from a uniform one instead (its request fails; a draw
+        # from it would raise and take the step down with it)
+        probs = probs.masked_fill(~ok[:, None], 1.0)
+        finite.append(ok)
         for i, (req, _) in enumerate(sampled):  # one draw each, from the request's own generator
             parts.append(torch.multinomial(probs[i:i + 1], num_samples=1, generator=req.generator)[0])
     by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
@@ -60,26 +86,33 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
     beams = [item for group in by_config.values() for item in group]  # in the order their results come
     dones = []
     for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
-        sources, tokens, done = BeamSearch.advance([req.beam for req, _ in group], [logits for _, logits in group],
-                                                   reuse_logits=True)  # (update.py reads no beam request's)
+        sources, tokens, done, ok = BeamSearch.advance([req.beam for req, _ in group],
+                                                       [logits for _, logits in group],
+                                                       reuse_logits=True)  # (update.py reads no beam request's)
         K = group[0][0].gen.num_beams
         parts.append(torch.stack([sources.view(-1, K), tokens.view(-1, K)], dim=1).view(-1))
         dones.append(done)
+        finite.append(ok)
     if not parts:
         return {}
-    flat = torch.cat([p.long() for p in parts + dones])
+    flat = torch.cat([p.long() for p in parts + dones + finite])
     t0 = time.perf_counter()
     flat = flat.tolist()  # the step's one device-to-host copy
     if times is not None:
         times.wait += time.perf_counter() - t0
+    requests = [req for req, _ in greedy + sampled + beams]
+    finite_at = len(flat) - len(requests)
+    errors = {req: None if flat[finite_at + i] else NOT_FINITE[kind]
+              for i, (req, kind) in enumerate(zip(requests, ["greedy"] * len(greedy) + ["sampled"] * len(sampled)
+                                                  + ["beams"] * len(beams)))}
     out, at = {}, 0
     for req, _ in greedy + sampled:
-        out[req] = Choice([flat[at]])
+        out[req] = Choice([flat[at]], error=errors[req])
         at += 1
-    done_at = len(flat) - len(beams)
+    done_at = finite_at - len(beams)
     for i, (req, _) in enumerate(beams):
         K = req.n_seqs
-        out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[done_at + i]))
+        out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[done_at + i]), errors[req])
         at += 2 * K
     return out
 
@@ -97,15 +130,17 @@ def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
     return scores
 
 
-def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
+def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy requests' next tokens (R,): the first index of each row's largest logit (as
     torch.argmax, ties and NaN alike): gptj.native's on a CPU (policy.argmax_path), else torch.max's
-    indices (on CPU they took 98 against torch.argmax's 276 µs for 8 rows of 50,400 float32 logits at
-    2 threads, Xeon with AMX, 2026-11-28)."""
+    indices (faster than torch.argmax on CPU: docs/PERFORMANCE.md); and whether each row's chosen
+    logit is finite (R,) bool (NaN and +inf are chosen first; all -inf leaves -inf)."""
     scores = _stacked(rows)
     if scores.dtype is torch.float32 and scores.stride(-1) == 1 and policy.argmax_path(scores.device) == "native":
-        return native.argmax_rows(scores)
-    return scores.max(dim=-1).indices
+        tokens = native.argmax_rows(scores)
+    else:
+        tokens = scores.max(dim=-1).indices
+    return tokens, torch.isfinite(scores.gather(1, tokens[:, None].long())[:, 0])
 
 
 def _warped_probs(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:

@@ -95,6 +95,10 @@ class Updater:
         """Apply the sampler's choice of this step (logits: the request's rows, for log-probabilities);
         retire the request when it is done."""
         gen = req.gen
+        if choice.error is not None:  # its numbers went non-finite: it fails alone, the step goes on
+            req.error = choice.error
+            self.retire(req, FAILED, "error")
+            return
         if req.beam is not None:
             if choice.done:
                 req.hypotheses = req.beam.ranked(0)

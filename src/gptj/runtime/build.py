@@ -130,7 +130,8 @@ def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | 
     plan.max_seqs rows (gptj.kernels.prepare_for_serving: config.kernels "auto" or "off"), then
     Engine with the plan's numbers fixed in its config (so the engine sizes nothing again). `warm`:
     where decode steps replay CUDA graphs, run requests of this kind once and capture every batch
-    size's graph now (Engine.warm), before the work a caller times or serves. `adapters`: (name, folder)
+    size's graph now (Engine.warm), before the work a caller times or serves. The engine is probed
+    first (Engine.probe): a model or adapter whose logits are not finite is refused. `adapters`: (name, folder)
     of LoRA adapters served over the model by name, unmerged (gptj.lora.attach_adapters; requests
     choose one with Engine.add_request's `adapter`)."""
     from gptj.engine import Engine
@@ -144,6 +145,7 @@ def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | 
         attach_adapters(model, [read_adapter(path) for _, path in adapters], [name for name, _ in adapters])
     fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
     engine = Engine(model, fixed)
+    engine.probe()  # logits that overflow are refused at load, in one line
     if warm is not None and engine.runner.graphs is not None:
         engine.warm(warm)
     return engine

@@ -202,9 +202,9 @@ class ServerState:
         served = self.models.get(name)
         if served is None and self.status == "loading" and name in dict(self.cfg.models):
             raise APIError(503, f"model {name!r} is still loading", "model", headers={"Retry-After": "5"})
-        if served is not None and served.loop.error is not None:
-            raise APIError(500, f"model {name!r} is out of service: its engine stopped ({served.loop.error!r})",
-                           code="engine_error")
+        if served is not None and served.failure is not None and not served.unloading:
+            raise APIError(503, f"model {name!r} has failed: its engine stopped ({served.failure}); unpublish it and "
+                                "publish it again, or restart the server", code="model_failed")
         if served is None or served.unloading:
             known = ", ".join(n for n, m in self.models.items() if not m.unloading) or "none"
             raise APIError(404, f"model {name!r} does not exist (served: {known})", "model", "model_not_found")
@@ -385,8 +385,10 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
-        body = Health(status=state.status, models=list(state.models)).model_dump()
-        return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
+        failed = {n: m.failure for n, m in state.models.items() if m.failure is not None and not m.unloading}
+        status = "failed" if failed and state.status == "ok" else state.status
+        body = Health(status=status, models=list(state.models), failed=failed).model_dump()
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -397,7 +399,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         check_key(request, cfg.api_key, "API key")
         return ModelList(data=[ModelCard(id=m.name, created=m.created, root=m.path, max_model_len=m.max_model_len,
                                          parent=m.base.name if m.base is not None else None,
-                                         status="unloading" if m.unloading else "ready")
+                                         status="unloading" if m.unloading else "failed" if m.failure else "ready",
+                                         error=m.failure)
                                for m in state.models.values()])
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
@@ -461,7 +464,9 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     async def load(body: LoadModelRequest, request: Request) -> ModelStatus:
         check_admin(request)
         if body.name in state.models:
-            raise APIError(409, f"model {body.name!r} is already served", "name")
+            failed = state.models[body.name].failure
+            raise APIError(409, f"model {body.name!r} is already served" +
+                           (f" (failed: {failed}; unpublish it first)" if failed else ""), "name")
         try:
             path = check_under_root(body.path, cfg.model_root)
         except PermissionError as e:
@@ -489,7 +494,9 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     @app.delete("/admin/models/{name}", response_model=ModelStatus, responses=_ERRORS)
     async def unload(name: str, request: Request) -> ModelStatus:
         check_admin(request)
-        served = state.model(name)
+        served = state.models.get(name)
+        if served is None or served.failure is None:
+            served = state.model(name)  # a failed model is unloaded as it is; others as state.model finds them
         if served.base is not None:  # a LoRA adapter's name: new requests get 404, the engine goes on
             served.unloading = True
             state.models.pop(name, None)
@@ -497,7 +504,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         views = [n for n, m in state.models.items() if m.base is served]
         for m in [served, *(state.models[n] for n in views)]:
             m.unloading = True  # new requests get 404; running ones finish
-        await served.wait_idle()
+        if served.failure is None:  # (a stopped engine has failed what it held; nothing will finish)
+            await served.wait_idle()
         for n in [name, *views]:
             state.models.pop(n, None)
         await asyncio.to_thread(served.shutdown)
@@ -544,7 +552,8 @@ def _finish(run: Completion, state: ServerState, status: int) -> None:
 
 
 def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    """One server-sent event of strict JSON (no NaN or Infinity literals: what would need one is null)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'), allow_nan=False)}\n\n".encode()
 
 
 async def _stream(run: Completion, state: ServerState) -> AsyncIterator[tuple[bytes, int | None]]:

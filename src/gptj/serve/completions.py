@@ -13,6 +13,7 @@ The handlers only see token ids, strings and floats; tensors stay in the engine.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gptj.decode import SAMPLING_EPS, GenerationConfig
+from gptj.engine.loop import EngineStopped
 from gptj.errors import GptjError
 from gptj.serve.protocol import APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from gptj.serve.registry import ServedModel
@@ -229,17 +231,23 @@ class _Choice:
         return out
 
 
+def _json_float(x: float) -> float | None:
+    """A log-probability as JSON can carry it: NaN and infinities (no JSON number) become null."""
+    return x if math.isfinite(x) else None
+
+
 def _logprobs_json(tok, entries: list, offset: int) -> CompletionLogprobs:  # noqa: ANN001
     """OpenAI's legacy logprobs object for TokenLogprob entries; a bare int is a token without a
-    log-probability (the prompt's first)."""
+    log-probability (the prompt's first). A log-probability that is not finite is null."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         token = e if isinstance(e, int) else e.token
         piece = tok.decode([token])
         tokens.append(piece)
         offsets.append(offset)
-        lps.append(None if isinstance(e, int) else e.logprob)
-        tops.append({tok.decode([t]): lp for t, lp in e.top} if not isinstance(e, int) and e.top else None)
+        lps.append(None if isinstance(e, int) else _json_float(e.logprob))
+        tops.append({tok.decode([t]): _json_float(lp) for t, lp in e.top} if not isinstance(e, int) and e.top
+                    else None)
         offset += len(piece)
     return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
 
@@ -315,10 +323,15 @@ class Completion:
                 handle = served.loop.submit(job.prompt, job.gen, on_token=on_token if job.n == 1 and
                                             job.gen.num_beams == 1 else None, on_finish=on_finish,
                                             logprobs=logprobs, prompt_logprobs=want_prompt, adapter=served.adapter)
+            except EngineStopped as e:  # shut down, or stopped on an error: not the request's fault
+                served.release(len(self.plan.jobs) - j)
+                self.cancel()
+                raise APIError(503, f"model {served.name!r}: {e}", code="model_failed" if served.failure else
+                               "shutting_down") from None
             except GptjError as e:
                 served.release(len(self.plan.jobs) - j)
                 self.cancel()
-                raise APIError(400 if "shut down" not in str(e) else 503, str(e)) from None
+                raise APIError(400, str(e)) from None
             self._handles.append(handle)
 
     def cancel(self) -> None:

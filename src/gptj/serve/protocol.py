@@ -77,7 +77,7 @@ class CompletionRequest(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
 
 
@@ -115,7 +115,8 @@ class ModelCard(BaseModel):
     root: str  # the checkpoint folder it was loaded from (a LoRA adapter: the adapter's folder)
     parent: str | None = None  # a LoRA adapter: the model it is served over (as vLLM reports it)
     max_model_len: int
-    status: Literal["ready", "unloading"] = "ready"
+    status: Literal["ready", "unloading", "failed"] = "ready"
+    error: str | None = None  # failed: why its engine stopped (unpublish it, then publish it again)
 
 
 class ModelList(BaseModel):
@@ -155,6 +156,7 @@ class APIError(Exception):
 class Health(BaseModel):
     status: Literal["ok", "loading", "draining", "failed"]
     models: list[str]
+    failed: dict[str, str] = {}  # a served model whose engine stopped -> why (the server is then "failed": 503)
 
 
 MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # a served model's name (also checked for --model NAME=)

@@ -197,6 +197,11 @@ class ServedModel:
                            self.vocab_size, self.capacity, max_token_bytes=self.max_token_bytes, adapter=name,
                            base=self)
 
+    @property
+    def failure(self) -> str | None:
+        """Why its engine stopped, in one line (None while it runs); an adapter's is its base's."""
+        return self.loop.failure
+
     def admit(self, k: int) -> bool:
         """Take k places if there is room (the event loop's thread only)."""
         if self.base is not None:
