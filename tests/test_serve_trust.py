@@ -5,6 +5,11 @@ and content types are checked."""
 
 from __future__ import annotations
 
+import json
+import threading
+import urllib.error
+import urllib.request
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -13,6 +18,8 @@ from gptj.errors import UsageError
 from gptj.serve.app import create_app
 from gptj.serve.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, check_secret, has_secret, secret
 from gptj.serve.registry import ServerConfig
+from serve_util import server_thread
+from test_serve import call
 
 # --- secrets ---------------------------------------------------------------------------------------
 
@@ -72,3 +79,149 @@ def test_the_admin_api_with_a_token_refuses_requests_without_it():
     assert client.post("/admin/models", json=body).status_code == 401
     assert client.post("/admin/models", json=body, headers={"Authorization": "Bearer "}).status_code == 401
     assert client.post("/admin/models", json=body, headers={"Authorization": "Bearer t"}).status_code == 400
+
+
+# --- one request non-finite, served --------------------------------------------------------------
+
+MARK = 777  # a prompt starting with this token goes non-finite (the runner's logits corrupted)
+
+
+def _corrupt_marked(served, fill):
+    """From its second step on, a request whose prompt starts with MARK gets `fill(logits)` applied
+    to its logits: after one good token, its numbers go bad in steps it shares with the others."""
+    import torch
+
+    engine, run, seen = served.engine, served.engine.runner.run, {}
+
+    def corrupted(scheduled):
+        result = run(scheduled)
+        for req, logits in result.logits.items():
+            seen[req.request_id] = seen.get(req.request_id, -1) + 1
+            if req.prompt[0] == MARK and seen[req.request_id] >= 1:
+                with torch.inference_mode():
+                    fill(logits)
+        return result
+
+    engine.runner.run = corrupted
+
+
+def _strict(text: str):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _post_raw(url: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _events(text: str) -> list:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [_strict(x) for x in lines[:-1]]
+
+
+def _concurrently(url: str, bodies: list[dict]) -> list[tuple[int, str]]:
+    out: list = [None] * len(bodies)
+
+    def send(i):
+        out[i] = _post_raw(url, bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _served(tiny_checkpoint, **settings):
+    from gptj.serve.registry import serve_engine_config
+
+    # a batch of 4 starts only once 4 are waiting: the requests share their steps, with no timing
+    return server_thread({"tiny": tiny_checkpoint}, **{"engine": serve_engine_config(max_seqs=4),
+                                                        "batch_wait_ms": 600_000, **settings})
+
+
+def test_a_served_request_that_goes_non_finite_fails_alone_while_others_share_its_steps(tiny_checkpoint):
+    import math
+
+    good = [dict(model="tiny", prompt=[5, 17, 300, 2, 9], max_tokens=8, temperature=0, return_token_ids=True),
+            dict(model="tiny", prompt=[41, 7, 1000, 12], max_tokens=8, temperature=0, return_token_ids=True,
+                 stream=True)]
+    bad = [dict(model="tiny", prompt=[MARK, 1, 2], max_tokens=8, temperature=1.0, seed=3),
+           dict(model="tiny", prompt=[MARK, 3, 4], max_tokens=8, temperature=0, stream=True)]
+    with _served(tiny_checkpoint) as thread:
+        served = thread.state.models["tiny"]
+        _corrupt_marked(served, lambda logits: logits.fill_(math.nan))
+        first = _concurrently(thread.url, good + bad)
+        assert max(served.engine.decode_batch_sizes) == 4  # all four decoded in the same steps
+        (s0, plain), (s1, stream), (s2, failed), (s3, failed_stream) = first
+        assert (s0, s1, s3) == (200, 200, 200)  # a stream's status is sent before its tokens
+        assert s2 == 500 and "not finite" in _strict(failed)["error"]["message"]
+        events = _events(failed_stream)
+        assert "not finite" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == "engine_error"
+        assert events[0]["choices"][0]["text"]  # its first token came before its numbers went bad
+        tokens = [_strict(plain)["choices"][0]["token_ids"],
+                  [t for e in _events(stream) for c in e["choices"] for t in c.get("token_ids") or []]]
+        # later requests are served as ever, and the two that shared steps with the failures got
+        # exactly the tokens they get without them
+        again = _concurrently(thread.url, [dict(b, stream=False) for b in good] * 2)
+        assert all(status == 200 for status, _ in again)
+        assert [_strict(text)["choices"][0]["token_ids"] for _, text in again] == tokens * 2
+        assert _strict(_post_raw(thread.url, {"model": "x"})[1])  # (the server answers JSON)
+        assert call(thread.url, "GET", "/health")[0] == 200
+
+
+def test_logprobs_that_are_not_finite_are_null_in_strict_json(tiny_checkpoint):
+    """Finite but extreme logits (one at 3e38, the rest at -3e38): the chosen token's log-probability
+    is 0, its alternatives' are -inf, which JSON cannot carry: null, streamed or not."""
+    def extreme(logits):
+        logits.fill_(-3e38)
+        logits[:, 11] = 3e38
+
+    body = dict(model="tiny", prompt=[MARK, 5, 6], max_tokens=3, temperature=0, logprobs=3)
+    with _served(tiny_checkpoint, batch_wait_ms=0.0) as thread:
+        _corrupt_marked(thread.state.models["tiny"], extreme)
+        status, text = _post_raw(thread.url, body)
+        assert status == 200, text
+        lp = _strict(text)["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][1:] == [0.0, 0.0]
+        assert all(None in top.values() for top in lp["top_logprobs"][1:])
+        status, text = _post_raw(thread.url, dict(body, stream=True))
+        streamed = [c["logprobs"] for e in _events(text) for c in e["choices"] if c["logprobs"]]
+        assert status == 200 and any(None in top.values() for lp in streamed for top in lp["top_logprobs"])
+
+
+def test_a_model_whose_engine_stopped_is_reported_unpublished_and_published_again(tiny_checkpoint, capsys):
+    root = str(tiny_checkpoint.parent)
+    with _served(tiny_checkpoint, batch_wait_ms=0.0, admin_token="t", model_root=root) as thread:
+        url, served = thread.url, thread.state.models["tiny"]
+
+        def broken():
+            raise MemoryError("a step ran out of memory")
+
+        served.engine.step = broken
+        status, body, _ = call(url, body=dict(model="tiny", prompt=[1, 2], max_tokens=2))
+        assert status == 500 and "engine loop stopped: MemoryError: a step ran out of memory" in body["error"]["message"]
+        status, health, _ = call(url, "GET", "/health")
+        assert status == 503 and health["status"] == "failed"
+        assert health["failed"] == {"tiny": "MemoryError: a step ran out of memory"}
+        status, body, _ = call(url, body=dict(model="tiny", prompt=[1, 2], max_tokens=2))
+        assert status == 503 and body["error"]["code"] == "model_failed" and "unpublish" in body["error"]["message"]
+        assert main(["ls", "--server", url]) == 0
+        assert "failed (MemoryError: a step ran out of memory)" in capsys.readouterr().out
+        assert main(["publish", "--server", url, "tiny", str(tiny_checkpoint), "--admin-token", "t"]) == 1
+        assert "already served (failed: MemoryError" in capsys.readouterr().err
+        assert main(["unpublish", "--server", url, "tiny", "--admin-token", "t"]) == 0
+        assert main(["publish", "--server", url, "tiny", str(tiny_checkpoint), "--admin-token", "t"]) == 0
+        status, body, _ = call(url, body=dict(model="tiny", prompt=[1, 2], max_tokens=2))
+        assert status == 200 and len(body["choices"][0]["text"]) > 0
+        assert call(url, "GET", "/health")[0] == 200
