@@ -211,8 +211,23 @@ def test_a_missing_description_is_written_for_the_submitter_to_complete(tiny_che
     assert not (tmp_path / "out").exists()
 
 
-def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoint, tmp_path, capsys):
-    assert submit(tiny_checkpoint, tmp_path) == 0
+@pytest.fixture(scope="module")
+def short_submission(tiny_checkpoint, tmp_path_factory):
+    """One short open edge submission (its runs and tree), made once for the tests that damage
+    copies of it."""
+    root = tmp_path_factory.mktemp("made")
+    assert submit(tiny_checkpoint, root) == 0
+    return root
+
+
+def made_copy(short_submission: Path, tmp_path: Path) -> None:
+    for name in ("runs", "out"):
+        shutil.copytree(short_submission / name, tmp_path / name)
+
+
+def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoint, short_submission, tmp_path,
+                                                                   capsys):
+    made_copy(short_submission, tmp_path)
     tree = tmp_path / "out" / "open" / "gptjteam"
     before = {p: p.read_bytes() for p in _tree_files(tree)}
     runs = tmp_path / "runs"
@@ -251,8 +266,66 @@ def test_assembling_names_a_missing_run_or_a_run_of_other_settings(tiny_checkpoi
     assert "Result is : VALID" in text and "Min duration satisfied : Yes" in text
     summary.write_text(text.replace("Result is : VALID", "Result is : INVALID")
                        .replace("Min duration satisfied : Yes", "Min duration satisfied : NO"))
+    detail_log = summary.with_name("mlperf_log_detail.txt")  # LoadGen's detail log says the same
+    text = detail_log.read_text()
+    assert '"key": "result_validity", "value": "VALID"' in text
+    detail_log.write_text(text.replace('"key": "result_validity", "value": "VALID"',
+                                       '"key": "result_validity", "value": "INVALID"'))
     err = assemble()
     assert "Offline performance" in err and "is INVALID (min duration not satisfied)" in err and "--target-qps" in err
+
+
+def _cut(path: Path, keep: float = 0.5, at_line_end: bool = False) -> None:
+    """A file cut short, as a full disk or a killed copy leaves it."""
+    data = path.read_bytes()
+    n = int(len(data) * keep)
+    if at_line_end:
+        n = data.rindex(b"\n", 0, n) + 1
+    path.write_bytes(data[:n])
+
+
+def _drop_one_sample(path: Path) -> None:
+    path.write_text(json.dumps(json.loads(path.read_text())[1:]))
+
+
+def _other_min_duration(path: Path) -> None:
+    text = path.read_text()
+    assert '"key": "requested_min_duration_ms", "value": 200,' in text
+    path.write_text(text.replace('"key": "requested_min_duration_ms", "value": 200,',
+                                 '"key": "requested_min_duration_ms", "value": 300,'))
+
+
+@pytest.mark.parametrize("run, file, damage, message", [
+    ("SingleStream/performance", "mlperf_log_summary.txt", _cut,
+     "mlperf_log_summary.txt is cut short (no 'errors encountered' line at its end)"),
+    ("Offline/performance", "mlperf_log_detail.txt", _cut, "mlperf_log_detail.txt is cut short"),
+    ("Offline/accuracy", "mlperf_log_detail.txt", lambda p: _cut(p, 0.9, at_line_end=True),
+     "mlperf_log_detail.txt is cut short (no power_end record: the test's end)"),
+    ("Offline/accuracy", "mlperf_log_accuracy.json", lambda p: _cut(p, 0.7), "mlperf_log_accuracy.json is not valid JSON"),
+    ("SingleStream/accuracy", "mlperf_log_accuracy.json", _drop_one_sample,
+     "mlperf_log_accuracy.json answers 29 of the 30 samples"),
+    ("SingleStream/performance", "mlperf_log_detail.txt", _other_min_duration,
+     "LoadGen ran it with requested_min_duration_ms 300, not 200"),
+])
+def test_a_damaged_run_is_named_and_nothing_is_assembled(tiny_checkpoint, short_submission, tmp_path, capsys,
+                                                         run, file, damage, message):
+    """--assemble-only, and the normal path before it reuses a run, read every run's logs: a summary
+    or detail log cut short, an accuracy log that is not JSON or misses a sample, a run LoadGen made
+    with other settings than run.json records: one line naming the run's folder and what is wrong,
+    exit 1, no tree."""
+    made_copy(short_submission, tmp_path)
+    shutil.rmtree(tmp_path / "out")
+    folder = tmp_path / "runs" / run
+    damage(folder / file)
+    capsys.readouterr()
+    for extra in (["--assemble-only"], []):
+        rc = submit(tiny_checkpoint, tmp_path, *extra)
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert f"{folder}: the {run.replace('/', ' ')} run is damaged: {message}" in err
+        assert ("remove that folder" in err) is not bool(extra)
+        assert not (tmp_path / "out").exists()
+    assert "->" not in err  # nothing was run again
 
 
 def test_truncation_keeps_head_and_tail_and_hashes_the_whole_log(tmp_path):

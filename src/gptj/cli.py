@@ -875,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkout of github.com/mlcommons/inference: its compliance tests (the closed division "
                         "needs them) and its submission checker")
     p.add_argument("--assemble-only", action="store_true", help="run nothing: assemble the runs in --runs-dir "
-                                                                 "(a missing or different run is an error)")
+                                                                 "(a missing, different or damaged run is an error)")
     p.add_argument("--force", action="store_true", help="replace an existing <out>/<division>/<submitter>")
     _add_mlperf_run_flags(p)
     p.set_defaults(func=cmd_submission, argv=None, scenario="Offline", mode="accuracy", log_dir=None, user_conf=None,

@@ -11,7 +11,10 @@
     check     MLCommons' submission checker, when a checkout of mlcommons/inference is given
 
 Everything that can be wrong with the input (system description, a run of other settings, a missing
-run, a round without GPT-J) is found before the first run starts."""
+run, a damaged one, a round without GPT-J) is found before the first run starts. A run taken as made
+is read first (`damage`): LoadGen's summary states its result and is whole, the detail log is whole
+:::MLLOG records to the test's end, the accuracy log is JSON covering every sample of an accuracy
+run, and LoadGen logged the settings the run records."""
 
 from __future__ import annotations
 
@@ -131,7 +134,7 @@ def _differences(found: dict, wanted: dict, prefix: str = "") -> list[str]:
 
 
 def run_status(run: PlannedRun) -> tuple[str, str]:
-    """("done" | "missing" | "incomplete" | "different", why) for the run's folder."""
+    """("done" | "missing" | "incomplete" | "different" | "damaged", why) for the run's folder."""
     folder = run.folder
     if not folder.exists():
         return "missing", f"{folder}: no such run"
@@ -152,7 +155,113 @@ def run_status(run: PlannedRun) -> tuple[str, str]:
     diff = _differences(identity, run.cfg.identity())
     if diff:
         return "different", f"{folder}: not the {run.label} run asked for: {'; '.join(diff[:3])}"
+    what = damage(run, made)
+    if what is not None:
+        return "damaged", f"{folder}: the {run.label} run is damaged: {what}"
     return "done", ""
+
+
+# --- a run's logs: whole, and of the settings asked for -----------------------------------------------
+
+# The last line of every mlperf_log_summary.txt LoadGen finishes ("No errors encountered during test.",
+# "1 ERROR encountered. See detailed log."): a summary cut short lacks it.
+_SUMMARY_END = re.compile(r"^(No errors|\d+ ERRORS?) encountered\b")
+_RESULT = re.compile(r"^Result is : (VALID|INVALID)$")
+_MODES = {"performance": "PerformanceOnly", "accuracy": "AccuracyOnly"}
+
+
+def _detail_records(path: Path) -> tuple[dict[str, object], str | None]:
+    """The :::MLLOG records of a detail log by key (the first of each), and what is wrong with the
+    file (None: every line a whole record, the file ending with a newline)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    records: dict[str, object] = {}
+    if not text.endswith("\n"):
+        return records, f"{path.name} is cut short (its last line is not whole)"
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if not line.startswith(":::MLLOG"):
+            return records, f"{path.name} line {n} is not a :::MLLOG record"
+        try:
+            record = json.loads(line[len(":::MLLOG"):])
+        except ValueError:
+            return records, f"{path.name} line {n} is not a whole :::MLLOG record"
+        if isinstance(record, dict) and "key" in record:
+            records.setdefault(record["key"], record.get("value"))
+    return records, None
+
+
+def _accuracy_entries(path: Path) -> tuple[list | None, str | None]:
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{path.name} is not valid JSON ({str(e).splitlines()[0]})"
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("qsl_idx"), int)
+                                                 for e in entries):
+        return None, f"{path.name} is not LoadGen's list of {{qsl_idx, data}} entries"
+    return entries, None
+
+
+def damage(run: PlannedRun, made: dict) -> str | None:
+    """What is wrong with a finished run's logs (None: nothing), in a few words: LoadGen's summary
+    states its result and ends as LoadGen ends it; the detail log is whole :::MLLOG records up to the
+    test's end; the accuracy log is JSON and (accuracy runs) answers every sample of the run's data
+    set; and what LoadGen logs it ran is the scenario, mode, seeds and run length the run asked for."""
+    folder = run.folder
+    from gptj.mlperf.report import parse_loadgen_summary
+
+    summary_path = folder / "mlperf_log_summary.txt"
+    lines = [line.strip() for line in summary_path.read_text(encoding="utf-8", errors="replace").splitlines()
+             if line.strip()]
+    if not lines or not _SUMMARY_END.match(lines[-1]):
+        return f"{summary_path.name} is cut short (no 'errors encountered' line at its end)"
+    summary = parse_loadgen_summary(summary_path)
+    mode = _MODES["accuracy" if run.kind == "accuracy" else "performance"]
+    if mode == "PerformanceOnly":
+        if not _RESULT.match(summary.get("result_line", "")):
+            return f"{summary_path.name} states no result ('Result is : VALID' or 'INVALID')"
+        for key, wanted in (("Scenario", run.scenario), ("Mode", mode)):
+            if summary.get(key) != wanted:
+                return f"{summary_path.name} says {key.lower()} {summary.get(key)!r}, not {wanted!r}"
+
+    records, wrong = _detail_records(folder / "mlperf_log_detail.txt")
+    if wrong is not None:
+        return wrong
+    ends = ["power_end"] + (["result_validity", "num_errors"] if mode == "PerformanceOnly" else [])
+    missing = [key for key in ends if key not in records]
+    if missing:
+        return f"mlperf_log_detail.txt is cut short (no {', '.join(missing)} record: the test's end)"
+    if mode == "PerformanceOnly" and records["result_validity"] != summary["result_line"].rsplit(" ", 1)[1]:
+        return (f"mlperf_log_detail.txt says {records['result_validity']} but {summary_path.name} says "
+                f"{summary['result_line'].rsplit(' ', 1)[1]}")
+    wanted = {"effective_scenario": run.scenario, "effective_test_mode": mode}
+    if run.cfg.round is not None and run.kind in ("performance", "accuracy"):
+        wanted.update({f"effective_{key}": value for key, value in rules.get_round(run.cfg.round).seeds.items()})
+    asked = (made.get("run_length") or {}).get("asked") or {}
+    for key, logged in (("min_duration_ms", "requested_min_duration_ms"),
+                        ("min_query_count", "requested_min_query_count"),
+                        ("performance_sample_count", "requested_performance_sample_count_override")):
+        if isinstance(asked.get(key), dict) and "value" in asked[key]:
+            wanted[logged] = asked[key]["value"]
+    for key, value in wanted.items():
+        if records.get(key) != value:
+            return f"LoadGen ran it with {key.removeprefix('effective_')} {records.get(key)!r}, not {value!r}"
+
+    entries, wrong = _accuracy_entries(folder / "mlperf_log_accuracy.json")
+    if wrong is not None:
+        return wrong
+    if run.kind == "accuracy":
+        samples = (made.get("dataset") or {}).get("samples")
+        answered = {e["qsl_idx"] for e in entries}
+        if not isinstance(samples, int) or samples < 1:
+            return "run.json does not say how many samples its data set had"
+        if answered != set(range(samples)):
+            return (f"mlperf_log_accuracy.json answers {len(answered & set(range(samples))):,} of the {samples:,} "
+                    "samples")
+        text = (folder / "accuracy.txt").read_text(encoding="utf-8", errors="replace")
+        if not text.startswith("{'rouge1': "):
+            return "accuracy.txt holds no result line"
+    return None
 
 
 # --- the tree ---------------------------------------------------------------------------------------
@@ -382,7 +491,7 @@ def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[s
     runs = plan(sub)
     statuses = [run_status(r) for r in runs]
     problems = [why for r, (state, why) in zip(runs, statuses)
-                if state == "different" or (sub.assemble_only and state != "done")]
+                if state in ("different", "damaged") or (sub.assemble_only and state != "done")]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         hint = "" if sub.assemble_only else "; remove that folder to make the run again"
