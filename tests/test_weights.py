@@ -507,3 +507,33 @@ def test_a_full_disk_while_writing_a_model_is_one_line_and_leaves_nothing(tmp_pa
     after = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
     assert after == before
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if before else [])  # no temporary folder left
+
+
+def test_tensor_parallel_shards_and_config_linked_out_are_refused(tmp_path, saved_ckpt, capsys):
+    """`gptj convert --tp N`'s per-rank files are read by each rank (gptj.parallel.tp.load_rank):
+    the same rule, before anything is built."""
+    from gptj.parallel.tp import load_rank
+
+    d = tmp_path / "tp"
+    code, err = cli(["convert", saved_ckpt, "--out", d, "--tp", "2", "--quiet"], capsys)
+    assert code == 0, err
+    shard = moved_out(d, "tp2/rank1.safetensors", tmp_path / "elsewhere" / "rank1.safetensors")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(shard))}: leaves the model folder"):
+        load_rank(d, 1, 2, torch.float32, "cpu")
+    link = moved_out(d, "config.json", tmp_path / "elsewhere" / "config.json")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        load_rank(d, 0, 2, torch.float32, "cpu")
+
+
+def test_the_fp8_precheck_reads_no_config_from_outside_the_folder(tmp_path, saved_ckpt):
+    """The runtime's fp8 check (what `gptj serve` runs before the loader) reads config.json: a link
+    out of the folder is refused there too (without it, the outside file decides what is said: here
+    that fp8 needs a GPU)."""
+    from gptj.runtime.build import load_model as load_spec
+    from gptj.runtime.spec import ModelSpec
+
+    d = copied(saved_ckpt, tmp_path / "m")
+    link = moved_out(d, "config.json", tmp_path / "elsewhere" / "config.json")
+    link.resolve().write_text(json.dumps(json.loads(link.read_text()) | {"quantization": {"mode": "fp8"}}))
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        load_spec(ModelSpec(path=str(d)))

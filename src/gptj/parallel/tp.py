@@ -31,6 +31,7 @@ from torch import nn
 
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
+from gptj.files import model_file
 from gptj.model import Block, GPTJForCausalLM, build_model
 
 
@@ -168,10 +169,10 @@ def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, fol
 def load_rank(folder: str | os.PathLike, rank: int, world: int, dtype: torch.dtype,
               device: torch.device | str, group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
     """Rank's model from its shard file alone (GptjError if there is none)."""
-    path = shard_file(folder, rank, world)
+    path = model_file(folder, shard_file(folder, rank, world).relative_to(folder))
     if not path.is_file():
         raise GptjError(f"{path}: no such shard (write it with gptj convert --tp {world})")
-    config = GPTJConfig.from_json_file(Path(folder) / "config.json")
+    config = GPTJConfig.from_json_file(model_file(folder, "config.json"))
     model = build_model(config, device="meta", dtype=dtype)
     reshape_for_rank(model, world, group)
     sd = {n: t.to(dtype) if t.is_floating_point() else t for n, t in load_file(str(path), device=str(device)).items()}

@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
+from gptj.files import model_file
 from gptj.parallel import lockstep
 from gptj.policy import check_fp8_device
 from gptj.device import resolve_device
@@ -67,7 +67,7 @@ def _check_fp8(spec: ModelSpec) -> None:
     mode = spec.quantize
     if mode is None:
         try:
-            recorded = json.loads((Path(spec.path) / "config.json").read_text()).get("quantization")
+            recorded = json.loads(model_file(spec.path, "config.json").read_text()).get("quantization")
             mode = recorded.get("mode") if isinstance(recorded, dict) else None
         except (OSError, ValueError, AttributeError):
             mode = None
