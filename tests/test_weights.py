@@ -537,3 +537,18 @@ def test_the_fp8_precheck_reads_no_config_from_outside_the_folder(tmp_path, save
     link.resolve().write_text(json.dumps(json.loads(link.read_text()) | {"quantization": {"mode": "fp8"}}))
     with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
         load_spec(ModelSpec(path=str(d)))
+
+
+def test_a_calibration_linked_out_is_refused(tmp_path, saved_ckpt):
+    """W8A8's smoothing factors (calibration.safetensors) are read from the model folder too."""
+    from gptj.weights.io import calibrate
+
+    d = copied(saved_ckpt, tmp_path / "m")
+    calibrate(d, [[1, 2, 3, 4], [5, 6, 7]], dataset="test")
+    load_model(d, quantize="w8a8")  # in place, it loads
+    link = moved_out(d, "calibration.safetensors", tmp_path / "elsewhere" / "calibration.safetensors")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        load_model(d, quantize="w8a8")
+    with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
+        convert(d, tmp_path / "out")  # a calibrated float checkpoint's factors are copied along
+    assert not (tmp_path / "out").exists()
