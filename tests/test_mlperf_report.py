@@ -42,3 +42,76 @@ def test_latency_is_a_cdf_on_a_log_axis_and_over_time_when_issue_times_are_given
 def test_latency_plot_is_a_png():
     png = latency_plot(long_tail(20), [0.01] * 20, "t", list(range(20)))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# LoadGen's summary of an INVALID run, in its own layout (the lines that say why)
+OFFLINE_SHORT = """================================================
+MLPerf Results Summary
+================================================
+SUT name : PySUT
+Scenario : Offline
+Mode     : PerformanceOnly
+Samples per second: 61.5
+Result is : INVALID
+  Min duration satisfied : NO
+  Min queries satisfied : Yes
+  Early stopping satisfied: Yes
+Recommendations:
+ * Increase expected QPS so the loadgen pre-generates a larger (coalesced) query.
+
+================================================
+Additional Stats
+================================================
+"""
+
+SERVER_LATE = """Scenario : Server
+Mode     : PerformanceOnly
+Completed samples per second    : 2.10
+Result is : INVALID
+  Performance constraints satisfied : NO
+  Min duration satisfied : Yes
+  Min queries satisfied : Yes
+  Early stopping satisfied: NO
+Recommendations:
+ * Reduce target QPS to improve latency.
+Early Stopping Result:
+ * Run unsuccessful.
+ * Processed 480 queries.
+ * Would need to run at least 1200 more queries,
+ with the run being successful if every additional
+ query were under latency.
+
+================================================
+Additional Stats
+================================================
+99.00 percentile latency (ns)   : 31000000000
+"""
+
+
+@pytest.mark.parametrize("scenario, text, expected", [
+    ("Offline", OFFLINE_SHORT, ["min duration not satisfied: the query of 90 samples was done before 2000 ms, at 61.5 "
+                                "samples/s; give --target-qps above that"]),
+    ("Server", SERVER_LATE, ["early stopping not satisfied (LoadGen: Run unsuccessful. Processed 480 queries. Would "
+                             "need to run at least 1200 more queries, with the run being successful if every "
+                             "additional query were under latency); give --min-query-count 1680",
+                             "performance constraints not satisfied: the latency percentile is over the target "
+                             "latency (31.00 s against a bound of 20 s); give a lower --target-qps (the system "
+                             "completed 2.10 samples/s)"]),
+])
+def test_an_invalid_summary_names_each_unmet_condition_and_its_fix(tmp_path, scenario, text, expected):
+    from types import SimpleNamespace
+
+    from gptj.mlperf.report import invalid_reasons, parse_loadgen_summary
+
+    (tmp_path / "mlperf_log_summary.txt").write_text(text)
+    summary = parse_loadgen_summary(tmp_path / "mlperf_log_summary.txt")
+    used = {"min_duration_ms": 2000, "samples_per_query": 90, "target_latency_ns": 20_000_000_000,
+            "result_query_count": 480}
+    reasons = invalid_reasons(SimpleNamespace(scenario=scenario), summary, {"asked": {}, "loadgen": used})
+    assert len(reasons) == len(expected)
+    for reason, start in zip(reasons, expected):
+        assert reason.startswith(start), reason
+    valid = text.replace("Result is : INVALID", "Result is : VALID")
+    (tmp_path / "mlperf_log_summary.txt").write_text(valid)
+    assert invalid_reasons(SimpleNamespace(scenario=scenario), parse_loadgen_summary(tmp_path / "mlperf_log_summary.txt"),
+                           {"asked": {}, "loadgen": used}) == []

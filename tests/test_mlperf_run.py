@@ -253,3 +253,57 @@ def test_the_default_batch_follows_the_device(tiny_checkpoint, device, scenario,
     if scenario != "SingleStream":
         assert MLPerfConfig(model=tiny_checkpoint, scenario=scenario, max_batch_size=3,
                             spec=ModelSpec(device=device)).batching.max_batch_size == 3
+
+
+SHORT_PERF = ["--mode", "performance", "--num-beams", "1", "--min-new-tokens", "0", "--max-new-tokens", "2",
+              "--max-examples", "8", "--performance-sample-count", "8", "--min-duration-ms", "100"]
+
+
+@pytest.mark.parametrize("scenario, extra, percentile", [
+    ("SingleStream", ["--target-latency-ms", "20"], 0.9),
+    ("Server", ["--target-qps", "100"], 0.99),
+])
+def test_too_few_queries_for_early_stopping_is_foretold_and_the_invalid_summary_names_the_fix(
+        tiny_checkpoint, tmp_path, capsys, scenario, extra, percentile):
+    """A short run with fewer queries than LoadGen's early stopping needs is INVALID whatever the
+    system does: gptj says so before the run, with the count LoadGen needs, and after it summary.md
+    and the printed report name the unmet condition and the --min-query-count that fixes it, the
+    same count LoadGen's own summary asks for."""
+    from gptj.mlperf.report import parse_loadgen_summary
+    from gptj.mlperf.run import early_stopping_min_queries
+
+    log_dir = tmp_path / scenario
+    assert mlperf(tiny_checkpoint, log_dir, "--scenario", scenario, *SHORT_PERF, "--min-query-count", "8",
+                  *extra) == 0
+    out, err = capsys.readouterr()
+    need = early_stopping_min_queries(scenario, percentile)
+    assert f"the run will be INVALID (early stopping): LoadGen's early stopping needs at least {need} " in err
+    loadgen = parse_loadgen_summary(log_dir / "mlperf_log_summary.txt")
+    assert loadgen["result_line"] == "Result is : INVALID" and loadgen["Early stopping satisfied"] == "NO"
+    said = loadgen["early_stopping"]
+    if scenario == "SingleStream":  # "Need to process at least 64 queries for early stopping."
+        assert f"Need to process at least {need} queries" in said
+    else:  # "Processed 16 queries. Would need to run at least 443 more queries, ..."
+        import re
+
+        done, more = (int(re.search(p, said).group(1)) for p in (r"Processed (\d+) queries", r"at least (\d+) more"))
+        assert done + more == need
+    summary = (log_dir / "summary.md").read_text()
+    assert "Why INVALID, and what fixes it:" in summary
+    line = next(x for x in summary.splitlines() if x.startswith("- early stopping not satisfied"))
+    assert f"give --min-query-count {need}" in line and said.split(".")[0] in line
+    assert f"  INVALID: {line[2:]}" in out
+
+
+def test_a_short_single_stream_run_with_enough_queries_is_valid(tiny_checkpoint, tmp_path, capsys):
+    """The README's kind of quick run: --min-query-count at early stopping's 64, the count LoadGen
+    raises it to followed: VALID, and nothing says otherwise."""
+    log_dir = tmp_path / "ss"
+    assert mlperf(tiny_checkpoint, log_dir, "--scenario", "SingleStream", *SHORT_PERF, "--min-query-count", "64",
+                  "--target-latency-ms", "20") == 0
+    out, err = capsys.readouterr()
+    assert "Result is : VALID" in out and "INVALID" not in out and "will be INVALID" not in err
+    summary = (log_dir / "summary.md").read_text()
+    assert "- Result is : VALID" in summary and "Why INVALID" not in summary
+    run = json.loads((log_dir / "run.json").read_text())
+    assert run["run_length"]["loadgen"]["result_query_count"] >= 64

@@ -439,18 +439,39 @@ def mlperf(tiny_checkpoint, log_dir, *extra):
 
 
 @pytest.mark.parametrize("scenario", ["SingleStream", "Server"])
-def test_min_query_count_is_what_a_short_run_issues(tiny_checkpoint, tmp_path, scenario):
+def test_a_short_run_issues_what_loadgen_raises_its_min_query_count_to(tiny_checkpoint, tmp_path, capsys, scenario):
+    """--min-query-count is a minimum LoadGen may raise (equal issue: whole passes over the
+    performance samples): the run follows LoadGen's count, so its min queries are satisfied. Only
+    --max-query-count caps a run, and a cap below LoadGen's minimum is said before the run (it will
+    be INVALID) and after it, with the setting that fixes it."""
     extra = ["--target-latency-ms", "20"] if scenario == "SingleStream" else ["--target-qps", "200"]
-    assert mlperf(tiny_checkpoint, tmp_path / "a", "--scenario", scenario, "--min-duration-ms", "100",
-                  "--min-query-count", "7", *extra) == 0
+    args = ["--scenario", scenario, "--min-duration-ms", "100", "--min-query-count", "7",
+            "--performance-sample-count", "10", *extra]
+    assert mlperf(tiny_checkpoint, tmp_path / "a", *args) == 0
     d = detail(tmp_path / "a")
-    # without the cap, LoadGen rounds up to whole passes over the 30 samples (equal-issue mode)
-    assert d["result_query_count"] == 7 and d["effective_max_query_count"] == 7
-    assert mlperf(tiny_checkpoint, tmp_path / "b", "--scenario", scenario, "--min-duration-ms", "100",
-                  "--min-query-count", "7", "--max-query-count", "0", "--performance-sample-count", "10", *extra) == 0
+    assert d["effective_performance_sample_count"] == 10 and d["effective_max_query_count"] == 0  # no cap
+    # LoadGen's count, more than the 7 asked (SingleStream: its raised minimum; Server: its schedule)
+    assert d["result_query_count"] > 7 and d["result_min_queries_met"] is True and d["result_min_duration_met"] is True
+    if scenario == "SingleStream":
+        assert d["result_query_count"] == d["effective_min_query_count"]
+    capsys.readouterr()
+    assert mlperf(tiny_checkpoint, tmp_path / "b", *args, "--max-query-count", "7") == 0
+    out, err = capsys.readouterr()
     d = detail(tmp_path / "b")
-    # no cap (0): LoadGen's own count, more than asked (whole passes, or the Server schedule)
-    assert d["effective_performance_sample_count"] == 10 and d["result_query_count"] > 7
+    assert d["result_query_count"] == 7 and d["result_validity"] == "INVALID"
+    summary = (tmp_path / "b" / "summary.md").read_text()
+    if scenario == "SingleStream":  # LoadGen's minimum is above the cap
+        minimum = d["effective_min_query_count"]
+        assert d["result_min_queries_met"] is False
+        assert f"the run will be INVALID (min queries): --max-query-count 7 stops it before LoadGen's minimum of " \
+               f"{minimum} queries" in err
+        why = f"min queries not satisfied: 7 queries issued, LoadGen's minimum is {minimum}; --max-query-count 7 " \
+              f"stopped it: raise it to {minimum} or drop it"
+    else:  # the schedule over the min duration is cut short
+        assert d["result_min_duration_met"] is False
+        assert "the run will be INVALID (min duration): --max-query-count 7 ends it before" in err
+        why = "min duration not satisfied: --max-query-count 7 stopped the run before 100 ms; raise it or drop it"
+    assert f"INVALID: {why}" in out and f"- {why}" in summary
 
 
 def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(tiny_checkpoint, tmp_path, monkeypatch):

@@ -648,6 +648,8 @@ def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
         print(format_report(result.accuracy).rstrip())
     if result.result_line:
         print(result.result_line + (f" ({result.metric})" if result.metric else ""))
+    for reason in getattr(result, "invalid_reasons", None) or []:
+        print(f"  INVALID: {reason}")
     st = result.stats
     print(f"SUT: {st.samples} samples in {st.batches} batches (largest {st.max_batch})")
     if result.engine_times is not None:
@@ -744,10 +746,13 @@ def _add_run_length_flags(p) -> None:  # noqa: ANN001 - a parser
     """LoadGen's run-length settings, over its built-in mlperf.conf (gptj mlperf, gptj submission)."""
     p.add_argument("--min-duration-ms", type=_nonnegative, help="LoadGen min_duration_ms (official: 600000)")
     p.add_argument("--min-query-count", type=_positive,
-                   help="LoadGen min_query_count; a SingleStream or Server run stops there too unless "
-                        "--max-query-count says otherwise")
+                   help="LoadGen min_query_count (official: mlperf.conf's). LoadGen may raise it (equal issue: "
+                        "whole passes over the performance samples; SingleStream: 2 x min duration / expected "
+                        "latency) and the run issues what LoadGen asks; early stopping needs at least 64 "
+                        "SingleStream or 459 Server queries for a VALID run")
     p.add_argument("--max-query-count", type=_nonnegative,
-                   help="LoadGen max_query_count: stop a SingleStream or Server run there (0: no cap)")
+                   help="LoadGen max_query_count: stop a SingleStream or Server run there (default and 0: no cap; "
+                        "below LoadGen's minimum the run is INVALID)")
     p.add_argument("--performance-sample-count", type=_positive,
                    help="LoadGen performance_sample_count_override (official: 13368; at most the data set's size)")
     p.add_argument("--round", metavar="VERSION", help="an MLPerf round's seeds (v5.0, the last round with GPT-J; "

@@ -32,7 +32,8 @@ class MLPerfConfig:
     target_latency_ms: float | None = None
     min_duration_ms: int | None = None
     min_query_count: int | None = None
-    # None: min_query_count's, when given (a run issues what it asked), else LoadGen's (no cap)
+    # LoadGen's max_query_count for a SingleStream or Server run (None or 0: no cap; below LoadGen's
+    # minimum query count, the run is INVALID)
     max_query_count: int | None = None
     performance_sample_count: int | None = None  # None: mlperf.conf's (13,368), at most the data set's size
     audit_config: Path | None = None  # a compliance test's audit.config (None: none, whatever the cwd holds)
@@ -139,3 +140,5 @@ class RunResult:
     interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
     settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
     engine_times: object | None = None  # the local engine's StepTimes over the run (None: a remote server's)
+    # an INVALID performance run: each condition LoadGen found unmet, why, and the setting that fixes it
+    invalid_reasons: list[str] = field(default_factory=list)

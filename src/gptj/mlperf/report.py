@@ -55,12 +55,25 @@ def parse_loadgen_summary(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     if not path.is_file():
         return out
+    early: list[str] | None = None  # the "Early Stopping Result:" block's lines
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if early is not None:
+            if not line.strip() or line.startswith("="):
+                out["early_stopping"] = " ".join(early)
+                early = None
+            else:
+                early.append(line.strip().lstrip("* ").strip())
+                continue
+        if line.startswith("Early Stopping Result"):
+            early = []
+            continue
         m = re.match(r"^\s*([^:]+?)\s*:\s*(.+?)\s*$", line)
         if m and m.group(1) not in out:
             out[m.group(1)] = m.group(2)
         if line.startswith("Result is"):
             out["result_line"] = line.strip()
+    if early is not None:
+        out["early_stopping"] = " ".join(early)
     scenario = out.get("Scenario")
     key = METRIC_KEYS.get(scenario or "")
     if key and key in out:
@@ -92,6 +105,77 @@ def loadgen_effective(log_dir: Path) -> dict[str, object]:
         key = record.get("key")
         if key in _EFFECTIVE_KEYS and key not in out:
             out[key.removeprefix("effective_")] = record.get("value")
+    return out
+
+
+def _no(summary: dict[str, str], key: str) -> bool:
+    return summary.get(key, "").strip().upper().startswith("NO")
+
+
+def invalid_reasons(cfg: MLPerfConfig, summary: dict[str, str], settings: dict | None,
+                    interrupted: bool = False) -> list[str]:
+    """For an INVALID performance run: each condition LoadGen's summary says is not satisfied, in
+    one line with why and the setting that fixes it (empty: the run is VALID, or no summary)."""
+    if "INVALID" not in summary.get("result_line", ""):
+        return []
+    asked = (settings or {}).get("asked") or {}
+    used = (settings or {}).get("loadgen") or {}
+    issued = used.get("result_query_count")
+    cap = (asked.get("max_query_count") or {}).get("value")
+    minimum = used.get("min_query_count")
+    out = []
+    if interrupted:
+        out.append("interrupted: samples answered empty after Ctrl-C; run it again to the end")
+    if _no(summary, "Min queries satisfied"):
+        why = f"{issued} queries issued, LoadGen's minimum is {minimum}"
+        if cap and minimum is not None and cap < minimum:
+            fix = f"--max-query-count {cap} stopped it: raise it to {minimum} or drop it"
+        else:
+            fix = "see mlperf_log_detail.txt for why it ended early"
+        out.append(f"min queries not satisfied: {why}; {fix}")
+    if _no(summary, "Min duration satisfied"):
+        duration = used.get("min_duration_ms")
+        if cfg.scenario == "Offline":
+            measured = summary.get("Samples per second", "?")
+            out.append(f"min duration not satisfied: the query of {used.get('samples_per_query', '?')} samples was "
+                       f"done before {duration} ms, at {measured} samples/s; give --target-qps above that (with a "
+                       "margin) for a longer query, or a shorter --min-duration-ms")
+        elif cap and issued is not None and issued >= cap:
+            out.append(f"min duration not satisfied: --max-query-count {cap} stopped the run before {duration} ms; "
+                       "raise it or drop it")
+        elif cfg.scenario == "SingleStream":
+            mean = summary.get("Mean latency (ns)")
+            latency = f" ({int(mean) / 1e6:.1f} ms)" if mean and mean.isdigit() else ""
+            out.append(f"min duration not satisfied: the {issued} queries were done before {duration} ms, so the "
+                       f"expected latency was above the latency measured{latency}; give --target-latency-ms "
+                       "at or below it, or a larger --min-query-count")
+        else:
+            out.append(f"min duration not satisfied: the queries were done before {duration} ms; give a larger "
+                       "--min-query-count or --target-qps")
+    if _no(summary, "Early stopping satisfied"):
+        text = summary.get("early_stopping", "")
+        need = re.search(r"at least (\d+) queries", text)
+        more = re.search(r"at least (\d+) more queries", text)
+        done = re.search(r"[Pp]rocessed (\d+) queries", text)
+        if need:
+            fix = f"give --min-query-count {need.group(1)}"
+        elif more and done:
+            fix = f"give --min-query-count {int(done.group(1)) + int(more.group(1))} (enough if every query stays " \
+                  "within the latency bound; else also a lower --target-qps)"
+        else:
+            fix = "give more queries (--min-query-count), or a lower --target-qps"
+        said = " ".join(text.split()).rstrip(".") or "it could not judge the percentile latency"
+        out.append(f"early stopping not satisfied (LoadGen: {said}); {fix}")
+    if _no(summary, "Performance constraints satisfied"):
+        p99 = summary.get("99.00 percentile latency (ns)")
+        target = used.get("target_latency_ns")
+        over = f" ({int(p99) / 1e9:.2f} s against a bound of {target / 1e9:g} s)" if p99 and p99.isdigit() \
+            and isinstance(target, int | float) else ""
+        out.append(f"performance constraints not satisfied: the latency percentile is over the target latency{over}; "
+                   f"give a lower --target-qps (the system completed {summary.get('Completed samples per second', '?')} "
+                   "samples/s)")
+    if not out:
+        out.append("LoadGen's summary names no unmet condition; see mlperf_log_summary.txt")
     return out
 
 
@@ -289,6 +373,8 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                     "Performance constraints satisfied"):
             if key in loadgen:
                 lines.append(f"- {key}: {loadgen[key]}")
+        if result.invalid_reasons:
+            lines += ["", "Why INVALID, and what fixes it:", ""] + [f"- {r}" for r in result.invalid_reasons]
         lines += [""] + _settings_lines(cfg, result) + ["![latency distribution](latency.png)", ""]
     if result.accuracy is not None:
         from gptj.mlperf.evaluate import format_report

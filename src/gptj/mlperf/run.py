@@ -133,14 +133,68 @@ def audited_keys(cfg: MLPerfConfig) -> set[str]:
 
 
 def query_cap(cfg: MLPerfConfig) -> int | None:
-    """LoadGen's max_query_count: --max-query-count; else, when --min-query-count is given, that
-    count (LoadGen would otherwise round a SingleStream or Server run up to whole passes over the
-    performance samples, or to 2 x min duration / expected latency). Offline has one query: its
-    samples follow min_query_count and the expected QPS, and no cap applies."""
+    """LoadGen's max_query_count: --max-query-count (None or 0: no cap). --min-query-count caps
+    nothing: LoadGen may raise the minimum (equal issue rounds it up to whole passes over the
+    performance samples; SingleStream also to 2 x min duration / expected latency), and a run stopped
+    below LoadGen's minimum is INVALID, so a short run issues what LoadGen asks for. Offline has one
+    query: its samples follow min_query_count and the expected QPS, and no cap applies."""
     if cfg.scenario == "Offline" or cfg.mode == "accuracy":
         return None
-    cap = cfg.max_query_count if cfg.max_query_count is not None else cfg.min_query_count
-    return cap or None  # 0: no cap
+    return cfg.max_query_count or None
+
+
+EARLY_STOPPING_CONFIDENCE = 0.99  # LoadGen's early-stopping confidence
+# Queries over the percentile's latency that LoadGen's early stopping counts with at the least:
+# SingleStream judges its own percentile, so one query is always above it; a Server run can have
+# every query within its latency bound.
+EARLY_STOPPING_OVER = {"SingleStream": 1, "Server": 0}
+
+
+def early_stopping_min_queries(scenario: str, percentile: float, over: int | None = None) -> int | None:
+    """The fewest queries with which LoadGen's early stopping can pass a SingleStream or Server run
+    (None: Offline, which has none): the smallest n for which `over` (default EARLY_STOPPING_OVER)
+    queries above the `percentile` latency out of n leave at most 1 - confidence probability of the
+    true percentile being above it (binomial tail). SingleStream at p90: 64; Server at p99: 459,
+    the counts LoadGen's summary names when a run has too few."""
+    from math import comb
+
+    if scenario not in EARLY_STOPPING_OVER or not 0 < percentile < 1:
+        return None
+    t = EARLY_STOPPING_OVER[scenario] if over is None else over
+    n = t
+    while True:
+        n += 1
+        tail = sum(comb(n, k) * (1 - percentile) ** k * percentile ** (n - k) for k in range(t + 1))
+        if tail <= 1 - EARLY_STOPPING_CONFIDENCE:
+            return n
+
+
+def invalid_forecast(cfg: MLPerfConfig, settings, performance_samples: int) -> list[str]:  # noqa: ANN001
+    """Notes, before a performance run starts, for what will make it INVALID whatever the system
+    does, each naming the setting that fixes it: a cap below LoadGen's minimum query count, and
+    fewer queries than LoadGen's early stopping needs to judge the run."""
+    if cfg.mode != "performance" or cfg.scenario == "Offline":
+        return []
+    out = []
+    n, _ = planned_queries(settings, cfg.scenario, performance_samples)
+    uncapped, how = _uncapped_queries(settings, cfg.scenario, performance_samples)
+    if n < uncapped:
+        source = "--max-query-count" if cfg.max_query_count else "the audit config's max_query_count"
+        if cfg.scenario == "SingleStream":  # LoadGen's min_query_count is its count
+            out.append(f"the run will be INVALID (min queries): {source} {n:,} stops it before LoadGen's minimum of "
+                       f"{uncapped:,} queries ({how}); raise --max-query-count to {uncapped:,} or drop it")
+        else:  # Server: the schedule spans the min duration; cut short, it spans less
+            out.append(f"the run will be INVALID (min duration): {source} {n:,} ends it before the {uncapped:,} "
+                       f"queries LoadGen schedules ({how}); raise --max-query-count to {uncapped:,} or drop it")
+    percentile = settings.single_stream_target_latency_percentile if cfg.scenario == "SingleStream" \
+        else settings.server_target_latency_percentile
+    need = early_stopping_min_queries(cfg.scenario, percentile)
+    if need is not None and n < need:
+        what = "queries" if cfg.scenario == "SingleStream" else "queries, all within the latency bound,"
+        out.append(f"the run will be INVALID (early stopping): LoadGen's early stopping needs at least {need:,} "
+                   f"{what} to judge the {percentile * 100:g}th percentile latency and this run issues {n:,}; "
+                   f"--min-query-count {need} fixes it")
+    return out
 
 
 AUDIT_CONFIG = "audit.config"
@@ -446,6 +500,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
         more = flags_that_do_not_apply(cfg)
         if (count := count_note(cfg, settings, performance_samples)) is not None:
             more.append(count)
+        more += invalid_forecast(cfg, settings, performance_samples)
         for note in more:
             print(f"note: {note}", file=sys.stderr)
         notes += more
@@ -491,6 +546,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
     times = backend.engine.stats().times if remote is None else None  # the engine's thread is idle now
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
                        remote_info, threads, settings={"asked": asked, "loadgen": used}, engine_times=times)
+    if cfg.mode == "performance" and finished:
+        result.invalid_reasons = report.invalid_reasons(cfg, summary, result.settings, interrupted)
     if interrupted:
         result.interrupted = _interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)
