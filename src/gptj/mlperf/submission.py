@@ -507,6 +507,7 @@ _INVALID_BECAUSE = {
     "Min duration satisfied": "min duration",
     "Min queries satisfied": "min query count",
     "Early stopping satisfied": "early stopping",
+    "Performance constraints satisfied": "performance constraints",
 }
 
 
@@ -515,22 +516,19 @@ def invalid_reason(planned: PlannedRun) -> str | None:
     The checker rejects an INVALID result, so the submission stops here with what to change."""
     if planned.kind != "performance":
         return None
-    from gptj.mlperf.report import parse_loadgen_summary
+    from gptj.mlperf.report import invalid_reasons, parse_loadgen_summary
 
     summary = parse_loadgen_summary(planned.folder / "mlperf_log_summary.txt")
     if "INVALID" not in summary.get("result_line", ""):
         return None
     failed = [what for key, what in _INVALID_BECAUSE.items() if summary.get(key, "").upper().startswith("NO")]
-    hint = ""
-    if "min duration" in failed and planned.scenario == "Offline":
-        measured = summary.get("Samples per second", "?")
-        hint = (f": its query was done before the min duration, at {measured} samples/s; remove the folder and "
-                "give --target-qps above that, with a margin")
-    elif "min duration" in failed:
-        hint = ("; its queries were done before the min duration: remove the folder and give --target-latency-ms "
-                "below the latency it measured")
+    try:
+        made = json.loads((planned.folder / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        made = {}
+    reasons = invalid_reasons(planned.cfg, summary, made.get("run_length"), bool(made.get("interrupted")))
     return f"{planned.label} in {planned.folder} is INVALID ({', '.join(failed) or 'see its summary'} not " \
-           f"satisfied){hint}"
+           f"satisfied): remove the folder and run again with what fixes it: {'; '.join(reasons)}"
 
 
 def submit(sub: SubmissionConfig, on_run=None, say=None):  # noqa: ANN001, ANN201
