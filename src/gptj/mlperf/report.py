@@ -171,9 +171,9 @@ def invalid_reasons(cfg: MLPerfConfig, summary: dict[str, str], settings: dict |
         target = used.get("target_latency_ns")
         over = f" ({int(p99) / 1e9:.2f} s against a bound of {target / 1e9:g} s)" if p99 and p99.isdigit() \
             and isinstance(target, int | float) else ""
+        completed = summary.get("Completed samples per second", "?")
         out.append(f"performance constraints not satisfied: the latency percentile is over the target latency{over}; "
-                   f"give a lower --target-qps (the system completed {summary.get('Completed samples per second', '?')} "
-                   "samples/s)")
+                   f"give a lower --target-qps (the system completed {completed} samples/s)")
     if not out:
         out.append("LoadGen's summary names no unmet condition; see mlperf_log_summary.txt")
     return out

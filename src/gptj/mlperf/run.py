@@ -192,7 +192,8 @@ def invalid_forecast(cfg: MLPerfConfig, settings, performance_samples: int) -> l
     if need is not None and n < need:
         what = "queries" if cfg.scenario == "SingleStream" else "queries, all within the latency bound,"
         out.append(f"the run will be INVALID (early stopping): LoadGen's early stopping needs at least {need:,} "
-                   f"{what} to judge the {percentile * 100:g}th percentile latency and this run issues {n:,}; "
+                   f"{what} to judge the {percentile * 100:g}th percentile latency and this run issues "
+                   f"{'' if cfg.scenario == 'SingleStream' else 'about '}{n:,}; "
                    f"--min-query-count {need} fixes it")
     return out
 
