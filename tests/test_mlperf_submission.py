@@ -504,3 +504,23 @@ def test_a_stray_audit_config_changes_nothing_and_a_given_one_applies(tiny_check
     assert asked["min_query_count"] == {"value": 11, "source": "--audit-config"}
     assert asked["min_duration_ms"]["source"] == "--min-duration-ms"  # a key the audit config leaves alone
     assert (tmp_path / "audited" / "audit.config").read_text() == (stray / "audit.config").read_text()
+
+
+def test_help_and_docs_agree_on_what_min_query_count_does(capsys):
+    """--min-query-count is a minimum LoadGen may raise, the same in `gptj mlperf` and `gptj
+    submission` (their help) and in docs/SUBMISSION.md; none of them says it stops a run."""
+    import re
+
+    helps = {}
+    for command in ("mlperf", "submission"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        helps[command] = re.search(r"--min-query-count MIN_QUERY_COUNT (.+?) --max-query-count", text).group(1)
+        assert "LoadGen may raise it" in helps[command] and "the run issues what LoadGen asks" in helps[command]
+        assert "stops there" not in text and "stop a SingleStream or Server run there (default and 0: no cap" in text
+    assert helps["mlperf"] == helps["submission"]
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "SUBMISSION.md").read_text().split())
+    assert "`--min-query-count` is LoadGen's min_query_count, a minimum" in docs and "the same in `gptj mlperf` and " \
+        "`gptj submission`" in docs and "the run issues what LoadGen asks for" in docs
+    assert "stops at `--min-query-count`" not in docs
