@@ -54,6 +54,16 @@ class GenerationConfig:
     Beam search: a hypothesis scores sum(log p) / new_len ** length_penalty; `early_stopping`
     True stops a prompt once it has num_beams finished hypotheses, False/"never" as in HF.
     `eos_token_id` None never stops early.
+
+    Penalties and biases act on the raw logits, after min_new_tokens and before the warpers, in
+    vLLM's order: `logit_bias` (token id -> a bias added to its logit, -100 to 100 as OpenAI's;
+    given as a dict or pairs, kept as sorted pairs so the config stays hashable), then
+    `repetition_penalty` (HF's RepetitionPenaltyLogitsProcessor: each token of the prompt and the
+    output so far has its logit divided by it when positive, multiplied by it otherwise; 1 is off),
+    then `frequency_penalty` and `presence_penalty` (OpenAI's: the logit loses frequency_penalty
+    times the token's count in the output so far, then presence_penalty if it occurs there at all;
+    output tokens only, as vLLM counts them; -2 to 2 as OpenAI's). Greedy and sampled decoding
+    alike; not with beam search.
     """
 
     max_new_tokens: int = 128
@@ -68,6 +78,10 @@ class GenerationConfig:
     early_stopping: bool | str = True
     eos_token_id: int | None = EOS_TOKEN_ID
     pad_token_id: int = EOS_TOKEN_ID
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -91,6 +105,17 @@ class GenerationConfig:
         if self.eos_token_id is not None:
             _check_int("eos_token_id", self.eos_token_id, minimum=0)
         _check_int("pad_token_id", self.pad_token_id, minimum=0)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_float(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise GptjError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise GptjError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.num_beams > 1 and self.penalized:
+            raise GptjError("frequency_penalty, presence_penalty, repetition_penalty and logit_bias are not "
+                            f"supported with beam search (num_beams={self.num_beams}); use num_beams=1")
         if self.do_sample and self.num_beams > 1:
             raise GptjError(f"sampling with beam search (do_sample=True, num_beams={self.num_beams}) is not "
                             "supported; use num_beams=1 to sample or do_sample=False for beam search")
@@ -113,6 +138,16 @@ class GenerationConfig:
         return self.do_sample and self.temperature >= SAMPLING_EPS
 
     @property
+    def penalties(self) -> bool:
+        """A repetition, frequency or presence penalty is on (they count the tokens so far)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty or a logit bias changes the logits before the warpers."""
+        return self.penalties or self.logit_bias is not None
+
+    @property
     def method(self) -> str:
         return "beam" if self.num_beams > 1 else "sample" if self.sampling else "greedy"
 
@@ -125,6 +160,31 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 def _check_float(name: str, value: Any) -> None:
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
         raise GptjError(f"{name} must be a finite number, got {value!r}")
+
+
+def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...] | None:
+    """logit_bias as sorted (token id, bias) pairs, None when empty; GptjError naming a bad entry."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (str, bytes)) or not isinstance(bias, (list, tuple)):
+        raise GptjError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+    else:
+        items = list(bias)
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise GptjError(f"logit_bias entries are (token id, bias) pairs, got {item!r}")
+        token, value = item
+        _check_int("logit_bias token id", token, minimum=0)
+        _check_float(f"logit_bias[{token}]", value)
+        if not -100.0 <= value <= 100.0:
+            raise GptjError(f"logit_bias[{token}] must be in [-100, 100], got {value!r}")
+        if int(token) in pairs:
+            raise GptjError(f"logit_bias names token id {int(token)} twice")
+        pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items())) or None
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -149,6 +209,9 @@ def check_prompts(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]], gen:
         value = getattr(gen, name)
         if value is not None and value >= V:
             raise GptjError(f"{name} {value} is outside the vocabulary [0, {V})")
+    for token, _ in gen.logit_bias or ():
+        if token >= V:
+            raise GptjError(f"logit_bias token id {token} is outside the vocabulary [0, {V})")
     longest = max(len(p) for p in prompts)
     if longest + gen.max_new_tokens > config.n_positions:
         raise GptjError(f"prompt of {longest} tokens + max_new_tokens {gen.max_new_tokens} exceeds the model's "
@@ -184,6 +247,59 @@ def block_eos(scores: torch.Tensor, n_new: int, gen: GenerationConfig) -> torch.
         scores = scores.clone()
         scores[:, gen.eos_token_id] = -math.inf
     return scores
+
+
+def penalize(scores: torch.Tensor, *, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             repetition: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
+             presence: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+             seen: torch.Tensor | None = None) -> torch.Tensor:
+    """GenerationConfig's logit bias and penalties on scores (N, V) float32, in vLLM's order; a new
+    tensor (scores is not written). Each setting is per row, so the engine's rows of different
+    requests take one pass each: a neutral value (bias 0, repetition 1, frequency and presence 0)
+    leaves a row's logits exactly as they were.
+
+      bias        (rows, token ids, values float32): scores[rows, ids] += values (each pair once)
+      repetition  (N, 1) float32, with seen (N, V) bool (the prompt's and the output's tokens):
+                  a seen token's logit / p where it is > 0, * p otherwise (HF's rule)
+      frequency   (N, 1) float32, with counts (N, V) float32 (each token's count in the output):
+                  logit -= frequency * count
+      presence    (N, 1) float32, with counts: logit -= presence where count > 0
+    """
+    if bias is not None:
+        rows, ids, values = bias
+        scores = scores.index_put((rows, ids), values, accumulate=True)
+    if repetition is not None:
+        scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    if frequency is not None:
+        scores = scores - frequency * counts
+    if presence is not None:
+        scores = scores - presence * (counts > 0)
+    return scores
+
+
+def penalty_args(gens: Sequence[GenerationConfig], device: torch.device | str,
+                 counts: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> dict[str, Any]:
+    """`penalize`'s keyword arguments for rows decoded with gens (one each): only the operations
+    some row needs, each as a per-row column (scalars rounded to float32, as torch rounds a Python
+    scalar). counts and seen: the rows' token state (needed when some row has a penalty)."""
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+
+    args: dict[str, Any] = {}
+    pairs = [(r, token, value) for r, g in enumerate(gens) for token, value in g.logit_bias or ()]
+    if pairs:
+        rows, ids, values = zip(*pairs)
+        args["bias"] = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+                        torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
+                        torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
+    if any(g.repetition_penalty != 1.0 for g in gens):
+        args.update(repetition=column([g.repetition_penalty for g in gens]), seen=seen)
+    if any(g.frequency_penalty != 0.0 for g in gens):
+        args.update(frequency=column([g.frequency_penalty for g in gens]), counts=counts)
+    if any(g.presence_penalty != 0.0 for g in gens):
+        args.update(presence=column([g.presence_penalty for g in gens]), counts=counts)
+    return args
 
 
 def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -261,9 +377,17 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
     out = torch.full((B, L), gen.pad_token_id, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    counts = seen = None
+    if gen.penalties:  # each row's tokens so far: its output's counts, and the prompt's and output's tokens
+        V = logits.shape[-1]
+        counts = torch.zeros((B, V), dtype=torch.float32, device=input_ids.device)
+        seen = torch.zeros((B, V), dtype=torch.float32, device=input_ids.device).scatter_add_(
+            1, input_ids, attention_mask.float()) > 0  # (pads are no prompt tokens)
     n = 0
     for step in range(L):
         scores = block_eos(logits, step, gen)  # min_new_tokens acts before the warpers, on raw logits
+        if gen.penalized:  # then the logit bias and penalties, still before the warpers (vLLM's order)
+            scores = penalize(scores, **penalty_args([gen] * B, scores.device, counts, seen))
         if sampling:
             probs = torch.softmax(warp(scores, gen), dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
@@ -273,6 +397,9 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
             next_tokens = torch.where(unfinished, next_tokens, gen.pad_token_id)
             unfinished &= next_tokens != gen.eos_token_id
         out[:, step] = next_tokens
+        if counts is not None:
+            counts.scatter_add_(1, next_tokens[:, None], torch.ones_like(counts[:, :1]))
+            seen.scatter_(1, next_tokens[:, None], True)
         if step == 0 and on_first_token is not None:
             on_first_token(next_tokens.tolist())
         n = step + 1

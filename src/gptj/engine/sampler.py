@@ -2,8 +2,9 @@
 then one device-to-host copy of the whole step's choices.
 
     greedy    one argmax over the rows of every greedy request (min_new_tokens: EOS masked per row,
-              HF's MinNewTokensLengthLogitsProcessor)
-    sampled   HF's warpers (each row's temperature, top_k, top_p) over all sampled rows at once,
+              HF's MinNewTokensLengthLogitsProcessor; then the logit bias and the repetition,
+              frequency and presence penalties of the rows that have them, as vLLM orders them)
+    sampled   the same masks, bias and penalties, then HF's warpers (each row's temperature, top_k, top_p) over all sampled rows at once,
               then one multinomial draw per request from its own generator (so a seed's tokens do
               not depend on what shares the step)
     beams     gptj.decode.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gptj import native, policy
-from gptj.decode import BeamSearch, stacked_rows
+from gptj.decode import BeamSearch, penalize, penalty_args, stacked_rows
 from gptj.engine.config import StepTimes
 from gptj.engine.request import Request
 
@@ -119,15 +120,70 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
 
 def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
     """The requests' logits stacked (R, V), EOS -inf on the rows still short of min_new_tokens
-    (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the runner's logits)."""
+    (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the runner's logits),
+    then the logit bias and penalties of the rows that have any (`_penalized`)."""
     blocked = [(r, req.gen.eos_token_id) for r, (req, _) in enumerate(rows)
                if req.gen.eos_token_id is not None and len(req.output) < req.gen.min_new_tokens]
     if not blocked:  # read only: a view where the rows lie in order (one forward's), as most steps'
-        return stacked_rows([logits[:1] for _, logits in rows])
+        return _penalized(rows, stacked_rows([logits[:1] for _, logits in rows]))
     scores = torch.cat([logits[:1] for _, logits in rows])
     r, eos = zip(*blocked)
     scores[list(r), list(eos)] = -math.inf
-    return scores
+    return _penalized(rows, scores)
+
+
+def _penalized(rows: Sequence[tuple[Request, torch.Tensor]], scores: torch.Tensor) -> torch.Tensor:
+    """scores (R, V) with each request's logit bias and penalties applied (gptj.decode.penalize, in
+    vLLM's order, as greedy_or_sample applies them): the rows of the requests that have any, in one
+    pass per operation; a new tensor (scores may be the runner's logits, which log-probabilities
+    read later). A step where no request has any returns scores as they are: no extra pass."""
+    at = [r for r, (req, _) in enumerate(rows) if req.gen.penalized]
+    if not at:
+        return scores
+    reqs = [rows[r][0] for r in at]
+    gens = [req.gen for req in reqs]
+    counts, seen = _token_state(reqs, scores.device, scores.shape[-1]) if any(g.penalties for g in gens) else (None, None)
+    if len(at) == len(rows):
+        return penalize(scores, **penalty_args(gens, scores.device, counts, seen))
+    idx = torch.tensor(at, dtype=torch.long).to(scores.device, non_blocking=True)
+    part = penalize(scores[idx], **penalty_args(gens, scores.device, counts, seen))
+    return scores.index_copy(0, idx, part)
+
+
+def _token_state(reqs: Sequence[Request], device: torch.device, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' token state stacked: counts (P, V) float32 (each token's count in its output) and
+    seen (P, V) bool (its prompt's and output's tokens), brought up to date with the tokens appended
+    since the last step (`Request.counted`: usually one each) in one scatter per tensor.
+
+    Kept incrementally on the device, each request's rows a view of one stacked tensor: a step with the
+    same requests in the same order as the last one updates that tensor in place (no copy); when they
+    change, the stack is copied once and each request takes its row of the copy. A request's state
+    starts at its first penalized step (its prompt scattered once). No host read."""
+    rows, tokens = [], []
+    for i, req in enumerate(reqs):
+        if req.counts is None:
+            req.counts = torch.zeros(V, dtype=torch.float32, device=device)
+            req.seen = torch.zeros(V, dtype=torch.bool, device=device)
+            req.seen[torch.tensor(req.prompt, dtype=torch.long).to(device, non_blocking=True)] = True
+            req.counted = 0
+        new = req.output[req.counted:]
+        rows += [i] * len(new)
+        tokens += new
+        req.counted = len(req.output)
+    counts = stacked_rows([req.counts[None] for req in reqs])
+    if counts.data_ptr() != reqs[0].counts.data_ptr():  # a copy: each request takes its row of it
+        for i, req in enumerate(reqs):
+            req.counts = counts[i]
+    seen = stacked_rows([req.seen[None] for req in reqs])
+    if seen.data_ptr() != reqs[0].seen.data_ptr():
+        for i, req in enumerate(reqs):
+            req.seen = seen[i]
+    if tokens:
+        index = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+                 torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True))
+        counts.index_put_(index, torch.ones(len(tokens), dtype=torch.float32, device=device), accumulate=True)
+        seen.index_put_(index, torch.ones(len(tokens), dtype=torch.bool, device=device))
+    return counts, seen
 
 
 def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
