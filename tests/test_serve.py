@@ -470,7 +470,7 @@ def test_engine_error_fails_only_that_request(models):
 
 def test_a_stopped_engine_loop_fails_its_requests_then_every_request(models):
     """The loop itself failing (under --tp/--pp: a rank that died) is a 500 for the requests it
-    held, never an empty 200, and a 500 for the model's later requests (not a hang)."""
+    held, never an empty 200, and a 503 naming the failed model for its later requests (not a hang)."""
     with server_thread({"tiny": models / "tiny"}) as thread:
         engine = thread.state.models["tiny"].engine
 
@@ -481,7 +481,8 @@ def test_a_stopped_engine_loop_fails_its_requests_then_every_request(models):
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": "x", "max_tokens": 4})
         assert status == 500 and "injected loop fault" in out["error"]["message"], out
         status, out, _ = call(thread.url, body={"model": "tiny", "prompt": "x", "max_tokens": 4})
-        assert status == 500 and "out of service" in out["error"]["message"], out
+        assert status == 503 and out["error"]["code"] == "model_failed", out
+        assert "has failed: its engine stopped (RuntimeError: injected loop fault)" in out["error"]["message"]
 
 
 def test_request_timeout_is_408_and_frees_the_engine(models):

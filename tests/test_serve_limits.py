@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -210,15 +211,36 @@ def test_a_body_that_stops_arriving_gets_408_and_is_closed(server):
     assert data.startswith(b"HTTP/1.1 408") and b"read timeout" in data, data
 
 
-def test_connections_beyond_the_cap_get_503(models):
+def test_connections_beyond_the_cap_get_a_json_503_and_health_still_answers(models):
+    """Issue 55: beyond --max-connections a request gets OpenAI's error format with Retry-After and its
+    connection is closed; GET /health is answered on any connection; once a held connection closes, a
+    new one is served."""
+    def ask(url: str, path: str) -> bytes:
+        sock = _connect(url)
+        try:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            return _read_all(sock)
+        finally:
+            sock.close()
+
     with server_thread({"tiny": models / "tiny"}, max_connections=3) as thread:
         held = [_connect(thread.url) for _ in range(3)]
         try:
-            sock = _connect(thread.url)
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            data = _read_all(sock)
-            sock.close()
+            refused = ask(thread.url, "/v1/models")
+            health = ask(thread.url, "/health")
+            held.pop().close()
+            for _ in range(100):  # until the server has seen the close (its event loop, not a clock)
+                served = ask(thread.url, "/v1/models")
+                if served.startswith(b"HTTP/1.1 200"):
+                    break
+                time.sleep(0.05)
         finally:
             for s in held:
                 s.close()
-        assert data.startswith(b"HTTP/1.1 503"), data
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), refused
+    assert b"retry-after: 1" in head.lower() and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "too_many_connections" and "limit of 3 open connections" in error["message"]
+    assert health.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in health
+    assert served.startswith(b"HTTP/1.1 200")

@@ -225,3 +225,30 @@ def test_a_model_whose_engine_stopped_is_reported_unpublished_and_published_agai
         status, body, _ = call(url, body=dict(model="tiny", prompt=[1, 2], max_tokens=2))
         assert status == 200 and len(body["choices"][0]["text"]) > 0
         assert call(url, "GET", "/health")[0] == 200
+
+
+# --- what a client sent wrong, said plainly ---------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_told_its_content_type(content_type):
+    client = TestClient(create_app(ServerConfig(admin_token="t")))
+    headers = {"Content-Type": content_type} if content_type else {}
+    for path, body in (("/v1/completions", b'{"model": "m", "prompt": "a"}'),
+                       ("/admin/models", b'{"name": "m", "path": "a"}')):
+        r = client.post(path, content=body, headers={**headers, "Authorization": "Bearer t"})
+        assert r.status_code == 415, (path, r.text)
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
+        assert repr(content_type or "no Content-Type") in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b'{"model": "m", "prompt": "a"}',
+                    headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 404  # JSON with a charset is JSON: the unknown model is what is wrong
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_checkpoint):
+    with _served(tiny_checkpoint, batch_wait_ms=0.0) as thread:
+        V = thread.state.models["tiny"].vocab_size
+        status, body, _ = call(thread.url, body=dict(model="tiny", prompt="a", stop_token_ids=[3, V]))
+        assert status == 400 and body["error"]["param"] == "stop_token_ids"
+        assert f"token id {V} outside the vocabulary [0, {V})" in body["error"]["message"]
+        status, _, _ = call(thread.url, body=dict(model="tiny", prompt="a", max_tokens=2, stop_token_ids=[V - 1]))
+        assert status == 200

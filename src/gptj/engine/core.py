@@ -64,6 +64,10 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step: decode every running sequence, prefill what the schedule says; return the
         requests that finished in it."""
+        return self._step()
+
+    def _step(self) -> list[Request]:
+        """The step itself (`probe` runs it before the engine is handed out, past hooks on `step`)."""
         times, t0 = self.times, time.perf_counter()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -99,7 +103,7 @@ class Engine:
         for adapter in [None, *self.adapters]:
             req = self.add_request(list(prompt), gen, logprobs=0, adapter=adapter)
             while not req.done:
-                self.step()
+                self._step()
             lp = req.token_logprobs[0].logprob if req.token_logprobs else math.nan
             if req.status == FAILED or not math.isfinite(lp):
                 what = "the model" if adapter is None else f"LoRA adapter {adapter!r}"

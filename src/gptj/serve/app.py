@@ -50,7 +50,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     ((400, "invalid request"), (401, "missing or wrong API key (or admin token)"),
      (403, "admin API disabled, or a path outside the model root"), (404, "unknown model"),
      (408, "timed out (the request, or reading its body)"), (409, "model already served"),
-     (413, "request body too large"), (429, "queue full (see Retry-After)"), (500, "engine failure"),
+     (413, "request body too large"), (415, "the body is not sent as application/json"),
+     (429, "queue full (see Retry-After)"), (500, "engine failure"),
      (503, "loading, draining, or too many connections"))}
 
 
@@ -126,6 +127,60 @@ class BodyLimit:
 DRAIN_RETRY_AFTER_S = 5
 
 
+class ConnectionGate:
+    """The connection limit (--max-connections). The protocol (gptj.serve.server) reports each
+    connection as it opens and closes, by its peer address; the first `limit` open ones are admitted,
+    and one opened beyond them is admitted once an admitted one closes. A request on a connection not
+    admitted gets a JSON 503 with Retry-After and the connection is closed (ConnectionLimit), except
+    GET /health, which is always answered: a load balancer can still tell the server is alive and
+    busy. Event loop thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.admitted: set = set()
+        self.beyond: set = set()
+
+    def opened(self, peer) -> None:  # noqa: ANN001 - a socket's peer address
+        (self.admitted if len(self.admitted) < self.limit else self.beyond).add(peer)
+
+    def closed(self, peer) -> None:  # noqa: ANN001
+        self.admitted.discard(peer)
+        self.beyond.discard(peer)
+
+    def allows(self, peer) -> bool:  # noqa: ANN001
+        """Whether a request on this connection is served (a connection the gate never saw is: tests'
+        in-process clients)."""
+        if peer in self.beyond and len(self.admitted) < self.limit:
+            self.beyond.discard(peer)
+            self.admitted.add(peer)
+        return peer not in self.beyond
+
+
+CONNECTIONS_RETRY_AFTER_S = 1  # at the connection limit: connections free as requests end, often within a second
+
+
+class ConnectionLimit:
+    """ASGI middleware: a request on a connection beyond the limit (ConnectionGate) is answered 503 in
+    OpenAI's format with Retry-After, before its body is read, and its connection closed; GET
+    /health is answered as usual."""
+
+    def __init__(self, app, gate: ConnectionGate) -> None:  # noqa: ANN001 - an ASGI app
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http" or scope["path"] == "/health" or self.gate.allows(_peer(scope)):
+            return await self.app(scope, receive, send)
+        await _error(APIError(503, f"the server is at its limit of {self.gate.limit} open connections; retry "
+                                   "shortly", code="too_many_connections",
+                              headers={"Retry-After": str(CONNECTIONS_RETRY_AFTER_S),
+                                       "Connection": "close"}))(scope, receive, send)
+
+
+def _peer(scope):  # noqa: ANN001, ANN202 - the (host, port) the transport reports, as the gate keys it
+    client = scope.get("client")
+    return tuple(client) if client is not None else None
+
+
 def _draining_error() -> APIError:
     return APIError(503, "the server is shutting down; retry on another replica or later", code="shutting_down",
                     headers={"Retry-After": str(DRAIN_RETRY_AFTER_S), "Connection": "close"})
@@ -183,6 +238,7 @@ class ServerState:
         # one entry per engine: an adapter's name shares its base's (its requests are counted there)
         self.metrics = ServerMetrics(lambda: [m for m in self.models.values() if m.base is None])
         self.on_failure = None  # called (from the event loop) if a start-up model fails to load
+        self.connections = ConnectionGate(cfg.max_connections)
         self.running: set[Completion] = set()  # admitted completions not yet answered (a drain waits for them)
         # Prompts are tokenized here, one request at a time: a burst of long prompts queues for this
         # one thread instead of taking every worker of the default executor (and the cores) at once.
@@ -273,6 +329,13 @@ NEUTRAL_ONLY = {"logit_bias": "not supported by gptj: only {} or null", "frequen
 _TYPE_ERRORS = set(_EXPECTED) | {"literal_error", "enum", "none_required", "is_instance_of"}
 
 
+def _json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (application/json, or a +json type), as FastAPI
+    requires before it reads a body."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _where(field: str, rest: tuple) -> str:
     """A location as the user wrote it: prompt[0][3], stream_options.include_usage."""
     return field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest)
@@ -337,7 +400,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     app.state.gptj = state
     app.add_middleware(KeyGate, cfg=cfg)
     app.add_middleware(BodyLimit, limit=state.body_limit, read_timeout_s=cfg.read_timeout_s)
-    app.add_middleware(Draining, state=state)  # outermost: a draining server reads no body
+    app.add_middleware(Draining, state=state)  # a draining server reads no body
+    app.add_middleware(ConnectionLimit, gate=state.connections)  # outermost: beyond the limit, nothing is read
 
     # --- errors: always OpenAI's format ---
 
@@ -347,6 +411,10 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type")
+        if request.method == "POST" and not _json_media_type(kind):  # FastAPI read no body: say why
+            return _error(APIError(415, f"the request body must be sent as Content-Type: application/json "
+                                        f"(got {kind or 'no Content-Type'!r})", code="unsupported_media_type"))
         message, param = _validation_message(exc)
         return _error(APIError(400, message, param))
 

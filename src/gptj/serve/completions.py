@@ -13,6 +13,7 @@ The handlers only see token ids, strings and floats; tensors stay in the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import secrets
 import time
@@ -25,6 +26,11 @@ from gptj.engine.loop import EngineStopped
 from gptj.errors import GptjError
 from gptj.serve.protocol import APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from gptj.serve.registry import ServedModel
+
+log = logging.getLogger("gptj.serve")
+
+IGNORED_HEADER = "X-Gptj-Ignored-Fields"  # a response's header naming the request's fields it ignored
+MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (OpenAI's limit is 300)
 
 
 @dataclass
@@ -44,6 +50,12 @@ class Plan:
     jobs: list[Job]
     n_choices: int
     choice_prompt: list[int]  # prompt index of each choice
+    ignored: list[str] = field(default_factory=list)  # the body's unknown fields (accepted, ignored)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's own headers: X-Gptj-Ignored-Fields when the body had fields this API has not."""
+        return {IGNORED_HEADER: ",".join(self.ignored)} if self.ignored else {}
 
 
 def precheck(body: CompletionRequest, served: ServedModel) -> int:
@@ -54,6 +66,7 @@ def precheck(body: CompletionRequest, served: ServedModel) -> int:
     refused in microseconds instead of after seconds of tokenizing."""
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
+    _check_penalties(body, served.vocab_size)
     prompt, L = body.prompt, served.max_model_len
     if not isinstance(prompt, str) and len(prompt) == 0:
         raise APIError(400, "prompt must not be empty", "prompt")
@@ -81,11 +94,55 @@ def precheck(body: CompletionRequest, served: ServedModel) -> int:
     return n_jobs
 
 
+def _check_penalties(body: CompletionRequest, V: int) -> dict[str, Any]:
+    """APIError 400 naming the field (and the key) unless the penalties and logit_bias are in range
+    (OpenAI's: penalties -2 to 2, biases -100 to 100, keys token ids of the vocabulary; vLLM's:
+    repetition_penalty > 0) and usable with the decoding asked for; else GenerationConfig's settings."""
+    settings: dict[str, Any] = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise APIError(400, f"{name} must be from -2 to 2, got {value!r}", name)
+            settings[name] = float(value)
+    if body.repetition_penalty is not None:
+        if not body.repetition_penalty > 0:
+            raise APIError(400, f"repetition_penalty must be > 0 (1 is off), got {body.repetition_penalty!r}",
+                           "repetition_penalty")
+        settings["repetition_penalty"] = float(body.repetition_penalty)
+    if body.logit_bias:
+        if len(body.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias has {len(body.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                           "logit_bias")
+        bias = {}
+        for key, value in body.logit_bias.items():
+            token = int(key) if key.isascii() and key.isdigit() else None
+            if token is None or token >= V:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id of the vocabulary [0, {V})",
+                               "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias[{key!r}] must be from -100 to 100, got {value!r}", "logit_bias")
+            if token in bias:
+                raise APIError(400, f"logit_bias names token id {token} twice ({key!r})", "logit_bias")
+            bias[token] = float(value)
+        settings["logit_bias"] = bias
+    if body.use_beam_search and GenerationConfig(**settings).penalized:
+        name = next(iter(settings))
+        raise APIError(400, f"{name} is not supported with use_beam_search (frequency_penalty, presence_penalty, "
+                            "repetition_penalty and logit_bias apply to greedy and sampled decoding)", name)
+    return settings
+
+
 def plan(body: CompletionRequest, served: ServedModel) -> Plan:
     """Validate a request against the served model and cut it into engine jobs (APIError 400)."""
     tok = served.tokenizer
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
+    penalties = _check_penalties(body, served.vocab_size)
+    ignored = body.ignored_fields()
+    if ignored:  # accepted, as vLLM does, and said: here and in the response's header
+        log.warning("model %s: a completion request's unknown fields are ignored: %s", served.name,
+                    ", ".join(ignored))
     prompt = body.prompt
     if isinstance(prompt, str):
         texts: list[str | None] = [prompt]
@@ -113,6 +170,9 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                                 f"tokens and max_tokens is {body.max_tokens} ({len(p) + body.max_tokens} in total); "
                                 "shorten the prompt or lower max_tokens",
                            "prompt" if len(p) >= L else "max_tokens", "context_length_exceeded")
+    bad = next((t for t in body.stop_token_ids or () if t >= V), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids has token id {bad} outside the vocabulary [0, {V})", "stop_token_ids")
     if body.max_tokens == 0 and not (body.echo and body.logprobs is not None and not body.use_beam_search):
         raise APIError(400, "max_tokens 0 only scores the prompt: it needs echo and logprobs (and no beam search)",
                        "max_tokens")
@@ -139,7 +199,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                                     do_sample=sample,
                                     temperature=body.temperature if sample else 1.0,
                                     top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
-                                    eos_token_id=eos)
+                                    eos_token_id=eos, **penalties)
             jobs = []
             for i, p in enumerate(ids):
                 for j in range(body.n):
@@ -152,7 +212,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
         raise APIError(400, f"the request needs {len(jobs)} engine requests; this server admits at most "
                             f"{served.capacity} at once", "n")
     # the engine's own limits (beam width, KV blocks) are checked once, where each job is submitted
-    return Plan(ids, texts, jobs, n_choices, [c // body.n for c in range(n_choices)])
+    return Plan(ids, texts, jobs, n_choices, [c // body.n for c in range(n_choices)], ignored)
 
 
 class _Choice:

@@ -5,10 +5,12 @@ FastAPI publishes these as the server's OpenAPI document (/openapi.json); client
 tests' schema fuzzing read them from there. Requests are strict: wrong JSON types are refused
 (no "5" for 5), unknown fields are refused, and NaN/Infinity are refused, each with a 400 that
 names the field. Limits that depend on the model (context length, vocabulary) are checked by the
-app against the served model.
+app against the served model. A completion request's fields that are not its own are accepted and
+ignored, as vLLM does (OpenAI clients send fields such as response_format): plan() logs them and the
+response names them in the X-Gptj-Ignored-Fields header.
 
 Extras beyond OpenAI's API (vLLM's names): min_tokens, top_k, use_beam_search, length_penalty,
-early_stopping, stop_token_ids, ignore_eos, return_token_ids.
+early_stopping, stop_token_ids, ignore_eos, return_token_ids, repetition_penalty.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """POST /v1/completions."""
+    """POST /v1/completions. Unknown fields are kept in `model_extra` (ignored: `ignored_fields`)."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256, description="a served model's name (GET /v1/models)")
     prompt: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds | Annotated[
@@ -67,11 +69,25 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = Field(False, description="add token_ids (and prompt_token_ids) to each choice")
     user: str | None = Field(None, max_length=256)
+    # Penalties and biases (gptj.decode.GenerationConfig; vLLM's semantics). Their ranges are checked by
+    # completions.precheck, which names the field and the value (the schema states them).
+    frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2.0, "maximum": 2.0},
+                                            description="-2 to 2: each new token's logit loses this times its "
+                                                        "count in the text generated so far")
+    presence_penalty: float | None = Field(None, json_schema_extra={"minimum": -2.0, "maximum": 2.0},
+                                           description="-2 to 2: a token's logit loses this once it occurs in the "
+                                                       "text generated so far")
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0.0},
+                                             description="> 0, 1 = off: the logits of the prompt's and generated "
+                                                         "tokens are divided by it (multiplied where negative)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> a bias from -100 to 100 "
+                                                                  "added to its logit")
     # OpenAI fields gptj does not implement: accepted only at their neutral values.
     suffix: str | None = None
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The body's fields that are not this API's (accepted and ignored), in the order given."""
+        return list(self.model_extra or ())
 
 
 class CompletionLogprobs(BaseModel):
@@ -140,6 +156,7 @@ class APIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
              404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+             415: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,

@@ -24,7 +24,7 @@ import time
 import uvicorn
 
 from gptj.errors import GptjError
-from gptj.serve.app import ServerState, create_app
+from gptj.serve.app import ConnectionGate, ServerState, create_app
 from gptj.serve.registry import ServerConfig
 
 log = logging.getLogger("uvicorn.error")  # the drain's steps, beside uvicorn's own start and shutdown lines
@@ -120,20 +120,26 @@ def check_port(host: str, port: int) -> None:
         sock.close()
 
 
-def _http_protocol(read_timeout_s: float) -> type:
+def _http_protocol(read_timeout_s: float, gate: ConnectionGate | None = None) -> type:
     """uvicorn's HTTP protocol (httptools, else h11) with a read timeout for request headers: from
     the moment a connection opens, and again after each response, the next request's headers must
     have arrived within `read_timeout_s`, or the connection is closed. uvicorn has no such timeout
     of its own (its keep-alive timeout starts only after a first response), so a client that opens
     connections and sends nothing, or half a header, would hold their file descriptors for ever. The
-    body's own timeout is the app's (gptj.serve.app.BodyLimit): past its headers a request is in ASGI."""
+    body's own timeout is the app's (gptj.serve.app.BodyLimit): past its headers a request is in ASGI.
+
+    `gate`: every connection is counted there as it opens and closes (gptj.serve.app.ConnectionGate:
+    the app answers those beyond the limit)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.utils import get_remote_addr
 
     class ReadTimeoutProtocol(AutoHTTPProtocol):
         _headers_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:  # noqa: ANN001
             super().connection_made(transport)
+            if gate is not None:
+                gate.opened(get_remote_addr(transport))  # as the request's scope names its client
             self._expect_headers()
 
         def on_response_complete(self) -> None:
@@ -143,6 +149,8 @@ def _http_protocol(read_timeout_s: float) -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._headers_timer is not None:
                 self._headers_timer.cancel()
+            if gate is not None:
+                gate.closed(get_remote_addr(self.transport))
             super().connection_lost(exc)
 
         def _expect_headers(self) -> None:
@@ -168,8 +176,7 @@ def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool =
     extra = {} if own_process else {"log_config": None}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                             timeout_graceful_shutdown=min(_CLOSE_S, cfg.drain_timeout_s), access_log=False,
-                            lifespan="on", http=_http_protocol(cfg.read_timeout_s),
-                            limit_concurrency=cfg.max_connections, **extra)
+                            lifespan="on", http=_http_protocol(cfg.read_timeout_s, state.connections), **extra)
     server = _Server(config, state)
 
     def failed(message: str) -> None:
