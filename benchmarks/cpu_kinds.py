@@ -55,7 +55,7 @@ def make_model(folder: Path, width: int, layers: int, calibrated: bool) -> Path:
 
 def run_one(model: Path, isa: str, mode: str, batch: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "gptj.cli", "bench", "latency", "--model", str(model), "--batch-size", str(batch),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--warmup", "1",
+           "--prompt-len", str(args.prompt_len), "--max-new-tokens", str(args.new_tokens), "--warmup", "1",
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--json"]
     cmd += ["--dtype", "float32" if mode == "float32" else "bfloat16"]  # never bench's default (auto)
     if mode not in ("none", "float32"):

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, batch, prompt, new, extra in latency:
         if name in steps or name.startswith("latency-b1-"):
             r = run_step(name, gptj("bench", "latency", "--model", str(model), *common, *extra, "--batch-size",
-                                    str(batch), "--prompt-len", str(prompt), "--new-tokens", str(new), "--repeats",
+                                    str(batch), "--prompt-len", str(prompt), "--max-new-tokens", str(new), "--repeats",
                                     "2", "--json"), out, args.step_timeout)
             res[name] = {**(last_json(r["stdout"]) or {}), "batch": batch, "error": r["error"]}
     dataset = out / f"dataset-{args.samples}.json"

@@ -78,7 +78,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="NAME=DIR")
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--serve-args", default="", help="more gptj serve flags for both servers")
+    p.add_argument("--serve-args", default="--dtype fast",
+                   help="more gptj serve flags for both servers (default \"--dtype fast\": bfloat16 where it runs fast)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object (the table to stderr)")
     p.add_argument("--smoke", action="store_true",
                    help="a check that the script runs, not a measurement: serve_load.py's --smoke sizes")

@@ -521,7 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running gptj server, e.g. http://127.0.0.1:8000")
     where.add_argument("--model", help="NAME=DIR or DIR: start `gptj serve --model ...` for the run")
-    p.add_argument("--serve-args", default="", help='with --model: more `gptj serve` flags, e.g. "--dtype bfloat16"')
+    p.add_argument("--serve-args", default="--dtype fast",
+                   help='with --model: more `gptj serve` flags (default "--dtype fast": bfloat16 where it runs fast, '
+                        'the serving figures\' dtype; give --dtype in yours to choose)')
     p.add_argument("--startup-timeout", type=float, default=600.0, help="with --model: seconds to wait for /health")
     p.add_argument("--model-name", help="the served model to use (default: the server's only one)")
     p.add_argument("--api-key", default=os.environ.get("GPTJ_SERVER_API_KEY"),

@@ -9,7 +9,6 @@ import math
 
 import pytest
 
-from gptj import policy
 from gptj.bench.latency import REQUIRED_KEYS, add_bench_parser, cmd_bench, format_latency, run_latency, weight_bytes_per_step
 from gptj.config import get_preset
 from gptj.errors import GptjError
@@ -74,14 +73,14 @@ def test_weight_bytes_count_embedding_rows_read_only(tiny):
 
 def test_cmd_bench_json_prints_one_object(tiny, capsys):
     args = _parser().parse_args(["bench", "latency", "--model", str(tiny), "--batch-size", "1", "--prompt-len", "4",
-                                 "--new-tokens", "3", "--warmup", "0", "--repeats", "1", "--json"])
+                                 "--max-new-tokens", "3", "--warmup", "0", "--repeats", "1", "--json"])
     assert cmd_bench(args) == 0
     out = capsys.readouterr().out
     (line,) = out.strip().splitlines()
     obj = json.loads(line)
     for key in REQUIRED_KEYS:
         assert obj[key] > 0
-    assert obj["dtype"] == str(policy.auto_dtype("cpu")).removeprefix("torch.")  # the default: --dtype auto
+    assert obj["dtype"] == "float32"  # the default, --dtype auto: the checkpoint's (tiny's: float32)
 
 
 def test_bad_model_path_is_a_gptj_error(tmp_path):

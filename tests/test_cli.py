@@ -146,13 +146,17 @@ def test_help_shows_defaults():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():
         for action in parser._actions:
-            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
-                shown = " ".join(parser._get_formatter()._format_action(action).split())
+            shown = " ".join(parser._get_formatter()._format_action(action).split())
+            if action.option_strings and action.nargs == 0:  # a switch: its stored constant is no default
+                assert "(default: True)" not in shown and "(default: False)" not in shown, (name, shown)
+            elif action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 assert "default" in shown, (name, shown)
     serve = " ".join(sub.choices["serve"].format_help().split())
     assert "--port PORT (default: 8000)" in serve
     mlperf = " ".join(sub.choices["mlperf"].format_help().split())
     assert "(default: Offline)" in mlperf and "(default: accuracy)" in mlperf
+    # --no-prefix-caching turns prefix caching off: its help says it is on by default, in words
+    assert "--no-prefix-caching turn prefix caching off (it is on by default" in serve
 
 
 @pytest.mark.parametrize("command, data", [("tokenize", "hello world " * 20000),
@@ -185,3 +189,46 @@ def test_distribution_name_is_gptjs_own():
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gptj.__version__"}
     assert metadata.version(gptj.DISTRIBUTION) == gptj.__version__  # installed as the README says
+
+
+def _help_of(*command):
+    import argparse
+
+    from gptj.cli import build_parser
+
+    parser = build_parser()
+    for name in command:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser.format_help()
+
+
+@pytest.mark.parametrize("command, old, new, dest", [
+    (["serve", "--model", "m"], "--max-batch-size", "--max-num-seqs", "max_seqs"),
+    (["compare", "a", "b"], "--new-tokens", "--max-new-tokens", "new_tokens"),
+    (["compare", "a", "b"], "--max-tokens", "--max-prompt-tokens", "max_tokens"),
+    (["quant-report", "--model", "m"], "--max-tokens", "--max-prompt-tokens", "max_tokens"),
+    (["bench", "latency", "--model", "m"], "--new-tokens", "--max-new-tokens", "new_tokens"),
+])
+def test_an_old_flag_name_still_works_with_one_warning(capsys, command, old, new, dest):
+    """Renamed flags (one name across commands: --max-new-tokens, --max-prompt-tokens; serve's
+    --max-num-seqs, vLLM's) keep the old name one release: the same setting, one warning line on
+    stderr, hidden from --help."""
+    import re
+
+    from gptj.cli import build_parser
+
+    assert getattr(build_parser().parse_args([*command, new, "5"]), dest) == 5
+    assert capsys.readouterr().err == ""
+    assert getattr(build_parser().parse_args([*command, old, "5"]), dest) == 5
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "warning" in line and f"{old} is deprecated, use {new}" in line
+    shown = _help_of(*[c for c in command if not c.startswith("-") and c not in ("m", "a", "b")])
+    assert new in shown and not re.search(rf"(?<![\w-]){old}\b", shown)
+
+
+def test_mlperf_max_batch_size_is_its_own_flag(capsys):
+    """gptj mlperf's --max-batch-size counts samples per batch (not serve's running sequences): no warning."""
+    from gptj.cli import build_parser
+
+    args = build_parser().parse_args(["mlperf", "--model", "m", "--max-batch-size", "3"])
+    assert args.max_batch_size == 3 and args.max_seqs is None and capsys.readouterr().err == ""

@@ -28,7 +28,7 @@ def run(argv, capsys):
 def test_identical_folders_agree_exactly(tiny_checkpoint, tmp_path, capsys):
     copy = save_checkpoint(random_state_dict(get_preset("tiny"), seed=5, std=0.3), get_preset("tiny"),
                            tmp_path / "copy")
-    code, out, _ = run(["compare", str(tiny_checkpoint), str(copy), "--prompts", "2", "--new-tokens", "4", "--json"],
+    code, out, _ = run(["compare", str(tiny_checkpoint), str(copy), "--prompts", "2", "--max-new-tokens", "4", "--json"],
                        capsys)
     r = json.loads(out)
     assert code == 0 and r["verdict"] == "agree"
@@ -40,7 +40,7 @@ def test_identical_folders_agree_exactly(tiny_checkpoint, tmp_path, capsys):
 def test_different_weights_differ(tiny_checkpoint, tmp_path, capsys):
     other = save_checkpoint(random_state_dict(get_preset("tiny"), seed=6, std=0.3), get_preset("tiny"),
                             tmp_path / "other")
-    code, out, _ = run(["compare", str(tiny_checkpoint), str(other), "--prompt-ids", "5,17,300,2", "--new-tokens",
+    code, out, _ = run(["compare", str(tiny_checkpoint), str(other), "--prompt-ids", "5,17,300,2", "--max-new-tokens",
                         "3"], capsys)
     assert code == EXIT_DIFFER
     assert out.rstrip().splitlines()[-1].startswith("DIFFER: ")
@@ -57,12 +57,12 @@ def test_converted_mtj_checkpoint_against_its_hf_original(tmp_path, capsys):
                  str(original / "config.json"), "--quiet"]) == 0
     capsys.readouterr()
     code, out, _ = run(["compare", str(original), str(tmp_path / "conv"), "--prompt-ids", "5,17,300,2,9,41",
-                        "--new-tokens", "5", "--json"], capsys)
+                        "--max-new-tokens", "5", "--json"], capsys)
     r = json.loads(out)
     assert code == 0 and r["max_abs_diff"] == 0.0 and r["top1_agreement"] == 1.0 and r["first_divergence"] is None
     # and the slim checkpoint itself (--config names its config; the HF side keeps its own)
     code, out, _ = run(["compare", str(tmp_path / "step_1"), str(original), "--config", str(original / "config.json"),
-                        "--prompt-ids", "5,17,300,2,9,41", "--new-tokens", "5", "--json"], capsys)
+                        "--prompt-ids", "5,17,300,2,9,41", "--max-new-tokens", "5", "--json"], capsys)
     assert code == 0 and json.loads(out)["max_abs_diff"] == 0.0
 
 
@@ -84,7 +84,7 @@ def test_a_quantized_copy_has_quant_reports_numbers(tiny_checkpoint, tmp_path):
 
 def test_hf_transformers_against_gptj(tiny_checkpoint, capsys):
     pytest.importorskip("transformers")
-    code, out, _ = run(["compare", str(tiny_checkpoint), "--hf", "--prompts", "1", "--new-tokens", "4", "--json"],
+    code, out, _ = run(["compare", str(tiny_checkpoint), "--hf", "--prompts", "1", "--max-new-tokens", "4", "--json"],
                        capsys)
     r = json.loads(out)
     assert code == 0 and r["a"].startswith("HF transformers") and r["formats"] == ["float32", "float32"]
@@ -94,7 +94,7 @@ def test_hf_transformers_against_gptj(tiny_checkpoint, capsys):
 
 def test_quantize_on_load_is_b(tiny_checkpoint, capsys):
     code, out, _ = run(["compare", str(tiny_checkpoint), "--quantize", "int4", "--prompt-ids", "5,17,300,2",
-                        "--new-tokens", "2", "--json"], capsys)
+                        "--max-new-tokens", "2", "--json"], capsys)
     r = json.loads(out)
     assert r["formats"] == ["float32", "int4"] and r["max_abs_diff"] > 0 and code in (0, EXIT_DIFFER)
 
@@ -145,7 +145,7 @@ def test_first_divergence_is_where_b_leaves_as_greedy_path():
     (["compare", "{m}"], "give a second model B"),
     (["compare", "{m}", "{m}", "--hf"], "either a second model B or --hf"),
     (["compare", "{m}", "--hf", "--quantize", "int8"], "--quantize applies to B"),
-    (["compare", "{m}", "{m}", "--prompt-ids", "1", "--max-tokens", "1", "--new-tokens", "0", "--prompt", ""],
+    (["compare", "{m}", "{m}", "--prompt-ids", "1", "--max-prompt-tokens", "1", "--max-new-tokens", "0", "--prompt", ""],
      "prompt 1 is empty"),
 ])
 def test_bad_input_is_one_line(tiny_checkpoint, capsys, argv, message):

@@ -304,8 +304,8 @@ def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
 
 
 @pytest.mark.parametrize("kind", cpu.KINDS)
-def test_dtype_auto_is_bfloat16_where_it_runs_fast(kind, monkeypatch):
-    """--dtype auto (gptj.policy.auto_dtype, resolved once in ModelSpec): bfloat16 on AVX512-BF16 (or
+def test_dtype_fast_is_bfloat16_where_it_runs_fast(kind, monkeypatch):
+    """--dtype fast (gptj.policy.fast_dtype, resolved once in ModelSpec): bfloat16 on AVX512-BF16 (or
     AMX) CPUs and where gptj.native's GEMV runs (AVX2 and up), float32 where neither (torch's own
     bfloat16 is emulated there)."""
     from gptj.runtime.spec import ModelSpec
@@ -315,25 +315,25 @@ def test_dtype_auto_is_bfloat16_where_it_runs_fast(kind, monkeypatch):
     fake_cpu(monkeypatch, kind)
     want = torch.bfloat16 if kind == cpu.AVX512_BF16 or policy.native_gemv_available() else torch.float32
     assert (want == torch.bfloat16) is (kind != cpu.OTHER and native.open_isa("avx2") is not None)
-    assert policy.auto_dtype("cpu") == want
-    assert ModelSpec(dtype="auto", device="cpu").torch_dtype == want
+    assert policy.fast_dtype("cpu") == want
+    assert ModelSpec(dtype="fast", device="cpu").torch_dtype == want
     force_fallback(monkeypatch)  # no gptj.native: bfloat16 only where the CPU computes it
-    assert policy.auto_dtype("cpu") == (torch.bfloat16 if kind == cpu.AVX512_BF16 else torch.float32)
+    assert policy.fast_dtype("cpu") == (torch.bfloat16 if kind == cpu.AVX512_BF16 else torch.float32)
     monkeypatch.setattr(cpu, "flags", lambda: FLAGS[cpu.AVX512] | {"amx_tile", "amx_bf16"})  # AMX
-    assert policy.auto_dtype("cpu") == torch.bfloat16
+    assert policy.fast_dtype("cpu") == torch.bfloat16
 
 
-def test_dtype_auto_for_a_gpu_this_machine_lacks_is_bfloat16(monkeypatch):
-    """`gptj serve --ray --device cuda` (auto by default) on a head node without a GPU: the spec says
+def test_dtype_fast_for_a_gpu_this_machine_lacks_is_bfloat16(monkeypatch):
+    """`gptj serve --ray --device cuda --dtype fast` on a head node without a GPU: the spec says
     bfloat16 for the nodes' GPUs, where the model loads and the device is checked, not an error here."""
     from gptj.errors import GptjError
     from gptj.runtime.spec import ModelSpec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ModelSpec(dtype="auto", device="cuda").torch_dtype == torch.bfloat16
-    assert ModelSpec(dtype="auto", device="cuda:1").torch_dtype == torch.bfloat16
+    assert ModelSpec(dtype="fast", device="cuda").torch_dtype == torch.bfloat16
+    assert ModelSpec(dtype="fast", device="cuda:1").torch_dtype == torch.bfloat16
     with pytest.raises(GptjError, match="unknown device"):
-        ModelSpec(dtype="auto", device="gpu7")
+        ModelSpec(dtype="fast", device="gpu7")
 
 
 def test_a_bfloat16_linear_without_bfloat16_arithmetic_upcasts_big_calls(monkeypatch):

@@ -79,7 +79,9 @@ def test_the_same_flags_give_the_same_spec_engine_and_plan_through_every_command
     assert plan(tiny, *through("serve", tiny, *no_blocks)) == plan(tiny, *through("mlperf", tiny, *no_blocks))
 
 
-def test_serve_max_batch_size_is_max_seqs(tiny):
+def test_serve_max_num_seqs_and_max_batch_size_are_max_seqs(tiny):
+    """serve's --max-num-seqs (vLLM's name) and the deprecated --max-batch-size: --max-seqs."""
+    assert through("serve", tiny, "--max-num-seqs", "5") == through("serve", tiny, "--max-seqs", "5")
     assert through("serve", tiny, "--max-batch-size", "5") == through("serve", tiny, "--max-seqs", "5")
     assert through("serve", tiny, "--max-batch-size", "5")[1].max_seqs == 5
 
@@ -107,7 +109,7 @@ def test_what_no_flag_says_comes_from_each_commands_work(tiny):
     assert (engine.max_seqs, engine.max_len) == (2 * 2, None)  # two prompts x 2 beams; the model's context
     _, engine = through("mlperf", tiny, "--max-batch-size", "3")
     assert (engine.max_seqs, engine.max_len) == (3 * 4, LONGEST + 128)  # official: 4 beams, 128 new tokens
-    _, engine = through("bench", tiny, "--batch-size", "5", "--prompt-len", "20", "--new-tokens", "8")
+    _, engine = through("bench", tiny, "--batch-size", "5", "--prompt-len", "20", "--max-new-tokens", "8")
     assert (engine.max_seqs, engine.max_len) == (5, 28)
     # bench admits its whole batch in one step: its blocks, plus the room the scheduler keeps free
     assert engine.kv_blocks > 5 * 2
@@ -152,16 +154,65 @@ def test_the_built_engine_is_the_plan(tiny):
     assert (stats.max_seqs, stats.max_len, stats.blocks_total) == (p.max_seqs, p.max_len, p.n_blocks) == (3, 50, 12)
 
 
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    """A tiny checkpoint stored in bfloat16 (config.json: torch_dtype bfloat16)."""
+    import torch
+
+    cfg = get_preset("tiny")
+    return save_checkpoint(random_state_dict(cfg, seed=0, dtype=torch.bfloat16), cfg,
+                           tmp_path_factory.mktemp("front") / "tiny-bf16")
+
+
 @pytest.mark.parametrize("command", COMMANDS)
-def test_dtype_auto_is_one_rule_through_every_command(tiny, command):
-    """--dtype auto reaches every command's ModelSpec resolved by gptj.policy.auto_dtype (bfloat16 where
-    this CPU computes it, float32 elsewhere); bench's default is auto; the weight tools refuse it."""
+def test_every_command_defaults_to_the_checkpoints_dtype(tiny, tiny_bf16, tmp_path, command):
+    """One --dtype default, auto, through generate, serve, mlperf and bench: the dtype the checkpoint's
+    config.json records (as HF transformers 5 and vLLM read "auto"), float32 when it records none; so
+    `gptj generate` and `gptj serve` give the same text for the same prompt."""
+    import json
+    import shutil
+
+    assert through(command, tiny)[0].dtype == "float32"
+    assert through(command, tiny_bf16)[0].dtype == "bfloat16"
+    assert through(command, tiny_bf16, "--dtype", "auto")[0].dtype == "bfloat16"
+    assert through(command, tiny_bf16, "--dtype", "float32")[0].dtype == "float32"  # a named dtype wins
+    bare = shutil.copytree(tiny_bf16, tmp_path / "bare")  # a config.json that records no dtype
+    config = json.loads((bare / "config.json").read_text())
+    del config["torch_dtype"]
+    (bare / "config.json").write_text(json.dumps(config))
+    assert through(command, bare)[0].dtype == "float32"
+
+
+def test_a_served_template_resolves_auto_per_model(tiny, tiny_bf16):
+    """gptj serve's spec is a template until each --model's folder is known: auto stays auto there."""
+    template = _server_config(parse("serve", "--model", f"a={tiny}"), (("a", str(tiny)),)).model
+    assert template.dtype == "auto" and template.path is None
+    assert template.at(tiny).dtype == "float32" and template.at(tiny_bf16).dtype == "bfloat16"
+    with pytest.raises(GptjError, match="checkpoint"):
+        template.torch_dtype
+
+
+def test_an_unknown_recorded_dtype_is_one_line(tmp_path, tiny):
+    import json
+    import shutil
+
+    odd = shutil.copytree(tiny, tmp_path / "odd")
+    (odd / "config.json").write_text(json.dumps(json.loads((odd / "config.json").read_text())
+                                                | {"torch_dtype": "float64"}))
+    with pytest.raises(GptjError, match="float64.*--dtype"):
+        ModelSpec(path=odd)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_dtype_fast_is_one_rule_through_every_command(tiny, command):
+    """--dtype fast reaches every command's ModelSpec resolved by gptj.policy.fast_dtype (bfloat16 where
+    this CPU computes it fast, float32 elsewhere); the weight tools refuse both rules."""
     from gptj import policy
 
-    want = str(policy.auto_dtype("cpu")).removeprefix("torch.")
-    spec, _ = through(command, tiny, "--dtype", "auto")
+    want = str(policy.fast_dtype("cpu")).removeprefix("torch.")
+    spec, _ = through(command, tiny, "--dtype", "fast")
     assert spec.dtype == want
-    if command == "bench":
-        assert through(command, tiny)[0].dtype == want  # the default where exactness is not the point
     with pytest.raises(SystemExit):
         parse("init", "--out", str(tiny), "--dtype", "auto")  # a checkpoint's dtype is never guessed
+    with pytest.raises(SystemExit):
+        parse("init", "--out", str(tiny), "--dtype", "fast")

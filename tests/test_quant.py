@@ -524,12 +524,12 @@ def test_quantization_report_defaults_run_on_the_tiny_preset(tmp_path, capsys):
     from gptj.cli import main
 
     tiny = save_checkpoint(random_state_dict(get_preset("tiny"), seed=0), get_preset("tiny"), tmp_path / "tiny")
-    assert main(["quant-report", "--model", str(tiny), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+    assert main(["quant-report", "--model", str(tiny), "--prompts", "1", "--max-prompt-tokens", "8", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["modes"]["int4"]["group_size"] == 64 and rep["modes"]["int8"]["group_size"] is None
     assert rep["modes"]["int8"]["one_token_ms"] > 0 and rep["fastest"]["prefill_tok_s"] in rep["modes"]
     # --quantize names the modes too; --no-speed times nothing
-    assert main(["quant-report", "--model", str(tiny), "--prompts", "1", "--max-tokens", "8", "--json",
+    assert main(["quant-report", "--model", str(tiny), "--prompts", "1", "--max-prompt-tokens", "8", "--json",
                  "--quantize", "int8", "--no-speed"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert list(rep["modes"]) == ["bfloat16", "int8"] and "fastest" not in rep

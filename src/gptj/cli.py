@@ -48,12 +48,13 @@ def _silence_stdout() -> None:
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default, "(default: X)", unless its help already says it or it has none
-    worth showing (None, a flag that is off)."""
+    worth showing (None; a switch that takes no value: its stored constant is no default a reader can
+    use — `--no-x (default: True)` reads as if the flag were on — so its help says it in words)."""
 
     @staticmethod
     def _shows_default(action: argparse.Action) -> bool:
         return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS) \
-            and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+            and action.nargs != 0 and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
 
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and self._shows_default(action):
@@ -209,7 +210,8 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
                         max_connections=getattr(args, "max_connections", 512), api_key=args.api_key,
                         public_metrics=getattr(args, "public_metrics", False),
                         public_docs=getattr(args, "public_docs", False), admin_token=getattr(args, "admin_token", None),
-                        model_root=getattr(args, "model_root", None), threads=getattr(args, "threads", None))
+                        model_root=getattr(args, "model_root", None), threads=getattr(args, "threads", None),
+                        access_log=getattr(args, "access_log", True))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -458,7 +460,7 @@ def cmd_quant_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from gptj.bench.compare import compare, format_compare, gptj_side, hf_side
-    from gptj.device import parse_dtype, resolve_device
+    from gptj.device import resolve_device
 
     if args.b is None and not args.hf and not args.quantize:
         raise GptjError("give a second model B, --hf (HF transformers on A) or --quantize MODE (A quantized on load)")
@@ -467,7 +469,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.hf and args.quantize:
         raise GptjError("--quantize applies to B; with --hf, B is gptj's load of A: compare A A --quantize MODE "
                         "instead")
-    dtype, device = parse_dtype(args.dtype), resolve_device(args.device)
+    from gptj.runtime.spec import ModelSpec
+
+    # --dtype auto / fast resolve as every command's do (auto: A's checkpoint dtype)
+    dtype = ModelSpec(path=args.a, dtype=args.dtype, device=args.device).torch_dtype
+    device = resolve_device(args.device)
     tok = _tokenizer_for(args.a)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
     if args.dataset or not prompts:
@@ -484,9 +490,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
         a = gptj_side(args.a, dtype, device, config=args.config)
         b = gptj_side(args.b or args.a, dtype, device, quantize=args.quantize, group_size=args.group_size,
                       config=args.config)
-    report = compare(a, b, prompts, args.new_tokens)
+    report = compare(a, b, prompts, args.new_tokens, progress=_progress_line("compare"))
     print(json.dumps(report, indent=2) if args.json else format_compare(report).rstrip())
     return 0 if report["verdict"] == "agree" else EXIT_DIFFER
+
+
+def _progress_line(command: str):  # noqa: ANN202 - (str) -> None
+    """A step of a long command, said as it starts, on stderr (stdout keeps the result): `gptj
+    compare: loading ... (12 s)`, with the seconds since the command began."""
+    import time
+
+    start = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"gptj {command}: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    return say
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -700,9 +719,9 @@ def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
     flags.add_engine_flags(p, batch_alias=True, prefill_chunk=flags.SERVE_PREFILL_CHUNK,
                            max_seqs_help="sequences running at once, beams counted each (default: as many as the "
                                          "KV memory holds, at most 256)")
-    # auto: bfloat16 where it runs fast (served at 1.55-1.89x float32's tokens/s on AVX2 with gptj.native,
-    # docs/PERFORMANCE.md), else float32; serving is not where exactness is the point
-    flags.add_model_flags(p, dtype="auto", quantize_help="quantize the models' linears on load (weight-only)")
+    # --dtype auto (every command's default): each model's checkpoint dtype, so a served answer is
+    # `gptj generate`'s; --dtype fast serves bfloat16 where it runs fast (docs/PERFORMANCE.md)
+    flags.add_model_flags(p, quantize_help="quantize the models' linears on load (weight-only)")
     flags.add_threads_flag(p, help="torch compute threads (default: the usable cores; on cores shared with other "
                         "work, fewer leave room for the event loop: docs/PERFORMANCE.md); "
                         "with --tp/--pp, split over the ranks (default: the cores split); with Ray, each "
@@ -918,7 +937,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip timing each mode with the serving kernels on this machine")
     p.add_argument("--group-size", type=_positive, help=flags.GROUP_SIZE_HELP)
     p.add_argument("--prompts", type=_positive, default=8, help="how many prompts of the sample set (default 8)")
-    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
+    p.add_argument("--max-prompt-tokens", dest="max_tokens", type=_positive, default=128, metavar="N",
+                   help="prompt tokens kept per prompt, its first (default 128)")
+    flags.add_deprecated_alias(p, "--max-tokens", "--max-prompt-tokens")
     flags.add_dtype_flag(p, "bfloat16", help="activations and float weights of the quantized models (default "
                                              "bfloat16)")
     flags.add_device_flag(p)
@@ -945,10 +966,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="prompts in cnn_eval.json's format (the default when no --prompt is given: "
                                      "the bundled MLPerf sample set)")
     p.add_argument("--prompts", type=_positive, default=8, help="how many of the data set's prompts (default 8)")
-    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens kept per prompt (default 128)")
-    p.add_argument("--new-tokens", type=_nonnegative, default=16,
+    p.add_argument("--max-prompt-tokens", dest="max_tokens", type=_positive, default=128, metavar="N",
+                   help="prompt tokens kept per prompt, its first (default 128)")
+    flags.add_deprecated_alias(p, "--max-tokens", "--max-prompt-tokens")
+    p.add_argument("--max-new-tokens", dest="new_tokens", type=_nonnegative, default=16, metavar="N",
                    help="greedy tokens A adds to each prompt, compared too (default 16)")
-    flags.add_dtype_flag(p, "float32", help="both sides' float dtype (default float32)")
+    flags.add_deprecated_alias(p, "--new-tokens", "--max-new-tokens")
+    flags.add_dtype_flag(p, "auto", auto=True,
+                         help="both sides' float dtype: %(choices)s (default auto: A's checkpoint's, as its "
+                              "config.json records it, float32 when it records none; fast: bfloat16 where it runs "
+                              "fast, else float32)")
     flags.add_device_flag(p)
     flags.add_quantize_flags(p, "quantize B's linears on load")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -965,6 +992,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", help="enable POST/DELETE /admin/models with this bearer token (default: "
                                          "$GPTJ_ADMIN_TOKEN if set; never empty)")
     p.add_argument("--model-root", help="admin loads must lie under this folder (default: the working directory)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no log line per request (by default each request logs its status, latency and tokens)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
     flags.add_parallel_flags(p)
     g = p.add_argument_group("Ray Serve (pip install -e \".[ray]\")")

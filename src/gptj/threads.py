@@ -21,12 +21,9 @@ def usable_cores() -> int:
 
 # Cores a command that has threads besides the compute (`gptj mlperf`: LoadGen's issuing and logging
 # threads and the SUT's; `gptj serve`: the event loop, for HTTP, tokenizing, streaming) keeps for them
-# when --threads is not given: none, as those threads need little. Measured 2026-11-27 on 2 quiet cores
-# (the ~0.2 B model, AVX2 paths): computing on both gave mlperf 1.9x Offline's samples/s, Server p50
-# latency 1.3 s against 8.8 s at 1 QPS, SingleStream p50 0.8 s against 1.3 s; and serve 1.5-1.9x the
-# output tokens/s with about half the TTFT p99 (600-token prompts, 1-32 clients on the same cores).
-# On 2 cores shared with other work, every core computing was 5-30x slower (docs/PERFORMANCE.md,
-# "Threads in gptj mlperf" and "Threads in gptj serve"): there, --threads 1.
+# when --threads is not given: none, as those threads need little, and on quiet cores computing on every
+# core is faster in every scenario. On cores shared with other work, --threads 1 answers sooner.
+# Figures: docs/PERFORMANCE.md#threads-mlperf and #threads-serve
 RESERVED_CORES = 0
 
 

@@ -149,31 +149,37 @@ def hf_side(path: str | Path, dtype: torch.dtype, device: torch.device) -> Side:
     return Side(f"HF transformers on {path}", load, decodes=False)
 
 
-def _run(side: Side, prompts: list[list[int]], conts: list[list[int]] | None,
-         new_tokens: int) -> tuple[Model, list[list[int]], list[torch.Tensor]]:
+def _run(side: Side, prompts: list[list[int]], conts: list[list[int]] | None, new_tokens: int,
+         progress: Callable[[str], None] = lambda line: None) -> tuple[Model, list[list[int]], list[torch.Tensor]]:
     """Load `side`, continue each prompt greedily (unless `conts` are given), take the teacher-forced
     logits over prompt + continuation, and let the model go (its Model keeps no weights alive
-    once the caller drops its functions)."""
+    once the caller drops its functions). `progress` is told each step as it starts."""
+    progress(f"loading {side.name}")
     m = side.load()
+    if conts is None and new_tokens:
+        progress(f"continuing {len(prompts)} prompt{'s' * (len(prompts) != 1)} by {new_tokens} greedy tokens")
     if conts is None:
         conts = [m.greedy(p, new_tokens) if new_tokens else [] for p in prompts]
+    progress(f"teacher-forced logits of {len(prompts)} prompt{'s' * (len(prompts) != 1)}")
     out = [m.logits(p + c) for p, c in zip(prompts, conts)]
     return Model(m.fmt, None, None), conts, out
 
 
-def compare(a: Side, b: Side, prompts: Sequence[Sequence[int]], new_tokens: int = 16) -> dict[str, Any]:
+def compare(a: Side, b: Side, prompts: Sequence[Sequence[int]], new_tokens: int = 16,
+            progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """The report (JSON-able): per prompt and overall max / mean |dlogit|, top-1 agreement, the first
     diverging greedy token; the tolerance and the verdict. The side that decodes (A when it can) runs
-    first and draws the continuations; then the other; one model in memory at a time."""
+    first and draws the continuations; then the other; one model in memory at a time. `progress` is
+    told each step (loading a side, decoding, the logits) as it starts: a run takes minutes on 6B."""
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GptjError("compare: every prompt needs at least one token")
     if new_tokens and not (a.decodes or b.decodes):
         raise GptjError("compare: neither side can decode (one must be a gptj model)")
     first, second = (a, b) if a.decodes or not new_tokens else (b, a)
-    m1, conts, out1 = _run(first, prompts, None, new_tokens)
+    m1, conts, out1 = _run(first, prompts, None, new_tokens, progress)
     gc.collect()
-    m2, _, out2 = _run(second, prompts, conts, new_tokens)
+    m2, _, out2 = _run(second, prompts, conts, new_tokens, progress)
     (ma, la_all), (mb, lb_all) = ((m1, out1), (m2, out2)) if first is a else ((m2, out2), (m1, out1))
     rows, scale = [], 0.0
     for ids, cont, la, lb in zip(prompts, conts, la_all, lb_all):

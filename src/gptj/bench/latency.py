@@ -337,8 +337,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     q.add_argument("--model", required=True, help="model directory (HF / gptj format)")
     q.add_argument("--batch-size", type=flags.positive, default=1)
     q.add_argument("--prompt-len", type=flags.positive, default=128, help="prompt tokens per sequence")
-    q.add_argument("--new-tokens", type=_at_least_two, default=64, help="new tokens per sequence (>= 2)")
-    flags.add_model_flags(q, dtype="auto", quantize_help="weight-only quantization (default: none)")
+    q.add_argument("--max-new-tokens", dest="new_tokens", type=_at_least_two, default=64, metavar="N",
+                   help="new tokens per sequence (>= 2)")
+    flags.add_deprecated_alias(q, "--new-tokens", "--max-new-tokens")
+    flags.add_model_flags(q, quantize_help="weight-only quantization (default: none)")
     flags.add_engine_flags(q, max_seqs_help="sequences running at once (default: batch-size)")
     q.add_argument("--warmup", type=flags.nonnegative, default=1, help="untimed runs first")
     q.add_argument("--repeats", type=flags.positive, default=3, help="timed runs (median reported)")

@@ -39,9 +39,9 @@ class Batching:
 
 
 # Samples at once by default, per scenario and device (the engine runs x num_beams sequences; the
-# KV pool still admits only what fits). CPU: 8, where a step's time grows with its rows. CUDA,
-# measured on an H200 (gptj-6b bf16, 4 beams, docs/GPU.md, 2026-11-28): Offline 6.3 samples/s
-# with 64 at once, 13.8 with 128, 15.4 with 256 (TensorRT-LLM ran 396); Server 64 held p99 at 4.9 s.
+# KV pool still admits only what fits). CPU: 8, where a step's time grows with its rows. CUDA: Offline
+# gains samples/s up to 256 at once; Server 64 holds its latency bound.
+# Figures: docs/PERFORMANCE.md#gpu-defaults
 DEFAULT_BATCH = {("Offline", "cpu"): 8, ("Server", "cpu"): 8, ("Offline", "cuda"): 256, ("Server", "cuda"): 64}
 
 

@@ -875,9 +875,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """The first index of each row's largest value, as torch.max(x, dim=-1).indices (ties to the first,
     a NaN the largest): x (M, N) float32 on CPU whose rows are contiguous, any stride between them.
-    int64 (M,). torch's CPU kernel tracks the index at every element: 0.67-1.30 ms for 32 rows of
-    50,400 logits on 2 threads (Zen 4, 2026-11-29), where its maximum alone (amax) takes 0.04-0.075;
-    this finds the maximum's first block of 256, then its index there: 0.06 ms."""
+    int64 (M,). torch's CPU kernel tracks the index at every element; this finds the maximum's first
+    block of 256 in one vector pass, then its index there, about as fast as torch's maximum alone
+    (figures: docs/PERFORMANCE.md#serving-vs-vllm)."""
     if _argmax_rows is None:
         _lib_or_raise("argmax_rows", "elementwise")
     if (not isinstance(x, torch.Tensor) or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2

@@ -531,10 +531,9 @@ static int run(job_t *j, int nthreads)
 /* ---- int8 weights at many rows of x: a GEMM on bfloat16 dot products (AVX512-BF16) -------------------
 
    The GEMV above converts each weight to bfloat16 once per pass of 8 rows of x and re-reads x for every
-   group of 16 weight rows: from 32 rows on it ran at 0.77-0.82x oneDNN's bfloat16 GEMM on bfloat16
-   weights of the same shapes (2 threads, Zen 4, 2026-11-29), so int8 prefilled slower than bfloat16.
-   Here each weight is converted once per call (per block of I8G_MC rows of x), and the arithmetic is a
-   register tile:
+   group of 16 weight rows, which from 32 rows on leaves it behind oneDNN's bfloat16 GEMM on bfloat16
+   weights. Here each weight is converted once per call (per block of I8G_MC rows of x), and the
+   arithmetic is a register tile:
 
    - A panel of I8G_PANEL (32) output channels, a slice of I8G_KC pairs of inputs at a time, is made
      bfloat16 (exact) into a per-thread buffer in the layout the tile reads: for each pair of inputs
@@ -551,25 +550,12 @@ static int run(job_t *j, int nthreads)
      sets), with a zero after an odd K; the sums wait in a per-thread buffer between slices.
    - The threads split the panels (static): each reads its contiguous range of weight rows once per block
      of rows of x.
-   Tuned by one-off builds (benchmarks/native_gemv.py --int8-gemm's shapes, Zen 4, 2 threads): tiles of
-   8 x 3, 6 x 4, 9 x 3 and 12 x 2 vectors all ran at 0.93-1.00x oneDNN's bfloat16 GEMM from 128 rows,
-   12 x 2 best by 1-3 %; slices of 128, 256, 512 and 2048 pairs (8 x 3 tiles) at 0.84-0.90, 0.89-0.94,
-   0.94-0.97 and 0.93-0.97x. Converting whole cache lines of a row at once, or prefetching the next panel, did not
-   help. What the conversion costs (4-8 ms a call for GPT-J's layers, twice the GEMV's time at 4 rows)
-   puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS). With tiles split evenly the GEMM timed
-   faster than the GEMV from 17 rows on one weight computed on (benchmarks/native_gemv.py --int8-gemm:
-   4-5 of GPT-J's 5 shapes at 17-28 rows, by up to 1.25x), but a model decoding batches of 24, each layer's
-   weight cold, ran slower with it (cpu_kinds.py: 211 and 212 tok/s against 223 at 32; 2026-11-29): the
-   GEMV streams its weight with a prefetch cursor ahead, the GEMM's conversion waits on memory.
-   A layout packed for it at load time would not pay (one-off builds, 16384 x 4096 at 32 rows, cycles of
-   thread 0 by rdtsc, 2026-11-29): reading each panel as one sequential stream with no transpose (the
-   bytes a packed layout would hold) cut the conversion from 9.7 to 3.3 M cycles but slowed the tiles
-   from 24.3 to 28 M (the memory traffic moves under them), 12.2-12.5 ms a call against the row-major
-   13.4 and oneDNN's bfloat16 12.1; a software prefetch of the next panel during the tiles, on either
-   layout, and dequantizing inside the first tile instead of a separate pass were slower still. The
-   tiles run close to Zen 4's one 512-bit vdpbf16ps a cycle (33.5 M a thread in 9.3 ms): int8 weights at
-   24-64 rows pay their conversion on top of the arithmetic bfloat16 weights need, and stay at 0.9-1.0x
-   bfloat16's speed there. */
+   The tile (12 x 2 vectors) and the slice (I8G_KC) are among the fastest shapes tried. The conversion's
+   cost puts the crossover with the GEMV at 32 rows (I8G_MIN_ROWS): below it the GEMV, which streams its
+   weight with a prefetch cursor ahead, is faster in a model whose weights are cold. No layout packed at
+   load time: the conversion it saves is lost in the tiles. The tiles run close to one 512-bit vdpbf16ps
+   a cycle, so int8 weights at 24-64 rows run at about bfloat16 weights' speed.
+   Figures and the variants tried: docs/PERFORMANCE.md#native-int8-gemm */
 
 #ifndef I8G_NV
 #define I8G_NV 2                  /* vectors of 16 channels per panel */
@@ -842,19 +828,16 @@ static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
      128 + q, and the correction zero - 136 s (one rounding) takes the 128 back with the 8.
    - A tile is up to I4V_MR rows of x by a block's 2 vectors (16 accumulators) or I4V_MR4 rows by its 4
      (24: with the 4 weight vectors, a broadcast and 2 constants, 31 of the 32 registers); a row's pair of
-     x is broadcast to every lane. Tiles of 6 rows on blocks of 64 instead of 4 ran 5-12 % faster at 8-32
-     rows (native_gemv.py --int4-gemm, 2026-11-29). After each group the tile's sums are scaled into the
-     block's running sums (a per-thread buffer), the scales gathered (i4v_group_scales).
+     x is broadcast to every lane. Blocks of 64 take tiles of 6 rows, faster than 4. After each group the
+     tile's sums are scaled into the block's running sums (a per-thread buffer), the scales gathered
+     (i4v_group_scales).
    - The threads split the blocks (static): each streams its contiguous range of the weight, with a software
-     prefetch 2 g_pf_dist bytes ahead (without it one row of x ran at 0.5-0.7x torch's int4 kernel's speed;
-     with it 0.84-1.02x, 0.94-1.23x at 3 rows, 1.4-1.55x at 8: benchmarks/native_gemv.py --int4-gemm, Zen 4,
-     2 threads, 2026-11-29). Each output is one lane's sums in a fixed order: results depend neither on
-     the other rows of the call nor on the threads.
-   - Tried (one thread, the weight in cache): vpermw on a table of bfloat16(q - 8) instead of or'ing into
-     128's bits took 1.2-1.6x the time at 4-8 rows; units of 32 channels, each its own pass over a block
-     of 64, 1.3-1.45x. With 6-row tiles the GEMV timed level with the GEMM at 32 rows and faster at 40-48
-     on one weight, but a model decoding batches of 48 ran at 220 tok/s on it against 261 on the GEMM
-     (cpu_kinds.py): the crossover stays at 32. */
+     prefetch 2 g_pf_dist bytes ahead (without it one row of x falls well behind torch's int4 kernel). Each
+     output is one lane's sums in a fixed order: results depend neither on the other rows of the call nor
+     on the threads.
+   - Or'ing into 128's bits is faster than a vpermw table of bfloat16(q - 8), and units of 32 channels
+     share a pass over a block of 64. The GEMM above takes over at 32 rows, where it decodes faster in a
+     model. Figures and the variants tried: docs/PERFORMANCE.md#native-int4-gemv-bf16 */
 
 #ifndef I4V_MR
 #define I4V_MR 8                  /* rows of x per tile of 2 vectors */
@@ -1040,16 +1023,14 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
      and, a shift and two conversions for 2 VW weights, shared by the tile's rows of x.
    - One row of x takes all of a block's units in one tile (on AVX2 a column of a block of 32 is 2 units:
      4 accumulators, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows of x
-     a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads). Tiles of 6 rows
-     (12 accumulators) left AVX2's 16 registers one short: the compiler spilled an accumulator, and 6-24 rows
-     ran 1.5-1.7x slower than with 5 (A/B of two builds in one process, calls alternated, 2026-11-29: a
-     throwaway script, as for the prefetch below; docs/PERFORMANCE.md, "int4 on AVX2").
+     a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads). I4F_MR is 5 on
+     AVX2: tiles of 6 rows (12 accumulators) leave its 16 registers one short, and the compiler spills an
+     accumulator (docs/PERFORMANCE.md#avx2-int4).
    - A group's scales are gathered through an offset table per lane, widened VW at a time.
    - The threads split the blocks (static), each streaming its range of the weight. From 2 rows of x a
-     software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's alone kept
-     up better: 1.87-1.96 ms against 1.96-2.22 with it for 16384 x 4096 on AVX2 (three A/B runs), while 4
-     and 8 rows ran 0-5 % faster with it (8 copies in turn, 2 threads, Zen 4, 2026-11-29). Each output is
-     one lane's sums in a fixed order, whatever the call's other rows and the threads. */
+     software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's prefetchers
+     alone keep up better (docs/PERFORMANCE.md#avx2-int4). Each output is one lane's sums in a
+     fixed order, whatever the call's other rows and the threads. */
 
 #ifndef I4F_MR
 #define I4F_MR ((VREGS - 6) / 2 < 8 ? (VREGS - 6) / 2 : 8)  /* rows of x per tile of one unit (AVX2: 5) */

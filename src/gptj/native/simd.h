@@ -126,11 +126,8 @@ static inline vf vf_exp(vf x)
 /* the cache lines of [p, p + bytes) into L2: a block's head rows one block ahead of their use
    (the blocks of a table lie anywhere in the pool: the hardware prefetchers cannot guess the next).
    One block ahead is every head's rows: 64 KB for GPT-J's 16 heads of 256 in int8, twice in
-   bfloat16, more than L1 holds (32-48 KB). Pulled into L1 (T0) they evicted the rows in use:
-   benchmarks/native_attention.py, 2 threads, Zen 4, 2026-11-28, 32 rows of 800 tokens, T0 -> T1:
-   int8 KV 16.3-19.5 -> 9.8-11.5 ms, bfloat16 25.8-25.9 -> 19.8-20.6 (NTA slower, T2 as T1); in an
-   engine (2 layers of GPT-J's width, W8A8, int8 KV, 32 greedy rows of 600+ tokens) 7.8-8.1 -> 5.1-6.3 ms
-   a layer's call. */
+   bfloat16, more than L1 holds (32-48 KB): pulled into L1 (T0) they would evict the rows in use, so
+   they go to L2 (T1). Figures: docs/PERFORMANCE.md#cpu-kernels */
 static inline void prefetch_span(const void *p, long bytes)
 {
     for (long o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 2); /* x86: prefetcht1 */

@@ -20,11 +20,8 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
 
   "mma" (TILES, the default): x as tl.dot's A operand in tiles of 16 rows (one tile for decode's
       calls: the weight is read once for all rows), the weight tile converted to x's dtype and
-      transposed (tl.trans) to tl.dot's B operand. On an H200 (2026-11-28, bfloat16 x, M = 1 and 16)
-      its best plans (n32 / n64, k128, 4 warps) ran the fused 28672 x 4096 int8 / e4m3 weight in
-      ~67-70 us, ~1.7 TB/s, against 68.9 us (3.4 TB/s) for bfloat16's F.linear: half the bytes in
-      the same time; int4 ~90 us (~690 GB/s). Summed over GPT-J 6B's four decode shapes: int8 282 us,
-      e4m3 277 us, int4 315 us, bfloat16 248 us.
+      transposed (tl.trans) to tl.dot's B operand. With float casts it moves half bfloat16's bytes in
+      about bfloat16's time (figures: docs/PERFORMANCE.md#gpu-quant-gemv).
   "swapped": the weight tile (BLOCK_N, BLOCK_K) as tl.dot's A operand, as it lies in memory (K
       contiguous, no transpose), x^T (BLOCK_K, rows) as B: out^T tiles (BLOCK_N, rows), stored
       transposed. rows (Tiles.rows) may be 8 (mma.sync's n) or fewer: less padding than 16.
@@ -39,15 +36,10 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
   Tiles.convert "bits" (kinds "mma" and "swapped", bfloat16 x only; float16 / float32 x run "cast"):
       the weight made bfloat16 by integer operations instead of w.to(x.dtype): the recipes and their
       ranges above INT8_MAGIC (int8, int4 exact for every byte; e4m3 exact for every finite byte,
-      with x scaled by 2^64, so |x| < 2^64, products under 2^-70 maybe flushed). Compiled offline
-      for sm_90a with Triton 3.6 (the GPU machine's) and 3.9, never run on a GPU: the SASS shows
-      that Triton 3.6's own int8 -> bfloat16 cast has no conversion instructions already (byte
-      permutes, masks and a packed bfloat16 subtraction), so "bits" can gain little for int8 (it
-      drops the masked-byte select); e4m3's cast is F2F / F2FP conversions, which "bits" replaces by
-      permutes, a shift and a mask (plus x's scaling: a packed bfloat16 multiply per 2 x values of
-      each warp's copy of x); int4's drops the int8 -> bfloat16 conversions. Static instruction
-      counts differ by -15 to +9%. Timed on an H200 (2026-11-28): "bits" made the mma kind's int8
-      and e4m3 GEMVs 1.45x faster (n64 k128: 145 against 209 µs over the four shapes at 16 rows).
+      with x scaled by 2^64, so |x| < 2^64, products under 2^-70 maybe flushed). e4m3's cast is
+      conversion instructions, which "bits" replaces by permutes, a shift and a mask; int4's drops the
+      int8 -> bfloat16 conversions. The mma kind's int8 and e4m3 GEMVs run faster with "bits" (the
+      SASS study and timings: docs/PERFORMANCE.md#gpu-quant-gemv).
 
 Batch invariance: every row is computed alike whatever else is in the call (under every kind, a
 row's sums do not depend on the other rows of its program, nor on its place among them; rows past M
@@ -58,8 +50,8 @@ differ in the last bits. The calls choose their plan by rows (plan_for: one for 
 for 2 to MAX_ROWS, as timed on an H200), so a row is the same bit for bit within each class.
 
 Tested under Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors, float32 and float16: the
-interpreter has no bfloat16 arithmetic) and on an H200 (2026-11-28: tests/test_quant_cuda.py with
--m cuda, bfloat16 "bits" kernels included, all passed; gemv_sweep's results within their bounds).
+interpreter has no bfloat16 arithmetic) and on a GPU (tests/test_quant_cuda.py with -m cuda,
+bfloat16 "bits" kernels included; the record: docs/PERFORMANCE.md#gpu-quant-gemv).
 The "bits" recipes are tested on every byte in torch and, for int8 and e4m3, as the kernels' own
 helpers under the interpreter.
 """
@@ -79,9 +71,8 @@ except ImportError:  # the caller (gptj.policy) sends calls here only where Trit
 
 MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); the caller decides
 
-# Block sizes of the default plan (TILES below, the kind "mma"; starting points from the arithmetic: on
-# an H200 the int8 and e4m3 GEMVs ran at 0.87x and 0.81x bfloat16's batch-1 decode, 2026-11-27, so
-# benchmarks/gemv_sweep.py times others):
+# Block sizes of the default plan (TILES below, the kind "mma"): starting points from the arithmetic,
+# which benchmarks/gemv_sweep.py times against others (docs/PERFORMANCE.md#gpu-quant-gemv):
 #   BLOCK_M 16: tl.dot's smallest tile. Decode's 1..16 rows are one tile, so each weight tile is read
 #     once for every row, and M = 1 and M = 16 run the same code (tensor cores do the 16 rows for
 #     the price of one; the padding rows are masked loads of x, no memory traffic). The kernels are
@@ -163,13 +154,11 @@ class Tiles:
       group. num_warps as Triton's. split / num_stages None: from the plan (_plan, _stages).
     convert (kinds "mma" and "swapped"; "fma" converts to float32 by bit operations already): how the
       weight becomes x's dtype for tl.dot. "cast" (the default): w.to(x.dtype), conversion
-      instructions (int8 -> float32 -> bfloat16: two a weight; on an H200 the bfloat16 int8 / e4m3
-      GEMVs ran at ~1.7 TB/s whatever the block sizes, 2026-11-28, maybe bound by these). "bits": for
+      instructions (int8 -> float32 -> bfloat16: two a weight, which may bound the GEMV). "bits": for
       bfloat16 x, integer operations (the recipes above INT8_MAGIC: int8 and int4 exact for every
       byte; e4m3 scales x by 2^64, so |x| must stay under 2^64, and products under 2^-70 may be
       flushed, see there); float16 / float32 x keep "cast" (the same kernel as "cast", bit for bit).
-      Never run on a GPU yet: whether it is faster, and whether Triton emits the intended
-      instructions, is for benchmarks/gemv_sweep.py to show.
+      benchmarks/gemv_sweep.py times it against "cast" (docs/PERFORMANCE.md#gpu-quant-gemv).
     Any plan computes a row alike in a call of any number of rows; different plans sum in
     different orders (so their results may differ in the last bits)."""
 
@@ -200,16 +189,10 @@ class Tiles:
 
 TILES = Tiles()  # the first default: reasoned, not timed (the kind "mma", float casts)
 
-# The plans the calls run where none is given (plan_for), chosen by benchmarks/gemv_sweep.py on an H200
-# (2026-11-28, torch 2.11, bfloat16 x; µs summed over GPT-J 6B's four decode shapes, bfloat16's
-# F.linear 213 at 1 row and 215 at 16; TILES 238 / 234 int8, 241 / 238 e4m3, 327 / 742 int4):
-#   1 row      int8  fma r1 n32 k256 w4      115 (1.85x F.linear's speed)
-#              e4m3  fma r1 n16 k512 w4      115 (1.85x)
-#              int4  fma r1 n32 k256 w4      182 (1.17x)
-#   2-16 rows  int8  mma n64 k128 w4 bits    145 at 16 rows (1.48x); at 1 row 1.57x (fma's 1.85x wins there)
-#              e4m3  mma n64 k128 w4 bits    144 (1.49x)
-#              int4  swapped r16 n128 k128   361 (0.59x: torch's tinygemm runs int4 for bfloat16 x, policy)
-# The kind "fma" of one row reads the weight once per row: 0.13-0.22x F.linear at 16 rows.
+# The plans the calls run where none is given (plan_for), the fastest of benchmarks/gemv_sweep.py's on an
+# H200 (figures: docs/PERFORMANCE.md#gpu-quant-gemv): one row, the kind "fma"; 2 to MAX_ROWS rows, "mma"
+# with "bits" for int8 and e4m3, "swapped" for int4 (bfloat16 x's int4 runs torch's tinygemm: policy).
+# The kind "fma" of one row reads the weight once per row, so it is slow for more rows.
 # Batch invariance therefore holds within each class of calls (1 row; 2 to MAX_ROWS rows): a row's
 # result is the same bit for bit in any call of its class; between classes the sums' order differs.
 ONE_ROW = {"int8": Tiles(kind="fma", rows=1, block_n=32, int8_block_k=256),
@@ -735,8 +718,8 @@ if triton is not None:
 def quantize_rows(x2: torch.Tensor, kind: str, mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gptj.quant.ops.quantize_rows_int8 (kind "int8") or quantize_rows_fp8 ("e4m3") of x2.float() * mul
     (mul float32 (K,), per column, or None), bit for bit, in one kernel launch where torch's forms
-    take some eight (on an H200, 2026-11-28, fp8's per-token rounding took 11.5 ms of elementwise
-    kernels a decode step at 1,024 rows) -> (q (M, K), scale float32 (M, 1))."""
+    take some eight (their cost at MLPerf's shape: docs/PERFORMANCE.md#gpu) -> (q (M, K), scale float32
+    (M, 1))."""
     _need_triton()
     M, K = _check_x(x2)
     code, dtype = ROW_KINDS[kind]

@@ -502,8 +502,8 @@ class Int4Linear(nn.Module):
 
     def _native_dequant(self, x2: torch.Tensor) -> bool:
         """Whether the dequantized matmul's weight comes from gptj.native's int4_dequant_t: bfloat16 on
-        a CPU with gptj.native, the weight in torch's CPU layout in whole blocks, outside autograd.
-        torch's unpacking of that layout took about 3 ns a weight (Xeon with AMX, 2026-11-28)."""
+        a CPU with gptj.native, the weight in torch's CPU layout in whole blocks, outside autograd:
+        torch's own unpacking of that layout is many times slower (docs/PERFORMANCE.md#amx-int8-gemm)."""
         layout = cpu_int4_layout() if self.layout == "cpu" else None
         return (layout is not None and native_elementwise(x2.device, x2.dtype)
                 and not (torch.is_grad_enabled() and x2.requires_grad))

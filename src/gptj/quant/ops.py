@@ -100,10 +100,8 @@ def _chunk_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device
     dtype, grown as needed: at most DEQUANT_CHUNK_ELEMENTS elements for _row_chunks' chunks).
 
     Why: a chunk of 32 MiB is above glibc's largest mmap threshold, so a fresh tensor for each chunk
-    is a fresh mapping, and writing it page-faults every 4 KiB. On a 2-core Intel Xeon with AMX
-    (2026-11-28) converting 2048 x 4096 int8 weights to bfloat16 took 7.7 ms into a new tensor and
-    0.64 ms into this buffer, and 8 rows of a 28672 x 4096 int8 layer through chunked_linear 74 ms
-    against 30 ms."""
+    is a fresh mapping, and writing it page-faults every 4 KiB; a reused buffer pays that once.
+    Figures: docs/PERFORMANCE.md#amx-int8-gemm"""
     cache = getattr(_scratch, "buffers", None)
     if cache is None:
         cache = _scratch.buffers = {}

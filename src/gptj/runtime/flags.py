@@ -116,16 +116,19 @@ GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the la
                    "quantized layer's inputs)")
 
 
-AUTO_DTYPE_HELP = ("auto: bfloat16 where it runs fast (a GPU; a CPU with AVX512-BF16 or AMX, or where "
-                   "gptj.native runs: AVX2), float32 elsewhere")
+DTYPE_RULES_HELP = ("auto: the checkpoint's own, as its config.json records it (torch_dtype; float32 when it "
+                    "records none), so a run matches HF transformers on the same checkpoint; fast: bfloat16 where "
+                    "it runs fast (a GPU; a CPU with AVX512-BF16 or AMX, or where gptj.native runs: AVX2), float32 "
+                    "elsewhere")
 
 
 def add_dtype_flag(p: Any, default: str | None = "float32", help: str | None = None,  # noqa: A002
                    auto: bool = False) -> None:
-    """--dtype; `auto` offers "auto" too (a model run's dtype: gptj.policy.auto_dtype, resolved in ModelSpec)."""
-    choices = (*_dtype_names(), "auto") if auto else _dtype_names()
+    """--dtype; `auto` offers the rules "auto" (the checkpoint's dtype: runtime.spec.checkpoint_dtype) and
+    "fast" (gptj.policy.fast_dtype) too, resolved in ModelSpec."""
+    choices = (*_dtype_names(), "auto", "fast") if auto else _dtype_names()
     if help is None and auto:
-        help = f"the model's float dtype: %(choices)s (default {default}; {AUTO_DTYPE_HELP})"
+        help = f"the model's float dtype: %(choices)s (default {default}; {DTYPE_RULES_HELP})"
     p.add_argument("--dtype", choices=choices, default=default, help=help)
 
 
@@ -148,7 +151,7 @@ def add_kernel_flags(p: Any) -> None:
                         "off: the plain model")
 
 
-def add_model_flags(p: Any, dtype: str = "float32", quantize_help: str | None = None) -> None:
+def add_model_flags(p: Any, dtype: str = "auto", quantize_help: str | None = None) -> None:
     """How the model runs: --dtype (default `dtype`), --device, --quantize, --group-size, --compile, --kernels."""
     add_dtype_flag(p, dtype, auto=True)
     add_device_flag(p)
@@ -179,13 +182,16 @@ def add_parallel_flags(p: Any) -> None:
 
 def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | None = None,
                      max_seqs_help: str | None = None) -> None:
-    """How big the engine is. batch_alias: --max-batch-size also names --max-seqs (gptj serve's
-    old name). prefill_chunk: the command's default (serve: SERVE_PREFILL_CHUNK, so long prompts do not
-    stall the running ones for long; elsewhere whole prompts)."""
-    names = ("--max-seqs", "--max-batch-size") if batch_alias else ("--max-seqs",)
+    """How big the engine is. batch_alias: gptj serve's names, --max-num-seqs (vLLM's) besides --max-seqs,
+    and --max-batch-size a deprecated alias (elsewhere, as in gptj mlperf, it counts samples per batch).
+    prefill_chunk: the command's default (serve: SERVE_PREFILL_CHUNK, so long prompts do not stall the
+    running ones for long; elsewhere whole prompts)."""
+    names = ("--max-seqs", "--max-num-seqs") if batch_alias else ("--max-seqs",)
     p.add_argument(*names, dest="max_seqs", type=positive, metavar="N",
                    help=max_seqs_help or "sequences running at once, beams counted each (default: the command's "
                                          "batch, else as many as the KV memory holds, at most 256)")
+    if batch_alias:
+        add_deprecated_alias(p, "--max-batch-size", "--max-num-seqs")
     p.add_argument("--max-model-len", type=positive, metavar="N",
                    help="prompt + new tokens per sequence (default: the command's longest, else the model's)")
     p.add_argument("--kv-blocks", type=positive, metavar="N",
@@ -202,7 +208,8 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
                    help="decode-only steps replayed from CUDA graphs captured per batch size: auto (on CUDA, "
                         "default) or off")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="do not reuse the KV blocks of a prompt prefix computed before")
+                   help="turn prefix caching off (it is on by default: the KV blocks of a prompt prefix computed "
+                        "before are reused)")
     p.add_argument("--prefill-chunk", type=nonnegative, default=prefill_chunk,
                    help="prompt tokens prefilled per engine step, so long prompts do not stall running requests "
                         "(0: whole prompts)" + ("" if prefill_chunk else " (default: whole prompts)"))
@@ -210,6 +217,30 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
 
 def add_threads_flag(p: Any, help: str = "torch compute threads (default: the usable cores)") -> None:  # noqa: A002
     p.add_argument("--threads", type=positive, default=None, help=help)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old flag name: stores into the new flag's dest, saying once on stderr which name to use."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        import sys
+
+        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new} (the old name goes in a "
+              f"later release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(p: Any, old: str, new: str) -> None:
+    """`old` as a deprecated name of the flag `new` (added to `p`, a parser or group, before): the same
+    dest, type and choices, hidden from --help; using it prints one warning line on stderr."""
+    target = p._option_string_actions[new]  # (argparse has no public lookup by flag)
+    p.add_argument(old, dest=target.dest, type=target.type, choices=target.choices, metavar=target.metavar,
+                   action=_DeprecatedAlias, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 # --- parsed flags -> spec and engine config ---------------------------------------------------
@@ -262,8 +293,9 @@ def flags_given(spec: ModelSpec, engine: EngineConfig) -> list[str]:
     from gptj.runtime.spec import ModelSpec
 
     flag_of = {name: dest for dest, name in _ENGINE_FLAGS.items()} | {"prefix_caching": "no_prefix_caching"}
+    default = ModelSpec(path=spec.path)  # (--dtype auto: the checkpoint's, once a folder is named)
     given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(ModelSpec)
-             if f.name != "path" and getattr(spec, f.name) != getattr(ModelSpec(), f.name)]
+             if f.name != "path" and getattr(spec, f.name) != getattr(default, f.name)]
     given += [f"--{flag_of.get(f.name, f.name).replace('_', '-')}" for f in dataclasses.fields(EngineConfig)
               if getattr(engine, f.name) != getattr(EngineConfig(), f.name)
               and f"--{f.name}" not in given]  # (--kernels, --compile: named once)

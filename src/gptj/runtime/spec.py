@@ -23,6 +23,35 @@ if TYPE_CHECKING:
     from gptj.engine.config import EngineConfig, KVPlan
 
 
+# --dtype's two rules besides a named dtype (every command that runs a model, one default: AUTO).
+AUTO = "auto"  # the checkpoint's own dtype, as config.json records it (HF transformers 5's and vLLM's "auto")
+FAST = "fast"  # bfloat16 where it runs fast, else float32 (gptj.policy.fast_dtype)
+
+
+def checkpoint_dtype(path: object) -> str:
+    """`--dtype auto` for the model folder `path`: the float dtype its config.json records
+    (`torch_dtype`; transformers 5 writes `dtype`), float32 when it records none (or there is no
+    config.json: the loader then says what is wrong with the folder). So a run with the defaults
+    computes in the dtype HF transformers loads the same checkpoint in, token for token."""
+    import json
+    from pathlib import Path
+
+    from gptj.device import DTYPE_NAMES, dtype_name, parse_dtype
+
+    try:
+        config = json.loads((Path(str(path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    recorded = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    if recorded is None:
+        return "float32"
+    name = str(recorded).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise GptjError(f"{path}: config.json records torch_dtype {recorded!r}, which gptj does not run; "
+                        f"pass --dtype ({', '.join(DTYPE_NAMES)})")
+    return dtype_name(parse_dtype(name))
+
+
 def _positive(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise GptjError(f"{what} must be a positive integer, got {value!r}")
@@ -35,7 +64,9 @@ class ModelSpec:
     graphs — is the EngineConfig's: one home for those switches.)"""
 
     path: str | None = None  # the model folder (None: a template, e.g. serve's for each --model)
-    dtype: str = "float32"  # activations, float weights and the KV cache (aliases: fp32, bf16, fp16; auto: policy.auto_dtype)
+    # activations, float weights and the KV cache (aliases: fp32, bf16, fp16); AUTO: the checkpoint's
+    # (checkpoint_dtype; a template, path None, keeps "auto" until .at(path)); FAST: policy.fast_dtype
+    dtype: str = AUTO
     device: str = "cpu"  # cpu, cuda, cuda:N or auto (resolved where the model loads: a rank's, a node's)
     quantize: str | None = None  # weight-only linears, on load (gptj.quant.QUANT_MODES)
     group_size: int | None = None  # int4 group size (None: the loader's default)
@@ -50,12 +81,15 @@ class ModelSpec:
             object.__setattr__(self, "path", str(self.path))
         if not isinstance(self.device, str) or not self.device:
             raise GptjError(f"device must be a name (cpu, cuda, cuda:N or auto), got {self.device!r}")
-        if self.dtype == "auto":  # resolved once, here: bfloat16 where the device computes it, else float32
+        if self.dtype == FAST:  # resolved once, here: bfloat16 where the device computes it, else float32
             from gptj.device import named_device
-            from gptj.policy import auto_dtype
+            from gptj.policy import fast_dtype
 
-            object.__setattr__(self, "dtype", dtype_name(auto_dtype(named_device(self.device))))
-        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
+            object.__setattr__(self, "dtype", dtype_name(fast_dtype(named_device(self.device))))
+        elif self.dtype == AUTO and self.path is not None:  # resolved once the folder is known
+            object.__setattr__(self, "dtype", checkpoint_dtype(self.path))
+        if self.dtype != AUTO:
+            object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16
         if self.quantize is not None:
             from gptj.quant import check_mode
 
@@ -76,6 +110,8 @@ class ModelSpec:
     def torch_dtype(self) -> torch.dtype:
         from gptj.device import parse_dtype
 
+        if self.dtype == AUTO:  # a template's: each model's folder decides (.at)
+            raise GptjError("dtype auto is the checkpoint's: give the spec a model folder first")
         return parse_dtype(self.dtype)
 
     @property

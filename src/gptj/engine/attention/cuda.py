@@ -23,10 +23,9 @@ own blocks as "sum" does (blocks under 16 tokens: "sum"). Its output is within t
 bound, not the same bits. CudaAttention.decode_variant chooses (no user flag): "auto", the default,
 runs "dot" where the step's tile of rows is 2 or more (beam search: a group's rows share its prompt)
 and "sum" for steps of single sequences (tile 1: no rows to share a block's read); the variant
-follows the tile, so the batch-invariance promise above holds as it is. Measured on an H200
-(2026-11-28, bfloat16, MLPerf's shape: 256 samples x 4 beams, benchmarks/profile_steps.py): the
-decode attention took 42.7 ms a step with "sum" and 16.9 ms with "dot"; "dot" at tile 1 has not
-been timed.
+follows the tile, so the batch-invariance promise above holds as it is. At MLPerf's shape "dot"
+takes well under half of "sum"'s time a step (figures: docs/PERFORMANCE.md#gpu); "dot" at tile 1
+is not timed.
 
 The kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how they
 are tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
@@ -331,9 +330,9 @@ def copy_blocks(stacked: list[torch.Tensor], copies: list[tuple[int, int, int]])
     """PagedKV.copy by the Triton kernel: block dst gets block src's first n tokens in every layer and
     head of each tensor of `stacked` (PagedKV.stacked: keys and values (L, n_blocks, H, B, D), scales
     (L, n_blocks, H, B), contiguous), each (src, dst, n) of `copies` (dst blocks fresh: no dst is a
-    src). Only the n tokens move, where the reference's indexing moves whole blocks (on an H200, 2026-11-28, a
-    step of 256 samples x 4 beams spent 16.6 ms of kernels in that indexing's gather and scatter); the
-    rows from n on are not the sequence's yet (PagedKV.copy). One launch per tensor, the table of copies
+    src). Only the n tokens move, where the reference's indexing moves whole blocks through a gather and
+    a scatter (its cost at MLPerf's shape: docs/PERFORMANCE.md#gpu); the rows from n on are not the
+    sequence's yet (PagedKV.copy). One launch per tensor, the table of copies
     moved to the device in one copy."""
     if not copies:
         return

@@ -56,11 +56,10 @@ class PagedKV:
         anything reads it (a sequence's reads stop at its length), so they are left as they are.
 
         On a CPU each copy moves its n rows of every layer in one strided copy per tensor kind, read
-        once and written once. An indexed copy of whole blocks (`t[:, dst] = t[:, src]`: a gather
-        into a temporary, then a scatter) took 80-99 ms against 10-17 for 24 copies in GPT-J 6B's
-        shape (28 layers, 16 heads of 256, blocks of 16, bfloat16; 2.5 against 0.3-0.8 ms in the
-        0.2b benchmark model's), 2 threads, Zen 4, 2026-11-28. Elsewhere (a GPU without the cuda
-        backend's copy kernel) the indexed copy stays: one launch per tensor kind, not one per copy."""
+        once and written once, several times faster than an indexed copy of whole blocks
+        (`t[:, dst] = t[:, src]`: a gather into a temporary, then a scatter; figures:
+        docs/PERFORMANCE.md#offline-mlperf-shaped). Elsewhere (a GPU without the cuda backend's copy
+        kernel) the indexed copy stays: one launch per tensor kind, not one per copy."""
         if copies:
             (copy_rows if self.device.type == "cpu" else copy_whole_blocks)(self.stacked, copies)
 
