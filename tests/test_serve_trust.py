@@ -252,3 +252,40 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_checkpoint):
         assert f"token id {V} outside the vocabulary [0, {V})" in body["error"]["message"]
         status, _, _ = call(thread.url, body=dict(model="tiny", prompt="a", max_tokens=2, stop_token_ids=[V - 1]))
         assert status == 200
+
+
+# --- what the server says about itself -------------------------------------------------------------
+
+def test_the_server_logs_each_models_summary_and_a_line_per_request(tiny_checkpoint, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gptj.serve")
+    with _served(tiny_checkpoint, batch_wait_ms=0.0) as thread:
+        served = thread.state.models["tiny"]
+        status, body, _ = call(thread.url, body=dict(model="tiny", prompt=[1, 2, 3], max_tokens=4, ignore_eos=True))
+        assert status == 200
+        call(thread.url, body=dict(model="nope", prompt="a"))
+        call(thread.url, "GET", "/health")
+        plan = served.engine.plan
+    lines = [r.getMessage() for r in caplog.records]
+    summary = next(line for line in lines if line.startswith("model tiny: "))
+    for part in ("float32 on cpu", "quantization none", f"{plan.n_blocks:,} blocks of {plan.block_size} tokens",
+                 f"up to {plan.max_seqs} sequences of {plan.max_len:,} tokens", f"{served.threads} compute threads"):
+        assert part in summary, (part, summary)
+    access = [line for line in lines if '"POST /v1/completions"' in line]
+    assert any(" 200 " in a and "model=tiny prompt_tokens=3 completion_tokens=4 ttft=" in a for a in access), access
+    assert any(" 404 " in a for a in access), access
+    assert any('"GET /health" 200' in line for line in lines)
+
+
+def test_no_access_log_turns_the_request_lines_off(tiny_checkpoint, caplog):
+    import logging
+
+    from gptj.cli import _server_config, build_parser
+
+    assert _server_config(build_parser().parse_args(["serve", "--model", "m", "--no-access-log"])).access_log is False
+    assert _server_config(build_parser().parse_args(["serve", "--model", "m"])).access_log is True
+    caplog.set_level(logging.INFO, logger="gptj.serve")
+    with _served(tiny_checkpoint, batch_wait_ms=0.0, access_log=False) as thread:
+        assert call(thread.url, "GET", "/health")[0] == 200
+    assert not [r for r in caplog.records if r.name == "gptj.serve.access"]

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from gptj.decode import GenerationConfig
 from gptj.engine.core import FAILED, Engine
 from gptj.engine.request import AbortRequest, AddRequest, Operation, Request
@@ -80,6 +82,7 @@ class EngineLoop:
         self._ids = 0
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self.threads = 0  # torch compute threads on the loop's thread, once the engine is built
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(factory,), name="gptj-engine", daemon=True)
@@ -145,6 +148,7 @@ class EngineLoop:
         try:
             if factory is not None:
                 self.engine = factory()
+            self.threads = torch.get_num_threads()  # this thread's count, which the steps run with
         except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
             self._build_error = e
             if self.leader is not None:

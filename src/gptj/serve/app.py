@@ -127,6 +127,38 @@ class BodyLimit:
 DRAIN_RETRY_AFTER_S = 5
 
 
+access_log = logging.getLogger("gptj.serve.access")
+
+
+class AccessLog:
+    """ASGI middleware: one log line per HTTP request once its response has ended: the client, the
+    method and path, the status, the latency, and for a completion what the handler left in the
+    request's state (`access`: model, tokens in and out, time to the first token)."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001 - an ASGI app
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 0
+
+        async def sent(message) -> None:  # noqa: ANN001
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            extra = scope.get("state", {}).get("access", "")
+            access_log.info('%s "%s %s" %s %.3fs%s', who, scope["method"], scope["path"], status or "-",
+                            time.perf_counter() - start, f" {extra}" if extra else "")
+
+
 class ConnectionGate:
     """The connection limit (--max-connections). The protocol (gptj.serve.server) reports each
     connection as it opens and closes, by its peer address; the first `limit` open ones are admitted,
@@ -271,12 +303,13 @@ class ServerState:
             for name, path in self.cfg.models:
                 if name in self.models:  # loaded before the app started (a Ray Serve replica)
                     continue
+                log.info("loading model %s from %s", name, path)
                 served = await asyncio.to_thread(load_served_model, name, path, self.cfg, self.cfg.lora)
                 self.models[name] = served
+                log.info("model %s", served.describe())
                 for adapter, folder in self.cfg.lora:  # (ServerConfig: adapters go with its one model)
                     self.models[adapter] = served.adapter_view(adapter, folder)
-                    log.info("serving LoRA adapter %s from %s over %s", adapter, folder, name)
-                log.info("loaded %s from %s", name, path)
+                    log.info("model %s", self.models[adapter].describe())
             if self.status == "loading":
                 self.status = "ok"
         except Exception as e:  # noqa: BLE001 - reported on /health and by the CLI, one line
@@ -401,7 +434,9 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     app.add_middleware(KeyGate, cfg=cfg)
     app.add_middleware(BodyLimit, limit=state.body_limit, read_timeout_s=cfg.read_timeout_s)
     app.add_middleware(Draining, state=state)  # a draining server reads no body
-    app.add_middleware(ConnectionLimit, gate=state.connections)  # outermost: beyond the limit, nothing is read
+    app.add_middleware(ConnectionLimit, gate=state.connections)  # beyond the limit, nothing is read
+    if cfg.access_log:
+        app.add_middleware(AccessLog)  # outermost: every answer is logged, refusals included
 
     # --- errors: always OpenAI's format ---
 
@@ -508,7 +543,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         state.running.add(run)
         state.metrics.prompt_tokens.labels(served.name).inc(sum(len(p) for p in the_plan.prompts))
         if body.stream:
-            return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status))
+            return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status, request))
         status = 500
         try:
             waiter = asyncio.create_task(_collect(run, cfg.request_timeout_s))
@@ -526,7 +561,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             status = e.status
             raise
         finally:
-            _finish(run, state, status)  # cancels what still runs (a disconnect, a timeout, an error)
+            _finish(run, state, status, request)  # cancels what still runs (a disconnect, a timeout, an error)
 
     @app.post("/admin/models", response_model=ModelStatus, status_code=201, responses=_ERRORS)
     async def load(body: LoadModelRequest, request: Request) -> ModelStatus:
@@ -557,6 +592,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             await asyncio.to_thread(served.shutdown)
             raise APIError(409, f"model {body.name!r} is already served", "name")
         state.models[body.name] = served
+        log.info("model %s (published)", served.describe())
         return ModelStatus(name=body.name, status="ready")
 
     @app.delete("/admin/models/{name}", response_model=ModelStatus, responses=_ERRORS)
@@ -577,6 +613,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         for n in [name, *views]:
             state.models.pop(n, None)
         await asyncio.to_thread(served.shutdown)
+        log.info("model %s unpublished%s", name, f" (it had failed: {served.failure})" if served.failure else "")
         return ModelStatus(name=name, status="unloaded")
 
     return app
@@ -611,12 +648,15 @@ async def _collect(run: Completion, timeout_s: float) -> CompletionResponse:
     return run.response()
 
 
-def _finish(run: Completion, state: ServerState, status: int) -> None:
+def _finish(run: Completion, state: ServerState, status: int, request: Request) -> None:
     state.running.discard(run)
     run.cancel()
     name = run.served.name
     now = time.perf_counter()
     state.metrics.observe(name, status, run.start, run.first_token, now, run.new_tokens)
+    ttft = f" ttft={run.first_token - run.start:.3f}s" if run.first_token is not None else ""
+    request.state.access = (f"model={name} prompt_tokens={sum(len(p) for p in run.plan.prompts)} "
+                            f"completion_tokens={run.new_tokens}{ttft}")
 
 
 def _sse(obj: Any) -> bytes:

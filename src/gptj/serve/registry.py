@@ -56,7 +56,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish
     # a connection must finish each request's headers, and then its body, within this (else closed / 408)
     read_timeout_s: float = 30.0
-    max_connections: int = 512  # open connections (and running requests) at most; beyond: 503
+    max_connections: int = 512  # open connections at most; beyond, a JSON 503 (GET /health is always answered)
+    access_log: bool = True  # a log line per request: status, latency, and a completion's tokens
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes when set
     # with an api_key: /metrics, and the API's documents (/docs, /redoc, /openapi.json), need it too
     # unless made public (a Prometheus scraper without the key; docs for anyone who can reach the port)
@@ -189,6 +190,7 @@ class ServedModel:
     # a LoRA adapter served over `base`'s engine: requests run with it; places are counted on the base
     adapter: str | None = None
     base: ServedModel | None = None
+    threads: int = 0  # torch compute threads of its engine's thread (the start-up summary says it)
 
     def adapter_view(self, name: str, folder: str) -> ServedModel:
         """The model name `name` for this engine's LoRA adapter `name` (from `folder`): the base's
@@ -238,6 +240,23 @@ class ServedModel:
             self._idle = asyncio.Event()
             await self._idle.wait()
 
+    def describe(self) -> str:
+        """One line for the server's log: what this model runs with and how big its engine is."""
+        if self.base is not None:
+            return f"{self.name}: LoRA adapter from {self.path} over {self.base.name}"
+        engine, plan = self.engine, self.engine.plan
+        model = engine.model
+        quant = (model.config.quantization or {}).get("mode", "quantized") if model.config.quantization else "none"
+        cfg = engine.config
+        from gptj.engine.config import kv_storage
+
+        dtype = model.transformer.wte.weight.dtype
+        return (f"{self.name}: {self.path}; {str(dtype).removeprefix('torch.')} on {engine.device}, quantization "
+                f"{quant}, KV {str(kv_storage(dtype, cfg.kv_dtype)).removeprefix('torch.')} in {plan.n_blocks:,} blocks of {plan.block_size} tokens "
+                f"({plan.tokens:,} tokens, {plan.bytes / 2**20:,.1f} MiB), up to {plan.max_seqs} sequences of "
+                f"{plan.max_len:,} tokens, {self.capacity} requests admitted (running + queued), "
+                f"prefix caching {'on' if cfg.prefix_caching else 'off'}, {self.threads} compute threads")
+
     # what /metrics reads (from the scraping thread): the engine's stats(), never its fields
     def stats(self):  # noqa: ANN201 - gptj.engine.config.EngineStats
         return self.engine.stats()
@@ -284,7 +303,8 @@ def load_served_model(name: str, path: str, cfg: ServerConfig,
     engine = loop.engine
     stats = engine.stats()
     return ServedModel(name, str(path), engine, loop, tokenizer, stats.max_len, engine.model.config.vocab_size,
-                       capacity=stats.max_seqs + cfg.max_queue, max_token_bytes=token_bytes_bound(tokenizer))
+                       capacity=stats.max_seqs + cfg.max_queue, max_token_bytes=token_bytes_bound(tokenizer),
+                       threads=loop.threads)
 
 
 def token_bytes_bound(tokenizer) -> int | None:  # noqa: ANN001 - gptj.tokenizer.Tokenizer

@@ -168,12 +168,28 @@ def _http_protocol(read_timeout_s: float, gate: ConnectionGate | None = None) ->
     return ReadTimeoutProtocol
 
 
+def _log_like_uvicorn(level: str) -> None:
+    """gptj's own server lines (each model's start-up summary, the access log, the drain) on stderr
+    beside uvicorn's, in its format, at the server's log level."""
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("gptj")
+    if not any(getattr(h, "gptj_server", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        handler.gptj_server = True
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True) -> _Server:
     """`own_process`: let uvicorn configure logging (dictConfig). Inside another program (tests,
     benchmarks) that would replace, and close, the program's own logging handlers."""
     state = ServerState(cfg)
     app = create_app(cfg, state)
     extra = {} if own_process else {"log_config": None}
+    if own_process:
+        _log_like_uvicorn(log_level)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                             timeout_graceful_shutdown=min(_CLOSE_S, cfg.drain_timeout_s), access_log=False,
                             lifespan="on", http=_http_protocol(cfg.read_timeout_s, state.connections), **extra)
