@@ -207,8 +207,8 @@ def exact(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def auto_dtype(device: torch.device | str) -> torch.dtype:
-    """`--dtype auto`: bfloat16 where it runs fast — a GPU that has it; a CPU that computes it
+def fast_dtype(device: torch.device | str) -> torch.dtype:
+    """`--dtype fast`: bfloat16 where it runs fast — a GPU that has it; a CPU that computes it
     (AVX512-BF16, AMX-BF16: gptj.cpu's flags, ceilings applied) or where gptj.native's kernels run
     (AVX2: decode 2.9-4.1x float32's tokens/s at batch 1-8, prefill 0.94-1.10x, serving 1.55-1.89x;
     docs/PERFORMANCE.md) — else float32 (torch's own bfloat16 there is 2.8-3.6x slower than float32);
