@@ -232,3 +232,51 @@ def test_mlperf_max_batch_size_is_its_own_flag(capsys):
 
     args = build_parser().parse_args(["mlperf", "--model", "m", "--max-batch-size", "3"])
     assert args.max_batch_size == 3 and args.max_seqs is None and capsys.readouterr().err == ""
+
+
+def test_generate_labels_each_prompts_text(tiny, capsys):
+    """Several prompts: each one's text starts with its number; --json stays one bare object per line."""
+    argv = ["generate", "--model", str(tiny), "--prompt", "Hello world", "--prompt-ids", "464,2068",
+            "--max-new-tokens", "4"]
+    code, out, err = run(argv + ["--json"], capsys)
+    assert code == 0, err
+    texts = [json.loads(line)["text"] for line in out.splitlines()]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert out == f"[1] {texts[0]}\n[2] {texts[1]}\n"
+
+
+def test_generate_stream_prints_the_same_text(tiny, capsys, monkeypatch):
+    """--stream writes each prompt's text piece by piece, as its tokens come (each prompt in turn,
+    labelled), and ends with the text generate prints without it."""
+    argv = ["generate", "--model", str(tiny), "--prompt", "Hello world", "--prompt-ids", "464,2068",
+            "--max-new-tokens", "6"]
+    code, whole, err = run(argv, capsys)
+    assert code == 0, err
+    writes = []
+    real = sys.stdout.write
+    monkeypatch.setattr(sys.stdout, "write", lambda text: writes.append(text) or real(text))
+    code, streamed, err = run(argv + ["--stream"], capsys)
+    assert code == 0, err
+    assert streamed == whole
+    assert len([w for w in writes if w]) > 4  # pieces, not one line per prompt
+    code, _, err = run(argv + ["--stream", "--json"], capsys)
+    assert code == 1 and "--stream" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_existing_out_is_refused_before_reading_weights(tiny, tmp_path, capsys, monkeypatch):
+    """convert and init check --out first: a 6B checkpoint is not read (or made) only to be refused."""
+    import gptj.weights.io as io
+
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "file").write_text("x")
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights read before --out was checked")
+
+    monkeypatch.setattr(io, "read_checkpoint", never)
+    monkeypatch.setattr(io, "random_state_dict", never)
+    for argv in (["convert", str(tiny), "--out", str(out), "--quiet"], ["init", "--out", str(out)]):
+        code, _, err = run(argv, capsys)
+        assert code == 1 and "already exists" in err and "--force" in err, err

@@ -109,6 +109,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from gptj.device import parse_dtype
     from gptj.weights.io import auto_progress, random_state_dict, save_checkpoint
 
+    _check_out(args)
     config = get_preset(args.preset)
     progress = auto_progress(config)  # gptj-6b takes minutes: bars on stderr when it is a terminal
     sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype), progress=progress)
@@ -117,10 +118,18 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """An --out in the way is refused before any weight is read or made (the writer checks it again)."""
+    out = Path(args.out)
+    if not args.force and out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from gptj.device import parse_dtype
     from gptj.weights.io import convert
 
+    _check_out(args)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     shards = None
     if args.tp is not None and args.tp > 1:  # each rank's shard beside the checkpoint (gptj.parallel.tp)
@@ -182,21 +191,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from gptj.parallel.launch import NOT_RANK0, run_parallel, under_torchrun
 
     tok, prompts, gen, spec, engine = generate_setup(args)
-    payload = {"spec": spec, "engine": engine, "gen": gen, "prompts": prompts, "debug": args.debug}
     _check_parallel(spec.tp, spec.pp, spec.path)
+    if args.stream:
+        if args.json or gen.num_beams > 1 or spec.world > 1 or under_torchrun():
+            raise GptjError("--stream prints one greedy or sampled sequence's text as it comes: not with --json, "
+                            "--num-beams > 1, --tp or --pp")
+        _stream(tok, prompts, gen, spec, engine)
+        return 0
+    payload = {"spec": spec, "engine": engine, "gen": gen, "prompts": prompts, "debug": args.debug}
     if spec.world > 1 or under_torchrun():
         outputs = run_parallel(_generate_job, spec.world, payload, device=spec.device)
         if outputs is NOT_RANK0:
             return 0
     else:
         outputs = _generate_job(0, 1, payload)
-    for prompt, new in zip(prompts, outputs):
+    for i, (prompt, new) in enumerate(zip(prompts, outputs), 1):
         text = tok.decode(new)
         if args.json:
             print(json.dumps({"prompt_ids": prompt, "token_ids": new, "text": text}, ensure_ascii=False))
         else:
-            print(text)
+            print(_label(i, len(prompts)) + text)
     return 0
+
+
+def _label(i: int, n: int) -> str:
+    """gptj generate's text output: with several prompts, each one's text starts with its number."""
+    return f"[{i}] " if n > 1 else ""
+
+
+def _stream(tok, prompts: list[list[int]], gen, spec, engine_config) -> None:  # noqa: ANN001
+    """gptj generate --stream: each prompt in turn, its text printed as its tokens come (the engine's
+    on_token); a token that ends inside a character waits for the next. The text is the one
+    generate prints without --stream."""
+    from gptj.engine.request import FAILED
+    from gptj.runtime.build import build_engine, load_model
+
+    engine = build_engine(load_model(spec), engine_config)
+    for i, prompt in enumerate(prompts, 1):
+        shown, tokens = "", []
+        sys.stdout.write(_label(i, len(prompts)))
+        sys.stdout.flush()
+
+        def on_token(req, token: int) -> None:  # noqa: ANN001 - gptj.engine.request.Request
+            nonlocal shown
+            tokens.append(token)
+            text = tok.decode(tokens)
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+
+        req = engine.add_request(prompt, gen, on_token=on_token)
+        while not req.done:
+            engine.step()
+        if req.status == FAILED:
+            raise GptjError(f"generation failed: {req.error}")
+        text = tok.decode(req.output)
+        print(text[len(shown):] if text.startswith(shown) else "", flush=True)
 
 
 def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...] = (),
@@ -850,6 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_threads_flag(p)
     flags.add_parallel_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as its tokens come (each prompt in turn; not with --json or beams)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("mlperf", help="run the MLPerf gptj-99 benchmark with LoadGen",
