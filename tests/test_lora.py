@@ -274,3 +274,31 @@ def test_lora_linear_wraps_the_base_it_was_given(tiny_checkpoint):
     assert isinstance(wrapped, LoRALinear) and wrapped.base is q and not q.weight.requires_grad
     with pytest.raises(GptjError, match="carries LoRA adapters already"):
         apply_lora(model, LoRAConfig(rank=2))
+
+
+def test_an_adapter_for_another_base_is_warned_of_in_one_line(adapter_dir, tiny_checkpoint, tmp_path, capsys):
+    """adapter_config.json's base_model_name_or_path names the base it was trained on: applied to
+    another (by path, or by name), `gptj generate --lora` says so in one warning line and runs; the
+    same base (its path, or an HF id ending in its folder's name) gets none; shapes that do not fit
+    are an error."""
+    import shutil
+
+    from gptj.lora import CONFIG_FILE, base_mismatch
+
+    folder, _ = adapter_dir
+    argv = ["generate", "--model", str(tiny_checkpoint), "--lora", str(folder), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "2"]
+    assert main(argv) == 0 and "warning" not in capsys.readouterr().err
+    other = shutil.copytree(tiny_checkpoint, tmp_path / "another-model")
+    assert main([*argv[:2], str(other), *argv[3:]]) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("gptj generate: warning: adapter") and str(tiny_checkpoint) in line and str(other) in line
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    for named, warned in (("EleutherAI/another-model", False), ("EleutherAI/gpt-j-6b", True), (None, False)):
+        (folder / CONFIG_FILE).write_text(json.dumps(config | {"base_model_name_or_path": named}))
+        assert (base_mismatch(folder, other) is not None) is warned, named
+    wide = tmp_path / "wide"  # another shape: an error, one line
+    assert main(["init", "--preset", "small", "--out", str(wide)]) == 0
+    capsys.readouterr()
+    assert main([*argv[:2], str(wide), *argv[3:]]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

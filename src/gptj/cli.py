@@ -192,6 +192,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     tok, prompts, gen, spec, engine = generate_setup(args)
     _check_parallel(spec.tp, spec.pp, spec.path)
+    if spec.lora is not None:
+        _warn_lora_base("generate", spec.lora, spec.path)
     if args.stream:
         if args.json or gen.num_beams > 1 or spec.world > 1 or under_torchrun():
             raise GptjError("--stream prints one greedy or sampled sequence's text as it comes: not with --json, "
@@ -212,6 +214,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(_label(i, len(prompts)) + text)
     return 0
+
+
+def _warn_lora_base(command: str, adapter: str, base: str) -> None:
+    """One line on stderr when an adapter names another base model than the one it is applied to."""
+    from gptj.lora import base_mismatch
+
+    why = base_mismatch(adapter, base)
+    if why:
+        print(f"gptj {command}: warning: {why}", file=sys.stderr)
 
 
 def _label(i: int, n: int) -> str:
@@ -285,6 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gptj.lora import read_config
 
         read_config(path)  # a folder that is not an adapter: one line now, before the base loads
+        _warn_lora_base("serve", path, models[0][1])
     if args.ray:  # replicas resolve the folder themselves, on whichever node hosts them
         models = tuple((name, str(Path(path).resolve())) for name, path in models)
     cfg = _server_config(args, models, adapters)

@@ -303,6 +303,29 @@ def read_config(folder: str | Path) -> LoRAConfig:
                       target_modules=tuple(targets))
 
 
+def base_mismatch(folder: str | Path, base: str | Path) -> str | None:
+    """Why adapter `folder` may not belong on the model folder `base`, in one line, or None: its
+    adapter_config.json's base_model_name_or_path names another model (by path when that path is
+    here, else by its last name: an HF id "EleutherAI/gpt-j-6b" fits a folder "gpt-j-6b"; `gptj
+    train`'s "gptj preset tiny" fits "tiny"). An adapter that names no base is taken as it is; its
+    shapes are checked where it loads (an error)."""
+    try:
+        raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # read_config says what is wrong with the folder
+    named = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
+    if not isinstance(named, str) or not named.strip():
+        return None
+    base = Path(base)
+    recorded = Path(named.removeprefix("gptj preset ").rstrip("/"))
+    if recorded.exists() and recorded.resolve() == base.resolve():
+        return None
+    if recorded.name.lower() == base.resolve().name.lower():
+        return None
+    return (f"adapter {folder} was trained on {named!r} (its adapter_config.json's base_model_name_or_path), "
+            f"not on {base}: its output may be meaningless")
+
+
 def read_adapter(folder: str | Path) -> Adapter:
     """An adapter folder: its config and tensors (safetensors: data only, never code)."""
     from safetensors import SafetensorError
