@@ -443,7 +443,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     ray_serve.start_http(args.host, args.port)  # Serve's HTTP proxy, if it is not running yet
     ray_serve.ensure_gateway()
     ray_serve.publish(args.name, path, cfg, replicas=replicas, cpus=args.cpus_per_replica or 1.0,
-                      gpus=args.gpus_per_replica or 0.0, tp=args.tp, pp=args.pp)
+                      gpus=args.gpus_per_replica or 0.0, tp=args.tp, pp=args.pp, timeout_s=args.timeout)
     print(f"published {args.name} ({replicas} replica{'s' * (replicas > 1)}, route /{args.name})")
     return 0
 

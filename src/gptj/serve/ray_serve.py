@@ -360,11 +360,13 @@ def check_publishable(name: str, replicas: int) -> None:
 
 
 def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: float = 1.0, gpus: float = 0.0,
-            threads: int | None = None, tp: int = 1, pp: int = 1) -> None:
+            threads: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None) -> None:
     """Deploy `path` as application `name` at /NAME with `replicas` replicas; returns when all run.
     `path` is read by the replicas, so it must exist on every node that may host one. With `tp` x
     `pp` > 1, each replica runs the model over that many ranks on its node (the replica is rank 0,
-    the others its child processes); `cpus` and `gpus` are the whole replica's (GPUs: one per rank)."""
+    the others its child processes); `cpus` and `gpus` are the whole replica's (GPUs: one per rank).
+    Past `timeout_s` without every replica running (the cluster lacks the resources, or a replica
+    loads slowly), the application is deleted and GptjError says what was asked for and what is free."""
     check_publishable(name, replicas)
     if name in serve.status().applications:
         raise GptjError(f"model {name!r} is already published; unpublish it first")
@@ -381,15 +383,50 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
         health_check_period_s=2.0, health_check_timeout_s=60.0,
         max_constructor_retry_count=replicas,  # a folder that does not load will not load on a retry either
         graceful_shutdown_timeout_s=cfg.drain_timeout_s)
-    try:
-        serve.run(deployment.bind(name, path, cfg, threads, tp, pp), name=name, route_prefix=f"/{name}")
-    except (RuntimeError, RayServeException) as e:
+    outcome: dict[str, BaseException] = {}
+
+    def deploy() -> None:  # serve.run returns once the application runs, or raises if it fails
+        try:
+            serve.run(deployment.bind(name, path, cfg, threads, tp, pp), name=name, route_prefix=f"/{name}")
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = e
+
+    deploying = threading.Thread(target=deploy, name=f"gptj-publish-{name}", daemon=True)
+    deploying.start()
+    deploying.join(timeout_s)
+    if deploying.is_alive():  # still pending: say why, and leave nothing half-published
+        why = _pending_reason(name, replicas, cpus, gpus)
+        with contextlib.suppress(Exception):
+            serve.delete(name)
+        raise GptjError(f"publishing {name!r}: its {replicas} replica(s) were not running within {timeout_s:g} s "
+                        f"({why}); the application was removed")
+    if "error" in outcome:
+        e = outcome["error"]
+        if not isinstance(e, RuntimeError | RayServeException):
+            raise e
         message = str(e)
         with contextlib.suppress(Exception):  # the replicas' own error, with their traceback
             message = serve.status().applications[name].deployments[DEPLOYMENT].message + "\n" + message
         with contextlib.suppress(Exception):  # leave nothing half-published
             serve.delete(name)
         raise GptjError(f"publishing {name!r} failed: {_deploy_error(message)}") from None
+
+
+def _pending_reason(name: str, replicas: int, cpus: float, gpus: float) -> str:
+    """Why an application's replicas are not running yet: the resources asked for and free, and Ray
+    Serve's own word on the deployment (it says when a replica cannot be scheduled)."""
+    asked = f"each of {replicas} replica(s) asks for {cpus:g} CPU" + (f" and {gpus:g} GPU" if gpus else "")
+    try:
+        free, total = ray.available_resources(), ray.cluster_resources()
+        have = f"the cluster has {free.get('CPU', 0):g} of {total.get('CPU', 0):g} CPUs free"
+        if gpus:
+            have += f", {free.get('GPU', 0):g} of {total.get('GPU', 0):g} GPUs"
+    except Exception:  # noqa: BLE001 - the reason is best-effort; the timeout stands either way
+        have = "the cluster's free resources could not be read"
+    said = ""
+    with contextlib.suppress(Exception):
+        said = serve.status().applications[name].deployments[DEPLOYMENT].message.strip()
+    return f"{asked}; {have}" + (f"; Ray Serve: {' '.join(said.split())}" if said else "")
 
 
 def _deploy_error(text: str) -> str:
