@@ -115,3 +115,27 @@ def test_an_invalid_summary_names_each_unmet_condition_and_its_fix(tmp_path, sce
     (tmp_path / "mlperf_log_summary.txt").write_text(valid)
     again = parse_loadgen_summary(tmp_path / "mlperf_log_summary.txt")
     assert invalid_reasons(SimpleNamespace(scenario=scenario), again, {"asked": {}, "loadgen": used}) == []
+
+
+def test_an_offline_summary_counts_the_samples_its_query_held(tmp_path):
+    """LoadGen rounds an Offline query up to whole passes over the performance samples: 40 asked, 60
+    held and answered. The summary's count is the 60 (its detail log's generated_samples_per_query)."""
+    import json
+    from types import SimpleNamespace
+
+    from gptj.mlperf.report import _settings_lines, invalid_reasons, loadgen_effective
+
+    records = [("effective_samples_per_query", 40), ("generated_query_count", 1),
+               ("generated_samples_per_query", 60), ("result_query_count", 1), ("effective_min_duration_ms", 2000)]
+    (tmp_path / "mlperf_log_detail.txt").write_text("".join(
+        f':::MLLOG {json.dumps({"key": k, "value": v})}\n' for k, v in records))
+    used = loadgen_effective(tmp_path)
+    assert used["generated_samples_per_query"] == 60 and used["samples_per_query"] == 40
+    cfg = SimpleNamespace(scenario="Offline", mode="performance")
+    result = SimpleNamespace(settings={"asked": {}, "loadgen": used}, stats=SimpleNamespace(samples=60))
+    assert "- queries issued: 1 (60 samples)" in _settings_lines(cfg, result)
+    (tmp_path / "summary.txt").write_text(OFFLINE_SHORT)
+    from gptj.mlperf.report import parse_loadgen_summary
+
+    (reason,) = invalid_reasons(cfg, parse_loadgen_summary(tmp_path / "summary.txt"), {"asked": {}, "loadgen": used})
+    assert reason.startswith("min duration not satisfied: the query of 60 samples"), reason

@@ -82,9 +82,11 @@ def parse_loadgen_summary(path: Path) -> dict[str, str]:
 
 
 # What LoadGen says it used (its detail log), beside what was asked (run.asked_settings).
+# generated_samples_per_query: what an Offline query held (effective_samples_per_query rounded up
+# to whole passes over the performance samples), the samples answered.
 _EFFECTIVE_KEYS = ("effective_min_query_count", "effective_min_duration_ms", "effective_target_qps",
                    "effective_target_latency_ns", "effective_samples_per_query", "generated_query_count",
-                   "result_query_count")
+                   "generated_samples_per_query", "result_query_count")
 
 
 def loadgen_effective(log_dir: Path) -> dict[str, object]:
@@ -137,7 +139,8 @@ def invalid_reasons(cfg: MLPerfConfig, summary: dict[str, str], settings: dict |
         duration = used.get("min_duration_ms")
         if cfg.scenario == "Offline":
             measured = summary.get("Samples per second", "?")
-            out.append(f"min duration not satisfied: the query of {used.get('samples_per_query', '?')} samples was "
+            held = used.get("generated_samples_per_query", used.get("samples_per_query", "?"))
+            out.append(f"min duration not satisfied: the query of {held} samples was "
                        f"done before {duration} ms, at {measured} samples/s; give --target-qps above that (with a "
                        "margin) for a longer query, or a shorter --min-duration-ms")
         elif cap and issued is not None and issued >= cap:
@@ -205,8 +208,8 @@ def _settings_lines(cfg: MLPerfConfig, result: RunResult) -> list[str]:
     qps = used.get("target_qps")
     line("expected latency", "expected_latency_ms", " ms",
          None if not isinstance(qps, int | float) or not qps else round(1000 / qps, 3))
-    if used.get("result_query_count") is not None:
-        per = used.get("samples_per_query")
+    if used.get("result_query_count") is not None:  # an Offline query's samples: those it held, answered
+        per = used.get("generated_samples_per_query", used.get("samples_per_query"))
         lines.append(f"- queries issued: {used['result_query_count']}"
                      + (f" ({per} samples)" if cfg.scenario == "Offline" and per is not None else ""))
     return lines + [""]

@@ -233,6 +233,8 @@ def needs_calibration(cfg: MLPerfConfig) -> bool:
 
 
 CALIBRATION_SAMPLES = 2  # timed, after one untimed warm-up sample
+# How the expected latency is timed, said alike by the note before it and the run's summary after.
+CALIBRATION_HOW = f"{CALIBRATION_SAMPLES} samples one at a time, after 1 untimed warm-up sample"
 
 
 def calibrate_latency(backend, dataset, gen: GenerationConfig,  # noqa: ANN001 - a Backend, a Dataset
@@ -361,7 +363,7 @@ def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dic
         if cfg.target_latency_ms is not None:
             source = "--target-latency-ms"
         elif expected_s is not None:
-            source = f"timed on {CALIBRATION_SAMPLES} samples"
+            source = f"timed on {CALIBRATION_HOW}"
         elif user_conf_sets_expected_latency(cfg.user_conf):
             source = "user.conf"
         else:
@@ -492,8 +494,8 @@ def run(cfg: MLPerfConfig) -> RunResult:
 
         expected_s = None
         if needs_calibration(cfg):
-            print(f"note: timing {CALIBRATION_SAMPLES + 1} samples one at a time for SingleStream's expected latency "
-                  "(--target-latency-ms gives it instead)", file=sys.stderr)
+            print(f"note: timing {CALIBRATION_HOW} for SingleStream's expected latency (--target-latency-ms gives "
+                  "it instead)", file=sys.stderr)
             expected_s = calibrate_latency(backend, dataset, cfg.gen)
         settings = test_settings(cfg, len(dataset), expected_s)
         performance_samples = min(settings.performance_sample_count_override, len(dataset))
