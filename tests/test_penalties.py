@@ -296,8 +296,119 @@ def test_the_engine_and_decode_path_give_the_same_tokens_with_and_without_penalt
     assert together == alone
     assert together[0] == Engine(model, EngineConfig(max_seqs=4)).generate([prompts[0]], gens[0])[0]
     assert together[-1] == generate(model, [prompts[-1]], gens[-1])[0]
+    # decode's path on a left-padded batch: each row's own tokens (the pads are no prompt tokens)
+    assert generate(model, prompts[2:5], gens[4]) == [generate(model, [p], gens[4])[0] for p in prompts[2:5]]
     favoured = together[1]
     assert favoured == [FAVOURED] * len(favoured)  # the bias alone: the favoured token every time
     for out in together[2:5]:  # presence, frequency, repetition: it comes once, then never again
         assert out[0] == FAVOURED and out.count(FAVOURED) == 1, out
     assert together[5] == [FAVOURED] * len(together[5])  # a bias of 100 outweighs a presence penalty of 1
+
+
+# --- the server ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from gptj.cli import main
+    from serve_util import server_thread
+
+    root = tmp_path_factory.mktemp("penalties")
+    assert main(["init", "--preset", "tiny", "--out", str(root / "tiny"), "--seed", "1"]) == 0
+    with server_thread({"tiny": root / "tiny"}, max_batch_size=8) as thread:
+        yield thread.url
+
+
+def complete(url: str, **fields) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a completion of [1, 2, 3] (greedy, 8 tokens, token ids returned)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            **fields}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def tokens(url: str, **fields) -> list[int]:
+    status, body, _ = complete(url, **fields)
+    assert status == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+def test_served_logit_bias_forces_and_bans_tokens(served):
+    plain = tokens(served)
+    assert len(set(plain)) == len(plain)  # (the tiny model does not repeat itself)
+    assert tokens(served, logit_bias={str(FAVOURED): 100}) == [FAVOURED] * 8
+    banned = tokens(served, logit_bias={str(plain[0]): -100})
+    assert plain[0] not in banned and banned[0] != plain[0]
+    assert tokens(served, logit_bias={str(plain[3]): 0.0}) == plain  # a zero bias changes nothing
+
+
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=2.0), dict(frequency_penalty=2.0),
+                                     dict(repetition_penalty=8.0)], ids=lambda d: next(iter(d)))
+def test_served_penalty_stops_a_favoured_token_repeating(served, penalty):
+    """A bias of 1.5 makes the tiny model (logits within about +-1) repeat a token; each penalty, large
+    enough, lets it come once and never again; the same request without the bias is unchanged."""
+    favoured = tokens(served, logit_bias={str(FAVOURED): 1.5})
+    assert favoured == [FAVOURED] * 8
+    out = tokens(served, logit_bias={str(FAVOURED): 1.5}, **penalty)
+    assert out[0] == FAVOURED and out.count(FAVOURED) == 1, out
+    assert tokens(served, **penalty) == tokens(served)  # no repeats to penalize: the same tokens
+
+
+def test_served_sampling_takes_the_penalties_too(served):
+    out = tokens(served, temperature=1.0, seed=3, logit_bias={str(FAVOURED): 100}, presence_penalty=2.0,
+                 frequency_penalty=-2.0, repetition_penalty=1.1, max_tokens=6)
+    assert out == [FAVOURED] * 6  # +100 outweighs every penalty
+
+
+def test_served_unknown_fields_are_accepted_ignored_and_reported(served, caplog):
+    import logging
+
+    plain = tokens(served)
+    with caplog.at_level(logging.WARNING, logger="gptj.serve"):
+        status, body, headers = complete(served, response_format={"type": "text"}, foo=[1, 2])
+    assert status == 200 and body["choices"][0]["token_ids"] == plain
+    assert any("unknown fields are ignored: response_format, foo" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("fields,message,param", [
+    (dict(frequency_penalty="a"), "frequency_penalty: expected a number", "frequency_penalty"),
+    (dict(frequency_penalty=2.5), "frequency_penalty must be from -2 to 2, got 2.5", "frequency_penalty"),
+    (dict(presence_penalty=-3), "presence_penalty must be from -2 to 2, got -3", "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty must be > 0 (1 is off), got 0", "repetition_penalty"),
+    (dict(repetition_penalty=True), "repetition_penalty: expected a number", "repetition_penalty"),
+    (dict(logit_bias=[1, 2]), "logit_bias: expected an object", "logit_bias"),
+    (dict(logit_bias={"5": "x"}), "logit_bias.5: expected a number", "logit_bias.5"),
+    (dict(logit_bias={"50400": 1}), "logit_bias key '50400' is not a token id of the vocabulary [0, 50400)",
+     "logit_bias"),
+    (dict(logit_bias={"abc": 1}), "logit_bias key 'abc' is not a token id of the vocabulary [0, 50400)",
+     "logit_bias"),
+    (dict(logit_bias={"-1": 1}), "logit_bias key '-1' is not a token id of the vocabulary [0, 50400)",
+     "logit_bias"),
+    (dict(logit_bias={"7": 100.5}), "logit_bias['7'] must be from -100 to 100, got 100.5", "logit_bias"),
+    (dict(use_beam_search=True, n=2, presence_penalty=0.5), "presence_penalty is not supported with use_beam_search",
+     "presence_penalty"),
+    (dict(use_beam_search=True, n=2, logit_bias={"7": 1}), "logit_bias is not supported with use_beam_search",
+     "logit_bias"),
+    (dict(stream_options={"include_usage": True, "extra": 1}), "unknown field 'stream_options.extra'",
+     "stream_options.extra"),
+])
+def test_served_bad_values_and_types_of_known_fields_are_a_400_naming_them(served, fields, message, param):
+    status, body, _ = complete(served, **fields)
+    assert status == 400, body
+    assert message in body["error"]["message"] and body["error"]["param"] == param
+
+
+def test_served_neutral_values_and_beam_search_without_penalties_still_work(served):
+    plain = tokens(served)
+    assert tokens(served, frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={}) == plain
+    status, body, _ = complete(served, use_beam_search=True, n=2, frequency_penalty=0, logit_bias={})
+    assert status == 200 and len(body["choices"]) == 2

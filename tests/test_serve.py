@@ -323,8 +323,8 @@ BAD = [
     (dict(prompt="x", use_beam_search=True, logprobs=1), 400, "logprobs"),
     (dict(prompt="x", best_of=3), 400, "best_of"),
     (dict(prompt="x", suffix="y"), 400, "suffix"),
-    (dict(prompt="x", frequency_penalty=1.0), 400, "frequency_penalty"),
-    (dict(prompt="x", surprise=1), 400, "surprise"),
+    (dict(prompt="x", frequency_penalty=3.0), 400, "frequency_penalty must be from -2 to 2"),
+    (dict(prompt="x", presence_penalty="high"), 400, "presence_penalty"),  # (unknown fields: accepted, ignored)
     (dict(prompt=""), 400, "empty"),
     (dict(prompt=[]), 400, "prompt"),
     (dict(prompt=[[1, 2], []]), 400, "prompt 1 is empty"),
