@@ -151,3 +151,16 @@ def test_first_divergence_is_where_b_leaves_as_greedy_path():
 def test_bad_input_is_one_line(tiny_checkpoint, capsys, argv, message):
     code, _, err = run([a.format(m=tiny_checkpoint) for a in argv], capsys)
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_says_each_step_on_stderr(tiny_checkpoint, capsys):
+    """A 6B compare runs for minutes: each step (loading A, continuing the prompts, the logits,
+    loading B) is said on stderr as it starts; stdout keeps only the report."""
+    code, out, err = run(["compare", str(tiny_checkpoint), "--quantize", "int8", "--prompt-ids", "5,17,300",
+                          "--max-new-tokens", "2", "--json"], capsys)
+    assert code in (0, EXIT_DIFFER) and json.loads(out)["prompts"] == 1
+    lines = err.strip().splitlines()
+    assert [line.split(": ")[1].split(" ")[0] for line in lines] == ["loading", "continuing", "teacher-forced",
+                                                                   "loading", "teacher-forced"], err
+    assert all(line.startswith("gptj compare: ") and line.endswith(" s)") for line in lines)
+    assert str(tiny_checkpoint) in lines[0] and "(int8 on load)" in lines[3]

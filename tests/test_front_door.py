@@ -216,3 +216,14 @@ def test_dtype_fast_is_one_rule_through_every_command(tiny, command):
         parse("init", "--out", str(tiny), "--dtype", "auto")  # a checkpoint's dtype is never guessed
     with pytest.raises(SystemExit):
         parse("init", "--out", str(tiny), "--dtype", "fast")
+
+
+def test_the_dtype_default_is_no_flag_given(tiny_bf16):
+    """gptj mlperf --server names the flags that did not apply: the default dtype (auto, here the
+    checkpoint's bfloat16) is none of them; a --dtype that differs from it is."""
+    from gptj.runtime.flags import flags_given
+
+    cfg = mlperf_config(parse("mlperf", "--model", tiny_bf16, "--server", "http://127.0.0.1:1"))
+    assert cfg.spec.dtype == "bfloat16" and "--dtype" not in flags_given(cfg.spec, cfg.engine)
+    cfg = mlperf_config(parse("mlperf", "--model", tiny_bf16, "--server", "http://127.0.0.1:1", "--dtype", "float32"))
+    assert "--dtype" in flags_given(cfg.spec, cfg.engine)
