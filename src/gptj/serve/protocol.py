@@ -3,11 +3,12 @@ and APIError, an error answered in OpenAI's format (torch-free: Ray's gateway im
 
 FastAPI publishes these as the server's OpenAPI document (/openapi.json); clients and the
 tests' schema fuzzing read them from there. Requests are strict: wrong JSON types are refused
-(no "5" for 5), unknown fields are refused, and NaN/Infinity are refused, each with a 400 that
-names the field. Limits that depend on the model (context length, vocabulary) are checked by the
-app against the served model. A completion request's fields that are not its own are accepted and
-ignored, as vLLM does (OpenAI clients send fields such as response_format): plan() logs them and the
-response names them in the X-Gptj-Ignored-Fields header.
+(no "5" for 5), and NaN/Infinity are refused, each with a 400 that names the field. Limits that
+depend on the model (context length, vocabulary) are checked by the app against the served model.
+Unknown fields: a completion request's top-level ones are accepted and ignored, as vLLM does (OpenAI
+clients send fields such as response_format): completions.plan logs them and names them for the
+response's X-Gptj-Ignored-Fields header (Plan.headers); elsewhere (nested objects, the admin API's
+bodies) they are refused.
 
 Extras beyond OpenAI's API (vLLM's names): min_tokens, top_k, use_beam_search, length_penalty,
 early_stopping, stop_token_ids, ignore_eos, return_token_ids, repetition_penalty.
