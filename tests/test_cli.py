@@ -280,3 +280,11 @@ def test_an_existing_out_is_refused_before_reading_weights(tiny, tmp_path, capsy
     for argv in (["convert", str(tiny), "--out", str(out), "--quiet"], ["init", "--out", str(out)]):
         code, _, err = run(argv, capsys)
         assert code == 1 and "already exists" in err and "--force" in err, err
+
+
+def test_convert_says_when_it_writes_tensor_parallel_shards(tiny, tmp_path, capsys):
+    """The shards have no bar of their own: convert says the step on stderr (not with --quiet)."""
+    code, _, err = run(["convert", str(tiny), "--out", str(tmp_path / "tp"), "--tp", "2"], capsys)
+    assert code == 0 and "gptj convert: writing the tensor-parallel shards of 2 ranks" in err, err
+    code, _, err = run(["convert", str(tiny), "--out", str(tmp_path / "tp-quiet"), "--tp", "2", "--quiet"], capsys)
+    assert code == 0 and err == ""

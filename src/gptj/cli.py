@@ -138,8 +138,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.quantize:
             raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
 
+        say = _progress_line("convert")
+
         def shards(folder, sd, cfg):  # noqa: ANN001, ANN202 - convert's `also`
             check_plan(cfg, args.tp)
+            if not args.quiet:  # (no bar of its own: a 6B model's shards take a while)
+                say(f"writing the tensor-parallel shards of {args.tp} ranks")
             write_shards(sd, cfg, folder, args.tp)
     out = convert(args.src, args.out, fmt=args.fmt, dtype=dtype, config=args.config,
                   overwrite=args.force, progress=not args.quiet, quantize=args.quantize, group_size=args.group_size,
