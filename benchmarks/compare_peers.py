@@ -32,6 +32,8 @@ Models have random weights (`random_state_dict(std=0.02)`), written once under -
     python benchmarks/compare_peers.py --models 0.2b,wide --modes decode,offline
     python benchmarks/compare_peers.py --quick            # fewer tokens, samples and repeats
     python benchmarks/compare_peers.py --smoke --json     # the tiny model, a few tokens: does it run?
+    python benchmarks/compare_peers.py --models 0.2b --modes decode --batch-sizes 1 --background 0,2
+                                                          # quiet, then beside two busy processes
 
 Peers that are not installed (`pip install 'gptj[bench]'` brings them) are skipped with a one-line
 note; so are gptj's quantized variants when `load_model` takes no `quantize` argument. A decode
@@ -60,7 +62,7 @@ import torch
 from gptj.bench.latency import engine_config, make_engine, random_prompts, weight_bytes_per_step
 from gptj.config import GPTJConfig, get_preset
 from gptj.decode import EOS_TOKEN_ID, GenerationConfig
-from gptj.engine import Engine
+from gptj.engine import Engine, EngineConfig
 from gptj.errors import GptjError
 from gptj.runtime.build import build_engine
 from gptj.model import build_model, count_parameters
@@ -77,6 +79,9 @@ ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w8a8",
                 "ct2-fp32")
 CALIBRATION_SAMPLES = 8  # gptj-w8a8: the model folder is calibrated once, on the bundled set's first prompts
 MLPERF = GenerationConfig.mlperf()  # beam 4, 30..128 new tokens, early stopping, EOS 50256
+# gptj's engine as its commands run it without --threads: compute threads chosen from its step times
+# (EngineConfig.adapt_threads); --fixed-threads keeps --threads for every step
+ASKED = EngineConfig(adapt_threads=True)
 
 
 def note(msg: str) -> None:
@@ -122,7 +127,7 @@ def gptj_impl(name: str, model: torch.nn.Module, reload: Callable[[], torch.nn.M
         if key not in engines:
             m = model_for(len(prompts))
             engines.clear()
-            engines[key] = make_engine(m, len(prompts), len(prompts[0]), n)
+            engines[key] = make_engine(m, len(prompts), len(prompts[0]), n, asked=ASKED)
         gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None)
         return engines[key].generate(prompts, gen)
 
@@ -131,7 +136,7 @@ def gptj_impl(name: str, model: torch.nn.Module, reload: Callable[[], torch.nn.M
         engines.clear()
         # The SUT's Offline batch: every sample's beams in KV at once, all prompts admitted together.
         engine = build_engine(m, dataclasses.replace(
-            engine_config(len(prompts), max(map(len, prompts)), gen.max_new_tokens, gen.num_beams),
+            engine_config(len(prompts), max(map(len, prompts)), gen.max_new_tokens, gen.num_beams, asked=ASKED),
             max_prefill_tokens=sum(map(len, prompts))))
         return engine.generate(prompts, gen)
 
@@ -441,6 +446,22 @@ SMOKE = dict(models="tiny", batch_sizes="1,2", prompt_len=8, new_tokens=4, warmu
              offline_new_tokens=8, membw_gb=0.05)
 
 
+def start_busy(n: int) -> list:
+    """n processes that spin on the CPU until stopped: other work sharing the cores."""
+    import atexit
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    atexit.register(stop_busy, procs)  # (an error or Ctrl-C on the way leaves none spinning)
+    return procs
+
+
+def stop_busy(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.2b,wide", help=f"comma-separated, of {', '.join(MODELS)}")
@@ -466,6 +487,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json-out", help="also write all figures (without tokens) to this file")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat, 4 offline samples")
+    ap.add_argument("--background", default="0",
+                    help="busy processes beside the measurement, one run per value (e.g. 0,2: quiet, then two "
+                         "processes spinning on the cores, as a shared machine has)")
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="gptj computes with --threads at every step (default: as its commands without --threads, "
+                         "choosing its threads from its step times)")
     args = _smoke.parse_args(ap, SMOKE, argv)
     for name, full, quick in (("new_tokens", 64, 32), ("repeats", 3, 1), ("offline_samples", 8, 4)):
         if getattr(args, name) is None:
@@ -473,6 +500,14 @@ def main(argv: list[str] | None = None) -> None:
     out = sys.stderr if args.json else sys.stdout
 
     torch.set_num_threads(args.threads)
+    global ASKED
+    if args.fixed_threads:
+        ASKED = EngineConfig()
+    try:
+        levels = [int(n) for n in args.background.split(",")]
+        assert levels and min(levels) >= 0
+    except (ValueError, AssertionError):
+        ap.error(f"--background takes counts of busy processes, e.g. 0,2; got {args.background!r}")
     work = Path(args.work_dir)
     modes = {m for m in args.modes.split(",") if m}
     if not modes or modes - {"decode", "offline"}:
@@ -502,10 +537,13 @@ def main(argv: list[str] | None = None) -> None:
           file=out, flush=True)
 
     everything = {}
-    for model in args.models.split(","):
+    for model, load in [(m, n) for m in args.models.split(",") for n in levels]:
         cfg = MODELS[model]
         model_dir = prepare_model(model, work)
         impls = build_impls(variants, model_dir, work, args.threads, args.ct2_offline_batch)
+        busy = start_busy(load)
+        if load:
+            note(f"{model}: beside {load} busy process(es)")
         decode: dict[int, dict] = {}
         if "decode" in modes:
             for b in batch_sizes:
@@ -519,9 +557,11 @@ def main(argv: list[str] | None = None) -> None:
             prompts = Dataset.load(max_examples=args.offline_samples).input_ids
             note(f"{model}: offline, prompts of {[len(p) for p in prompts]} tokens")
             offline = run_offline(impls, prompts, offline_gen, args.offline_rounds)
-        print(report(model, cfg, impls, decode, offline, args, bandwidth), file=out, flush=True)
+        stop_busy(busy)
+        title = model if load == 0 else f"{model}, beside {load} busy process(es)"
+        print(report(title, cfg, impls, decode, offline, args, bandwidth), file=out, flush=True)
         print(f"\n(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())})\n", file=out, flush=True)
-        everything[model] = {
+        everything[model if levels == [0] else f"{model}@{load}busy"] = {
             "decode": {b: {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in d.items()}
                        for b, d in decode.items()},
             "offline": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in (offline or {}).items()},

@@ -49,6 +49,11 @@ class EngineConfig:
     compile: str = "auto"  # decode attention by torch.compile: "auto" (below float32), "on", "off"
     kv_dtype: str = "auto"  # KV storage (KV_DTYPES): the model's float dtype, or int8 / fp8 with per-token-head scales
     cuda_graphs: str = "auto"  # decode-only steps replayed from CUDA graphs (GRAPH_MODES)
+    # on a CPU: choose the compute threads (up to those set where the engine steps) from the decode
+    # steps' own times, so cores shared with other work do not stall every step (gptj.threads.ThreadTuner).
+    # The commands turn it on unless --threads is given (runtime.flags.engine_config, serve_engine_config);
+    # off here, an engine used as a library keeps its caller's thread count.
+    adapt_threads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_len", "kv_blocks", "prefill_chunk"):

@@ -32,6 +32,7 @@ from gptj.engine.scheduler import Scheduler
 from gptj.engine.update import Updater, token_logprobs
 from gptj.errors import GptjError
 from gptj.model import GPTJForCausalLM
+from gptj.threads import ThreadTuner
 
 __all__ = ["ABORTED", "FAILED", "FINISHED", "RUNNING", "WAITING", "Engine", "EngineConfig", "Request", "Status",
            "TokenLogprob", "token_logprobs"]
@@ -53,6 +54,7 @@ class Engine:
         self.adapters: list[str] = list(getattr(model, "lora_names", []))  # LoRA adapters (gptj.lora.attach_adapters)
         self._ids = itertools.count()
         self.decode_batch_sizes: list[int] = []  # sequences per decode forward, for stats and tests
+        self.tuner: ThreadTuner | None = None  # the compute threads' chooser (CPU), made at the first step
 
     @property
     def steps(self) -> int:
@@ -68,6 +70,7 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """The step itself (`probe` runs it before the engine is handed out, past hooks on `step`)."""
+        tuner = self._thread_tuner()
         times, t0 = self.times, time.perf_counter()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -82,7 +85,21 @@ class Engine:
         times.schedule += t1 - t0
         times.forward += t2 - t1
         times.update += time.perf_counter() - t2 - (times.wait - waited)
+        if tuner is not None and result.decode_rows and not scheduled.prefill:  # decode steps compare alike
+            tuner.observe(result.decode_rows.bit_length(), time.perf_counter() - t0)
         return finished
+
+    def _thread_tuner(self) -> ThreadTuner | None:
+        """On a CPU, with config.adapt_threads: the tuner of this engine's compute threads, made at the
+        first step on the thread that steps (its thread count is the most it tries), and torch set
+        to the count it chooses for this step."""
+        if not self.config.adapt_threads or self.device.type != "cpu":
+            return None
+        if self.tuner is None:
+            self.tuner = ThreadTuner(torch.get_num_threads())
+        if torch.get_num_threads() != self.tuner.threads:
+            torch.set_num_threads(self.tuner.threads)
+        return self.tuner
 
     def warm(self, gen: GenerationConfig, prompt_len: int = 32) -> int:
         """Before timed work: run one short request of `gen`'s kind on a made-up prompt (the device's

@@ -281,6 +281,8 @@ def engine_config(args: argparse.Namespace, **workload: Any) -> EngineConfig:
     if hasattr(args, "prefill_chunk"):
         settings["prefill_chunk"] = args.prefill_chunk or None
     settings.update(kernels=args.kernels, compile=args.compile)
+    # without --threads the engine chooses its compute threads from its steps' times (up to the cores)
+    settings.setdefault("adapt_threads", getattr(args, "threads", None) is None)
     return EngineConfig(**settings)
 
 
@@ -298,5 +300,6 @@ def flags_given(spec: ModelSpec, engine: EngineConfig) -> list[str]:
              if f.name != "path" and getattr(spec, f.name) != getattr(default, f.name)]
     given += [f"--{flag_of.get(f.name, f.name).replace('_', '-')}" for f in dataclasses.fields(EngineConfig)
               if getattr(engine, f.name) != getattr(EngineConfig(), f.name)
-              and f"--{f.name}" not in given]  # (--kernels, --compile: named once)
+              and f"--{f.name}" not in given  # (--kernels, --compile: named once)
+              and f.name != "adapt_threads"]  # (no flag of its own: it follows --threads)
     return given

@@ -35,11 +35,12 @@ if TYPE_CHECKING:
 
 
 def serve_engine_config(**settings) -> EngineConfig:  # noqa: ANN003 - EngineConfig's fields
-    """A served model's engine: prompts prefilled in chunks by default (runtime.flags.SERVE_PREFILL_CHUNK)."""
+    """A served model's engine: prompts prefilled in chunks by default (runtime.flags.SERVE_PREFILL_CHUNK),
+    and its compute threads chosen from its steps' times (EngineConfig.adapt_threads)."""
     from gptj.engine.config import EngineConfig
     from gptj.runtime.flags import SERVE_PREFILL_CHUNK
 
-    return EngineConfig(**{"prefill_chunk": SERVE_PREFILL_CHUNK} | settings)
+    return EngineConfig(**{"prefill_chunk": SERVE_PREFILL_CHUNK, "adapt_threads": True} | settings)
 
 
 @dataclass(frozen=True)
