@@ -31,23 +31,24 @@ LOGITS = torch.tensor([[2.0, -1.0, 0.5, 0.0, -4.0, 1.0, 3.0, -0.5],
                        [1.0, 1.0, -2.0, 4.0, 0.25, -8.0, 0.0, 2.0]])
 COUNTS = torch.tensor([[2.0, 1, 0, 0, 3, 0, 0, 0],   # output tokens of row 0: 0 0 1 4 4 4
                        [0.0, 0, 1, 1, 0, 0, 0, 0]])  # row 1: 2 3
-PROMPT = torch.tensor([[0, 0, 0, 0, 0, 1, 0, 0],     # prompt tokens (row 0: 5; row 1: 0 6)
-                       [1, 0, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
-SEEN = PROMPT | (COUNTS > 0)
+# each row's prompt then output tokens (row 0: prompt 5; row 1: prompt 0 6), the shorter row going on
+# with its own first token
+TOKENS = torch.tensor([[5, 0, 0, 1, 4, 4, 4],
+                       [0, 6, 2, 3, 0, 0, 0]])
 
 
 def test_repetition_divides_positive_and_multiplies_other_logits_of_prompt_and_output_tokens():
-    got = penalize(LOGITS, repetition=col(2.0, 0.5), seen=SEEN)
+    got = penalize(LOGITS, repetition=col(2.0, 0.5), tokens=TOKENS)
     want = [[1.0, -2.0, 0.5, 0.0, -8.0, 0.5, 3.0, -0.5],  # seen: 0 1 4 5 (a penalty > 1 lowers each)
             [2.0, 1.0, -1.0, 8.0, 0.25, -8.0, 0.0, 2.0]]  # seen: 0 2 3 6 (< 1 raises; 0 stays 0)
     assert got.tolist() == want
 
 
 def test_frequency_subtracts_per_output_occurrence_and_presence_once():
-    freq = penalize(LOGITS, frequency=col(0.5, -1.0), counts=COUNTS)
+    freq = penalize(LOGITS, frequency=col(0.5, -1.0), tokens=TOKENS, counts=COUNTS)
     assert freq.tolist() == [[1.0, -1.5, 0.5, 0.0, -5.5, 1.0, 3.0, -0.5],  # prompt token 5 untouched
                              [1.0, 1.0, -1.0, 5.0, 0.25, -8.0, 0.0, 2.0]]
-    pres = penalize(LOGITS, presence=col(2.0, 0.25), counts=COUNTS)
+    pres = penalize(LOGITS, presence=col(2.0, 0.25), tokens=TOKENS, counts=COUNTS)
     assert pres.tolist() == [[0.0, -3.0, 0.5, 0.0, -6.0, 1.0, 3.0, -0.5],
                              [1.0, 1.0, -2.25, 3.75, 0.25, -8.0, 0.0, 2.0]]
 
@@ -55,7 +56,7 @@ def test_frequency_subtracts_per_output_occurrence_and_presence_once():
 def test_logit_bias_then_repetition_then_frequency_then_presence():
     """vLLM's order: the bias is added to the raw logit, the repetition penalty scales the sum."""
     bias = (torch.tensor([0, 1, 1]), torch.tensor([2, 6, 5]), torch.tensor([-1.5, 100.0, -100.0]))
-    got = penalize(LOGITS, bias=bias, repetition=col(2.0, 1.0), seen=SEEN, frequency=col(0.5, 0.0),
+    got = penalize(LOGITS, bias=bias, repetition=col(2.0, 1.0), tokens=TOKENS, frequency=col(0.5, 0.0),
                    presence=col(1.0, 0.0), counts=COUNTS)
     # row 0: token 0: 2 / 2 - 0.5 * 2 - 1 = -1; token 2 (not seen): 0.5 - 1.5 = -1; token 4: -4 * 2 - 1.5 - 1
     assert got.tolist() == [[-1.0, -3.5, -1.0, 0.0, -10.5, 0.5, 3.0, -0.5],
@@ -68,7 +69,7 @@ def test_neutral_settings_leave_a_row_exactly_as_it_was():
     rows that lack it: those are exact no-ops (infinities, NaN and negative zero included)."""
     x = torch.tensor([[1.5, -0.0, float("-inf"), float("inf"), 3e38, -7.25, 0.0, 1e-40]])
     x = torch.cat([x, torch.tensor([[float("nan")] + [1.0] * (V - 1)])])
-    got = penalize(x, repetition=col(1.0, 1.0), seen=torch.ones(2, V, dtype=torch.bool),
+    got = penalize(x, repetition=col(1.0, 1.0), tokens=torch.arange(V).repeat(2, 1),
                    frequency=col(0.0, 0.0), presence=col(0.0, 0.0), counts=torch.full((2, V), 3.0))
     assert got[0].tolist() == x[0].tolist() and torch.equal(got[0].signbit(), x[0].signbit())
     assert got[1, 0].isnan() and got[1, 1:].tolist() == x[1, 1:].tolist()
@@ -81,8 +82,7 @@ def test_repetition_penalty_equals_hf_processor():
     ids[:, 20:] = ids[:, :20]  # repeats
     for p in (1.3, 0.7, 2.0):
         want = RepetitionPenaltyLogitsProcessor(p)(ids, scores.clone())
-        seen = torch.zeros(3, 50400, dtype=torch.bool).scatter_(1, ids, True)
-        got = penalize(scores, **penalty_args([GenerationConfig(repetition_penalty=p)] * 3, "cpu", seen=seen))
+        got = penalize(scores, **penalty_args([GenerationConfig(repetition_penalty=p)] * 3, "cpu", tokens=ids))
         assert torch.equal(got, want), p
 
 
@@ -135,10 +135,9 @@ def request(rid: str, gen: GenerationConfig, prompt: list[int], output: list[int
 def reference_scores(logits: torch.Tensor, gen: GenerationConfig, prompt: list[int], output: list[int]) -> torch.Tensor:
     """What gptj.decode's path gives one request's row, its token state built from scratch."""
     counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[-1]).float()[None]
-    seen = (counts > 0)
-    seen[0, prompt] = True
     scores = block_eos(logits, len(output), gen)
-    return penalize(scores, **penalty_args([gen], "cpu", counts, seen)) if gen.penalized else scores
+    tokens = torch.tensor([prompt + output])
+    return penalize(scores, **penalty_args([gen], "cpu", tokens, counts)) if gen.penalized else scores
 
 
 def count_host_reads(monkeypatch) -> list[str]:
@@ -191,7 +190,9 @@ def test_a_step_of_mixed_requests_chooses_each_as_decodes_path_alone_with_one_ho
             held = req.output[:-1]
             want = torch.bincount(torch.tensor(held), minlength=W).float()
             assert torch.equal(req.counts, want) and req.counted == len(held)
-            assert req.seen.nonzero()[:, 0].tolist() == sorted(set(req.prompt + held))
+            state, n = req.tokens_state.tolist(), len(req.prompt) + len(held)  # prompt, output, then its first
+            assert state[:n] == req.prompt + held and set(state[n:]) == {req.prompt[0]}
+            assert len(state) >= len(req.prompt) + req.gen.max_new_tokens
     assert reqs[0].counts is None
 
 
@@ -214,12 +215,15 @@ def test_the_token_state_is_updated_in_place_while_the_step_holds_the_same_reque
     logits = torch.zeros(4, W)
     choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
     storage = reqs[0].counts.untyped_storage().data_ptr()
+    held = reqs[0].tokens_state.untyped_storage().data_ptr()
     assert all(r.counts.untyped_storage().data_ptr() == storage for r in reqs)
     for step in range(3):
         for req in reqs:
             req.output.append(step + 5)
         choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
         assert all(r.counts.untyped_storage().data_ptr() == storage for r in reqs)
+        assert all(r.tokens_state.untyped_storage().data_ptr() == held for r in reqs)
+    assert reqs[1].tokens_state[:5].tolist() == [1, 2, 5, 6, 7]
     assert all(r.counts[5:8].tolist() == [1.0, 1.0, 1.0] and r.counts.sum() == 3 for r in reqs)
     late = request("late", GenerationConfig(presence_penalty=1.0), [3], [9, 9])
     choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs + [late])])

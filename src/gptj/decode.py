@@ -251,37 +251,49 @@ def block_eos(scores: torch.Tensor, n_new: int, gen: GenerationConfig) -> torch.
 
 def penalize(scores: torch.Tensor, *, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              repetition: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
-             presence: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-             seen: torch.Tensor | None = None) -> torch.Tensor:
+             presence: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+             counts: torch.Tensor | None = None) -> torch.Tensor:
     """GenerationConfig's logit bias and penalties on scores (N, V) float32, in vLLM's order; a new
-    tensor (scores is not written). Each setting is per row, so the engine's rows of different
-    requests take one pass each: a neutral value (bias 0, repetition 1, frequency and presence 0)
-    leaves a row's logits exactly as they were.
+    tensor (scores is not written). Each setting is per row (the engine's rows are different
+    requests'); a neutral value (bias 0, repetition 1, frequency and presence 0) leaves a row's
+    logits as they were.
 
       bias        (rows, token ids, values float32): scores[rows, ids] += values (each pair once)
-      repetition  (N, 1) float32, with seen (N, V) bool (the prompt's and the output's tokens):
-                  a seen token's logit / p where it is > 0, * p otherwise (HF's rule)
+      tokens      (N, S) long: each row's prompt and output tokens, repeats allowed (a row shorter
+                  than S repeats one of its own tokens): the only logits the penalties change
+      repetition  (N, 1) float32: a token's logit / p where it is > 0, * p otherwise (HF's rule)
       frequency   (N, 1) float32, with counts (N, V) float32 (each token's count in the output):
                   logit -= frequency * count
       presence    (N, 1) float32, with counts: logit -= presence where count > 0
-    """
+
+    The penalties act on the logits of `tokens` only, gathered, changed and scattered back: a few
+    hundred columns of a row instead of every one of V (a token that occurs twice is written twice
+    with the same value). Frequency and presence change nothing where the count is 0 (a prompt
+    token not in the output; the tokens outside `tokens` have count 0)."""
     if bias is not None:
         rows, ids, values = bias
         scores = scores.index_put((rows, ids), values, accumulate=True)
+    else:
+        scores = scores.clone()
+    if repetition is None and frequency is None and presence is None:
+        return scores
+    x = scores.gather(1, tokens)
     if repetition is not None:
-        scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
-    if frequency is not None:
-        scores = scores - frequency * counts
-    if presence is not None:
-        scores = scores - presence * (counts > 0)
-    return scores
+        x = torch.where(x > 0, x / repetition, x * repetition)
+    if frequency is not None or presence is not None:
+        c = counts.gather(1, tokens)
+        if frequency is not None:
+            x = x - frequency * c
+        if presence is not None:
+            x = x - presence * (c > 0)
+    return scores.scatter_(1, tokens, x)
 
 
 def penalty_args(gens: Sequence[GenerationConfig], device: torch.device | str,
-                 counts: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> dict[str, Any]:
+                 tokens: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> dict[str, Any]:
     """`penalize`'s keyword arguments for rows decoded with gens (one each): only the operations
     some row needs, each as a per-row column (scalars rounded to float32, as torch rounds a Python
-    scalar). counts and seen: the rows' token state (needed when some row has a penalty)."""
+    scalar). tokens and counts: the rows' token state (needed when some row has a penalty)."""
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
@@ -293,8 +305,10 @@ def penalty_args(gens: Sequence[GenerationConfig], device: torch.device | str,
         args["bias"] = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
                         torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
                         torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
+    if any(g.penalties for g in gens):
+        args["tokens"] = tokens
     if any(g.repetition_penalty != 1.0 for g in gens):
-        args.update(repetition=column([g.repetition_penalty for g in gens]), seen=seen)
+        args["repetition"] = column([g.repetition_penalty for g in gens])
     if any(g.frequency_penalty != 0.0 for g in gens):
         args.update(frequency=column([g.frequency_penalty for g in gens]), counts=counts)
     if any(g.presence_penalty != 0.0 for g in gens):
@@ -377,17 +391,17 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
     out = torch.full((B, L), gen.pad_token_id, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-    counts = seen = None
-    if gen.penalties:  # each row's tokens so far: its output's counts, and the prompt's and output's tokens
-        V = logits.shape[-1]
-        counts = torch.zeros((B, V), dtype=torch.float32, device=input_ids.device)
-        seen = torch.zeros((B, V), dtype=torch.float32, device=input_ids.device).scatter_add_(
-            1, input_ids, attention_mask.float()) > 0  # (pads are no prompt tokens)
+    counts = prompt_tokens = None
+    if gen.penalties:  # each row's output counts, and its prompt's tokens (a pad stands for its first)
+        counts = torch.zeros((B, logits.shape[-1]), dtype=torch.float32, device=input_ids.device)
+        first = input_ids.gather(1, (T - attention_mask.sum(dim=1, keepdim=True)).clamp(max=T - 1))
+        prompt_tokens = torch.where(attention_mask.bool(), input_ids, first)
     n = 0
     for step in range(L):
         scores = block_eos(logits, step, gen)  # min_new_tokens acts before the warpers, on raw logits
         if gen.penalized:  # then the logit bias and penalties, still before the warpers (vLLM's order)
-            scores = penalize(scores, **penalty_args([gen] * B, scores.device, counts, seen))
+            tokens = torch.cat([prompt_tokens, out[:, :step]], dim=1) if prompt_tokens is not None else None
+            scores = penalize(scores, **penalty_args([gen] * B, scores.device, tokens, counts))
         if sampling:
             probs = torch.softmax(warp(scores, gen), dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
@@ -399,7 +413,6 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
         out[:, step] = next_tokens
         if counts is not None:
             counts.scatter_add_(1, next_tokens[:, None], torch.ones_like(counts[:, :1]))
-            seen.scatter_(1, next_tokens[:, None], True)
         if step == 0 and on_first_token is not None:
             on_first_token(next_tokens.tolist())
         n = step + 1

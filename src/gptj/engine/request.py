@@ -89,8 +89,8 @@ class Request:
     preemptions: int = 0  # times its memory was taken back to let older requests go on
     # penalties (engine/sampler.py keeps them, on the device, while the request samples with any):
     counts: torch.Tensor | None = None  # (V,) float32: each token's count in `output`
-    seen: torch.Tensor | None = None  # (V,) bool: the tokens of its prompt and output
-    counted: int = 0  # of `output`, the tokens counts and seen hold
+    tokens_state: torch.Tensor | None = None  # (len(prompt) + max_new_tokens,) long: prompt, output, then prompt[0]
+    counted: int = 0  # of `output`, the tokens counts and tokens_state hold
 
     @property
     def n_seqs(self) -> int:

@@ -134,56 +134,71 @@ def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
 
 def _penalized(rows: Sequence[tuple[Request, torch.Tensor]], scores: torch.Tensor) -> torch.Tensor:
     """scores (R, V) with each request's logit bias and penalties applied (gptj.decode.penalize, in
-    vLLM's order, as greedy_or_sample applies them): the rows of the requests that have any, in one
-    pass per operation; a new tensor (scores may be the runner's logits, which log-probabilities
-    read later). A step where no request has any returns scores as they are: no extra pass."""
+    vLLM's order, as greedy_or_sample applies them): the rows of the requests that have any, at once;
+    a new tensor (scores may be the runner's logits, which log-probabilities read later). A step where
+    no request has any returns scores as they are: no extra pass."""
     at = [r for r, (req, _) in enumerate(rows) if req.gen.penalized]
     if not at:
         return scores
     reqs = [rows[r][0] for r in at]
     gens = [req.gen for req in reqs]
-    counts, seen = _token_state(reqs, scores.device, scores.shape[-1]) if any(g.penalties for g in gens) else (None, None)
+    tokens, counts = _token_state(reqs, scores.device, scores.shape[-1]) if any(g.penalties for g in gens) \
+        else (None, None)
     if len(at) == len(rows):
-        return penalize(scores, **penalty_args(gens, scores.device, counts, seen))
+        return penalize(scores, **penalty_args(gens, scores.device, tokens, counts))
     idx = torch.tensor(at, dtype=torch.long).to(scores.device, non_blocking=True)
-    part = penalize(scores[idx], **penalty_args(gens, scores.device, counts, seen))
+    part = penalize(scores[idx], **penalty_args(gens, scores.device, tokens, counts))
     return scores.index_copy(0, idx, part)
 
 
 def _token_state(reqs: Sequence[Request], device: torch.device, V: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The requests' token state stacked: counts (P, V) float32 (each token's count in its output) and
-    seen (P, V) bool (its prompt's and output's tokens), brought up to date with the tokens appended
-    since the last step (`Request.counted`: usually one each) in one scatter per tensor.
+    """The requests' token state, stacked and brought up to date with the tokens appended since the
+    last step (`Request.counted`: usually one each), in one write per tensor:
 
-    Kept incrementally on the device, each request's rows a view of one stacked tensor: a step with the
-    same requests in the same order as the last one updates that tensor in place (no copy); when they
-    change, the stack is copied once and each request takes its row of the copy. A request's state
-    starts at its first penalized step (its prompt scattered once). No host read."""
-    rows, tokens = [], []
+      tokens  (P, S) long: each request's prompt and output tokens so far, S the longest (a shorter
+              row goes on with its first token: its own, so the penalties' writes repeat a value)
+      counts  (P, V) float32: each token's count in the request's output
+
+    Kept on the device, each request's rows a view of one stacked tensor (`Request.tokens_state`:
+    room for its prompt and max_new_tokens, first token beyond what is written): a step with the same
+    requests in the same order as the last one writes in place; when they change, the stack is copied
+    once and each request takes its row of the copy. A request's state starts at its first penalized
+    step (its prompt written once). No host read."""
+    rows, cols, new_tokens = [], [], []
     for i, req in enumerate(reqs):
         if req.counts is None:
+            prompt = torch.tensor(req.prompt, dtype=torch.long).to(device, non_blocking=True)
+            req.tokens_state = torch.cat([prompt, prompt[:1].expand(req.gen.max_new_tokens)])
             req.counts = torch.zeros(V, dtype=torch.float32, device=device)
-            req.seen = torch.zeros(V, dtype=torch.bool, device=device)
-            req.seen[torch.tensor(req.prompt, dtype=torch.long).to(device, non_blocking=True)] = True
             req.counted = 0
         new = req.output[req.counted:]
         rows += [i] * len(new)
-        tokens += new
+        cols += range(len(req.prompt) + req.counted, len(req.prompt) + req.counted + len(new))
+        new_tokens += new
         req.counted = len(req.output)
     counts = stacked_rows([req.counts[None] for req in reqs])
     if counts.data_ptr() != reqs[0].counts.data_ptr():  # a copy: each request takes its row of it
         for i, req in enumerate(reqs):
             req.counts = counts[i]
-    seen = stacked_rows([req.seen[None] for req in reqs])
-    if seen.data_ptr() != reqs[0].seen.data_ptr():
+    width = max(len(req.prompt) + req.gen.max_new_tokens for req in reqs)
+    if all(req.tokens_state.shape[0] == width for req in reqs):
+        tokens = stacked_rows([req.tokens_state[None] for req in reqs])  # a view when in order, in one stack
+    else:  # rows of different lengths: each row's own, then its first token (when the requests change)
+        tokens = torch.empty((len(reqs), width), dtype=torch.long, device=device)
         for i, req in enumerate(reqs):
-            req.seen = seen[i]
-    if tokens:
+            n = min(req.tokens_state.shape[0], width)
+            tokens[i, :n] = req.tokens_state[:n]
+            tokens[i, n:] = req.tokens_state[0]
+    if tokens.data_ptr() != reqs[0].tokens_state.data_ptr():  # a copy: each request takes its row of it
+        for i, req in enumerate(reqs):
+            req.tokens_state = tokens[i]
+    if new_tokens:
         index = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
-                 torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True))
-        counts.index_put_(index, torch.ones(len(tokens), dtype=torch.float32, device=device), accumulate=True)
-        seen.index_put_(index, torch.ones(len(tokens), dtype=torch.bool, device=device))
-    return counts, seen
+                 torch.tensor(new_tokens, dtype=torch.long).to(device, non_blocking=True))
+        counts.index_put_(index, torch.ones(len(new_tokens), dtype=torch.float32, device=device), accumulate=True)
+        tokens.index_put_((index[0], torch.tensor(cols, dtype=torch.long).to(device, non_blocking=True)), index[1])
+    longest = max(len(req.prompt) + len(req.output) for req in reqs)
+    return tokens[:, :longest], counts
 
 
 def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,7 +147,7 @@ class Updater:
     def retire(self, req: Request, status: Status, reason: str) -> None:
         self.scheduler.remove(req)
         req.status, req.finish_reason = status, reason
-        req.counts = req.seen = None  # (views of the step's stacked token state: let it go)
+        req.counts = req.tokens_state = None  # (views of the step's stacked token state: let it go)
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
         if req.on_finish is not None:
