@@ -289,8 +289,7 @@ def _has_avx2() -> str | None:
 def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
     """Under ONEDNN_MAX_CPU_ISA, oneDNN runs the kernels such a CPU runs (an AVX-512 ceiling on an
     AVX2 CPU is AVX2's). gptj sees the ceiling and chooses SPLIT and the exact float32 sums: the
-    int32 sums come out exact, where the one-GEMM SHIFTED form and torch._int_mm saturate (why
-    they are not chosen there)."""
+    int32 sums come out exact, where the one-GEMM SHIFTED form saturates (why it is not chosen there)."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -300,7 +299,10 @@ def test_w8a8_is_exact_on_onednns_kernels_for_cpus_without_vnni(isa, kind):
     # gptj.native's GEMM where its library runs, else oneDNN's SPLIT form: both exact
     assert got["form"] == (policy.NATIVE if got["native"] else policy.SPLIT) and got["path"] == policy.DEQUANTIZE
     assert got["plain"] and got["chosen_packed"] and got["split"] and got["native_form"] in (True, None)
-    assert not got["shifted"] and not got["int_mm"]
+    # the one-GEMM SHIFTED form saturates without VNNI (why it is not chosen there); torch._int_mm does
+    # on some CPUs under an AVX2 ceiling (AVX-512 ones) and not on others (a real AVX2 EPYC): gptj runs it
+    # only on CPUs with VNNI, so either is fine here
+    assert not got["shifted"] and got["int_mm"] in (True, False)
 
 
 @pytest.mark.parametrize("kind", cpu.KINDS)
