@@ -381,6 +381,17 @@ def test_served_unknown_fields_are_accepted_ignored_and_reported(served, caplog)
         status, body, headers = complete(served, response_format={"type": "text"}, foo=[1, 2])
     assert status == 200 and body["choices"][0]["token_ids"] == plain
     assert any("unknown fields are ignored: response_format, foo" in r.getMessage() for r in caplog.records)
+    named = {k.lower(): v for k, v in headers.items()}
+    assert named["x-gptj-ignored-fields"] == "response_format,foo"
+    assert "x-gptj-ignored-fields" not in {k.lower() for k in complete(served)[2]}  # none ignored: no header
+    import json
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True, "user_tag": "x"}
+    req = urllib.request.Request(served + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:  # a stream says it too
+        assert r.headers["X-Gptj-Ignored-Fields"] == "user_tag" and b"data: [DONE]" in r.read()
 
 
 @pytest.mark.parametrize("fields,message,param", [

@@ -356,9 +356,6 @@ _EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an inte
              "bool_type": "expected true or false", "float_type": "expected a number", "list_type": "expected a list",
              "dict_type": "expected an object", "model_type": "expected an object",
              "model_attributes_type": "expected an object", "int_from_float": "expected an integer"}
-# OpenAI's fields gptj accepts only at their neutral values (protocol.CompletionRequest)
-NEUTRAL_ONLY = {"logit_bias": "not supported by gptj: only {} or null", "frequency_penalty": "not supported by "
-                "gptj: only 0 or null", "presence_penalty": "not supported by gptj: only 0 or null"}
 _TYPE_ERRORS = set(_EXPECTED) | {"literal_error", "enum", "none_required", "is_instance_of"}
 
 
@@ -389,8 +386,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return ("request body: a JSON object is required" if err.get("type") in ("missing", *_EXPECTED)
                 else f"request body: {err.get('msg')}"), None
     field = str(loc[0])
-    if field in NEUTRAL_ONLY and len(loc) == 1 and err.get("type") not in _TYPE_ERRORS:
-        return f"{field}: {NEUTRAL_ONLY[field]}", field
     if err.get("type") == "missing":
         where = _where(field, loc[1:])
         return f"{where}: field required", where
@@ -543,7 +538,8 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
         state.running.add(run)
         state.metrics.prompt_tokens.labels(served.name).inc(sum(len(p) for p in the_plan.prompts))
         if body.stream:
-            return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status, request))
+            return EventStream(_stream(run, state), on_close=lambda status: _finish(run, state, status, request),
+                               headers=the_plan.headers)
         status = 500
         try:
             waiter = asyncio.create_task(_collect(run, cfg.request_timeout_s))
@@ -556,7 +552,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
                 return Response(status_code=499)
             response = waiter.result()
             status = 200
-            return JSONResponse(response.model_dump())
+            return JSONResponse(response.model_dump(), headers=the_plan.headers)  # X-Gptj-Ignored-Fields
         except APIError as e:
             status = e.status
             raise
@@ -704,9 +700,10 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[tuple[bytes, int | None]], on_close) -> None:  # noqa: ANN001
+    def __init__(self, events: AsyncIterator[tuple[bytes, int | None]], on_close,  # noqa: ANN001
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content=None, status_code=200, media_type=self.media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
         self.events, self.on_close = events, on_close
 
