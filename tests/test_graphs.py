@@ -215,6 +215,7 @@ def test_build_engine_warms_only_where_graphs_are_captured(model, monkeypatch): 
         self.runner.graphs = object()  # as on CUDA
 
     monkeypatch.setattr(Engine, "__init__", with_graphs)
+    monkeypatch.setattr(Engine, "probe", lambda self: None)  # (its step would replay the stand-in graphs)
     build_engine(model, EngineConfig(max_seqs=4), warm=gen)
     assert warmed == [gen]
     build_engine(model, EngineConfig(max_seqs=4))

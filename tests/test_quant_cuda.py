@@ -416,10 +416,28 @@ def test_batch_invariance(kind, dtype, tiles):
         def run(rows):
             return cuda.int4_linear(rows, packed, scale, zero, 128, bias, tiles=tiles)
     y = run(x)
+    same = _same_rows(x, w, dtype)
     # every row under the default; under the others rows at every place in a program's 4 or 8 rows
     for i in range(0, x.shape[0], 1 if tiles == cuda.TILES else 3):
-        assert torch.equal(run(x[i:i + 1]), y[i:i + 1]), f"row {i}"
-    assert torch.equal(run(x[5:8]), y[5:8])
+        assert same(run(x[i:i + 1]), y[i:i + 1], i), f"row {i}"
+    assert same(run(x[5:8]), y[5:8], 5)
+
+
+def _same_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
+    """Bit for bit on a GPU, which is what the kernels promise. Triton's interpreter computes a
+    float32 tl.dot with numpy's matmul, whose BLAS may sum a 1-row and a 16-row product in different
+    orders (OpenBLAS on an AVX2 EPYC does): there, rows agree within float32's rounding of a K-term sum,
+    K * 2^-24 * sum |x_k w_k| (the dequantized weight within 1.5x of w's magnitude), doubled for both."""
+    if DEVICE == "cuda" or dtype != torch.float32:
+        return lambda got, want, first: torch.equal(got, want)
+    K = x.shape[1]
+
+    def close(got: torch.Tensor, want: torch.Tensor, first: int) -> bool:
+        rows = x[first:first + got.shape[0]].float().abs()
+        bound = 2 * K * 2.0 ** -24 * 1.5 * (rows @ w.float().abs().t().to(rows.device))
+        return bool(((got.float() - want.float()).abs() <= bound).all())
+
+    return close
 
 
 def bad_int8_calls():

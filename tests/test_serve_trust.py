@@ -289,3 +289,15 @@ def test_no_access_log_turns_the_request_lines_off(tiny_checkpoint, caplog):
     with _served(tiny_checkpoint, batch_wait_ms=0.0, access_log=False) as thread:
         assert call(thread.url, "GET", "/health")[0] == 200
     assert not [r for r in caplog.records if r.name == "gptj.serve.access"]
+
+
+def test_unknown_field_names_a_header_cannot_carry_are_encoded(tiny_checkpoint):
+    """The schema fuzzer's find: a field named with characters beyond Latin-1 (or a line break) made
+    the X-Gptj-Ignored-Fields header raise a 500; each name is percent-encoded, and so in the log."""
+    names = ["\u01ab", "a\nb", "ok_name"] + [f"f{i}" for i in range(20)]
+    with _served(tiny_checkpoint, batch_wait_ms=0.0) as thread:
+        body = dict(model="tiny", prompt=[1, 2], max_tokens=1, **{n: 1 for n in names})
+        status, _, headers = call(thread.url, body=body)
+    assert status == 200
+    shown = headers["X-Gptj-Ignored-Fields"].split(",")
+    assert shown[:3] == ["%C6%AB", "a%0Ab", "ok_name"] and shown[-1] == "(+7 more)" and len(shown) == 17

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from gptj.decode import SAMPLING_EPS, GenerationConfig
 from gptj.engine.loop import EngineStopped
@@ -55,7 +56,18 @@ class Plan:
     @property
     def headers(self) -> dict[str, str]:
         """The response's own headers: X-Gptj-Ignored-Fields when the body had fields this API has not."""
-        return {IGNORED_HEADER: ",".join(self.ignored)} if self.ignored else {}
+        return {IGNORED_HEADER: ",".join(_field_names(self.ignored))} if self.ignored else {}
+
+
+MAX_NAMED_FIELDS = 16  # ignored fields named in the header and the log line; the rest are counted
+
+
+def _field_names(names: list[str]) -> list[str]:
+    """Client-sent field names as a header and a log line can carry them: percent-encoded outside
+    letters, digits and `_-.` (no control characters, nothing beyond Latin-1), at most
+    MAX_NAMED_FIELDS of them and 64 characters each."""
+    shown = [quote(n[:64], safe="_-.") for n in names[:MAX_NAMED_FIELDS]]
+    return shown + ([f"(+{len(names) - MAX_NAMED_FIELDS} more)"] if len(names) > MAX_NAMED_FIELDS else [])
 
 
 def precheck(body: CompletionRequest, served: ServedModel) -> int:
@@ -142,7 +154,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
     ignored = body.ignored_fields()
     if ignored:  # accepted, as vLLM does, and said: here and in the response's header
         log.warning("model %s: a completion request's unknown fields are ignored: %s", served.name,
-                    ", ".join(ignored))
+                    ", ".join(_field_names(ignored)))
     prompt = body.prompt
     if isinstance(prompt, str):
         texts: list[str | None] = [prompt]
