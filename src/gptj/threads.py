@@ -100,30 +100,35 @@ class ThreadTuner:
     decode fell from 87 to 2 tok/s at 2 threads beside two busy processes on 2 cores, where 1 thread
     gave 10 (docs/PERFORMANCE.md#contention). No setting fits both, so the engine measures.
 
-    How: steps are timed by `key` (the engine's: decode-only steps by their rows, in powers of two;
-    other steps are not compared). The engine runs `current` threads; every `interval` timed steps
-    it tries a neighbour (half or twice `current`, within [1, max_threads]) for `probe_steps` steps
-    and moves to it if those steps' median time beats the current's recent median by `margin`. A
-    probe that loses doubles the interval (up to `max_interval`: on quiet cores the probes cost
-    little); a move, or a sudden change of the current's step times (its last few steps' median
-    `shift` times slower or faster than at the last decision: other work came or went), probes again
-    soon. Plain data in, a thread count out: the engine sets it (gptj.engine.core)."""
+    What it reads: each timed step's wall time and the process's CPU time over it. Their ratio per
+    thread, the utilization, is near 1 while the threads have the cores (a waiting OpenMP thread
+    spins, which counts) and falls toward the cores' share when other work takes them (0.5 for 2
+    threads beside 2 busy processes on 2 cores). Steps are compared by `key` (the engine's: decode
+    steps by their rows, in powers of two); other steps are not timed.
 
-    def __init__(self, max_threads: int, probe_steps: int = 3, window: int = 8, min_interval: int = 16,
-                 max_interval: int = 1024, margin: float = 0.1, shift: float = 1.5) -> None:
+    What it does: it runs `current` threads and tries a neighbour (half or twice) for `probe_steps`
+    steps, moving when those steps' median time beats the current's recent median by `margin`:
+      - fewer threads, when the recent utilization falls below `low` (the cores are shared);
+      - more threads, when it rises above `high` (they are free again), and now and then anyway.
+    Each reason waits `interval[reason]` steps between its probes, doubled by a probe that loses (up
+    to `max_interval`) and reset by a move; a probe step 3x slower than the current's loses at once. On quiet cores at every thread it never probes: the
+    steps cost what they did. Plain data in, a thread count out: the engine sets it."""
+
+    def __init__(self, max_threads: int, probe_steps: int = 3, window: int = 8, min_interval: int = 4,
+                 max_interval: int = 1024, margin: float = 0.1, low: float = 0.8, high: float = 0.92) -> None:
         if max_threads < 1:
             raise GptjError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads, self.current = max_threads, max_threads
-        self.probe_steps, self.window, self.margin, self.shift = probe_steps, window, margin, shift
+        self.probe_steps, self.window, self.margin, self.low, self.high = probe_steps, window, margin, low, high
         self.min_interval, self.max_interval = min_interval, max_interval
-        self.interval = probe_steps  # the first probe comes early: a short generation gains from it too
-        self.since = 0  # timed steps since the last probe ended
+        self.interval = self._fresh_intervals()  # steps between probes, by why they are made
+        self.why = ""  # why the probe under way was made
+        self.since = 0  # timed steps at `current` since the last probe ended (or the count changed)
         self.probing: int | None = None  # the thread count being tried
         self.probe_times: dict[object, list[float]] = {}  # key -> the probe's step times
         self.probe_left = 0  # steps the probe may still take (a probe of keys that never repeat ends)
         self.times: dict[tuple, list[float]] = {}  # (key, threads) -> recent step times
-        self.settled: dict[tuple, float] = {}  # key -> the current's median at the last decision
-        self.down = True  # the direction of the next probe when both are possible
+        self.usage: list[float] = []  # utilization of the current's recent steps
         self.moves = 0  # how often the count changed (stats, tests)
         self.steps_at: dict[int, int] = {}  # timed steps run at each thread count
 
@@ -132,9 +137,11 @@ class ThreadTuner:
         """The thread count for the next step."""
         return self.probing if self.probing is not None else self.current
 
-    def observe(self, key: object, seconds: float) -> None:
-        """A step of `key` took `seconds` with `self.threads` threads."""
-        self.steps_at[self.threads] = self.steps_at.get(self.threads, 0) + 1
+    def observe(self, key: object, seconds: float, cpu_seconds: float | None = None) -> None:
+        """A step of `key` took `seconds` of wall time and the process `cpu_seconds` of CPU time
+        (None: unknown, read as the cores being free) with `self.threads` threads."""
+        threads = self.threads
+        self.steps_at[threads] = self.steps_at.get(threads, 0) + 1
         if self.max_threads == 1:
             return
         if self.probing is not None:
@@ -142,27 +149,35 @@ class ThreadTuner:
             times = self.probe_times.setdefault(key, [])
             times.append(seconds)
             self.probe_left -= 1
-            if len(times) >= self.probe_steps:
+            mine = self.times.get((key, self.current), [])[-self.probe_steps:]
+            if mine and seconds > 3 * _median(mine):  # clearly worse: one such step is enough to know
+                self._lost(self.probing)
+            elif len(times) >= self.probe_steps:
                 self._decide(key, times)
             elif self.probe_left <= 0:  # no key came often enough to compare: stay, and try later
-                self.probing, self.probe_times = None, {}
-                self.interval = min(self.max_interval, self.interval * 2)
+                self._lost(self.probing)
             return
         recent = self._record(key, self.current, seconds)
+        self.usage.append(1.0 if cpu_seconds is None or seconds <= 0 else cpu_seconds / (seconds * threads))
+        del self.usage[:-8]
         self.since += 1
-        settled = self.settled.get(key)
-        if settled is None and len(recent) >= self.probe_steps:
-            self.settled[key] = _median(recent)
-        elif settled is not None and len(recent) >= 4:
-            now = _median(recent[-4:])
-            if now > settled * self.shift or now * self.shift < settled:  # other work came or went
-                del recent[:-4]  # the probe is compared with the current's times since the change
-                self.settled[key] = now
-                self.interval = self.min_interval
-                self._start_probe()
-                return
-        if self.since >= self.interval and len(recent) >= self.probe_steps:
-            self._start_probe()
+        if len(recent) < self.probe_steps or len(self.usage) < 4:
+            return
+        if self.current > 1 and _median(self.usage[-4:]) < self.low:  # shared: soon said, soon acted on
+            self._maybe_probe("shared", max(1, self.current // 2))
+        elif self.current < self.max_threads:  # free again: the scheduler gives a core for a few steps at a
+            # time, so a longer view (8 steps) tells a core of its own from a lucky stretch
+            free = len(self.usage) == 8 and _median(self.usage) > self.high
+            self._maybe_probe("free" if free else "now and then", min(self.max_threads, self.current * 2))
+
+    def _fresh_intervals(self) -> dict[str, int]:
+        # cores shared: try fewer soon; cores free again: try more soon; otherwise more, now and then
+        return {"shared": self.min_interval, "free": self.min_interval, "now and then": 4 * self.min_interval}
+
+    def _maybe_probe(self, why: str, threads: int) -> None:
+        if self.since >= self.interval[why]:
+            self.why = why
+            self._start_probe(threads)
 
     def _record(self, key: object, threads: int, seconds: float) -> list[float]:
         times = self.times.setdefault((key, threads), [])
@@ -170,27 +185,24 @@ class ThreadTuner:
         del times[:-self.window]
         return times
 
-    def _start_probe(self) -> None:
-        lower, higher = max(1, self.current // 2), min(self.max_threads, self.current * 2)
-        options = [n for n in ((lower, higher) if self.down else (higher, lower)) if n != self.current]
-        self.down = not self.down
-        self.probing, self.probe_times, self.since = options[0], {}, 0
-        self.probe_left = 4 * self.probe_steps
-        for k in [k for k in self.times if k[1] == self.probing]:  # its old times may be from other conditions
+    def _start_probe(self, threads: int) -> None:
+        self.probing, self.probe_times, self.probe_left = threads, {}, 4 * self.probe_steps
+        for k in [k for k in self.times if k[1] == threads]:  # its old times may be from other conditions
             del self.times[k]
 
     def _decide(self, key: object, tried_times: list[float]) -> None:
-        tried, self.probing = self.probing, None
-        mine = self.times.get((key, self.current), [])
+        tried = self.probing
+        mine = self.times.get((key, self.current), [])[-self.probe_steps:]  # its latest: conditions change
         if mine and _median(tried_times) < _median(mine) * (1 - self.margin):
-            self.current, self.interval = tried, self.min_interval
+            self.interval = self._fresh_intervals()
+            self.current, self.probing, self.probe_times, self.since, self.usage = tried, None, {}, 0, []
             self.moves += 1
         else:
-            self.interval = min(self.max_interval, self.interval * 2)
-        recent = self.times.get((key, self.current), [])
-        if recent:
-            self.settled[key] = _median(recent)
-        self.probe_times = {}
+            self._lost(tried)
+
+    def _lost(self, tried: int) -> None:
+        self.interval[self.why] = min(self.max_interval, self.interval[self.why] * 2)
+        self.probing, self.probe_times, self.since = None, {}, 0
 
 
 def _median(values: list[float]) -> float:

@@ -71,7 +71,7 @@ class Engine:
     def _step(self) -> list[Request]:
         """The step itself (`probe` runs it before the engine is handed out, past hooks on `step`)."""
         tuner = self._thread_tuner()
-        times, t0 = self.times, time.perf_counter()
+        times, t0, cpu0 = self.times, time.perf_counter(), time.process_time()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
         result = self.runner.run(scheduled)
@@ -86,7 +86,7 @@ class Engine:
         times.forward += t2 - t1
         times.update += time.perf_counter() - t2 - (times.wait - waited)
         if tuner is not None and result.decode_rows and not scheduled.prefill:  # decode steps compare alike
-            tuner.observe(result.decode_rows.bit_length(), time.perf_counter() - t0)
+            tuner.observe(result.decode_rows.bit_length(), time.perf_counter() - t0, time.process_time() - cpu0)
         return finished
 
     def _thread_tuner(self) -> ThreadTuner | None:
