@@ -140,7 +140,10 @@ def gptj_impl(name: str, model: torch.nn.Module, reload: Callable[[], torch.nn.M
             max_prefill_tokens=sum(map(len, prompts))))
         return engine.generate(prompts, gen)
 
-    return Impl(name, decode, offline, weight_bytes_per_step(model, 1))
+    threads = torch.get_num_threads()  # --threads: what the peers after it compute with
+    # its engine may have moved this thread to fewer threads (EngineConfig.adapt_threads): give the
+    # peers theirs back after each call
+    return Impl(name, decode, offline, weight_bytes_per_step(model, 1), idle=lambda: torch.set_num_threads(threads))
 
 
 def hf_impl(name: str, model_dir: Path, dtype: torch.dtype, gptj_model: torch.nn.Module) -> Impl:

@@ -98,7 +98,12 @@ def test_one_thread_has_nothing_to_choose():
     assert set(run(tuner, {1: (5.0, 0.3)}, 100)) == {1}
 
 
-def test_the_engine_tunes_its_threads_only_when_asked(tiny_checkpoint, keep_torch_threads):
+def test_the_engine_tunes_its_threads_only_when_asked(tiny_checkpoint, keep_torch_threads, monkeypatch):
+    import threading
+
+    from gptj import threads
+
+    monkeypatch.setattr(threads, "_tuners", threading.local())
     torch.set_num_threads(2)
     gen = GenerationConfig(max_new_tokens=40)
     fixed = build_engine(load_model(tiny_checkpoint), EngineConfig(max_seqs=4))
@@ -131,3 +136,23 @@ def test_a_tuner_needs_a_thread(bad):
 
     with pytest.raises(GptjError):
         ThreadTuner(bad)
+
+
+def test_an_engine_hands_what_it_learned_to_the_next_on_its_thread(tiny_checkpoint, keep_torch_threads,
+                                                                    monkeypatch):
+    import threading
+
+    from gptj import threads
+    from gptj.threads import tuner_for
+
+    monkeypatch.setattr(threads, "_tuners", threading.local())  # this test's own, gone after it
+    torch.set_num_threads(2)
+    first = tuner_for(2)
+    first.current = 1  # as if an engine before had found the cores shared, and set the thread's count so
+    torch.set_num_threads(1)
+    engine = build_engine(load_model(tiny_checkpoint), EngineConfig(max_seqs=4, adapt_threads=True))
+    engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=3))
+    assert engine.tuner is first and first.max_threads == 2 and torch.get_num_threads() == 1  # where it was
+    assert tuner_for(2) is first  # its ceiling, set again (a caller giving the peers theirs back)
+    torch.set_num_threads(4)  # another count: a fresh tuner up to it
+    assert tuner_for(4) is not first and tuner_for(4).threads == 4

@@ -6,6 +6,8 @@ torch is imported inside the functions so that `gptj --help` starts without it.
 
 from __future__ import annotations
 
+import threading
+
 from gptj.errors import GptjError
 
 
@@ -203,6 +205,20 @@ class ThreadTuner:
     def _lost(self, tried: int) -> None:
         self.interval[self.why] = min(self.max_interval, self.interval[self.why] * 2)
         self.probing, self.probe_times, self.since = None, {}, 0
+
+
+_tuners = threading.local()  # each thread's tuner, kept from one engine to the next (tuner_for)
+
+
+def tuner_for(threads: int) -> ThreadTuner:
+    """The calling thread's ThreadTuner for engines stepped here with up to `threads` threads: the one an
+    earlier engine left (what it learned of the cores holds for the next: an engine rebuilt per call
+    starts where the last one ended) when `threads` is its ceiling or its choice, else a fresh one up
+    to `threads` (the caller set another count)."""
+    tuner = getattr(_tuners, "tuner", None)
+    if tuner is None or threads not in (tuner.max_threads, tuner.threads):
+        tuner = _tuners.tuner = ThreadTuner(threads)
+    return tuner
 
 
 def _median(values: list[float]) -> float:

@@ -32,7 +32,7 @@ from gptj.engine.scheduler import Scheduler
 from gptj.engine.update import Updater, token_logprobs
 from gptj.errors import GptjError
 from gptj.model import GPTJForCausalLM
-from gptj.threads import ThreadTuner
+from gptj.threads import ThreadTuner, tuner_for
 
 __all__ = ["ABORTED", "FAILED", "FINISHED", "RUNNING", "WAITING", "Engine", "EngineConfig", "Request", "Status",
            "TokenLogprob", "token_logprobs"]
@@ -86,17 +86,19 @@ class Engine:
         times.forward += t2 - t1
         times.update += time.perf_counter() - t2 - (times.wait - waited)
         if tuner is not None and result.decode_rows and not scheduled.prefill:  # decode steps compare alike
-            tuner.observe(result.decode_rows.bit_length(), time.perf_counter() - t0, time.process_time() - cpu0)
+            tuner.observe((id(self.model), result.decode_rows.bit_length()), time.perf_counter() - t0,
+                          time.process_time() - cpu0)
         return finished
 
     def _thread_tuner(self) -> ThreadTuner | None:
-        """On a CPU, with config.adapt_threads: the tuner of this engine's compute threads, made at the
-        first step on the thread that steps (its thread count is the most it tries), and torch set
-        to the count it chooses for this step."""
+        """On a CPU, with config.adapt_threads: the tuner of this engine's compute threads, taken at the
+        first step on the thread that steps (gptj.threads.tuner_for: its thread count is the most it
+        tries; an engine before this one on the thread hands on what it learned), and torch set to the
+        count it chooses for this step. Steps are compared per model and decode rows."""
         if not self.config.adapt_threads or self.device.type != "cpu":
             return None
         if self.tuner is None:
-            self.tuner = ThreadTuner(torch.get_num_threads())
+            self.tuner = tuner_for(torch.get_num_threads())
         if torch.get_num_threads() != self.tuner.threads:
             torch.set_num_threads(self.tuner.threads)
         return self.tuner
