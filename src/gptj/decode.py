@@ -41,6 +41,11 @@ SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
 _NEG = -1.0e9
 
 
+# repetition_penalty's range: it divides (or multiplies) logits, so a value near 0 or near float32's
+# largest makes them infinite and the request's sampling fails; far beyond any useful setting (1-2)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to decode. Field names and meanings are HF's `GenerationConfig` ones.
@@ -110,8 +115,10 @@ class GenerationConfig:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise GptjError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         _check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise GptjError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise GptjError(f"repetition_penalty must be from {low:g} to {high:g} (1 is off), got "
+                            f"{self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.num_beams > 1 and self.penalized:
             raise GptjError("frequency_penalty, presence_penalty, repetition_penalty and logit_bias are not "

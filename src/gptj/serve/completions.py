@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from gptj.decode import SAMPLING_EPS, GenerationConfig
+from gptj.decode import REPETITION_PENALTY_RANGE, SAMPLING_EPS, GenerationConfig
 from gptj.engine.loop import EngineStopped
 from gptj.errors import GptjError
 from gptj.serve.protocol import APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
@@ -118,9 +118,10 @@ def _check_penalties(body: CompletionRequest, V: int) -> dict[str, Any]:
                 raise APIError(400, f"{name} must be from -2 to 2, got {value!r}", name)
             settings[name] = float(value)
     if body.repetition_penalty is not None:
-        if not body.repetition_penalty > 0:
-            raise APIError(400, f"repetition_penalty must be > 0 (1 is off), got {body.repetition_penalty!r}",
-                           "repetition_penalty")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= body.repetition_penalty <= high:
+            raise APIError(400, f"repetition_penalty must be from {low:g} to {high:g} (1 is off), got "
+                                f"{body.repetition_penalty!r}", "repetition_penalty")
         settings["repetition_penalty"] = float(body.repetition_penalty)
     if body.logit_bias:
         if len(body.logit_bias) > MAX_LOGIT_BIAS:

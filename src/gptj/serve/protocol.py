@@ -78,8 +78,8 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = Field(None, json_schema_extra={"minimum": -2.0, "maximum": 2.0},
                                            description="-2 to 2: a token's logit loses this once it occurs in the "
                                                        "text generated so far")
-    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0.0},
-                                             description="> 0, 1 = off: the logits of the prompt's and generated "
+    repetition_penalty: float | None = Field(None, json_schema_extra={"minimum": 0.01, "maximum": 100.0},
+                                             description="0.01 to 100, 1 = off: the logits of the prompt's and generated "
                                                          "tokens are divided by it (multiplied where negative)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> a bias from -100 to 100 "
                                                                   "added to its logit")
