@@ -16,6 +16,7 @@ from gptj.engine.request import Request
 from gptj.engine.sampler import NOT_FINITE, choose
 from gptj.errors import GptjError
 from hf_ref import hf_generate, make_pair
+from test_sampler import count_host_reads
 
 V = 8
 
@@ -140,15 +141,6 @@ def reference_scores(logits: torch.Tensor, gen: GenerationConfig, prompt: list[i
     scores = block_eos(logits, len(output), gen)
     tokens = torch.tensor([prompt + output])
     return penalize(scores, **penalty_args([gen], "cpu", tokens, counts)) if gen.penalized else scores
-
-
-def count_host_reads(monkeypatch) -> list[str]:
-    reads: list[str] = []
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
-    return reads
 
 
 MIX = [dict(), dict(repetition_penalty=1.8), dict(frequency_penalty=1.5, presence_penalty=-0.5),
