@@ -288,3 +288,29 @@ def test_convert_says_when_it_writes_tensor_parallel_shards(tiny, tmp_path, caps
     assert code == 0 and "gptj convert: writing the tensor-parallel shards of 2 ranks" in err, err
     code, _, err = run(["convert", str(tiny), "--out", str(tmp_path / "tp-quiet"), "--tp", "2", "--quiet"], capsys)
     assert code == 0 and err == ""
+
+
+def test_generate_takes_the_servers_penalties(tiny, capsys):
+    """--repetition-penalty / --frequency-penalty / --presence-penalty reach GenerationConfig as the
+    server's fields do: the command's tokens are gptj.decode's with the same settings, and each changes them."""
+    from gptj.decode import GenerationConfig, generate
+    from gptj.weights.io import load_model
+
+    model = load_model(tiny)
+    prompt = [464, 2068, 464, 2068]
+    args = ["generate", "--model", str(tiny), "--prompt-ids", "464,2068,464,2068", "--max-new-tokens", "12", "--json"]
+    plain = None
+    for flags, settings in [([], {}), (["--repetition-penalty", "0.01"], dict(repetition_penalty=0.01)),
+                            (["--presence-penalty", "-2"], dict(presence_penalty=-2.0)),
+                            (["--frequency-penalty", "-1", "--presence-penalty", "0.5"],
+                             dict(frequency_penalty=-1.0, presence_penalty=0.5))]:
+        code, out, err = run(args + flags, capsys)
+        assert code == 0, err
+        tokens = json.loads(out)["token_ids"]
+        assert tokens == generate(model, [prompt], GenerationConfig(max_new_tokens=12, **settings))[0]
+        if plain is None:
+            plain = tokens
+        else:
+            assert tokens != plain
+    code, out, err = run(args + ["--presence-penalty", "3"], capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "presence_penalty" in err, err

@@ -181,6 +181,8 @@ def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prom
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
         do_sample=args.temperature > 0, temperature=args.temperature,
         top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
     tok = _tokenizer_for(args.model)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
@@ -910,6 +912,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling: keep the most likely tokens "
                                                                     "whose probabilities add up to this, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="HF's rule over prompt and output: a seen token's logit is divided by R where "
+                        "positive, multiplied where negative (0.01 to 100; default 1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: a logit loses F times its token's count in the output (-2 to 2; default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="OpenAI's: a logit loses P once its token is in the output (-2 to 2; default 0)")
     flags.add_model_flags(p)
     flags.add_lora_flag(p)
     flags.add_engine_flags(p, max_seqs_help="sequences running at once, beams counted each (default: all the "
