@@ -183,6 +183,22 @@ def test_every_command_defaults_to_the_checkpoints_dtype(tiny, tiny_bf16, tmp_pa
     assert through(command, bare)[0].dtype == "float32"
 
 
+def test_every_command_that_runs_a_model_takes_auto_by_default():
+    """One default: each subcommand's --dtype is auto (calibrate and quant-report were bfloat16), but for
+    the weight tools, which write a dtype and never guess one (init: float32; convert: as stored)."""
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    defaults = {name: action.default for name, parser in sub.choices.items() for action in parser._actions
+                if "--dtype" in action.option_strings}
+    for nested in ("bench",):  # `gptj bench latency`: a subcommand of its own
+        inner = next(a for a in sub.choices[nested]._actions if isinstance(a, argparse._SubParsersAction))
+        defaults |= {f"{nested} {name}": action.default for name, parser in inner.choices.items()
+                     for action in parser._actions if "--dtype" in action.option_strings}
+    assert {"calibrate", "quant-report", "generate", "serve", "mlperf", "compare"} <= set(defaults)
+    assert {name: d for name, d in defaults.items() if d != "auto"} == {"init": "float32", "convert": None}
+
+
 def test_a_served_template_resolves_auto_per_model(tiny, tiny_bf16):
     """gptj serve's spec is a template until each --model's folder is known: auto stays auto there."""
     template = _server_config(parse("serve", "--model", f"a={tiny}"), (("a", str(tiny)),)).model

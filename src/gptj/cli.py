@@ -154,14 +154,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from gptj.mlperf.dataset import Dataset
-    from gptj.device import parse_dtype, resolve_device
+    from gptj.device import resolve_device
+    from gptj.runtime.spec import ModelSpec
     from gptj.weights.io import calibrate
 
     dataset = Dataset.load(args.dataset, tokenizer=_tokenizer_for(args.model), max_examples=args.samples)
     prompts = dataset.input_ids
     name = Path(dataset.path).name
-    record = calibrate(args.model, prompts, name, alpha=args.alpha, dtype=parse_dtype(args.dtype),
-                       device=resolve_device(args.device))
+    dtype = ModelSpec(path=args.model, dtype=args.dtype, device=args.device).torch_dtype  # auto / fast as everywhere
+    record = calibrate(args.model, prompts, name, alpha=args.alpha, dtype=dtype, device=resolve_device(args.device))
     print(f"calibrated {args.model} for w8a8 on {record['samples']} prompts ({record['tokens']:,} tokens) of {name}, "
           f"alpha {record['alpha']:g}: wrote calibration.safetensors and config.json's 'calibration' "
           f"(use --quantize w8a8)")
@@ -518,10 +519,12 @@ def _modes(text: str) -> list[str]:
 
 def cmd_quant_report(args: argparse.Namespace) -> int:
     from gptj.bench.quant_report import format_report, quantization_report
-    from gptj.device import parse_dtype, resolve_device
+    from gptj.device import resolve_device
+    from gptj.runtime.spec import ModelSpec
 
+    dtype = ModelSpec(path=args.model, dtype=args.dtype, device=args.device).torch_dtype  # auto / fast as everywhere
     report = quantization_report(args.model, modes=args.modes, n_prompts=args.prompts, max_tokens=args.max_tokens,
-                                 group_size=args.group_size, dtype=parse_dtype(args.dtype),
+                                 group_size=args.group_size, dtype=dtype,
                                  device=resolve_device(args.device), speed=args.speed)
     print(json.dumps(report, indent=2) if args.json else format_report(report).rstrip())
     return 0
@@ -893,7 +896,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_positive, help="use the first N (default: all)")
     p.add_argument("--alpha", type=_unit_interval, default=None,
                    help="migration strength: s = max|X|^alpha / max|W|^(1 - alpha) (default 0.5)")
-    flags.add_dtype_flag(p, "bfloat16", help="dtype the float model runs in while calibrating (default bfloat16)")
+    flags.add_dtype_flag(p, "auto", auto=True, help="the float model's dtype while calibrating: %(choices)s (default "
+                                                    f"auto; {flags.DTYPE_RULES_HELP})")
     flags.add_device_flag(p)
     flags.add_threads_flag(p)
     p.set_defaults(func=cmd_calibrate)
@@ -1018,8 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", dest="max_tokens", type=_positive, default=128, metavar="N",
                    help="prompt tokens kept per prompt, its first (default 128)")
     flags.add_deprecated_alias(p, "--max-tokens", "--max-prompt-tokens")
-    flags.add_dtype_flag(p, "bfloat16", help="activations and float weights of the quantized models (default "
-                                             "bfloat16)")
+    flags.add_dtype_flag(p, "auto", auto=True, help="activations and float weights of the quantized models: "
+                                                    f"%(choices)s (default auto; {flags.DTYPE_RULES_HELP})")
     flags.add_device_flag(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     flags.add_threads_flag(p)
