@@ -98,9 +98,9 @@ class ThreadTuner:
 
     Why: a parallel region ends when its slowest thread does. On quiet cores every thread runs at
     once and all the cores are fastest; on cores shared with other busy processes a thread is often
-    descheduled, and every region then waits a scheduler's time slice for it: a 0.2B model's batch-1
-    decode fell from 87 to 2 tok/s at 2 threads beside two busy processes on 2 cores, where 1 thread
-    gave 10 (docs/PERFORMANCE.md#contention). No setting fits both, so the engine measures.
+    descheduled, and every region then waits a scheduler's time slice for it: beside two busy
+    processes on 2 cores, 1 thread decodes several times faster than 2 (docs/PERFORMANCE.md#contention),
+    on quiet cores 2 threads are faster. No setting fits both, so the engine measures.
 
     What it reads: each timed step's wall time and the process's CPU time over it. Their ratio per
     thread, the utilization, is near 1 while the threads have the cores (a waiting OpenMP thread

@@ -11,8 +11,7 @@ weights are not float32 (bfloat16 or quantized); float32 stays the exact, unfuse
 
 torch's `F.linear` in bfloat16 on CPU reads a plain row-major weight; at the few rows of a decode
 step it reaches about half the memory bandwidth of the same weight in oneDNN's blocked layout
-(measured in docs/PERFORMANCE.md: one 4096 x 4096 layer, 1 row, 1.55 ms plain vs 1.01 ms packed;
-16384 x 4096, 6.7 ms vs 5.3 ms). `pack_model` swaps every bfloat16 `nn.Linear` of a model for a
+(docs/PERFORMANCE.md#cpu-kernels). `pack_model` swaps every bfloat16 `nn.Linear` of a model for a
 `PackedLinear` holding the weight in that layout (reordered once, layer by layer, each plain weight
 freed before the next is reordered, so memory never holds two copies of the model). The products
 are the same oneDNN bfloat16 GEMM with float32 accumulation; the tests check the outputs against
@@ -87,7 +86,7 @@ class PackedW8A8Linear(nn.Module):
     GEMM in the form policy.w8a8_form names for the CPU:
 
       AMX (CPUs with AMX)       gptj.native's AMX-INT8 GEMM (native.linear_w8a8_amx) on the plain
-                                int8 weight: SHIFTED's float32 result, bit for bit, 1.0-1.4x faster
+                                int8 weight: SHIFTED's float32 result, bit for bit, faster (docs/PERFORMANCE.md#policy-w8a8-amx)
       SHIFTED (CPUs with VNNI)  oneDNN's u8 x s8 GEMM on q + 128 with zero point 128; it returns
                                 sum * weight_scale in float32
       NATIVE (CPUs without,     gptj.native's W8A8 GEMM (native.linear_w8a8) on its own packed panels:
@@ -105,7 +104,7 @@ class PackedW8A8Linear(nn.Module):
     GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
     SHIFTED call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they
     are scaled (gptj.native's GEMM scales its own sums). torch's ops take several passes over the whole
-    call: at 4,096 rows of a 5120 -> 1024 layer they took 135 ms around a 21 ms GEMM (docs/PERFORMANCE.md)."""
+    call, which took several times the GEMM's own time at prefill sizes (docs/PERFORMANCE.md#cpu-kernels)."""
 
     CHUNK_ROWS = 256
 

@@ -11,8 +11,8 @@
 
    Why: gemv.c's GEMV reads the weight once per 8 rows of x and multiplies with AVX-512's vdpbf16ps
    (32 products per instruction). From about 4 rows of x on, that arithmetic, not the memory, bounds
-   it: 8 rows of a 28672 x 4096 layer took 13.5 ms on 2 cores of a Xeon with AMX, where bfloat16
-   weights through oneDNN's AMX GEMM took 12 ms for twice the bytes. One tdpbf16ps multiplies a 16 x 32
+   it: bfloat16 weights through oneDNN's AMX GEMM were as fast for twice the bytes
+   (docs/PERFORMANCE.md#amx-int8-gemm). One tdpbf16ps multiplies a 16 x 32
    tile by a 32 x 16 one: 8,192 products.
 
    The product is computed transposed, so that the weight needs no transpose: a tile of 16 output
@@ -20,8 +20,8 @@
    integer in [-256, 256] is one) by byte lookups, 64 inputs at a time, whose output interleaves them
    (convert64); x is rearranged once per call into B's layout (pairs of inputs side by side: [K / 2][16
    rows of x][2]) in that same order; C (16 channels x 16 rows of x, float32) is transposed on the way
-   out. The lookups (vpermi2b, AVX512-VBMI: every AMX CPU has it) took 8 rows of a 28672 x 4096 layer
-   from 7.5 to 4.9 ms against the float32 conversion (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16).
+   out. The lookups (vpermi2b, AVX512-VBMI: every AMX CPU has it) are faster than the float32 conversion
+   (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16; docs/PERFORMANCE.md#amx-int8-gemm).
 
    - OpenMP threads (static) each own a contiguous range of blocks of 32 output channels: one
      sequential stream of weight bytes per thread, as in gemv.c.

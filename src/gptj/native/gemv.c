@@ -415,8 +415,8 @@ static long chunk_for(const job_t *j, long m0, int mt)
 /* The passes over a group's rows of w, each against rows [pass_start(p), pass_start(p + 1)) of x.
    AVX-512: MAXMT rows at a time. AVX2 (16 registers): M split evenly into M / 4 passes of 4-7 rows
    (one pass below 8 rows), so that the 4-6-row tiles, two rows of w sharing each load of x, do most of
-   the work: 1.08-1.17x the 8-row passes of one row of w at 8-128 rows of x (int8 and bfloat16; 1024- to
-   50400-row layers). Every pass of 3+ rows sums each output with one accumulator in k order, so a
+   the work, faster than 8-row passes of one row of w at 8-128 rows of x
+   (docs/PERFORMANCE.md#avx2-native-kernels). Every pass of 3+ rows sums each output with one accumulator in k order, so a
    row's result is the same as in the 8-row passes, in any call of 3 rows or more. */
 static long pass_count(long M)
 {

@@ -108,9 +108,9 @@ def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 
 
 def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A CPU int32 / int64 tensor of Python ints, converted by array.array: a third of torch.tensor's
-    time on the long lists of a step's tables (some 10,000 ints for 64 beam requests: 1 ms against
-    0.3 ms on the project's machine)."""
+    """A CPU int32 / int64 tensor of Python ints, converted by array.array, which is several times
+    faster than torch.tensor on the long lists of a step's tables (some 10,000 ints for 64 beam
+    requests)."""
     if len(values) == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_ARRAY_CODE[dtype], values), dtype=dtype)
