@@ -396,6 +396,7 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
     deploying.join(timeout_s)
     if deploying.is_alive():  # still pending: say why, and leave nothing half-published
         why = _pending_reason(name, replicas, cpus, gpus)
+        _stop_replicas(name)
         with contextlib.suppress(Exception):
             serve.delete(name)
         raise GptjError(f"publishing {name!r}: its {replicas} replica(s) were not running within {timeout_s:g} s "
@@ -427,6 +428,18 @@ def _pending_reason(name: str, replicas: int, cpus: float, gpus: float) -> str:
     with contextlib.suppress(Exception):
         said = serve.status().applications[name].deployments[DEPLOYMENT].message.strip()
     return f"{asked}; {have}" + (f"; Ray Serve: {' '.join(said.split())}" if said else "")
+
+
+def _stop_replicas(name: str) -> None:
+    """Kill application `name`'s replica actors, so that deleting a half-made application takes a
+    second: Ray Serve otherwise gives a replica still waiting for resources its whole graceful
+    shutdown time (the drain timeout, 30 s by default) before removing it. None of them was
+    published, so nothing is drained. Ray Serve names replicas SERVE_REPLICA::APP#DEPLOYMENT#ID in its
+    namespace; where it names them otherwise, nothing is killed and the delete takes its time."""
+    with contextlib.suppress(Exception):
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{name}#"):
+                ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
 
 
 def _deploy_error(text: str) -> str:
