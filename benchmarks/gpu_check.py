@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-prompt-len", type=int, default=512)
     ap.add_argument("--batch-new-tokens", type=int, default=32)
     ap.add_argument("--samples", type=int, default=256, help="Offline samples (the bundled prompts repeated)")
+    ap.add_argument("--accuracy-samples", type=int, default=None,
+                    help="the accuracy runs' articles, the first of the bundled 30 (default: all)")
     ap.add_argument("--max-batch-size", type=int, help="Offline, Server, accuracy: samples at once "
                     "(default: gptj mlperf's for the device, gptj.mlperf.sut.DEFAULT_BATCH)")
     ap.add_argument("--hf-samples", type=int, default=4)
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
     args = parse_args(ap, {"device": "cpu", "dtype": "float32", "preset": "tiny", "copy_gib": 0.01,
                            "b1_new_tokens": 4, "batch": 2, "batch_prompt_len": 16, "batch_new_tokens": 3,
-                           "samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
+                           "samples": 4, "accuracy_samples": 4, "max_batch_size": 4, "hf_samples": 1, "max_new_tokens": 31,
                            "server_qps": 2.0, "server_seconds": 1, "server_queries": 2, "quant_modes": "int8",
                            "offline_quant": "int8:int8",  # fp8 is refused on CPU
                            # offline-q and server-q are offline's and server's loops with the flags that
@@ -333,12 +335,14 @@ def main(argv: list[str] | None = None) -> int:
                                          for m, v in report.get("modes", {}).items()}, "error": r["error"]}
     if "accuracy" in steps:
         runs = {args.dtype: [], **{m: ["--quantize", m] for m in quant_modes}, " ".join(offline_quant): offline_quant}
+        accuracy_subset = [] if args.accuracy_samples is None else ["--max-examples", str(args.accuracy_samples)]
         res["accuracy"] = {"modes": {}, "error": None}
         for name, extra in runs.items():
             log_dir = out / ("accuracy-" + ("-".join(extra).replace("--", "") if extra else args.dtype))
             r = run_step(log_dir.name, gptj("mlperf", "--model", str(model), *common, *extra, "--scenario", "Offline",
                                             "--mode", "accuracy", "--quiet", "--log-dir", str(log_dir),
-                                            "--max-new-tokens", str(args.max_new_tokens), *batch_flags),
+                                            "--max-new-tokens", str(args.max_new_tokens), *batch_flags,
+                                            *accuracy_subset),
                          out, args.long_step_timeout)
             entry = {"error": r["error"]}
             if (log_dir / "accuracy.json").is_file():
