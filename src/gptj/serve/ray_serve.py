@@ -408,7 +408,8 @@ def publish(name: str, path: str, cfg: ServerConfig, replicas: int = 1, cpus: fl
         message = str(e)
         with contextlib.suppress(Exception):  # the replicas' own error, with their traceback
             message = serve.status().applications[name].deployments[DEPLOYMENT].message + "\n" + message
-        with contextlib.suppress(Exception):  # leave nothing half-published
+        _stop_replicas(name)  # leave nothing half-published
+        with contextlib.suppress(Exception):
             serve.delete(name)
         raise GptjError(f"publishing {name!r} failed: {_deploy_error(message)}") from None
 
@@ -432,8 +433,8 @@ def _pending_reason(name: str, replicas: int, cpus: float, gpus: float) -> str:
 
 def _stop_replicas(name: str) -> None:
     """Kill application `name`'s replica actors, so that deleting a half-made application takes a
-    second: Ray Serve otherwise gives a replica still waiting for resources its whole graceful
-    shutdown time (the drain timeout, 30 s by default) before removing it. None of them was
+    second: Ray Serve otherwise gives a replica still waiting for resources (or one that failed) its
+    whole graceful shutdown time (the drain timeout, 30 s by default) before removing it. None of them was
     published, so nothing is drained. Ray Serve names replicas SERVE_REPLICA::APP#DEPLOYMENT#ID in its
     namespace; where it names them otherwise, nothing is killed and the delete takes its time."""
     with contextlib.suppress(Exception):
