@@ -152,7 +152,7 @@ def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(mod
     """Engine.warm runs a short request of the kind and every bucket's padding-only step for groups
     of num_beams rows; only the scratch block is written by the padding steps, the prefix cache and
     the counts start afresh, and the engine then gives the tokens of one never warmed."""
-    prompts = prompts_of([5, 17, 1, 30, 8, 12])
+    prompts = prompts_of([5, 17, 1, 30])  # 16 beam rows: the largest bucket, full
     beams = GenerationConfig(max_new_tokens=4, num_beams=4, early_stopping=True)
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
     graphs, kv = engine.runner.graphs, engine.runner.kv
