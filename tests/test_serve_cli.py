@@ -84,6 +84,35 @@ def keep_alive_call(conn, method, path, body=None):
     return resp.status, json.loads(resp.read()), resp.headers
 
 
+# the `gptj` command as its console script runs it (main() with no argv), and an exit handler that
+# shows whether the interpreter's teardown ran
+CONSOLE_SERVE = """
+import atexit, sys
+atexit.register(print, "interpreter teardown ran", flush=True)
+sys.argv = ["gptj", "serve", *sys.argv[1:]]
+from gptj.cli import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_on_an_idle_server_ends_the_process_without_the_interpreters_teardown(tiny):
+    """An idle `gptj serve` on SIGTERM: drains (nothing runs), logs its shutdown, exits 0 at once: the
+    interpreter's teardown (freeing the model's tensors one by one: most of a second, more for big
+    models) is skipped, the output flushed first. In-process callers of main() keep their teardown."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", CONSOLE_SERVE, "--model", f"tiny={tiny}", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Finished server process" in err and "Traceback" not in err, err
+    assert "interpreter teardown ran" not in out
+
+
 def test_sigterm_keeps_listening_answers_503_and_lets_running_requests_finish(tiny, tmp_path):
     """SIGTERM: new requests get 503 + Retry-After on a new and on a kept-alive connection, /health
     says draining, the running stream and plain request finish whole, and the process exits 0.

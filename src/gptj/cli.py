@@ -6,6 +6,7 @@ User errors (GptjError) print one line and exit 1; --debug shows tracebacks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -1162,6 +1163,20 @@ def _resolve_secrets(args: argparse.Namespace) -> None:
             setattr(args, name, secret(getattr(args, name), f"--{name.replace('_', '-')}", env))
 
 
+def _exit_now(code: int) -> None:
+    """End the process now, its output flushed, without the interpreter's teardown: after a drained
+    server stops, freeing the model's tensors, torch's and OpenMP's state one object at a time took
+    0.9 s of a 1.1 s exit on SIGTERM for the tiny model (more for bigger ones), and there is nothing
+    left to save (the drain answered every request; no file is open for writing)."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1173,7 +1188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gptj.threads import set_threads
 
             set_threads(args.threads)
-        return args.func(args)
+        code = args.func(args)
+        if argv is None and args.command == "serve" and not args.ray:
+            _exit_now(code)  # the `gptj` command: a drained server ends here
+        return code
     except GptjError as e:
         if args.debug:
             traceback.print_exc()
