@@ -29,7 +29,7 @@ def read_accuracy_log(log_dir):
 
 def test_offline_accuracy_answers_every_sample_once_as_generate_does(tiny_checkpoint, tmp_path, capsys):
     log_dir = tmp_path / "acc"
-    args = ["--scenario", "Offline", "--mode", "accuracy", "--max-new-tokens", "24", "--min-new-tokens", "4",
+    args = ["--scenario", "Offline", "--mode", "accuracy", "--max-new-tokens", "12", "--min-new-tokens", "4",
             "--max-batch-size", "4"]
     assert mlperf(tiny_checkpoint, log_dir, *args) == 0
     out = capsys.readouterr().out
@@ -39,7 +39,7 @@ def test_offline_accuracy_answers_every_sample_once_as_generate_does(tiny_checkp
     assert sorted(e["qsl_idx"] for e in entries) == list(range(len(dataset)))  # each exactly once
 
     model = load_model(tiny_checkpoint)
-    gen = GenerationConfig.mlperf(max_new_tokens=24, min_new_tokens=4)
+    gen = GenerationConfig.mlperf(max_new_tokens=12, min_new_tokens=4)
     with torch.inference_mode():
         for i, prompt in enumerate(dataset.input_ids):
             assert answers[i] == generate(model, [prompt], gen)[0], f"sample {i}"

@@ -25,6 +25,17 @@ def tiny(tmp_path_factory):
     return out
 
 
+_WANT: dict = {}
+
+
+def want_ids(tiny, capsys, *args):
+    """`gptj generate`'s (float32) token ids for args: the same for every parallel flag, run once."""
+    key = (str(tiny), args)
+    if key not in _WANT:
+        _WANT[key] = generate_cli(tiny, capsys, *args)[0]["token_ids"]
+    return _WANT[key]
+
+
 def ids(url, **body):
     status, out, _ = call(url, body={"model": "tiny", "return_token_ids": True, **body})
     assert status == 200, out
@@ -46,7 +57,7 @@ def test_serve_parallel_equals_one_process(tiny, capsys, flag):
                              ["--num-beams", "3"]),
                             ({"temperature": 0.9, "top_k": 20, "seed": 11},
                              ["--temperature", "0.9", "--top-k", "20", "--seed", "11"])):
-            want = generate_cli(tiny, capsys, "--prompt", prompt, "--max-new-tokens", "10", *flags)[0]["token_ids"]
+            want = want_ids(tiny, capsys, "--prompt", prompt, "--max-new-tokens", "10", *flags)
             assert ids(url, prompt=prompt, max_tokens=10, **body)[0] == want, body
 
         # unseeded sampling: rank 0 seeds it for every rank; the ranks agree, so the answer comes back
@@ -61,8 +72,7 @@ def test_serve_parallel_equals_one_process(tiny, capsys, flag):
 
         # concurrent requests batch together on every rank and equal their solo answers
         prompts = [f"Request number {i}" for i in range(6)]
-        solo = [generate_cli(tiny, capsys, "--prompt", p, "--max-new-tokens", "8", "--temperature", "0")[0]
-                ["token_ids"] for p in prompts]
+        solo = [want_ids(tiny, capsys, "--prompt", p, "--max-new-tokens", "8", "--temperature", "0") for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             got = list(pool.map(lambda p: ids(url, prompt=p, max_tokens=8, temperature=0)[0], prompts))
         assert got == solo
@@ -80,19 +90,29 @@ def test_serve_parallel_equals_one_process(tiny, capsys, flag):
         proc.communicate()
 
 
+def mlperf_common(tiny):
+    return ["mlperf", "--model", str(tiny), "--scenario", "Offline", "--mode", "accuracy", "--max-examples", "3",
+            "--num-beams", "2", "--max-new-tokens", "10", "--min-new-tokens", "2", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def mlperf_one_process(tiny, tmp_path_factory):
+    """The one-process run every grid is compared with, made once."""
+    log_dir = tmp_path_factory.mktemp("mlperf") / "one"
+    assert main([*mlperf_common(tiny), "--log-dir", str(log_dir)]) == 0
+    return log_dir
+
+
 @pytest.mark.parametrize("grid", [["--tp", "2"], ["--tp", "2", "--pp", "2"]], ids=["tp2", "tp2xpp2"])
-def test_mlperf_parallel_equals_one_process(tiny, tmp_path, capsys, grid):
-    common = ["mlperf", "--model", str(tiny), "--scenario", "Offline", "--mode", "accuracy", "--max-examples", "3",
-              "--num-beams", "2", "--max-new-tokens", "10", "--min-new-tokens", "2", "--quiet"]
-    assert main([*common, "--log-dir", str(tmp_path / "one")]) == 0
-    proc = subprocess.run([sys.executable, "-m", "gptj.cli", *common, "--log-dir", str(tmp_path / "two"), *grid],
-                          capture_output=True, text=True, timeout=600)
+def test_mlperf_parallel_equals_one_process(tiny, mlperf_one_process, tmp_path, capsys, grid):
+    proc = subprocess.run([sys.executable, "-m", "gptj.cli", *mlperf_common(tiny), "--log-dir", str(tmp_path / "two"),
+                           *grid], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "summary.md" in proc.stdout  # rank 0 reports, once
     assert proc.stdout.count("summary.md") == 1
-    one, two = read_accuracy_log(tmp_path / "one")[0], read_accuracy_log(tmp_path / "two")[0]
+    one, two = read_accuracy_log(mlperf_one_process)[0], read_accuracy_log(tmp_path / "two")[0]
     assert sorted(one) == [0, 1, 2] and two == one
-    accuracy = [json.loads((tmp_path / d / "accuracy.json").read_text()) for d in ("one", "two")]
+    accuracy = [json.loads((d / "accuracy.json").read_text()) for d in (mlperf_one_process, tmp_path / "two")]
     for a in accuracy:
         a.pop("log_path")
     assert accuracy[0] == accuracy[1]
