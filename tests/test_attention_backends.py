@@ -11,6 +11,8 @@ it (bfloat16). On a GPU the same tests run the compiled kernel on CUDA tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.attention.reference import ReferenceAttention
+from gptj.model import build_model
 from test_engine import CFG, MIXED, prompts_of
 from conftest import use_isa
 from test_engine import model  # noqa: F401 - the fixture
@@ -47,6 +50,17 @@ SHORT_MIXED = [g.replace(max_new_tokens=min(g.max_new_tokens, 8), min_new_tokens
                for g in MIXED]
 # the unit roundoff of each compute dtype (bfloat16 keeps 8 significant bits, float16 11, float32 24)
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+@pytest.fixture(scope="module")
+def two_heads(model):  # noqa: F811 - the fixture
+    """test_engine's model (2 layers, 4 heads of 16) with its very weights read as 2 heads of 32: the
+    engine tests on the Triton kernels run a program per (decode group, head) and per (stored token,
+    head), so under the interpreter (a program at a time, in Python) half the heads take half the
+    time; two heads still check each head's own slice of q, the blocks and the output."""
+    net = build_model(dataclasses.replace(CFG, n_head=2))
+    net.load_state_dict(model.state_dict())  # the weights' shapes do not depend on the heads
+    return net.eval()
 
 
 def backends() -> list:
@@ -338,11 +352,11 @@ def test_the_policy_names_one_backend_per_device_and_dtype(monkeypatch):
 
 
 @needs_triton
-def test_an_engine_on_the_cuda_backend_gives_the_references_tokens(model):  # noqa: F811 - the fixture
+def test_an_engine_on_the_cuda_backend_gives_the_references_tokens(two_heads):
     """float32: greedy, sampled and beam requests sharing steps, through the Triton kernel, give the
     reference backend's tokens; and each request's tokens alone are its tokens together."""
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
-    model = model.to(DEVICE)
+    model = two_heads.to(DEVICE)
 
     def engine(backend: str, max_seqs: int = 16) -> Engine:
         e = Engine(model, EngineConfig(max_seqs=max_seqs, block_size=8, kernels="off"))
@@ -423,7 +437,7 @@ def test_the_cuda_prefill_kernel_is_within_the_arithmetics_bound_of_exact(comput
 
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
-def test_chunked_prefill_on_the_cuda_backend_gives_the_references_tokens(model, kv_dtype, monkeypatch):  # noqa: F811
+def test_chunked_prefill_on_the_cuda_backend_gives_the_references_tokens(two_heads, kv_dtype, monkeypatch):
     """Prompts prefilled in chunks of 16 (the later chunks through the Triton prefill kernel, over
     their blocks in place; quantized blocks: every chunk), float32: the reference backend's tokens."""
     from gptj.engine.attention import cuda
@@ -436,8 +450,8 @@ def test_chunked_prefill_on_the_cuda_backend_gives_the_references_tokens(model, 
     gen = GenerationConfig(max_new_tokens=4)
 
     def run(backend: str) -> list[list[int]]:
-        e = Engine(model.to(DEVICE), EngineConfig(max_seqs=4, block_size=16, prefill_chunk=16, kernels="off",
-                                                  kv_dtype=kv_dtype))
+        e = Engine(two_heads.to(DEVICE), EngineConfig(max_seqs=4, block_size=16, prefill_chunk=16, kernels="off",
+                                                      kv_dtype=kv_dtype))
         e.runner.attention = att.make_backend(policy.AttentionPath(backend, False))
         out = e.generate(prompts, gen)
         assert getattr(e.runner.attention, "kernel_ok", True)

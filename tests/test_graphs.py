@@ -13,6 +13,7 @@ from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.graphs import BUCKETS, GraphRunner, bucket_for
 from test_attention_backends import DEVICE, SHORT_MIXED, needs_gpu, needs_triton
+from test_attention_backends import two_heads  # noqa: F401 - the fixture (the interpreter's tests: half the programs)
 from test_engine import MIXED, prompts_of
 from test_engine import model  # noqa: F401 - the fixture
 
@@ -36,9 +37,10 @@ def graphed(net, capture: bool, **config) -> Engine:
 
 
 @needs_triton
-def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(model, monkeypatch):  # noqa: F811 - the fixture
+def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(two_heads, monkeypatch):  # noqa: F811 - the fixture
     """Greedy, sampled and beam requests (up to 10 rows a step, padded up to buckets of 1 to 16)
     give the tokens of the same engine without graphs; the scratch block is the pool's extra one."""
+    model = two_heads
     prompts = prompts_of([5, 17, 1, 30, 8, 12])
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
     seen = []
@@ -53,10 +55,12 @@ def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(model, monkeypatc
 
 
 @needs_triton
-def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one_forward(model, monkeypatch):  # noqa: F811
+def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one_forward(
+        two_heads, monkeypatch):  # noqa: F811 - the fixture
     """Requests arriving while others decode, prompts cut into chunks of a shared 8-token budget (two
     chunks in some steps): such a step replays the decode rows' graph and runs all its chunks in one
     eager forward; every request gets the tokens of the engine without graphs."""
+    model = two_heads
     prompts, gens = prompts_of([5, 17, 30, 12]), [g.replace(max_new_tokens=4) for g in SHORT_MIXED[:4]]
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16, prefill_chunk=8)
     calls, step_calls = [], []
@@ -130,28 +134,30 @@ def run_with_a_broken_kernel(model, monkeypatch, caplog, kernel: str, message: s
 
 
 @needs_triton
-def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(model, monkeypatch, caplog):  # noqa: F811
+def test_a_kernel_that_fails_falls_back_to_the_reference_with_one_warning(two_heads, monkeypatch, caplog):  # noqa: F811
     """A Triton kernel that cannot run (another Triton, another GPU): one warning, the reference
     backend's forms from then on, unpadded steps, and the reference's tokens."""
-    engine = run_with_a_broken_kernel(model, monkeypatch, caplog, "paged_decode", "PTX not supported")
+    engine = run_with_a_broken_kernel(two_heads, monkeypatch, caplog, "paged_decode", "PTX not supported")
     assert not engine.attention.kernel_ok and not engine.runner.graphs.ready
     assert caplog.text.count("the Triton decode kernel failed (RuntimeError: PTX not supported)") == 1
 
 
 @needs_triton
-def test_a_store_kernel_that_fails_leaves_decode_and_graphs_to_the_kernels(model, monkeypatch, caplog):  # noqa: F811
+def test_a_store_kernel_that_fails_leaves_decode_and_graphs_to_the_kernels(
+        two_heads, monkeypatch, caplog):  # noqa: F811 - the fixture
     """The store kernel failing sends only the stores back to indexing (one warning): the decode
     kernel and the graphs go on, and the tokens are the reference's."""
-    engine = run_with_a_broken_kernel(model, monkeypatch, caplog, "store_kv", "no e4m3 here")
+    engine = run_with_a_broken_kernel(two_heads, monkeypatch, caplog, "store_kv", "no e4m3 here")
     assert not engine.attention.store_ok and engine.attention.kernel_ok and engine.runner.graphs.ready
     assert caplog.text.count("the Triton store kernel failed (RuntimeError: no e4m3 here)") == 1
 
 
 @needs_triton
-def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(model):  # noqa: F811 - the fixture
+def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(two_heads):  # noqa: F811 - the fixture
     """Engine.warm runs a short request of the kind and every bucket's padding-only step for groups
     of num_beams rows; only the scratch block is written by the padding steps, the prefix cache and
     the counts start afresh, and the engine then gives the tokens of one never warmed."""
+    model = two_heads
     prompts = prompts_of([5, 17, 1, 30])  # 16 beam rows: the largest bucket, full
     beams = GenerationConfig(max_new_tokens=4, num_beams=4, early_stopping=True)
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
@@ -167,7 +173,8 @@ def test_warming_makes_every_bucket_of_the_groups_rows_and_changes_no_tokens(mod
     assert changed <= {engine.plan.n_blocks}  # the scratch block only
     fresh = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16))
     assert engine.generate(prompts, beams) == fresh.generate(prompts, beams)
-    assert engine.generate(prompts[:2], MIXED[:2]) == fresh.generate(prompts[:2], MIXED[:2])
+    # greedy and sampled rows (groups of 1: steps of another tile than the warmed one's)
+    assert engine.generate(prompts[:2], SHORT_MIXED[:2]) == fresh.generate(prompts[:2], SHORT_MIXED[:2])
 
 
 @needs_gpu
