@@ -309,3 +309,30 @@ def test_a_short_single_stream_run_with_enough_queries_is_valid(tiny_checkpoint,
     assert "- Result is : VALID" in summary and "Why INVALID" not in summary
     run = json.loads((log_dir / "run.json").read_text())
     assert run["run_length"]["loadgen"]["result_query_count"] >= 64
+
+
+@pytest.mark.parametrize("user_conf", [True, False])
+def test_settings_keep_the_flags_and_the_rounds_seeds_under_user_conf_and_audit_config(tmp_path, user_conf):
+    """In a fresh process (LoadGen reloads its built-in mlperf.conf the first time a process reads a
+    user.conf, over what was set before): the round's seeds and --min-duration-ms survive a user.conf
+    and an audit config that leave them alone, and the audit config's own keys apply. (The audit config
+    was read as a user.conf: a --min-duration-ms 100 run took mlperf.conf's 10 minutes.)"""
+    import subprocess
+    import sys
+
+    (tmp_path / "user.conf").write_text("*.SingleStream.target_latency = 25\n")
+    (tmp_path / "audit.config").write_text("*.*.min_query_count = 11\n")
+    probe = f"""
+from pathlib import Path, PosixPath
+from gptj.mlperf.config import MLPerfConfig
+from gptj.mlperf.rules import ROUNDS
+from gptj.mlperf.run import test_settings
+cfg = MLPerfConfig(model=Path("unused"), scenario="SingleStream", mode="performance", min_duration_ms=100, round="v5.0",
+                   user_conf={repr(tmp_path / "user.conf") if user_conf else None},
+                   audit_config=Path({str(tmp_path / "audit.config")!r}))
+s = test_settings(cfg, 30)
+seed = ROUNDS["v5.0"].seeds["qsl_rng_seed"]
+print(s.min_duration_ms, s.min_query_count, s.qsl_rng_seed == seed)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["100", "11", "True"], out

@@ -79,14 +79,17 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
     --target-latency-ms nor user.conf gives one."""
     import mlperf_loadgen as lg
 
+    # FromConfig's kind 1 (a user.conf) loads the built-in mlperf.conf again the first time a process
+    # uses it, over whatever was set before; kind 2 (an audit config) applies the file's keys alone.
+    # So: mlperf.conf, user.conf, then what gptj sets (seeds, flags), then the audit config as kind 2.
     settings = lg.TestSettings()
     settings.FromConfig("", MODEL_NAME, cfg.scenario, 0)  # the built-in mlperf.conf
+    if cfg.user_conf is not None:
+        settings.FromConfig(str(cfg.user_conf), MODEL_NAME, cfg.scenario, 1)
     if cfg.round is not None:
         from gptj.mlperf.rules import apply_seeds
 
         apply_seeds(settings, cfg.round)
-    if cfg.user_conf is not None:
-        settings.FromConfig(str(cfg.user_conf), MODEL_NAME, cfg.scenario, 1)
     settings.scenario = getattr(lg.TestScenario, cfg.scenario)
     settings.mode = lg.TestMode.AccuracyOnly if cfg.mode == "accuracy" else lg.TestMode.PerformanceOnly
     if cfg.token_latencies:
@@ -114,7 +117,7 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
     if cap is not None:
         settings.max_query_count = cap
     if cfg.audit_config is not None:  # LoadGen applies it over all of the above: so the plan does too
-        settings.FromConfig(str(cfg.audit_config), MODEL_NAME, cfg.scenario, 1)
+        settings.FromConfig(str(cfg.audit_config), MODEL_NAME, cfg.scenario, 2)
     return settings
 
 
