@@ -71,8 +71,8 @@ def default_log_dir(scenario: str, mode: str) -> Path:
 
 
 def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_latency_s: float | None = None):
-    """LoadGen settings: its built-in gptj mlperf.conf (with the round's seeds, cfg.round), then
-    user.conf, then the flags, then --audit-config (last, as LoadGen applies it).
+    """LoadGen settings: its built-in gptj mlperf.conf, then user.conf, then the round's seeds
+    (cfg.round) and the flags, then --audit-config (last, as LoadGen applies it).
 
     `performance_sample_count`: the data set's size (the most performance samples there can be).
     `expected_latency_s` (SingleStream): the calibrated latency, used when neither
@@ -81,7 +81,6 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
 
     # FromConfig's kind 1 (a user.conf) loads the built-in mlperf.conf again the first time a process
     # uses it, over whatever was set before; kind 2 (an audit config) applies the file's keys alone.
-    # So: mlperf.conf, user.conf, then what gptj sets (seeds, flags), then the audit config as kind 2.
     settings = lg.TestSettings()
     settings.FromConfig("", MODEL_NAME, cfg.scenario, 0)  # the built-in mlperf.conf
     if cfg.user_conf is not None:
