@@ -389,6 +389,22 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
         assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
 
 
+def check_serve_profile(out: dict, err: str) -> None:
+    """Each load's steps read off the server's /metrics: 1 request of 4 new tokens per client is a
+    prefill step and 3 decode steps per request (C=2's may share steps); the engine and the clients'
+    CPU time counted; the bench latency baseline beside it."""
+    (only,) = out["rounds"]
+    one, two = only["loads"]["1"], only["loads"]["2"]
+    assert one["steps"] == 4 and one["prefill_steps"] == 1 and one["decode_rows_per_step"] == 1
+    assert 2 <= two["prefill_steps"] <= two["steps"] <= 8 and 1 <= two["decode_rows_per_step"] <= 2
+    for row in (one, two):
+        assert positive(row["out_tok_s"]) and positive(row["decode_step_ms"]) and 0 < row["busy_share"] <= 1.05
+        assert row["threads"] == 1  # --threads 1
+        assert set(row["cpu_ms_per_token"]) == {"engine", "loop", "other", "client"}
+    assert positive(only["bench"]["decode_step_ms"])
+    assert only["tpot_1_over_bench_step"] == one["tpot_p50_ms"] / only["bench"]["decode_step_ms"]
+
+
 def check_offline_vs_vllm(out: dict, err: str) -> None:
     """No --vllm-python: gptj alone on both modes, every sample given its 3 new tokens, no ratio made up;
     w8a8: gptj loaded the calibrated copy."""
@@ -454,6 +470,8 @@ SMOKE: dict[str, Job] = {
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
     "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--w8a8", "--work-dir", str(tmp)],
                             check_serve_vs_vllm),
+    "serve_profile.py": Job("serve_profile.py", lambda m, tmp: ["--smoke", "--json", "--work-dir", str(tmp)],
+                            check_serve_profile),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
     "standin_dataset.py": Job("standin_dataset.py", lambda m, tmp: ["--samples", "45", "--out", str(tmp / "s.json"),

@@ -59,6 +59,13 @@ def test_mixed_requests_together_equal_each_alone(model):
     assert times.steps == engine.steps and times.decode_rows == sum(engine.decode_batch_sizes)
     assert min(times.schedule, times.forward, times.wait, times.update) >= 0
     assert times.schedule + times.forward + times.wait + times.update <= wall
+    # the steps that prefilled: at least one (every prompt fits one chunk here, so at most one per prompt),
+    # their time within the phases'; the decode-only steps' mean is what is left over the rest
+    assert 1 <= times.prefill_steps <= len(prompts) and times.prefill_steps < times.steps
+    phases = times.schedule + times.forward + times.wait + times.update
+    assert 0 < times.prefill_seconds <= phases
+    assert times.decode_step_ms() == pytest.approx(1000 * (phases - times.prefill_seconds)
+                                                   / (times.steps - times.prefill_steps))
     for prompt, gen, got in zip(prompts, MIXED, together):
         assert got == generate(model, [prompt], gen)[0]  # the exact reference path, alone
         assert got == Engine(model, EngineConfig(max_seqs=4)).generate([prompt], gen)[0]  # the engine, alone

@@ -526,6 +526,17 @@ def test_models_health_metrics(server):
     assert metric(server.url, "gptj_queue_depth", model="tiny") == 0
     assert 0 <= metric(server.url, "gptj_kv_usage_ratio", model="tiny") <= 1
     assert metric(server.url, "gptj_generation_tokens_per_second", model="tiny") >= 0
+    # the engine's step counters (benchmarks/serve_profile.py's reading): a request of 4 new tokens is
+    # a prefill step and 3 decode steps, each decoding its one row, and every phase takes time
+    keys = ("gptj_engine_steps_total", "gptj_engine_decode_rows_total", "gptj_engine_prefill_steps_total")
+    before = {k: metric(server.url, k, model="tiny") for k in keys}
+    forward = metric(server.url, "gptj_engine_step_seconds_total", model="tiny", phase="forward")
+    call(server.url, body={"model": "tiny", "prompt": "steps", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert metric(server.url, "gptj_engine_steps_total", model="tiny") - before["gptj_engine_steps_total"] == 4
+    assert metric(server.url, "gptj_engine_decode_rows_total", model="tiny") - before["gptj_engine_decode_rows_total"] == 3
+    assert metric(server.url, "gptj_engine_prefill_steps_total", model="tiny") - before["gptj_engine_prefill_steps_total"] == 1
+    assert metric(server.url, "gptj_engine_step_seconds_total", model="tiny", phase="forward") > forward
+    assert metric(server.url, "gptj_compute_threads", model="tiny") >= 1
     spec = call(server.url, "GET", "/openapi.json")[1]
     assert "CompletionRequest" in spec["components"]["schemas"]
 

@@ -69,3 +69,33 @@ def test_engine_loop_lets_the_calling_threads_team_go(two_threads):
         assert not team & _tids()
     finally:
         loop.shutdown()
+
+
+def _comm(tid: int) -> str:
+    with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def test_the_engine_loops_thread_and_its_team_carry_its_name(two_threads):
+    """name_os_thread: the engine loop's OS thread is `gptj-engine`, and so are the OpenMP workers it
+    starts (what benchmarks/serve_profile.py counts as the engine's CPU time)."""
+    from gptj.config import get_preset
+    from gptj.engine import EngineLoop
+    from gptj.engine.core import Engine
+    from gptj.engine.config import EngineConfig
+    from gptj.model import build_model
+    from gptj.decode import GenerationConfig
+
+    torch.manual_seed(0)
+    before = _tids()
+    loop = EngineLoop(lambda: Engine(build_model(get_preset("tiny")).eval(), EngineConfig(max_seqs=2)))
+    try:
+        loop.submit([1, 2, 3], GenerationConfig(max_new_tokens=2)).result(60)
+        names = {tid: _comm(tid) for tid in _tids() - before}
+    finally:
+        loop.shutdown()
+    assert loop._thread.native_id in names and names[loop._thread.native_id] == "gptj-engine"
+    others = [n for tid, n in names.items() if tid != loop._thread.native_id]
+    if not others:
+        pytest.skip("the engine's steps started no OpenMP worker here")
+    assert set(others) == {"gptj-engine"}

@@ -207,6 +207,22 @@ class ThreadTuner:
         self.probing, self.probe_times, self.since = None, {}, 0
 
 
+def name_os_thread(name: str) -> bool:
+    """Give the calling thread `name` (up to 15 bytes) as the OS sees it (Linux: /proc/PID/task/TID/comm,
+    `top -H`, py-spy). Threads it starts later (its OpenMP team's workers) inherit the name, so a
+    profile tells the engine's compute from the event loop's. False where the OS has no such call."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return libc.prctl(15, name.encode()[:15], 0, 0, 0) == 0  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        return False
+
+
 _tuners = threading.local()  # each thread's tuner, kept from one engine to the next (tuner_for)
 
 

@@ -185,6 +185,8 @@ class StepTimes:
     forward: float = 0.0  # the runner: inputs, the forward (on a GPU: queued)
     wait: float = 0.0  # the sampler's device-to-host copy of the step's choices
     update: float = 0.0  # the rest of the update: the sampler's ops, beams' state, block tables, retiring
+    prefill_steps: int = 0  # of the steps, those that prefilled (a prompt chunk, with or without decode rows)
+    prefill_seconds: float = 0.0  # their wall time, all phases (the rest is decode-only steps')
 
     PHASES = ("schedule", "forward", "wait", "update")
 
@@ -197,6 +199,12 @@ class StepTimes:
         n = max(self.steps, 1)
         out = {k: 1000 * getattr(self, k) / n for k in self.PHASES}
         return {**out, "step": sum(out.values()), "decode_rows": self.decode_rows / n}
+
+    def decode_step_ms(self) -> float:
+        """The mean wall time of the steps that only decoded (no prompt chunk), in ms (nan: none ran)."""
+        n = self.steps - self.prefill_steps
+        total = sum(getattr(self, k) for k in self.PHASES) - self.prefill_seconds
+        return 1000 * total / n if n > 0 else float("nan")
 
     def line(self) -> str:
         """One line for a report: per step, each phase's ms."""
@@ -224,6 +232,7 @@ class EngineStats:
     prefill_tokens: int  # tokens prefilled (computed, not found in the prefix cache), since the start
     steps: int
     times: StepTimes | None = None  # where the steps' time went (a copy)
+    threads: int = 0  # the compute threads of the next step (the thread tuner's choice on a CPU; 0: unknown)
 
     @property
     def kv_usage(self) -> float:

@@ -84,9 +84,13 @@ class Engine:
         finished = self.updater.apply(scheduled, result)  # adds the sampler's wait to times.wait
         times.schedule += t1 - t0
         times.forward += t2 - t1
-        times.update += time.perf_counter() - t2 - (times.wait - waited)
+        t3 = time.perf_counter()
+        times.update += t3 - t2 - (times.wait - waited)
+        if scheduled.prefill:
+            times.prefill_steps += 1
+            times.prefill_seconds += t3 - t0
         if tuner is not None and result.decode_rows and not scheduled.prefill:  # decode steps compare alike
-            tuner.observe((id(self.model), result.decode_rows.bit_length()), time.perf_counter() - t0,
+            tuner.observe((id(self.model), result.decode_rows.bit_length()), t3 - t0,
                           time.process_time() - cpu0)
         return finished
 
@@ -230,7 +234,8 @@ class Engine:
                            blocks_free=kv.free, blocks_cached=kv.cached, prefix_queried_tokens=kv.queried_tokens,
                            prefix_hit_tokens=kv.hit_tokens, preemptions=s.preemptions,
                            stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps,
-                           times=dataclasses.replace(self.times))
+                           times=dataclasses.replace(self.times),
+                           threads=self.tuner.threads if self.tuner is not None else 0)
 
     # --- offline use ---
 

@@ -20,7 +20,7 @@ from gptj.decode import GenerationConfig
 from gptj.engine.core import FAILED, Engine
 from gptj.engine.request import AbortRequest, AddRequest, Operation, Request
 from gptj.errors import GptjError
-from gptj.threads import release_openmp_threads
+from gptj.threads import name_os_thread, release_openmp_threads
 
 
 HEARTBEAT_S = 5.0  # an idle leader still tells its followers it is there this often
@@ -145,6 +145,7 @@ class EngineLoop:
                 return
 
     def _run(self, factory: Callable[[], Engine] | None) -> None:
+        name_os_thread(self._thread.name)  # before its OpenMP team starts: the workers take the name too
         try:
             if factory is not None:
                 self.engine = factory()

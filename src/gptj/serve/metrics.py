@@ -47,6 +47,19 @@ class _EngineCollector:
                                         labels=["model"])
         rate = GaugeMetricFamily("gptj_generation_tokens_per_second",
                                  f"New tokens per second over the last {RATE_WINDOW_S:g} s", labels=["model"])
+        steps = CounterMetricFamily("gptj_engine_steps", "Engine steps run since the server started",
+                                    labels=["model"])
+        step_seconds = CounterMetricFamily("gptj_engine_step_seconds", "Wall time inside the engine's steps by "
+                                           "phase: schedule, forward, wait (a GPU's device-to-host copy), update",
+                                           labels=["model", "phase"])
+        decode_rows = CounterMetricFamily("gptj_engine_decode_rows", "Sequences decoded, summed over the steps",
+                                          labels=["model"])
+        prefill_steps = CounterMetricFamily("gptj_engine_prefill_steps", "Engine steps that prefilled a prompt "
+                                            "chunk (the rest only decoded)", labels=["model"])
+        prefill_seconds = CounterMetricFamily("gptj_engine_prefill_step_seconds", "Wall time of the steps that "
+                                              "prefilled (all phases)", labels=["model"])
+        threads = GaugeMetricFamily("gptj_compute_threads", "Threads the engine's next step computes with (CPU)",
+                                    labels=["model"])
         for m in list(self.models()):
             st = m.stats()  # gptj.engine.config.EngineStats: a snapshot
             queue.add_metric([m.name], m.queue_depth())
@@ -62,7 +75,16 @@ class _EngineCollector:
             stalls.add_metric([m.name], st.stalls)
             outstanding.add_metric([m.name], m.outstanding)
             rate.add_metric([m.name], self.rate(m.name))
-        yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, stalls, outstanding, rate)
+            if st.times is not None:
+                steps.add_metric([m.name], st.times.steps)
+                decode_rows.add_metric([m.name], st.times.decode_rows)
+                prefill_steps.add_metric([m.name], st.times.prefill_steps)
+                prefill_seconds.add_metric([m.name], st.times.prefill_seconds)
+                for phase in st.times.PHASES:
+                    step_seconds.add_metric([m.name, phase], getattr(st.times, phase))
+            threads.add_metric([m.name], st.threads or m.threads)
+        yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, stalls, outstanding, rate,
+                    steps, step_seconds, decode_rows, prefill_steps, prefill_seconds, threads)
 
 
 class ServerMetrics:
