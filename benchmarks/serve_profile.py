@@ -17,8 +17,8 @@ after one uncounted warm-up request. Around each load it reads
     this process             the client's CPU time (it runs on the same cores)
 
 and reports per load: output tok/s and TPOT p50 as the clients saw them; the engine's share of the
-wall time (busy: inside a step); the mean decode-only step (steps without a prompt chunk) and the
-prefill steps' time per request; per output token, the CPU each side spent. TPOT at 1 client over the
+wall time (busy: inside a step); the mean decode-only step (steps without a prompt chunk), the rows
+decoded per step (all steps), and the prefill steps' time per request; per output token, the CPU each side spent. TPOT at 1 client over the
 bench's decode step says what serving costs beyond the engine (the issue's target: within 1.10).
 
 The model is --model DIR, or serve_vs_vllm's ~0.2 B GPT-J (written once under --work-dir). Linux only
@@ -115,7 +115,7 @@ def profile(before: dict, after: dict, res: serve_load.LoadResult, requests: int
         "wall_s": wall, "steps": steps, "prefill_steps": prefill_steps,
         "busy_share": busy / wall if wall > 0 else float("nan"),
         "decode_step_ms": 1000 * (busy - prefill_s) / decode_steps if decode_steps else float("nan"),
-        "decode_rows_per_step": m.get("gptj_engine_decode_rows_total", 0) / decode_steps if decode_steps else 0.0,
+        "decode_rows_per_step": m.get("gptj_engine_decode_rows_total", 0) / steps if steps else 0.0,  # all steps
         "step_phase_ms": {p: 1000 * v / steps for p, v in phases.items()} if steps else {},
         "prefill_s_per_request": prefill_s / requests,
         "idle_s": wall - busy,

@@ -22,9 +22,20 @@ server in turn (the order alternates between rounds), runs every concurrency on 
 warm-up request, and stops it. Reported per round, server and concurrency: output tokens/s, TTFT
 and TPOT p50/p99, and gptj / vLLM.
 
---w8a8: gptj serves a calibrated copy of the model folder (`gptj calibrate` on the bundled set's
-first 8 prompts, made once beside it) with --quantize w8a8; vLLM serves the float folder, so it
-never sees the factors file.
+Several settings in one run, each its own server in every round (per-precision tables with vLLM
+measured once): --gptj NAME=FLAGS and --vllm NAME=FLAGS, each repeatable; the servers are then
+named gptj-NAME and vllm-NAME, and every gptj one is compared with every vLLM one:
+
+    python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --rounds 2 \
+        --gptj "bf16=--dtype bfloat16 --threads 2" \
+        --gptj "w8a8=--dtype bfloat16 --threads 2 --quantize w8a8 --kv-dtype int8" \
+        --vllm "bf16=--dtype bfloat16 --max-model-len 2048"
+
+Without them one of each runs: gptj with --gptj-args, vLLM with --vllm-args.
+
+A gptj setting with --quantize w8a8 (or --w8a8, which adds it to --gptj-args) serves a calibrated
+copy of the model folder (`gptj calibrate` on the bundled set's first 8 prompts, made once beside
+it); vLLM serves the float folder, so it never sees the factors file.
 
 Without --vllm-python only gptj runs (what the smoke run in CI checks).
 """
@@ -156,20 +167,44 @@ def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]
     return out
 
 
-def servers(model: Path, args: argparse.Namespace, gptj_model: Path | None = None) -> dict:
-    """name -> a context manager starting that server (yields its URL). gptj serves gptj_model
-    (default: model)."""
-    served = gptj_model or model
-    gptj = lambda: serve_load.spawned_server(f"gptj={served}", args.gptj_args, args.startup_timeout)  # noqa: E731
-    found = {"gptj": gptj}
+def variants(given: list[str], default: str, prefix: str, p: argparse.ArgumentParser) -> dict[str, str]:
+    """--gptj / --vllm NAME=FLAGS (repeatable) -> {server name: flags}: prefix-NAME each; none given, one
+    server named `prefix` with `default`'s flags."""
+    if not given:
+        return {prefix: default}
+    out = {}
+    for item in given:
+        name, sep, flags = item.partition("=")
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+            p.error(f"--{prefix} takes NAME=FLAGS (NAME: letters, digits, - and _), got {item!r}")
+        if f"{prefix}-{name}" in out:
+            p.error(f"--{prefix} names {name!r} twice")
+        out[f"{prefix}-{name}"] = flags
+    return out
+
+
+def quantized_w8a8(flags: str) -> bool:
+    words = shlex.split(flags)
+    return "--quantize=w8a8" in words or any(a == "--quantize" and b == "w8a8" for a, b in zip(words, words[1:]))
+
+
+def servers(model: Path, args: argparse.Namespace, calibrated: Path | None = None) -> dict:
+    """name -> a context manager starting that server (yields its URL): every gptj setting (one with
+    --quantize w8a8 serves `calibrated`), then, with --vllm-python, every vLLM one."""
+    found = {}
+    for name, flags in args.gptj_variants.items():
+        served = calibrated if quantized_w8a8(flags) else model
+        found[name] = lambda served=served, flags=flags: serve_load.spawned_server(f"gptj={served}", flags,
+                                                                                  args.startup_timeout)
     if args.vllm_python:
         env = vllm_isa_env(args.vllm_isa, args.work_dir) | dict(kv.split("=", 1) for kv in args.vllm_env)
 
-        def vllm(port: int) -> list[str]:  # `vllm serve`'s server (the `vllm` command looks for a package "vllm")
+        def vllm(port: int, flags: str) -> list[str]:  # `vllm serve`'s server (the `vllm` command looks for a package "vllm")
             return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--served-model-name", "gptj", "--host", "127.0.0.1", "--port", str(port),
-                    *shlex.split(args.vllm_args)]
-        found["vllm"] = lambda: serve_load.spawned("vllm-serve", vllm, args.startup_timeout, env)
+                    "--served-model-name", "gptj", "--host", "127.0.0.1", "--port", str(port), *shlex.split(flags)]
+        for name, flags in args.vllm_variants.items():
+            found[name] = lambda flags=flags: serve_load.spawned("vllm-serve", lambda port: vllm(port, flags),
+                                                                 args.startup_timeout, env)
     return found
 
 
@@ -177,16 +212,18 @@ KEYS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_
 
 
 def summary(rounds: list[dict]) -> list[dict]:
-    """Per round and concurrency: gptj / vLLM output tokens/s, and vLLM / gptj latencies (> 1: gptj lower)."""
+    """Per round, gptj server, vLLM server and concurrency: gptj / vLLM output tokens/s, and vLLM / gptj
+    latencies (> 1: gptj lower)."""
     rows = []
     for i, r in enumerate(rounds):
-        if "vllm" not in r:
-            continue
-        for c, g in r["gptj"].items():
-            v = r["vllm"][c]
-            rows.append({"round": i + 1, "concurrency": c,
-                         "throughput_gptj_over_vllm": g["output_throughput"] / v["output_throughput"],
-                         **{f"{k}_vllm_over_gptj": v[k] / g[k] for k in KEYS[1:] if g[k] and v[k]}})
+        names = r["order"]
+        for gname in (n for n in names if n.startswith("gptj")):
+            for vname in (n for n in names if n.startswith("vllm")):
+                for c, g in r[gname].items():
+                    v = r[vname][c]
+                    rows.append({"round": i + 1, "gptj": gname, "vllm": vname, "concurrency": c,
+                                 "throughput_gptj_over_vllm": g["output_throughput"] / v["output_throughput"],
+                                 **{f"{k}_vllm_over_gptj": v[k] / g[k] for k in KEYS[1:] if g[k] and v[k]}})
     return rows
 
 
@@ -216,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gptj serves a calibrated copy of the model with --quantize w8a8 (vLLM the float model)")
     p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
                    help="`vllm serve` flags (default: --dtype bfloat16 --max-model-len 2048)")
+    p.add_argument("--gptj", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a gptj server of its own, gptj-NAME, serving with FLAGS (repeatable; in place of --gptj-args)")
+    p.add_argument("--vllm", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a vLLM server of its own, vllm-NAME, serving with FLAGS (repeatable; in place of --vllm-args)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true")
     return p
@@ -230,12 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(p, SMOKE, argv)
     if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
         p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
-    check_vllm_args(p, args)
-    gptj_model = None
     if args.w8a8:
-        gptj_model = calibrated_copy(args.model, args.work_dir)
+        if args.gptj:
+            p.error("--w8a8 adds --quantize w8a8 to --gptj-args; with --gptj, put it in the setting's FLAGS")
         args.gptj_args += " --quantize w8a8"
-    start = servers(args.model, args, gptj_model)
+    args.gptj_variants = variants(args.gptj, args.gptj_args, "gptj", p)
+    args.vllm_variants = variants(args.vllm, args.vllm_args, "vllm", p)
+    check_vllm_args(p, args)
+    calibrated = None
+    if any(quantized_w8a8(flags) for flags in args.gptj_variants.values()):
+        calibrated = calibrated_copy(args.model, args.work_dir)
+    start = servers(args.model, args, calibrated)
     rounds = []
     for i in range(args.rounds):
         order = list(start) if i % 2 == 0 else list(reversed(start))
@@ -244,18 +290,19 @@ def main(argv: list[str] | None = None) -> int:
             with start[name]() as url:
                 r[name] = run_server(name, url, args)
         rounds.append(r)
-    report = {"model": str(args.model), "gptj_model": str(gptj_model or args.model), "input_len": args.input_len, "max_tokens": args.max_tokens,
-              "requests_per_client": args.requests_per_client, "gptj_args": args.gptj_args,
+    report = {"model": str(args.model), "calibrated_model": str(calibrated) if calibrated else None,
+              "input_len": args.input_len, "max_tokens": args.max_tokens,
+              "requests_per_client": args.requests_per_client, "gptj": args.gptj_variants,
               "vllm_python": args.vllm_python,
-              "vllm_args": args.vllm_args if args.vllm_python else None,
+              "vllm": args.vllm_variants if args.vllm_python else None,
               "vllm_env": args.vllm_env if args.vllm_python else None, "rounds": rounds, "ratios": summary(rounds)}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(table(rounds))
         for row in report["ratios"]:
-            print(f"round {row['round']} C={row['concurrency']}: gptj/vLLM output tok/s "
-                  f"{row['throughput_gptj_over_vllm']:.2f}x, vLLM/gptj TTFT p99 "
+            print(f"round {row['round']} C={row['concurrency']}: {row['gptj']}/{row['vllm']} output tok/s "
+                  f"{row['throughput_gptj_over_vllm']:.2f}x, {row['vllm']}/{row['gptj']} TTFT p99 "
                   f"{row.get('ttft_p99_ms_vllm_over_gptj', float('nan')):.2f}x")
     return 0
 

@@ -380,7 +380,7 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
     """No --vllm-python: gptj alone, said on stderr; every concurrency measured, no ratio made up.
     --w8a8: gptj served the calibrated copy, quantized."""
     assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
-    assert out["gptj_model"] == out["model"] + "-w8a8" and out["gptj_args"].endswith("--quantize w8a8")
+    assert out["calibrated_model"] == out["model"] + "-w8a8" and out["gptj"]["gptj"].endswith("--quantize w8a8")
     (only,) = out["rounds"]
     assert only["order"] == ["gptj"] and "vllm" not in only and out["ratios"] == []
     for c in ("1", "2"):
@@ -389,14 +389,26 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
         assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
 
 
+def check_serve_vs_vllm_settings(out: dict, err: str) -> None:
+    """Two gptj settings (--gptj NAME=FLAGS), two rounds: each its own server in each round, the order
+    reversed in the second; no --quantize w8a8 among them, so no calibrated copy was made."""
+    assert out["gptj"] == {"gptj-f32": "--dtype float32 --threads 1", "gptj-bf16": "--dtype bfloat16 --threads 1"}
+    assert out["calibrated_model"] is None and out["ratios"] == []
+    first, second = out["rounds"]
+    assert first["order"] == ["gptj-f32", "gptj-bf16"] and second["order"] == ["gptj-bf16", "gptj-f32"]
+    for r in (first, second):
+        for name in first["order"]:
+            assert r[name]["1"]["completed"] == 1 and r[name]["1"]["total_output_tokens"] == 4
+
+
 def check_serve_profile(out: dict, err: str) -> None:
     """Each load's steps read off the server's /metrics: 1 request of 4 new tokens per client is a
     prefill step and 3 decode steps per request (C=2's may share steps); the engine and the clients'
     CPU time counted; the bench latency baseline beside it."""
     (only,) = out["rounds"]
     one, two = only["loads"]["1"], only["loads"]["2"]
-    assert one["steps"] == 4 and one["prefill_steps"] == 1 and one["decode_rows_per_step"] == 1
-    assert 2 <= two["prefill_steps"] <= two["steps"] <= 8 and 1 <= two["decode_rows_per_step"] <= 2
+    assert one["steps"] == 4 and one["prefill_steps"] == 1 and one["decode_rows_per_step"] == 3 / 4
+    assert 2 <= two["prefill_steps"] <= two["steps"] <= 8 and two["decode_rows_per_step"] * two["steps"] == 6
     for row in (one, two):
         assert positive(row["out_tok_s"]) and positive(row["decode_step_ms"]) and 0 < row["busy_share"] <= 1.05
         assert row["threads"] == 1  # --threads 1
@@ -488,6 +500,11 @@ MORE: dict[str, Job] = {
     "native_gemv.py --int8-gemm": Job("native_gemv.py",
                                       lambda m, tmp: ["--smoke", "--json", "--int8-gemm", "--threads", "1"],
                                       check_native_gemv_int8_gemm),
+    "serve_vs_vllm.py with two gptj settings": Job(
+        "serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--concurrency", "1", "--rounds", "2", "--work-dir",
+                                            str(tmp), "--gptj", "f32=--dtype float32 --threads 1",
+                                            "--gptj", "bf16=--dtype bfloat16 --threads 1"],
+        check_serve_vs_vllm_settings),
     "profile_steps.py without the profiler": Job(
         "profile_steps.py", lambda m, tmp: ["--model", m, "--smoke", "--json", "--no-kernels", "--out", str(tmp / "p")],
         check_profile_steps_host_only),
@@ -557,3 +574,33 @@ def test_vllm_isa_avx2_makes_torch_report_no_avx512(tmp_path):
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["False", "False", "False"], proc.stderr
     assert serve_vs_vllm.vllm_isa_env(None, tmp_path) == {}
+
+
+def test_serve_vs_vllm_compares_every_gptj_setting_with_every_vllm_one():
+    """summary(): a row per round, gptj server, vLLM server and concurrency, each ratio from that pair's
+    own figures; variants(): NAME=FLAGS checked, one line (exit 2) on a bad one."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serve_vs_vllm
+    finally:
+        sys.path.remove(str(BENCH))
+    fig = lambda tok_s, ttft: {"output_throughput": tok_s, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,  # noqa: E731
+                               "tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0}
+    rounds = [{"order": ["gptj-bf16", "gptj-w8a8", "vllm-bf16", "vllm-fp32"],
+               "gptj-bf16": {1: fig(30.0, 100.0)}, "gptj-w8a8": {1: fig(60.0, 50.0)},
+               "vllm-bf16": {1: fig(10.0, 400.0)}, "vllm-fp32": {1: fig(20.0, 200.0)}}]
+    rows = {(r["gptj"], r["vllm"]): r for r in serve_vs_vllm.summary(rounds)}
+    assert set(rows) == {(g, v) for g in ("gptj-bf16", "gptj-w8a8") for v in ("vllm-bf16", "vllm-fp32")}
+    assert rows["gptj-bf16", "vllm-bf16"]["throughput_gptj_over_vllm"] == 3.0
+    assert rows["gptj-w8a8", "vllm-fp32"]["throughput_gptj_over_vllm"] == 3.0
+    assert rows["gptj-w8a8", "vllm-bf16"]["ttft_p99_ms_vllm_over_gptj"] == 8.0
+    assert rows["gptj-bf16", "vllm-fp32"]["ttft_p50_ms_vllm_over_gptj"] == 2.0
+    p = serve_vs_vllm.build_parser()
+    assert serve_vs_vllm.variants([], "--dtype bfloat16", "gptj", p) == {"gptj": "--dtype bfloat16"}
+    assert serve_vs_vllm.variants(["a=--x 1", "b-2=--y"], "", "vllm", p) == {"vllm-a": "--x 1", "vllm-b-2": "--y"}
+    for bad in (["noequals"], ["=--x"], ["a b=--x"], ["a=--x", "a=--y"]):
+        with pytest.raises(SystemExit) as e:
+            serve_vs_vllm.variants(bad, "", "gptj", p)
+        assert e.value.code == 2
+    assert serve_vs_vllm.quantized_w8a8("--dtype bfloat16 --quantize w8a8 --kv-dtype int8")
+    assert serve_vs_vllm.quantized_w8a8("--quantize=w8a8") and not serve_vs_vllm.quantized_w8a8("--quantize int8")

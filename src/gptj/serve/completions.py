@@ -13,10 +13,12 @@ The handlers only see token ids, strings and floats; tensors stay in the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -325,6 +327,53 @@ def _logprobs_json(tok, entries: list, offset: int) -> CompletionLogprobs:  # no
     return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
 
 
+class Mailbox:
+    """Calls from the engine's thread to an event loop, with one wake-up for those that arrive together.
+
+    `loop.call_soon_threadsafe` wakes the event loop (a write to its self-pipe, then a pass of its
+    selector) for every call: a step that makes a token for each of 32 streams would wake it 32 times,
+    each time taking a core from the engine's compute threads. Here the calls are queued, and only the
+    first since the loop last drained the queue schedules a drain, which runs them all, in order.
+    `for_loop` gives each event loop its one mailbox, shared by every request on it."""
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
+        self.scheduled = False
+        self.wakeups = 0  # drains scheduled (tests, profiles)
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        box = cls._by_loop.get(loop)
+        if box is None:
+            box = cls._by_loop[loop] = cls(loop)
+        return box
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """From any thread: run fn(*args) on the event loop, after every call posted before it. Dropped
+        when the loop is closed (the server is gone)."""
+        self.calls.append((fn, args))
+        if not self.scheduled:  # (appended first: a drain that starts now takes this call too)
+            self.scheduled = True
+            self.wakeups += 1
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: nothing will drain, so nothing is kept
+                self.calls.clear()
+                self.scheduled = False
+
+    def _drain(self) -> None:
+        self.scheduled = False  # before taking calls: one posted from now on schedules a drain of its own
+        while self.calls:
+            fn, args = self.calls.popleft()
+            try:
+                fn(*args)
+            except Exception:  # one call's bug must not strand the calls after it
+                log.exception("a call from the engine's thread failed on the event loop")
+
+
 @dataclass
 class _Event:
     kind: str  # "token" | "finish" | "wake" (see Completion.end)
@@ -362,22 +411,16 @@ class Completion:
     # --- engine side (callbacks run on the engine's thread) ---
 
     def submit(self) -> None:
-        aloop = asyncio.get_running_loop()
+        mailbox = Mailbox.for_loop(asyncio.get_running_loop())
         served = self.served
         logprobs = self.body.logprobs
         want_prompt = logprobs if (self.body.echo and logprobs is not None) else None
 
         def post(event: _Event) -> None:
-            try:
-                aloop.call_soon_threadsafe(self._events.put_nowait, event)
-            except RuntimeError:  # the event loop is closed: the server is gone
-                pass
+            mailbox.post(self._events.put_nowait, event)
 
         def release() -> None:
-            try:
-                aloop.call_soon_threadsafe(served.finished, 1)
-            except RuntimeError:
-                pass
+            mailbox.post(served.finished, 1)
 
         for j, job in enumerate(self.plan.jobs):
             def on_token(req, token, j=j):  # noqa: ANN001
