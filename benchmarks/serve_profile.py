@@ -86,8 +86,8 @@ def engine_metrics(url: str) -> dict[str, float]:
     for line in text.splitlines():
         m = re.match(r"^(gptj_engine_\w+?|gptj_compute_threads)(?:\{(.*)\})? (\S+)$", line)
         if m:
-            phase = re.search(r'phase="(\w+)"', m.group(2) or "")
-            key = m.group(1) + (f":{phase.group(1)}" if phase else "")
+            label = re.search(r'(?:phase|threads)="(\w+)"', m.group(2) or "")
+            key = m.group(1) + (f":{label.group(1)}" if label else "")
             out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
 
@@ -120,6 +120,8 @@ def profile(before: dict, after: dict, res: serve_load.LoadResult, requests: int
         "prefill_s_per_request": prefill_s / requests,
         "idle_s": wall - busy,
         "threads": after["metrics"].get("gptj_compute_threads", float("nan")),
+        # decode steps the thread tuner timed at each count (its probes included; none with --threads)
+        "thread_steps": {k.rsplit(":", 1)[1]: v for k, v in m.items() if k.startswith("gptj_engine_thread_steps_total:") and v},
         "cpu_ms_per_token": {k: 1000 * v / tokens for k, v in cpu.items()},
         "cpu_share": {k: v / wall for k, v in cpu.items()},  # cores' worth each side kept busy
     }
@@ -165,14 +167,15 @@ def run_round(model: Path, args: argparse.Namespace) -> dict:
 
 def table(rounds: list[dict]) -> str:
     head = ("round", "C", "tok/s", "TPOT p50", "step (decode)", "rows", "busy", "prefill s/req",
-            "CPU ms/token: engine", "loop", "other", "client", "threads")
+            "CPU ms/token: engine", "loop", "other", "client", "threads (steps at each)")
     rows = [head]
     for i, r in enumerate(rounds, 1):
         for c, x in r["loads"].items():
             cpu = x["cpu_ms_per_token"]
             rows.append((str(i), str(c), f"{x['out_tok_s']:.1f}", f"{x['tpot_p50_ms']:.2f}", f"{x['decode_step_ms']:.2f}",
                          f"{x['decode_rows_per_step']:.1f}", f"{x['busy_share']:.0%}", f"{x['prefill_s_per_request']:.3f}",
-                         *(f"{cpu[k]:.2f}" for k in ("engine", "loop", "other", "client")), f"{x['threads']:g}"))
+                         *(f"{cpu[k]:.2f}" for k in ("engine", "loop", "other", "client")),
+                         f"{x['threads']:g}" + "".join(f" ({n}: {v:g})" for n, v in sorted(x["thread_steps"].items()))))
     widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
     lines = ["  ".join(s.rjust(w) for s, w in zip(row, widths)) for row in rows]
     for i, r in enumerate(rounds, 1):

@@ -411,7 +411,7 @@ def check_serve_profile(out: dict, err: str) -> None:
     assert 2 <= two["prefill_steps"] <= two["steps"] <= 8 and two["decode_rows_per_step"] * two["steps"] == 6
     for row in (one, two):
         assert positive(row["out_tok_s"]) and positive(row["decode_step_ms"]) and 0 < row["busy_share"] <= 1.05
-        assert row["threads"] == 1  # --threads 1
+        assert row["threads"] == 1 and row["thread_steps"] == {}  # --threads 1: no thread tuner
         assert set(row["cpu_ms_per_token"]) == {"engine", "loop", "other", "client"}
     assert positive(only["bench"]["decode_step_ms"])
     assert only["tpot_1_over_bench_step"] == one["tpot_p50_ms"] / only["bench"]["decode_step_ms"]

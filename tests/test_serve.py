@@ -81,6 +81,13 @@ def metric(url, name, absent=None, **labels):
     raise AssertionError(f"{name}{{{want}}} not in /metrics")
 
 
+def thread_steps(url, model):
+    """gptj_engine_thread_steps_total of `model` on /metrics: {threads: decode steps timed at that count}."""
+    _, text, _ = call(url, "GET", "/metrics")
+    found = re.findall(rf'^gptj_engine_thread_steps_total\{{model="{model}",threads="(\d+)"\}} (\S+)$', text, re.M)
+    return {int(n): float(v) for n, v in found}
+
+
 # --- the openai client equals gptj generate ------------------------------------------
 
 
@@ -530,6 +537,7 @@ def test_models_health_metrics(server):
     # a prefill step and 3 decode steps, each decoding its one row, and every phase takes time
     keys = ("gptj_engine_steps_total", "gptj_engine_decode_rows_total", "gptj_engine_prefill_steps_total")
     before = {k: metric(server.url, k, model="tiny") for k in keys}
+    tuned = thread_steps(server.url, "tiny")
     forward = metric(server.url, "gptj_engine_step_seconds_total", model="tiny", phase="forward")
     call(server.url, body={"model": "tiny", "prompt": "steps", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert metric(server.url, "gptj_engine_steps_total", model="tiny") - before["gptj_engine_steps_total"] == 4
@@ -537,6 +545,9 @@ def test_models_health_metrics(server):
     assert metric(server.url, "gptj_engine_prefill_steps_total", model="tiny") - before["gptj_engine_prefill_steps_total"] == 1
     assert metric(server.url, "gptj_engine_step_seconds_total", model="tiny", phase="forward") > forward
     assert metric(server.url, "gptj_compute_threads", model="tiny") >= 1
+    # the thread tuner (on: no --threads) timed the 3 decode-only steps, at whatever counts it chose
+    now = thread_steps(server.url, "tiny")
+    assert sum(now.values()) - sum(tuned.values()) == 3 and all(1 <= n <= os.cpu_count() for n in now)
     spec = call(server.url, "GET", "/openapi.json")[1]
     assert "CompletionRequest" in spec["components"]["schemas"]
 

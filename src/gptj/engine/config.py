@@ -233,6 +233,7 @@ class EngineStats:
     steps: int
     times: StepTimes | None = None  # where the steps' time went (a copy)
     threads: int = 0  # the compute threads of the next step (the thread tuner's choice on a CPU; 0: unknown)
+    thread_steps: tuple[tuple[int, int], ...] = ()  # (threads, decode steps the tuner timed at that count)
 
     @property
     def kv_usage(self) -> float:

@@ -235,7 +235,8 @@ class Engine:
                            prefix_hit_tokens=kv.hit_tokens, preemptions=s.preemptions,
                            stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps,
                            times=dataclasses.replace(self.times),
-                           threads=self.tuner.threads if self.tuner is not None else 0)
+                           threads=self.tuner.threads if self.tuner is not None else 0,
+                           thread_steps=tuple(sorted(dict(self.tuner.steps_at).items())) if self.tuner is not None else ())
 
     # --- offline use ---
 

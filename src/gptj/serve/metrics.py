@@ -58,6 +58,9 @@ class _EngineCollector:
                                             "chunk (the rest only decoded)", labels=["model"])
         prefill_seconds = CounterMetricFamily("gptj_engine_prefill_step_seconds", "Wall time of the steps that "
                                               "prefilled (all phases)", labels=["model"])
+        thread_steps = CounterMetricFamily("gptj_engine_thread_steps", "Decode steps the thread tuner timed at "
+                                           "each compute thread count (its choices and its probes; CPU)",
+                                           labels=["model", "threads"])
         threads = GaugeMetricFamily("gptj_compute_threads", "Threads the engine's next step computes with (CPU)",
                                     labels=["model"])
         for m in list(self.models()):
@@ -83,8 +86,10 @@ class _EngineCollector:
                 for phase in st.times.PHASES:
                     step_seconds.add_metric([m.name, phase], getattr(st.times, phase))
             threads.add_metric([m.name], st.threads or m.threads)
+            for n, count in st.thread_steps:
+                thread_steps.add_metric([m.name, str(n)], count)
         yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, stalls, outstanding, rate,
-                    steps, step_seconds, decode_rows, prefill_steps, prefill_seconds, threads)
+                    steps, step_seconds, decode_rows, prefill_steps, prefill_seconds, threads, thread_steps)
 
 
 class ServerMetrics:
