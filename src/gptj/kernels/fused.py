@@ -34,6 +34,7 @@ from gptj.policy import (AMX, NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH,
                          w8a8_form)
 from gptj.model import Block, attention, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
+from gptj.quant.ops import UPCAST_CHUNK_ELEMENTS
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ class PackedLinear(nn.Module):
         if path == NATIVE:
             return native.linear_bf16(x, self.packed, self.bias)
         if path == UPCAST:  # the weight made float32 a chunk at a time, F.linear in float32, rounded once
-            y = chunked_linear(x.reshape(-1, self.in_features), self.packed, torch.float32, bias=self.bias)
-            return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
+            y = chunked_linear(x.reshape(-1, self.in_features), self.packed, torch.float32, bias=self.bias,
+                               out_dtype=torch.bfloat16, chunk_elements=UPCAST_CHUNK_ELEMENTS)
+            return y.view(*x.shape[:-1], self.out_features)
         return torch.nn.functional.linear(x, self.packed, self.bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature

@@ -46,10 +46,20 @@ def _ceil_bf16(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32).to(SCALE_DTYPE)
 
 
-def _row_chunks(n_rows: int, n_cols: int) -> Iterable[tuple[int, int]]:
-    """Row ranges of about DEQUANT_CHUNK_ELEMENTS elements; boundaries at multiples of 256 rows
-    (whole blocks of the CPU int4 layout, so a chunk of its packed rows unpacks on its own)."""
-    step = max(256, DEQUANT_CHUNK_ELEMENTS // max(1, n_cols) // 256 * 256)
+# A float weight made float32 for F.linear (bfloat16 on a CPU without bfloat16 arithmetic: the policy's
+# UPCAST) goes a chunk of this many elements at a time: 4 MiB of float32, which stays in the caches
+# between its conversion and the GEMM that reads it, where DEQUANT_CHUNK_ELEMENTS' chunk (a whole
+# layer) went to memory and back. Figures: docs/PERFORMANCE.md#upcast-chunks
+UPCAST_CHUNK_ELEMENTS = 1024 * 1024
+
+
+def _row_chunks(n_rows: int, n_cols: int, elements: int | None = None,
+                multiple: int = 256) -> Iterable[tuple[int, int]]:
+    """Row ranges of about `elements` elements (default DEQUANT_CHUNK_ELEMENTS); boundaries at multiples
+    of `multiple` rows (256: whole blocks of the CPU int4 layout, so a chunk of its packed rows unpacks
+    on its own)."""
+    elements = DEQUANT_CHUNK_ELEMENTS if elements is None else elements
+    step = max(multiple, elements // max(1, n_cols) // multiple * multiple)
     for a in range(0, n_rows, step):
         yield a, min(n_rows, a + step)
 
@@ -114,23 +124,39 @@ def _chunk_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device
 
 
 def chunked_linear(x2: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                   chunk_elements: int | None = None) -> torch.Tensor:
     """x2 (rows, in) @ w.T in `dtype`, (rows, out): the weight (any dtype: int8, e4m3, bfloat16) made
     `dtype` a chunk of rows at a time (no full-size copy of a big weight), F.linear with the bias,
-    then times the per-output-channel `scale`, each in `dtype`.
+    then times the per-output-channel `scale`, each in `dtype`; the result in `out_dtype` (default
+    `dtype`), each chunk's columns rounded once as they are written.
 
-    On CPU, outside autograd, each chunk is converted into one reused buffer (`_chunk_buffer`);
-    where autograd records the call (a LoRA adapter over a quantized base) each chunk is a tensor
-    of its own, as backward needs it, and on CUDA the caching allocator reuses memory already."""
+    On CPU, outside autograd, each chunk is converted into one reused buffer (`_chunk_buffer`) and
+    multiplied into one product buffer for the call; where autograd records the call (a LoRA adapter
+    over a quantized base) each chunk is a tensor of its own, as backward needs it, and on CUDA the
+    caching allocator reuses memory already. `chunk_elements`: the chunks' size, in any rows (default
+    DEQUANT_CHUNK_ELEMENTS, in whole blocks of 256 rows, as int4's layout needs)."""
     xd = x2.to(dtype)
-    y = torch.empty(x2.shape[0], w.shape[0], dtype=dtype, device=x2.device)
+    rows = x2.shape[0]
+    y = torch.empty(rows, w.shape[0], dtype=out_dtype or dtype, device=x2.device)
     reuse = x2.device.type == "cpu" and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad))
-    for a, b in _row_chunks(*w.shape):
+    chunks = list(_row_chunks(*w.shape) if chunk_elements is None else _row_chunks(*w.shape, chunk_elements, 1))
+    product = (torch.empty(rows * (chunks[0][1] - chunks[0][0]), dtype=dtype, device=x2.device)
+               if reuse and chunks else None)
+    for a, b in chunks:
         if w.dtype == dtype or not reuse:
             wd = w[a:b].to(dtype)  # (the weight itself where it is `dtype` already)
         else:
             wd = _chunk_buffer(b - a, w.shape[1], dtype, w.device).copy_(w[a:b])
-        part = torch.nn.functional.linear(xd, wd, None if bias is None else bias[a:b].to(dtype))
+        bias_ab = None if bias is None else bias[a:b].to(dtype)
+        if product is not None:  # every chunk's product in one buffer (the first chunk is the largest)
+            part = product[:rows * (b - a)].view(rows, b - a)
+            if bias_ab is None:
+                torch.mm(xd, wd.t(), out=part)
+            else:
+                torch.addmm(bias_ab, xd, wd.t(), out=part)
+        else:
+            part = torch.nn.functional.linear(xd, wd, bias_ab)
         if scale is None:
             y[:, a:b] = part
         elif reuse:
