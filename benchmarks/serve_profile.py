@@ -190,12 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a GPT-J folder (default: serve_vs_vllm's ~0.2 B model)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--input-len", type=int, default=600)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    serve_vs_vllm.add_load_args(p, rounds=1)
     p.add_argument("--gptj-args", default="--dtype bfloat16", help="`gptj serve` flags")
     p.add_argument("--bench-args", default="--dtype bfloat16",
                    help="`gptj bench latency` flags: the same model settings as --gptj-args")
@@ -213,15 +208,10 @@ SMOKE = dict(concurrency=[1, 2], requests_per_client=1, input_len=8, max_tokens=
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = parse_args(p, SMOKE, argv)
-    if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
-        p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
+    serve_vs_vllm.check_load_args(p, args)
     if not os.path.isdir("/proc/self/task"):
         p.error("needs Linux's /proc (per-thread CPU times)")
-    if args.model is None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        shape = dict(serve_vs_vllm.SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) \
-            if args.smoke else serve_vs_vllm.SHAPE
-        args.model = serve_vs_vllm.ensure_model(args.work_dir, shape)
+    args.model = serve_vs_vllm.default_model(args)
     rounds = [run_round(args.model, args) for _ in range(args.rounds)]
     if args.json:
         print(json.dumps({"model": str(args.model), "gptj_args": args.gptj_args, "bench_args": args.bench_args,

@@ -106,6 +106,32 @@ def vllm_isa_env(isa: str | None, work_dir: Path) -> dict[str, str]:
     return {"PYTHONPATH": path, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
+def add_load_args(p: argparse.ArgumentParser, rounds: int) -> None:
+    """The load's flags (here and serve_profile.py): C clients at each --concurrency, each sending
+    --requests-per-client requests of --input-len random prompt ids and --max-tokens new tokens."""
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check_load_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """add_load_args' flags checked (p.error otherwise)."""
+    if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
+        p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
+
+
+def default_model(args: argparse.Namespace) -> Path:
+    """--model, or the benchmark's model written once under --work-dir (a tiny one with --smoke)."""
+    if args.model is not None:
+        return args.model
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
+    return ensure_model(args.work_dir, shape)
+
+
 def check_vllm_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """add_vllm_args' flags checked (p.error otherwise); VLLM_CPU_KVCACHE_SPACE=4 added unless given;
     --model defaulted to the benchmark model (written once under --work-dir; a tiny one with --smoke)."""
@@ -115,10 +141,7 @@ def check_vllm_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--vllm-python {args.vllm_python}: not an executable")
     if not any(kv.startswith("VLLM_CPU_KVCACHE_SPACE=") for kv in args.vllm_env):
         args.vllm_env.append("VLLM_CPU_KVCACHE_SPACE=4")
-    if args.model is None:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        shape = dict(SHAPE, n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=256) if args.smoke else SHAPE
-        args.model = ensure_model(args.work_dir, shape)
+    args.model = default_model(args)
     if not args.vllm_python:
         print("# skipping vLLM: no --vllm-python given (gptj alone)", file=sys.stderr)
 
@@ -242,12 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_vllm_args(p, "a GPT-J folder (default: the ~0.2 B model, written to --work-dir)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--input-len", type=int, default=600)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_load_args(p, rounds=2)
     p.add_argument("--gptj-args", default="--dtype bfloat16", help="`gptj serve` flags (default: --dtype bfloat16)")
     p.add_argument("--w8a8", action="store_true",
                    help="gptj serves a calibrated copy of the model with --quantize w8a8 (vLLM the float model)")
@@ -269,8 +287,7 @@ SMOKE = dict(concurrency=[1, 2], requests_per_client=1, input_len=8, max_tokens=
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = parse_args(p, SMOKE, argv)
-    if any(c < 1 for c in args.concurrency) or args.requests_per_client < 1 or args.rounds < 1:
-        p.error("--concurrency, --requests-per-client and --rounds must be >= 1")
+    check_load_args(p, args)
     if args.w8a8:
         if args.gptj:
             p.error("--w8a8 adds --quantize w8a8 to --gptj-args; with --gptj, put it in the setting's FLAGS")
