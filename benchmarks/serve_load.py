@@ -346,11 +346,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SPAWNED: dict[str, int] = {}  # URL -> PID of each server `spawned` runs now
+
+
 @contextlib.contextmanager
 def spawned(name: str, command, timeout_s: float, env: dict[str, str] | None = None):  # noqa: ANN001, ANN201
     """A server started as `command(port)` (a list of arguments) with `env` added, until GET /health
-    answers 200; yields its URL and stops it (SIGTERM, then SIGKILL after 60 s) on the way out. Its
-    log is a temporary file kept only when it fails."""
+    answers 200; yields its URL (SPAWNED[url] its PID while it runs) and stops it (SIGTERM, then SIGKILL
+    after 60 s) on the way out. Its log is a temporary file kept only when it fails."""
     import urllib.error
     import urllib.request
 
@@ -378,9 +381,11 @@ def spawned(name: str, command, timeout_s: float, env: dict[str, str] | None = N
             if time.monotonic() > deadline:
                 raise SystemExit(f"serve_load: {name} was not ready within {timeout_s:g} s (log: {log.name})")
             time.sleep(0.2)
+        SPAWNED[url] = proc.pid
         yield url
         failed = False
     finally:
+        SPAWNED.pop(url, None)
         if proc.poll() is None:
             proc.terminate()  # SIGTERM: the server drains and exits
             try:

@@ -46,21 +46,6 @@ from _smoke import parse_args
 CLOCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def server_pid(url: str) -> int:
-    """The PID of the `gptj serve` listening on url's port (its command line names the port)."""
-    port = url.rsplit(":", 1)[1]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
-            return int(entry)
-    raise SystemExit(f"serve_profile: no process serves {url} here")
-
-
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of the process's threads by group: engine (threads named gptj-engine:
     the engine loop and its OpenMP workers), loop (the main thread: the event loop), other."""
@@ -145,7 +130,7 @@ def run_round(model: Path, args: argparse.Namespace) -> dict:
         print(f"bench latency: decode step {out['bench']['decode_step_ms']:.2f} ms", file=sys.stderr)
     out["loads"] = {}
     with serve_load.spawned_server(f"gptj={model}", args.gptj_args, args.startup_timeout) as url:
-        pid = server_pid(url)
+        pid = serve_load.SPAWNED[url]
         warm = serve_vs_vllm.load_args(url, 1, args, seed=args.seed + 1_000_000)
         warm.num_prompts, warm.warmup = 1, 1
         asyncio.run(serve_load.bench(url, warm))
