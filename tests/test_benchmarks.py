@@ -403,12 +403,14 @@ def check_serve_vs_vllm_settings(out: dict, err: str) -> None:
 
 def check_serve_profile(out: dict, err: str) -> None:
     """Each load's steps read off the server's /metrics: 1 request of 4 new tokens per client is a
-    prefill step and 3 decode steps per request (C=2's may share steps); the engine and the clients'
-    CPU time counted; the bench latency baseline beside it."""
+    prefill step and 3 decode steps per request (C=2's two requests may share steps, their prefills
+    included when both arrive before the engine's next step); the engine and the clients' CPU time
+    counted; the bench latency baseline beside it."""
     (only,) = out["rounds"]
     one, two = only["loads"]["1"], only["loads"]["2"]
     assert one["steps"] == 4 and one["prefill_steps"] == 1 and one["decode_rows_per_step"] == 3 / 4
-    assert 2 <= two["prefill_steps"] <= two["steps"] <= 8 and two["decode_rows_per_step"] * two["steps"] == 6
+    assert 1 <= two["prefill_steps"] <= 2 and 4 <= two["steps"] <= 8
+    assert two["decode_rows_per_step"] * two["steps"] == 6
     for row in (one, two):
         assert positive(row["out_tok_s"]) and positive(row["decode_step_ms"]) and 0 < row["busy_share"] <= 1.05
         assert row["threads"] == 1 and row["thread_steps"] == {}  # --threads 1: no thread tuner
