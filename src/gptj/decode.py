@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gptj.device import to_device
 from gptj.errors import GptjError
 from gptj.model import GPTJForCausalLM
 
@@ -303,15 +304,15 @@ def penalty_args(gens: Sequence[GenerationConfig], device: torch.device | str,
     scalar). tokens and counts: the rows' token state (needed when some row has a penalty)."""
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+        return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
 
     args: dict[str, Any] = {}
     pairs = [(r, token, value) for r, g in enumerate(gens) for token, value in g.logit_bias or ()]
     if pairs:
         rows, ids, values = zip(*pairs)
-        args["bias"] = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
-                        torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
-                        torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True))
+        args["bias"] = (to_device(torch.tensor(rows, dtype=torch.long), device),
+                        to_device(torch.tensor(ids, dtype=torch.long), device),
+                        to_device(torch.tensor(values, dtype=torch.float32), device))
     if any(g.penalties for g in gens):
         args["tokens"] = tokens
     if any(g.repetition_penalty != 1.0 for g in gens):
@@ -578,7 +579,7 @@ class BeamSearch:
         eos = gen.eos_token_id
 
         def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), dev)
 
         # length ** penalty in double on the host, rounded to float32: as a Python scalar divides a tensor
         norm = per_row([n ** gen.length_penalty for n in n_new], torch.float32)
@@ -731,7 +732,7 @@ class _Stack:
             rows.extend(range(base, base + s.B))
         parts = [tensors for _, tensors in sources.values()]
         dev = searches[0].beam_offset.device
-        index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        index = to_device(torch.tensor(rows, dtype=torch.long), dev)
         out = {}
         for name in BeamSearch.STATE:
             pool = parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])

@@ -1,4 +1,5 @@
-"""Dtype and device names, and a finiteness check: the small helpers the CLI and the library share.
+"""Dtype and device names, a finiteness check and a host-to-device copy: the small helpers the CLI
+and the library share.
 
 torch is imported inside the functions so that `gptj --help` starts without it.
 """
@@ -55,6 +56,25 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GptjError(f"device {name!r} requested but CUDA is not available on this machine")
     return device
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, without making the host wait for the device: how the engine's step
+    moves host data to a GPU (tests/test_step_syncs.py holds it to that).
+
+    On CUDA a copy from ordinary (pageable) memory is staged by the driver and may stall the host;
+    a blocking one, as torch.tensor(x, device=) and .to(device) make, first waits for every kernel
+    already queued (a replayed decode graph: most of a step). From pinned memory a non_blocking copy
+    is queued on the stream like a kernel and the call returns at once. The pinned copy need not be
+    kept alive here: pin_memory() takes it from PyTorch's caching host allocator, which records the
+    copy's stream on the block and does not hand the block out again until that copy has completed.
+    Elsewhere a plain .to (on a CPU, the tensor itself)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

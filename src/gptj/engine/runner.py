@@ -114,18 +114,18 @@ class ModelRunner:
             keep += range(len(tokens) + end - start - n_keep, len(tokens) + end - start)
             positions += range(start, end)
             tokens += context(req)[start:end]
+        rows = [tokens, positions, keep]
         if self.lora:  # each row's adapter: the decode rows', then each chunk's
-            adapters = [r.adapter for r in decode for _ in range(r.n_seqs)]
-            adapters += [c.request.adapter for c in prefill for _ in range(c.end - c.start)]
-            rows = torch.tensor(adapters, device=self.device)
-            for m in self.lora:
-                m.rows = rows
-        ids = torch.tensor(tokens, device=self.device)[None]  # (1, tokens)
-        pos = torch.tensor(positions, device=self.device)[None]
-        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments)
-        cache = PagedBatch(self.kv, self.attention, meta)  # the step's index tensors, built once
-        logits = self.model(ids, position_ids=pos, cache=cache,
-                            logits_to_keep=torch.tensor(keep, device=self.device))[0]  # (kept, V)
+            rows.append([r.adapter for r in decode for _ in range(r.n_seqs)]
+                        + [c.request.adapter for c in prefill for _ in range(c.end - c.start)])
+        # The step's index tensors and these rows, in one pinned, non_blocking copy: the host goes on
+        # to the forward's launches while the GPU finishes what is queued (AttentionBackend.build)
+        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments, rows=rows)
+        ids, pos, keep_rows, *adapters = meta.rows
+        for m in self.lora:
+            m.rows = adapters[0]
+        cache = PagedBatch(self.kv, self.attention, meta)
+        logits = self.model(ids[None], position_ids=pos[None], cache=cache, logits_to_keep=keep_rows)[0]  # (kept, V)
         self._hand_out(decode, prefill, kept, logits, out)
 
     def _hand_out(self, decode: list[Request], prefill: list[PrefillChunk], kept: list[tuple[int, int]],

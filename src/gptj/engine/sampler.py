@@ -26,6 +26,7 @@ import torch
 
 from gptj import native, policy
 from gptj.decode import BeamSearch, penalize, penalty_args, stacked_rows
+from gptj.device import to_device
 from gptj.engine.config import StepTimes
 from gptj.engine.request import Request
 
@@ -146,7 +147,7 @@ def _penalized(rows: Sequence[tuple[Request, torch.Tensor]], scores: torch.Tenso
         else (None, None)
     if len(at) == len(rows):
         return penalize(scores, **penalty_args(gens, scores.device, tokens, counts))
-    idx = torch.tensor(at, dtype=torch.long).to(scores.device, non_blocking=True)
+    idx = to_device(torch.tensor(at, dtype=torch.long), scores.device)
     part = penalize(scores[idx], **penalty_args(gens, scores.device, tokens, counts))
     return scores.index_copy(0, idx, part)
 
@@ -167,7 +168,7 @@ def _token_state(reqs: Sequence[Request], device: torch.device, V: int) -> tuple
     rows, cols, new_tokens = [], [], []
     for i, req in enumerate(reqs):
         if req.counts is None:
-            prompt = torch.tensor(req.prompt, dtype=torch.long).to(device, non_blocking=True)
+            prompt = to_device(torch.tensor(req.prompt, dtype=torch.long), device)
             req.tokens_state = torch.cat([prompt, prompt[:1].expand(req.gen.max_new_tokens)])
             req.counts = torch.zeros(V, dtype=torch.float32, device=device)
             req.counted = 0
@@ -193,10 +194,9 @@ def _token_state(reqs: Sequence[Request], device: torch.device, V: int) -> tuple
         for i, req in enumerate(reqs):
             req.tokens_state = tokens[i]
     if new_tokens:
-        index = (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
-                 torch.tensor(new_tokens, dtype=torch.long).to(device, non_blocking=True))
-        counts.index_put_(index, torch.ones(len(new_tokens), dtype=torch.float32, device=device), accumulate=True)
-        tokens.index_put_((index[0], torch.tensor(cols, dtype=torch.long).to(device, non_blocking=True)), index[1])
+        at, new, col = to_device(torch.tensor([rows, new_tokens, cols], dtype=torch.long), device)  # one copy
+        counts.index_put_((at, new), torch.ones(len(new_tokens), dtype=torch.float32, device=device), accumulate=True)
+        tokens.index_put_((at, col), new)
     longest = max(len(req.prompt) + len(req.output) for req in reqs)
     return tokens[:, :longest], counts
 
@@ -224,21 +224,21 @@ def _warped_probs(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
     dev, V = scores.device, scores.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
+        return to_device(torch.tensor(values, dtype=torch.float32), dev)[:, None]
 
     if any(g.temperature != 1.0 for g in gens):
         scores = scores / column([g.temperature for g in gens])  # (x / 1.0 is x)
     with_k = [r for r, g in enumerate(gens) if g.top_k]
     if with_k:  # top_k_filter: -inf below each row's k-th largest score (ties with it kept)
         ks = [min(gens[r].top_k, V) for r in with_k]
-        idx = torch.tensor(with_k, dtype=torch.long).to(dev, non_blocking=True)
+        idx, k = to_device(torch.tensor([with_k, ks], dtype=torch.long), dev)  # one copy
         part = scores[idx]
         top = torch.topk(part, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor(ks, dtype=torch.long).to(dev, non_blocking=True)[:, None] - 1)
+        kth = top.gather(1, k[:, None] - 1)
         scores = scores.index_copy(0, idx, part.masked_fill(part < kth, -math.inf))
     with_p = [r for r, g in enumerate(gens) if g.top_p < 1.0]
     if with_p:  # top_p_filter: the smallest set of top tokens reaching p (sorted ascending, cumulative)
-        idx = torch.tensor(with_p, dtype=torch.long).to(dev, non_blocking=True)
+        idx = to_device(torch.tensor(with_p, dtype=torch.long), dev)
         part = scores[idx]
         sorted_scores, order = torch.sort(part, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)

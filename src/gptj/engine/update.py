@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gptj.decode import BeamSearch
+from gptj.device import to_device
 from gptj.engine.config import StepTimes
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
@@ -30,7 +31,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Seq[int], k: int) -> list[Token
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    index = to_device(torch.tensor(tokens), lp.device)
+    chosen = lp.gather(1, index[:, None])[:, 0].tolist()
     if k > 0:
         values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

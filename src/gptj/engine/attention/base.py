@@ -4,7 +4,8 @@ A step's forward carries decode rows (one new token per sequence) and prompt chu
 describes them as plain data — `DecodeGroup`s (a request's rows: one sequence, or the beams of
 one request sharing their prompt's blocks), write slots (where each decode row's new key and
 value go) and `PrefillSegment`s — and the backend's `build` turns them into `StepMetadata`: device
-tensors made once per step (one host-to-device copy), which every layer then reads. Per layer
+tensors made once per step (one pinned, non_blocking host-to-device copy, which also carries the
+runner's token ids, positions and kept rows), which every layer then reads. Per layer
 the model calls `PagedBatch.attend`, which only delegates:
 
     store    the step's new keys and values into their blocks       backend.store
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptj.device import to_device
 from gptj.engine.attention.kv_cache import PagedKV
 
 
@@ -97,6 +99,7 @@ class StepMetadata:
     slots: list[SegmentSlots]
     tables: DecodeTables | None = None  # made for backends that read them (reads_tables)
     extra: dict = field(default_factory=dict)  # a backend's own per-step values
+    rows: list[torch.Tensor] = field(default_factory=list)  # build's `rows` on the device (int64), in order
 
     @property
     def n_decode(self) -> int:
@@ -121,7 +124,7 @@ _ARRAY_CODE = {torch.int32: "i", torch.int64: "q"}
 
 def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
     """DecodeTables' contents as host lists: (row0, stab, soff, slen, own, olen), own the rows' own
-    block lists unpadded (decode_tables pads them to the step's longest, graphs.py to its bucket's)."""
+    block lists unpadded (build_step pads them to the step's longest, graphs.py to its bucket's)."""
     row0, stab, soff, slen, own, olen = [0], [], [], [], [], []
     for g in groups:
         soff.append(len(stab))
@@ -133,22 +136,28 @@ def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
     return row0, stab, soff, slen, own, olen
 
 
-def decode_tables(groups: Sequence[DecodeGroup], device: torch.device) -> DecodeTables:
-    """The groups' int32 tables, made on the host and copied to `device` at once."""
+def _table_parts(groups: Sequence[DecodeGroup]) -> tuple[list[list[int]], int]:
+    """DecodeTables' six sections as host lists, in its order, and omax: the own tables are padded
+    with block 0 to the step's longest (at least 1)."""
     row0, stab, soff, slen, own, olen = table_lists(groups)
     omax = max(1, max(map(len, own)))
     otab = [b for o in own for b in o + [0] * (omax - len(o))]
-    parts = (row0, stab or [0], soff, slen, otab, olen)
-    flat = host_tensor([x for p in parts for x in p], torch.int32).to(device, non_blocking=True)
-    r, s, so, sl, ot, ol = _split(flat, [len(p) for p in parts])
-    return DecodeTables(r, s, so, sl, ot.view(len(own), omax), ol, max(g.rows for g in groups))
+    return [row0, stab or [0], soff, slen, otab, olen], omax
 
 
 def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequence[int],
-               write_offsets: Sequence[int], segments: Sequence[PrefillSegment],
-               tables: bool = False) -> StepMetadata:
-    """The step's metadata: every index tensor made on the host as one list and copied to the KV's
-    device in one go (no host-device round trip per group or per layer). tables: make DecodeTables."""
+               write_offsets: Sequence[int], segments: Sequence[PrefillSegment], tables: bool = False,
+               rows: Sequence[Sequence[int]] = ()) -> StepMetadata:
+    """The step's metadata: every index tensor made on the host as one int64 tensor and moved to the
+    KV's device in one copy, pinned and non_blocking (gptj.device.to_device): no host-device round
+    trip per group or per layer, and on CUDA the host goes on to the step's launches instead of
+    waiting for the work already queued (a decode graph just replayed) to finish first.
+
+    rows: int lists the caller wants on the device too (the runner's token ids, positions, logits to
+    keep, LoRA adapters), carried in the same copy: StepMetadata.rows, int64 views, in order.
+    tables: make DecodeTables. Their int32 sections ride in the same int64 copy and are cast on the
+    device, where a cast is one more queued kernel: a second, int32 copy would save a few KB of a
+    copy that takes microseconds, for a second pinned staging and copy on the host's side."""
     B, device = kv.block_size, kv.device
     parts: list[list[int]] = [list(write_blocks), list(write_offsets)]
     for g in groups:
@@ -159,19 +168,25 @@ def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequenc
         table = seg.blocks[:-(-end // B)]
         positions = list(range(seg.start, end))
         parts += [[table[p // B] for p in positions], [p % B for p in positions], table, positions]
-    flat = host_tensor([x for p in parts for x in p]).to(device, non_blocking=True)
-    views = _split(flat, [len(p) for p in parts])
-    wb, wo, rest = views[0], views[1], views[2:]
-    group_blocks = [(rest[2 * i], rest[2 * i + 1].view(g.rows, -1)) for i, g in enumerate(groups)]
-    rest = rest[2 * len(groups):]
-    slots = [SegmentSlots(*rest[4 * i:4 * i + 4]) for i in range(len(segments))]
-    return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots,
-                        decode_tables(groups, device) if tables and groups else None)
+    parts += [list(r) for r in rows]
+    table_parts, omax = _table_parts(groups) if tables and groups else ([], 0)
+    n = sum(map(len, parts))
+    flat = to_device(host_tensor([x for p in parts + table_parts for x in p]), device)
+    views = iter(_split(flat[:n], [len(p) for p in parts]))
+    wb, wo = next(views), next(views)
+    group_blocks = [(next(views), next(views).view(g.rows, -1)) for g in groups]
+    slots = [SegmentSlots(*(next(views) for _ in range(4))) for _ in segments]
+    decode_tables = None
+    if table_parts:
+        r, s, so, sl, ot, ol = _split(flat[n:].to(torch.int32), [len(p) for p in table_parts])
+        decode_tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups))
+    return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots, decode_tables, rows=list(views))
 
 
 class AttentionBackend:
     """One way of computing attention over paged KV memory. Subclasses implement store, decode and
-    prefill; `build` makes the step's metadata (with DecodeTables if `reads_tables`)."""
+    prefill; `build` makes the step's metadata (with DecodeTables if `reads_tables`, and the
+    caller's `rows` carried in the same copy)."""
 
     name = "?"
     reads_tables = False
@@ -180,8 +195,9 @@ class AttentionBackend:
         self.compiled = compiled  # torch.compile'd forms (the reference backend's, on CUDA)
 
     def build(self, kv: PagedKV, groups: Sequence[DecodeGroup] = (), write_blocks: Sequence[int] = (),
-              write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = ()) -> StepMetadata:
-        return build_step(kv, groups, write_blocks, write_offsets, segments, tables=self.reads_tables)
+              write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = (),
+              rows: Sequence[Sequence[int]] = ()) -> StepMetadata:
+        return build_step(kv, groups, write_blocks, write_offsets, segments, tables=self.reads_tables, rows=rows)
 
     def copy(self, kv: PagedKV, copies: Sequence[tuple[int, int, int]]) -> None:
         """Copy-on-write before a step's forward: block dst gets the first n tokens of block src, for

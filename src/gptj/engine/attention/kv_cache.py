@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from gptj.config import GPTJConfig
+from gptj.device import to_device
 from gptj.engine.config import KV_SCALE_DTYPE, QUANTIZED_KV, kv_bytes_per_token
 from gptj.errors import GptjError
 from gptj.quant.ops import quantize_rows_fp8, quantize_rows_int8
@@ -125,8 +126,7 @@ def copy_rows(stacked: Sequence[torch.Tensor], copies: Sequence[tuple[int, int, 
 def copy_whole_blocks(stacked: Sequence[torch.Tensor], copies: Sequence[tuple[int, int, int]]) -> None:
     """Each (src, dst, n): the whole block src into block dst (its first n rows are the contract),
     one indexed copy per tensor kind, whatever the copies. The dst blocks are fresh: none is a src."""
-    device = stacked[0].device
-    src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=device)
-    dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=device)
+    src, dst = to_device(torch.tensor([[c[0] for c in copies], [c[1] for c in copies]], dtype=torch.long),
+                         stacked[0].device)
     for t in stacked:
         t[:, dst] = t[:, src]
