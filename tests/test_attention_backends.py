@@ -186,18 +186,23 @@ def assert_within_the_bound(kv: att.PagedKV, groups: list[att.DecodeGroup], q: t
     assert row == len(got)
 
 
-def test_auto_runs_the_dot_kernel_for_beam_steps_and_the_sum_kernel_for_single_sequences():
-    """CudaAttention's default decode variant "auto": tensor cores (dot) where a step's groups have
-    rows that share their prompt's blocks (beam search), "sum" for single sequences, and "sum" over
-    blocks below tl.dot's 16-token tile whatever was asked; a variant it does not know is refused."""
+def test_auto_runs_the_dot_kernel_for_beam_groups_and_the_sum_kernel_for_single_sequences():
+    """CudaAttention's default decode variant "auto", per group: tensor cores (dot, at the step's tile)
+    for groups whose rows share their prompt's blocks (beam search), "sum" at tile 1 for single
+    sequences, "sum" over blocks below tl.dot's 16-token tile whatever was asked; "sum" and "dot" run
+    every group at the step's tile; a variant it does not know is refused."""
     from gptj.engine.attention import cuda
 
+    every = cuda.ANY_ROWS
     assert cuda.CudaAttention.decode_variant == "auto"
-    assert [cuda.decode_kernel("auto", rows, 16) for rows in (1, 2, 4, 9)] == ["sum", "dot", "dot", "dot"]
-    assert cuda.decode_kernel("auto", 4, 8) == "sum" and cuda.decode_kernel("dot", 1, 16) == "dot"
-    assert cuda.decode_kernel("sum", 4, 16) == "sum" and cuda.decode_kernel("dot", 4, 8) == "sum"
+    assert cuda.decode_launches("auto", 1, 16) == [("sum", 1, 1, every)]
+    assert cuda.decode_launches("auto", 3, 16) == [("sum", 1, 1, 1), ("dot", 4, 2, every)]
+    assert cuda.decode_launches("auto", 9, 8) == [("sum", 1, 1, 1), ("sum", 16, 2, every)]
+    assert cuda.decode_launches("dot", 1, 16) == [("dot", 1, 1, every)]
+    assert cuda.decode_launches("sum", 4, 16) == [("sum", 4, 1, every)]
+    assert cuda.decode_launches("dot", 4, 8) == [("sum", 4, 1, every)]
     with pytest.raises(ValueError, match="variant 'tensor'"):
-        cuda.decode_kernel("tensor", 1, 16)
+        cuda.decode_launches("tensor", 1, 16)
 
 
 @needs_triton
@@ -246,6 +251,29 @@ def test_the_cuda_kernel_gives_each_row_what_it_gives_it_alone(storage, variant,
         alone = impl.decode(kv, 0, q[row:row + g.rows], alone_meta)
         assert torch.equal(alone, together[row:row + g.rows])
         row += g.rows
+    assert impl.kernel_ok
+
+
+@needs_triton
+@pytest.mark.parametrize("storage", ["float", "int8"])
+def test_auto_computes_a_single_sequence_alike_beside_beam_groups(storage):
+    """Batch invariance under the default "auto": a single sequence's row is the same bit for bit in a
+    step of single sequences and in a step that also decodes beam groups (whose shared prompt blocks
+    "dot" reads by tl.dot, rounding the probabilities to the compute dtype): each group's kernel is
+    chosen by its own rows, not by the step's largest group. float16 (the interpreter has no bfloat16
+    arithmetic; bfloat16 rounds the same way, coarser)."""
+    B = 16
+    kv = make_pool(2, 64, B, 20, storage, torch.float16, seed=21)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(22)).tolist()
+    groups = groups_of(B, perm)  # single sequences (rows 0 and 1) beside groups of 3 and 2 beams
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    assert impl.decode_variant == "auto"
+    q = torch.randn(7, 2, 64, generator=torch.Generator().manual_seed(23)).to(torch.float16).to(DEVICE)
+    together = impl.decode(kv, 0, q, impl.build(kv, groups, [0] * 7, [0] * 7))
+    singles = impl.decode(kv, 0, q[:2], impl.build(kv, groups[:2], [0] * 2, [0] * 2))
+    assert torch.equal(together[:2], singles)
+    beams = impl.decode(kv, 0, q[2:], impl.build(kv, groups[2:], [0] * 5, [0] * 5))
+    assert torch.equal(together[2:], beams)  # beam groups: "dot" at the same tile either way
     assert impl.kernel_ok
 
 

@@ -11,6 +11,7 @@ when the first of them is asked for, two at a time (one compute thread each), lo
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -419,6 +420,29 @@ def check_serve_profile(out: dict, err: str) -> None:
     assert only["tpot_1_over_bench_step"] == one["tpot_p50_ms"] / only["bench"]["decode_step_ms"]
 
 
+def jit_kernels() -> set[str]:
+    """Every function in src/gptj decorated with triton.jit whose name ends in _kernel (the launched
+    ones; the others are helpers they call)."""
+    names = set()
+    for path in (ROOT / "src" / "gptj").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                names.add(node.name)
+    return names
+
+
+def check_gpu_compile(out: dict, err: str) -> None:
+    """--list: gptj's launchers called on meta tensors launch every Triton kernel in src/gptj (a new
+    kernel needs a case there), the engine's defaults among them."""
+    launches = out["launches"]
+    assert out["cases"] > len({r["kernel"] for r in launches}) and "Traceback" not in err
+    assert {r["kernel"] for r in launches} == jit_kernels(), "a @triton.jit *_kernel gpu_compile never launches"
+    assert {r["kernel"] for r in launches if r["default"]} >= {
+        "_paged_decode_kernel", "_paged_decode_dot_kernel", "_paged_prefill_kernel", "_store_kernel", "_copy_kernel",
+        "_int8_fma_kernel", "_int8_kernel", "_finish_kernel", "_quantize_rows_kernel", "_rotary_kernel"}
+
+
 def check_offline_vs_vllm(out: dict, err: str) -> None:
     """No --vllm-python: gptj alone on both modes, every sample given its 3 new tokens, no ratio made up;
     w8a8: gptj loaded the calibrated copy."""
@@ -463,6 +487,7 @@ SMOKE: dict[str, Job] = {
     "gpu_check.py": Job("gpu_check.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "gpu-check")],
                         check_gpu_check),
     "gemv_sweep.py": Job("gemv_sweep.py", lambda m, tmp: ["--smoke", "--json"], check_gemv_sweep),
+    "gpu_compile.py": Job("gpu_compile.py", lambda m, tmp: ["--list"], check_gpu_compile),  # compiling: test_gpu_compile
     "profile_steps.py": Job("profile_steps.py",
                             lambda m, tmp: ["--model", m, "--smoke", "--json", "--out", str(tmp / "p")],
                             check_profile_steps),

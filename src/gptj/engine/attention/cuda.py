@@ -21,11 +21,18 @@ probabilities rounded to the values' dtype before P.V, HF's rule, float32 sums; 
 dequantized to the compute dtype), then moves the running softmax to the R rows and reads each row's
 own blocks as "sum" does (blocks under 16 tokens: "sum"). Its output is within the same arithmetic's
 bound, not the same bits. CudaAttention.decode_variant chooses (no user flag): "auto", the default,
-runs "dot" where the step's tile of rows is 2 or more (beam search: a group's rows share its prompt)
-and "sum" for steps of single sequences (tile 1: no rows to share a block's read); the variant
-follows the tile, so the batch-invariance promise above holds as it is. At MLPerf's shape "dot"
-takes well under half of "sum"'s time a step (figures: docs/PERFORMANCE.md#gpu); "dot" at tile 1
-is not timed.
+chooses per group, by the group's own rows (decode_launches): single sequences run "sum" at tile 1,
+groups of 2 rows or more (beam search: a group's rows share its prompt) "dot" at the step's tile, in
+a second launch over the same tables (each program of the other kind's group returns at once). So a
+single sequence's row is computed alike in every step, whatever else the step decodes (before,
+"auto" followed the step's largest group, and a greedy row beside a beam group took "dot"'s rounded
+probabilities: a difference of ~2^-9), and a beam group's rows as the tile promise above says. At
+MLPerf's shape "dot" takes well under half of "sum"'s time a step (figures:
+docs/PERFORMANCE.md#gpu); "dot" at tile 1 is not timed.
+
+num_warps follows the tile (decode_warps): a group's own blocks are read as an (R, B, D) float32
+tile, whose registers grow with R; benchmarks/gpu_compile.py compiles every variant for sm_90a on a
+CPU and reports the registers and spills the choice gives.
 
 The kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which is how they
 are tested without a GPU (in float32 and float16: the interpreter has no bfloat16 arithmetic).
@@ -64,69 +71,78 @@ if triton is not None:
         return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
 
     @triton.jit
-    def _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
+    def _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
                     omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B: tl.constexpr,
-                    QUANTIZED: tl.constexpr):
+                    KEYS: tl.constexpr, QUANTIZED: tl.constexpr):
         """Each row's own blocks (beams: what they wrote since the prompt) into its running softmax,
-        an (R, B, D) tile a step, float32 on CUDA cores: q (R, D) float32 -> (m, den, acc)."""
-        olen = tl.load(olen_ptr + g)
-        for j in range(0, tl.cdiv(olen, B)):
-            block = tl.load(otab_ptr + rows * omax + j, mask=rmask, other=0).to(tl.int64)  # (R,)
-            tmask = j * B + t < olen
-            at = block[:, None, None] * s_kb + h * s_kh + t[None, :, None] * s_kt + d[None, None, :]
+        an (R, KEYS, D) tile a step (KEYS tokens of one block, KEYS dividing B), float32 on CUDA
+        cores: q (R, D) float32, olen the rows' own tokens -> (m, den, acc)."""
+        t = tl.arange(0, KEYS)
+        for j in range(0, tl.cdiv(olen, KEYS)):
+            block = tl.load(otab_ptr + rows * omax + j * KEYS // B, mask=rmask, other=0).to(tl.int64)  # (R,)
+            row = j * KEYS % B + t  # the tokens' rows in their block
+            tmask = j * KEYS + t < olen
+            at = block[:, None, None] * s_kb + h * s_kh + row[None, :, None] * s_kt + d[None, None, :]
             kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, B, D)
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, KEYS, D)
             v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
             if QUANTIZED:
-                sat = block[:, None] * s_sb + h * s_sh + t[None, :]
+                sat = block[:, None] * s_sb + h * s_sh + row[None, :]
                 smask = rmask[:, None] & tmask[None, :]
                 k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
                 v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, B)
+            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, KEYS)
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
         return m, den, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["omax", "lo", "hi"])
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
                              row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                             omax, scale, D,
+                             omax, lo, hi, scale, D,
                              s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                             B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                             B: tl.constexpr, KEYS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                              QUANTIZED: tl.constexpr):
+        """Program (group g, head h), for groups of lo to hi rows (others: another launch's); keys
+        and values KEYS tokens a step (decode_tiles)."""
         g = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.load(row0_ptr + g)
+        end = tl.load(row0_ptr + g + 1)
+        take = (end - first >= lo) & (end - first <= hi)  # (not an early return: ptxas then spilled)
+        end = tl.where(take, end, first)  # another launch's group: no rows, no keys
         rows = first + tl.arange(0, BLOCK_R)
-        rmask = rows < tl.load(row0_ptr + g + 1)
+        rmask = rows < end
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        t = tl.arange(0, B)
+        t = tl.arange(0, KEYS)
         q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max of each row's scores
         den = tl.zeros([BLOCK_R], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)  # running sum of exp(score - m) * value
 
-        # the group's shared blocks: one (B, D) tile of keys and values for all of its rows
-        slen = tl.load(slen_ptr + g)
+        # the group's shared blocks: one (KEYS, D) tile of keys and values for all of its rows
+        slen = tl.where(take, tl.load(slen_ptr + g), 0)
         soff = tl.load(soff_ptr + g)
-        for j in range(0, tl.cdiv(slen, B)):
-            block = tl.load(stab_ptr + soff + j).to(tl.int64)
-            tmask = j * B + t < slen
-            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
+        for j in range(0, tl.cdiv(slen, KEYS)):
+            block = tl.load(stab_ptr + soff + j * KEYS // B).to(tl.int64)
+            row = j * KEYS % B + t  # the tokens' rows in their block
+            tmask = j * KEYS + t < slen
+            at = block * s_kb + h * s_kh + row[:, None] * s_kt + d[None, :]
             kvmask = tmask[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (B, D)
+            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (KEYS, D)
             v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
             if QUANTIZED:
-                sat = block * s_sb + h * s_sh + t
+                sat = block * s_sb + h * s_sh + row
                 k = k * tl.load(ks_ptr + sat, mask=tmask, other=0.0)[:, None]
                 v = v * tl.load(vs_ptr + sat, mask=tmask, other=0.0)[:, None]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (R, B)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (R, KEYS)
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v[None, :, :], m, den, acc)
 
-        # each row's own blocks (beams: what they wrote since the prompt): an (R, B, D) tile
-        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
-                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, QUANTIZED)
+        # each row's own blocks (beams: what they wrote since the prompt): an (R, KEYS, D) tile
+        olen = tl.where(take, tl.load(olen_ptr + g), 0)
+        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
+                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
 
         out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -134,23 +150,25 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["omax", "lo", "hi"])
     def _paged_decode_dot_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
                                  row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                                 omax, scale, D,
+                                 omax, lo, hi, scale, D,
                                  s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                                 B: tl.constexpr, BLOCK_R: tl.constexpr, DOT_R: tl.constexpr,
+                                 B: tl.constexpr, KEYS: tl.constexpr, BLOCK_R: tl.constexpr, DOT_R: tl.constexpr,
                                  BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
         """_paged_decode_kernel's "dot" variant: the group's shared blocks by tl.dot (tensor cores) on a
         tile of DOT_R = max(16, BLOCK_R) rows, with the prefill kernel's conventions (float32: IEEE;
         16-bit: q and keys in their dtype, the probabilities rounded to the values' dtype, float32
         sums; quantized blocks dequantized to the compute dtype); the running softmax then moves to
         the BLOCK_R rows (an exact selection) and each row's own blocks are read as the "sum" kernel
-        reads them."""
+        reads them. Groups of lo to hi rows (others: another launch's)."""
         g = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.load(row0_ptr + g)
         end = tl.load(row0_ptr + g + 1)
+        take = (end - first >= lo) & (end - first <= hi)  # (not an early return: ptxas then spilled)
+        end = tl.where(take, end, first)  # another launch's group: no rows, no keys
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         t = tl.arange(0, B)
@@ -162,7 +180,7 @@ if triton is not None:
         acc16 = tl.zeros([DOT_R, BLOCK_D], tl.float32)
 
         # the group's shared blocks: scores (DOT_R, B) = q . k^T and values p . v, both by tl.dot
-        slen = tl.load(slen_ptr + g)
+        slen = tl.where(take, tl.load(slen_ptr + g), 0)
         soff = tl.load(soff_ptr + g)
         for j in range(0, tl.cdiv(slen, B)):
             block = tl.load(stab_ptr + soff + j).to(tl.int64)
@@ -206,8 +224,9 @@ if triton is not None:
         rmask = rows < end
         q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
-        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen_ptr, g, rows, rmask, d, dmask, t,
-                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, QUANTIZED)
+        olen = tl.where(take, tl.load(olen_ptr + g), 0)
+        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
+                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
 
         out = acc / tl.maximum(den, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -379,14 +398,48 @@ DECODE_VARIANTS = ("sum", "dot", "auto")  # paged_decode's kernels (CudaAttentio
 DOT_MIN_ROWS = 2  # "auto": the "dot" kernel for steps whose largest group has this many rows or more
 
 
-def decode_kernel(variant: str, max_rows: int, block_size: int) -> str:
-    """The decode kernel ("sum" or "dot") a step runs: `variant` as paged_decode takes it, for a step
-    whose largest group has max_rows rows, over blocks of block_size tokens (tl.dot needs 16)."""
+ANY_ROWS = 1 << 30  # a launch's upper bound on a group's rows where it takes them all
+
+
+def decode_launches(variant: str, max_rows: int, block_size: int) -> list[tuple[str, int, int, int]]:
+    """The decode kernels a step launches, as (kernel "sum" or "dot", tile of rows, lo, hi): each
+    launch computes the groups of lo to hi rows (a program of another group returns at once), for a
+    step whose largest group has max_rows rows over blocks of block_size tokens (tl.dot needs 16).
+    `variant` as paged_decode takes it: "sum" and "dot" run every group in that kernel at the step's
+    tile; "auto" chooses per group, by the group's own rows: single sequences "sum" at tile 1 (alike
+    in any step: a greedy row beside beam groups is computed as it is alone), groups of DOT_MIN_ROWS
+    rows or more (beams sharing their prompt's blocks) "dot" at the step's tile."""
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"paged_decode: variant {variant!r}, not one of {', '.join(DECODE_VARIANTS)}")
-    if variant == "auto":
-        variant = "dot" if max_rows >= DOT_MIN_ROWS else "sum"
-    return "dot" if variant == "dot" and block_size >= PREFILL_TILE else "sum"
+    tile = 1 << (max(1, max_rows) - 1).bit_length()
+    dot = "dot" if block_size >= PREFILL_TILE else "sum"
+    if variant == "sum":
+        return [("sum", tile, 1, ANY_ROWS)]
+    if variant == "dot":
+        return [(dot, tile, 1, ANY_ROWS)]
+    if max_rows < DOT_MIN_ROWS:
+        return [("sum", 1, 1, ANY_ROWS)]
+    return [("sum", 1, 1, DOT_MIN_ROWS - 1), (dot, tile, DOT_MIN_ROWS, ANY_ROWS)]
+
+
+# float32 values of an (R, KEYS, D) tile a thread of the decode kernels holds at 4 warps (keys; the
+# values and products as many again): 64 compiles to ~128 registers with no spills for sm_90a (tile 2
+# over blocks of 16 heads of 256: benchmarks/gpu_compile.py), where a whole block a step at tile 4 or
+# more spilled (tile 8: 1.4-2.9 KB; 16 warps did not help: they allow 128 registers a thread).
+TILE_VALUES_PER_THREAD = 64
+WIDE_TILE = 4  # from this tile on, 8 warps: "dot" at 4 warps spilled 20-64 B at tiles 4 and 16 (bf16), at 8 none
+
+
+def decode_tiles(tile: int, block_size: int, head_dim: int) -> tuple[int, int]:
+    """(KEYS, num_warps) of a decode kernel over groups of `tile` rows: the tokens of a block read a
+    loop step (a power of two dividing block_size) so that an (R, KEYS, D) tile of float32 keys is
+    TILE_VALUES_PER_THREAD values a thread of 4 warps, and the warps (8 from WIDE_TILE rows). A row's
+    sums follow KEYS: a group's rows are the same bit for bit in any step of the same tile (and block
+    size). Tile 1 over blocks of 16 (single sequences, the default) reads a whole block a step, as
+    the kernel did before KEYS."""
+    budget = TILE_VALUES_PER_THREAD * 32 * 4 // (tile * triton.next_power_of_2(head_dim))
+    keys = 1 << max(0, budget.bit_length() - 1) if budget else 1
+    return min(block_size, keys), 8 if tile >= WIDE_TILE else 4
 
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
@@ -424,7 +477,8 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     out_dtype: float32 sums rounded once to it (in the kernel, as a cast after it would round them).
     variant: "sum" (float32 on CUDA cores throughout), "dot" (the shared blocks by tl.dot, as the
     module says; blocks of fewer than 16 tokens, below tl.dot's smallest tile, run "sum") or "auto"
-    ("dot" where max_rows >= DOT_MIN_ROWS): decode_kernel.
+    (per group: "sum" for single sequences, "dot" for groups of DOT_MIN_ROWS rows or more):
+    decode_launches.
 
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
     int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
@@ -436,27 +490,22 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     B = kc.shape[2]
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
-    kernel = decode_kernel(variant, max_rows, B)
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
-    if kernel == "dot":
-        block_r = triton.next_power_of_2(max_rows)
-        _paged_decode_dot_kernel[(len(soff), H)](
-            q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
-            otab.shape[1], 1.0 / math.sqrt(D), D,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
-            B=B, BLOCK_R=block_r, DOT_R=max(PREFILL_TILE, block_r), BLOCK_D=triton.next_power_of_2(D),
-            QUANTIZED=quantized, IEEE=q.dtype == torch.float32)
-        return out
-    _paged_decode_kernel[(len(soff), H)](
-        q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen,
-        otab.shape[1], 1.0 / math.sqrt(D), D,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
-        B=B, BLOCK_R=triton.next_power_of_2(max_rows), BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized)
+    args = (q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen, otab.shape[1])
+    strides = (1.0 / math.sqrt(D), D, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+               ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1))
+    for kernel, tile, lo, hi in decode_launches(variant, max_rows, B):
+        keys, warps = decode_tiles(tile, B, D)
+        sizes = dict(B=B, KEYS=keys, BLOCK_R=tile, BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized,
+                     num_warps=warps)
+        if kernel == "dot":
+            _paged_decode_dot_kernel[(len(soff), H)](*args, lo, hi, *strides, DOT_R=max(PREFILL_TILE, tile),
+                                                     IEEE=q.dtype == torch.float32, **sizes)
+        else:
+            _paged_decode_kernel[(len(soff), H)](*args, lo, hi, *strides, **sizes)
     return out
 
 
@@ -468,7 +517,7 @@ class CudaAttention(ReferenceAttention):
 
     name = "cuda"
     reads_tables = True
-    decode_variant = "auto"  # paged_decode's kernel ("auto", "sum" or "dot": decode_kernel; no user flag)
+    decode_variant = "auto"  # paged_decode's kernels ("auto", "sum" or "dot": decode_launches; no user flag)
 
     def __init__(self, compiled: bool = False) -> None:
         super().__init__(compiled)
