@@ -41,8 +41,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret (before Triton is imported)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+if __name__ == "__main__":  # (imported by a test, it leaves the interpreter as its process has it)
+    os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret (before Triton is imported)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
 
@@ -204,6 +205,29 @@ def recording() -> Iterator[list[Launch]]:
         yield launches
     finally:
         JITFunction.run = run
+
+
+@contextmanager
+def interpreted_keys() -> Iterator[list[str]]:
+    """Under Triton's interpreter (TRITON_INTERPRET=1): within, each kernel launch runs as usual and
+    its compile_key (what a GPU would compile for it) is recorded, in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    keys: list[str] = []
+    run = InterpretedFunction.run
+    jitted: dict[object, JITFunction] = {}
+
+    def record(self, *args, grid, warmup, **kwargs):  # noqa: ANN001 - InterpretedFunction.run's signature
+        fn = jitted.setdefault(self.fn, JITFunction(self.fn, **self.kwargs))
+        keys.append(compile_key(Launch(fn, args, kwargs)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = record
+    try:
+        yield keys
+    finally:
+        InterpretedFunction.run = run
 
 
 def specialize(launch: Launch, capability: int):

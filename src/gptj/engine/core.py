@@ -110,8 +110,15 @@ class Engine:
     def warm(self, gen: GenerationConfig, prompt_len: int = 32) -> int:
         """Before timed work: run one short request of `gen`'s kind on a made-up prompt (the device's
         kernels compiled, the sampler's and prefill's paths taken) and make the CUDA graphs of every
-        batch size for its rows per group. The KV blocks are freed after it. -> graphs' buckets warmed."""
-        prompt = [gen.eos_token_id or 0] * max(1, min(prompt_len, self.plan.max_len - 2))
+        batch size for its rows per group. The KV blocks are freed after it. -> graphs' buckets warmed.
+
+        The prompt takes every path a run's requests take (tests/test_warm_compiles.py records what
+        each would compile on a GPU): a last block left partial (beams copy it on write), and with
+        prompts prefilled in chunks, a chunk after the first (attention over the blocks in place)."""
+        B, chunk = self.plan.block_size, self.config.prefill_chunk
+        n = max(prompt_len, chunk + 1 if chunk else 0)
+        n += n % B == 0  # a partial last block
+        prompt = [gen.eos_token_id or 0] * max(1, min(n, self.plan.max_len - 2))
         self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
         warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
         self._forget()

@@ -106,8 +106,25 @@ class StepMetadata:
         return len(self.write_blocks)
 
 
-def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    return list(torch.split(flat, list(sizes))) if sizes else []
+ALIGN_BYTES = 16  # where each part of a step's flat index tensor starts (see _aligned)
+
+
+def _aligned(parts: Sequence[Sequence[int]], align: int) -> tuple[list[int], list[int]]:
+    """(the parts as one list, each padded with zeros to a multiple of `align` elements; each part's
+    start in it). A step's tensors are views of one copy, and Triton specializes a kernel on whether
+    each pointer is 16-byte aligned: views at offsets that vary with the step's sizes would compile
+    the same kernel again mid-run (tests/test_warm_compiles.py); aligned starts compile it once."""
+    flat: list[int] = []
+    starts = []
+    for p in parts:
+        starts.append(len(flat))
+        flat += p
+        flat += [0] * (-len(p) % align)
+    return flat, starts
+
+
+def _views(flat: torch.Tensor, parts: Sequence[Sequence[int]], starts: Sequence[int]) -> list[torch.Tensor]:
+    return [flat[at:at + len(p)] for p, at in zip(parts, starts)]
 
 
 def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -170,15 +187,17 @@ def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequenc
         parts += [[table[p // B] for p in positions], [p % B for p in positions], table, positions]
     parts += [list(r) for r in rows]
     table_parts, omax = _table_parts(groups) if tables and groups else ([], 0)
-    n = sum(map(len, parts))
-    flat = to_device(host_tensor([x for p in parts + table_parts for x in p]), device)
-    views = iter(_split(flat[:n], [len(p) for p in parts]))
+    longs, starts = _aligned(parts, ALIGN_BYTES // 8)
+    ints, int_starts = _aligned(table_parts, ALIGN_BYTES // 4)
+    n = len(longs)
+    flat = to_device(host_tensor(longs + ints), device)
+    views = iter(_views(flat, parts, starts))
     wb, wo = next(views), next(views)
     group_blocks = [(next(views), next(views).view(g.rows, -1)) for g in groups]
     slots = [SegmentSlots(*(next(views) for _ in range(4))) for _ in segments]
     decode_tables = None
     if table_parts:
-        r, s, so, sl, ot, ol = _split(flat[n:].to(torch.int32), [len(p) for p in table_parts])
+        r, s, so, sl, ot, ol = _views(flat[n:].to(torch.int32), table_parts, int_starts)
         decode_tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups))
     return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots, decode_tables, rows=list(views))
 

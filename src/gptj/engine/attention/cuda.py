@@ -234,7 +234,7 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["start", "T"])  # a chunk's start and length vary: one binary for all
     def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr,
                               start, T, scale, D,
                               s_qt, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_ot, s_oh,
@@ -320,7 +320,7 @@ if triton is not None:
 _STORE_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["C"])  # the step's copies: one binary for any number
     def _copy_kernel(t_ptr, copies_ptr, C, layer_stride, block_stride, head_stride, row, H,
                      CHUNK: tl.constexpr):
         """Program (c, layer * H + head): the first n tokens of block src into block dst, one head
