@@ -6,6 +6,7 @@ graphs are captured and replayed (the cuda-marked test)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gptj import policy
 from gptj.decode import GenerationConfig
@@ -227,3 +228,65 @@ def test_build_engine_warms_only_where_graphs_are_captured(model, monkeypatch): 
     assert warmed == [gen]
     build_engine(model, EngineConfig(max_seqs=4))
     assert warmed == [gen]
+
+
+@needs_triton
+def test_a_graphed_step_reads_only_its_buckets_buffers_the_kv_pool_the_weights_and_its_own_results(
+        two_heads, monkeypatch):  # noqa: F811 - the fixture
+    """What a captured step reads at replay is what it read at capture: the bucket's persistent
+    buffers (refilled each step), the KV pool, the weights, or tensors the step itself made. A tensor
+    made before the forward outside those (a table built per step, a stale index) would be baked into
+    the graph. Every torch op's and every Triton launch's tensor inputs of the eager padded steps
+    (the same code, from the same buffers) are checked against those storages."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._pytree import tree_leaves
+    from triton.runtime.interpreter import InterpretedFunction
+
+    model = two_heads.to(DEVICE)
+    engine = graphed(model, capture=False, max_seqs=8)
+    graphs, kv = engine.runner.graphs, engine.runner.kv
+
+    def storages(tensors) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+    fixed = storages([*model.parameters(), *model.buffers(), *kv.k, *kv.v, *kv.stacked])
+    stray: list[str] = []
+    made: set[int] = set()
+
+    def check(what: str, args) -> None:
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in fixed | made:
+                stray.append(f"{what}: {t.dtype} {tuple(t.shape)}")
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            check(str(func), (args, kwargs))
+            out = func(*args, **(kwargs or {}))
+            made.update(storages(tree_leaves(out)))
+            return out
+
+    launch = InterpretedFunction.run
+
+    def kernel(self, *args, grid, warmup, **kwargs):  # noqa: ANN001
+        check(self.fn.__name__, (args, kwargs))
+        with _disable_current_modes():  # the interpreter's own tensor work is not the step's
+            return launch(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    run = graphs._run
+
+    def checked_run(bucket, tile):  # noqa: ANN001
+        fixed.update(storages([bucket.longs, bucket.ints]))
+        made.clear()
+        monkeypatch.setattr(InterpretedFunction, "run", kernel)
+        try:
+            with Reads():
+                return run(bucket, tile)
+        finally:
+            monkeypatch.setattr(InterpretedFunction, "run", launch)
+
+    monkeypatch.setattr(graphs, "_run", checked_run)
+    got = engine.generate(prompts_of([5, 17, 9]), [GenerationConfig(max_new_tokens=3),
+                                                   GenerationConfig(num_beams=2, max_new_tokens=3),
+                                                   GenerationConfig(max_new_tokens=3, do_sample=True, seed=1)])
+    assert all(len(t) == 3 for t in got) and graphs.buckets
+    assert not stray, "a graphed step reads tensors made before it:\n" + "\n".join(sorted(set(stray)))
