@@ -12,7 +12,7 @@ from gptj import policy
 from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
-from gptj.engine.graphs import BUCKETS, GraphRunner, bucket_for
+from gptj.engine.graphs import BUCKETS, DecodeInputs, GraphRunner, bucket_for
 from test_attention_backends import DEVICE, SHORT_MIXED, needs_gpu, needs_triton
 from test_attention_backends import two_heads  # noqa: F401 - the fixture (the interpreter's tests: half the programs)
 from test_engine import MIXED, prompts_of
@@ -189,18 +189,36 @@ def test_warming_captures_the_graphs_before_the_steps_need_them(model):  # noqa:
 
 
 @needs_triton
-def test_warming_stops_where_a_capture_fails_and_raises_other_errors(model, monkeypatch):  # noqa: F811
+def test_a_failed_capture_leaves_that_bucket_eager_and_the_others_graphed(model, monkeypatch):  # noqa: F811
+    """Warming goes largest bucket first; a capture that fails (logged) leaves only that bucket's steps
+    eager (the runner runs them so), the other buckets are still warmed; other errors are raised."""
+    from gptj.engine.graphs import CaptureFailed
+
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
     graphs = engine.runner.graphs
+    forward = graphs.forward
+    sizes = []
 
-    def failing_capture(step):
-        graphs.failed = True  # what forward does when a capture fails (then the steps run eagerly)
-        raise RuntimeError("capture failed")
+    def capture_fails_at_8(step):
+        sizes.append(len(step.tokens))
+        if len(step.tokens) == 8:
+            graphs.failed.add((8, 1))  # what forward does when a capture fails
+            raise CaptureFailed("capture failed")
+        return forward(step)
 
-    monkeypatch.setattr(graphs, "forward", failing_capture)
-    assert graphs.warm(1) == 0 and not graphs.ready
-    graphs.failed = False
+    monkeypatch.setattr(graphs, "forward", capture_fails_at_8)
+    assert graphs.warm(1) == len([b for b in BUCKETS if b <= 16]) - 1 and graphs.ready
+    assert sizes == sorted(sizes, reverse=True)  # largest first
+    monkeypatch.setattr(graphs, "forward", forward)
+    with pytest.raises(CaptureFailed):
+        forward(DecodeInputs([0] * 7, [0] * 7, [0] * 7, [0] * 7, [att.DecodeGroup([0], 1, [[]], 0)] * 7))
+    # the runner runs such a step eagerly: the tokens of an engine without graphs
+    prompts = prompts_of([5, 17, 1, 30, 8, 12, 3])  # 7 rows: the 8 bucket
+    gen = GenerationConfig(max_new_tokens=3)
+    assert engine.generate(prompts, gen) == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)
+                                                   ).generate(prompts, gen)
     monkeypatch.setattr(graphs, "forward", lambda step: 1 / 0)
+    graphs.buckets.clear()
     with pytest.raises(ZeroDivisionError):
         graphs.warm(1)
 

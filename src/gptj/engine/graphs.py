@@ -110,11 +110,19 @@ class _Bucket:
         if self.longs.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
-        most = max(g.rows for g in groups)
-        return 1 << (most - 1).bit_length()
+        return tile_of(groups)
 
     def metadata(self, tile: int) -> StepMetadata:
         return StepMetadata(self.wb, self.wo, [], [], [], [], DecodeTables(*self.tables, max_rows=tile))
+
+
+class CaptureFailed(RuntimeError):
+    """A decode step's graph could not be captured (logged once): the caller runs the step eagerly."""
+
+
+def tile_of(groups) -> int:  # noqa: ANN001 - DecodeGroups
+    """The decode kernels' tile of a step: its largest group's rows, rounded up to a power of two."""
+    return 1 << (max([g.rows for g in groups], default=1) - 1).bit_length()
 
 
 class GraphRunner:
@@ -130,13 +138,13 @@ class GraphRunner:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured = 0  # graphs captured so far (tests, stats)
-        self.failed = False
+        self.failed: set[tuple[int, int]] = set()  # (bucket, tile) whose capture failed: those steps run eagerly
 
     @property
     def ready(self) -> bool:
         """Whether steps can run here: the backend's kernel works (a padded step's metadata has only
-        the kernel's tables) and no capture failed."""
-        return getattr(self.backend, "kernel_ok", True) and not self.failed
+        the kernel's tables)."""
+        return getattr(self.backend, "kernel_ok", True)
 
     def takes(self, rows: int) -> bool:
         """Whether a decode-only step of `rows` sequences runs from a graph here."""
@@ -146,6 +154,8 @@ class GraphRunner:
         """The step's logits (rows, V) float32 (only while `ready`)."""
         rows = len(step.tokens)
         size = bucket_for(rows, self.max_rows)
+        if (size, tile_of(step.groups)) in self.failed:
+            raise CaptureFailed(f"no graph for {size} rows")
         bucket = self.buckets.get(size)
         if bucket is None:
             bucket = self.buckets[size] = _Bucket(size, self.M, self.kv.device)
@@ -158,11 +168,12 @@ class GraphRunner:
         if tile not in bucket.graphs:
             try:
                 bucket.graphs[tile] = self._capture(bucket, tile)
-            except Exception as e:  # noqa: BLE001 - capturing failed: eager steps from now on
+            except Exception as e:  # noqa: BLE001 - capturing failed: this bucket's steps run eagerly
                 first = str(e).splitlines()[0] if str(e) else ""
-                log.warning("CUDA-graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, first)
-                self.failed = True
-                raise
+                log.warning("CUDA-graph capture of %d rows (groups of %d) failed (%s: %s); those decode steps "
+                            "run eagerly", size, tile, type(e).__name__, first)
+                self.failed.add((size, tile))
+                raise CaptureFailed(first) from e
         graph, logits = bucket.graphs[tile]
         graph.replay()
         return logits[:rows]
@@ -176,7 +187,7 @@ class GraphRunner:
         tile = 1 << (rows_per_group - 1).bit_length()
         sizes = [b for b in BUCKETS if b < self.max_rows] + [self.max_rows]
         warmed = 0
-        for size in sizes:
+        for size in reversed(sizes):  # largest first, as vLLM: the smaller graphs reuse its memory pool
             bucket = self.buckets.get(size)
             made = bucket is not None and (tile in bucket.graphs or not self.capture)
             if size < rows_per_group or not self.ready or made:
@@ -185,7 +196,9 @@ class GraphRunner:
             try:
                 with torch.inference_mode():  # as the runner's steps
                     self.forward(DecodeInputs([0] * size, [0] * size, [self.scratch] * size, [0] * size, groups))
-            except Exception:  # noqa: BLE001 - a capture or kernel that failed (logged): the steps run eagerly
+            except CaptureFailed:  # (logged) that bucket's steps run eagerly; the others may still capture
+                continue
+            except Exception:  # noqa: BLE001 - a kernel that failed (logged): the steps run eagerly
                 if self.ready:
                     raise
                 break

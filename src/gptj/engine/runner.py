@@ -20,7 +20,7 @@ import torch
 
 from gptj.engine.attention import DecodeGroup, PagedBatch, PagedKV, PrefillSegment, make_backend
 from gptj.engine.config import EngineConfig, KVPlan, kv_storage
-from gptj.engine.graphs import DecodeInputs, GraphRunner
+from gptj.engine.graphs import CaptureFailed, DecodeInputs, GraphRunner
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.lora import multi_lora_modules
@@ -97,7 +97,9 @@ class ModelRunner:
         if not prefill and self.graphs is not None and self.graphs.takes(len(step.tokens)):
             try:
                 logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
-            except Exception:  # noqa: BLE001 - a capture that failed (logged): this step eagerly
+            except CaptureFailed:  # (logged once) this bucket's steps run eagerly
+                pass
+            except Exception:  # noqa: BLE001 - a kernel that failed (logged): this step eagerly
                 if self.graphs.ready:
                     raise
             else:
