@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-timeout", type=float, default=240)
     ap.add_argument("--long-step-timeout", type=float, default=300,
                     help="the limit of the long steps (offline, offline-q, quant-report, accuracy)")
+    ap.add_argument("--test-files", help="the tests step's modules, comma-separated (default: every module that marks "
+                                         "tests cuda)")
     ap.add_argument("--test-workers", type=int, default=8,
                     help="tests: pytest-xdist workers where it is installed (Triton compiles on the CPU's cores)")
     ap.add_argument("--json", action="store_true", help="print results.json's object instead of the table")
@@ -266,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" in steps:
         workers = ["-n", str(args.test_workers)] if args.test_workers > 1 and find_spec("xdist") else []
         r = run_step("tests", [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-m", "cuda", "-p",
-                                  "no:cacheprovider", *workers, *cuda_test_files()],
+                                  "no:cacheprovider", *workers,
+                                  *(args.test_files.split(",") if args.test_files else cuda_test_files())],
                      out, args.step_timeout)
         tail = (r["stdout"].strip().splitlines() or [""])[-1]
         res["tests"] = {"ok": r["ok"], "summary": tail, "error": r["error"]}

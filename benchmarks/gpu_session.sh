@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# A lent GPU's session (15 minutes of device time, 10 per command, the machine back after 30 s idle),
-# as prepared commands run back to back on the device tool (`run`, carry .whl; ../shared/GPU.md):
+# A lent GPU's session (15 minutes of device time, machine start included, 10 per command), as one
+# prepared command run on the device tool (`run`, carry .whl; ../shared/GPU.md):
 #
-#   bash benchmarks/gpu_session.sh 1     # ~7 min: the CUDA tests, copy bandwidth, batch-1 decode per
-#                                        # precision, Offline bf16 and fp8 + fp8 KV (512 samples, 256 at
-#                                        # once), a decode step of 256 x 4 beams profiled (profile_steps.py)
-#   bash benchmarks/gpu_session.sh 2     # ~5 min: batch-32 decode, the GEMV plans at 1, 2, 4 and 16 rows
-#                                        # (gemv_sweep.py: whether plan_for's classes split where they should),
-#                                        # Server with fp8 (at 75 % of TensorRT-LLM's queries/s for the GPU,
-#                                        # at most 80 % of Offline's)
-#   bash benchmarks/gpu_session.sh 3     # if time is left: SingleStream, `gptj submission --device cuda`,
+#   bash benchmarks/gpu_session.sh       # <= 8 min with its installs (GC_LIMIT=450 s for the steps):
+#       the CUDA tests of the modules whose kernels changed since the last GPU run (b4c94e2: attention,
+#       graphs, quantized GEMVs, the step's copies, warm-up), batch-1 decode in bf16 / int8 / fp8,
+#       Offline bf16 and fp8 + fp8 KV (512 samples, 256 at once), a decode step of 256 x 4 beams
+#       profiled (profile_steps.py); the 6B model is made beside the tests
+#   bash benchmarks/gpu_session.sh 2     # a second lease: batch-32 decode, the GEMV plans at 1, 2, 4
+#                                        # and 16 rows (gemv_sweep.py), Server with fp8
+#   bash benchmarks/gpu_session.sh 3     # a third: SingleStream, `gptj submission --device cuda`
 #                                        # (datacenter, open, short runs) checked by MLCommons' checker, carried
 #                                        # as .mlperf-inference (a copy of ../shared/mlperf-inference, ignored),
 #                                        # quant-report and accuracy
 #
+# Its Python packages: what the GPU machine lacks comes as wheels in .whl (../shared/GPU.md); without
+# them it stops at once, saying which are missing, instead of failing steps one by one.
 # Each part runs benchmarks/gpu_check.py's steps or gptj's commands (their logs in $GC_OUT, kept on
 # the machine so the 6B model is made once), keeps each invocation's results.json, and packs the logs
 # into $OUT/gpu-check-PART.tgz (the device tool returns at most 8 files). GC_LIMIT bounds a part's
@@ -21,14 +23,25 @@
 # CPU rehearsal: GC_ARGS="--smoke --samples 8" GC_DEVICE=cpu GC_DTYPE=float32 OUT=/tmp/o bash
 # benchmarks/gpu_session.sh 1; part 3's also GC_SUB_QPS=5, after part 1's rehearsal made the tiny model).
 set -u
-part=${1:?usage: gpu_session.sh 1|2|3}
+part=${1:-1}
 O=${GC_OUT:-/tmp/gpu-check}
-LIMIT=${GC_LIMIT:-480}
+LIMIT=${GC_LIMIT:-450}
 mkdir -p "$O" "${OUT:?OUT: the folder whose files come back}"
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+missing=$(python3 - <<'PY'
+import importlib.util
+need = ["torch", "triton", "tokenizers", "safetensors", "mlperf_loadgen", "nltk", "rouge_score", "fastapi",
+        "uvicorn", "pytest", "xdist", "absl"]
+print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  echo "gpu_session.sh: this machine lacks $missing; bring them as wheels in .whl (../shared/GPU.md)" >&2
+  exit 3
+fi
 export PYTEST_ADDOPTS="--timeout 150"   # one hung test must not take the part (pytest-timeout is there)
 python3 -c "import pytest_timeout" 2>/dev/null || unset PYTEST_ADDOPTS
 end=$(( $(date +%s) + LIMIT ))
@@ -46,9 +59,11 @@ case $part in
     (nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
       > "$O/machine.txt" 2>&1
     gc model --steps model > "$O/model-part.txt" 2>&1 &   # CPU-bound (~1 min): beside the tests
-    gc tests --steps tests --step-timeout 240 --test-workers 12  # ~330 cuda tests now, many kernels to compile
+    # the modules whose kernels or step code changed since b4c94e2, the last GPU run
+    gc tests --steps tests --step-timeout 200 --test-workers 12 --test-files \
+      tests/test_attention_backends.py,tests/test_graphs.py,tests/test_quant_cuda.py,tests/test_step_syncs.py,tests/test_warm_compiles.py
     wait
-    gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --step-timeout 120
+    gc b1 --steps bandwidth,latency-b1,latency-b1-MODE --quant-modes int8,fp8 --step-timeout 120
     # at gptj mlperf's default batch for CUDA (256 samples at once): two waves of samples
     gc offline --steps offline,offline-q --long-step-timeout 200 --samples 512
     # one decode step at that batch, host phases and the device's kernels by kind (bf16; fp8 + fp8 KV)

@@ -108,8 +108,22 @@ def test_policy_sends_w8a8_to_int_mm_on_cpu_and_cuda_only_where_it_takes_the_sha
     fake_cpu(monkeypatch, cpu.AVX512_VNNI)  # (CPUs without VNNI: tests/test_cpu.py)
     assert policy.linear_path("cpu", torch.bfloat16, 1, "w8a8") == policy.INT_MM
     assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4096)) == policy.INT_MM
-    assert policy.linear_path("cuda", torch.bfloat16, 8, "w8a8", (4096, 4096)) == policy.DEQUANTIZE
+    # decode's few rows too: padded up to _int_mm's 17 (int_mm_min_rows), the weight read as int8
+    assert policy.linear_path("cuda", torch.bfloat16, 1, "w8a8", (4096, 4096)) == policy.INT_MM
     assert policy.linear_path("cuda", torch.bfloat16, 64, "w8a8", (4096, 4100)) == policy.DEQUANTIZE
+    assert policy.int_mm_min_rows("cuda") == policy.INT_MM_CUDA_MIN_ROWS == 17 and policy.int_mm_min_rows("cpu") == 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 20])
+def test_int_mm_pads_few_rows_and_keeps_each_rows_exact_sums(rows):
+    """The padded call (CUDA's minimum of 17 rows, here on CPU's _int_mm): each row's int32 sums are
+    its exact sums, as unpadded; the padding rows are dropped."""
+    g = torch.Generator().manual_seed(rows)  # small values: exact on every CPU's _int_mm (no 16-bit saturation)
+    qx = torch.randint(-8, 9, (rows, 64), dtype=torch.int8, generator=g)
+    w = torch.randint(-8, 9, (24, 64), dtype=torch.int8, generator=g)
+    got = qlinear.int_mm(qx, w, min_rows=17)
+    assert got.shape == (rows, 24) and got.dtype == torch.int32
+    assert torch.equal(got.long(), qx.long() @ w.long().t())
 
 
 # --- the model -----------------------------------------------------------------------------------

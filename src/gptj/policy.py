@@ -37,7 +37,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                       gptj.native loaded)                           panels, exact int32 sums (vpmaddwd)
   cpu     w8a8 (int8 x int8)          any, CPU with VNNI               INT_MM       torch._int_mm, int32 sums
                                       any, CPU without                 DEQUANTIZE   float32 products, exact (see below)
-  cuda    w8a8                        > 16, in and out % 8 == 0        INT_MM       torch._int_mm (cuBLASLt)
+  cuda    w8a8                        in and out % 8 == 0              INT_MM       torch._int_mm (cuBLASLt); up to 16
+                                                                                    rows padded to 17 (int_mm_min_rows)
                                       else                             DEQUANTIZE   the same products in float32
   W8A8's integer sums are exact on every path: oneDNN's (and so torch._int_mm's) u8 x s8 kernels sum
   in int32 only on CPUs with AVX-512 VNNI (gptj.cpu.int8_sums_exact); without it they add pairs of
@@ -177,8 +178,16 @@ INT4_AVX2_MAX_ROWS = 512
 # oneDNN's u8 x s8 GEMM (torch.ops.onednn.qlinear_*, activations shifted to uint8 with zero point
 # 128); a model as loaded runs torch._int_mm, which reorders the weight at every call.
 # Figures: docs/PERFORMANCE.md#policy-w8a8-cpu
-# CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8.
+# CUDA's _int_mm (cuBLASLt) wants more than 16 rows and in / out features divisible by 8. A call of
+# fewer rows runs it on its rows padded with zero rows up to INT_MM_CUDA_MIN_ROWS (int_mm_min_rows):
+# exact int32 sums of each row alike, the int8 weight read once, where the float32 sums (DEQUANTIZE)
+# would make the whole weight float32 at every decode step.
 INT_MM_CUDA_MIN_ROWS = 17
+
+
+def int_mm_min_rows(device: torch.device | str) -> int:
+    """The rows torch._int_mm takes at least on `device` (the W8A8 linear pads fewer up to it)."""
+    return INT_MM_CUDA_MIN_ROWS if torch.device(device).type == "cuda" else 1
 
 # The forms of the packed W8A8 GEMM (PackedW8A8Linear), all with int32 sums of the same products:
 SHIFTED = "shifted"  # q + 128 as uint8 (zero point 128), one GEMM: exact with VNNI's int32 dot products
@@ -414,8 +423,8 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "w8a8":
         if kind == "cpu":
             return INT_MM if cpu.int8_sums_exact() else DEQUANTIZE
-        if kind == "cuda" and rows >= INT_MM_CUDA_MIN_ROWS and not (features[0] | features[1]) % 8:
-            return INT_MM
+        if kind == "cuda" and not (features[0] | features[1]) % 8:
+            return INT_MM  # (fewer than INT_MM_CUDA_MIN_ROWS rows: padded up to them)
         return DEQUANTIZE
     if weight == "int4":
         if rows in native_int4_rows(kind, dtype):

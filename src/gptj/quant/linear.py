@@ -34,7 +34,7 @@ from torch import nn
 from gptj import native
 from gptj.errors import GptjError
 from gptj.policy import (AMX, DEQUANTIZE, EXACT_F32_INT8_TERMS, INT_MM, NATIVE, SCALED_MM, TRITON, UPCAST, WEIGHT_ONLY,
-                         linear_path, native_elementwise, triton_available)
+                         int_mm_min_rows, linear_path, native_elementwise, triton_available)
 from gptj.quant.format import _float_meta_model, make_quantization
 from gptj.quant.ops import (
     DEFAULT_GROUP_SIZE,
@@ -190,6 +190,16 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def int_mm(qx: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """torch._int_mm(qx, weight.T): int32 sums (rows, out) of int8 qx (rows, in) and weight (out, in);
+    qx padded with zero rows up to min_rows where it has fewer (policy.int_mm_min_rows: CUDA's takes
+    17 or more), whose sums are dropped. The sums are exact, so each row's are the same padded or not."""
+    rows = qx.shape[0]
+    if rows < min_rows:
+        qx = torch.cat([qx, qx.new_zeros(min_rows - rows, qx.shape[1])])
+    return torch._int_mm(qx, weight.t())[:rows]
+
+
 class W8A8Linear(_Prepared):
     """y = sx * sw * (qx @ qw.T) + bias: int8 activations (per token, quantized at each call from
     x / input_smooth) times int8 weights (per output channel, of W * input_smooth), see gptj.quant.ops.
@@ -239,7 +249,7 @@ class W8A8Linear(_Prepared):
         qx, sx = self.quantize_input(x2)
         path = linear_path(x.device, x.dtype, _rows(x), "w8a8", (self.in_features, self.out_features))
         if path == INT_MM:
-            acc = torch._int_mm(qx, self.weight.t()).float()
+            acc = int_mm(qx, self.weight, int_mm_min_rows(x.device)).float()
         else:  # the same products in float32, exact (where torch._int_mm's sums would not be, or it cannot run)
             acc = int8_sums(qx, self.weight, EXACT_F32_INT8_TERMS)
         y = (acc * self.weight_scale.float() * sx).to(x.dtype)  # the order oneDNN's packed kernel takes
