@@ -28,7 +28,8 @@ another Triton (docs/GPU.md), whose compiler may allocate registers differently.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import io
 import json
 import os
 import re
@@ -260,6 +261,7 @@ PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 def compile_one(launch: Launch, arch: str) -> dict:
     """Compile `launch` for `arch`; ptxas -v's registers and spills (stores + loads, bytes a thread)."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
@@ -269,15 +271,21 @@ def compile_one(launch: Launch, arch: str) -> dict:
     try:
         _, options, signature, constexprs, attrs = specialize(launch, capability)
         row["num_warps"] = options.num_warps
-        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", capability, 32), options=options.__dict__)
+        printed = io.StringIO()
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(printed):
+            knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas's -v report (a cached kernel: none)
+            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", capability, 32), options=options.__dict__)
         row["shared_bytes"] = compiled.metadata.shared
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx = Path(tmp, "k.ptx")
-            ptx.write_text(compiled.asm["ptx"])
-            log = subprocess.run([get_ptxas(capability).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
-                                  str(ptx), "-o", str(Path(tmp, "k.o"))], capture_output=True, text=True, check=True)
-        used, spill = PTXAS_USED.search(log.stderr), PTXAS_SPILL.search(log.stderr)
+        report = printed.getvalue()
+        if not PTXAS_USED.search(report):  # from Triton's cache: assemble its PTX again for the report
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx = Path(tmp, "k.ptx")
+                ptx.write_text(compiled.asm["ptx"])
+                report = subprocess.run([get_ptxas(capability).path, "-v", "--regAllocOptLevel=2",
+                                         f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp, "k.o"))],
+                                        capture_output=True, text=True, check=True).stderr
+        used, spill = PTXAS_USED.search(report), PTXAS_SPILL.search(report)
         row.update(registers=int(used[1]), spill_bytes=int(spill[1]) + int(spill[2]), ok=True)
     except Exception as e:  # noqa: BLE001 - reported as the variant's failure
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
