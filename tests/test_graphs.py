@@ -194,7 +194,7 @@ def test_a_failed_capture_leaves_that_bucket_eager_and_the_others_graphed(model,
     eager (the runner runs them so), the other buckets are still warmed; other errors are raised."""
     from gptj.engine.graphs import CaptureFailed
 
-    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=8)
     graphs = engine.runner.graphs
     forward = graphs.forward
     sizes = []
@@ -207,15 +207,15 @@ def test_a_failed_capture_leaves_that_bucket_eager_and_the_others_graphed(model,
         return forward(step)
 
     monkeypatch.setattr(graphs, "forward", capture_fails_at_8)
-    assert graphs.warm(1) == len([b for b in BUCKETS if b <= 16]) - 1 and graphs.ready
+    assert graphs.warm(1) == len([b for b in BUCKETS if b <= 8]) - 1 and graphs.ready
     assert sizes == sorted(sizes, reverse=True)  # largest first
     monkeypatch.setattr(graphs, "forward", forward)
     with pytest.raises(CaptureFailed):
         forward(DecodeInputs([0] * 7, [0] * 7, [0] * 7, [0] * 7, [att.DecodeGroup([0], 1, [[]], 0)] * 7))
     # the runner runs such a step eagerly: the tokens of an engine without graphs
-    prompts = prompts_of([5, 17, 1, 30, 8, 12, 3])  # 7 rows: the 8 bucket
-    gen = GenerationConfig(max_new_tokens=3)
-    assert engine.generate(prompts, gen) == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)
+    prompts = prompts_of([5, 17, 1, 30, 8])  # 5 rows: the 8 bucket
+    gen = GenerationConfig(max_new_tokens=2)
+    assert engine.generate(prompts, gen) == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=8)
                                                    ).generate(prompts, gen)
     monkeypatch.setattr(graphs, "forward", lambda step: 1 / 0)
     graphs.buckets.clear()
