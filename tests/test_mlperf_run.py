@@ -131,7 +131,9 @@ def test_single_stream_times_its_expected_latency_so_a_short_run_stays_short(tin
     cfg = MLPerfConfig(model=tiny_checkpoint, scenario="SingleStream", mode="performance", min_duration_ms=1000,
                        min_query_count=10, max_query_count=0)
     planned, _ = planned_queries(mlperf_run.test_settings(cfg, 6, expected["value"] / 1000), "SingleStream", 6)
-    assert used["min_query_count"] == planned == used["result_query_count"]
+    # (LoadGen stops at both its count and the minimum duration: where the queries ran faster than the two
+    # timed samples said, as on a loaded machine, it ran a few more to fill the duration: CI saw 126 of 120)
+    assert used["min_query_count"] == planned <= used["result_query_count"]
     summary = (log_dir / "summary.md").read_text()
     assert f"LoadGen raises the queries to {planned:,} from the 10 asked (--min-query-count)" in summary
     assert "expected latency: asked" in summary and "(timed on 2 samples one at a time, after 1 untimed" in summary
