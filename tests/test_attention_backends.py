@@ -45,8 +45,8 @@ def triton_reason(what: str = "the CUDA backend's kernels") -> str | None:
 needs_triton = pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))
 needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (benchmarks/gpu_check.py runs it there)")
 pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
-# MIXED's requests, at most 8 new tokens each: Triton's interpreter runs each kernel program in Python
-SHORT_MIXED = [g.replace(max_new_tokens=min(g.max_new_tokens, 8), min_new_tokens=min(g.min_new_tokens, 4))
+# MIXED's requests, at most 5 new tokens each: Triton's interpreter runs each kernel program in Python
+SHORT_MIXED = [g.replace(max_new_tokens=min(g.max_new_tokens, 5), min_new_tokens=min(g.min_new_tokens, 3))
                for g in MIXED]
 # the unit roundoff of each compute dtype (bfloat16 keeps 8 significant bits, float16 11, float32 24)
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
