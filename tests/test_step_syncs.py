@@ -50,15 +50,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "log-probabilities asked for (logprobs / prompt_logprobs): the host must read them",
     ("engine/update.py", "token_logprobs", "ids.tolist()"): "the top-k log-probabilities asked for",
     ("engine/update.py", "token_logprobs", "values.tolist()"): "the top-k log-probabilities asked for",
-    ("decode.py", "BeamSearch.ranked", "self.fin_valid[b].tolist()"):
-        "a beam request's end (once per request): its hypotheses come to the host",
-    ("decode.py", "BeamSearch.ranked", "self.fin_lens[b].tolist()"): "a beam request's end, as above",
-    ("decode.py", "BeamSearch.ranked", "self.fin_tokens[b].tolist()"): "a beam request's end, as above",
-    ("decode.py", "BeamSearch.ranked", "self.fin_scores[b].tolist()"): "a beam request's end, as above",
-    ("decode.py", "BeamSearch.best", "self.fin_lens[:, 0].tolist()"):
-        "gptj.decode.beam_search's end (not the engine's); BeamSearch is checked as a whole",
-    ("decode.py", "BeamSearch.best", "self.fin_tokens[:, 0].tolist()"): "as above",
-    ("decode.py", "BeamSearch.best", "self.fin_scores[:, 0].tolist()"): "as above",
+    **{("decode.py", "BeamSearch.ranked", f"self.fin_{part}[b].tolist()"):
+       "a beam request's end (once per request): its hypotheses come to the host"
+       for part in ("valid", "lens", "tokens", "scores")},
+    **{("decode.py", "BeamSearch.best", f"self.fin_{part}[:, 0].tolist()"):
+       "gptj.decode.beam_search's end (not the engine's); BeamSearch is checked as a whole"
+       for part in ("lens", "tokens", "scores")},
     ("device.py", "to_device", "host.to(device)"):
         "not CUDA (a CPU tensor's .to(cpu) is itself): no stream to run ahead of",
     ("engine/attention/cuda.py", "copy_blocks", "table.to(device)"):
