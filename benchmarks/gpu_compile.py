@@ -13,7 +13,8 @@ Triton's bundled ptxas, whose `-v` report gives the registers and spilled bytes 
 
 prints one line a variant, or with --json one JSON object a line:
     {"kernel", "variant", "default", "registers", "spill_bytes", "shared_bytes", "num_warps", "ok"}
-(and "error" where it failed); --list records the launches and prints them as one JSON object
+(and "error" where it failed). On an --arch without FP8 units (sm_80) the e4m3 cases (fp8 weights, KV,
+activations) are left out, as gptj refuses fp8 there (policy.FP8_MIN_CAPABILITY); --list records the launches and prints them as one JSON object
 {"cases", "launches": [{"kernel", "variant", "default"}]}, compiling nothing (no compiler needed).
 `default` marks the variants the engine launches by default on
 Hopper: a bfloat16 model, KV blocks of 16 tokens (any KV dtype: the engine's "auto", int8 and fp8),
@@ -75,6 +76,7 @@ class Case:
     variant: str
     default: bool
     launch: Callable[[], None]
+    fp8: bool = False  # e4m3 weights, KV or activations: launched only on GPUs with FP8 units (policy)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def attention_cases() -> Iterator[Case]:
         for kname, kdtype in KV.items():
             kv_dtype = kdtype or cdtype
             quantized = kdtype is not None
+            fp8 = kv_dtype == torch.float8_e4m3fn
             for B in BLOCKS:
                 kc = meta(64, HEADS, B, HEAD_DIM, dtype=kv_dtype)
                 scales = (meta(64, HEADS, B, dtype=torch.float32),) * 2 if quantized else ()
@@ -123,20 +126,21 @@ def attention_cases() -> Iterator[Case]:
                         yield Case(f"decode {variant} tile={R} {tag}",
                                    base_default and (variant, R) in chosen and R <= DEFAULT_MAX_TILE,
                                    _call(ac.paged_decode, q, kc, kc, tables, R, *scales, out_dtype=cdtype,
-                                         variant=variant))
+                                         variant=variant), fp8)
                 if B >= ac.PREFILL_TILE:
                     q = meta(100, HEADS, HEAD_DIM, dtype=cdtype)
                     yield Case(f"prefill {tag}", base_default, _call(ac.paged_prefill, q, kc, kc, ints(40).long(), 37,
-                                                                    *scales))
+                                                                    *scales), fp8)
                 fused = meta(8, FUSED, dtype=cdtype)  # k, v: views of the fused block's output rows
                 k = fused[:, N_EMBD:2 * N_EMBD].view(8, HEADS, HEAD_DIM)
                 v = fused[:, 2 * N_EMBD:3 * N_EMBD].view(8, HEADS, HEAD_DIM)
                 yield Case(f"store {tag}", base_default, _call(ac.store_kv, k, v, kc, kc, ints(8).long(),
-                                                               ints(8).long(), *scales))
+                                                               ints(8).long(), *scales), fp8)
                 stacked = [meta(28, 64, HEADS, B, HEAD_DIM, dtype=kv_dtype)] * 2
                 if quantized:
                     stacked += [meta(28, 64, HEADS, B, dtype=torch.float32)] * 2
-                yield Case(f"copy {tag}", base_default, _call(ac.copy_blocks, stacked, [(1, 2, 5), (3, 4, 7), (5, 6, 1)]))
+                yield Case(f"copy {tag}", base_default, _call(ac.copy_blocks, stacked, [(1, 2, 5), (3, 4, 7), (5, 6, 1)]),
+                           fp8)
 
 
 def quant_cases() -> Iterator[Case]:
@@ -149,7 +153,7 @@ def quant_cases() -> Iterator[Case]:
                 b = meta(N, dtype=cdtype) if bias else None
                 for wname, wdtype in (("int8", torch.int8), ("e4m3", torch.float8_e4m3fn)):
                     yield Case(f"{wname} linear {lname} rows={rows} {cname}", cname == DEFAULT_COMPUTE,
-                               _call(qc.int8_linear, x, meta(N, K, dtype=wdtype), meta(N), b))
+                               _call(qc.int8_linear, x, meta(N, K, dtype=wdtype), meta(N), b), wname == "e4m3")
                 for group in (128,):  # int4: Triton for float16 / float32 activations (bfloat16: tinygemm)
                     yield Case(f"int4 linear {lname} rows={rows} g={group} {cname}", False,
                                _call(qc.int4_linear, x, meta(N, K // 2, dtype=torch.uint8), meta(N, K // group),
@@ -167,7 +171,8 @@ def quant_cases() -> Iterator[Case]:
             for kind in qc.ROW_KINDS:
                 for mul in (None, meta(K, dtype=torch.float32)):
                     yield Case(f"quantize rows {kind} K={K} {'mul ' if mul is not None else ''}{cname}",
-                               cname == DEFAULT_COMPUTE, _call(qc.quantize_rows, meta(32, K, dtype=cdtype), kind, mul))
+                               cname == DEFAULT_COMPUTE, _call(qc.quantize_rows, meta(32, K, dtype=cdtype), kind, mul),
+                               kind == "e4m3")
 
 
 def rotary_cases() -> Iterator[Case]:
@@ -179,8 +184,12 @@ def rotary_cases() -> Iterator[Case]:
                    _call(te.rotary_qk_, y, HEADS, HEAD_DIM, meta(8, ROTARY_DIM), meta(8, ROTARY_DIM)))
 
 
-def all_cases() -> list[Case]:
-    return [*attention_cases(), *quant_cases(), *rotary_cases()]
+def all_cases(arch: str = HOPPER) -> list[Case]:
+    """Every case the engine can launch on `arch` (e4m3 ones only where policy allows FP8)."""
+    from gptj.policy import FP8_MIN_CAPABILITY
+
+    fp8_ok = ARCHES[arch] >= 10 * FP8_MIN_CAPABILITY[0] + FP8_MIN_CAPABILITY[1]
+    return [c for c in (*attention_cases(), *quant_cases(), *rotary_cases()) if fp8_ok or not c.fp8]
 
 
 def _call(fn: Callable, *args, **kwargs) -> Callable[[], None]:
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="record the launches and list them; compile nothing")
     args = parser.parse_args(argv)
     if args.list:  # no compiler needed: the launchers run on meta tensors, Triton's launch recorded
-        cases = [c for c in all_cases() if c.default or not args.default_only]
+        cases = [c for c in all_cases(args.arch) if c.default or not args.default_only]
         print(json.dumps({"cases": len(cases), "launches": [
             {"kernel": launch.fn.__name__, "variant": " | ".join(c.variant for c in cs),
              "default": any(c.default for c in cs)} for launch, cs in launches_of(cases)]}))
@@ -354,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"gpu_compile: {why}", file=sys.stderr)
         return 2
-    cases = [c for c in all_cases() if c.default or not args.default_only]
+    cases = [c for c in all_cases(args.arch) if c.default or not args.default_only]
     work = [(launch, cs) for launch, cs in launches_of(cases)
             if not args.kernel or launch.fn.__name__ in args.kernel]
     _WORK[:] = work
