@@ -19,6 +19,7 @@ none): what `gptj serve --lora NAME=DIR` runs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -146,12 +147,25 @@ class _Part:
     rows: slice
 
 
+def rows_by_adapter(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(adapter, its rows) for each adapter some row uses, in adapter order; ids: each row's adapter,
+    -1 for none. Made on the host, so that a forward finds its rows without reading the device."""
+    by: dict[int, list[int]] = {}
+    for row, i in enumerate(ids):
+        if i >= 0:
+            by.setdefault(i, []).append(row)
+    return sorted(by.items())
+
+
 class MultiLoRALinear(nn.Module):
-    """A frozen base linear and several adapters; each row of a call uses one adapter or none, as
-    `rows` (set by the caller before each forward: a (rows,) int tensor, -1 for none) says, and an
-    adapter's contribution is computed for its own rows only. The base may be a fused linear (the
-    serving kernels' q|k|v|fc_in, or out_proj and fc_out side by side): an adapter then holds one
-    part per linear it adapts there, each on its own input columns and output rows."""
+    """A frozen base linear and several adapters; each row of a call uses one adapter or none, and an
+    adapter's contribution is computed for its own rows only. The caller sets, before each forward,
+    `selection`: (adapter, its rows' indices as a device int64 tensor) pairs (rows_by_adapter's, made
+    on the host: the engine moves them with the step's other indices, so no layer waits for the
+    device to find its rows), and `n_rows`, the forward's rows (`select` does both from a list of
+    ids). The base may be a fused linear (the serving kernels' q|k|v|fc_in, or out_proj and fc_out side
+    by side): an adapter then holds one part per linear it adapts there, each on its own input
+    columns and output rows."""
 
     def __init__(self, base: nn.Module, n_adapters: int) -> None:
         super().__init__()
@@ -159,20 +173,25 @@ class MultiLoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.parts: list[list[_Part]] = [[] for _ in range(n_adapters)]
         self.scales: list[float] = [1.0] * n_adapters
-        self.rows: torch.Tensor | None = None
+        self.selection: list[tuple[int, torch.Tensor]] | None = None
+        self.n_rows = 0
+
+    def select(self, ids: Sequence[int]) -> None:
+        """The next forwards' rows: ids, each row's adapter (-1 for none)."""
+        device = next(itertools.chain(self.base.parameters(), self.base.buffers())).device
+        self.selection = [(i, torch.tensor(rows, device=device)) for i, rows in rows_by_adapter(ids)]
+        self.n_rows = len(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        rows = self.rows
-        if rows is None:
+        if self.selection is None:
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
-        if rows.numel() != x2.shape[0]:
-            raise GptjError(f"LoRA rows: {rows.numel()} adapter ids for {x2.shape[0]} rows")
-        for i in torch.unique(rows[rows >= 0]).tolist():
+        if self.n_rows != x2.shape[0]:
+            raise GptjError(f"LoRA rows: {self.n_rows} adapter ids for {x2.shape[0]} rows")
+        for i, sel in self.selection:
             if not self.parts[i]:
                 continue
-            sel = (rows == i).nonzero().squeeze(1)
             xs = x2.index_select(0, sel)
             for part in self.parts[i]:
                 d = (xs[:, part.cols].to(part.a.dtype) @ part.a.T) @ part.b.T

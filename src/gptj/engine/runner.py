@@ -23,7 +23,7 @@ from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.graphs import CaptureFailed, DecodeInputs, GraphRunner
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
-from gptj.lora import multi_lora_modules
+from gptj.lora import multi_lora_modules, rows_by_adapter
 from gptj.model import GPTJForCausalLM
 from gptj.policy import attention_path
 
@@ -116,16 +116,17 @@ class ModelRunner:
             keep += range(len(tokens) + end - start - n_keep, len(tokens) + end - start)
             positions += range(start, end)
             tokens += context(req)[start:end]
-        rows = [tokens, positions, keep]
-        if self.lora:  # each row's adapter: the decode rows', then each chunk's
-            rows.append([r.adapter for r in decode for _ in range(r.n_seqs)]
-                        + [c.request.adapter for c in prefill for _ in range(c.end - c.start)])
+        # each adapter's rows (the decode rows', then each chunk's), grouped on the host
+        lora = rows_by_adapter([r.adapter for r in decode for _ in range(r.n_seqs)]
+                               + [c.request.adapter for c in prefill for _ in range(c.end - c.start)]) \
+            if self.lora else []
         # The step's index tensors and these rows, in one pinned, non_blocking copy: the host goes on
         # to the forward's launches while the GPU finishes what is queued (AttentionBackend.build)
-        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments, rows=rows)
-        ids, pos, keep_rows, *adapters = meta.rows
+        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments,
+                                    rows=[tokens, positions, keep, *(rows for _, rows in lora)])
+        ids, pos, keep_rows, *adapter_rows = meta.rows
         for m in self.lora:
-            m.rows = adapters[0]
+            m.selection, m.n_rows = [(i, sel) for (i, _), sel in zip(lora, adapter_rows)], len(tokens)
         cache = PagedBatch(self.kv, self.attention, meta)
         logits = self.model(ids[None], position_ids=pos[None], cache=cache, logits_to_keep=keep_rows)[0]  # (kept, V)
         self._hand_out(decode, prefill, kept, logits, out)
