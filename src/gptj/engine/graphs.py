@@ -27,7 +27,7 @@ import torch
 
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
-from gptj.engine.attention.base import host_tensor, table_lists
+from gptj.engine.attention.base import host_tensor, row_tile, table_lists
 from gptj.model import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class CaptureFailed(RuntimeError):
 
 def tile_of(groups) -> int:  # noqa: ANN001 - DecodeGroups
     """The decode kernels' tile of a step: its largest group's rows, rounded up to a power of two."""
-    return 1 << (max([g.rows for g in groups], default=1) - 1).bit_length()
+    return row_tile(max([g.rows for g in groups], default=1))
 
 
 class GraphRunner:
@@ -184,7 +184,7 @@ class GraphRunner:
         size then replays instead of paying a capture (two forwards and the capture) among timed
         steps. The steps are padding only (they write and read the scratch block). -> buckets warmed
         (captured on CUDA; run eagerly from the same buffers elsewhere)."""
-        tile = 1 << (rows_per_group - 1).bit_length()
+        tile = row_tile(rows_per_group)
         sizes = [b for b in BUCKETS if b < self.max_rows] + [self.max_rows]
         warmed = 0
         for size in reversed(sizes):  # largest first, as vLLM: the smaller graphs reuse its memory pool

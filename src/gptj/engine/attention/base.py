@@ -106,6 +106,12 @@ class StepMetadata:
         return len(self.write_blocks)
 
 
+def row_tile(rows: int) -> int:
+    """The tile of rows a decode kernel computes a group of `rows` rows in: the power of two at or above
+    (a step's tile is its largest group's; the kernels' tiles and the graphs' buckets follow it)."""
+    return 1 << (max(1, rows) - 1).bit_length()
+
+
 ALIGN_BYTES = 16  # where each part of a step's flat index tensor starts (see _aligned)
 
 

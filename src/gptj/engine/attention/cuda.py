@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from gptj.engine.attention.base import StepMetadata, host_tensor
+from gptj.engine.attention.base import StepMetadata, host_tensor, row_tile
 from gptj.engine.attention.kv_cache import PagedKV
 from gptj.engine.attention.reference import ReferenceAttention
 
@@ -411,7 +411,7 @@ def decode_launches(variant: str, max_rows: int, block_size: int) -> list[tuple[
     rows or more (beams sharing their prompt's blocks) "dot" at the step's tile."""
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"paged_decode: variant {variant!r}, not one of {', '.join(DECODE_VARIANTS)}")
-    tile = 1 << (max(1, max_rows) - 1).bit_length()
+    tile = row_tile(max_rows)
     dot = "dot" if block_size >= PREFILL_TILE else "sum"
     if variant == "sum":
         return [("sum", tile, 1, ANY_ROWS)]
