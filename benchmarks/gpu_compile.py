@@ -54,6 +54,7 @@ HOPPER = "sm_90a"
 
 # GPT-J 6B's shapes (what a compile depends on: dtypes, head size, block sizes, divisibility)
 HEADS, HEAD_DIM, ROTARY_DIM = 16, 256, 64
+CONTEXT = 2048  # n_positions: a decode launch of groups this long runs its most splits (and the merge)
 N_EMBD, N_INNER, VOCAB = 4096, 16384, 50400
 FUSED = 3 * N_EMBD + N_INNER  # the fused block's q|k|v|fc_in outputs
 LINEARS = {"qkv|fc_in": (FUSED, N_EMBD, True), "out_proj": (N_EMBD, N_EMBD, False),
@@ -126,7 +127,7 @@ def attention_cases() -> Iterator[Case]:
                         yield Case(f"decode {variant} tile={R} {tag}",
                                    base_default and (variant, R) in chosen and R <= DEFAULT_MAX_TILE,
                                    _call(ac.paged_decode, q, kc, kc, tables, R, *scales, out_dtype=cdtype,
-                                         variant=variant), fp8)
+                                         variant=variant, max_shared=CONTEXT), fp8)  # split: the merge too
                 if B >= ac.PREFILL_TILE:
                     q = meta(100, HEADS, HEAD_DIM, dtype=cdtype)
                     yield Case(f"prefill {tag}", base_default, _call(ac.paged_prefill, q, kc, kc, ints(40).long(), 37,

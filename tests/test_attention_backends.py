@@ -278,6 +278,42 @@ def test_auto_computes_a_single_sequence_alike_beside_beam_groups(storage):
 
 
 @needs_triton
+@pytest.mark.parametrize("storage, variant", [("float", "sum"), ("int8", "dot")])
+def test_split_kv_decode_is_within_the_bound_and_alike_in_launches_of_any_splits(storage, variant):
+    """Split-KV decode (paged_decode's spans: a group's shared tokens a span a program, merged after),
+    with spans of one block so that the test's groups have 3, 1, 2 and 1 spans: every row within the
+    decode test's bound of exact (the merge is the online softmax's rescale, a span at a time, in
+    float32: inside its (4 L + 16) 2^-24 term); each group alone in a launch of its own splits equals
+    it in a launch of more splits beside the others, bit for bit (a row's spans follow its own length,
+    not the step's); and a launch of fewer splits than a group's spans (its last split reads the rest)
+    is within the bound too. float16 (the interpreter has no bfloat16 arithmetic)."""
+    from gptj.engine.attention import cuda
+
+    B, H, D = 16, 2, 64
+    kv = make_pool(H, D, B, 20, storage, torch.float16, seed=31)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(32)).tolist()
+    groups = groups_of(B, perm)
+    q = torch.randn(7, H, D, generator=torch.Generator().manual_seed(33)).to(torch.float16).to(DEVICE)
+    impl = att.make_backend(policy.AttentionPath("cuda", False))
+    scales = kv.scales(0)
+
+    def decode(gs, qs, max_shared):
+        t = impl.build(kv, gs, [0] * len(qs), [0] * len(qs)).tables
+        return cuda.paged_decode(qs, kv.k[0], kv.v[0], t.astuple(), 4, *scales, out_dtype=torch.float16,
+                                 variant=variant, max_shared=max_shared, span=B)
+
+    assert [cuda.decode_splits(g.shared_len, B) for g in groups] == [3, 1, 2, 1]
+    together = decode(groups, q, 6 * B)  # 6 splits: 3 more than any group's
+    assert_within_the_bound(kv, groups, q, together.double(), UNIT[torch.float16])
+    row = 0
+    for g in groups:
+        alone = decode([g], q[row:row + g.rows], g.shared_len)
+        assert torch.equal(alone, together[row:row + g.rows])
+        row += g.rows
+    assert_within_the_bound(kv, groups, q, decode(groups, q, 2 * B).double(), UNIT[torch.float16])
+
+
+@needs_triton
 @pytest.mark.parametrize("storage", ["float32", "float16", "int8", "fp8"])
 def test_the_cuda_backends_copy_on_write_moves_each_copys_tokens_and_nothing_else(storage):
     """CudaAttention.copy (the Triton kernel): block dst gets the first n tokens of block src in every

@@ -7,7 +7,8 @@ GPU's time but more of the host's: replaying them as one CUDA graph takes the ho
 A graph replays fixed addresses and shapes, so a decode-only step's inputs go into persistent
 buffers, one set per bucket (BUCKETS up to the engine's max_seqs): token ids, positions, write
 slots, and the attention backend's DecodeTables (shared tables up to rows x blocks_per_seq blocks,
-own tables (rows, blocks_per_seq)). The step's rows are padded up to the bucket: each padding row is
+own tables (rows, blocks_per_seq); the decode kernels' splits cover blocks_per_seq blocks, whatever the
+step's lengths). The step's rows are padded up to the bucket: each padding row is
 a group of its own that writes its key and value into the scratch block (the KV pool's last block,
 which no sequence holds) and reads that one token back. A graph is captured for each (bucket,
 rows-per-group tile) at its first use — the kernel's tile of a group's rows is a compile-time size —
@@ -58,8 +59,8 @@ class _Bucket:
     asynchronous: the step's one device-to-host read, in the sampler, comes after them) and copied over
     in two transfers. Only the parts a step uses are written, not the rows x M own-table padding."""
 
-    def __init__(self, rows: int, M: int, device: torch.device) -> None:
-        self.rows, self.M = rows, M
+    def __init__(self, rows: int, M: int, block_size: int, device: torch.device) -> None:
+        self.rows, self.M, self.block_size = rows, M, block_size
         # int64: ids, positions, write blocks, write offsets; int32: row0, stab, soff, slen, otab, olen
         self.long_sizes = [rows] * 4
         self.int_sizes = [rows + 1, rows * M, rows, rows, rows * M, rows]
@@ -113,7 +114,9 @@ class _Bucket:
         return tile_of(groups)
 
     def metadata(self, tile: int) -> StepMetadata:
-        return StepMetadata(self.wb, self.wo, [], [], [], [], DecodeTables(*self.tables, max_rows=tile))
+        # (a sequence's most tokens, M blocks: the splits are the bucket's, whatever the step's lengths)
+        return StepMetadata(self.wb, self.wo, [], [], [], [],
+                            DecodeTables(*self.tables, max_rows=tile, max_shared=self.M * self.block_size))
 
 
 class CaptureFailed(RuntimeError):
@@ -158,7 +161,7 @@ class GraphRunner:
             raise CaptureFailed(f"no graph for {size} rows")
         bucket = self.buckets.get(size)
         if bucket is None:
-            bucket = self.buckets[size] = _Bucket(size, self.M, self.kv.device)
+            bucket = self.buckets[size] = _Bucket(size, self.M, self.kv.block_size, self.kv.device)
         tile = bucket.fill(step, self.scratch)
         if not self.capture:
             logits = self._run(bucket, tile)

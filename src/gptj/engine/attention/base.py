@@ -72,6 +72,7 @@ class DecodeTables:
     otab: torch.Tensor  # (N, omax)
     olen: torch.Tensor  # (G,)
     max_rows: int  # the most rows of one group (a host int: kernels size their tiles by it)
+    max_shared: int = 0  # the most shared tokens of one group (a host int: the CUDA kernel's splits)
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return self.row0, self.stab, self.soff, self.slen, self.otab, self.olen
@@ -204,7 +205,8 @@ def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequenc
     decode_tables = None
     if table_parts:
         r, s, so, sl, ot, ol = _views(flat[n:].to(torch.int32), table_parts, int_starts)
-        decode_tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups))
+        decode_tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups),
+                                     max(g.shared_len for g in groups))
     return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots, decode_tables, rows=list(views))
 
 

@@ -30,7 +30,16 @@ probabilities: a difference of ~2^-9), and a beam group's rows as the tile promi
 MLPerf's shape "dot" takes well under half of "sum"'s time a step (figures:
 docs/PERFORMANCE.md#gpu); "dot" at tile 1 is not timed.
 
-num_warps follows the tile (decode_warps): a group's own blocks are read as an (R, B, D) float32
+Split-KV (flash-decoding's): a group's shared tokens are read in spans of SPLIT_SPAN (256) tokens, a
+program (group, head, span) each, the spans' running softmaxes merged in order by a second kernel
+(_merge_splits_kernel; a group of one span stores its output at once, and no merge runs where no group
+has two). Without it a batch-1 step had 16 programs a layer (one per head) on a GPU of 132 SMs, however
+long the context; at 2k tokens it has 128. A group's spans follow its own shared length, never the
+step's, so a row is the same bit for bit in a launch of any splits (tests/test_attention_backends.py);
+the launch's splits cover the step's longest group (graphs: a sequence's most tokens, fixed per
+bucket). Not yet timed on a GPU (the partials: under 1 % of the span's KV bytes).
+
+num_warps follows the tile (decode_tiles): a group's own blocks are read as an (R, B, D) float32
 tile, whose registers grow with R; benchmarks/gpu_compile.py compiles every variant for sm_90a on a
 CPU and reports the registers and spills the choice gives.
 
@@ -95,21 +104,80 @@ if triton is not None:
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
         return m, den, acc
 
-    @triton.jit(do_not_specialize=["omax", "lo", "hi"])
+    @triton.jit
+    def _span(slen, s, S, SPAN: tl.constexpr):
+        """Split s's part of a group's slen shared tokens: (first token, end, the group's spans, s is its
+        last). A group's spans are SPAN tokens each (at least one: a group without shared tokens has
+        one, empty), at most S (the launch's splits: the last takes the rest); a split past them
+        reads nothing."""
+        spans = tl.minimum(tl.maximum(tl.cdiv(slen, SPAN), 1), S)
+        first = s * SPAN
+        end = tl.where(s == spans - 1, slen, tl.minimum(slen, first + SPAN))
+        return first, tl.where(s < spans, end, first), spans, s == spans - 1
+
+    @triton.jit
+    def _finish_rows(m, den, acc, rows, rmask, d, dmask, h, s, spans, out_ptr, s_on, s_oh,
+                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D):
+        """A split's running softmax (m, den, acc) of its rows: a group of one span stores its
+        output; of more, each split its partial (acc, and m, den), which _merge_splits_kernel
+        combines, and split 0 the rows' span count."""
+        whole = tl.where(spans == 1, rmask, False)  # (tl.where: the interpreter's rmask & scalar is not a mask)
+        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
+        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=whole[:, None] & dmask[None, :])
+        if S > 1:  # (the launch's splits: with one, no partials, no count)
+            part = tl.where(spans == 1, False, rmask)
+            at = (rows.to(tl.int64) * H + h) * S + s  # (R,) partial (row, head, split)
+            tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc, mask=part[:, None] & dmask[None, :])
+            tl.store(pml_ptr + at * 2, m, mask=part)
+            tl.store(pml_ptr + at * 2 + 1, den, mask=part)
+            tl.store(pspan_ptr + rows.to(tl.int64) * H + h, spans, mask=tl.where(s == 0, rmask, False))
+
+    @triton.jit(do_not_specialize=["S"])
+    def _merge_splits_kernel(pacc_ptr, pml_ptr, pspan_ptr, out_ptr, H, S, D, s_on, s_oh, BLOCK_D: tl.constexpr):
+        """Program (row n, head h): a row of more than one span, its splits' partials merged in
+        order 0, 1, ... (the online softmax's rescale, a span at a time) and stored; rows of one
+        span stored their output already."""
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        spans = tl.load(pspan_ptr + n * H + h)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        m = tl.full([1], float("-inf"), tl.float32)
+        den = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(0, tl.where(spans > 1, spans, 0)):
+            at = (n * H + h) * S + s
+            ms = tl.load(pml_ptr + at * 2 + tl.arange(0, 1))  # every span has a key: finite
+            ds = tl.load(pml_ptr + at * 2 + 1 + tl.arange(0, 1))
+            m_new = tl.maximum(m, ms)
+            alpha = tl.exp(m - m_new)  # 0 at the first span (m = -inf)
+            beta = tl.exp(ms - m_new)
+            den = den * alpha + ds * beta
+            acc = acc * alpha + tl.load(pacc_ptr + at * D + d, mask=dmask, other=0.0) * beta
+            m = m_new
+        out = acc / tl.maximum(den, 1.0)
+        tl.store(out_ptr + n * s_on + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=tl.where(spans > 1, dmask, False))
+
+    @triton.jit(do_not_specialize=["omax", "lo", "hi", "S"])
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
                              row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                             omax, lo, hi, scale, D,
+                             pacc_ptr, pml_ptr, pspan_ptr,
+                             omax, lo, hi, S, scale, H, D,
                              s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                             B: tl.constexpr, KEYS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                             QUANTIZED: tl.constexpr):
-        """Program (group g, head h), for groups of lo to hi rows (others: another launch's); keys
-        and values KEYS tokens a step (decode_tiles)."""
+                             B: tl.constexpr, KEYS: tl.constexpr, SPAN: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr):
+        """Program (group g, head h, split s), for groups of lo to hi rows (others: another launch's):
+        the group's shared tokens of span s (_span), and if s is the group's last span, each row's
+        own blocks; keys and values KEYS tokens a step (decode_tiles)."""
         g = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         first = tl.load(row0_ptr + g)
         end = tl.load(row0_ptr + g + 1)
-        take = (end - first >= lo) & (end - first <= hi)  # (not an early return: ptxas then spilled)
-        end = tl.where(take, end, first)  # another launch's group: no rows, no keys
+        t0, t1, spans, last = _span(tl.load(slen_ptr + g), split, S, SPAN)
+        take = (end - first >= lo) & (end - first <= hi) & (split < spans)  # (not an early return: ptxas spilled)
+        end = tl.where(take, end, first)  # another launch's group, or a split past its spans: no rows, no keys
         rows = first + tl.arange(0, BLOCK_R)
         rmask = rows < end
         d = tl.arange(0, BLOCK_D)
@@ -121,13 +189,13 @@ if triton is not None:
         den = tl.zeros([BLOCK_R], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)  # running sum of exp(score - m) * value
 
-        # the group's shared blocks: one (KEYS, D) tile of keys and values for all of its rows
-        slen = tl.where(take, tl.load(slen_ptr + g), 0)
+        # the span's shared tokens: one (KEYS, D) tile of keys and values for all of the group's rows
+        t1 = tl.where(take, t1, t0)
         soff = tl.load(soff_ptr + g)
-        for j in range(0, tl.cdiv(slen, KEYS)):
+        for j in range(t0 // KEYS, tl.cdiv(t1, KEYS)):
             block = tl.load(stab_ptr + soff + j * KEYS // B).to(tl.int64)
             row = j * KEYS % B + t  # the tokens' rows in their block
-            tmask = j * KEYS + t < slen
+            tmask = j * KEYS + t < t1
             at = block * s_kb + h * s_kh + row[:, None] * s_kt + d[None, :]
             kvmask = tmask[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (KEYS, D)
@@ -139,36 +207,39 @@ if triton is not None:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (R, KEYS)
             m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v[None, :, :], m, den, acc)
 
-        # each row's own blocks (beams: what they wrote since the prompt): an (R, KEYS, D) tile
-        olen = tl.where(take, tl.load(olen_ptr + g), 0)
+        # each row's own blocks (beams: what they wrote since the prompt), in the group's last span: an
+        # (R, KEYS, D) tile
+        olen = tl.where(take & last, tl.load(olen_ptr + g), 0)
         m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
                                   omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
-
-        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
-        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])
+        _finish_rows(m, den, acc, rows, rmask, d, dmask, h, split, spans, out_ptr, s_on, s_oh,
+                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D)
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["omax", "lo", "hi"])
+    @triton.jit(do_not_specialize=["omax", "lo", "hi", "S"])
     def _paged_decode_dot_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
                                  row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                                 omax, lo, hi, scale, D,
+                                 pacc_ptr, pml_ptr, pspan_ptr,
+                                 omax, lo, hi, S, scale, H, D,
                                  s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                                 B: tl.constexpr, KEYS: tl.constexpr, BLOCK_R: tl.constexpr, DOT_R: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
+                                 B: tl.constexpr, KEYS: tl.constexpr, SPAN: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 DOT_R: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
+                                 IEEE: tl.constexpr):
         """_paged_decode_kernel's "dot" variant: the group's shared blocks by tl.dot (tensor cores) on a
         tile of DOT_R = max(16, BLOCK_R) rows, with the prefill kernel's conventions (float32: IEEE;
         16-bit: q and keys in their dtype, the probabilities rounded to the values' dtype, float32
         sums; quantized blocks dequantized to the compute dtype); the running softmax then moves to
         the BLOCK_R rows (an exact selection) and each row's own blocks are read as the "sum" kernel
-        reads them. Groups of lo to hi rows (others: another launch's)."""
+        reads them. Groups of lo to hi rows (others: another launch's); split s as the "sum" kernel's."""
         g = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         first = tl.load(row0_ptr + g)
         end = tl.load(row0_ptr + g + 1)
-        take = (end - first >= lo) & (end - first <= hi)  # (not an early return: ptxas then spilled)
-        end = tl.where(take, end, first)  # another launch's group: no rows, no keys
+        t0, t1, spans, last = _span(tl.load(slen_ptr + g), split, S, SPAN)
+        take = (end - first >= lo) & (end - first <= hi) & (split < spans)  # (not an early return: ptxas spilled)
+        end = tl.where(take, end, first)  # another launch's group, or a split past its spans: no rows, no keys
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         t = tl.arange(0, B)
@@ -179,12 +250,12 @@ if triton is not None:
         den16 = tl.zeros([DOT_R], tl.float32)
         acc16 = tl.zeros([DOT_R, BLOCK_D], tl.float32)
 
-        # the group's shared blocks: scores (DOT_R, B) = q . k^T and values p . v, both by tl.dot
-        slen = tl.where(take, tl.load(slen_ptr + g), 0)
+        # the span's shared blocks: scores (DOT_R, B) = q . k^T and values p . v, both by tl.dot
+        t1 = tl.where(take, t1, t0)
         soff = tl.load(soff_ptr + g)
-        for j in range(0, tl.cdiv(slen, B)):
+        for j in range(t0 // B, tl.cdiv(t1, B)):
             block = tl.load(stab_ptr + soff + j).to(tl.int64)
-            tmask = j * B + t < slen
+            tmask = j * B + t < t1
             at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
             kvmask = tmask[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + at, mask=kvmask, other=0.0)  # (B, D)
@@ -224,13 +295,11 @@ if triton is not None:
         rmask = rows < end
         q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
-        olen = tl.where(take, tl.load(olen_ptr + g), 0)
+        olen = tl.where(take & last, tl.load(olen_ptr + g), 0)
         m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
                                   omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
-
-        out = acc / tl.maximum(den, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])
+        _finish_rows(m, den, acc, rows, rmask, d, dmask, h, split, spans, out_ptr, s_on, s_oh,
+                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D)
 
 
 if triton is not None:
@@ -471,10 +540,24 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     return out
 
 
+# A group's shared tokens are read in spans of SPLIT_SPAN tokens, each span by a program of its own (the
+# launch's third axis), merged after (split-KV, flash-decoding's): at batch 1 a layer's 16 programs (one
+# per head) would leave most of a GPU's 132 SMs idle, at 2k tokens 8 spans give 128. The partials move
+# (D + 2) floats per row, head and span, under 1 % of the span's keys and values (256 tokens of 2 x D).
+# The rule depends on a group's own length only (never the step's), so a row's arithmetic does not
+# depend on its neighbours; a multiple of every block size (16, 32, 64) and of KEYS.
+SPLIT_SPAN = 256
+
+
+def decode_splits(max_shared: int, span: int = SPLIT_SPAN) -> int:
+    """The splits a decode launch runs for groups of up to max_shared shared tokens (at least one)."""
+    return max(1, -(-max_shared // span))
+
+
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tuple[torch.Tensor, ...],
                  max_rows: int, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 variant: str = "sum") -> torch.Tensor:
+                 variant: str = "sum", max_shared: int = 0, span: int = SPLIT_SPAN) -> torch.Tensor:
     """Decode attention of a whole batch over paged blocks (the Triton kernel) -> (N, H, D) of
     out_dtype: float32 sums rounded once to it (in the kernel, as a cast after it would round them).
     variant: "sum" (float32 on CUDA cores throughout), "dot" (the shared blocks by tl.dot, as the
@@ -485,29 +568,46 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
     int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
     step's DecodeTables (row0, stab, soff, slen, otab, olen) on q's device; max_rows: the most rows
-    of one group. Block ids and lengths are the caller's to keep in range."""
+    of one group; max_shared: the most shared tokens of one group (DecodeTables.max_shared), which
+    sets the launch's splits (decode_splits): a group's spans of `span` tokens (SPLIT_SPAN; a multiple
+    of the block size) each run as a program of their own, merged by a second kernel. A row's result
+    depends on its group's length and the span only: the same bits in a launch of any splits that
+    cover its group (a smaller max_shared than the groups' is still right: the last split takes the
+    rest). Block ids and lengths are the caller's to keep in range."""
     if triton is None:
         raise RuntimeError("the CUDA attention backend needs Triton (pip install triton)")
     N, H, D = q.shape
     B = kc.shape[2]
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous():
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
+    if span < 1 or span % B:
+        raise ValueError(f"paged_decode: a span of {span} tokens is not a multiple of the block size {B}")
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
+    S = decode_splits(max_shared, span)
+    # the splits' partials: (acc) and (m, den) per (row, head, split), and each row's spans; with one
+    # split none (a float32 and an int32 element: the kernel's pointer types alike in every launch)
+    shape = (N, H, S) if S > 1 else (1, 1, 1)
+    pacc = torch.empty((*shape, D if S > 1 else 1), dtype=torch.float32, device=q.device)
+    pml = torch.empty((*shape, 2), dtype=torch.float32, device=q.device)
+    pspan = torch.empty(shape[:2], dtype=torch.int32, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)  # (unread when not quantized)
-    args = (q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen, otab.shape[1])
-    strides = (1.0 / math.sqrt(D), D, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+    args = (q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen, pacc, pml, pspan, otab.shape[1])
+    strides = (1.0 / math.sqrt(D), H, D, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1))
     for kernel, tile, lo, hi in decode_launches(variant, max_rows, B):
         keys, warps = decode_tiles(tile, B, D)
-        sizes = dict(B=B, KEYS=keys, BLOCK_R=tile, BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized,
-                     num_warps=warps)
+        sizes = dict(B=B, KEYS=keys, SPAN=span, BLOCK_R=tile, BLOCK_D=triton.next_power_of_2(D),
+                     QUANTIZED=quantized, num_warps=warps)
         if kernel == "dot":
-            _paged_decode_dot_kernel[(len(soff), H)](*args, lo, hi, *strides, DOT_R=max(PREFILL_TILE, tile),
-                                                     IEEE=q.dtype == torch.float32, **sizes)
+            _paged_decode_dot_kernel[(len(soff), H, S)](*args, lo, hi, S, *strides, DOT_R=max(PREFILL_TILE, tile),
+                                                        IEEE=q.dtype == torch.float32, **sizes)
         else:
-            _paged_decode_kernel[(len(soff), H)](*args, lo, hi, *strides, **sizes)
+            _paged_decode_kernel[(len(soff), H, S)](*args, lo, hi, S, *strides, **sizes)
+    if S > 1:
+        _merge_splits_kernel[(N, H)](pacc, pml, pspan, out, H, S, D, out.stride(0), out.stride(1),
+                                     BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -530,7 +630,7 @@ class CudaAttention(ReferenceAttention):
             tables = meta.tables
             try:
                 return paged_decode(q, kv.k[layer], kv.v[layer], tables.astuple(), tables.max_rows, *kv.scales(layer),
-                                    out_dtype=kv.compute, variant=self.decode_variant)
+                                    out_dtype=kv.compute, variant=self.decode_variant, max_shared=tables.max_shared)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: the reference's forms
                 self._kernel_failed("decode", e)
         return super().decode(kv, layer, q, meta)
