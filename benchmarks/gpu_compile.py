@@ -18,8 +18,9 @@ activations) are left out, as gptj refuses fp8 there (policy.FP8_MIN_CAPABILITY)
 {"cases", "launches": [{"kernel", "variant", "default"}]}, compiling nothing (no compiler needed).
 `default` marks the variants the engine launches by default on
 Hopper: a bfloat16 model, KV blocks of 16 tokens (any KV dtype: the engine's "auto", int8 and fp8),
-decode groups of 1 to 8 rows (beam search up to 8 beams), the quantized GEMVs' plans for bfloat16
-activations. Exit status 1 if any variant failed to compile or a default variant spilled.
+decode groups of 1 to 8 rows (beam search up to 8 beams), the quantized GEMVs' and GEMMs' plans for
+bfloat16 activations (int8 at any rows, int4 past 16: policy.linear_path). Exit status 1 if any
+variant failed to compile or a default variant spilled.
 
 Triton's interpreter (TRITON_INTERPRET=1) is unset for this run: it compiles, it does not interpret.
 The figures are those of this machine's Triton and its ptxas (printed first); a GPU machine may run
@@ -144,8 +145,11 @@ def attention_cases() -> Iterator[Case]:
                            fp8)
 
 
-def quant_cases() -> Iterator[Case]:
+def quant_cases(arch: str = HOPPER) -> Iterator[Case]:
+    from gptj.policy import TRITON_GEMM_DTYPES
     from gptj.quant import cuda as qc
+
+    capability = divmod(ARCHES[arch], 10)  # (the GEMM plans differ before Hopper: qc.plan_for)
 
     for cname, cdtype in COMPUTE.items():
         for rows in (1, 2, 16):
@@ -159,6 +163,20 @@ def quant_cases() -> Iterator[Case]:
                     yield Case(f"int4 linear {lname} rows={rows} g={group} {cname}", False,
                                _call(qc.int4_linear, x, meta(N, K // 2, dtype=torch.uint8), meta(N, K // group),
                                      meta(N, K // group), group, b))
+        # past 16 rows, the GEMM plans (qc.MANY_ROWS): int8 and int4 for 16-bit activations (policy.triton_takes;
+        # bfloat16 int4 past tinygemm's 16 rows), e4m3 only where called directly (fp8 there runs torch._scaled_mm)
+        for rows in (64, 2048) if cdtype in TRITON_GEMM_DTYPES else ():
+            for lname, (N, K, bias) in LINEARS.items():
+                x = meta(rows, K, dtype=cdtype)
+                b = meta(N, dtype=cdtype) if bias else None
+                for wname, wdtype in (("int8", torch.int8), ("e4m3", torch.float8_e4m3fn)):
+                    yield Case(f"{wname} linear {lname} rows={rows} gemm {cname}",
+                               cname == DEFAULT_COMPUTE and wname == "int8",
+                               _call(qc.int8_linear, x, meta(N, K, dtype=wdtype), meta(N), b,
+                                     tiles=qc.plan_for(wname, rows, capability)), wname == "e4m3")
+                yield Case(f"int4 linear {lname} rows={rows} g=128 gemm {cname}", cname == DEFAULT_COMPUTE,
+                           _call(qc.int4_linear, x, meta(N, K // 2, dtype=torch.uint8), meta(N, K // 128),
+                                 meta(N, K // 128), 128, b, tiles=qc.plan_for("int4", rows, capability)))
         # the kinds no plan_for plan runs (benchmarks/gemv_sweep.py times them): int8 "swapped", int4 "mma"
         N, K, _ = LINEARS["out_proj"]
         x = meta(16, K, dtype=cdtype)
@@ -190,7 +208,7 @@ def all_cases(arch: str = HOPPER) -> list[Case]:
     from gptj.policy import FP8_MIN_CAPABILITY
 
     fp8_ok = ARCHES[arch] >= 10 * FP8_MIN_CAPABILITY[0] + FP8_MIN_CAPABILITY[1]
-    return [c for c in (*attention_cases(), *quant_cases(), *rotary_cases()) if fp8_ok or not c.fp8]
+    return [c for c in (*attention_cases(), *quant_cases(arch), *rotary_cases()) if fp8_ok or not c.fp8]
 
 
 def _call(fn: Callable, *args, **kwargs) -> Callable[[], None]:

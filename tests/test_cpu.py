@@ -161,7 +161,10 @@ def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkey
         assert policy.linear_path("cpu", torch.bfloat16, most + 1, "int4") == past
     monkeypatch.setattr(cpu, "flags", lambda: AMX)
     assert policy.int4_kernel_max_rows("cpu", torch.float32) == many
+    monkeypatch.setattr(policy, "triton_available", lambda: False)
     assert policy.int4_kernel_max_rows("cuda", torch.bfloat16) == many
+    monkeypatch.setattr(policy, "triton_available", lambda: True)  # (past it: Triton's int4 GEMM)
+    assert policy.int4_kernel_max_rows("cuda", torch.bfloat16) == policy.TRITON_MAX_ROWS
     monkeypatch.setattr(policy, "native_available", lambda: False)
     assert policy.int4_kernel_max_rows("cpu", torch.bfloat16) == many
 

@@ -139,7 +139,7 @@ def test_the_cuda_paths_are_chosen_where_fp8_units_are(monkeypatch):
     assert path("cuda", torch.bfloat16, policy.TRITON_MAX_ROWS + 1, "fp8", (4096, 4096)) == policy.SCALED_MM
     assert path("cuda", torch.bfloat16, 512, "fp8", (4096, 4100)) == policy.DEQUANTIZE  # cuBLASLt: % 16
     assert path("cuda", torch.float16, 1, "int8") == policy.TRITON
-    assert path("cuda", torch.float16, 17, "int8") == policy.DEQUANTIZE
+    assert path("cuda", torch.float16, 17, "int8") == policy.TRITON  # the GEMM plans (test_quant's table)
     assert path("cuda", torch.bfloat16, 1, "int4") == policy.WEIGHT_ONLY  # torch's tinygemm
     assert path("cuda", torch.float16, 1, "int4") == policy.TRITON
     assert path("cpu", torch.bfloat16, 1, "fp8") == policy.DEQUANTIZE

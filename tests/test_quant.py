@@ -81,6 +81,34 @@ def test_linear_matches_dequantized_reference(mode, dtype, bias, path, kernel_pa
     assert rel_err(y, ref) < tol
 
 
+def test_cuda_int8_and_int4_calls_run_triton_at_every_row_count(monkeypatch):
+    """On CUDA with Triton, int8 and int4 calls of 16-bit activations never dequantize the whole weight:
+    gptj.quant.cuda's GEMV plans up to TRITON_MAX_ROWS, its GEMM plans past; bfloat16 int4 keeps
+    torch's tinygemm up to 16 rows only. float32 activations dequantize past 16 rows, fp8 runs
+    torch._scaled_mm there. Without Triton: the dequantized matmul (bfloat16 int4: tinygemm up to
+    KERNEL_MAX_ROWS["int4"] first)."""
+    path = policy.linear_path
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    monkeypatch.setattr(policy, "triton_available", lambda: True)
+    monkeypatch.setattr(policy, "fp8_supported", lambda device: True)
+    for rows in (1, 16, 17, 512, 4096):
+        for dtype in (bf16, f16):
+            assert path("cuda", dtype, rows, "int8", (4096, 4096)) == policy.TRITON, (dtype, rows)
+        assert path("cuda", f16, rows, "int4") == policy.TRITON, rows
+    assert path("cuda", bf16, 1, "int4") == path("cuda", bf16, 16, "int4") == policy.WEIGHT_ONLY
+    assert path("cuda", bf16, 17, "int4") == path("cuda", bf16, 4096, "int4") == policy.TRITON
+    for mode in ("int8", "int4"):
+        assert path("cuda", f32, 16, mode) == policy.TRITON
+        assert path("cuda", f32, 17, mode) == policy.DEQUANTIZE
+    assert path("cuda", bf16, 17, "fp8", (4096, 4096)) == policy.SCALED_MM
+    monkeypatch.setattr(policy, "triton_available", lambda: False)
+    for rows in (1, 17, 512, 4096):
+        assert path("cuda", bf16, rows, "int8") == path("cuda", f16, rows, "int4") == policy.DEQUANTIZE
+    most = policy.KERNEL_MAX_ROWS["int4"]
+    assert path("cuda", bf16, 17, "int4") == path("cuda", bf16, most, "int4") == policy.WEIGHT_ONLY
+    assert path("cuda", bf16, most + 1, "int4") == policy.DEQUANTIZE
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("bf16_arithmetic", [True, False])
 def test_many_bf16_rows_dequantize_in_float32_where_the_cpu_lacks_bf16(mode, bf16_arithmetic, monkeypatch,

@@ -258,12 +258,23 @@ BIAS_PLANS = pytest.mark.parametrize("with_bias,tiles", [(False, PLANS[0]), *((T
                                      ids=["no-bias", *(f"bias-{i}" for i in PLAN_IDS)])
 
 
-@pytest.mark.parametrize("bad", [dict(kind="dot"), dict(rows=3), dict(rows=32), dict(kind="fma", rows=8),
-                                 dict(block_n=48), dict(int8_block_k=0), dict(rows=True), dict(convert="bit"),
-                                 dict(kind="fma", convert="bits", rows=1)], ids=str)
+@pytest.mark.parametrize("bad", [dict(kind="dot"), dict(rows=3), dict(rows=256), dict(kind="swapped", rows=32),
+                                 dict(kind="fma", rows=8), dict(block_n=48), dict(int8_block_k=0), dict(rows=True),
+                                 dict(convert="bit"), dict(kind="fma", convert="bits", rows=1)], ids=str)
 def test_bad_plans(bad):
     with pytest.raises(ValueError):
         cuda.Tiles(**bad)
+
+
+def test_row_tiles_per_kind():
+    """The kind mma takes row tiles up to MMA_MAX_ROWS (the GEMM plans'), swapped up to MAX_ROWS, fma
+    up to FMA_MAX_ROWS; the refusal names the kind's limit."""
+    assert cuda.Tiles(rows=cuda.MMA_MAX_ROWS).rows == 128
+    assert cuda.Tiles(kind="swapped", rows=cuda.MAX_ROWS).rows == 16
+    with pytest.raises(ValueError, match="at most 128 for the kind mma"):
+        cuda.Tiles(rows=256)
+    with pytest.raises(ValueError, match="at most 16 for the kind swapped"):
+        cuda.Tiles(kind="swapped", rows=32)
 
 
 # (M, N, K): N = 72 and 200 not multiples of the kernels' 32 outputs per program; K = 300 not a multiple
@@ -380,12 +391,89 @@ def test_calls_without_a_plan_run_plan_fors_by_rows():
 
 
 def test_more_rows_than_one_tile():
-    """M past MAX_ROWS: a second tile of rows, each computed as in the first."""
+    """The few-rows plans on M past their 16-row tile: a second tile of rows, each computed as in the first."""
     x, w, bias = inputs(20, 40, 128, torch.float32, True)
     q, scale, exact = int8_weight(w)
-    check(cuda.int8_linear(x, q, scale, bias), x, exact, exact.abs(), bias)
+    check(cuda.int8_linear(x, q, scale, bias, tiles=cuda.FEW_ROWS["int8"]), x, exact, exact.abs(), bias)
     packed, scale, zero, exact, terms = int4_weight(w, 32)
-    check(cuda.int4_linear(x, packed, scale, zero, 32, bias), x, exact, terms, bias)
+    check(cuda.int4_linear(x, packed, scale, zero, 32, bias, tiles=cuda.FEW_ROWS["int4"]), x, exact, terms, bias)
+
+
+# --- the GEMM plans (MANY_ROWS: calls past MAX_ROWS rows) ----------------------------------------
+
+
+def test_the_gemm_plans_are_chosen_past_max_rows_and_never_split_k():
+    """plan_for gives MANY_ROWS' plans from MAX_ROWS + 1 rows on: the kind mma in row tiles past
+    MAX_ROWS, split 1 (partials (split, M, N) would grow with prefill's rows; split must not depend on
+    M), and their pipeline stages within Hopper's shared memory twice over (two programs an SM)."""
+    for weight in ("int8", "e4m3", "int4"):
+        plan = cuda.MANY_ROWS[weight]
+        assert cuda.plan_for(weight, cuda.MAX_ROWS + 1) == cuda.plan_for(weight, 4096) == plan
+        assert cuda.plan_for(weight, cuda.MAX_ROWS) == cuda.FEW_ROWS[weight] != plan
+        before = cuda.plan_for(weight, 4096, (8, 0))  # Ampere, Ada: int4 in a smaller tile (no wgmma)
+        assert cuda.plan_for(weight, cuda.MAX_ROWS + 1, (8, 9)) == before == cuda.MANY_ROWS_BEFORE_HOPPER[weight]
+        assert (before == plan) == (weight != "int4")
+        for plan in (plan, before):
+            assert plan.kind == "mma" and plan.split == 1
+            if weight == "int4":  # a K step is one group (the default 128), x in bfloat16
+                step = plan.block_n * 128 // 2 + plan.rows * 128 * 2
+            else:
+                step = plan.block_n * plan.int8_block_k + plan.rows * plan.int8_block_k * 2
+            assert (plan.num_stages or cuda._stages(step)) * step <= 228 * 1024 // 2, weight
+    assert cuda.MANY_ROWS["int8"].rows == cuda.MMA_MAX_ROWS
+
+
+# 136 rows: two of the int8 / e4m3 plan's 128-row tiles (the second of 8 rows), three of int4's 64;
+# N = 72: int4's 64 outputs a program twice, the second partial; K = 128: int8's 64-input step twice,
+# int4's groups of 32 four times
+GEMM_M, GEMM_N, GEMM_K = 136, 72, 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "e4m3", "int4", "int4-before-hopper"])
+def test_the_gemm_plans_within_the_bound(kind, dtype):
+    """A call of 136 rows (no plan given: MANY_ROWS'; int4's plan before Hopper named) against the
+    float64 product of x and the exact dequantized weight, within error_bound (float32 sums of exact
+    products, scale and bias, one rounding to x's dtype)."""
+    x, w, bias = inputs(GEMM_M, GEMM_N, GEMM_K, dtype, True, seed=5)
+    if kind.startswith("int4"):
+        packed, scale, zero, exact, terms = int4_weight(w, 32)
+        tiles = cuda.MANY_ROWS_BEFORE_HOPPER["int4"] if kind != "int4" else None
+        y = cuda.int4_linear(x, packed, scale, zero, 32, bias, tiles=tiles)
+    else:
+        if kind == "e4m3" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("Triton converts e4m3 on compute capability 8.9 and up (FP8 units)")
+        q, scale = quantize_int8(w) if kind == "int8" else quantize_fp8(w)
+        exact = q.double() * scale.double()[:, None]
+        terms = exact.abs()
+        y = cuda.int8_linear(x, q, scale, bias)
+    check(y, x, exact, terms, bias)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_gemm_plans_batch_invariance(kind):
+    """Within the class past MAX_ROWS a row's result is the same bit for bit whatever else is in the
+    call: rows 0-16 in calls of 17, 40 and 136 rows, and rows 23-39 (at other places in their tile)
+    in a call of their own 17; each equal to the call under MANY_ROWS' plan named. (Under the
+    interpreter, whose tl.dot is numpy's matmul, this checks the rows' indexing: these float16 sums
+    come out alike in any order there; the order is the GPU's to keep, and plan_for's, tested above,
+    that one plan serves the class.)"""
+    x, w, bias = inputs(GEMM_M, GEMM_N, GEMM_K, torch.float16, True, seed=6)
+    if kind == "int8":
+        q, scale, _ = int8_weight(w)
+
+        def run(rows, tiles=None):
+            return cuda.int8_linear(rows, q, scale, bias, tiles=tiles)
+    else:
+        packed, scale, zero, _, _ = int4_weight(w, 32)
+
+        def run(rows, tiles=None):
+            return cuda.int4_linear(rows, packed, scale, zero, 32, bias, tiles=tiles)
+    y40 = run(x[:40])
+    assert torch.equal(y40, run(x[:40], cuda.MANY_ROWS[kind]))
+    assert torch.equal(run(x[:17]), y40[:17])
+    assert torch.equal(run(x)[:40], y40)
+    assert torch.equal(run(x[23:40]), y40[23:40])
 
 
 def test_rows_of_a_wider_tensor():

@@ -47,9 +47,17 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
   cuda    int8                        <= TRITON_MAX_ROWS (16)          TRITON       gptj.quant.cuda's GEMV: the int8
                                                                                     weight read once, scaled in the kernel
+                                      more, 16-bit activations         TRITON       its GEMM plans: each weight tile
+                                                                                    converted in registers, never the
+                                                                                    whole weight (`triton_takes`)
+                                      more, float32 activations        DEQUANTIZE
+  cuda    int4, bfloat16 activations  <= int4_kernel_max_rows (16)     WEIGHT_ONLY  torch._weight_int4pack_mm (tinygemm)
+                                      more                             TRITON       gptj.quant.cuda's int4 GEMM plan
+  cuda    int4, float16 activations   any                              TRITON       gptj.quant.cuda's int4 GEMV / GEMM
+  cuda    int4, float32 activations   <= TRITON_MAX_ROWS               TRITON       its int4 GEMV
                                       more                             DEQUANTIZE
-  cuda    int4, bfloat16 activations  <= KERNEL_MAX_ROWS["int4"]       WEIGHT_ONLY  torch._weight_int4pack_mm
-  cuda    int4, other activations     <= TRITON_MAX_ROWS               TRITON       gptj.quant.cuda's int4 GEMV
+  The CUDA thresholds past 16 rows are reasoned (gptj.quant.cuda's MANY_ROWS), compiled for sm_90a
+  without spills, not yet timed on a GPU.
   cuda    fp8, FP8 matrix units       <= TRITON_MAX_ROWS               TRITON       the int8 GEMV on e4m3 weights
           (`fp8_supported`)           more, in and out % 16 == 0       SCALED_MM    torch._scaled_mm: e4m3 activations
                                                                                     per token x e4m3 weights
@@ -57,7 +65,8 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                                                                                     `check_fp8_device`; the math runs
                                                                                     for checks, e.g. quant-report on CPU)
   cuda    float                       any                              TORCH
-  TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs.
+  TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs (int4 with
+  bfloat16 activations: tinygemm up to KERNEL_MAX_ROWS["int4"] (512) rows first).
   NATIVE needs gptj.native's GEMV built and loaded here (`native_gemv_available`: the library of the
   CPU's best ISA, AVX-512-BF16 or AVX2 + FMA); where it is not, the next row down runs. A module may
   still fall back further when its weight could not be packed for the kernel (Int4Linear without a
@@ -109,15 +118,22 @@ WEIGHT_ONLY = "weight-only"  # torch's int8 / int4 weight-only kernels
 DEQUANTIZE = "dequantize"  # the weight dequantized to the activations' dtype, then F.linear
 INT_MM = "int-mm"  # int8 activations x int8 weights, exact int32 sums (torch._int_mm)
 UPCAST = "upcast"  # a bfloat16 weight made float32 a chunk at a time, F.linear in float32, rounded back
-TRITON = "triton"  # gptj.quant.cuda's weight-only GEMV (CUDA, few rows)
+TRITON = "triton"  # gptj.quant.cuda's weight-only GEMVs and GEMMs (CUDA)
 SCALED_MM = "scaled-mm"  # e4m3 activations x e4m3 weights, float32 sums (torch._scaled_mm)
 
 WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8", "fp8")
 
 # gptj.quant.cuda's Triton GEMVs read the quantized weight once per call and stream every row
 # through it: memory bound at decode's few rows, where torch has no int8 / fp8 weight-only kernel
-# on CUDA (dequantizing first reads the weight three times over). Past 16 rows the GEMMs win.
+# on CUDA (dequantizing first reads the weight three times over). Past TRITON_MAX_ROWS its GEMM plans
+# (gptj.quant.cuda.MANY_ROWS) take int8 and int4 weights with 16-bit activations at any rows: each
+# weight tile is converted in registers, where dequantizing writes and reads the whole weight in
+# bfloat16 at every call (3x the int8 bytes at batch 32). fp8 past TRITON_MAX_ROWS runs
+# torch._scaled_mm (FP8 tensor cores). float32 activations past it dequantize: their IEEE products
+# run on CUDA cores in either path, and the GEMM tile spills there (cuBLAS's float32 GEMM on the
+# dequantized weight is the better kernel). Reasoned and compiled for sm_90a, not timed on a GPU.
 TRITON_MAX_ROWS = 16
+TRITON_GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # FP8 matrix units (torch._scaled_mm with e4m3): compute capability 8.9 (Ada) and 9.0 (Hopper) on.
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -275,9 +291,13 @@ def native_int8_max_rows() -> int:
 
 
 def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
-    """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul): for
-    bfloat16 on a CPU with gptj.native (its unpacking), INT4_AMX_KERNEL_MAX_ROWS with AMX and
-    INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16; else KERNEL_MAX_ROWS["int4"]."""
+    """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul, or on
+    CUDA Triton's GEMM): on CUDA with Triton, TRITON_MAX_ROWS (tinygemm is a GEMV-shaped kernel, made for
+    decode's few rows as gpt-fast runs it; reasoned, not timed); for bfloat16 on a CPU with gptj.native
+    (its unpacking), INT4_AMX_KERNEL_MAX_ROWS with AMX and INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16;
+    else KERNEL_MAX_ROWS["int4"]."""
+    if torch.device(device).type == "cuda" and triton_available():
+        return TRITON_MAX_ROWS
     if native_elementwise(device, dtype) and cpu_amx():
         return INT4_AMX_KERNEL_MAX_ROWS
     if native_elementwise(device, dtype) and cpu_bf16():
@@ -414,7 +434,7 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
         return SCALED_MM if not (features[0] | features[1]) % 16 else DEQUANTIZE
     if weight == "int8":
         if kind != "cpu":
-            return TRITON if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available() else DEQUANTIZE
+            return TRITON if kind == "cuda" and triton_takes(dtype, rows) else DEQUANTIZE
         if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and amx_fits(features[0]):
             return AMX
         if rows <= native_int8_max_rows() and native_gemv_available():
@@ -429,14 +449,21 @@ def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weigh
     if weight == "int4":
         if rows in native_int4_rows(kind, dtype):
             return NATIVE
+        if kind == "cuda":
+            if dtype == torch.bfloat16 and rows <= int4_kernel_max_rows(kind, dtype):
+                return WEIGHT_ONLY  # tinygemm
+            return TRITON if triton_takes(dtype, rows) else DEQUANTIZE
         if rows > int4_kernel_max_rows(kind, dtype):
             return _dequantize(kind, dtype)
-        if kind == "cpu" or (kind == "cuda" and dtype == torch.bfloat16):
-            return WEIGHT_ONLY
-        if kind == "cuda" and rows <= TRITON_MAX_ROWS and triton_available():
-            return TRITON
-        return DEQUANTIZE
+        return WEIGHT_ONLY if kind == "cpu" else DEQUANTIZE
     raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+
+
+def triton_takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether gptj.quant.cuda's weight-only kernels take a CUDA call of `rows` rows of `dtype`
+    activations (int8, int4): Triton installed, and up to TRITON_MAX_ROWS rows (the GEMV plans) or, for
+    TRITON_GEMM_DTYPES, any rows (the GEMM plans)."""
+    return (rows <= TRITON_MAX_ROWS or dtype in TRITON_GEMM_DTYPES) and triton_available()
 
 
 def _dequantize(kind: str, dtype: torch.dtype) -> str:

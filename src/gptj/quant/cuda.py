@@ -1,6 +1,8 @@
-"""Triton kernels for weight-only quantized linear layers at decode's row counts (1 to MAX_ROWS), for
-CUDA: the quantized weight is read once per call and dequantized inside the kernel, so a call moves
-int8 / int4 bytes instead of bfloat16 ones (the work is memory bound).
+"""Triton kernels for weight-only quantized linear layers on CUDA: decode's row counts (1 to MAX_ROWS),
+where the quantized weight is read once per call and dequantized inside the kernel, so a call moves
+int8 / int4 bytes instead of bfloat16 ones (the work is memory bound), and bigger calls (batched decode,
+prefill: the GEMM plans MANY_ROWS), which dequantize each weight tile in registers as well, never the
+whole weight.
 
   int8_linear(x2, q, scale, bias)   q int8 (N, K), or e4m3 (torch.float8_e4m3fn, GPUs with FP8
                                     units) in the same layout; scale bfloat16 (N,), per output channel:
@@ -21,7 +23,9 @@ float32. A launch plan (Tiles) picks one of three kernel designs, its kind:
   "mma" (TILES, the default): x as tl.dot's A operand in tiles of 16 rows (one tile for decode's
       calls: the weight is read once for all rows), the weight tile converted to x's dtype and
       transposed (tl.trans) to tl.dot's B operand. With float casts it moves half bfloat16's bytes in
-      about bfloat16's time (figures: docs/PERFORMANCE.md#gpu-quant-gemv).
+      about bfloat16's time (figures: docs/PERFORMANCE.md#gpu-quant-gemv). Its row tiles (on the
+      grid's second axis) may be larger, up to MMA_MAX_ROWS: the GEMM plans (MANY_ROWS) of calls past
+      MAX_ROWS rows.
   "swapped": the weight tile (BLOCK_N, BLOCK_K) as tl.dot's A operand, as it lies in memory (K
       contiguous, no transpose), x^T (BLOCK_K, rows) as B: out^T tiles (BLOCK_N, rows), stored
       transposed. rows (Tiles.rows) may be 8 (mma.sync's n) or fewer: less padding than 16.
@@ -47,7 +51,8 @@ are masked or read row M - 1 and are not stored), and the plan (kind, block size
 K split) depends on N, K and the device only, so for a fixed plan a row's result is the same bit for
 bit in a call of any number of rows. Different plans sum in different orders: their results may
 differ in the last bits. The calls choose their plan by rows (plan_for: one for a call of 1 row, one
-for 2 to MAX_ROWS, as timed on an H200), so a row is the same bit for bit within each class.
+for 2 to MAX_ROWS, as timed on an H200, one for more than MAX_ROWS, the GEMM plans MANY_ROWS, reasoned
+and compiled but not yet timed on a GPU), so a row is the same bit for bit within each class.
 
 Tested under Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors, float32 and float16: the
 interpreter has no bfloat16 arithmetic) and on a GPU (tests/test_quant_cuda.py with -m cuda,
@@ -69,7 +74,7 @@ try:
 except ImportError:  # the caller (gptj.policy) sends calls here only where Triton is installed
     triton = None
 
-MAX_ROWS = 16  # the most rows these kernels are meant for (one tile of rows); the caller decides
+MAX_ROWS = 16  # the GEMV plans' most rows (one tile of 16); past it the GEMM plans (MANY_ROWS)
 
 # Block sizes of the default plan (TILES below, the kind "mma"): starting points from the arithmetic,
 # which benchmarks/gemv_sweep.py times against others (docs/PERFORMANCE.md#gpu-quant-gemv):
@@ -96,10 +101,12 @@ STAGE_BYTES = 64 * 1024
 PROGRAMS_PER_SM = 2
 MAX_SPLIT = 8
 DEFAULT_SMS = 132  # an H100's SMs: the plan where there is no GPU (the interpreter), as it would run there
+HOPPER = (9, 0)  # the compute capability plans assume where there is no GPU, as DEFAULT_SMS
 
 
 KINDS = ("mma", "swapped", "fma")
 FMA_MAX_ROWS = 4  # the kind "fma" keeps one accumulator per row of its program: 1, 2 or 4
+MMA_MAX_ROWS = 128  # the kind "mma"'s largest row tile (the GEMM plans'); "swapped" up to MAX_ROWS
 CONVERTS = ("cast", "bits")  # Tiles.convert: how the kinds "mma" and "swapped" make bfloat16 weights
 
 # Tiles.convert "bits": the weight to bfloat16 by integer operations (bfloat16 x only), the recipes'
@@ -145,10 +152,10 @@ class Tiles:
     kind: the kernel design (the module's docstring): "mma" (x as tl.dot's A operand, the weight
       transposed as its B), "swapped" (the weight as A in its own K-contiguous layout, x transposed
       as B) or "fma" (no tl.dot: float32 multiply-adds, the K reduction once after the loop).
-    rows: rows of x per program (a power of two, 1 to MAX_ROWS; the kind fma 1, 2 or 4); a call of
-      M rows runs cdiv(M, rows) programs per block of outputs, each reading its weight tile (so
-      M > rows reads the weight again, from L2 where the programs run together: the new kinds put
-      the row tiles on the grid's fastest axis).
+    rows: rows of x per program (a power of two: the kind mma 1 to MMA_MAX_ROWS, swapped 1 to
+      MAX_ROWS, fma 1, 2 or 4); a call of M rows runs cdiv(M, rows) programs per block of outputs,
+      each reading its weight tile (so M > rows reads the weight again, from L2 where the programs
+      run together: the kinds swapped and fma put the row tiles on the grid's fastest axis).
     block_n: output channels per program. int8_block_k: the int8 / e4m3 K step; the int4 K step of
       the kinds "swapped" and "fma" is int8_block_k // group_size groups (at least one), of "mma" one
       group. num_warps as Triton's. split / num_stages None: from the plan (_plan, _stages).
@@ -182,9 +189,10 @@ class Tiles:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two, got {v!r}")
-        if self.rows > (FMA_MAX_ROWS if self.kind == "fma" else MAX_ROWS):
-            raise ValueError(f"Tiles.rows must be at most {MAX_ROWS} ({FMA_MAX_ROWS} for the kind fma), "
-                             f"got {self.rows}")
+        most = {"mma": MMA_MAX_ROWS, "swapped": MAX_ROWS, "fma": FMA_MAX_ROWS}[self.kind]
+        if self.rows > most:
+            raise ValueError(f"Tiles.rows must be at most {most} for the kind {self.kind} (mma {MMA_MAX_ROWS}, "
+                             f"swapped {MAX_ROWS}, fma {FMA_MAX_ROWS}), got {self.rows}")
 
 
 TILES = Tiles()  # the first default: reasoned, not timed (the kind "mma", float casts)
@@ -193,8 +201,9 @@ TILES = Tiles()  # the first default: reasoned, not timed (the kind "mma", float
 # H200 (figures: docs/PERFORMANCE.md#gpu-quant-gemv): one row, the kind "fma"; 2 to MAX_ROWS rows, "mma"
 # with "bits" for int8 and e4m3, "swapped" for int4 (bfloat16 x's int4 runs torch's tinygemm: policy).
 # The kind "fma" of one row reads the weight once per row, so it is slow for more rows.
-# Batch invariance therefore holds within each class of calls (1 row; 2 to MAX_ROWS rows): a row's
-# result is the same bit for bit in any call of its class; between classes the sums' order differs.
+# Batch invariance therefore holds within each class of calls (1 row; 2 to MAX_ROWS rows; more: MANY_ROWS
+# below): a row's result is the same bit for bit in any call of its class; between classes the sums'
+# order differs.
 ONE_ROW = {"int8": Tiles(kind="fma", rows=1, block_n=32, int8_block_k=256),
            "e4m3": Tiles(kind="fma", rows=1, block_n=16, int8_block_k=512),
            "int4": Tiles(kind="fma", rows=1, block_n=32, int8_block_k=256)}
@@ -203,8 +212,51 @@ FEW_ROWS = {"int8": Tiles(block_n=64, int8_block_k=128, convert="bits"),
             "int4": Tiles(kind="swapped", rows=16, block_n=128, int8_block_k=128)}
 
 
-def plan_for(weight: str, rows: int) -> Tiles:
-    """The launch plan of a call of `rows` rows on a weight of kind "int8", "e4m3" or "int4"."""
+# Past MAX_ROWS (batched decode, prefill chunks up to 2,048 rows): GEMM plans of the kind "mma", reasoned
+# and compiled for sm_90a (docs/GPU.md), not yet timed on a GPU. Each program converts its weight tile
+# in registers (never the whole weight) and runs it against `rows` rows of x on the tensor cores (wgmma
+# on Hopper, by warpgroups of 4 warps, as the compiled PTX shows).
+#   rows: the MMA work a weight tile's conversion is spread over. A weight's conversion takes some 2 to 4
+#     integer or float operations (1/32 to 1/16 of a clock of an SM's 64 integer lanes), its MMA against
+#     128 rows 256 FLOPs (1/16 of a clock at Hopper's 4,096 bfloat16 FLOPs a clock per SM): at 128 rows
+#     the conversion takes at most the MMA's time (and overlaps it), at 64 rows it could bound prefill's
+#     GEMM. Calls of 17 to 127 rows pad to 128 on the tensor cores: they are memory bound (an int8
+#     weight is 1 byte for 2 M FLOPs; Hopper's bfloat16 ridge, ~300 FLOPs a byte, lies near M = 150),
+#     and padding rows are masked loads, no DRAM traffic.
+#   block_n 128, K step 64 (int8 / e4m3): a 128 x 128 float32 accumulator over 8 warps (64 registers a
+#     thread); a stage holds 8 KiB of weight and 16 KiB of x, 3 stages 72 KiB of shared memory (80 KiB
+#     as compiled: two programs an SM fit Hopper's 228 KiB). N = 4,096 gives 32 programs per 128
+#     rows, a quarter of an H100's SMs: the calls of a few dozen rows on out_proj and fc_out are the
+#     plan's weak spot (a smaller block_n or a class of its own is what a GPU should time first).
+#   int4: the K step is one group (128 inputs), and the kernel keeps a group's product (qx) beside the
+#     accumulator to scale it, so its tiles take more registers: at 8 warps 128 x 128 spilled 1.9 KB,
+#     64 x 128 64 B, 128 x 64 used all 255 registers (0 B; at 4 warps 904 B), under Triton 3.9; so
+#     64 rows x 64 outputs, 8 warps (132 registers, 0 B spilled; a group's x 16 KiB and weight 4 KiB:
+#     _stages' 3 stages, 40 KiB of shared memory as compiled). More programs as well: 64 per 64 rows at
+#     N = 4,096. int4 halves int8's bytes, so its calls stay memory bound to about twice the rows.
+#   split 1: no split-K. Its float32 partials (split, M, N) would be 235 MB a slice at 2,048 rows of
+#     the fused 28,672 outputs, and split may depend on N and K only (batch invariance), not on M.
+#   float32 x: its IEEE products run on CUDA cores and the 128 x 128 tile spills ~41 KB; the policy
+#     sends float32 calls past MAX_ROWS to the dequantized matmul (policy.triton_takes).
+#   Before Hopper (no wgmma: tl.dot is mma.sync, whose B operand lies in registers) the int4 tile of
+#     64 rows used 251-255 registers on sm_80 / sm_89 and spilled 16-144 B under some block sizes, so
+#     there int4 takes 32 rows x 64 outputs at 4 warps (133-166 registers, 0 B in bfloat16; 12 B in
+#     float16 on sm_89): MANY_ROWS_BEFORE_HOPPER. The int8 / e4m3 plan compiles there unchanged
+#     (150-156 registers in bfloat16, 0 B).
+MANY_ROWS = {"int8": Tiles(rows=128, block_n=128, int8_block_k=64, num_warps=8, split=1, num_stages=3,
+                           convert="bits"),
+             "e4m3": Tiles(rows=128, block_n=128, int8_block_k=64, num_warps=8, split=1, num_stages=3,
+                           convert="bits"),
+             "int4": Tiles(rows=64, block_n=64, num_warps=8, split=1, convert="bits")}
+MANY_ROWS_BEFORE_HOPPER = {**MANY_ROWS, "int4": Tiles(rows=32, block_n=64, num_warps=4, split=1, convert="bits")}
+
+
+def plan_for(weight: str, rows: int, capability: tuple[int, int] = HOPPER) -> Tiles:
+    """The launch plan of a call of `rows` rows on a weight of kind "int8", "e4m3" or "int4" on a GPU of
+    `capability`: ONE_ROW's for 1 row, FEW_ROWS' for 2 to MAX_ROWS, MANY_ROWS' (the GEMM plans) for more
+    (MANY_ROWS_BEFORE_HOPPER's below compute capability 9.0)."""
+    if rows > MAX_ROWS:
+        return (MANY_ROWS if capability >= HOPPER else MANY_ROWS_BEFORE_HOPPER)[weight]
     return (ONE_ROW if rows == 1 else FEW_ROWS)[weight]
 
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -585,7 +637,7 @@ def int8_linear(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     _check_param(scale, "scale", (N,))
     _check_bias(bias, N)
     _check_devices(x2, q, scale, bias)
-    tiles = tiles or plan_for("int8" if q.dtype == torch.int8 else "e4m3", M)
+    tiles = tiles or plan_for("int8" if q.dtype == torch.int8 else "e4m3", M, _capability(x2.device))
     bn, bk, rows = tiles.block_n, tiles.int8_block_k, tiles.rows
     k_blocks = triton.cdiv(K, bk)
     split, per_slice = _plan(N, k_blocks, x2.device, tiles.split if split_k is None else split_k, bn)
@@ -632,7 +684,7 @@ def int4_linear(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     _check_param(zero, "zero", (N, groups))
     _check_bias(bias, N)
     _check_devices(x2, packed, scale, zero, bias)
-    tiles = tiles or plan_for("int4", M)
+    tiles = tiles or plan_for("int4", M, _capability(x2.device))
     bn, rows = tiles.block_n, tiles.rows
     step = 1 if tiles.kind == "mma" else max(1, tiles.int8_block_k // group_size)  # groups a loop step
     split, per_slice = _plan(N, triton.cdiv(groups, step), x2.device, tiles.split if split_k is None else split_k, bn)
@@ -740,6 +792,13 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return HOPPER
+    return torch.cuda.get_device_capability(device)
 
 
 def _plan(n: int, k_blocks: int, device: torch.device, split_k: int | None,

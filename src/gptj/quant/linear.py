@@ -15,9 +15,10 @@ torch._weight_int4pack_mm_for_cpu) in bfloat16 up to KERNEL_MAX_ROWS[mode] rows 
 other dtypes are cast to bfloat16 for the call: the kernels' float32 paths are not vectorized and
 measured 10-30x slower than their bfloat16 paths, slower than a float32 F.linear on the unquantized
 weight); on CUDA, gptj.quant.cuda's Triton GEMVs for decode's few rows (int8, fp8, and int4 beside
-torch._weight_int4pack_mm) and torch._scaled_mm for fp8's bigger calls; otherwise (prefill, odd
-shapes) the weight dequantized to the activation dtype, a chunk of output rows at a time, and
-F.linear: weight-only kernels pay for decode (memory bound), not for big prefills (compute bound).
+torch._weight_int4pack_mm, which bfloat16 takes up to 16 rows), its GEMM plans for int8's and int4's
+bigger calls of 16-bit activations (each weight tile dequantized in registers), and torch._scaled_mm
+for fp8's; otherwise (CPU prefill, float32 on CUDA, odd shapes) the weight dequantized to the
+activation dtype, a chunk of output rows at a time, and F.linear.
 The CUDA paths are tested here under Triton's interpreter and torch's CPU torch._scaled_mm, not on a
 GPU. The packed layout the CPU int4 kernel wants is made at load time, on the device (see
 `Int4Linear.prepare`)."""
