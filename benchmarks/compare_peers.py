@@ -65,7 +65,7 @@ from gptj.decode import EOS_TOKEN_ID, GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.errors import GptjError
 from gptj.runtime.build import build_engine
-from gptj.model import build_model, count_parameters
+from gptj.models.gptj import build_model, count_parameters
 from gptj.weights.io import load_model, random_state_dict, save_checkpoint
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from gptj.config import GPTJConfig
-from gptj.model import GPTJForCausalLM, build_model
+from gptj.models.gptj import GPTJForCausalLM, build_model
 
 EOS = 50256
 

@@ -22,7 +22,7 @@ from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.engine.attention.reference import ReferenceAttention
-from gptj.model import build_model
+from gptj.models.gptj import build_model
 from test_engine import CFG, MIXED, prompts_of
 from conftest import use_isa
 from test_engine import model  # noqa: F401 - the fixture

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gptj.config import GPTJConfig, get_preset
-from gptj.model import build_model, count_parameters, position_ids_from_mask
+from gptj.models.base import position_ids_from_mask
+from gptj.models.gptj import build_model, count_parameters
 from hf_ref import make_pair
 
 CONFIGS = [
@@ -30,7 +31,7 @@ def test_a_meta_model_is_built_without_torchs_python_kernels():
 
     probe = ("import sys, torch\n"
              "from gptj.config import get_preset\n"
-             "from gptj.model import build_model\n"
+             "from gptj.models.gptj import build_model\n"
              "m = build_model(get_preset('tiny'), 'meta', torch.bfloat16)\n"
              "assert m.rope.is_meta and m.rope.shape == (2048, 8) and m.transformer.wte.weight.is_meta\n"
              "print('torch._dynamo' in sys.modules)\n")
@@ -133,7 +134,7 @@ def test_cuda_matches_cpu(dtype):
 
 def test_low_precision_attention_fast_path_matches_exact_math():
     """bf16/fp16 attention runs torch's fused SDPA; float32 runs the exact HF math. They agree."""
-    from gptj.model import attention, causal_mask
+    from gptj.models.base import attention, causal_mask
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (5, 9, 9))

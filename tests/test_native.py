@@ -819,7 +819,7 @@ def test_gelu_reads_and_writes_strided_rows_in_place(native_isa):
 
 @pytest.mark.parametrize("R, D", [(16, 16), (32, 64), (64, 256)])
 def test_rotary_rotates_q_and_k_pairs_in_place(R, D, native_isa):
-    from gptj.model import rope_table, rotary_tables, rotate_every_two
+    from gptj.models.gptj import rope_table, rotary_tables, rotate_every_two
 
     g = torch.Generator().manual_seed(R + D)
     T, H = 9, 3

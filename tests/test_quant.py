@@ -13,7 +13,7 @@ from gptj import native, policy, quant
 from gptj.bench import quant_report
 from gptj.config import GPTJConfig, get_preset
 from gptj.errors import CheckpointError, GptjError
-from gptj.model import build_model
+from gptj.models.gptj import build_model
 from gptj.weights.io import convert, load_model, random_state_dict, save_checkpoint
 
 CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)

@@ -20,7 +20,7 @@ The check reads the source with `ast`, running nothing, so it holds on a machine
 Triton kernels (`@triton.jit`) are device code and are skipped: their `.to` is a cast.
 
 It cannot see syncs that read like ordinary code (`int(t)`, `if t:`, `t[mask]`, `t.nonzero()`),
-nor calls into modules outside the path (gptj.model, gptj.lora): those are for a GPU profile.
+nor calls into modules outside the path (gptj.models, gptj.lora): those are for a GPU profile.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_engine_loop_lets_the_calling_threads_team_go(two_threads):
     from gptj.config import get_preset
     from gptj.engine import Engine, EngineLoop
     from gptj.engine.config import EngineConfig
-    from gptj.model import build_model
+    from gptj.models.gptj import build_model
 
     torch.manual_seed(0)
     engine = Engine(build_model(get_preset("tiny")).eval(), EngineConfig(max_seqs=2))
@@ -83,7 +83,7 @@ def test_the_engine_loops_thread_and_its_team_carry_its_name(two_threads):
     from gptj.engine import EngineLoop
     from gptj.engine.core import Engine
     from gptj.engine.config import EngineConfig
-    from gptj.model import build_model
+    from gptj.models.gptj import build_model
     from gptj.decode import GenerationConfig
 
     torch.manual_seed(0)

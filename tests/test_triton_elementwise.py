@@ -9,7 +9,7 @@ import torch
 
 from gptj import policy
 from gptj.kernels import fused
-from gptj.model import Block, rope_table, rotary_tables, rotate_every_two
+from gptj.models.gptj import Block, rope_table, rotary_tables, rotate_every_two
 from test_attention_backends import DEVICE, triton_reason
 
 pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
@@ -80,12 +80,12 @@ def test_a_fused_block_on_the_triton_path_computes_what_torchs_ops_do(monkeypatc
 
     cfg = GPTJConfig(n_layer=1, n_embd=64, n_head=4, rotary_dim=8, n_inner=128, n_positions=64)
     torch.manual_seed(0)
-    block = fused.FusedBlock(Block(cfg).to(DTYPE)).to(DEVICE)
+    block = fused.fuse_block(Block(cfg).to(DTYPE).to(DEVICE))
     h = torch.randn(1, 9, 64).to(DTYPE).to(DEVICE)
     sin, cos = rotary_tables(rope_table(64, 8).to(DEVICE), torch.arange(9, device=DEVICE)[None], DTYPE)
     outs = {}
     for path in (policy.TORCH, policy.TRITON):
-        monkeypatch.setattr(fused, "elementwise_path", lambda device, dtype, path=path: path)
+        block.ops = fused.KernelOps(path)
         with torch.inference_mode():
             outs[path] = block(h, sin, cos, None, None, 0).double()
     scale = outs[policy.TORCH].abs().max()

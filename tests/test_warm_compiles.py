@@ -23,7 +23,7 @@ from gptj import policy
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
 from gptj.decode import GenerationConfig
-from gptj.model import build_model
+from gptj.models.gptj import build_model
 from test_engine import CFG, prompts_of
 
 pytest.importorskip("triton", reason="the CUDA backend's kernels are Triton's")

@@ -318,7 +318,7 @@ HOSTILE = [  # config.json changes -> the field the one-line error names
 @pytest.mark.parametrize("changes, message", HOSTILE)
 def test_hostile_config_is_one_line_naming_the_field(tmp_path, saved_ckpt, capsys, monkeypatch, changes, message):
     """load_model, `gptj generate` and `gptj convert` refuse it before building or allocating anything."""
-    from gptj import model as gptj_model
+    from gptj.models import gptj as gptj_model
     from gptj.weights import io
 
     def refuse(*args, **kwargs):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from gptj.device import to_device
 from gptj.errors import GptjError
-from gptj.model import GPTJForCausalLM
+from gptj.models.gptj import GPTJForCausalLM
 
 EOS_TOKEN_ID = 50256  # <|endoftext|>; GPT-J has no pad token and pads with EOS
 # MLPerf inference gptj-99: inputs are truncated to 1919 tokens (the tokenizer's model_max_length

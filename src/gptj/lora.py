@@ -441,20 +441,19 @@ def merge_lora(model: nn.Module, adapter: Adapter) -> None:
 
 def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
     """Where each of a block's linears lives: (attribute path of the module computing it, its input
-    columns there, its output rows there). A plain Block has one module per linear; the serving
-    kernels' FusedBlock computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
+    columns there, its output rows there). A plain block has one module per linear; a fused one
+    (gptj.kernels.fuse_block) computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
     in `w_out` (or keeps out_proj and fc_out apart)."""
     whole = slice(None)
-    if not hasattr(block, "w_in"):
-        return {name: (f"{_PARENT[name]}.{name}", whole, whole) for name in TARGETS}
-    E = block.n_head * block.head_dim
+    slots = {name: (f"{_PARENT[name]}.{name}", whole, whole) for name in TARGETS}
+    if block.w_in is None:
+        return slots
+    E = block.attn.n_head * block.attn.head_dim
     inner = block.w_in.out_features - 3 * E
-    slots = {"q_proj": ("w_in", whole, slice(0, E)), "k_proj": ("w_in", whole, slice(E, 2 * E)),
-             "v_proj": ("w_in", whole, slice(2 * E, 3 * E)), "fc_in": ("w_in", whole, slice(3 * E, 3 * E + inner))}
+    slots.update(q_proj=("w_in", whole, slice(0, E)), k_proj=("w_in", whole, slice(E, 2 * E)),
+                 v_proj=("w_in", whole, slice(2 * E, 3 * E)), fc_in=("w_in", whole, slice(3 * E, 3 * E + inner)))
     if block.w_out is not None:
         slots.update(out_proj=("w_out", slice(0, E), whole), fc_out=("w_out", slice(E, E + inner), whole))
-    else:
-        slots.update(out_proj=("out_proj", whole, whole), fc_out=("fc_out", whole, whole))
     return slots
 
 

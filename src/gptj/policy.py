@@ -1,6 +1,6 @@
 """Which kernel runs: the one rule, per device, dtype and row count. Nothing else re-derives it.
 
-float32 is the exact path everywhere: the plain eager math of gptj.model (HF's formulas), never
+float32 is the exact path everywhere: the plain eager math of gptj.models (HF's formulas), never
 fused, packed, compiled or sent to a native kernel. Lower precision takes the fast paths:
 
   linear layers (`linear_path`; `weight` names what the layer holds)
@@ -90,7 +90,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
                         CUDA below float32, else TORCH
 
   attention
-  `exact`             float32: gptj.model.attention's exact math; below: torch's fused SDPA
+  `exact`             float32: gptj.models.base.attention's exact math; below: torch's fused SDPA
   `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 or int8 KV of a
                       bfloat16 model on CPU
                       (kernels "auto"), else torch.compile'd sums below float32 (compile "auto") or
@@ -106,6 +106,7 @@ import torch
 
 from gptj import cpu, native
 from gptj.errors import GptjError
+from gptj.models.base import exact  # the rule (float32), beside the math it chooses; re-exported here
 
 PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this table, "off" keeps the model as loaded
 
@@ -225,11 +226,6 @@ W8A8_FORMS = (SHIFTED, SPLIT, NATIVE, AMX)
 # output channels, x widened to int16, vpmaddwd's pairs summed into int32, exact) beats oneDNN's SPLIT
 # GEMM at every row count, on one packed copy; with VNNI oneDNN's SHIFTED form is ahead from 8 rows,
 # so `w8a8_form` never picks NATIVE there. Figures: docs/PERFORMANCE.md#policy-w8a8-native
-
-
-def exact(dtype: torch.dtype) -> bool:
-    """Whether `dtype` runs the exact path (float32), not the fast one."""
-    return dtype == torch.float32
 
 
 def fast_dtype(device: torch.device | str) -> torch.dtype:

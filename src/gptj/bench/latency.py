@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from gptj.config import GPTJConfig
     from gptj.engine.config import EngineConfig
-    from gptj.model import GPTJForCausalLM
+    from gptj.models.gptj import GPTJForCausalLM
     from gptj.runtime.spec import ModelSpec
 
 REQUIRED_KEYS = ("prefill_ms", "decode_tok_s", "weights_gb_s", "gflop_s", "peak_rss_mb")

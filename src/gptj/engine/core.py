@@ -31,7 +31,7 @@ from gptj.engine.runner import ModelRunner
 from gptj.engine.scheduler import Scheduler
 from gptj.engine.update import Updater, token_logprobs
 from gptj.errors import GptjError
-from gptj.model import GPTJForCausalLM
+from gptj.models.gptj import GPTJForCausalLM
 from gptj.threads import ThreadTuner, tuner_for
 
 __all__ = ["ABORTED", "FAILED", "FINISHED", "RUNNING", "WAITING", "Engine", "EngineConfig", "Request", "Status",

@@ -29,7 +29,7 @@ import torch
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
 from gptj.engine.attention.base import host_tensor, row_tile, table_lists
-from gptj.model import GPTJForCausalLM
+from gptj.models.gptj import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
 

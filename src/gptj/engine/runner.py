@@ -24,7 +24,7 @@ from gptj.engine.graphs import CaptureFailed, DecodeInputs, GraphRunner
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.lora import multi_lora_modules, rows_by_adapter
-from gptj.model import GPTJForCausalLM
+from gptj.models.gptj import GPTJForCausalLM
 from gptj.policy import attention_path
 
 

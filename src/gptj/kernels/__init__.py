@@ -2,8 +2,8 @@
 from a loaded model), and the names of gptj.policy (which kernel runs, per device, dtype and row
 count) that its users reach for here.
 
-gptj.policy sits below the model (gptj.model and gptj.quant ask it); `fused` builds on gptj.model
-and gptj.quant. The names of `fused` load on first use (PEP 562's module __getattr__), so importing
+gptj.policy sits above the model files (gptj.models: plain math, asking no policy) and below
+gptj.quant; `fused` builds on both. The names of `fused` load on first use (PEP 562's module __getattr__), so importing
 this package stays as light as gptj.policy.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from gptj.policy import NATIVE_LAYOUT_MAX_ROWS, NATIVE_MAX_ROWS, PACK_MODES, can_pack
 
-_FUSED = ("FusedBlock", "PackedLinear", "PackedW8A8Linear", "concat_in_features", "concat_out_features", "fuse_model", "pack_model",
+_FUSED = ("KernelOps", "fuse_block", "PackedLinear", "PackedW8A8Linear", "concat_in_features", "concat_out_features", "fuse_model", "pack_model",
           "prepare_for_serving")
 
 __all__ = ["NATIVE_LAYOUT_MAX_ROWS", "NATIVE_MAX_ROWS", "PACK_MODES", "can_pack", *_FUSED]

@@ -32,7 +32,7 @@ from gptj import native
 from gptj.policy import (AMX, NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, W8A8_FORMS, can_pack,
                          can_pack_int8, elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout,
                          w8a8_form)
-from gptj.model import Block, attention, gelu_new, rotate_every_two
+from gptj.models.gptj import Block, BlockOps, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 from gptj.quant.ops import UPCAST_CHUNK_ELEMENTS
 
@@ -277,53 +277,43 @@ def concat_in_features(a: nn.Linear, b: nn.Linear) -> nn.Linear:
     return new
 
 
-class FusedBlock(nn.Module):
-    """A GPT-J block with fused projections; same forward signature and math as gptj.model.Block.
+class KernelOps(BlockOps):
+    """A fused block's elementwise ops by the kernels policy.elementwise_path chose for its device and
+    dtype at load: NATIVE (gptj.native's rotary and GELU), TRITON (the rotary), TORCH (torch's ops;
+    GELU below float32 in one pass, rounded once)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def rotary_qk_(self, qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> None:
+        rotary_qk_(qkv, sin, cos, self.path)
+
+    def gelu_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        gelu_into(x, out, self.path == NATIVE)
+
+
+def fuse_block(block: Block) -> Block:
+    """A GPT-J block's weights fused in place, and its ops chosen for its device and dtype (the
+    LayerNorm's: the activations'); the same math (models.gptj.Block).
 
     w_in = [q | k | v | fc_in] (bias: fc_in's). Float weights: w_out = [out_proj | fc_out] over the
     input [attention | gelu]; quantized ones keep out_proj and fc_out apart (their per-row scales
-    would not survive concatenation along the input).
+    would not survive concatenation along the input). Each plain linear is freed as it is replaced.
     """
-
-    def __init__(self, block: Block) -> None:
-        super().__init__()
-        attn, mlp = block.attn, block.mlp
-        self.ln_1 = block.ln_1
-        self.n_head, self.head_dim, self.rope_dim = attn.n_head, attn.head_dim, attn.rope_dim
-        self.n_embd = attn.q_proj.in_features
-        self.reduce = block.reduce  # tensor parallel: this rank's heads and ffn slice, summed per layer
-        self.w_in = concat_out_features([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in])
-        if type(attn.out_proj) is nn.Linear and type(mlp.fc_out) is nn.Linear:
-            self.w_out = concat_in_features(attn.out_proj, mlp.fc_out)
-            self.out_proj = self.fc_out = None
-        else:
-            self.w_out = None
-            self.out_proj, self.fc_out = attn.out_proj, mlp.fc_out
-
-    def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
-                cache, layer: int) -> torch.Tensor:  # noqa: ANN001 - a KV cache (model.KVCache or the engine's)
-        B, T, _ = h.shape
-        H, D, R = self.n_head, self.head_dim, self.rope_dim
-        E = H * D  # n_embd, or this rank's heads under tensor parallelism
-        y = self.w_in(self.ln_1(h))  # (B, T, 3E + inner)
-        path = elementwise_path(y.device, y.dtype)
-        qkv = y[..., :3 * E].view(B, T, 3, H, D)
-        if R:
-            rotary_qk_(qkv, sin, cos, path)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
-        a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
-        x = torch.empty((B, T, y.shape[-1] - 2 * E), dtype=y.dtype, device=y.device)  # [attention | gelu]
-        x[..., :E] = a.transpose(1, 2).reshape(B, T, E)
-        gelu_into(y[..., 3 * E:], x[..., E:], path == NATIVE)
-        out = self.w_out(x) if self.w_out is not None else self.out_proj(x[..., :E]) + self.fc_out(x[..., E:])
-        if self.reduce is not None:
-            out = self.reduce(out)
-        return out + h
+    attn, mlp = block.attn, block.mlp
+    block.w_in = concat_out_features([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in])
+    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in
+    if type(attn.out_proj) is nn.Linear and type(mlp.fc_out) is nn.Linear:
+        block.w_out = concat_in_features(attn.out_proj, mlp.fc_out)
+        del attn.out_proj, mlp.fc_out
+    w = block.ln_1.weight
+    block.ops = KernelOps(elementwise_path(w.device, w.dtype))
+    return block
 
 
 def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, path: str = TORCH) -> None:
     """Rotary on q and k of qkv (B, T, 3, H, D) in place; sin, cos (B, T, 1, R) from
-    gptj.model.rotary_tables. path (policy.elementwise_path): NATIVE, gptj.native's one pass where the
+    gptj.models.gptj.rotary_tables. path (policy.elementwise_path): NATIVE, gptj.native's one pass where the
     rotary width suits it; TRITON, one Triton kernel; TORCH, torch's ops."""
     B, T, _, H, D = qkv.shape
     R = sin.shape[-1]
@@ -362,14 +352,14 @@ def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
 
 def _fusable(block: nn.Module) -> bool:
     """A float block below float32, or a block with quantized projections (policy.fusable)."""
-    if not isinstance(block, Block):
+    if not isinstance(block, Block) or block.w_in is not None:  # (fused already)
         return False
     q = block.attn.q_proj
     return fusable(q.weight.dtype if type(q) is nn.Linear else None)  # None: quantized
 
 
 def fuse_model(model: nn.Module, mode: str = "auto") -> int:
-    """Replace a GPT-J's blocks by FusedBlocks when its weights are quantized or below float32.
+    """Fuse a GPT-J's blocks (fuse_block) when its weights are quantized or below float32.
 
     Returns how many. Float32 models (the exact path) and mode "off" are left unchanged.
     """
@@ -381,7 +371,7 @@ def fuse_model(model: nn.Module, mode: str = "auto") -> int:
     count = 0
     for i in range(len(blocks)):
         if _fusable(blocks[i]):
-            blocks[i] = FusedBlock(blocks[i])  # the plain block (and its weights) is freed here
+            fuse_block(blocks[i])
             count += 1
     return count
 
@@ -411,7 +401,7 @@ def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | No
     fused = packed = 0
     for i in tqdm(range(len(blocks)), desc="preparing kernels", unit="layer", disable=not progress):
         if fuse and _fusable(blocks[i]):
-            blocks[i] = FusedBlock(blocks[i])  # the plain block (and its weights) is freed here
+            fuse_block(blocks[i])  # its plain weights are freed here
             fused += 1
         packed += pack_model(blocks[i], mode, max_rows)
     packed += pack_model(model, mode, max_rows)  # lm_head (the blocks' linears are PackedLinear by now)

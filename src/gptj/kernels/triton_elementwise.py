@@ -41,7 +41,7 @@ if triton is not None:
 def rotary_qk_(y: torch.Tensor, n_head: int, head_dim: int, sin: torch.Tensor, cos: torch.Tensor) -> None:
     """Rotary on q and k in place: y (tokens, width), each token's row [q heads | k heads | ...] of
     n_head x head_dim each (the fused block's q|k|v|fc_in output); sin, cos (tokens, R) from
-    gptj.model.rotary_tables (each angle twice, for its pair), R even and at most head_dim."""
+    gptj.models.gptj.rotary_tables (each angle twice, for its pair), R even and at most head_dim."""
     if triton is None:
         raise RuntimeError("the Triton rotary needs Triton (pip install triton)")
     T, W = y.shape

@@ -828,7 +828,7 @@ def gelu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
 def rotary_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """GPT-J's rotary embedding in place on the first R dims of each head: x (M, heads, D) bfloat16
     whose heads lie one after another (a token's q and k heads side by side serve), any stride
-    between tokens; sin, cos (M, R) bfloat16 (gptj.model.rotary_tables', each angle repeated for
+    between tokens; sin, cos (M, R) bfloat16 (gptj.models.gptj.rotary_tables', each angle repeated for
     its pair), R a multiple of 16. float32 inside, rounded once. Returns x."""
     if _rotary is None:
         _lib_or_raise("rotary_", "elementwise")

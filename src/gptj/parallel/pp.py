@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gptj.errors import GptjError
-from gptj.model import GPTJForCausalLM, KVCache, kept_positions, rotary_tables
+from gptj.models.base import KVCache, kept_positions
+from gptj.models.gptj import GPTJForCausalLM, rotary_tables
 
 
 def check_split(n_layer: int, world: int) -> None:

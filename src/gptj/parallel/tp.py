@@ -32,7 +32,7 @@ from torch import nn
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
 from gptj.files import model_file
-from gptj.model import Block, GPTJForCausalLM, build_model
+from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 
 
 class AllReduce:
@@ -122,7 +122,8 @@ def reshape_for_rank(model: GPTJForCausalLM, world: int, group: dist.ProcessGrou
         return reduce
     E, inner = c.n_embd, c.inner_dim
     for block in model.transformer.h:
-        if type(block) is not Block or type(block.attn.q_proj) is not nn.Linear or type(block.mlp.fc_in) is not nn.Linear:
+        if (type(block) is not Block or block.w_in is not None or type(block.attn.q_proj) is not nn.Linear
+                or type(block.mlp.fc_in) is not nn.Linear):
             raise GptjError("tensor parallel shards a plain float model; shard before quantizing or fusing")
         attn, mlp = block.attn, block.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):

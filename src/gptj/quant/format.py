@@ -89,7 +89,7 @@ def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None,
 
 
 def _float_meta_model(config: Any) -> nn.Module:
-    from gptj.model import build_model
+    from gptj.models.gptj import build_model
 
     return build_model(config.replace(quantization=None), device="meta")
 

@@ -1,7 +1,7 @@
 """The quantized linear modules (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear) and the model-level
 swaps that use them.
 
-The model stays the plain-math GPT-J of `gptj.model`; `quantize_model` replaces its `nn.Linear`
+The model stays the plain-math GPT-J of `gptj.models.gptj`; `quantize_model` replaces its `nn.Linear`
 layers (q/k/v/out_proj, mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) with
 `Int8Linear` / `Int4Linear` (activations keep the model's float dtype; only the weights are
 quantized, gpt-fast style), `W8A8Linear` (the activations too, per token at each call,

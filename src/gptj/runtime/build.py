@@ -28,7 +28,7 @@ from gptj.runtime.spec import ModelSpec
 if TYPE_CHECKING:
     from gptj.decode import GenerationConfig
     from gptj.engine import Engine
-    from gptj.model import GPTJForCausalLM
+    from gptj.models.gptj import GPTJForCausalLM
 
 
 def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM:

@@ -36,7 +36,7 @@ from gptj import quant
 from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
-from gptj.model import GPTJForCausalLM, build_model
+from gptj.models.gptj import GPTJForCausalLM, build_model
 from gptj.quant.format import hf_quantization_config
 from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj

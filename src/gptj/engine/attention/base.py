@@ -248,7 +248,7 @@ class AttentionBackend:
 
 
 class PagedBatch:
-    """The KV cache one forward pass sees (model.py calls `attend` once per layer).
+    """The KV cache one forward pass sees (the model calls `attend` once per layer).
 
     The forward's tokens, in order: one per decode row, then each prefill segment's tokens. No
     padding: requests of any lengths share a forward, and each attends over its own blocks only.

@@ -9,7 +9,7 @@ computed by the forms below:
     a beam group   q (N, H, D) over the prompt's blocks, shared, then each beam's  beam search
                    own blocks; softmax over [shared | own]
 
-Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.model.attention's exact
+Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.models.base.attention's exact
 math and the beam groups matmuls plus float32 products; at these shapes (a single query row per
 head) torch's batched matmuls and CPU SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys
 x 64 where a compiled loop takes ~150 us. So the compiled form (CUDA only:
@@ -27,7 +27,7 @@ import torch
 
 from gptj.engine.attention.base import AttentionBackend, StepMetadata
 from gptj.engine.attention.kv_cache import PagedKV
-from gptj.model import attention
+from gptj.models.base import attention
 from gptj.policy import exact
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # --- eager ------------------------------------------------------------------------------------------
 
 def one_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (H, D), k, v (H, L, D) -> (H, D): gptj.model.attention on one query (float32: exact).
+    """q (H, D), k, v (H, L, D) -> (H, D): gptj.models.base.attention on one query (float32: exact).
 
     Below float32: matmuls in the dtype, scores and softmax in float32 (CPU SDPA is 2x slower
     for a single query row)."""
@@ -139,7 +139,7 @@ class ReferenceAttention(AttentionBackend):
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
-        """gptj.model.attention with a causal mask; over this call's keys when nothing was stored
+        """gptj.models.base.attention with a causal mask; over this call's keys when nothing was stored
         before (and the blocks are not quantized), else over the gathered blocks."""
         seg, slots = meta.segments[i], meta.slots[i]
         T, end = seg.length, seg.start + seg.length

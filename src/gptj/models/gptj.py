@@ -8,7 +8,14 @@ EleutherAI's mesh-transformer-jax and HF's port of it:
     for each layer:  x = ln_1(h);  h = h + attn(x) + mlp(x)      # attn and mlp in parallel
     logits = lm_head(ln_f(h))                                    # untied, with bias; float32
 
-Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim, E n_embd.
+Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim, E n_embd, I inner_dim.
+
+One block class. Serving changes how a block's weights are laid out and which kernels its
+elementwise ops run, not its math, and both are chosen once, at load (gptj.kernels.fuse_block):
+`w_in` = [q | k | v | fc_in] as one linear (GPT-J feeds attention and the MLP the same LayerNorm
+output), `w_out` = [out_proj | fc_out] over [attention | gelu] (float weights), and `ops` (the rotary
+and GELU by gptj.native or Triton). This file imports no kernel: the plain ops below are HF's math,
+and float32 runs them op for op (token-identical to HF).
 """
 
 from __future__ import annotations
@@ -17,11 +24,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gptj.config import GPTJConfig
-from gptj.policy import exact
+from gptj.models.base import KVCache, attention, causal_mask, kept_positions, position_ids_from_mask
 
 ROPE_BASE = 10000.0
 
@@ -65,88 +71,27 @@ def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
     return x * cos + rotate_every_two(x) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v with scores and softmax in float32, as HF GPTJAttention._attn.
+class BlockOps:
+    """The elementwise ops a Block runs: HF's math here; gptj.kernels gives a fused block faster ones
+    (gptj.native's or Triton's, chosen at load by gptj.policy)."""
 
-    q: (B, H, T, D); k, v: (B, H, S, D); mask: additive float32, broadcastable to (B, H, T, S), or None.
-    causal: mask is the plain causal mask of T queries over S = T keys (the fused kernel then skips
-    the masked half instead of reading a mask). Returns (B, H, T, D) in v's dtype.
+    def rotary_qk_(self, qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> None:
+        """Rotary on q and k of qkv (B, T, 3, H, D), their first R dims, in place; sin, cos (B, T, 1, R)."""
+        R = sin.shape[-1]
+        qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
+        qkv[:, :, :2, :, :R] = apply_rotary(qk, sin[:, :, None], cos[:, :, None])
 
-    float32 runs this exact math (gptj.policy.exact). bfloat16/float16 go through torch's
-    fused SDPA instead (softmax accumulated in float32 inside the kernel), which never materialises
-    float32 copies of the keys and values — the same formula, a different rounding; tests bound the
-    difference.
-    """
-    if not exact(q.dtype) and q.dtype == k.dtype == v.dtype:
-        if causal and q.shape[-2] == k.shape[-2]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        bool_mask = None if mask is None else mask == 0  # additive 0 / min -> True where allowed
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    def gelu_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = gelu_new(x)."""
+        out.copy_(gelu_new(x))
 
 
-class KVCache:
-    """Keys and values of every layer, preallocated for `max_len` positions.
-
-    k[layer], v[layer]: (B, H, max_len, D). Positions [0, length) are filled; a forward
-    pass writes its T new positions after them and attends over [0, length + T).
-    """
-
-    def __init__(self, config: GPTJConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str, n_head: int | None = None) -> None:
-        # n_head: the heads this process computes (tensor parallel: n_head / world size)
-        shape = (batch_size, n_head or config.n_head, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.max_len = max_len
-        self.length = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.k[0].shape[0]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H, T, D) after the filled positions; return all keys and values so far."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """Store this call's k, v and attend over everything cached: (B, H, T, D)."""
-        k, v = self.update(layer, k, v)
-        return attention(q, k, v, mask)
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def rows(self, rows: slice) -> KVCache:
-        """A view of some rows (a pipeline micro-batch): writes land in this cache; the caller
-        advances this cache, not the view."""
-        view = object.__new__(KVCache)
-        view.k, view.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
-        view.max_len, view.length = self.max_len, self.length
-        return view
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Row b becomes old row index[b] (beam search keeps the beams it selected)."""
-        n = self.length
-        for cache in (self.k, self.v):
-            for layer, t in enumerate(cache):
-                if t.shape[0] == index.shape[0]:
-                    t[:, :, :n] = t[:, :, :n].index_select(0, index)
-                else:  # batch size changes: allocate anew
-                    cache[layer] = t.index_select(0, index)
+PLAIN_OPS = BlockOps()
 
 
 class Attention(nn.Module):
+    """The attention's weights (HF's names) and heads; Block computes it."""
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         E = config.n_embd
@@ -156,52 +101,68 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(E, E, bias=False)
         self.out_proj = nn.Linear(E, E, bias=False)
 
-    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-
-        # Rotary on the first rope_dim dims of each head only.
-        R = self.rope_dim
-        q = torch.cat([apply_rotary(q[..., :R], sin, cos), q[..., R:]], dim=-1).transpose(1, 2)
-        k = torch.cat([apply_rotary(k[..., :R], sin, cos), k[..., R:]], dim=-1).transpose(1, 2)
-
-        # The cache stores k, v and attends over all its keys (the engine's cache does this per
-        # sequence, each with its own length); without a cache, attend over this call's tokens.
-        out = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, E)
-
 
 class MLP(nn.Module):
+    """The MLP's weights (HF's names): fc_out(gelu_new(fc_in(x))); Block computes it."""
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.fc_in = nn.Linear(config.n_embd, config.inner_dim)
         self.fc_out = nn.Linear(config.inner_dim, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(gelu_new(self.fc_in(x)))
-
 
 class Block(nn.Module):
+    """h + out_proj(attention(rotary(q), rotary(k), v)) + fc_out(gelu_new(fc_in(x))), x = ln_1(h)."""
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = Attention(config)
         self.mlp = MLP(config)
+        self.w_in: nn.Module | None = None  # fused at load: [q | k | v | fc_in] (their linears then gone)
+        self.w_out: nn.Module | None = None  # fused at load (float weights): [out_proj | fc_out]
+        self.ops = PLAIN_OPS
         # Tensor parallel (gptj.parallel.tp): sums the ranks' partial attn + mlp outputs, one
         # all-reduce per layer, since GPT-J computes both branches from the same LayerNorm.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = self.ln_1(h)
-        # Same summation order as HF: (attn + mlp) + residual.
-        out = self.attn(x, sin, cos, mask, cache, layer) + self.mlp(x)
+        B, T, _ = h.shape
+        H, D = self.attn.n_head, self.attn.head_dim  # this rank's heads under tensor parallelism
+        qkv, f = self.project_in(self.ln_1(h))  # (B, T, 3, H, D), (B, T, I)
+        if self.attn.rope_dim:
+            self.ops.rotary_qk_(qkv, sin, cos)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        # The cache stores k, v and attends over all its keys (the engine's cache does this per
+        # sequence, each with its own length); without a cache, attend over this call's tokens.
+        a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
+        out = self.project_out(a.transpose(1, 2).reshape(B, T, H * D), f)  # attn + mlp, HF's order
         if self.reduce is not None:
             out = self.reduce(out)
         return out + h
+
+    def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, E) -> [q | k | v] (B, T, 3, H, D) and fc_in(x) (B, T, I)."""
+        B, T, _ = x.shape
+        H, D = self.attn.n_head, self.attn.head_dim
+        if self.w_in is not None:
+            y = self.w_in(x)  # (B, T, 3 H D + I)
+            return y[..., :3 * H * D].view(B, T, 3, H, D), y[..., 3 * H * D:]
+        a = self.attn
+        return torch.stack((a.q_proj(x), a.k_proj(x), a.v_proj(x)), dim=2).view(B, T, 3, H, D), self.mlp.fc_in(x)
+
+    def project_out(self, a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """out_proj(a) + fc_out(gelu_new(f)): a (B, T, H D) the attention, f (B, T, I) fc_in's output."""
+        E = a.shape[-1]
+        if self.w_out is not None:  # one linear over [attention | gelu]
+            x = torch.empty((*f.shape[:-1], E + f.shape[-1]), dtype=f.dtype, device=f.device)
+            x[..., :E] = a
+            self.ops.gelu_into(f, x[..., E:])
+            return self.w_out(x)
+        g = torch.empty_like(f)
+        self.ops.gelu_into(f, g)
+        return self.attn.out_proj(a) + self.mlp.fc_out(g)
 
 
 class Transformer(nn.Module):
@@ -213,35 +174,6 @@ class Transformer(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=wte)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-
-
-def causal_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Additive float32 mask (B, 1, T, S) from a (B, S) padding mask whose last T entries are the queries.
-
-    Query i (absolute position S - T + i) sees key j if j <= S - T + i and key j is not padding.
-    Masked entries get float32's most negative value (not -inf), so a row that sees nothing
-    (a padding query) stays finite, as in HF.
-    """
-    B, S = attention_mask.shape
-    q_pos = torch.arange(S - T, S, device=attention_mask.device)[:, None]  # (T, 1)
-    k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
-    allowed = (k_pos <= q_pos)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-    zero = torch.zeros((), dtype=torch.float32, device=attention_mask.device)
-    return torch.where(allowed, zero, torch.finfo(torch.float32).min)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Position of each of the last T tokens: count of real tokens before it (HF generate's rule)."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    pos = pos.masked_fill(attention_mask == 0, 1)
-    return pos[:, -T:]
-
-
-def kept_positions(h: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """h (B, T, E) at the positions whose logits are computed (see GPTJForCausalLM.forward)."""
-    if isinstance(logits_to_keep, torch.Tensor):
-        return h[:, logits_to_keep]
-    return h[:, -logits_to_keep:] if logits_to_keep > 0 else h
 
 
 class GPTJForCausalLM(nn.Module):

@@ -1,0 +1,130 @@
+"""What every architecture's model file shares: the exact-dtype rule, attention over keys and values
+(HF's float32 math, torch's SDPA below float32), the contiguous KV cache of `decode.generate`, and
+the masks and positions of padded batches.
+
+Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gptj.config import GPTJConfig
+
+
+def exact(dtype: torch.dtype) -> bool:
+    """Whether `dtype` runs the exact path (float32: HF's math, op for op), not the fast one."""
+    return dtype == torch.float32
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v with scores and softmax in float32, as HF GPTJAttention._attn.
+
+    q: (B, H, T, D); k, v: (B, H, S, D); mask: additive float32, broadcastable to (B, H, T, S), or None.
+    causal: mask is the plain causal mask of T queries over S = T keys (the fused kernel then skips
+    the masked half instead of reading a mask). Returns (B, H, T, D) in v's dtype.
+
+    float32 runs this exact math (`exact`). bfloat16/float16 go through torch's
+    fused SDPA instead (softmax accumulated in float32 inside the kernel), which never materialises
+    float32 copies of the keys and values — the same formula, a different rounding; tests bound the
+    difference.
+    """
+    if not exact(q.dtype) and q.dtype == k.dtype == v.dtype:
+        if causal and q.shape[-2] == k.shape[-2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        bool_mask = None if mask is None else mask == 0  # additive 0 / min -> True where allowed
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for `max_len` positions.
+
+    k[layer], v[layer]: (B, H, max_len, D). Positions [0, length) are filled; a forward
+    pass writes its T new positions after them and attends over [0, length + T).
+    """
+
+    def __init__(self, config: GPTJConfig, batch_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str, n_head: int | None = None) -> None:
+        # n_head: the heads this process computes (tensor parallel: n_head / world size)
+        shape = (batch_size, n_head or config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, T, D) after the filled positions; return all keys and values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Store this call's k, v and attend over everything cached: (B, H, T, D)."""
+        k, v = self.update(layer, k, v)
+        return attention(q, k, v, mask)
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def rows(self, rows: slice) -> KVCache:
+        """A view of some rows (a pipeline micro-batch): writes land in this cache; the caller
+        advances this cache, not the view."""
+        view = object.__new__(KVCache)
+        view.k, view.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
+        view.max_len, view.length = self.max_len, self.length
+        return view
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row b becomes old row index[b] (beam search keeps the beams it selected)."""
+        n = self.length
+        for cache in (self.k, self.v):
+            for layer, t in enumerate(cache):
+                if t.shape[0] == index.shape[0]:
+                    t[:, :, :n] = t[:, :, :n].index_select(0, index)
+                else:  # batch size changes: allocate anew
+                    cache[layer] = t.index_select(0, index)
+
+
+def causal_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Additive float32 mask (B, 1, T, S) from a (B, S) padding mask whose last T entries are the queries.
+
+    Query i (absolute position S - T + i) sees key j if j <= S - T + i and key j is not padding.
+    Masked entries get float32's most negative value (not -inf), so a row that sees nothing
+    (a padding query) stays finite, as in HF.
+    """
+    B, S = attention_mask.shape
+    q_pos = torch.arange(S - T, S, device=attention_mask.device)[:, None]  # (T, 1)
+    k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
+    allowed = (k_pos <= q_pos)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    zero = torch.zeros((), dtype=torch.float32, device=attention_mask.device)
+    return torch.where(allowed, zero, torch.finfo(torch.float32).min)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Position of each of the last T tokens: count of real tokens before it (HF generate's rule)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    pos = pos.masked_fill(attention_mask == 0, 1)
+    return pos[:, -T:]
+
+
+def kept_positions(h: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """h (B, T, E) at the positions whose logits are computed (see GPTJForCausalLM.forward)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return h[:, logits_to_keep]
+    return h[:, -logits_to_keep:] if logits_to_keep > 0 else h
