@@ -202,7 +202,7 @@ def test_a_failed_capture_leaves_that_bucket_eager_and_the_others_graphed(model,
     def capture_fails_at_8(step):
         sizes.append(len(step.tokens))
         if len(step.tokens) == 8:
-            graphs.failed.add((8, 1))  # what forward does when a capture fails
+            graphs.fallbacks.off[(8, 1)] = RuntimeError("capture failed")  # what forward does when a capture fails
             raise CaptureFailed("capture failed")
         return forward(step)
 

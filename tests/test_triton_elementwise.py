@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gptj import policy
+from gptj.fallback import Fallbacks
 from gptj.kernels import fused
 from gptj.models.gptj import Block, rope_table, rotary_tables, rotate_every_two
 from test_attention_backends import DEVICE, triton_reason
@@ -106,7 +107,7 @@ def test_a_triton_rotary_that_fails_falls_back_to_torchs_ops_with_one_warning(mo
         raise RuntimeError("no such GPU\nmore")
 
     monkeypatch.setattr(triton_elementwise, "rotary_qk_", broken)
-    monkeypatch.setattr(fused, "_TRITON_FAILED", [])
+    monkeypatch.setattr(fused, "_FALLBACKS", Fallbacks(fused.log))
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(1, 5, 3, 2, 16, generator=g).to(DTYPE)
     sin, cos = rotary_tables(rope_table(64, 8), torch.arange(5)[None], DTYPE)

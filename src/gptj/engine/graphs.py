@@ -29,6 +29,7 @@ import torch
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
 from gptj.engine.attention.base import host_tensor, row_tile, table_lists
+from gptj.fallback import Fallbacks
 from gptj.models.gptj import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class GraphRunner:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured = 0  # graphs captured so far (tests, stats)
-        self.failed: set[tuple[int, int]] = set()  # (bucket, tile) whose capture failed: those steps run eagerly
+        self.fallbacks = Fallbacks(log)  # (bucket, tile) whose capture failed: those steps run eagerly
 
     @property
     def ready(self) -> bool:
@@ -157,7 +158,7 @@ class GraphRunner:
         """The step's logits (rows, V) float32 (only while `ready`)."""
         rows = len(step.tokens)
         size = bucket_for(rows, self.max_rows)
-        if (size, tile_of(step.groups)) in self.failed:
+        if not self.fallbacks.ok((size, tile_of(step.groups))):
             raise CaptureFailed(f"no graph for {size} rows")
         bucket = self.buckets.get(size)
         if bucket is None:
@@ -172,11 +173,9 @@ class GraphRunner:
             try:
                 bucket.graphs[tile] = self._capture(bucket, tile)
             except Exception as e:  # noqa: BLE001 - capturing failed: this bucket's steps run eagerly
-                first = str(e).splitlines()[0] if str(e) else ""
-                log.warning("CUDA-graph capture of %d rows (groups of %d) failed (%s: %s); those decode steps "
-                            "run eagerly", size, tile, type(e).__name__, first)
-                self.failed.add((size, tile))
-                raise CaptureFailed(first) from e
+                self.fallbacks.fail((size, tile), f"CUDA-graph capture of {size} rows (groups of {tile})", e,
+                                    "those decode steps run eagerly")
+                raise CaptureFailed(str(e).splitlines()[0] if str(e) else "") from e
         graph, logits = bucket.graphs[tile]
         graph.replay()
         return logits[:rows]

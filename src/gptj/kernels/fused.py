@@ -32,6 +32,7 @@ from gptj import native
 from gptj.policy import (AMX, NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, W8A8_FORMS, can_pack,
                          can_pack_int8, elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout,
                          w8a8_form)
+from gptj.fallback import Fallbacks
 from gptj.models.gptj import Block, BlockOps, gelu_new, rotate_every_two
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 from gptj.quant.ops import UPCAST_CHUNK_ELEMENTS
@@ -320,21 +321,19 @@ def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, path: st
     if path == NATIVE and R % 16 == 0:
         native.rotary_(qkv.view(B * T, 3 * H, D)[:, :2 * H], sin.reshape(B * T, R), cos.reshape(B * T, R))
         return
-    if path == TRITON and not _TRITON_FAILED:
+    if path == TRITON and _FALLBACKS.ok("rotary"):
         from gptj.kernels.triton_elementwise import rotary_qk_ as triton_rotary
 
         try:
             triton_rotary(qkv.view(B * T, -1), H, D, sin.reshape(B * T, R), cos.reshape(B * T, R))
             return
         except Exception as e:  # noqa: BLE001 - a Triton or GPU this was not built for: torch's ops from now on
-            _TRITON_FAILED.append(e)
-            log.warning("the Triton rotary failed (%s: %s); torch's ops rotate from now on", type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+            _FALLBACKS.fail("rotary", "the Triton rotary", e, "torch's ops rotate from now on")
     qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
     qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
 
 
-_TRITON_FAILED: list[Exception] = []  # the Triton rotary's failure, once: later calls take torch's ops
+_FALLBACKS = Fallbacks(log)  # the Triton rotary's failure, once: later calls take torch's ops
 
 
 def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:

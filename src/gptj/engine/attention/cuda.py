@@ -621,9 +621,15 @@ class CudaAttention(ReferenceAttention):
     reads_tables = True
     decode_variant = "auto"  # paged_decode's kernels ("auto", "sum" or "dot": decode_launches; no user flag)
 
-    def __init__(self, compiled: bool = False) -> None:
-        super().__init__(compiled)
-        self.kernel_ok = self.store_ok = triton is not None
+    @property
+    def kernel_ok(self) -> bool:
+        """Whether the decode and prefill kernels run here (Triton is installed, and neither failed)."""
+        return triton is not None and self.fallbacks.ok("attention")
+
+    @property
+    def store_ok(self) -> bool:
+        """Whether the store and copy kernels run here."""
+        return triton is not None and self.fallbacks.ok("store")
 
     def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         if self.kernel_ok:
@@ -659,16 +665,14 @@ class CudaAttention(ReferenceAttention):
         super().store(kv, layer, k, v, blocks, offsets)
 
     def _kernel_failed(self, which: str, error: Exception) -> None:
-        """One warning; the store or copy kernel's failure turns off both (the KV's writes go back to
-        indexing), another's the attention."""
-        first = str(error).splitlines()[0] if str(error) else ""
-        then = "keys and values are stored and copied by indexing" if which in ("store", "copy") else \
-            "attention runs the reference backend's forms"
-        log.warning("the Triton %s kernel failed (%s: %s); %s", which, type(error).__name__, first, then)
+        """One warning (gptj.fallback); the store or copy kernel's failure turns off both (the KV's
+        writes go back to indexing), another's the attention."""
         if which in ("store", "copy"):
-            self.store_ok = False
+            self.fallbacks.fail("store", f"the Triton {which} kernel", error,
+                                "keys and values are stored and copied by indexing")
         else:
-            self.kernel_ok = False
+            self.fallbacks.fail("attention", f"the Triton {which} kernel", error,
+                                "attention runs the reference backend's forms")
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from gptj.engine.attention.base import AttentionBackend, StepMetadata
 from gptj.engine.attention.kv_cache import PagedKV
+from gptj.fallback import Fallbacks
 from gptj.models.base import attention
 from gptj.policy import exact
 
@@ -89,6 +90,7 @@ class ReferenceAttention(AttentionBackend):
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
+        self.fallbacks = Fallbacks(log)  # the paths that failed here (this class's: "compile")
         self._one, self._group = one_eager, group_eager
         if compiled:
             try:
@@ -98,8 +100,7 @@ class ReferenceAttention(AttentionBackend):
                 self._fall_back(e)
 
     def _fall_back(self, error: Exception) -> None:
-        first = str(error).splitlines()[0] if str(error) else ""
-        log.warning("torch.compile failed (%s: %s); decode attention runs eagerly", type(error).__name__, first)
+        self.fallbacks.fail("compile", "torch.compile", error, "decode attention runs eagerly")
         self.compiled = False
         self._one, self._group = one_eager, group_eager
 
