@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gptj.decode import GenerationConfig, check_prompts
-from gptj.engine.config import EngineConfig, EngineStats, StepTimes, plan_kv
+from gptj.engine.config import EngineConfig, EngineStats, KVPlan, StepTimes, plan_kv
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import (ABORTED, FAILED, FINISHED, RUNNING, WAITING, AbortRequest, AddRequest, Request,
                                  Status, TokenLogprob)
@@ -39,12 +39,14 @@ __all__ = ["ABORTED", "FAILED", "FINISHED", "RUNNING", "WAITING", "Engine", "Eng
 
 
 class Engine:
-    def __init__(self, model: GPTJForCausalLM, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: GPTJForCausalLM, config: EngineConfig | None = None, plan: KVPlan | None = None) -> None:
+        """plan: the KV plan made for this model and config (gptj.runtime.build.plan_for, within the
+        memory free at load); None: plan_kv's now."""
         self.model = model
         self.config = config = config or EngineConfig()
         w = model.transformer.wte.weight
         self.device = w.device
-        self.plan = plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads)
+        self.plan = plan or plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads)
         self.kv = KVCacheManager(self.plan.n_blocks, self.plan.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.kv, self.plan, config)
         self.runner = ModelRunner(model, self.plan, config)

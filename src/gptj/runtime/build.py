@@ -144,7 +144,7 @@ def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | 
 
         attach_adapters(model, [read_adapter(path) for _, path in adapters], [name for name, _ in adapters])
     fixed = dataclasses.replace(config, kv_blocks=plan.n_blocks, max_seqs=plan.max_seqs, max_len=plan.max_len)
-    engine = Engine(model, fixed)
+    engine = Engine(model, fixed, plan)  # the plan handed over, not derived again
     engine.probe()  # logits that overflow are refused at load, in one line
     if warm is not None and engine.runner.graphs is not None:
         engine.warm(warm)

@@ -157,7 +157,8 @@ if triton is not None:
             acc = acc * alpha + tl.load(pacc_ptr + at * D + d, mask=dmask, other=0.0) * beta
             m = m_new
         out = acc / tl.maximum(den, 1.0)
-        tl.store(out_ptr + n * s_on + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=tl.where(spans > 1, dmask, False))
+        tl.store(out_ptr + n * s_on + h * s_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=tl.where(spans > 1, dmask, False))
 
     @triton.jit(do_not_specialize=["omax", "lo", "hi", "S"])
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
