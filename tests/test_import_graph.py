@@ -18,7 +18,7 @@ ROOT = "gptj"
 # The lower layers: the model, its weights, quantization and kernels, and what they stand on. They
 # are what engine, runtime, parallel, mlperf, serve, train, bench and cli are built from, and must
 # never reach back up to them (top-level names under gptj; a package counts with everything in it).
-LOWER = {"config", "errors", "fallback", "files", "tokenizer", "models", "decode", "quant", "kernels", "native", "weights", "policy",
+LOWER = {"config", "errors", "fallback", "files", "tokenizer", "models", "generation_config", "beam", "decode", "quant", "kernels", "native", "weights", "policy",
          "cpu", "device", "threads", "lora"}
 HIGHER = {"engine", "runtime", "parallel", "mlperf", "serve", "train", "bench", "cli"}
 

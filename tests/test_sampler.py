@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptj.decode import BeamSearch, GenerationConfig, block_eos, stacked_rows, warp
+from gptj.beam import BeamSearch, stacked_rows
+from gptj.decode import GenerationConfig, block_eos, warp
 from gptj.engine.request import Request
 from gptj.engine.sampler import choose
 

@@ -15,7 +15,7 @@ until the stream catches up:
     .synchronize()                  a device, stream or event wait
 
 The step path: every module under gptj/engine (attention backends included), and the functions of
-gptj.decode and gptj.device that it calls (found from its imports, then what those call in turn).
+gptj.beam, gptj.decode and gptj.device that it calls (found from its imports, then what those call in turn).
 The check reads the source with `ast`, running nothing, so it holds on a machine without a GPU.
 Triton kernels (`@triton.jit`) are device code and are skipped: their `.to` is a cast.
 
@@ -38,7 +38,7 @@ from test_attention_backends import DEVICE, groups_of, make_pool
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENGINE = SRC / "gptj" / "engine"
-STEP_IMPORTS = ("gptj.decode", "gptj.device", "gptj.lora")  # lower modules whose functions the step calls
+STEP_IMPORTS = ("gptj.beam", "gptj.decode", "gptj.device", "gptj.lora")  # lower modules whose functions the step calls
 # functions a step runs inside the model's forward (no import of the engine's names them)
 STEP_FORWARDS = {"gptj.lora": {"MultiLoRALinear.forward"}}
 
@@ -52,10 +52,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "log-probabilities asked for (logprobs / prompt_logprobs): the host must read them",
     ("engine/update.py", "token_logprobs", "ids.tolist()"): "the top-k log-probabilities asked for",
     ("engine/update.py", "token_logprobs", "values.tolist()"): "the top-k log-probabilities asked for",
-    **{("decode.py", "BeamSearch.ranked", f"self.fin_{part}[b].tolist()"):
+    **{("beam.py", "BeamSearch.ranked", f"self.fin_{part}[b].tolist()"):
        "a beam request's end (once per request): its hypotheses come to the host"
        for part in ("valid", "lens", "tokens", "scores")},
-    **{("decode.py", "BeamSearch.best", f"self.fin_{part}[:, 0].tolist()"):
+    **{("beam.py", "BeamSearch.best", f"self.fin_{part}[:, 0].tolist()"):
        "gptj.decode.beam_search's end (not the engine's); BeamSearch is checked as a whole"
        for part in ("lens", "tokens", "scores")},
     ("device.py", "to_device", "host.to(device)"):
@@ -241,9 +241,10 @@ def test_every_allow_list_entry_still_matches_a_call():
 
 def test_the_step_path_reaches_the_sampler_the_beams_update_and_decodes_helpers():
     """The walk covers what it must: the engine's files, and BeamSearch's per-step pass."""
-    tree = ast.parse((SRC / "gptj" / "decode.py").read_text())
-    called = _called(tree, {"BeamSearch", "penalty_args", "stacked_rows"})
-    assert {"BeamSearch.advance", "BeamSearch.ranked", "_Stack.gather", "penalty_args"} <= called
+    called = _called(ast.parse((SRC / "gptj" / "beam.py").read_text()), {"BeamSearch", "stacked_rows"})
+    assert {"BeamSearch.advance", "BeamSearch.ranked", "_Stack.gather", "_scores", "_Rows.of", "_restack"} <= called
+    called = _called(ast.parse((SRC / "gptj" / "decode.py").read_text()), {"penalty_args", "penalize"})
+    assert "penalty_args" in called
     assert "greedy_or_sample" not in called  # gptj.decode's own generate loop is not the engine's step
     files = {p.relative_to(SRC / "gptj").as_posix() for p in ENGINE.rglob("*.py")}
     assert {"engine/sampler.py", "engine/update.py", "engine/runner.py", "engine/attention/base.py"} <= files

@@ -15,7 +15,8 @@ from enum import Enum
 
 import torch
 
-from gptj.decode import BeamSearch, GenerationConfig
+from gptj.beam import BeamSearch
+from gptj.decode import GenerationConfig
 
 
 class Status(str, Enum):

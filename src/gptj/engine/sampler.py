@@ -7,7 +7,7 @@ then one device-to-host copy of the whole step's choices.
     sampled   the same masks, bias and penalties, then HF's warpers (each row's temperature, top_k, top_p) over all sampled rows at once,
               then one multinomial draw per request from its own generator (so a seed's tokens do
               not depend on what shares the step)
-    beams     gptj.decode.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
+    beams     gptj.beam.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
               stacked and advanced in one batched pass, each at its own step; device ops only, each
               search's `done` flag a device tensor read with the rest
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from gptj import native, policy
-from gptj.decode import BeamSearch, penalize, penalty_args, stacked_rows
+from gptj.beam import BeamSearch, stacked_rows
+from gptj.decode import penalize, penalty_args
 from gptj.device import to_device
 from gptj.engine.config import StepTimes
 from gptj.engine.request import Request

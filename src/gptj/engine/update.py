@@ -1,7 +1,7 @@
 """After the forward: store what was computed, choose each request's next token(s), retire the done.
 
 The tokens are engine/sampler.py's choice (greedy and sampled requests as
-gptj.decode.greedy_or_sample, beam-search requests by gptj.decode.BeamSearch), made for the whole
+gptj.decode.greedy_or_sample, beam-search requests by gptj.beam.BeamSearch), made for the whole
 step at once. Its beams start as one
 sequence (the prompt); at its first token the prompt's blocks are shared by all of them (held once
 per beam), and after each step every beam takes the block table of the beam it continues (its
@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from gptj.decode import BeamSearch
+from gptj.beam import BeamSearch
 from gptj.device import to_device
 from gptj.engine.config import StepTimes
 from gptj.engine.kv import KVCacheManager
