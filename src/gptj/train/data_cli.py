@@ -4,7 +4,7 @@
                                    [--force] [--quiet]
     gptj prepare-data summarization FILE --out DIR --seq-len N [--tokenizer DIR] [--force] [--quiet]
 
-Self-contained: `gptj.cli` adds it with `register(sub)`. User errors are raised as
+Self-contained: `gptj.cli.train` adds it with `register(sub)`. User errors are raised as
 GptjError, which the CLI prints as one line (exit 1). The library is gptj.train.data.
 """
 
