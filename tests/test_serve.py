@@ -629,18 +629,18 @@ def test_admin_disabled_without_token(models):
 
 
 def test_health_is_503_until_the_models_are_loaded(models, monkeypatch):
-    import gptj.serve.app as app_module
+    import gptj.serve.state as state_module
     from gptj.serve import ServerConfig
     from gptj.serve.server import ServerThread
 
     gate = threading.Event()
-    real = app_module.load_served_model
+    real = state_module.load_served_model
 
     def slow_load(*args):
         gate.wait()
         return real(*args)
 
-    monkeypatch.setattr(app_module, "load_served_model", slow_load)
+    monkeypatch.setattr(state_module, "load_served_model", slow_load)
     thread = ServerThread(ServerConfig(models=(("tiny", str(models / "tiny")),), port=0), wait_ready=False)
     url = thread.start()
     try:

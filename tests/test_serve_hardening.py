@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 
 from gptj.cli import _server_config, build_parser, main
 from gptj.engine.core import Engine
-from gptj.serve.app import UNION_EXPECTED, create_app
+from gptj.serve.app import create_app
+from gptj.serve.errors import UNION_EXPECTED
 from gptj.serve.protocol import CompletionRequest
 from gptj.serve.registry import MAX_RETRY_AFTER_S, RetryAdvisor, ServerConfig
 from serve_util import server_thread

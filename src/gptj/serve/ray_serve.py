@@ -75,7 +75,7 @@ class GPTJModel:
             self.ranks = await asyncio.to_thread(LeadRanks, lockstep.follower_job, tp * pp,
                                                  {"tp": tp, "pp": pp, "threads": share}, cfg.model.device)
             await asyncio.to_thread(lockstep.configure, tp, pp)
-        from gptj.serve.app import ServerState
+        from gptj.serve.state import ServerState
 
         self.state = ServerState(self.cfg)
         await self.state.load_startup_models()

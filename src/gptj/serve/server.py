@@ -24,8 +24,9 @@ import time
 import uvicorn
 
 from gptj.errors import GptjError
-from gptj.serve.app import ConnectionGate, ServerState, create_app
+from gptj.serve.app import create_app
 from gptj.serve.registry import ServerConfig
+from gptj.serve.state import ConnectionGate, ServerState
 
 log = logging.getLogger("uvicorn.error")  # the drain's steps, beside uvicorn's own start and shutdown lines
 
@@ -126,9 +127,9 @@ def _http_protocol(read_timeout_s: float, gate: ConnectionGate | None = None) ->
     have arrived within `read_timeout_s`, or the connection is closed. uvicorn has no such timeout
     of its own (its keep-alive timeout starts only after a first response), so a client that opens
     connections and sends nothing, or half a header, would hold their file descriptors for ever. The
-    body's own timeout is the app's (gptj.serve.app.BodyLimit): past its headers a request is in ASGI.
+    body's own timeout is the app's (gptj.serve.middleware.BodyLimit): past its headers a request is in ASGI.
 
-    `gate`: every connection is counted there as it opens and closes (gptj.serve.app.ConnectionGate:
+    `gate`: every connection is counted there as it opens and closes (gptj.serve.state.ConnectionGate:
     the app answers those beyond the limit)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
     from uvicorn.protocols.utils import get_remote_addr
