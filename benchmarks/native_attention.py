@@ -33,6 +33,7 @@ import torch
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
 from gptj import native
+from gptj.native import loader
 
 
 def timed(fn, repeats: int) -> float:
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     times: dict[str, dict[str, list[float]]] = {name: {} for name, _, _ in libs}
     for r in range(args.rounds):
         for name, lib, isa in libs[r % len(libs):] + libs[:r % len(libs)]:
-            native._bind(lib, isa)
+            loader._bind(lib, isa)
             row = times[name]
             for N in args.batches:
                 q = torch.randn(N, H, D, generator=g).bfloat16()
@@ -101,14 +102,14 @@ def run(args: argparse.Namespace) -> dict:
             row.setdefault(f"prefill bf16 @{args.context}", []).append(
                 timed(lambda: native.prefill_paged(q_chunk, kc, vc, table, args.context - args.chunk), args.repeats))
             row.setdefault("gelu 8x16384", []).append(timed(lambda: native.gelu(x), args.repeats))
-            if native._argmax_rows is not None:
+            if loader._argmax_rows is not None:
                 row.setdefault(argmax, []).append(timed(lambda: native.argmax_rows(logits), args.repeats))
         times.setdefault("torch", {}).setdefault(argmax, []).append(
             timed(lambda: logits.max(dim=-1).indices, args.repeats))
     results = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in times.items()}
-    native._state.clear()  # the process's own library is loaded again on next use
-    for bound in native.BOUND:
-        setattr(native, bound, None)
+    loader._state.clear()  # the process's own library is loaded again on next use
+    for bound in loader.BOUND:
+        setattr(loader, bound, None)
     return {"threads": torch.get_num_threads(), "heads": H, "head_dim": D, "context": args.context,
             "chunk": args.chunk, "ms": results}
 

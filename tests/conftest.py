@@ -54,14 +54,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+def unload_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gptj.native forgets its library until the test ends (load() looks again, as the environment and
+    gptj.cpu then say): the loader's state and bound functions, where gptj.native.ops reads them."""
+    from gptj.native import loader
+
+    monkeypatch.setattr(loader, "_state", {})
+    for bound in loader.BOUND:
+        monkeypatch.setattr(loader, bound, None)
+
+
 def force_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """gptj.native unavailable until the test ends: available() is False, a direct call raises."""
     from gptj import native, quant
 
     monkeypatch.setenv("GPTJ_NATIVE", "0")
-    monkeypatch.setattr(native, "_state", {})  # load() looks again, and finds GPTJ_NATIVE=0
-    for bound in native.BOUND:
-        monkeypatch.setattr(native, bound, None)
+    unload_native(monkeypatch)  # load() looks again, and finds GPTJ_NATIVE=0
     monkeypatch.setattr(quant, "_NATIVE", [])  # quant's own cache of native.available()
     assert not native.available()
 
@@ -72,9 +80,7 @@ def use_isa(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     from gptj import native
 
     monkeypatch.setenv("GPTJ_NATIVE_ISA", name)
-    monkeypatch.setattr(native, "_state", {})  # load() looks again
-    for bound in native.BOUND:
-        monkeypatch.setattr(native, bound, None)
+    unload_native(monkeypatch)  # load() looks again
     reason = native.unavailable_reason()
     if reason is not None:
         pytest.skip(f"the {name} kernels cannot run here: {reason}")

@@ -8,7 +8,7 @@ away (conftest.force_fallback: its library is loaded once a process)."""
 from __future__ import annotations
 
 import pytest
-from conftest import force_fallback
+from conftest import force_fallback, unload_native
 
 from gptj import cpu
 
@@ -31,21 +31,20 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch, kind: str) -> frozenset[str]:
     loads that kind's library (its best ISA's: avx512 for the AVX-512 kinds without BF16, avx2 for
     AVX2) where this machine can run it too, or none."""
     from gptj import native
+    from gptj.native import build, loader
 
     flags = FLAGS[kind]
     real = cpu.flags()
     monkeypatch.setattr(cpu, "flags", lambda: flags)
     if kind == cpu.AVX512_BF16:
         if not FLAGS[kind] <= real:  # a library loaded under these flags (it cannot run here) stays in this test
-            monkeypatch.setattr(native, "_state", dict(native._state))
-            for bound in native.BOUND:
-                monkeypatch.setattr(native, bound, getattr(native, bound))
+            monkeypatch.setattr(loader, "_state", dict(loader._state))
+            for bound in loader.BOUND:
+                monkeypatch.setattr(loader, bound, getattr(loader, bound))
         return flags
     isa = native.best_isa(flags)
-    if isa is not None and all(f in real for f in isa.cpu_flags) and not native._disabled():
-        monkeypatch.setattr(native, "_state", {})  # load() looks again and picks the kind's library
-        for bound in native.BOUND:
-            monkeypatch.setattr(native, bound, None)
+    if isa is not None and all(f in real for f in isa.cpu_flags) and not build.disabled():
+        unload_native(monkeypatch)  # load() looks again and picks the kind's library
         if native.isa() is not None and native.isa().name == isa.name:
             return flags
     force_fallback(monkeypatch)

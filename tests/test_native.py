@@ -15,8 +15,10 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import force_fallback, unload_native
 
 from gptj import cpu, native
+from gptj.native import build, loader
 from gptj.threads import openmp_runtimes
 
 WHY_NOT = native.unavailable_reason()
@@ -339,16 +341,28 @@ def test_bad_arguments_raise_value_error(gemv_isa: ctypes.CDLL) -> None:
 
 
 def test_switched_off_or_unsupported_gives_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    assert native._open({"GPTJ_NATIVE": "0", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    assert loader._open({"GPTJ_NATIVE": "0", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
-    assert native._open({"GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    assert loader._open({"GPTJ_CACHE_DIR": str(tmp_path)}) is None
     monkeypatch.undo()
-    assert native._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
+    assert loader._open({"CC": "no-such-compiler-gptj", "GPTJ_CACHE_DIR": str(tmp_path)}) is None
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(bad,)) for i in native.ISAS))
-    assert native._open({"GPTJ_CACHE_DIR": str(tmp_path / "c")}) is None
+    monkeypatch.setattr(build, "ISAS", tuple(dataclasses.replace(i, sources=(bad,)) for i in build.ISAS))
+    assert loader._open({"GPTJ_CACHE_DIR": str(tmp_path / "c")}) is None
     assert not any((tmp_path / "c").glob("*"))  # no partial files left behind
+
+
+def test_switched_off_in_process_a_direct_call_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest.force_fallback reaches what gptj.native.ops calls (gptj.native.loader's bound functions):
+    a kernel called directly raises, naming itself, as on a machine without the library."""
+    native.load()  # bound, where this machine runs the kernels: force_fallback must take them away
+    force_fallback(monkeypatch)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="linear_int8: the native gemv kernels are not available"):
+        native.linear_int8(x, torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="gelu: the native elementwise kernels are not available"):
+        native.gelu(x)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
@@ -359,15 +373,15 @@ def test_build_names_by_hash_and_reuses(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setattr(cpu, "flags", lambda: frozenset(native.REQUIRED_CPU_FLAGS))
     src = tmp_path / "tiny.c"
     src.write_text("int gemv_tiny(void) { return 7; }\n")
-    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in native.ISAS))
+    monkeypatch.setattr(build, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in build.ISAS))
     env = {"GPTJ_CACHE_DIR": str(tmp_path / "cache")}
-    path = native._build(env)
+    path = build.library_path(env)
     assert path is not None and path.parent == tmp_path / "cache" and path.suffix == ".so"
     assert [p.name for p in path.parent.iterdir()] == [path.name]
     mtime = path.stat().st_mtime_ns
-    assert native._build(env) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert build.library_path(env) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
     src.write_text("int gemv_tiny(void) { return 8; }\n")
-    assert native._build(env) != path  # another source, another name
+    assert build.library_path(env) != path  # another source, another name
 
 
 def test_only_the_library_built_for_this_cpu_is_named_by_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,11 +393,11 @@ def test_only_the_library_built_for_this_cpu_is_named_by_its_flags(monkeypatch: 
     fixed = [by["avx2"], by["generic"]]
     monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # a faked kind
     monkeypatch.setattr(cpu, "read_flags", lambda path="/proc/cpuinfo": frozenset({"avx512f", "avx512_bf16"}))
-    assert all(native._build_flags(i) == frozenset() for i in fixed)
-    assert native._build_flags(by["avx512-bf16"]) == {"avx512f", "avx512_bf16"}
-    names = {native._library_name(b"src", "gcc 12", native._build_flags(by["avx512-bf16"]), by["avx512-bf16"])}
+    assert all(build._build_flags(i) == frozenset() for i in fixed)
+    assert build._build_flags(by["avx512-bf16"]) == {"avx512f", "avx512_bf16"}
+    names = {build._library_name(b"src", "gcc 12", build._build_flags(by["avx512-bf16"]), by["avx512-bf16"])}
     monkeypatch.setattr(cpu, "read_flags", lambda path="/proc/cpuinfo": frozenset({"avx512f", "avx512_bf16", "amx"}))
-    names.add(native._library_name(b"src", "gcc 12", native._build_flags(by["avx512-bf16"]), by["avx512-bf16"]))
+    names.add(build._library_name(b"src", "gcc 12", build._build_flags(by["avx512-bf16"]), by["avx512-bf16"]))
     assert len(names) == 2  # another CPU, another build
 
 
@@ -400,21 +414,21 @@ def test_builds_started_together_compile_once(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setattr(cpu, "flags", lambda: frozenset(native.REQUIRED_CPU_FLAGS))
     src = tmp_path / "tiny.c"
     src.write_text("int gemv_tiny(void) { return 7; }\n")
-    monkeypatch.setattr(native, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in native.ISAS))
-    compiles, real, start = [], native._compile, threading.Barrier(4)
+    monkeypatch.setattr(build, "ISAS", tuple(dataclasses.replace(i, sources=(src,)) for i in build.ISAS))
+    compiles, real, start = [], build._compile, threading.Barrier(4)
 
     def slow_compile(cc, target, isa):
         compiles.append(target)
         time.sleep(0.5)
         return real(cc, target, isa)
 
-    def build(_):
+    def build_together(_):
         start.wait()
-        return native._build({"GPTJ_CACHE_DIR": str(tmp_path / "cache")})
+        return build.library_path({"GPTJ_CACHE_DIR": str(tmp_path / "cache")})
 
-    monkeypatch.setattr(native, "_compile", slow_compile)
+    monkeypatch.setattr(build, "_compile", slow_compile)
     with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(build, range(4)))
+        paths = list(pool.map(build_together, range(4)))
     assert len(compiles) == 1 and len(set(paths)) == 1 and paths[0].is_file()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [paths[0].name]  # no lock file left either
 
@@ -556,7 +570,7 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
     best ISA's (AVX-512-BF16's where the CPU runs it), or GPTJ_NATIVE_ISA's."""
     best = native.best_isa()
     can_run = (platform.machine() in ("x86_64", "AMD64") and best is not None
-               and shutil.which(os.environ.get("CC") or "gcc") is not None and not native._disabled())
+               and shutil.which(os.environ.get("CC") or "gcc") is not None and not build.disabled())
     assert native.available() is can_run, WHY_NOT
     assert native.has("gemv") is native.has("attention") is native.has("elementwise") is can_run
     if not can_run:
@@ -610,9 +624,7 @@ def test_the_generic_library_runs_only_when_asked_for_on_any_cpu(monkeypatch):
     if shutil.which(os.environ.get("CC") or "gcc") is not None:  # asked: it builds, loads and says nothing is wrong
         monkeypatch.setenv("GPTJ_NATIVE_ISA", "generic")
         monkeypatch.delenv("GPTJ_NATIVE", raising=False)  # (a run with the native kernels switched off)
-        monkeypatch.setattr(native, "_state", {})
-        for bound in native.BOUND:
-            monkeypatch.setattr(native, bound, None)
+        unload_native(monkeypatch)
         assert native.unavailable_reason() is None and native.isa() is generic and native.available()
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     why = native.unavailable_reason({})
