@@ -498,7 +498,7 @@ def decode_launches(variant: str, max_rows: int, block_size: int) -> list[tuple[
 # more spilled (tile 8: 1.4-2.9 KB; 16 warps did not help: they allow 128 registers a thread).
 TILE_VALUES_PER_THREAD = 64
 # from this tile on, 8 warps: "dot" at 4 warps spilled 20-64 B at tiles 4 and 16 (bf16) under Triton 3.9,
-# 8 B at tile 2 (int8 / e4m3 KV) under 3.6 (the H200's of 2026-11-27); at 8 warps none under either
+# 8 B at tile 2 (int8 / e4m3 KV) under 3.6; at 8 warps none under either (docs/GPU.md, "Compiled without a GPU")
 WIDE_TILE = 2
 
 
