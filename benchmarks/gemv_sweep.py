@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time gpt-fast's torch.compile'd dequantize-and-multiply (int8, fp8; compiles per shape)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, {"device": "cpu", "dtype": "float32", "kinds": "int8,int4", "shapes": "128x256,64x512",
+    args = parse_args(ap, {"device": "cpu", "dtype": "float32", "kinds": "int8,int4", "shapes": "64x512",
                            "rows": "3", "grid": "smoke"}, argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gemv_sweep.py: no CUDA GPU here (--smoke runs Triton's interpreter on CPU)", file=sys.stderr)

@@ -162,7 +162,7 @@ def check_native_attention(out: dict, err: str) -> None:
 
 
 def check_gemv_sweep(out: dict, err: str) -> None:
-    """Every kind x shape x rows x plan timed and within its error bound; each kind's best plan chosen."""
+    """Every kind x rows x plan timed on the smoke's shape and within its error bound; each kind's best plan chosen."""
     rows = out["results"]
     plans = {r["plan"] for r in rows if r["kind"] == "int8"}
     assert len(plans) == 4 and any(p.endswith("(default)") for p in plans)
@@ -170,10 +170,10 @@ def check_gemv_sweep(out: dict, err: str) -> None:
     assert not [r for r in rows if "error" in r]
     for kind in ("int8", "int4"):
         got = [(r["shape"], r["M"]) for r in rows if r["kind"] == kind]
-        assert sorted(got) == sorted([(s, 3) for s in ("128x256", "64x512")] * 4)
+        assert sorted(got) == [("64x512", 3)] * 4
         assert all(0 <= r["error_in_bounds"] <= 1 and r["ms"] > 0 for r in rows if r["kind"] == kind)
         assert out["best"][kind]["plan"] in plans and out["best"][kind]["ms"] <= out["best"][kind]["default_ms"]
-    assert len([r for r in rows if r["plan"] == "F.linear"]) == 2
+    assert len([r for r in rows if r["plan"] == "F.linear"]) == 1
 
 
 def check_profile_steps(out: dict, err: str) -> None:
