@@ -349,7 +349,7 @@ class _Stack:
             rows.extend(range(base, base + s.B))
         parts = [tensors for _, tensors in sources.values()]
         dev = searches[0].beam_offset.device
-        index = to_device(torch.tensor(rows, dtype=torch.long), dev)
+        index = _on(dev, rows, torch.long)
         out = {}
         for name in BeamSearch.STATE:
             pool = parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])

@@ -12,6 +12,11 @@ import logging
 from collections.abc import Hashable
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message as one line: its first (empty for an error without a message)."""
+    return str(error).splitlines()[0] if str(error) else ""
+
+
 class Fallbacks:
     """The paths of one owner (a backend, a graph runner, a module) that failed: `ok(path)` whether a
     path is still on, `fail(path, error, instead)` turns it off (logging once)."""
@@ -29,5 +34,4 @@ class Fallbacks:
         if path in self.off:
             return
         self.off[path] = error
-        first = str(error).splitlines()[0] if str(error) else ""
-        self.log.warning("%s failed (%s: %s); %s", what, type(error).__name__, first, instead)
+        self.log.warning("%s failed (%s: %s); %s", what, type(error).__name__, first_line(error), instead)

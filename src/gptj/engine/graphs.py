@@ -29,7 +29,7 @@ import torch
 from gptj.engine.attention import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PagedKV,
                                    StepMetadata)
 from gptj.engine.attention.base import host_tensor, row_tile, table_lists
-from gptj.fallback import Fallbacks
+from gptj.fallback import Fallbacks, first_line
 from gptj.models.gptj import GPTJForCausalLM
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class GraphRunner:
             except Exception as e:  # noqa: BLE001 - capturing failed: this bucket's steps run eagerly
                 self.fallbacks.fail((size, tile), f"CUDA-graph capture of {size} rows (groups of {tile})", e,
                                     "those decode steps run eagerly")
-                raise CaptureFailed(str(e).splitlines()[0] if str(e) else "") from e
+                raise CaptureFailed(first_line(e)) from e
         graph, logits = bucket.graphs[tile]
         graph.replay()
         return logits[:rows]

@@ -33,7 +33,7 @@ from gptj.policy import (AMX, NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH,
                          can_pack_int8, elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout,
                          w8a8_form)
 from gptj.fallback import Fallbacks
-from gptj.models.gptj import Block, BlockOps, gelu_new, rotate_every_two
+from gptj.models.gptj import PLAIN_OPS, Block, BlockOps
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
 from gptj.quant.ops import UPCAST_CHUNK_ELEMENTS
 
@@ -329,8 +329,7 @@ def rotary_qk_(qkv: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, path: st
             return
         except Exception as e:  # noqa: BLE001 - a Triton or GPU this was not built for: torch's ops from now on
             _FALLBACKS.fail("rotary", "the Triton rotary", e, "torch's ops rotate from now on")
-    qk = qkv[:, :, :2, :, :R]  # q and k together; sin, cos -> (B, T, 1, 1, R)
-    qkv[:, :, :2, :, :R] = qk * cos[:, :, None] + rotate_every_two(qk) * sin[:, :, None]
+    PLAIN_OPS.rotary_qk_(qkv, sin, cos)
 
 
 _FALLBACKS = Fallbacks(log)  # the Triton rotary's failure, once: later calls take torch's ops
@@ -344,7 +343,7 @@ def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
     if fast:
         native.gelu(x, out=out)
     elif exact(x.dtype):
-        out.copy_(gelu_new(x))
+        PLAIN_OPS.gelu_into(x, out)
     else:
         torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
 

@@ -587,7 +587,8 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     S = decode_splits(max_shared, span)
     # the splits' partials: (acc) and (m, den) per (row, head, split), and each row's spans; with one
-    # split none (a float32 and an int32 element: the kernel's pointer types alike in every launch)
+    # split none (a float32 and an int32 element: the kernel's pointer types alike in every launch; made
+    # here, not kept: a captured step reads only its own tensors, tests/test_graphs.py)
     shape = (N, H, S) if S > 1 else (1, 1, 1)
     pacc = torch.empty((*shape, D if S > 1 else 1), dtype=torch.float32, device=q.device)
     pml = torch.empty((*shape, 2), dtype=torch.float32, device=q.device)
