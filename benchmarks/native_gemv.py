@@ -303,7 +303,7 @@ def bench_int4_gemm(shapes: list[str], rows: list[int], rounds: int, group: int,
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if "oneDNN bf16" in impls else None
             kernel = m.weight if m.layout == "cpu" else m._kernel_weight
             # the dequantized matmul as the policy runs it: in float32 (UPCAST) where a CPU has no bfloat16 arithmetic
-            up = torch.float32 if policy._dequantize("cpu", torch.bfloat16) == policy.UPCAST else torch.bfloat16
+            up = torch.float32 if policy.Capabilities.probe("cpu").upcasts(torch.bfloat16) else torch.bfloat16
             for M in rows:
                 x = torch.randn(M, K, generator=g).bfloat16()
 

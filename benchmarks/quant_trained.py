@@ -54,7 +54,7 @@ def logits_of(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 
 def compare(model_dir: Path, prompts: list[list[int]], margin: float, device: str = "cpu") -> dict:
     from gptj import policy, quant
-    from gptj.quant import linear as qlinear
+    from gptj.quant.base import pin_path
     from gptj.weights.io import load_model
 
     ref = logits_of(load_model(model_dir, dtype=torch.float32, device=device), prompts)
@@ -71,13 +71,9 @@ def compare(model_dir: Path, prompts: list[list[int]], margin: float, device: st
             got = bf16
         else:
             model = load_model(model_dir, dtype=torch.bfloat16, quantize=mode, device=device)
-            real = qlinear.linear_path
             if path is not None:
-                qlinear.linear_path = lambda *a, path=path, **k: path
-            try:
-                got = logits_of(model, prompts)
-            finally:
-                qlinear.linear_path = real
+                pin_path(model, path, torch.bfloat16)
+            got = logits_of(model, prompts)
             assert quant.is_quantized(model)
         top = got.argmax(-1)
         out["modes"][name] = {

@@ -352,7 +352,7 @@ def test_a_bfloat16_linear_without_bfloat16_arithmetic_upcasts_big_calls(monkeyp
     with torch.no_grad():
         lin.weight.copy_(torch.randn(560, 96, generator=g))
     m = PackedLinear(lin, policy.NATIVE)
-    monkeypatch.setattr("gptj.kernels.fused.UPCAST_CHUNK_ELEMENTS", 100 * 96)  # chunks of 100 rows, in any rows
+    monkeypatch.setattr("gptj.kernels.dense.UPCAST_CHUNK_ELEMENTS", 100 * 96)  # chunks of 100 rows, in any rows
     from gptj.quant.ops import _row_chunks
 
     assert len(list(_row_chunks(560, 96, 100 * 96, 1))) == 6  # 5 of 100 and a tail of 60

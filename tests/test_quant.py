@@ -46,7 +46,7 @@ def dequant_rows(mode, features=(128, 96), dtype=torch.bfloat16):
 @pytest.fixture
 def no_int4_gemm(monkeypatch):
     """The policy without gptj.native's int4 kernels (tests of the paths they would take over; their own below)."""
-    monkeypatch.setattr(policy, "native_int4_rows", lambda device, dtype: range(0))
+    monkeypatch.setattr(policy, "native_int4_rows", lambda device, dtype, caps=None: range(0))
 
 
 def quantized(lin, mode):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gptj.quant import cuda
+from gptj.quant.cuda import bits, launch
 from gptj.quant.ops import (
     dequantize_fp8,
     dequantize_int8,
@@ -103,25 +104,25 @@ def test_module_facts():
     assert cuda.TILES.convert == "cast" and cuda.CONVERTS == ("cast", "bits")
 
 
-# --- Tiles.convert "bits": the recipes (gptj.quant.cuda's constants above INT8_MAGIC), replayed in torch
+# --- Tiles.convert "bits": the recipes (gptj.quant.cuda.bits' constants), replayed in torch
 # on every byte, and the kernels' own helpers run under the interpreter (integer operations and bit
 # casts only: it runs those right; the int4 helper's bfloat16 subtraction it cannot)
 
 
 def int8_bits(q: torch.Tensor) -> torch.Tensor:
-    """_int8_bf16's steps in torch: bits-as-float32(int32(q) + INT8_MAGIC) - INT8_MAGIC_VALUE, high half."""
+    """int8_bf16's steps in torch: bits-as-float32(int32(q) + INT8_MAGIC) - INT8_MAGIC_VALUE, high half."""
     f = (q.to(torch.int32) + cuda.INT8_MAGIC).view(torch.float32) - cuda.INT8_MAGIC_VALUE
     return (f.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def e4m3_bits(b: torch.Tensor) -> torch.Tensor:
-    """_e4m3_bf16's steps in torch: (int32(int8(b)) << E4M3_SHIFT) & E4M3_MASK as bfloat16 bits."""
+    """e4m3_bf16's steps in torch: (int32(int8(b)) << E4M3_SHIFT) & E4M3_MASK as bfloat16 bits."""
     v = b.view(torch.int8).to(torch.int32)
     return ((v << cuda.E4M3_SHIFT) & cuda.E4M3_MASK).to(torch.int16).view(torch.bfloat16)
 
 
 def int4_bits(n: torch.Tensor) -> torch.Tensor:
-    """_int4_bf16's steps in torch: bfloat16 bits INT4_MAGIC | n, less INT4_MAGIC_VALUE in bfloat16."""
+    """int4_bf16's steps in torch: bfloat16 bits INT4_MAGIC | n, less INT4_MAGIC_VALUE in bfloat16."""
     b = (n.to(torch.int32) | cuda.INT4_MAGIC).to(torch.int16).view(torch.bfloat16)
     assert torch.equal(b.double(), 128.0 + n.double())  # before the subtraction: 128 + n, exactly
     return b - torch.tensor(cuda.INT4_MAGIC_VALUE, dtype=torch.bfloat16)
@@ -156,14 +157,14 @@ if cuda.available():
     def _bits_probe(q_ptr, e_ptr, q_out, e_out, N: tl.constexpr):
         """The kernels' helpers on N bytes, their bfloat16 results stored as int16 bits."""
         i = tl.arange(0, N)
-        tl.store(q_out + i, cuda._int8_bf16(tl.load(q_ptr + i)).to(tl.int16, bitcast=True))
-        tl.store(e_out + i, cuda._e4m3_bf16(tl.load(e_ptr + i)).to(tl.int16, bitcast=True))
+        tl.store(q_out + i, bits.int8_bf16(tl.load(q_ptr + i)).to(tl.int16, bitcast=True))
+        tl.store(e_out + i, bits.e4m3_bf16(tl.load(e_ptr + i)).to(tl.int16, bitcast=True))
 
 
 @pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
                     reason="Triton loads e4m3 on compute capability 8.9 and up")
 def test_the_kernels_bits_helpers_on_every_byte():
-    """_int8_bf16 and _e4m3_bf16 as the kernels run them (the interpreter on CPU, the GPU's code on a
+    """int8_bf16 and e4m3_bf16 as the kernels run them (the interpreter on CPU, the GPU's code on a
     GPU): the torch recipes' bits exactly, every byte."""
     q_out = torch.empty(256, dtype=torch.int16, device=DEVICE)
     e_out = torch.empty(256, dtype=torch.int16, device=DEVICE)
@@ -419,7 +420,7 @@ def test_the_gemm_plans_are_chosen_past_max_rows_and_never_split_k():
                 step = plan.block_n * 128 // 2 + plan.rows * 128 * 2
             else:
                 step = plan.block_n * plan.int8_block_k + plan.rows * plan.int8_block_k * 2
-            assert (plan.num_stages or cuda._stages(step)) * step <= 228 * 1024 // 2, weight
+            assert (plan.num_stages or launch._stages(step)) * step <= 228 * 1024 // 2, weight
     assert cuda.MANY_ROWS["int8"].rows == cuda.MMA_MAX_ROWS
 
 
@@ -588,7 +589,7 @@ def test_the_quantized_modules_run_these_kernels_where_the_policy_says(kind, mon
     chooses it on CUDA only) call these kernels, on the module's own buffers, with its bias."""
     from gptj import policy
     from gptj.quant import Fp8Linear, Int4Linear, Int8Linear
-    from gptj.quant import linear as qlinear
+    from gptj.quant.base import pin_path
 
     x, w, _ = inputs(3, 72, 128, torch.float32, False, seed=4)
     lin = torch.nn.Linear(128, 72).to(DEVICE)
@@ -600,7 +601,7 @@ def test_the_quantized_modules_run_these_kernels_where_the_policy_says(kind, mon
     for name in ("int8_linear", "int4_linear"):
         real = getattr(cuda, name)
         monkeypatch.setattr(cuda, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: policy.TRITON)
+    pin_path(m, policy.TRITON, x.dtype)
     y = m(x[None])[0]
     assert calls == ["int4_linear" if kind == "int4" else "int8_linear"]
     exact = m.dequantized_weight(torch.float64)

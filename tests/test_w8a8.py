@@ -20,6 +20,7 @@ from gptj.errors import GptjError
 from gptj.kernels import fused, prepare_for_serving
 from gptj.quant import calibrate as cal
 from gptj.quant import linear as qlinear
+from gptj.quant.base import pin_path
 from gptj.weights.io import calibrate, convert, load_model, random_state_dict, save_checkpoint
 
 CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)
@@ -87,7 +88,7 @@ def test_the_integer_sums_are_exact_on_every_path(path, n_in, monkeypatch):
     x[0] = 1.0  # a row of +127 against the weight's +-127 rows below: sums of 2048 * 127**2 > 2**24
     m = quant.W8A8Linear.from_float(lin, quant.smoothing_factors(x.abs().amax(0), lin.weight.abs().amax(0)))
     m.weight[0], m.weight[1] = 127, -127
-    monkeypatch.setattr(qlinear, "linear_path", lambda *a, **k: path)
+    pin_path(m, path, x.dtype)
     qx, sx = m.quantize_input(x)
     truth = (qx.long() @ m.weight.long().t()).float()
     assert torch.equal(m(x), (truth * m.weight_scale.float() * sx).to(x.dtype) + m.bias)

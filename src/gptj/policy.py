@@ -3,74 +3,14 @@
 float32 is the exact path everywhere: the plain eager math of gptj.models (HF's formulas), never
 fused, packed, compiled or sent to a native kernel. Lower precision takes the fast paths:
 
-  linear layers (`linear_path`; `weight` names what the layer holds)
-  device  weight                      rows (tokens in the call)        path
-  cpu     float, native layout        <= NATIVE_MAX_ROWS (8)           NATIVE       gptj.native bf16 GEMV (AVX-512:
-                                                                                    bf16 dot products; AVX2: float32 FMAs)
-          (PackedLinear "native")     more                             TORCH        F.linear
-          ...on a CPU without bfloat16 <= NATIVE_EMULATED_BF16_MAX_ROWS NATIVE      (512: the GEMV, 8 rows at a time)
-          arithmetic (`cpu_bf16`)     more                             UPCAST       the weight made float32 a chunk
-                                                                                    at a time, F.linear in float32
-  cpu     float, oneDNN layout        any                              ONEDNN       oneDNN-packed bf16 GEMM
-          (PackedLinear "onednn")
-  cpu     int8, AMX, in % 64 == 0     AMX_INT8_MIN_ROWS (2) to         AMX          gptj.native's AMX GEMM (amx.c)
-          (`native_amx_available`)    AMX_INT8_MAX_ROWS (256)
-          int8                        <= NATIVE_INT8_MAX_ROWS (512;    NATIVE       gptj.native int8 GEMV, 8-row tiles
-                                      16 with AMX, 1024 where the                   (AVX-512 or AVX2, as above); from
-                                      library has the int8 GEMM:                    32 rows AVX512-BF16's int8 GEMM
-                                      `native_int8_max_rows`)
-          (without gptj.native)       <= KERNEL_MAX_ROWS["int8"] (16)  WEIGHT_ONLY  torch._weight_int8pack_mm
-                                      more                             DEQUANTIZE   dequantize + F.linear
-          ...bfloat16 x on a CPU without bfloat16 arithmetic   UPCAST       the same in float32, rounded once
-  cpu     int4, bfloat16 x, on a CPU  >= INT4_NATIVE_MIN_ROWS (2)      NATIVE       gptj.native's int4 GEMV (GEMM from
-          with AVX512-BF16, no AMX                                                  32 rows) on torch's CPU layout
-          (`native_int4_rows`)                                                      (blocks of 32 or 64 rows)
-          ...on an AVX2 CPU          1 to INT4_AVX2_MAX_ROWS (512)    NATIVE       the vector layer's int4 GEMV
-          int4                        <= int4_kernel_max_rows (512;        WEIGHT_ONLY  torch._weight_int4pack_mm_for_cpu
-                                      bfloat16: 16 with AMX, 64 with
-                                      AVX512-BF16)
-                                      more                             DEQUANTIZE   (or UPCAST, as int8's; the CPU
-                                                                                    layout unpacked by gptj.native)
-  cpu     w8a8, packed               any, in the form `w8a8_form`      ONEDNN       oneDNN's u8 x s8 GEMM, int32 sums
-          (PackedW8A8Linear)          names: SHIFTED (VNNI) or SPLIT                (SPLIT: twice the rows)
-                                      any, form NATIVE (no VNNI,        NATIVE       gptj.native's W8A8 GEMM on its packed
-                                      gptj.native loaded)                           panels, exact int32 sums (vpmaddwd)
-  cpu     w8a8 (int8 x int8)          any, CPU with VNNI               INT_MM       torch._int_mm, int32 sums
-                                      any, CPU without                 DEQUANTIZE   float32 products, exact (see below)
-  cuda    w8a8                        in and out % 8 == 0              INT_MM       torch._int_mm (cuBLASLt); up to 16
-                                                                                    rows padded to 17 (int_mm_min_rows)
-                                      else                             DEQUANTIZE   the same products in float32
-  W8A8's integer sums are exact on every path: oneDNN's (and so torch._int_mm's) u8 x s8 kernels sum
-  in int32 only on CPUs with AVX-512 VNNI (gptj.cpu.int8_sums_exact); without it they add pairs of
-  products in 16 bits, which saturate. There the packed layer takes gptj.native's GEMM (NATIVE) or,
-  without gptj.native, the SPLIT form, and the plain one DEQUANTIZE, whose float32 sums run
-  EXACT_F32_INT8_TERMS inputs at a time (each below 2**24, exact).
-  cuda    int8                        <= TRITON_MAX_ROWS (16)          TRITON       gptj.quant.cuda's GEMV: the int8
-                                                                                    weight read once, scaled in the kernel
-                                      more, 16-bit activations         TRITON       its GEMM plans: each weight tile
-                                                                                    converted in registers, never the
-                                                                                    whole weight (`triton_takes`)
-                                      more, float32 activations        DEQUANTIZE
-  cuda    int4, bfloat16 activations  <= int4_kernel_max_rows (16)     WEIGHT_ONLY  torch._weight_int4pack_mm (tinygemm)
-                                      more                             TRITON       gptj.quant.cuda's int4 GEMM plan
-  cuda    int4, float16 activations   any                              TRITON       gptj.quant.cuda's int4 GEMV / GEMM
-  cuda    int4, float32 activations   <= TRITON_MAX_ROWS               TRITON       its int4 GEMV
-                                      more                             DEQUANTIZE
-  The CUDA thresholds past 16 rows are reasoned (gptj.quant.cuda's MANY_ROWS), compiled for sm_90a
-  without spills, not yet timed on a GPU.
-  cuda    fp8, FP8 matrix units       <= TRITON_MAX_ROWS               TRITON       the int8 GEMV on e4m3 weights
-          (`fp8_supported`)           more, in and out % 16 == 0       SCALED_MM    torch._scaled_mm: e4m3 activations
-                                                                                    per token x e4m3 weights
-  any     fp8 elsewhere               any                              DEQUANTIZE   (the commands refuse fp8 there:
-                                                                                    `check_fp8_device`; the math runs
-                                                                                    for checks, e.g. quant-report on CPU)
-  cuda    float                       any                              TORCH
-  TRITON needs Triton installed (`triton_available`); where it is not, DEQUANTIZE runs (int4 with
-  bfloat16 activations: tinygemm up to KERNEL_MAX_ROWS["int4"] (512) rows first).
-  NATIVE needs gptj.native's GEMV built and loaded here (`native_gemv_available`: the library of the
-  CPU's best ISA, AVX-512-BF16 or AVX2 + FMA); where it is not, the next row down runs. A module may
-  still fall back further when its weight could not be packed for the kernel (Int4Linear without a
-  CPU/CUDA int4 layout dequantizes).
+  linear layers: LINEAR_TABLE below, one route per line (weight kind, device, rows, path, the
+  condition, and where its threshold's figures are). A layer's kernels are chosen once for its
+  device and activation dtype, from one `Capabilities` probe (`linear_plan`: rows -> path); the
+  call then switches on its row count alone. W8A8's integer sums are exact on every path (see
+  EXACT_F32_INT8_TERMS and the W8A8 forms). TRITON needs Triton (`triton_available`), NATIVE
+  gptj.native's library of the CPU's best ISA; where one is missing, the next route runs. A layer
+  may fall back further when its weight could not be packed for a kernel (Int4Linear without a
+  CPU/CUDA int4 layout dequantizes). `python -m gptj.policy` prints the table.
 
   building a model for serving (gptj.kernels.prepare_for_serving)
   `fusable`      a block is fused (q|k|v|fc_in in one matmul) when quantized or below float32
@@ -100,6 +40,7 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +63,6 @@ UPCAST = "upcast"  # a bfloat16 weight made float32 a chunk at a time, F.linear 
 TRITON = "triton"  # gptj.quant.cuda's weight-only GEMVs and GEMMs (CUDA)
 SCALED_MM = "scaled-mm"  # e4m3 activations x e4m3 weights, float32 sums (torch._scaled_mm)
 
-WEIGHT_KINDS = ("native-layout", "onednn-layout", "int8", "int4", "w8a8", "fp8")
 
 # gptj.quant.cuda's Triton GEMVs read the quantized weight once per call and stream every row
 # through it: memory bound at decode's few rows, where torch has no int8 / fp8 weight-only kernel
@@ -277,43 +217,45 @@ def cpu_amx() -> bool:
     return "amx_bf16" in cpu.flags()
 
 
-def native_int8_max_rows() -> int:
+def native_int8_max_rows(caps: Capabilities | None = None) -> int:
     """The most rows of a call that gptj.native's int8 kernels take (more: the dequantized matmul):
     NATIVE_INT8_AMX_MAX_ROWS on a CPU with AMX, NATIVE_INT8_GEMM_MAX_ROWS where the loaded library
     has the int8 GEMM (AVX512-BF16's), else NATIVE_INT8_MAX_ROWS (the GEMV's)."""
-    if cpu_amx():
+    caps = caps or Capabilities.probe("cpu")
+    if caps.cpu_amx:
         return NATIVE_INT8_AMX_MAX_ROWS
-    return NATIVE_INT8_GEMM_MAX_ROWS if native.int8_gemm_min_rows() > 0 else NATIVE_INT8_MAX_ROWS
+    return NATIVE_INT8_GEMM_MAX_ROWS if caps.native_int8_gemm else NATIVE_INT8_MAX_ROWS
 
 
-def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype) -> int:
+def int4_kernel_max_rows(device: torch.device | str, dtype: torch.dtype, caps: Capabilities | None = None) -> int:
     """The most rows of an int4 call that torch's int4 kernel takes (more: the dequantized matmul, or on
     CUDA Triton's GEMM): on CUDA with Triton, TRITON_MAX_ROWS (tinygemm is a GEMV-shaped kernel, made for
     decode's few rows as gpt-fast runs it; reasoned, not timed); for bfloat16 on a CPU with gptj.native
     (its unpacking), INT4_AMX_KERNEL_MAX_ROWS with AMX and INT4_BF16_KERNEL_MAX_ROWS with AVX512-BF16;
     else KERNEL_MAX_ROWS["int4"]."""
-    if torch.device(device).type == "cuda" and triton_available():
+    caps = caps or Capabilities.probe(device)
+    if caps.device == "cuda" and caps.triton:
         return TRITON_MAX_ROWS
-    if native_elementwise(device, dtype) and cpu_amx():
+    if caps.native_elementwise(dtype) and caps.cpu_amx:
         return INT4_AMX_KERNEL_MAX_ROWS
-    if native_elementwise(device, dtype) and cpu_bf16():
+    if caps.native_elementwise(dtype) and caps.cpu_bf16:
         return INT4_BF16_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS["int4"]
 
 
-def native_int4_rows(device: torch.device | str, dtype: torch.dtype) -> range:
+def native_int4_rows(device: torch.device | str, dtype: torch.dtype, caps: Capabilities | None = None) -> range:
     """The rows of int4 calls of `dtype` activations on `device` that gptj.native's int4 kernels take
     (native.linear_int4), bfloat16 on a CPU: with AVX512-BF16 but no AMX, where the loaded library has the
     int4 GEMM (AVX512-BF16's), from INT4_NATIVE_MIN_ROWS rows on (its GEMV, its GEMM from 32 rows); on an
     AVX2 CPU with the avx2 library loaded, 1 to INT4_AVX2_MAX_ROWS rows (the vector layer's GEMV). None
     elsewhere (an empty range): with AMX oneDNN's GEMM on the unpacked weight is faster, on AVX-512 without
     BF16 torch's int4 kernel."""
-    if not native_elementwise(device, dtype) or not native.int4_gemm_available():
+    caps = caps or Capabilities.probe(device)
+    if not caps.native_elementwise(dtype) or not caps.native_int4:
         return range(0)
-    if cpu_bf16() and not cpu_amx() and native.int4_gemm_min_rows() > 0:
-        return range(INT4_NATIVE_MIN_ROWS, 1 << 62)
-    lib = native.isa()
-    if cpu.kind() == cpu.AVX2 and lib is not None and lib.name == "avx2":
+    if caps.cpu_bf16 and not caps.cpu_amx and caps.native_int4_gemm:
+        return range(INT4_NATIVE_MIN_ROWS, ALL_ROWS + 1)
+    if caps.cpu_kind == cpu.AVX2 and caps.native_isa == "avx2":
         return range(1, INT4_AVX2_MAX_ROWS + 1)
     return range(0)
 
@@ -409,64 +351,225 @@ def fusable(dtype: torch.dtype | None) -> bool:
     return dtype is None or not exact(dtype)
 
 
+ALL_ROWS = 1 << 62  # a route's "any number of rows"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What runs on one device in this process: CPU flags (gptj.cpu, ceilings applied), gptj.native's
+    libraries, Triton, FP8 units. Probed once where a model is prepared (`probe`), and handed to the
+    tables below, so a layer's kernels are chosen from one consistent answer."""
+
+    device: str  # the device type: "cpu", "cuda", ...
+    cpu_kind: str  # gptj.cpu.kind(): AVX2, AVX512, AVX512_BF16, ...
+    cpu_bf16: bool  # the CPU computes bfloat16 (AVX512-BF16, AMX-BF16)
+    cpu_amx: bool  # AMX's bfloat16 tiles (oneDNN's bfloat16 GEMMs run on them)
+    int8_sums_exact: bool  # oneDNN's u8 x s8 sums are int32 (VNNI)
+    native: bool  # all of gptj.native (elementwise, attention)
+    native_gemv: bool  # gptj.native's GEMVs
+    native_amx: bool  # gptj.native's AMX GEMMs
+    native_int8_gemm: bool  # the loaded library has the int8 GEMM (AVX512-BF16's)
+    native_int4: bool  # gptj.native's int4 kernels take torch's CPU int4 layout
+    native_int4_gemm: bool  # ...and the loaded library has the int4 GEMM (AVX512-BF16's)
+    native_isa: str | None  # the loaded library's ISA name
+    triton: bool  # Triton installed (gptj.quant.cuda's kernels)
+    fp8: bool  # FP8 matrix units on the device (compute capability 8.9 on)
+
+    @classmethod
+    def probe(cls, device: torch.device | str) -> Capabilities:
+        """Ask once: every answer of this module's probes (tests patch those) for `device`."""
+        lib = native.isa()
+        return cls(device=torch.device(device).type, cpu_kind=cpu.kind(), cpu_bf16=cpu_bf16(), cpu_amx=cpu_amx(),
+                   int8_sums_exact=cpu.int8_sums_exact(), native=native_available(),
+                   native_gemv=native_gemv_available(), native_amx=native_amx_available(),
+                   native_int8_gemm=native.int8_gemm_min_rows() > 0, native_int4=native.int4_gemm_available(),
+                   native_int4_gemm=native.int4_gemm_min_rows() > 0, native_isa=None if lib is None else lib.name,
+                   triton=triton_available(), fp8=fp8_supported(device))
+
+    def native_elementwise(self, dtype: torch.dtype) -> bool:
+        """`native_elementwise` on this device: gptj.native's one-pass kernels for bfloat16 on CPU."""
+        return dtype == torch.bfloat16 and self.device == "cpu" and self.native
+
+    def upcasts(self, dtype: torch.dtype) -> bool:
+        """bfloat16 on a CPU without bfloat16 arithmetic: a dequantized matmul runs in float32 (UPCAST),
+        where F.linear in bfloat16 takes 3x float32's time (NATIVE_INT8_MAX_ROWS' table)."""
+        return self.device == "cpu" and dtype == torch.bfloat16 and not self.cpu_bf16
+
+
+Features = tuple[int, int]  # a layer's (in, out) features
+Rows = tuple[int, int] | Callable[[Capabilities, torch.dtype], tuple[int, int]]
+ANY = "any"  # a route for every device
+
+
+def _always(caps: Capabilities, dtype: torch.dtype, features: Features) -> bool:
+    return True
+
+
+# The routes' conditions, by name (describe_linear_table prints them).
+def bf16_cpu_gemv(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.cpu_bf16 and c.native_gemv
+
+
+def bf16_cpu(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.cpu_bf16
+
+
+def gemv(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.native_gemv
+
+
+def no_fp8_units(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return not c.fp8
+
+
+def triton(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.triton
+
+
+def triton_16bit(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.triton and d in TRITON_GEMM_DTYPES
+
+
+def features_16(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return not (f[0] | f[1]) % 16
+
+
+def features_8(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return not (f[0] | f[1]) % 8
+
+
+def amx_takes(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.native_amx and amx_fits(f[0])
+
+
+def upcasts(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.upcasts(d)
+
+
+def int8_sums_exact(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.int8_sums_exact
+
+
+def bfloat16(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return d == torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Route:
+    """One line of the linear table: a layer holding `weight` on `device` (or ANY) whose `when` holds
+    runs calls of `rows` (lo, hi; or a function of the probe and dtype giving them) on `path`.
+    `figures`: the docs/PERFORMANCE.md section behind the threshold (or the reason, where none is timed)."""
+
+    weight: str
+    device: str
+    path: str
+    rows: Rows = (0, ALL_ROWS)
+    when: Callable[[Capabilities, torch.dtype, Features], bool] = _always
+    figures: str = ""
+
+
+def _upto(n: int) -> tuple[int, int]:
+    return (0, n)
+
+
+def _range(r: range) -> tuple[int, int]:
+    return (r.start, r.stop - 1) if r else (1, 0)
+
+
+def _gemm_dtype(dtype: torch.dtype) -> bool:
+    return dtype in TRITON_GEMM_DTYPES
+
+
+# The routes, first match wins (per weight kind, in this order). Every threshold is a constant above,
+# with its figures; CUDA's past 16 rows are reasoned and compiled for sm_90a, not yet timed on a GPU.
+LINEAR_TABLE: tuple[Route, ...] = (
+    Route("onednn-layout", ANY, ONEDNN, figures="#cpu-kernels"),
+    # bfloat16 in gptj.native's layout (PackedLinear "native"): its GEMV at few rows
+    Route("native-layout", ANY, NATIVE, _upto(NATIVE_MAX_ROWS), bf16_cpu_gemv, "#policy-native-max-rows"),
+    Route("native-layout", ANY, TORCH, when=bf16_cpu),
+    # ...on a CPU without bfloat16 arithmetic, the GEMV 8 rows at a time, then the weight upcast
+    Route("native-layout", ANY, NATIVE, _upto(NATIVE_EMULATED_BF16_MAX_ROWS), gemv,
+          "#policy-native-emulated-bf16-max-rows"),
+    Route("native-layout", ANY, UPCAST),
+    # fp8: FP8 units only (elsewhere the commands refuse it: check_fp8_device; the math runs for checks)
+    Route("fp8", ANY, DEQUANTIZE, when=no_fp8_units),
+    Route("fp8", ANY, TRITON, _upto(TRITON_MAX_ROWS), triton, "reasoned: the weight read once"),
+    Route("fp8", ANY, SCALED_MM, when=features_16),
+    Route("fp8", ANY, DEQUANTIZE),
+    # int8 weight-only on CUDA: the Triton GEMVs, then the GEMM plans for 16-bit activations
+    Route("int8", "cuda", TRITON, _upto(TRITON_MAX_ROWS), triton, "reasoned: the weight read once"),
+    Route("int8", "cuda", TRITON, when=triton_16bit, figures="reasoned: gptj.quant.cuda's MANY_ROWS"),
+    # int8 weight-only on CPU
+    Route("int8", "cpu", AMX, (AMX_INT8_MIN_ROWS, AMX_INT8_MAX_ROWS), amx_takes, "#policy-amx-int8-rows"),
+    Route("int8", "cpu", NATIVE, lambda c, d: (0, native_int8_max_rows(c)), gemv,
+          "#policy-native-int8-max-rows, #policy-native-int8-gemm-max-rows, #policy-native-int8-amx-max-rows"),
+    Route("int8", "cpu", WEIGHT_ONLY, _upto(KERNEL_MAX_ROWS["int8"]), figures="#policy-kernel-max-rows"),
+    Route("int8", "cpu", UPCAST, when=upcasts),
+    Route("int8", ANY, DEQUANTIZE),
+    # W8A8: exact int32 sums (CPU: with VNNI; CUDA: cuBLASLt, fewer than 17 rows padded)
+    Route("w8a8", "cpu", INT_MM, when=int8_sums_exact, figures="#policy-w8a8-cpu"),
+    Route("w8a8", "cuda", INT_MM, when=features_8),
+    Route("w8a8", ANY, DEQUANTIZE),
+    # int4: gptj.native's kernels where they take the layout, then torch's (tinygemm on CUDA), Triton
+    Route("int4", ANY, NATIVE, lambda c, d: _range(native_int4_rows(c.device, d, c)),
+          figures="#policy-int4-native-min-rows, #policy-int4-avx2-max-rows"),
+    Route("int4", "cuda", WEIGHT_ONLY, lambda c, d: _upto(int4_kernel_max_rows(c.device, d, c)), bfloat16,
+          "reasoned: tinygemm is GEMV-shaped"),
+    Route("int4", "cuda", TRITON, _upto(TRITON_MAX_ROWS), triton),
+    Route("int4", "cuda", TRITON, when=triton_16bit),
+    Route("int4", "cpu", WEIGHT_ONLY, lambda c, d: _upto(int4_kernel_max_rows(c.device, d, c)),
+          figures="#policy-kernel-max-rows, #policy-int4-amx-kernel-max-rows, #policy-int4-bf16-kernel-max-rows"),
+    Route("int4", "cpu", UPCAST, when=upcasts),
+    Route("int4", ANY, DEQUANTIZE),
+)
+WEIGHT_KINDS = tuple(dict.fromkeys(r.weight for r in LINEAR_TABLE))
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """A layer's paths by row count, for one device and activation dtype: (lo, hi, path) in the
+    table's order; a call of `rows` rows takes the first span holding it."""
+
+    spans: tuple[tuple[int, int, str], ...]
+
+    def path(self, rows: int) -> str:
+        return next(p for lo, hi, p in self.spans if lo <= rows <= hi)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p for _, _, p in self.spans))
+
+
+def linear_plan(caps: Capabilities, dtype: torch.dtype, weight: str, features: Features = (8, 8)) -> RowPlan:
+    """The routes of LINEAR_TABLE a layer holding `weight` (one of WEIGHT_KINDS) with (in, out)
+    `features` takes for `dtype` activations on the probed device, as a RowPlan."""
+    if weight not in WEIGHT_KINDS:
+        raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+    spans = []
+    for r in LINEAR_TABLE:
+        if r.weight == weight and r.device in (ANY, caps.device) and r.when(caps, dtype, features):
+            lo, hi = r.rows(caps, dtype) if callable(r.rows) else r.rows
+            if lo <= hi:
+                spans.append((lo, hi, r.path))
+    return RowPlan(tuple(spans))
+
+
 def linear_path(device: torch.device | str, dtype: torch.dtype, rows: int, weight: str,
-                features: tuple[int, int] = (8, 8)) -> str:
-    """The kernel for a linear layer's call: `rows` rows of `dtype` activations on `device`, the
-    layer holding `weight` (one of WEIGHT_KINDS). One of NATIVE, AMX, ONEDNN, WEIGHT_ONLY, INT_MM, TRITON,
-    SCALED_MM, DEQUANTIZE, UPCAST, TORCH. `features`: the layer's (in, out) features (CUDA's INT_MM needs both
-    divisible by 8, SCALED_MM by 16)."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    if weight == "onednn-layout":
-        return ONEDNN
-    if weight == "native-layout":
-        if not cpu_bf16():
-            return NATIVE if rows <= NATIVE_EMULATED_BF16_MAX_ROWS and native_gemv_available() else UPCAST
-        return NATIVE if rows <= NATIVE_MAX_ROWS and native_gemv_available() else TORCH
-    if weight == "fp8":
-        if not fp8_supported(device):
-            return DEQUANTIZE
-        if rows <= TRITON_MAX_ROWS and triton_available():
-            return TRITON
-        return SCALED_MM if not (features[0] | features[1]) % 16 else DEQUANTIZE
-    if weight == "int8":
-        if kind != "cpu":
-            return TRITON if kind == "cuda" and triton_takes(dtype, rows) else DEQUANTIZE
-        if AMX_INT8_MIN_ROWS <= rows <= AMX_INT8_MAX_ROWS and native_amx_available() and amx_fits(features[0]):
-            return AMX
-        if rows <= native_int8_max_rows() and native_gemv_available():
-            return NATIVE
-        return WEIGHT_ONLY if rows <= KERNEL_MAX_ROWS["int8"] else _dequantize(kind, dtype)
-    if weight == "w8a8":
-        if kind == "cpu":
-            return INT_MM if cpu.int8_sums_exact() else DEQUANTIZE
-        if kind == "cuda" and not (features[0] | features[1]) % 8:
-            return INT_MM  # (fewer than INT_MM_CUDA_MIN_ROWS rows: padded up to them)
-        return DEQUANTIZE
-    if weight == "int4":
-        if rows in native_int4_rows(kind, dtype):
-            return NATIVE
-        if kind == "cuda":
-            if dtype == torch.bfloat16 and rows <= int4_kernel_max_rows(kind, dtype):
-                return WEIGHT_ONLY  # tinygemm
-            return TRITON if triton_takes(dtype, rows) else DEQUANTIZE
-        if rows > int4_kernel_max_rows(kind, dtype):
-            return _dequantize(kind, dtype)
-        return WEIGHT_ONLY if kind == "cpu" else DEQUANTIZE
-    raise ValueError(f"unknown weight kind {weight!r} (one of {', '.join(WEIGHT_KINDS)})")
+                features: Features = (8, 8)) -> str:
+    """The kernel for one call: `rows` rows of `dtype` activations on `device`, the layer holding
+    `weight` (one of WEIGHT_KINDS) of (in, out) `features` (CUDA's INT_MM needs both divisible by 8,
+    SCALED_MM by 16). A layer asks `linear_plan` once instead; this is for reports and tests."""
+    return linear_plan(Capabilities.probe(device), dtype, weight, features).path(rows)
 
 
-def triton_takes(dtype: torch.dtype, rows: int) -> bool:
-    """Whether gptj.quant.cuda's weight-only kernels take a CUDA call of `rows` rows of `dtype`
-    activations (int8, int4): Triton installed, and up to TRITON_MAX_ROWS rows (the GEMV plans) or, for
-    TRITON_GEMM_DTYPES, any rows (the GEMM plans)."""
-    return (rows <= TRITON_MAX_ROWS or dtype in TRITON_GEMM_DTYPES) and triton_available()
-
-
-def _dequantize(kind: str, dtype: torch.dtype) -> str:
-    """A weight-only layer's many-row path: the weight dequantized for F.linear in the activations'
-    dtype (DEQUANTIZE), or in float32 (UPCAST) for bfloat16 on a CPU without bfloat16 arithmetic,
-    where F.linear in bfloat16 takes 3x float32's time (NATIVE_INT8_MAX_ROWS' table)."""
-    return UPCAST if kind == "cpu" and dtype == torch.bfloat16 and not cpu_bf16() else DEQUANTIZE
+def describe_linear_table() -> str:
+    """LINEAR_TABLE as text, a route per line (what `python -m gptj.policy` prints)."""
+    lines = []
+    for r in LINEAR_TABLE:
+        rows = "by probe" if callable(r.rows) else ("any" if r.rows == (0, ALL_ROWS) else f"{r.rows[0]}-{r.rows[1]}")
+        cond = "" if r.when is _always else r.when.__name__
+        lines.append(f"{r.weight:14} {r.device:5} rows {rows:9} {r.path:11} {cond:14} {r.figures}")
+    return "\n".join(lines)
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -544,3 +647,7 @@ def compile_trusted(device: torch.device | str) -> bool:
     a 4-beam group 1,504 against 1,703 us; 512-bit code, where it ran, 326 and 1,314 us), and a
     bfloat16 model on an AVX-512-BF16 CPU runs gptj.native's kernels anyway. CUDA compiles."""
     return torch.device(device).type != "cpu"
+
+
+if __name__ == "__main__":
+    print(describe_linear_table())

@@ -9,16 +9,11 @@ on a bigger matrix (the kernels' per-call cost and small-matrix inefficiency dom
 small models). Rotary runs on q and k together, in place. `fuse_model` does this for models whose
 weights are not float32 (bfloat16 or quantized); float32 stays the exact, unfused math (policy.fusable).
 
-torch's `F.linear` in bfloat16 on CPU reads a plain row-major weight; at the few rows of a decode
-step it reaches about half the memory bandwidth of the same weight in oneDNN's blocked layout
-(docs/PERFORMANCE.md#cpu-kernels). `pack_model` swaps every bfloat16 `nn.Linear` of a model for a
-`PackedLinear` holding the weight in that layout (reordered once, layer by layer, each plain weight
-freed before the next is reordered, so memory never holds two copies of the model). The products
-are the same oneDNN bfloat16 GEMM with float32 accumulation; the tests check the outputs against
-`F.linear`.
-
-The packed weight is an opaque oneDNN tensor: a packed model serves (the engine, `decode.generate`)
-but is not saved, moved to another device or cast; load the checkpoint again for that.
+Packed linears. `pack_model` swaps every bfloat16 `nn.Linear` of a model for a `PackedLinear`
+(gptj.kernels.dense: oneDNN's blocked layout or gptj.native's) and every W8A8 layer for a
+`PackedW8A8Linear` (gptj.quant.w8a8), reordered once, layer by layer, each plain weight freed before
+the next is reordered, so memory never holds two copies of the model. `prepare_for_serving` then
+chooses every quantized layer's kernels for the model's dtype (gptj.quant.base.choose_methods).
 """
 
 from __future__ import annotations
@@ -29,163 +24,16 @@ import torch
 from torch import nn
 
 from gptj import native
-from gptj.policy import (AMX, NATIVE, ONEDNN, PACK_MODES, SHIFTED, SPLIT, TORCH, TRITON, UPCAST, W8A8_FORMS, can_pack,
-                         can_pack_int8, elementwise_path, exact, fusable, linear_path, native_elementwise, pack_layout,
-                         w8a8_form)
+from gptj.policy import (NATIVE, PACK_MODES, TORCH, TRITON, can_pack, can_pack_int8, elementwise_path, exact, fusable,
+                         pack_layout)
 from gptj.fallback import Fallbacks
+from gptj.kernels.dense import PackedLinear
 from gptj.models.gptj import PLAIN_OPS, Block, BlockOps
-from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, chunked_linear, quantize_rows_int8
-from gptj.quant.ops import UPCAST_CHUNK_ELEMENTS
+from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear
+from gptj.quant.base import choose_methods
+from gptj.quant.w8a8 import PackedW8A8Linear
 
 log = logging.getLogger(__name__)
-
-
-class PackedLinear(nn.Module):
-    """nn.Linear's forward in bfloat16 on CPU, in one of two layouts chosen when it is built.
-
-    "onednn": the weight reordered for oneDNN (fast at any number of rows).
-    "native": the plain weight, read by gptj.native's GEMV at few rows (AVX-512: 1.4-1.8x oneDNN at 1-2
-    rows) and by F.linear above (policy.linear_path). Chosen when the engine never runs more rows than
-    policy.NATIVE_LAYOUT_MAX_ROWS per step (batch-1 latency); holding both layouts would double the
-    weights' memory. On a CPU where oneDNN has no bfloat16 (AVX2) it is the only layout: the GEMV up to
-    512 rows (2-3x F.linear bfloat16 at 2-8 rows), the weight upcast to float32 above (UPCAST)."""
-
-    def __init__(self, linear: nn.Linear, layout: str = "onednn") -> None:
-        super().__init__()
-        if layout not in (ONEDNN, NATIVE):
-            raise ValueError(f"unknown layout {layout!r}")
-        self.in_features, self.out_features, self.layout = linear.in_features, linear.out_features, layout
-        w = linear.weight.detach().contiguous()
-        # Buffers (counted by memory and bandwidth reports) that state_dict() leaves out.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1) if layout == ONEDNN else w,
-                             persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise RuntimeError(f"PackedLinear takes bfloat16 CPU input, got {x.dtype} on {x.device}")
-        if self.layout == ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        path = linear_path(x.device, x.dtype, x.numel() // self.in_features, "native-layout")
-        if path == NATIVE:
-            return native.linear_bf16(x, self.packed, self.bias)
-        if path == UPCAST:  # the weight made float32 a chunk at a time, F.linear in float32, rounded once
-            y = chunked_linear(x.reshape(-1, self.in_features), self.packed, torch.float32, bias=self.bias,
-                               out_dtype=torch.bfloat16, chunk_elements=UPCAST_CHUNK_ELEMENTS)
-            return y.view(*x.shape[:-1], self.out_features)
-        return torch.nn.functional.linear(x, self.packed, self.bias)
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
-        raise RuntimeError("a PackedLinear cannot be moved or cast; load the checkpoint again instead")
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 {self.layout}"
-
-
-class PackedW8A8Linear(nn.Module):
-    """A W8A8Linear's forward on a CPU's int8 GEMM, its weight packed once (policy.can_pack_int8).
-
-    Each row x is quantized as W8A8Linear does (x / input_smooth, per-token int8 scale) and goes to the
-    GEMM in the form policy.w8a8_form names for the CPU:
-
-      AMX (CPUs with AMX)       gptj.native's AMX-INT8 GEMM (native.linear_w8a8_amx) on the plain
-                                int8 weight: SHIFTED's float32 result, bit for bit, faster (docs/PERFORMANCE.md#policy-w8a8-amx)
-      SHIFTED (CPUs with VNNI)  oneDNN's u8 x s8 GEMM on q + 128 with zero point 128; it returns
-                                sum * weight_scale in float32
-      NATIVE (CPUs without,     gptj.native's W8A8 GEMM (native.linear_w8a8) on its own packed panels:
-      gptj.native loaded)       q widened to int16, pairs of products summed into int32 (vpmaddwd)
-      SPLIT (CPUs without,      oneDNN's GEMM on p = max(q, 0) and n = max(-q, 0), stacked as twice the
-      no gptj.native)           rows, zero point 0; sum = sum(p) - sum(n), each half's float32 exact
-                                below 2**24
-
-    The int32 sums are exact in every form; then x's scale and the bias follow, in W8A8Linear's order:
-    the same numbers as the module it replaces (SPLIT: whenever each half's sum stays below 2**24,
-    else within float32's rounding of it). Like PackedLinear it serves, and is not saved, moved or cast.
-    The module keeps one packed copy of the weight: oneDNN's or gptj.native's.
-
-    In bfloat16 where gptj.native is available (policy.native_elementwise), the rounding before the
-    GEMM and the scaling after are one pass each (gptj.native.quantize_rows_u8, scale_rows), and a
-    SHIFTED call runs CHUNK_ROWS rows at a time, so the GEMM's float32 sums are still in cache when they
-    are scaled (gptj.native's GEMM scales its own sums). torch's ops take several passes over the whole
-    call, which took several times the GEMM's own time at prefill sizes (docs/PERFORMANCE.md#cpu-kernels)."""
-
-    CHUNK_ROWS = 256
-
-    def __init__(self, m: W8A8Linear, form: str | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = m.in_features, m.out_features
-        self.form = w8a8_form(m.weight.device, m.in_features) if form is None else form
-        if self.form not in W8A8_FORMS:
-            raise ValueError(f"unknown W8A8 form {self.form!r}")
-        if self.form == AMX:
-            packed = m.weight.contiguous()  # the AMX GEMM reads the plain weight
-        elif self.form == NATIVE:
-            packed = native.pack_w8a8(m.weight)
-        else:
-            packed = torch.ops.onednn.qlinear_prepack(m.weight, None)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("weight_scale", m.weight_scale.float(), persistent=False)
-        onednn = self.form not in (NATIVE, AMX)  # oneDNN's GEMM takes its scales and zero points as tensors
-        self.register_buffer("unit_scale", torch.ones(m.out_features) if onednn else None, persistent=False)
-        self.register_buffer("zero_points", torch.zeros(m.out_features, dtype=torch.int64) if onednn else None,
-                             persistent=False)
-        self.register_buffer("inv_smooth", 1 / m.input_smooth.float(), persistent=False)
-        self.register_buffer("bias", None if m.bias is None else m.bias.detach(), persistent=False)
-
-    def _gemm(self, qu: torch.Tensor, zero_point: int = 128, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """oneDNN's u8 x s8 GEMM of uint8 rows qu (q + zero_point) -> float32 sums * scale (weight_scale)."""
-        if self.form == AMX:  # the same float32 sums * weight_scale, bit for bit (zero point 128 alone)
-            return native.linear_w8a8_amx(qu, self.packed, self.weight_scale)
-        scale = self.weight_scale if scale is None else scale
-        return torch.ops.onednn.qlinear_pointwise(qu, 1.0, zero_point, self.packed, scale, self.zero_points,
-                                                  None, 1.0, 0, torch.float32, "none", [], "")
-
-    def _split_sums(self, qx: torch.Tensor) -> torch.Tensor:
-        """The SPLIT form: float32 sums of qx's products, from one GEMM of both halves (unit scales)."""
-        halves = self._gemm(torch.cat((qx, -qx)).clamp_(min=0).view(torch.uint8), 0, self.unit_scale)
-        rows = qx.shape[0]
-        return halves[:rows] - halves[rows:]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self.form == NATIVE:
-            return self._native(x2).view(*x.shape[:-1], self.out_features)
-        if self.form in (SHIFTED, AMX) and native_elementwise(x.device, x.dtype):
-            y = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype)
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            for r in range(0, x2.shape[0], self.CHUNK_ROWS):
-                qu, sx = native.quantize_rows_u8(x2[r:r + self.CHUNK_ROWS], self.inv_smooth)
-                native.scale_rows(self._gemm(qu), sx, bias, out=y[r:r + self.CHUNK_ROWS])
-            return y.view(*x.shape[:-1], self.out_features)
-        qx, sx = quantize_rows_int8(x2.float() * self.inv_smooth)
-        if self.form == SPLIT:
-            acc = self._split_sums(qx) * self.weight_scale
-        else:
-            acc = self._gemm((qx.to(torch.int16) + 128).to(torch.uint8))
-        y = (acc * sx).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def _native(self, x2: torch.Tensor) -> torch.Tensor:
-        """The NATIVE form: bfloat16 rows rounded in gptj.native's one pass and scaled, biased and rounded
-        in its GEMM; other dtypes rounded by torch's ops, the GEMM's float32 result then cast and biased
-        as W8A8Linear does."""
-        if native_elementwise(x2.device, x2.dtype):
-            qu, sx = native.quantize_rows_u8(x2, self.inv_smooth)
-            bias = None if self.bias is None else self.bias.to(x2.dtype)
-            return native.linear_w8a8(qu, sx, self.packed, self.weight_scale, bias)
-        qx, sx = quantize_rows_int8(x2.float() * self.inv_smooth)
-        qu = (qx.to(torch.int16) + 128).to(torch.uint8)
-        y = native.linear_w8a8(qu, sx.contiguous(), self.packed, self.weight_scale, None, torch.float32).to(x2.dtype)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
-        raise RuntimeError("a PackedW8A8Linear cannot be moved or cast; load the checkpoint again instead")
-
-    def extra_repr(self) -> str:
-        kernel = "gptj.native" if self.form in (NATIVE, AMX) else "onednn"
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 {kernel} {self.form}"
 
 
 def pack_model(model: nn.Module, mode: str = "auto", max_rows: int | None = None) -> int:
@@ -403,4 +251,5 @@ def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | No
             fused += 1
         packed += pack_model(blocks[i], mode, max_rows)
     packed += pack_model(model, mode, max_rows)  # lm_head (the blocks' linears are PackedLinear by now)
+    choose_methods(model, model.transformer.wte.weight.dtype)  # the quantized layers' kernels, from one probe
     return {"fused_blocks": fused, "packed_linears": packed}

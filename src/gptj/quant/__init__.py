@@ -4,11 +4,13 @@ weights per output channel; e4m3 activations per token in big calls; GPUs with F
 
   ops        the tensor math: quantize / dequantize int8, int4 and fp8, the int4 layouts, W8A8's rows and factors
   format     the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
-  linear     Int8Linear / Int4Linear / W8A8Linear / Fp8Linear and the model-level swaps (quantize_model, ...)
-  cuda       Triton GEMVs for CUDA decode: int8 (and e4m3) and int4 weights read once, dequantized inside
+  base       what the layers share: QuantLinear, its kernels chosen once per device and dtype (LinearMethod)
+  int8, int4, w8a8, fp8   one file per kind: Int8Linear, Int4Linear, W8A8Linear (+ PackedW8A8Linear), Fp8Linear
+  linear     the model-level swaps (quantize_model, swap_quantized_modules, prepare_model, ...)
+  cuda       Triton GEMVs and GEMMs for CUDA: int8 (and e4m3) and int4 weights, dequantized inside
   calibrate  W8A8's calibration: input |max| per channel over prompts, the smoothing factors, their file
 
-Which kernel a quantized layer's call runs is gptj.policy's (KERNEL_MAX_ROWS lives there).
+Which kernel a quantized layer's call runs is gptj.policy's LINEAR_TABLE (KERNEL_MAX_ROWS lives there).
 """
 
 from gptj import native
