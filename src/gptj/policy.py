@@ -515,7 +515,7 @@ LINEAR_TABLE: tuple[Route, ...] = (
           figures="#policy-int4-native-min-rows, #policy-int4-avx2-max-rows"),
     Route("int4", "cuda", WEIGHT_ONLY, lambda c, d: _upto(int4_kernel_max_rows(c.device, d, c)), bfloat16,
           "reasoned: tinygemm is GEMV-shaped"),
-    Route("int4", "cuda", TRITON, _upto(TRITON_MAX_ROWS), triton),
+    Route("int4", "cuda", TRITON, _upto(TRITON_MAX_ROWS), triton, "reasoned: the weight read once"),
     Route("int4", "cuda", TRITON, when=triton_16bit),
     Route("int4", "cpu", WEIGHT_ONLY, lambda c, d: _upto(int4_kernel_max_rows(c.device, d, c)),
           figures="#policy-kernel-max-rows, #policy-int4-amx-kernel-max-rows, #policy-int4-bf16-kernel-max-rows"),
