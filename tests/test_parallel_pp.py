@@ -7,33 +7,32 @@ import torch
 
 from gptj.decode import generate
 from gptj.engine import Engine, EngineConfig
-from gptj.parallel.pp import OtherStage, pipeline_model
+from gptj.parallel.pp import OtherStage, PipelineStage
 from test_parallel_tp import GENS, PROMPTS, full_model, reference_tokens, spawn_ranks
 
 
 def _pp_job(rank: int, world: int) -> dict:
-    model = full_model()
-    stage = pipeline_model(model, rank, world, micro_batches=2)
+    stage = PipelineStage(full_model(), rank, world, micro_batches=2)
     with torch.inference_mode():
-        logits = model(torch.tensor(PROMPTS[:1] * 2))
+        logits = stage(torch.tensor(PROMPTS[:1] * 2))
     sends = stage.sends
-    tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
-    engine = Engine(model, EngineConfig(max_seqs=8, kernels="off", compile="off"))
+    tokens = {name: generate(stage, PROMPTS, gen) for name, gen in GENS.items()}
+    engine = Engine(stage, EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}
-    owned = [i for i, b in enumerate(model.transformer.h) if not isinstance(b, OtherStage)]
+    owned = [i for i, b in enumerate(stage.transformer.h) if not isinstance(b, OtherStage)]
     return {"logits": logits, "sends": sends, "tokens": tokens, "engine": engine_tokens, "owned": owned}
 
 
 def _grid_job(rank: int, world: int) -> dict:
     """--tp 2 --pp 2: rank r is tensor rank r % 2 of stage r // 2."""
-    from gptj.parallel import lockstep
+    from gptj.parallel.context import ParallelContext
 
-    lockstep.configure(tp=2, pp=2)
-    model = lockstep.split_model(full_model(), rank)
-    reduce = model.transformer.h[2 if rank >= 2 else 0].reduce
+    ctx = ParallelContext.join(tp=2, pp=2)
+    model = ctx.share(full_model())
+    reduce = model.transformer.h[2 if rank >= 2 else 0].all_reduce
     with torch.inference_mode():
         logits = model(torch.tensor(PROMPTS[:1] * 2))
-    calls, sends = reduce.calls, model.pipeline.sends
+    calls, sends = reduce.calls, model.sends
     tokens = {name: generate(model, PROMPTS, gen) for name, gen in GENS.items()}
     engine = Engine(model, EngineConfig(max_seqs=8, kernels="off", compile="off"))
     engine_tokens = {name: engine.generate(PROMPTS, gen) for name, gen in GENS.items()}

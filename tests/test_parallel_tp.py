@@ -76,7 +76,7 @@ def _tp_int8_job(rank: int, world: int) -> dict:
 
     model = full_model()
     reduce = shard_model(model, rank, world)
-    quantize_model(model, "int8", skip=("lm_head",))  # as gptj.parallel.lockstep.load_model does
+    quantize_model(model, "int8", skip=("lm_head",))  # as gptj.runtime.build.load_model does
     with torch.inference_mode():
         logits = model(torch.tensor([PROMPTS[0]]))
     return {"logits": logits, "calls": reduce.calls}

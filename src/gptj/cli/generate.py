@@ -105,15 +105,14 @@ def _stream(tok, prompts: list[list[int]], gen, spec, engine_config) -> None:  #
 
 def _generate_job(rank: int, world: int, payload: dict) -> list[list[int]]:
     """gptj generate's work on one rank (all of it when world is 1): load, shard, run the engine."""
-    from gptj.parallel import lockstep
+    from gptj.parallel.context import SINGLE, ParallelContext
     from gptj.runtime.build import build_engine, load_model
 
     spec = payload["spec"]
-    if world > 1:
-        lockstep.configure(spec.tp, spec.pp)
-    model = load_model(spec)
+    ctx = ParallelContext.join(spec.tp, spec.pp) if world > 1 else SINGLE
+    model = load_model(spec, ctx)
     # Every rank sizes its engine the same way (ranks must schedule identically): see build_engine.
-    engine = build_engine(model, payload["engine"])
+    engine = build_engine(model, payload["engine"], ctx=ctx)
     return engine.generate(payload["prompts"], payload["gen"])
 
 

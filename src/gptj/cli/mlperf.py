@@ -94,6 +94,7 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
 
     from gptj.mlperf.run import run
     from gptj.parallel import lockstep
+    from gptj.parallel.context import ParallelContext
 
     if rank > 0:
         return lockstep.follower_job(rank, world, payload)
@@ -102,13 +103,13 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    lockstep.configure(payload["tp"], payload["pp"])
+    ctx = ParallelContext.join(payload["tp"], payload["pp"])
     try:
-        _mlperf_report(run(payload["cfg"]))
+        _mlperf_report(run(payload["cfg"], ctx))
     except KeyboardInterrupt as e:  # run() stopped LoadGen's test cleanly; the parent says so
         return {"interrupted": str(e)}
     finally:
-        lockstep.finish()
+        lockstep.finish(ctx)
     return None
 
 

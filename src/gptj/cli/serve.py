@@ -107,15 +107,16 @@ def _serve_job(rank: int, world: int, payload: dict) -> None:
     """gptj serve --tp/--pp on one rank: rank 0 serves HTTP and leads; the others follow its engine
     (and leave signals to rank 0, which tells them to stop once it has drained)."""
     from gptj.parallel import lockstep
+    from gptj.parallel.context import ParallelContext
     from gptj.serve.server import serve
 
     if rank > 0:
         return lockstep.follower_job(rank, world, payload)
-    lockstep.configure(payload["tp"], payload["pp"])
+    ctx = ParallelContext.join(payload["tp"], payload["pp"])
     try:
-        serve(payload["cfg"], log_level=payload["log_level"])
+        serve(payload["cfg"], log_level=payload["log_level"], ctx=ctx)
     finally:
-        lockstep.finish()
+        lockstep.finish(ctx)
     return None
 
 

@@ -29,19 +29,19 @@ from gptj.decode import GenerationConfig
 from gptj.errors import GptjError
 from gptj.mlperf.remote import API_KEY_ENV  # with `server`: sent as "Authorization: Bearer KEY" (kept out of the logs)
 from gptj.mlperf.config import MODEL_NAME, MLPerfConfig, RunResult, Threads
+from gptj.parallel.context import SINGLE, ParallelContext
 
-def choose_threads(cfg: MLPerfConfig) -> Threads:
+def choose_threads(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> Threads:
     """--threads if given; else the usable cores less RESERVED_CORES; under --tp/--pp, this rank's
     share of the cores (as the launcher set it), less the reserve."""
     import torch
 
-    from gptj.parallel import lockstep
     from gptj.threads import RESERVED_CORES, compute_threads, usable_cores
 
     cores = usable_cores()
     if cfg.threads is not None:
         return Threads(compute_threads(cfg.threads), cfg.threads, cores, 0, "requested (--threads)")
-    if lockstep.active():
+    if ctx.parallel:
         share = torch.get_num_threads()
         return Threads(max(1, share - RESERVED_CORES), None, cores, RESERVED_CORES,
                        f"default: this rank's share of {share} of the {cores} usable cores" + _kept(RESERVED_CORES))
@@ -406,17 +406,19 @@ def engine_config(cfg: MLPerfConfig, longest: int):  # noqa: ANN201 - EngineConf
                                max_len=asked.max_len or longest + cfg.gen.max_new_tokens)
 
 
-def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202
+def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int,
+                    ctx: ParallelContext):  # noqa: ANN202
     """The engine on its thread, the model loaded there (a load error is raised here)."""
     from gptj.mlperf.sut import EngineBackend
 
-    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads))
+    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads), ctx)
 
 
 _ENGINE_THREAD_TORCH_THREADS = [None]  # what torch.get_num_threads() said on the engine's thread (run.json)
 
 
-def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int):  # noqa: ANN202 - Engine
+def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int,
+                  ctx: ParallelContext):  # noqa: ANN202 - Engine
     import torch
 
     from gptj.runtime.build import build_engine, load_model
@@ -427,7 +429,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     _ENGINE_THREAD_TORCH_THREADS[0] = torch.get_num_threads()
     bars = None if cfg.progress else False  # --quiet: none; else gptj.weights.io.auto_progress decides
     spec = cfg.spec.at(model_dir)
-    model = load_model(spec, progress=bars)
+    model = load_model(spec, ctx, progress=bars)
     if longest + cfg.gen.max_new_tokens > model.config.n_positions:
         raise GptjError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.gen.max_new_tokens} exceeds "
                         f"the model's {model.config.n_positions} positions")
@@ -435,7 +437,7 @@ def _build_engine(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int
     if engine.max_seqs < cfg.gen.num_beams:
         raise GptjError(f"--max-seqs {engine.max_seqs} is fewer than num_beams {cfg.gen.num_beams} (a sample's "
                         "beams run together)")
-    return build_engine(model, engine, progress=bars, warm=cfg.gen)  # CUDA: graphs captured before LoadGen
+    return build_engine(model, engine, progress=bars, warm=cfg.gen, ctx=ctx)  # CUDA: graphs captured before LoadGen
 
 
 def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noqa: ANN001 - HTTPBackend
@@ -445,7 +447,8 @@ def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noq
                         f"the server model {backend.model!r}'s max_model_len {limit}")
 
 
-def run(cfg: MLPerfConfig) -> RunResult:
+def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
+    """One LoadGen run as `cfg` asks; `ctx`: under --tp / --pp, this process is the job's rank 0."""
     import mlperf_loadgen as lg
     from tqdm import tqdm
 
@@ -457,7 +460,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
     import torch
 
     model_dir = Path(cfg.model) if cfg.model is not None else None
-    threads = choose_threads(cfg)
+    threads = choose_threads(cfg, ctx)
     torch.set_num_threads(threads.compute)
     remote = backend = None
     if cfg.server is not None:
@@ -476,7 +479,7 @@ def run(cfg: MLPerfConfig) -> RunResult:
             _check_fits_server(cfg, remote, longest)
             backend = remote
         else:
-            backend = _engine_backend(cfg, model_dir, longest, threads.compute)
+            backend = _engine_backend(cfg, model_dir, longest, threads.compute, ctx)
         log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
         log_dir.mkdir(parents=True, exist_ok=True)
         notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))

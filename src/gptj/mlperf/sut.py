@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlperf_loadgen as lg
 import numpy as np
@@ -27,6 +27,9 @@ import numpy as np
 from gptj.decode import GenerationConfig
 from gptj.errors import GptjError
 from gptj.mlperf.dataset import Dataset
+
+if TYPE_CHECKING:
+    from gptj.parallel.context import ParallelContext
 
 SCENARIOS = ("Offline", "Server", "SingleStream")
 
@@ -73,13 +76,14 @@ class Backend(Protocol):
 
 
 class EngineBackend:
-    """gptj's continuous-batching engine on a background thread. `build` makes the engine (loads
-    the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop)."""
+    """gptj's continuous-batching engine on a background thread. `build(ctx)` makes the engine (loads
+    the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop);
+    `ctx`: the job's context (under --tp / --pp this engine leads the other ranks')."""
 
-    def __init__(self, build) -> None:  # noqa: ANN001 - Callable[[], Engine]
+    def __init__(self, build, ctx: ParallelContext) -> None:  # noqa: ANN001 - Callable[[ParallelContext], Engine]
         from gptj.parallel import lockstep
 
-        self.loop = lockstep.engine_loop(build)  # leads the other ranks under --tp / --pp
+        self.loop = lockstep.engine_loop(build, ctx)  # leads the other ranks under --tp / --pp
         self.engine = self.loop.engine
         self._handles: dict[str, object] = {}  # request id -> RequestHandle, until it finishes
         self._lock = threading.Lock()

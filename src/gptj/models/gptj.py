@@ -20,8 +20,8 @@ and float32 runs them op for op (token-identical to HF).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -122,12 +122,14 @@ class Block(nn.Module):
         self.w_in: nn.Module | None = None  # fused at load: [q | k | v | fc_in] (their linears then gone)
         self.w_out: nn.Module | None = None  # fused at load (float weights): [out_proj | fc_out]
         self.ops = PLAIN_OPS
-        # Tensor parallel (gptj.parallel.tp): sums the ranks' partial attn + mlp outputs, one
-        # all-reduce per layer, since GPT-J computes both branches from the same LayerNorm.
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
+        return self.update(h, sin, cos, mask, cache, layer) + h
+
+    def update(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
+               cache: KVCache | None, layer: int) -> torch.Tensor:
+        """What the block adds to the residual stream h (B, T, E): attn(x) + mlp(x), x = ln_1(h)."""
         B, T, _ = h.shape
         H, D = self.attn.n_head, self.attn.head_dim  # this rank's heads under tensor parallelism
         qkv, f = self.project_in(self.ln_1(h))  # (B, T, 3, H, D), (B, T, I)
@@ -137,10 +139,7 @@ class Block(nn.Module):
         # The cache stores k, v and attends over all its keys (the engine's cache does this per
         # sequence, each with its own length); without a cache, attend over this call's tokens.
         a = cache.attend(layer, q, k, v, mask) if cache is not None else attention(q, k, v, mask)
-        out = self.project_out(a.transpose(1, 2).reshape(B, T, H * D), f)  # attn + mlp, HF's order
-        if self.reduce is not None:
-            out = self.reduce(out)
-        return out + h
+        return self.project_out(a.transpose(1, 2).reshape(B, T, H * D), f)  # attn + mlp, HF's order
 
     def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, E) -> [q | k | v] (B, T, 3, H, D) and fc_in(x) (B, T, I)."""
@@ -177,6 +176,8 @@ class Transformer(nn.Module):
 
 
 class GPTJForCausalLM(nn.Module):
+    pipeline = None  # runs every layer here (what the engine asks; a gptj.parallel.pp.PipelineStage runs some)
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.config = config
@@ -184,7 +185,6 @@ class GPTJForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
         # [sin | cos] per position, float32; not saved (rebuilt after loading on the meta device).
         self.register_buffer("rope", rope_table(config.n_positions, config.rope_dim), persistent=False)
-        self.pipeline = None  # pipeline parallel: the stage this process runs (gptj.parallel.pp)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Rebuild non-persistent buffers (after `load_state_dict(assign=True)` from the meta device)."""
@@ -210,39 +210,49 @@ class GPTJForCausalLM(nn.Module):
         sequence's own length (the engine's, `per_sequence = True`) makes its own masks; it needs
         position_ids and no attention_mask.
         """
+        position_ids, mask = self.step_inputs(input_ids, attention_mask, position_ids, cache)
+        h = self.run_layers(self.transformer.wte(input_ids), position_ids, mask, cache)  # (B, T, E)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.logits(h, logits_to_keep)
+
+    def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, cache: KVCache | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's position_ids (B, T) and attention mask (None: the cache makes its own), checked."""
         B, T = input_ids.shape
-        mask = None
         if getattr(cache, "per_sequence", False):
             if position_ids is None:
                 raise ValueError("a per-sequence cache needs explicit position_ids")
-        else:
-            past = cache.length if cache is not None else 0
-            if attention_mask is None:
-                attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
-            if attention_mask.shape != (B, past + T):
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
-            if position_ids is None:
-                position_ids = position_ids_from_mask(attention_mask, T)
-            mask = causal_mask(attention_mask, T)
-            # (the engine's cache checks lengths at admission: no device-to-host sync per forward there)
-            if int(position_ids.max()) >= self.config.n_positions:
-                raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
+            return position_ids, None
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, past + T):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, T)
+        # (the engine's cache checks lengths at admission: no device-to-host sync per forward there)
+        if int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
+        return position_ids, causal_mask(attention_mask, T)
 
-        if self.pipeline is not None:  # this rank runs some of the layers (gptj.parallel.pp)
-            return self.pipeline.run(self, input_ids, position_ids, mask, cache, logits_to_keep)
-        h = self.transformer.wte(input_ids)  # (B, T, E)
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                   cache: KVCache | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """h (B, T, E) through layers [start, stop) (default: all of them)."""
         sin, cos = rotary_tables(self.rope, position_ids, h.dtype)
-        for i, block in enumerate(self.transformer.h):
+        for i, block in enumerate(itertools.islice(self.transformer.h, start, stop), start):
             h = block(h, sin, cos, mask, cache, i)
-        if cache is not None:
-            cache.advance(T)
+        return h
+
+    def logits(self, h: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The float32 logits of the last layer's h (B, T, E) at the positions forward keeps."""
         return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
 
     @property
     def kv_heads(self) -> int:
         """Attention heads this model computes: n_head, or its share under tensor parallelism."""
-        block = self.transformer.h[0]
-        return getattr(block, "attn", block).n_head
+        return self.transformer.h[0].attn.n_head
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         w = self.transformer.wte.weight  # the activations' dtype: wte is never quantized

@@ -1,9 +1,9 @@
 """Pipeline parallelism with torch.distributed: the layers split over ranks, micro-batches in flight.
 
-Rank r runs layers [r L / N, (r + 1) L / N); rank 0 also embeds, the last rank also applies ln_f
-and lm_head. A forward pass cuts the batch into micro-batches: rank r sends a micro-batch's
-hidden states on (isend) and starts the next while rank r + 1 works on it, so the ranks overlap
-(GPipe's forward schedule). The last rank broadcasts the logits, so every rank runs the same
+Stage r (`PipelineStage`, a module around the model) runs layers [r L / N, (r + 1) L / N); stage 0
+also embeds, the last stage also applies ln_f and lm_head. A forward pass cuts the batch into
+micro-batches: rank r sends a micro-batch's hidden states on (isend) and starts the next while rank
+r + 1 works on it, so the ranks overlap (GPipe's forward schedule). The last rank broadcasts the logits, so every rank runs the same
 decoding code and chooses the same tokens. Each rank stores keys/values only of its own layers
 (the others' cache tensors stay untouched).
 
@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptj.config import GPTJConfig
 from gptj.errors import GptjError
-from gptj.models.base import KVCache, kept_positions
-from gptj.models.gptj import GPTJForCausalLM, rotary_tables
+from gptj.models.base import KVCache
+from gptj.models.gptj import GPTJForCausalLM
 
 
 def check_split(n_layer: int, world: int) -> None:
@@ -27,52 +28,89 @@ def check_split(n_layer: int, world: int) -> None:
         raise GptjError(f"pipeline parallel over {world} ranks needs at least {world} layers, got {n_layer}")
 
 
-class Pipeline:
-    """Stage `rank` of `world`; `peers[i]` is stage i's global rank (default: stage i is rank i;
-    under --tp T --pp P, a pipeline is a column of the grid: stage i is global rank i T + t)."""
+class PipelineStage(nn.Module):
+    """Stage `stage` of `stages` of a pipeline around `model`, which keeps only this stage's layers
+    (the others become OtherStage: no weights). Called as the model is, with the same arguments and
+    the same logits on every stage, so the engine and decode.generate run it as they run the model.
 
-    def __init__(self, rank: int, world: int, n_layer: int, micro_batches: int = 2,
+    `peers[i]` is stage i's global rank (default: stage i is rank i; under --tp T --pp P, a pipeline
+    is a column of the grid: stage i is global rank i T + t)."""
+
+    def __init__(self, model: GPTJForCausalLM, stage: int, stages: int, micro_batches: int = 2,
                  group: dist.ProcessGroup | None = None, peers: list[int] | None = None) -> None:
-        check_split(n_layer, world)
-        self.rank, self.world, self.group = rank, world, group
-        self.peers = list(range(world)) if peers is None else list(peers)
-        if len(self.peers) != world:
-            raise GptjError(f"a pipeline of {world} stages needs {world} peers, got {len(self.peers)}")
-        self.layers = range(rank * n_layer // world, (rank + 1) * n_layer // world)
+        super().__init__()
+        if not 0 <= stage < stages:
+            raise GptjError(f"rank {stage} is not in [0, {stages})")
+        n_layer = model.config.n_layer
+        check_split(n_layer, stages)
+        self.stage, self.stages, self.group = stage, stages, group
+        self.peers = list(range(stages)) if peers is None else list(peers)
+        if len(self.peers) != stages:
+            raise GptjError(f"a pipeline of {stages} stages needs {stages} peers, got {len(self.peers)}")
+        self.layers = range(stage * n_layer // stages, (stage + 1) * n_layer // stages)
         self.micro_batches = max(1, micro_batches)
         self.sends = 0  # micro-batches sent on (tests, stats)
+        blocks = model.transformer.h
+        for i in range(len(blocks)):
+            if i not in self.layers:
+                blocks[i] = OtherStage()  # its weights are released here
+        self.model = model
+
+    @property
+    def config(self) -> GPTJConfig:
+        return self.model.config
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.model.transformer
+
+    @property
+    def kv_heads(self) -> int:
+        """Attention heads each of this stage's layers computes (its tensor rank's share under --tp)."""
+        return self.model.transformer.h[self.layers.start].attn.n_head
+
+    @property
+    def pipeline(self) -> PipelineStage:
+        """This stage (what the engine asks before it captures CUDA graphs: a stage's forward is collective)."""
+        return self
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """A cache of every layer, this stage's heads (it fills only its own layers')."""
+        w = self.model.transformer.wte.weight
+        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)
 
     def _chunks(self, B: int, cache: object) -> list[slice]:
         m = 1 if cache is not None and not isinstance(cache, KVCache) else min(self.micro_batches, B)
         bounds = [B * i // m for i in range(m + 1)]
         return [slice(bounds[i], bounds[i + 1]) for i in range(m)]
 
-    def run(self, model: GPTJForCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None, cache: object, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: object = None,
+                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The model's logits (GPTJForCausalLM.forward), this stage's part computed here."""
+        model = self.model
+        position_ids, mask = model.step_inputs(input_ids, attention_mask, position_ids, cache)
         B, T = input_ids.shape
         E, V = model.config.n_embd, model.config.vocab_size
         dtype, device = model.transformer.wte.weight.dtype, input_ids.device
-        first, last = self.rank == 0, self.rank == self.world - 1
+        first, last = self.stage == 0, self.stage == self.stages - 1
         chunks = self._chunks(B, cache)
         outs, sending = [], []
         for rows in chunks:
-            n = rows.stop - rows.start
             if first:
                 h = model.transformer.wte(input_ids[rows])
             else:
-                h = torch.empty((n, T, E), dtype=dtype, device=device)
-                dist.recv(h, src=self.peers[self.rank - 1], group=self.group)
-            sin, cos = rotary_tables(model.rope, position_ids[rows], h.dtype)
+                h = torch.empty((rows.stop - rows.start, T, E), dtype=dtype, device=device)
+                dist.recv(h, src=self.peers[self.stage - 1], group=self.group)
             part = cache if len(chunks) == 1 else cache.rows(rows) if cache is not None else None
             part_mask = mask if mask is None or len(chunks) == 1 else mask[rows]
-            for i in self.layers:
-                h = model.transformer.h[i](h, sin, cos, part_mask, part, i)
+            h = model.run_layers(h, position_ids[rows], part_mask, part, self.layers.start, self.layers.stop)
             if not last:
                 h = h.contiguous()
-                sending.append((dist.isend(h, dst=self.peers[self.rank + 1], group=self.group), h))
+                sending.append((dist.isend(h, dst=self.peers[self.stage + 1], group=self.group), h))
                 self.sends += 1
                 continue
-            outs.append(model.lm_head(model.transformer.ln_f(kept_positions(h, logits_to_keep))).float())
+            outs.append(model.logits(h, logits_to_keep))
         for work, _ in sending:
             work.wait()
         if cache is not None:
@@ -84,26 +122,8 @@ class Pipeline:
         return logits
 
 
-def pipeline_model(model: GPTJForCausalLM, rank: int, world: int, micro_batches: int = 2,
-                   group: dist.ProcessGroup | None = None, peers: list[int] | None = None) -> Pipeline:
-    """Make `model` run rank's stage; the other layers' weights are released."""
-    if not 0 <= rank < world:
-        raise GptjError(f"rank {rank} is not in [0, {world})")
-    stage = Pipeline(rank, world, model.config.n_layer, micro_batches, group, peers)
-    if world > 1:
-        for i, block in enumerate(model.transformer.h):
-            if i not in stage.layers:
-                model.transformer.h[i] = OtherStage(block.attn.n_head)
-        model.pipeline = stage
-    return stage
-
-
 class OtherStage(nn.Module):
     """A layer another rank runs: no weights here (kernels and quantization pass it by)."""
-
-    def __init__(self, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
 
     def forward(self, *args: object) -> torch.Tensor:
         raise RuntimeError("this layer runs on another pipeline stage")

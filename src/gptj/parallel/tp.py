@@ -1,16 +1,17 @@
-"""Tensor parallelism with torch.distributed: a sharding plan applied to the unchanged model.
+"""Tensor parallelism with torch.distributed: each rank holds a slice of every projection.
 
-As gpt-fast's tp.py does, each rank keeps a slice of every projection of a full model and the
-forward pass is the model's own, plus one collective per layer:
+As gpt-fast's tp.py does, each rank keeps a slice of every projection of a full model and runs the
+model's own math on it, plus one collective per layer (`TensorParallelBlock`, built with the
+rank's shapes):
 
-    q_proj, k_proj, v_proj   output rows: whole heads, n_head / world per rank
-    fc_in                    output rows (and bias): inner_dim / world per rank
-    out_proj, fc_out         input columns: each rank's product is a partial sum; fc_out's bias
-                             stays on rank 0 only, so the sum has it once
+    q_proj, k_proj, v_proj   column-parallel: output rows, whole heads, n_head / world per rank
+    fc_in                    column-parallel: output rows (and bias), inner_dim / world per rank
+    out_proj, fc_out         row-parallel: input columns; each rank's product is a partial sum;
+                             fc_out's bias stays on rank 0 only, so the sum has it once
     block                    GPT-J computes attention and MLP from the same LayerNorm output and
                              adds them: the two partial sums are added locally and reduced with ONE
-                             all-reduce per layer (Block.reduce), then the residual is added
-    lm_head                  vocabulary rows; the logits are all-gathered
+                             all-reduce per layer, then the residual is added
+    lm_head                  vocabulary rows; the logits are all-gathered (VocabParallelHead)
     wte, LayerNorms          replicated
 
 The KV cache holds only the rank's heads (`GPTJForCausalLM.kv_heads`). Every rank runs the same
@@ -32,11 +33,12 @@ from torch import nn
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
 from gptj.files import model_file
+from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 
 
 class AllReduce:
-    """Block.reduce: sum the ranks' partial outputs in place; counts its calls (tests, stats)."""
+    """The sum of the ranks' partial outputs, in place; counts its calls (tests, stats)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group, self.calls = group, 0
@@ -45,6 +47,37 @@ class AllReduce:
         self.calls += 1
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
+
+
+def column_parallel(in_features: int, out_features: int, world: int, bias: bool) -> nn.Linear:
+    """A linear over a 1 / world slice of the output rows: this rank's part of the whole output."""
+    return nn.Linear(in_features, out_features // world, bias=bias)
+
+
+def row_parallel(in_features: int, out_features: int, world: int, bias: bool) -> nn.Linear:
+    """A linear over a 1 / world slice of the input columns: this rank's partial sum of the output."""
+    return nn.Linear(in_features // world, out_features, bias=bias)
+
+
+class TensorParallelBlock(Block):
+    """A GPT-J block over this rank's heads and inner columns (made on the meta device, its tensors
+    loaded with assign=True): q, k, v and fc_in column-parallel, out_proj and fc_out row-parallel, so
+    attn(x) + mlp(x) is a partial sum, all-reduced once before the residual is added. Fusing it for
+    serving (gptj.kernels.fuse_block) keeps that: the same update, from fused weights."""
+
+    def __init__(self, config: GPTJConfig, world: int, all_reduce: AllReduce) -> None:
+        super().__init__(config)
+        E, inner, attn, mlp = config.n_embd, config.inner_dim, self.attn, self.mlp
+        attn.q_proj, attn.k_proj, attn.v_proj = (column_parallel(E, E, world, bias=False) for _ in range(3))
+        attn.out_proj = row_parallel(E, E, world, bias=False)
+        mlp.fc_in = column_parallel(E, inner, world, bias=True)
+        mlp.fc_out = row_parallel(inner, E, world, bias=True)
+        attn.n_head = config.n_head // world
+        self.all_reduce = all_reduce
+
+    def forward(self, h: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        return self.all_reduce(self.update(h, sin, cos, mask, cache, layer)) + h
 
 
 class VocabParallelHead(nn.Module):
@@ -102,39 +135,26 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig,
     return out
 
 
-def _resize(linear: nn.Linear, out_features: int, in_features: int) -> None:
-    """Shapes only (meta tensors): load_state_dict(assign=True) then puts the rank's tensors in."""
-    w = linear.weight
-    linear.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=w.dtype, device="meta"),
-                                 requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(torch.empty(out_features, dtype=linear.bias.dtype, device="meta"),
-                                   requires_grad=False)
-    linear.out_features, linear.in_features = out_features, in_features
-
-
 def reshape_for_rank(model: GPTJForCausalLM, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
-    """Give `model`'s modules rank-sized (meta) parameters, fewer heads, and the per-layer all-reduce."""
+    """Give `model` rank-sized (meta) blocks and head: TensorParallelBlock and VocabParallelHead,
+    which share one AllReduce (returned: its `calls` counts the all-reduces). The rank's tensors
+    are then loaded into them (load_state_dict(assign=True)). One rank: the model as it was."""
     c = model.config
     check_plan(c, world)
     reduce = AllReduce(group)
     if world == 1:
         return reduce
-    E, inner = c.n_embd, c.inner_dim
-    for block in model.transformer.h:
+    blocks = model.transformer.h
+    for block in blocks:
         if (type(block) is not Block or block.w_in is not None or type(block.attn.q_proj) is not nn.Linear
                 or type(block.mlp.fc_in) is not nn.Linear):
             raise GptjError("tensor parallel shards a plain float model; shard before quantizing or fusing")
-        attn, mlp = block.attn, block.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _resize(proj, E // world, E)
-        _resize(attn.out_proj, E, E // world)
-        _resize(mlp.fc_in, inner // world, E)
-        _resize(mlp.fc_out, E, inner // world)
-        attn.n_head = c.n_head // world
-        block.reduce = reduce
-    model.lm_head = VocabParallelHead(c.vocab_size // world, E, model.lm_head.bias is not None,
-                                      model.lm_head.weight.dtype, world, group)
+    dtype = model.lm_head.weight.dtype
+    with torch.device("meta"):
+        for i in range(len(blocks)):
+            blocks[i] = TensorParallelBlock(c, world, reduce).to(dtype)
+    model.lm_head = VocabParallelHead(c.vocab_size // world, c.n_embd, model.lm_head.bias is not None, dtype, world,
+                                      group)
     return reduce
 
 

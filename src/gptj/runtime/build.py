@@ -1,11 +1,11 @@
 """From a spec to a running engine, in two calls every command makes:
 
-    model = load_model(spec)                                  read -> quantize -> shard
-    engine = build_engine(model, engine_config)               plan the KV -> prepare kernels -> Engine
+    model = load_model(spec, ctx)                             read -> shard -> quantize
+    engine = build_engine(model, engine_config, ctx=ctx)      plan the KV -> prepare kernels -> Engine
 
-Under --tp / --pp (gptj.parallel.lockstep configured) each rank loads its share and builds its own
-engine; the ranks must schedule alike, so they plan their KV memory within the least free memory
-of any rank.
+`ctx` (gptj.parallel.context.ParallelContext, made once when a --tp / --pp job starts; SINGLE in one
+process) says which share of the model this rank loads; each rank builds its own engine, and the
+ranks must schedule alike, so they plan their KV memory within the least free memory of any rank.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ import torch
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
 from gptj.files import model_file
-from gptj.parallel import lockstep
+from gptj.parallel.context import SINGLE, ParallelContext
 from gptj.policy import check_fp8_device
-from gptj.device import resolve_device
 from gptj.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gptj.decode import GenerationConfig
     from gptj.engine import Engine
-    from gptj.models.gptj import GPTJForCausalLM
 
 
-def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM:
-    """The model for this rank: whole on one rank; under --tp its shard (from `gptj convert --tp N`
-    files when present), under --pp its stage (both: its stage's shard), quantized after
-    splitting if asked. progress: bars on stderr (None: for a big model on a terminal).
+def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | None = None) -> nn.Module:
+    """The model for this rank of `ctx`: whole in one process; under --tp its shard (from `gptj
+    convert --tp N` files when present), under --pp its stage (both: its stage's shard), quantized
+    after splitting if asked. progress: bars on stderr (None: for a big model on a terminal).
 
     Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
     int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
@@ -44,24 +44,26 @@ def load_model(spec: ModelSpec, progress: bool | None = None) -> GPTJForCausalLM
     (policy.check_fp8_device), in one line."""
     if spec.path is None:
         raise GptjError("no model folder given")
-    _check_fp8(spec)
-    if spec.lora is not None:  # merged in float, then quantized as asked
-        from gptj.lora import merge_lora, read_adapter
+    device = ctx.device(spec.device)
+    _check_fp8(spec, device)
+    ctx.check(spec.tp, spec.pp)
+    if spec.lora is None:
+        return _load(spec, ctx, device, progress)
+    from gptj.lora import merge_lora, read_adapter
 
-        adapter = read_adapter(spec.lora)
-        model = _load(dataclasses.replace(spec, quantize=None, lora=None), progress)
-        if model.config.quantization is not None:
-            raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
-        merge_lora(model, adapter)
-        if spec.quantize:
-            from gptj.quant import quantize_model
+    adapter = read_adapter(spec.lora)  # merged in float, then quantized as asked
+    model = _load(dataclasses.replace(spec, quantize=None, lora=None), ctx, device, progress)
+    if model.config.quantization is not None:
+        raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
+    merge_lora(model, adapter)
+    if spec.quantize:
+        from gptj.quant import quantize_model
 
-            quantize_model(model, spec.quantize, spec.group_size)
-        return model
-    return _load(spec, progress)
+        quantize_model(model, spec.quantize, spec.group_size)
+    return model
 
 
-def _check_fp8(spec: ModelSpec) -> None:
+def _check_fp8(spec: ModelSpec, device: torch.device) -> None:
     """Refuse fp8 weights, asked for or recorded in the checkpoint's config.json, before a long load
     (a config that cannot be read is left for the loader to report)."""
     mode = spec.quantize
@@ -72,60 +74,46 @@ def _check_fp8(spec: ModelSpec) -> None:
         except (OSError, ValueError, AttributeError):
             mode = None
     if mode == "fp8":
-        if lockstep.active():
-            from gptj.parallel.launch import rank_device
-
-            check_fp8_device(resolve_device(rank_device(spec.device)))
-        else:
-            check_fp8_device(resolve_device(spec.device))
+        check_fp8_device(device)
 
 
-def _load(spec: ModelSpec, progress: bool | None) -> GPTJForCausalLM:
+def _load(spec: ModelSpec, ctx: ParallelContext, device: torch.device, progress: bool | None) -> nn.Module:
     from gptj.weights.io import load_model as load_whole
 
-    if not lockstep.active():
-        if spec.world > 1:
-            raise GptjError(f"--tp {spec.tp} --pp {spec.pp} runs on {spec.world} ranks: start it with gptj "
-                            "(which spawns them) or torchrun")
-        return load_whole(spec.path, dtype=spec.torch_dtype, device=resolve_device(spec.device),
-                          quantize=spec.quantize, group_size=spec.group_size, progress=progress)
-    from gptj.parallel.launch import rank_device
+    if not ctx.parallel:
+        return load_whole(spec.path, dtype=spec.torch_dtype, device=device, quantize=spec.quantize,
+                          group_size=spec.group_size, progress=progress)
     from gptj.parallel.tp import load_rank, shard_file
 
-    rank = lockstep.check_plan(spec.tp, spec.pp)
-    device = resolve_device(rank_device(spec.device))
-    t = rank % spec.tp
-    if spec.tp > 1 and shard_file(spec.path, t, spec.tp).is_file():
-        model = lockstep.split_model(load_rank(spec.path, t, spec.tp, spec.torch_dtype, device,
-                                               group=lockstep.tp_group()), rank, sharded=True)
+    sharded = spec.tp > 1 and shard_file(spec.path, ctx.tp_rank, spec.tp).is_file()
+    if sharded:
+        model = load_rank(spec.path, ctx.tp_rank, spec.tp, spec.torch_dtype, device, group=ctx.tp_group)
     else:
-        model = lockstep.split_model(load_whole(spec.path, dtype=spec.torch_dtype, device=device,
-                                                progress=progress), rank)
+        model = load_whole(spec.path, dtype=spec.torch_dtype, device=device, progress=progress)
+    share = ctx.share(model, sharded)  # the model, or its stage around it
     if spec.quantize:
         from gptj.quant import quantize_model
 
         if spec.quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
-
         quantize_model(model, spec.quantize, spec.group_size, skip=("lm_head",) if spec.tp > 1 else ())
-    return model
+    return share
 
 
-def plan_for(model: GPTJForCausalLM, config: EngineConfig, free_bytes: int | None = None) -> KVPlan:
+def plan_for(model: nn.Module, config: EngineConfig, free_bytes: int | None = None,
+             ctx: ParallelContext = SINGLE) -> KVPlan:
     """The KV plan of `model`'s engine (its KV in its float dtype, on its device, its rank's heads):
     plan_kv within the free memory now, or `free_bytes`; under --tp / --pp, the least of any rank."""
     w = model.transformer.wte.weight
     if free_bytes is None and config.kv_blocks is None:
-        free_bytes = available_memory_bytes(w.device)
-        if lockstep.active():
-            free_bytes = lockstep.least(free_bytes)
+        free_bytes = ctx.least(available_memory_bytes(w.device))
     return plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads,
                    free_bytes=free_bytes)
 
 
-def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | None = None,
+def build_engine(model: nn.Module, config: EngineConfig, progress: bool | None = None,
                  free_bytes: int | None = None, warm: GenerationConfig | None = None,
-                 adapters: Sequence[tuple[str, str]] = ()) -> Engine:
+                 adapters: Sequence[tuple[str, str]] = (), ctx: ParallelContext = SINGLE) -> Engine:
     """The engine for `model`: its KV plan (plan_for), then the serving kernels prepared for up to
     plan.max_seqs rows (gptj.kernels.prepare_for_serving: config.kernels "auto" or "off"), then
     Engine with the plan's numbers fixed in its config (so the engine sizes nothing again). `warm`:
@@ -133,11 +121,11 @@ def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | 
     size's graph now (Engine.warm), before the work a caller times or serves. The engine is probed
     first (Engine.probe): a model or adapter whose logits are not finite is refused. `adapters`: (name, folder)
     of LoRA adapters served over the model by name, unmerged (gptj.lora.attach_adapters; requests
-    choose one with Engine.add_request's `adapter`)."""
+    choose one with Engine.add_request's `adapter`). `ctx`: the rank's context, as load_model's."""
     from gptj.engine import Engine
     from gptj.kernels import prepare_for_serving
 
-    plan = plan_for(model, config, free_bytes)
+    plan = plan_for(model, config, free_bytes, ctx)
     prepare_for_serving(model, config.kernels, max_rows=plan.max_seqs, progress=progress)
     if adapters:
         from gptj.lora import attach_adapters, read_adapter
@@ -151,11 +139,11 @@ def build_engine(model: GPTJForCausalLM, config: EngineConfig, progress: bool | 
     return engine
 
 
-def set_rank_threads(threads: int | None) -> None:
-    """torch's compute threads on this thread: `threads` split over the ranks of a parallel job
-    (each rank builds its own engine), or left as they are when None."""
+def set_rank_threads(threads: int | None, ctx: ParallelContext = SINGLE) -> None:
+    """torch's compute threads on this thread: `threads` split over the ranks of ctx's job (each
+    rank builds its own engine), or left as they are when None."""
     if threads is None:
         return
     from gptj.threads import set_threads
 
-    set_threads(max(1, threads // (torch.distributed.get_world_size() if lockstep.active() else 1)))
+    set_threads(max(1, threads // (ctx.world if ctx.parallel else 1)))

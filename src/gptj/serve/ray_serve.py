@@ -67,17 +67,18 @@ class GPTJModel:
         self.name = name
         # the replica's threads: its engine's build splits them over its ranks (see build_served_engine)
         self.cfg = dataclasses.replace(cfg, models=((name, path),), threads=threads or cfg.threads)
-        self.ranks = None
+        self.ranks = self.ctx = None
         if tp * pp > 1:  # this replica is rank 0 of tp x pp ranks, the others its child processes
             from gptj.parallel import lockstep
+            from gptj.parallel.context import ParallelContext
             from gptj.parallel.launch import LeadRanks
 
             self.ranks = await asyncio.to_thread(LeadRanks, lockstep.follower_job, tp * pp,
                                                  {"tp": tp, "pp": pp, "threads": share}, cfg.model.device)
-            await asyncio.to_thread(lockstep.configure, tp, pp)
+            self.ctx = await asyncio.to_thread(ParallelContext.join, tp, pp)
         from gptj.serve.state import ServerState
 
-        self.state = ServerState(self.cfg)
+        self.state = ServerState(self.cfg, self.ctx)
         await self.state.load_startup_models()
         if self.state.status != "ok":  # Ray reports the replica's constructor error to `publish`
             self._stop_ranks()
@@ -89,7 +90,7 @@ class GPTJModel:
             from gptj.parallel import lockstep
 
             with contextlib.suppress(Exception):  # a rank that died cannot be told
-                lockstep.finish()
+                lockstep.finish(self.ctx)
             error = self.ranks.close()
             self.ranks = None
             if error:

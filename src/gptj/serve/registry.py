@@ -32,6 +32,7 @@ from gptj.serve.protocol import MODEL_NAME
 
 if TYPE_CHECKING:
     from gptj.engine.config import EngineConfig
+    from gptj.parallel.context import ParallelContext
 
 
 def serve_engine_config(**settings) -> EngineConfig:  # noqa: ANN003 - EngineConfig's fields
@@ -275,31 +276,36 @@ class ServedModel:
         self.loop.shutdown()
 
 
-def build_served_engine(path: str, cfg: ServerConfig, adapters: tuple[tuple[str, str], ...] = ()):  # noqa: ANN201
-    """Load `path` and make its engine (on the engine's own thread: see EngineLoop). Module-level,
-    so that under --tp / --pp rank 0 can hand it to the other ranks (gptj.parallel.lockstep)."""
+def build_served_engine(path: str, cfg: ServerConfig, adapters: tuple[tuple[str, str], ...],
+                        ctx: ParallelContext):  # noqa: ANN201 - Engine
+    """Load `path` and make its engine for this rank of `ctx` (on the engine's own thread: see
+    EngineLoop). Module-level, so that under --tp / --pp rank 0 can hand it to the other ranks
+    (gptj.parallel.lockstep), each of which calls it with its own context."""
     from gptj.runtime.build import build_engine, load_model, set_rank_threads
 
     # Here, on the thread that runs the engine, before it computes: OpenMP keeps a count per thread.
-    set_rank_threads(cfg.threads)
+    set_rank_threads(cfg.threads, ctx)
     from gptj.decode import GenerationConfig
 
     spec = cfg.model.at(path)
     # on CUDA: every batch size's graph captured before the first request (one request each)
-    return build_engine(load_model(spec), cfg.engine, warm=GenerationConfig(max_new_tokens=2), adapters=adapters)
+    return build_engine(load_model(spec, ctx), cfg.engine, warm=GenerationConfig(max_new_tokens=2), adapters=adapters,
+                        ctx=ctx)
 
 
-def load_served_model(name: str, path: str, cfg: ServerConfig,
-                      adapters: tuple[tuple[str, str], ...] = ()) -> ServedModel:
+def load_served_model(name: str, path: str, cfg: ServerConfig, adapters: tuple[tuple[str, str], ...] = (),
+                      ctx: ParallelContext | None = None) -> ServedModel:
     """Load a checkpoint and start its engine (blocking: seconds to minutes), with `adapters` (name,
-    folder) served over it (ServedModel.adapter_view gives each its name)."""
+    folder) served over it (ServedModel.adapter_view gives each its name). `ctx`: the job's context
+    under --tp / --pp (this process is its rank 0, and leads); None: one process."""
     from gptj.parallel import lockstep
+    from gptj.parallel.context import SINGLE
     from gptj.tokenizer import tokenizer_for_model
 
     if not Path(path).is_dir():
         raise GptjError(f"{path}: not a model folder")
     tokenizer = tokenizer_for_model(path)
-    loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg, adapters),
+    loop = lockstep.engine_loop(functools.partial(build_served_engine, path, cfg, adapters), ctx or SINGLE,
                                 batch_wait_ms=cfg.batch_wait_ms)
     engine = loop.engine
     stats = engine.stats()

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -27,6 +28,9 @@ from gptj.errors import GptjError
 from gptj.serve.app import create_app
 from gptj.serve.registry import ServerConfig
 from gptj.serve.state import ConnectionGate, ServerState
+
+if TYPE_CHECKING:
+    from gptj.parallel.context import ParallelContext
 
 log = logging.getLogger("uvicorn.error")  # the drain's steps, beside uvicorn's own start and shutdown lines
 
@@ -183,10 +187,12 @@ def _log_like_uvicorn(level: str) -> None:
     logger.setLevel(level.upper())
 
 
-def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True) -> _Server:
+def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool = True,
+                 ctx: ParallelContext | None = None) -> _Server:
     """`own_process`: let uvicorn configure logging (dictConfig). Inside another program (tests,
-    benchmarks) that would replace, and close, the program's own logging handlers."""
-    state = ServerState(cfg)
+    benchmarks) that would replace, and close, the program's own logging handlers. `ctx`: the
+    job's context when this server is rank 0 of --tp / --pp ranks (None: one process)."""
+    state = ServerState(cfg, ctx)
     app = create_app(cfg, state)
     extra = {} if own_process else {"log_config": None}
     if own_process:
@@ -203,9 +209,9 @@ def build_server(cfg: ServerConfig, log_level: str = "info", own_process: bool =
     return server
 
 
-def serve(cfg: ServerConfig, log_level: str = "info") -> None:
+def serve(cfg: ServerConfig, log_level: str = "info", ctx: ParallelContext | None = None) -> None:
     sockets = bind(cfg.host, cfg.port)  # first: a port in use is one line, before anything loads
-    server = build_server(cfg, log_level)
+    server = build_server(cfg, log_level, ctx=ctx)
     try:
         server.run(sockets=sockets)
     except SystemExit as e:  # uvicorn's start-up failure (it has logged why)

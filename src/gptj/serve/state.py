@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -16,6 +16,9 @@ from gptj.serve.completions import Completion
 from gptj.serve.metrics import ServerMetrics
 from gptj.serve.protocol import MAX_BODY_BYTES, MAX_PROMPTS, APIError
 from gptj.serve.registry import ServedModel, ServerConfig, load_served_model
+
+if TYPE_CHECKING:
+    from gptj.parallel.context import ParallelContext
 
 log = logging.getLogger("gptj.serve")
 
@@ -60,8 +63,9 @@ class ServerState:
     """One app's shared state: what its middleware and routes read and change (event loop thread,
     but for the drain's `status`, which gptj.serve.server sets from its signal handler)."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, ctx: ParallelContext | None = None) -> None:
         self.cfg = cfg
+        self.ctx = ctx  # the job's, when this server is rank 0 of --tp / --pp ranks (None: one process)
         self.models: dict[str, ServedModel] = {}
         self.status = "loading"  # -> "ok" | "failed"; "draining" on shutdown
         self.load_error: str | None = None
@@ -102,7 +106,7 @@ class ServerState:
                 if name in self.models:  # loaded before the app started (a Ray Serve replica)
                     continue
                 log.info("loading model %s from %s", name, path)
-                served = await asyncio.to_thread(load_served_model, name, path, self.cfg, self.cfg.lora)
+                served = await asyncio.to_thread(load_served_model, name, path, self.cfg, self.cfg.lora, self.ctx)
                 self.models[name] = served
                 log.info("model %s", served.describe())
                 for adapter, folder in self.cfg.lora:  # (ServerConfig: adapters go with its one model)

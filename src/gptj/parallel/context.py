@@ -1,0 +1,131 @@
+"""Where this process stands in a parallel job: `ParallelContext`, made once when the job starts and
+passed to what loads and runs the model (`gptj.runtime.build.load_model(spec, ctx)`).
+
+    ctx = ParallelContext.join(tp, pp)     every rank, at the start of a --tp / --pp job (a collective)
+    ctx = SINGLE                           one process: the whole model, no collectives
+
+The tp x pp ranks form a grid: global rank r is tensor rank r % tp of pipeline stage r // tp, so a
+stage's tensor ranks are neighbours (one machine, when a job spans several) and each tensor rank t
+has its own pipeline, stages t, t + tp, t + 2 tp, ... The context holds the grid's process groups and
+cuts a model to this rank's share of it (`share`); gptj.parallel.lockstep sends rank 0's engine
+steps to the other ranks over its control group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from gptj.errors import GptjError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gptj.models.gptj import GPTJForCausalLM
+
+
+def check_grid(tp: int, pp: int, world: int) -> None:
+    """A job of `world` ranks runs --tp tp --pp pp only when tp x pp is world."""
+    if tp * pp != world:
+        raise GptjError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks, the job has {world}")
+
+
+class ParallelContext:
+    """This rank of a tp x pp job: its place in the grid and its process groups.
+
+    control: a gloo group of every rank (rank 0's lockstep messages; None: one process, no job).
+    tp_group, pp_group: this rank's tensor peers and its pipeline (None under --tp alone or --pp
+    alone: the whole job is the one group). `stopped` and `leading` are rank 0's lockstep state
+    (gptj.parallel.lockstep): it has told the others to stop; it runs the job's one engine loop."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, rank: int = 0, control: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
+        self.tp, self.pp, self.rank = tp, pp, rank
+        self.control, self.tp_group, self.pp_group = control, tp_group, pp_group
+        self.stopped = self.leading = False
+
+    @classmethod
+    def join(cls, tp: int = 1, pp: int = 1) -> ParallelContext:
+        """Every rank of a job, once, at its start (a collective: the control group and, under --tp
+        and --pp together, the grid's groups). Without a process group of several ranks: one process."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return cls(tp, pp)
+        check_grid(tp, pp, world)
+        rank = dist.get_rank()
+        ctx = cls(tp, pp, rank, control=dist.new_group(backend="gloo"))
+        if tp > 1 and pp > 1:  # every rank creates every group, in the same order
+            for stage in range(pp):
+                ranks = list(range(stage * tp, (stage + 1) * tp))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    ctx.tp_group = group
+            for t in range(tp):
+                ranks = list(range(t, world, tp))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    ctx.pp_group = group
+        return ctx
+
+    @property
+    def parallel(self) -> bool:
+        """True on the ranks of a job of several ranks."""
+        return self.control is not None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    def check(self, tp: int, pp: int) -> None:
+        """Refuse a model asked for with --tp tp --pp pp that this job was not started for."""
+        if not self.parallel:
+            if tp * pp > 1:
+                raise GptjError(f"--tp {tp} --pp {pp} runs on {tp * pp} ranks: start it with gptj (which spawns "
+                                "them) or torchrun")
+            return
+        check_grid(tp, pp, dist.get_world_size())
+        if (tp, pp) != (self.tp, self.pp):
+            raise GptjError(f"--tp {tp} --pp {pp} asked of a job configured for --tp {self.tp} --pp {self.pp}")
+
+    def device(self, name: str) -> torch.device:
+        """The device `name` means on this rank: under a job on CUDA, this rank's own GPU."""
+        from gptj.device import resolve_device
+        from gptj.parallel.launch import rank_device
+
+        return resolve_device(rank_device(name) if self.parallel else name)
+
+    def share(self, model: GPTJForCausalLM, sharded: bool = False) -> nn.Module:
+        """`model` (a whole float model, or this tensor rank's shard when `sharded`) cut to this
+        rank's share: its tensor shard under --tp, then, under --pp, its stage (gptj.parallel.pp.
+        PipelineStage, around the same model; the other stages' layers are released)."""
+        from gptj.parallel.pp import PipelineStage
+        from gptj.parallel.tp import shard_model
+
+        if self.tp > 1 and not sharded:
+            shard_model(model, self.tp_rank, self.tp, group=self.tp_group)
+        if self.pp == 1:
+            return model
+        return PipelineStage(model, self.stage, self.pp, micro_batches=self.pp, group=self.pp_group,
+                             peers=[self.tp_rank + i * self.tp for i in range(self.pp)])
+
+    def least(self, value: int) -> int:
+        """The smallest of every rank's `value` (a collective: every rank calls it, at the same point,
+        e.g. while building its engine, so that all plan the same KV memory); `value` in one process."""
+        if not self.parallel:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.control)
+        return int(box.item())
+
+
+SINGLE = ParallelContext()  # one process: the whole model (never joins a job, so never changes)
