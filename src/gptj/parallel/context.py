@@ -102,21 +102,55 @@ class ParallelContext:
         from gptj.device import resolve_device
         from gptj.parallel.launch import rank_device
 
-        return resolve_device(rank_device(name) if self.parallel else name)
+        if self.parallel:
+            name = rank_device(name)
+        return resolve_device(name)
+
+    def load(self, folder: str, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
+             group_size: int | None = None, progress: bool | None = None) -> nn.Module:
+        """This rank's share of the checkpoint in `folder`: the whole model in one process; under --tp
+        its shard (from `gptj convert --tp N` files when present, else cut from the whole model),
+        under --pp its stage (both: its stage's shard), then quantized as `quantize` asks.
+
+        Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
+        int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
+        each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
+        head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
+        from gptj.weights.io import load_model as load_whole
+
+        if not self.parallel:
+            return load_whole(folder, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
+                              progress=progress)
+        if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
+            raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
+        from gptj.parallel.tp import load_rank, shard_file
+
+        sharded = self.tp > 1 and shard_file(folder, self.tp_rank, self.tp).is_file()
+        if sharded:
+            model = load_rank(folder, self.tp_rank, self.tp, dtype, device, group=self.tp_group)
+        else:
+            model = load_whole(folder, dtype=dtype, device=device, progress=progress)
+        share = self.share(model, sharded)  # the model, or its stage around it
+        if quantize:
+            from gptj.quant import quantize_model
+
+            quantize_model(model, quantize, group_size, skip=("lm_head",) if self.tp > 1 else ())
+        return share
 
     def share(self, model: GPTJForCausalLM, sharded: bool = False) -> nn.Module:
         """`model` (a whole float model, or this tensor rank's shard when `sharded`) cut to this
-        rank's share: its tensor shard under --tp, then, under --pp, its stage (gptj.parallel.pp.
-        PipelineStage, around the same model; the other stages' layers are released)."""
+        rank's share: under --pp its stage (gptj.parallel.pp.PipelineStage, around the same model;
+        the other stages' layers are released first), under --tp its tensor shard of what is left."""
         from gptj.parallel.pp import PipelineStage
         from gptj.parallel.tp import shard_model
 
+        share = model
+        if self.pp > 1:
+            share = PipelineStage(model, self.stage, self.pp, micro_batches=self.pp, group=self.pp_group,
+                                  peers=[self.tp_rank + i * self.tp for i in range(self.pp)])
         if self.tp > 1 and not sharded:
             shard_model(model, self.tp_rank, self.tp, group=self.tp_group)
-        if self.pp == 1:
-            return model
-        return PipelineStage(model, self.stage, self.pp, micro_batches=self.pp, group=self.pp_group,
-                             peers=[self.tp_rank + i * self.tp for i in range(self.pp)])
+        return share
 
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a collective: every rank calls it, at the same point,

@@ -35,6 +35,7 @@ from gptj.errors import GptjError
 from gptj.files import model_file
 from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
+from gptj.parallel.pp import OtherStage
 
 
 class AllReduce:
@@ -138,20 +139,23 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig,
 def reshape_for_rank(model: GPTJForCausalLM, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
     """Give `model` rank-sized (meta) blocks and head: TensorParallelBlock and VocabParallelHead,
     which share one AllReduce (returned: its `calls` counts the all-reduces). The rank's tensors
-    are then loaded into them (load_state_dict(assign=True)). One rank: the model as it was."""
+    are then loaded into them (load_state_dict(assign=True)). One rank: the model as it was. The
+    layers of other pipeline stages (OtherStage) hold nothing to shard."""
     c = model.config
     check_plan(c, world)
     reduce = AllReduce(group)
     if world == 1:
         return reduce
     blocks = model.transformer.h
-    for block in blocks:
+    here = [i for i, block in enumerate(blocks) if not isinstance(block, OtherStage)]  # (a pipeline stage's)
+    for i in here:
+        block = blocks[i]
         if (type(block) is not Block or block.w_in is not None or type(block.attn.q_proj) is not nn.Linear
                 or type(block.mlp.fc_in) is not nn.Linear):
             raise GptjError("tensor parallel shards a plain float model; shard before quantizing or fusing")
     dtype = model.lm_head.weight.dtype
     with torch.device("meta"):
-        for i in range(len(blocks)):
+        for i in here:
             blocks[i] = TensorParallelBlock(c, world, reduce).to(dtype)
     model.lm_head = VocabParallelHead(c.vocab_size // world, c.n_embd, model.lm_head.bias is not None, dtype, world,
                                       group)

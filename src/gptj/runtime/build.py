@@ -44,60 +44,35 @@ def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | 
     (policy.check_fp8_device), in one line."""
     if spec.path is None:
         raise GptjError("no model folder given")
-    device = ctx.device(spec.device)
-    _check_fp8(spec, device)
     ctx.check(spec.tp, spec.pp)
-    if spec.lora is None:
-        return _load(spec, ctx, device, progress)
-    from gptj.lora import merge_lora, read_adapter
-
-    adapter = read_adapter(spec.lora)  # merged in float, then quantized as asked
-    model = _load(dataclasses.replace(spec, quantize=None, lora=None), ctx, device, progress)
-    if model.config.quantization is not None:
-        raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
-    merge_lora(model, adapter)
-    if spec.quantize:
-        from gptj.quant import quantize_model
-
-        quantize_model(model, spec.quantize, spec.group_size)
-    return model
-
-
-def _check_fp8(spec: ModelSpec, device: torch.device) -> None:
-    """Refuse fp8 weights, asked for or recorded in the checkpoint's config.json, before a long load
-    (a config that cannot be read is left for the loader to report)."""
+    device = ctx.device(spec.device)
     mode = spec.quantize
-    if mode is None:
+    if mode is None:  # the checkpoint's own (a config that cannot be read is left for the loader to report)
         try:
             recorded = json.loads(model_file(spec.path, "config.json").read_text()).get("quantization")
             mode = recorded.get("mode") if isinstance(recorded, dict) else None
         except (OSError, ValueError, AttributeError):
             mode = None
-    if mode == "fp8":
+    if mode == "fp8":  # refused before a long load
         check_fp8_device(device)
+    adapter = None
+    if spec.lora is not None:  # read first (a bad adapter is refused before a long load); merged in float
+        from gptj.lora import read_adapter
 
+        adapter = read_adapter(spec.lora)
+    asked = (spec.quantize, spec.group_size) if adapter is None else (None, None)
+    model = ctx.load(spec.path, spec.torch_dtype, device, *asked, progress)
+    if adapter is not None:
+        from gptj.lora import merge_lora
 
-def _load(spec: ModelSpec, ctx: ParallelContext, device: torch.device, progress: bool | None) -> nn.Module:
-    from gptj.weights.io import load_model as load_whole
+        if model.config.quantization is not None:
+            raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
+        merge_lora(model, adapter)
+        if spec.quantize:  # then quantized as asked
+            from gptj.quant import quantize_model
 
-    if not ctx.parallel:
-        return load_whole(spec.path, dtype=spec.torch_dtype, device=device, quantize=spec.quantize,
-                          group_size=spec.group_size, progress=progress)
-    from gptj.parallel.tp import load_rank, shard_file
-
-    sharded = spec.tp > 1 and shard_file(spec.path, ctx.tp_rank, spec.tp).is_file()
-    if sharded:
-        model = load_rank(spec.path, ctx.tp_rank, spec.tp, spec.torch_dtype, device, group=ctx.tp_group)
-    else:
-        model = load_whole(spec.path, dtype=spec.torch_dtype, device=device, progress=progress)
-    share = ctx.share(model, sharded)  # the model, or its stage around it
-    if spec.quantize:
-        from gptj.quant import quantize_model
-
-        if spec.quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
-            raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
-        quantize_model(model, spec.quantize, spec.group_size, skip=("lm_head",) if spec.tp > 1 else ())
-    return share
+            quantize_model(model, spec.quantize, spec.group_size)
+    return model
 
 
 def plan_for(model: nn.Module, config: EngineConfig, free_bytes: int | None = None,
