@@ -379,7 +379,7 @@ def test_a_step_builds_its_index_tensors_once_on_the_kvs_device():
     kv = make_pool(2, 16, 8, 20, "float", torch.float32, seed=0)
     groups = groups_of(8, list(range(20)))
     seg = att.PrefillSegment([15, 16, 17], 5, 10)  # positions 5 .. 14: blocks 15 and 16
-    meta = att.build_step(kv, groups, [1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6], [seg], tables=True)
+    meta = att.build_step(kv, groups, [1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6], [seg])
     assert meta.write_blocks.tolist() == [1, 2, 3, 4, 5, 6, 7] and meta.n_decode == 7
     shared, own = meta.group_blocks[2]
     assert shared.tolist() == [4, 5] and own.tolist() == [[6, 7], [8, 9], [10, 11]]

@@ -38,7 +38,8 @@ def _corrupting(engine, bad: dict[str, float], after: int = 1):
 
     def corrupted(scheduled):
         result = run(scheduled)
-        for req, logits in result.logits.items():
+        for req in result.rows:  # (each request's rows of the step's one logits tensor)
+            logits = result.of(req)
             steps[req.request_id] = steps.get(req.request_id, -1) + 1
             if req.request_id in bad and steps[req.request_id] >= after:
                 with torch.inference_mode():  # (the runner's logits are inference tensors)

@@ -12,7 +12,7 @@ from gptj import policy
 from gptj.decode import GenerationConfig
 from gptj.engine import Engine, EngineConfig
 from gptj.engine import attention as att
-from gptj.engine.graphs import BUCKETS, DecodeInputs, GraphRunner, bucket_for
+from gptj.engine.graphs import BUCKETS, GraphRunner, bucket_for
 from test_attention_backends import DEVICE, SHORT_MIXED, needs_gpu, needs_triton
 from test_attention_backends import two_heads  # noqa: F401 - the fixture (the interpreter's tests: half the programs)
 from test_engine import MIXED, prompts_of
@@ -31,9 +31,7 @@ def graphed(net, capture: bool, **config) -> Engine:
     """An engine on the cuda attention backend whose decode-only steps run through a GraphRunner."""
     engine = Engine(net, EngineConfig(block_size=8, kernels="off", **config))
     engine.runner.attention = backend = att.make_backend(policy.AttentionPath("cuda", False))
-    plan = engine.plan
-    engine.runner.graphs = GraphRunner(net, engine.runner.kv, backend, plan.max_seqs, plan.blocks_per_seq,
-                                       scratch=plan.n_blocks, capture=capture)
+    engine.runner.graphs = GraphRunner(net, engine.runner.kv, backend, engine.runner.batch, capture=capture)
     return engine
 
 
@@ -46,7 +44,7 @@ def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(two_heads, monkey
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
     seen = []
     forward = engine.runner.graphs.forward
-    monkeypatch.setattr(engine.runner.graphs, "forward", lambda step: seen.append(len(step.tokens)) or forward(step))
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda rows: seen.append(rows) or forward(rows))
     assert engine.runner.kv.k[0].shape[0] == engine.plan.n_blocks + 1
     got = engine.generate(prompts, SHORT_MIXED)
     # the reference backend's tokens (the cuda backend's, unpadded: test_attention_backends)
@@ -66,7 +64,7 @@ def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one
     engine = graphed(model.to(DEVICE), capture=False, max_seqs=16, prefill_chunk=8)
     calls, step_calls = [], []
     forward, eager = engine.runner.graphs.forward, engine.runner._forward
-    monkeypatch.setattr(engine.runner.graphs, "forward", lambda step: calls.append("graph") or forward(step))
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda rows: calls.append("graph") or forward(rows))
     monkeypatch.setattr(engine.runner, "_forward",
                         lambda d, p, out: calls.append(("eager", len(d), len(p))) or eager(d, p, out))
     reqs = []
@@ -91,8 +89,7 @@ def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one
 def test_graphs_need_the_cuda_backend(model):  # noqa: F811 - the fixture
     engine = Engine(model, EngineConfig(kernels="off"))
     with pytest.raises(ValueError, match="needs the cuda attention backend, not 'reference'"):
-        GraphRunner(model, engine.runner.kv, engine.runner.attention, 4, 8, scratch=engine.plan.n_blocks,
-                    capture=False)
+        GraphRunner(model, engine.runner.kv, engine.runner.attention, engine.runner.batch, capture=False)
     assert engine.runner.graphs is None  # CPU: no graphs unless asked
     with pytest.raises(Exception, match="cuda_graphs must be one of auto, off"):
         EngineConfig(cuda_graphs="on")
@@ -199,25 +196,25 @@ def test_a_failed_capture_leaves_that_bucket_eager_and_the_others_graphed(model,
     forward = graphs.forward
     sizes = []
 
-    def capture_fails_at_8(step):
-        sizes.append(len(step.tokens))
-        if len(step.tokens) == 8:
+    def capture_fails_at_8(rows, size=None, group_rows=1):
+        sizes.append(size)
+        if size == 8:
             graphs.fallbacks.off[(8, 1)] = RuntimeError("capture failed")  # what forward does when a capture fails
             raise CaptureFailed("capture failed")
-        return forward(step)
+        return forward(rows, size, group_rows)
 
     monkeypatch.setattr(graphs, "forward", capture_fails_at_8)
     assert graphs.warm(1) == len([b for b in BUCKETS if b <= 8]) - 1 and graphs.ready
     assert sizes == sorted(sizes, reverse=True)  # largest first
     monkeypatch.setattr(graphs, "forward", forward)
     with pytest.raises(CaptureFailed):
-        forward(DecodeInputs([0] * 7, [0] * 7, [0] * 7, [0] * 7, [att.DecodeGroup([0], 1, [[]], 0)] * 7))
+        forward(7)  # (7 rows of one sequence each: the 8 bucket)
     # the runner runs such a step eagerly: the tokens of an engine without graphs
     prompts = prompts_of([5, 17, 1, 30, 8])  # 5 rows: the 8 bucket
     gen = GenerationConfig(max_new_tokens=2)
     assert engine.generate(prompts, gen) == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=8)
                                                    ).generate(prompts, gen)
-    monkeypatch.setattr(graphs, "forward", lambda step: 1 / 0)
+    monkeypatch.setattr(graphs, "forward", lambda *args: 1 / 0)
     graphs.buckets.clear()
     with pytest.raises(ZeroDivisionError):
         graphs.warm(1)
@@ -251,8 +248,8 @@ def test_build_engine_warms_only_where_graphs_are_captured(model, monkeypatch): 
 @needs_triton
 def test_a_graphed_step_reads_only_its_buckets_buffers_the_kv_pool_the_weights_and_its_own_results(
         two_heads, monkeypatch):  # noqa: F811 - the fixture
-    """What a captured step reads at replay is what it read at capture: the bucket's persistent
-    buffers (refilled each step), the KV pool, the weights, or tensors the step itself made. A tensor
+    """What a captured step reads at replay is what it read at capture: the bucket's rows of the
+    engine's persistent input buffers (engine/input_batch.py, refilled each step), the KV pool, the weights, or tensors the step itself made. A tensor
     made before the forward outside those (a table built per step, a stale index) would be baked into
     the graph. Every torch op's and every Triton launch's tensor inputs of the eager padded steps
     (the same code, from the same buffers) are checked against those storages."""
@@ -292,13 +289,13 @@ def test_a_graphed_step_reads_only_its_buckets_buffers_the_kv_pool_the_weights_a
 
     run = graphs._run
 
-    def checked_run(bucket, tile):  # noqa: ANN001
-        fixed.update(storages([bucket.longs, bucket.ints]))
+    def checked_run(step):  # noqa: ANN001
+        fixed.update(storages([graphs.batch.longs.device_tensor, graphs.batch.ints.device_tensor]))
         made.clear()
         monkeypatch.setattr(InterpretedFunction, "run", kernel)
         try:
             with Reads():
-                return run(bucket, tile)
+                return run(step)
         finally:
             monkeypatch.setattr(InterpretedFunction, "run", launch)
 

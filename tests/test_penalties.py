@@ -165,7 +165,7 @@ def test_a_step_of_mixed_requests_chooses_each_as_decodes_path_alone_with_one_ho
         logits = torch.randn(len(reqs), W, generator=g) * 2  # one forward's rows, in order (views)
         states = [req.generator.get_state() if sampled else None for req in reqs]  # to draw again alone
         reads = count_host_reads(monkeypatch)
-        choices = choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+        choices = choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
         assert reads == ["tolist"]
         monkeypatch.undo()
         for i, req in enumerate(reqs):
@@ -198,7 +198,7 @@ def test_a_step_without_penalties_makes_no_extra_pass(monkeypatch):
     reqs = [request("a", GenerationConfig(), [1], [2]),
             request("b", GenerationConfig(do_sample=True, seed=1, top_p=0.9), [1], []),
             request("c", GenerationConfig(repetition_penalty=1.0, frequency_penalty=0.0, logit_bias={}), [1], [])]
-    choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+    choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
     assert calls == [] and all(req.counts is None for req in reqs)
 
 
@@ -207,20 +207,20 @@ def test_the_token_state_is_updated_in_place_while_the_step_holds_the_same_reque
     a request joining copies the stack once, and each request then holds a row of the new one."""
     reqs = [request(f"r{i}", GenerationConfig(presence_penalty=1.0), [1, 2], []) for i in range(3)]
     logits = torch.zeros(4, W)
-    choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+    choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
     storage = reqs[0].counts.untyped_storage().data_ptr()
     held = reqs[0].tokens_state.untyped_storage().data_ptr()
     assert all(r.counts.untyped_storage().data_ptr() == storage for r in reqs)
     for step in range(3):
         for req in reqs:
             req.output.append(step + 5)
-        choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+        choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
         assert all(r.counts.untyped_storage().data_ptr() == storage for r in reqs)
         assert all(r.tokens_state.untyped_storage().data_ptr() == held for r in reqs)
     assert reqs[1].tokens_state[:5].tolist() == [1, 2, 5, 6, 7]
     assert all(r.counts[5:8].tolist() == [1.0, 1.0, 1.0] and r.counts.sum() == 3 for r in reqs)
     late = request("late", GenerationConfig(presence_penalty=1.0), [3], [9, 9])
-    choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs + [late])])
+    choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs + [late])})
     moved = late.counts.untyped_storage().data_ptr()
     assert moved != storage and all(r.counts.untyped_storage().data_ptr() == moved for r in reqs)
     assert late.counts[9] == 2 and reqs[2].counts.sum() == 3
@@ -233,7 +233,7 @@ def test_a_penalized_request_whose_logits_are_not_finite_fails_alone():
             GenerationConfig(do_sample=True, seed=2, repetition_penalty=1.5)]
     reqs = [request(f"r{i}", gen, [1], [2]) for i, gen in enumerate(gens)]
     logits[2] = float("inf")
-    choices = choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+    choices = choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
     assert choices[reqs[1]].error == NOT_FINITE["greedy"] and choices[reqs[2]].error == NOT_FINITE["sampled"]
     assert choices[reqs[0]].error is None
     assert choices[reqs[0]].tokens == [int(reference_scores(logits[:1], gens[0], [1], [2]).argmax())]

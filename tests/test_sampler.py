@@ -22,6 +22,15 @@ def request(rid: str, gen: GenerationConfig, output: list[int] | None = None) ->
     return req
 
 
+def one_tensor(items) -> tuple[torch.Tensor, dict[Request, range]]:
+    """(request, its logits) pairs in the runner's form: one tensor, and each request's rows of it."""
+    items, rows, at = list(items), {}, 0
+    for req, logits in items:
+        rows[req] = range(at, at + logits.shape[0])
+        at += logits.shape[0]
+    return torch.cat([logits for _, logits in items]), rows
+
+
 def count_host_reads(monkeypatch) -> list[str]:
     """Every tensor read back to the host (tolist, item, bool, int, float) from now on, by name."""
     reads: list[str] = []
@@ -46,8 +55,9 @@ def test_a_mixed_step_is_chosen_with_one_host_read_and_each_rule_as_alone(monkey
     twin = BeamSearch(1, gens["e"], "cpu")  # the same search, stepped alone
     reqs["e"].seqs = [None] * 3  # (n_seqs: its three beams)
 
+    step = one_tensor([(reqs[k], logits[k]) for k in "abcde"])
     reads = count_host_reads(monkeypatch)
-    choices = choose([(reqs[k], logits[k]) for k in "abcde"])
+    choices = choose(*step)
     assert reads == ["tolist"]  # the whole step: one read
     monkeypatch.undo()
 
@@ -77,7 +87,7 @@ def test_greedy_rows_take_the_first_of_tied_largest_logits_as_argmax_does(dtype,
     logits = torch.randint(0, 4, (6, 50400), generator=g).to(dtype)
     logits[2, 7] = float("nan")
     reqs = [request(f"r{i}", GenerationConfig(max_new_tokens=4)) for i in range(6)]
-    choices = choose([(req, logits[i:i + 1]) for i, req in enumerate(reqs)])
+    choices = choose(logits, {req: range(i, i + 1) for i, req in enumerate(reqs)})
     assert [choices[req].tokens[0] for req in reqs] == torch.argmax(logits, dim=-1).tolist()
     assert calls == ([(6, 50400)] if dtype is torch.float32 and kernel_path != "fallback" else [])
 
@@ -88,8 +98,8 @@ def test_a_beam_search_is_done_when_its_last_token_is_chosen():
     req.beam = BeamSearch(1, gen, "cpu")
     req.seqs = [None] * 2
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
-    assert choose([(req, logits)])[req].done is False
-    assert choose([(req, logits)])[req].done is True and req.beam.finished
+    assert choose(logits, {req: range(2)})[req].done is False
+    assert choose(logits, {req: range(2)})[req].done is True and req.beam.finished
 
 
 @pytest.mark.parametrize("prompts", [(1, 1, 1), (2, 1, 3)], ids=["one-prompt-each", "2-1-3-prompts"])
@@ -145,7 +155,7 @@ def test_sampled_rows_warped_together_draw_what_each_draws_alone():
         gens = [GenerationConfig(max_new_tokens=8, do_sample=True, seed=100 * trial + i, **kw)
                 for i, kw in enumerate(settings)]
         reqs = [request(f"s{i}", gen, output=[1, 2]) for i, gen in enumerate(gens)]
-        choices = choose(list(zip(reqs, logits)))
+        choices = choose(*one_tensor(zip(reqs, logits)))
         for req, gen, x in zip(reqs, gens, logits):
             probs = torch.softmax(warp(block_eos(x, 2, gen), gen), dim=-1)
             want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(gen.seed))[0, 0])
@@ -175,7 +185,7 @@ def test_the_engines_beam_pass_writes_over_its_own_rows_only():
     """choose advances beams over the runner's logits in place (the log-probabilities written over the
     beam rows: update.py reads no beam request's logits); the greedy rows of the same forward, which
     update.py reads again for log-probabilities, are left as they were, and every choice equals the
-    one made on separate copies. BeamSearch.step (decode.beam_search's, a caller's tensor) writes
+    one made on a copy. BeamSearch.step (decode.beam_search's, a caller's tensor) writes
     over nothing."""
     gen_beam = GenerationConfig(max_new_tokens=8, num_beams=3, eos_token_id=None)
     gen_greedy = GenerationConfig(max_new_tokens=8)
@@ -183,16 +193,16 @@ def test_the_engines_beam_pass_writes_over_its_own_rows_only():
     kept = forward.clone()
     spans = {"g1": (0, 1), "b1": (1, 4), "b2": (4, 7), "g2": (7, 8)}
 
-    def step(logits_of):
+    def step(logits):
         reqs = {k: request(k, gen_beam if k[0] == "b" else gen_greedy, output=[5]) for k in spans}
         for k in ("b1", "b2"):
             reqs[k].beam = BeamSearch(1, gen_beam, "cpu")
             reqs[k].seqs = [None] * 3
-        choices = choose([(reqs[k], logits_of(*spans[k])) for k in spans])
+        choices = choose(logits, {reqs[k]: range(*spans[k]) for k in spans})
         return {k: (c.tokens, c.source, c.done) for k, c in ((k, choices[reqs[k]]) for k in spans)}
 
-    apart = step(lambda a, b: kept[a:b].clone())
-    shared = step(lambda a, b: forward[a:b])
+    apart = step(kept.clone())
+    shared = step(forward)
     assert shared == apart
     assert torch.equal(forward[0], kept[0]) and torch.equal(forward[7], kept[7])  # the greedy rows
     assert not torch.equal(forward[1:7], kept[1:7])  # (the beam rows: the pass reused them)

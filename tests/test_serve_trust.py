@@ -95,7 +95,8 @@ def _corrupt_marked(served, fill):
 
     def corrupted(scheduled):
         result = run(scheduled)
-        for req, logits in result.logits.items():
+        for req in result.rows:  # (each request's rows of the step's one logits tensor)
+            logits = result.of(req)
             seen[req.request_id] = seen.get(req.request_id, -1) + 1
             if req.prompt[0] == MARK and seen[req.request_id] >= 1:
                 with torch.inference_mode():

@@ -62,13 +62,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "not CUDA (a CPU tensor's .to(cpu) is itself): no stream to run ahead of",
     ("engine/attention/cuda.py", "copy_blocks", "table.to(device)"):
         "not CUDA (Triton's interpreter on CPU tensors): no stream to run ahead of",
-    ("engine/graphs.py", "_Bucket.fill", "self.copied.synchronize()"):
-        "the pinned host buffers are rewritten only after the last step's copies out of them "
+    ("engine/input_batch.py", "InputBatch._writable", "self.copied.synchronize()"):
+        "the pinned host arrays are rewritten only after the last step's copies out of them "
         "(already done once that step's choices were read: a wait of nothing)",
-    ("engine/graphs.py", "_Bucket.fill", "self.longs.copy_(longs, non_blocking=True)"):
-        "host_longs is allocated pinned on CUDA (_Bucket.__init__), its reuse fenced by `copied`",
-    ("engine/graphs.py", "_Bucket.fill", "self.ints.copy_(ints, non_blocking=True)"):
-        "host_ints is allocated pinned on CUDA (_Bucket.__init__), its reuse fenced by `copied`",
+    ("engine/input_batch.py", "_Buffer.copy",
+     "self.device_tensor[start:end].copy_(self.host_tensor[start:end], non_blocking=True)"):
+        "host_tensor is allocated pinned on CUDA (_Buffer.__init__), its reuse fenced by InputBatch.copied",
+    ("engine/input_batch.py", "_numpy", "t.numpy()"):
+        "a host tensor's own memory as a numpy array, made once per buffer: no device is read",
     ("engine/graphs.py", "GraphRunner.replay_ms", "end.synchronize()"):
         "a measurement after a run (never called in a step): it must wait to read the time",
 }
@@ -337,7 +338,7 @@ def test_the_runners_rows_ride_in_the_steps_one_copy():
     kv = make_pool(2, 16, 8, 20, "float", torch.float32, seed=0)
     rows = [[11, 12, 13], [40, 41, 42], [0, 2], [1, 1, 0]]
     meta = att.build_step(kv, groups_of(8, list(range(20))), list(range(7)), [0] * 7,
-                          [att.PrefillSegment([15, 16], 5, 3)], tables=True, rows=rows)
+                          [att.PrefillSegment([15, 16], 5, 3)], rows=rows)
     assert [r.tolist() for r in meta.rows] == rows
     assert all(r.dtype == torch.long and r.device.type == DEVICE for r in meta.rows)
     one_copy = meta.write_blocks.untyped_storage().data_ptr()

@@ -52,7 +52,7 @@ class Engine:
         self.runner = ModelRunner(model, self.plan, config)
         self.requests: dict[str, Request] = {}
         self.times = StepTimes()
-        self.updater = Updater(self.kv, self.scheduler, self.requests, self.device, self.times)
+        self.updater = Updater(self.kv, self.scheduler, self.runner.batch, self.requests, self.device, self.times)
         self.adapters: list[str] = list(getattr(model, "lora_names", []))  # LoRA adapters (gptj.lora.attach_adapters)
         self._ids = itertools.count()
         self.decode_batch_sizes: list[int] = []  # sequences per decode forward, for stats and tests

@@ -10,6 +10,11 @@ graph and all of the step's chunks share one eager forward: there an eager forwa
 kernel launch per op, which a graph does not. Logits are computed only
 where a token is chosen (and over a chunk whose prompt log-probabilities were asked for). A
 forward that raises fails only the requests it ran (decode rows and chunk apart); the others go on.
+
+The decode rows come from the persistent InputBatch (engine/input_batch.py), brought up to the step
+from the scheduler's output: their tokens, positions and block tables are not rebuilt each step. The
+step's logits come back as one tensor (rows, V) and a map of whose rows they are (`RunnerOutput.rows`):
+the decode rows first, in the batch's order, as the forward computed them.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptj.engine.attention import DecodeGroup, PagedBatch, PagedKV, PrefillSegment, make_backend
+from gptj.engine.attention import PagedBatch, PagedKV, PrefillSegment, make_backend
 from gptj.engine.config import EngineConfig, KVPlan, kv_storage
-from gptj.engine.graphs import CaptureFailed, DecodeInputs, GraphRunner
+from gptj.engine.graphs import CaptureFailed, GraphRunner
+from gptj.engine.input_batch import InputBatch
 from gptj.engine.request import Request
 from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.lora import multi_lora_modules, rows_by_adapter
@@ -30,10 +36,39 @@ from gptj.policy import attention_path
 
 @dataclass
 class RunnerOutput:
-    logits: dict[Request, torch.Tensor] = field(default_factory=dict)  # (n_seqs, V): choose next tokens
+    """A step's results. `logits` (R, V) float32: the rows a token is chosen from, every request's in
+    one tensor; `rows`: which of them are each request's (its sequences' in order; a request's first
+    token: its prompt's last row, one for all its beams)."""
+
+    logits: torch.Tensor | None = None
+    rows: dict[Request, range] = field(default_factory=dict)
     prompt_logits: dict[Request, torch.Tensor] = field(default_factory=dict)  # (chunk, V): prompt logprobs
     errors: dict[Request, str] = field(default_factory=dict)  # the forward that ran it raised this
     decode_rows: int = 0  # sequences in the decode forward
+    parts: list[tuple[torch.Tensor, dict[Request, range]]] = field(default_factory=list, repr=False)  # per forward
+
+    def add(self, logits: torch.Tensor, rows: dict[Request, range]) -> None:
+        """A forward's logits and the rows of them tokens are chosen from (`join` makes them one)."""
+        if rows:
+            self.parts.append((logits, rows))
+
+    def join(self) -> None:
+        """The forwards' logits as one tensor: the one forward's as it is (most steps), else those
+        with rows to choose from, one after another."""
+        if len(self.parts) == 1:
+            (self.logits, self.rows), = self.parts
+        elif self.parts:
+            at = 0
+            for logits, rows in self.parts:
+                self.rows.update({req: range(at + r.start, at + r.stop) for req, r in rows.items()})
+                at += logits.shape[0]
+            self.logits = torch.cat([logits for logits, _ in self.parts])
+        self.parts = []
+
+    def of(self, req: Request) -> torch.Tensor:
+        """A request's rows of `logits` (a view)."""
+        r = self.rows[req]
+        return self.logits[r.start:r.stop]
 
 
 class ModelRunner:
@@ -45,6 +80,7 @@ class ModelRunner:
         # plan.n_blocks blocks for the sequences, and one more: the scratch block graphs' padding rows write
         self.kv = PagedKV(model.config, plan.n_blocks + 1, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
+        self.batch = InputBatch(plan.max_seqs, plan.blocks_per_seq, plan.block_size, w.device, scratch=plan.n_blocks)
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
                                                      model.config.head_dim))
         self.graphs = None  # decode-only steps from captured CUDA graphs (engine/graphs.py)
@@ -52,13 +88,13 @@ class ModelRunner:
         one_process = model.pipeline is None and model.kv_heads == model.config.n_head  # no collectives to capture
         if (config.cuda_graphs == "auto" and w.device.type == "cuda" and self.attention.name == "cuda" and one_process
                 and not self.lora):  # (a step's adapters choose its kernels: not one graph per bucket)
-            self.graphs = GraphRunner(model, self.kv, self.attention, plan.max_seqs, plan.blocks_per_seq,
-                                      scratch=plan.n_blocks, capture=True)
+            self.graphs = GraphRunner(model, self.kv, self.attention, self.batch, capture=True)
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        self.batch.update(sched)  # the decode rows: what the scheduler changed
         self.attention.copy(self.kv, sched.copies)
-        if sched.prefill and self.graphs is not None and self.graphs.takes(sum(req.n_seqs for req in sched.decode)):
+        if sched.prefill and self.graphs is not None and self.graphs.takes(self.batch.n):
             # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
             # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)
             parts = [(sched.decode, []), ([], sched.prefill)]
@@ -68,6 +104,7 @@ class ModelRunner:
             for decode, prefill in parts:
                 if decode or prefill:
                     self._run_part(decode, prefill, out)
+        out.join()
         return out
 
     def _run_part(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
@@ -92,11 +129,12 @@ class ModelRunner:
             _fail(decode + [chunk.request for chunk in prefill], e, out)
 
     def _forward(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
-        """One forward of these decode requests' next tokens and these prompt chunks; logits into `out`."""
-        step = decode_inputs(decode, self.kv.block_size)
-        if not prefill and self.graphs is not None and self.graphs.takes(len(step.tokens)):
+        """One forward of the decode rows (`decode`: the batch's requests, or none) and these prompt
+        chunks; logits into `out`."""
+        n = self.batch.n if decode else 0
+        if not prefill and self.graphs is not None and self.graphs.takes(n):
             try:
-                logits = self.graphs.forward(step)  # decode only: replayed from a captured graph
+                logits = self.graphs.forward(n)  # decode only: replayed from a captured graph
             except CaptureFailed:  # (logged once) this bucket's steps run eagerly
                 pass
             except Exception:  # noqa: BLE001 - a kernel that failed (logged): this step eagerly
@@ -105,7 +143,8 @@ class ModelRunner:
             else:
                 self._hand_out(decode, [], [], logits, out)
                 return
-        tokens, positions, keep = list(step.tokens), list(step.positions), list(range(len(step.tokens)))
+        step = self.batch.step() if decode else None
+        tokens, positions, keep = [], [], list(range(n)) if prefill else []
         segments, kept = [], []  # per chunk: (first kept row, rows kept)
         for chunk in prefill:
             req, start, end = chunk.request, chunk.start, chunk.end
@@ -113,60 +152,43 @@ class ModelRunner:
             want_prompt = req.prompt_logprobs is not None and start < len(req.prompt)
             n_keep = end - start if want_prompt else 1
             kept.append((len(keep), n_keep))
-            keep += range(len(tokens) + end - start - n_keep, len(tokens) + end - start)
+            at = n + len(tokens) + end - start
+            keep += range(at - n_keep, at)
             positions += range(start, end)
             tokens += context(req)[start:end]
         # each adapter's rows (the decode rows', then each chunk's), grouped on the host
         lora = rows_by_adapter([r.adapter for r in decode for _ in range(r.n_seqs)]
                                + [c.request.adapter for c in prefill for _ in range(c.end - c.start)]) \
             if self.lora else []
-        # The step's index tensors and these rows, in one pinned, non_blocking copy: the host goes on
-        # to the forward's launches while the GPU finishes what is queued (AttentionBackend.build)
-        meta = self.attention.build(self.kv, step.groups, step.write_blocks, step.write_offsets, segments,
-                                    rows=[tokens, positions, keep, *(rows for _, rows in lora)])
-        ids, pos, keep_rows, *adapter_rows = meta.rows
+        # The chunks' index tensors and rows, in one pinned, non_blocking copy: the host goes on to
+        # the forward's launches while the GPU finishes what is queued (AttentionBackend.build)
+        meta = self.attention.build(self.kv, segments=segments, rows=([tokens, positions, keep] if prefill else [])
+                                    + [rows for _, rows in lora], decode=step.decode if step else None)
+        if prefill:
+            ids, pos, keep_rows, *adapter_rows = meta.rows
+            if step is not None:
+                ids, pos = torch.cat([step.ids, ids]), torch.cat([step.positions, pos])
+        else:  # decode only: the batch's rows as they are, every row's logits
+            ids, pos, keep_rows, adapter_rows = step.ids, step.positions, 0, meta.rows
         for m in self.lora:
-            m.selection, m.n_rows = [(i, sel) for (i, _), sel in zip(lora, adapter_rows)], len(tokens)
+            m.selection, m.n_rows = [(i, sel) for (i, _), sel in zip(lora, adapter_rows)], n + len(tokens)
         cache = PagedBatch(self.kv, self.attention, meta)
         logits = self.model(ids[None], position_ids=pos[None], cache=cache, logits_to_keep=keep_rows)[0]  # (kept, V)
         self._hand_out(decode, prefill, kept, logits, out)
 
     def _hand_out(self, decode: list[Request], prefill: list[PrefillChunk], kept: list[tuple[int, int]],
                   logits: torch.Tensor, out: RunnerOutput) -> None:
-        """Each request's rows of the forward's logits: the decode rows first, then each chunk's kept rows."""
-        row = 0
-        for req in decode:
-            out.logits[req] = logits[row:row + req.n_seqs]
-            row += req.n_seqs
-        out.decode_rows += row
+        """The forward's logits and whose rows they are: the decode rows first (the batch's), then
+        each chunk's kept rows."""
+        rows = {req: range(self.batch.rows[req], self.batch.rows[req] + req.n_seqs) for req in decode}
+        out.decode_rows += self.batch.n if decode else 0
         for chunk, (first, n_keep) in zip(prefill, kept):
             req = chunk.request
             if req.prompt_logprobs is not None and chunk.start < len(req.prompt):
                 out.prompt_logits[req] = logits[first:first + n_keep]
             if chunk.end == len(context(req)):
-                out.logits[req] = logits[first + n_keep - 1:first + n_keep]  # (1, V): its first (next) token
-
-
-def decode_inputs(reqs: list[Request], block_size: int) -> DecodeInputs:
-    """The decode rows of these running requests: each request's sequences, this step's token at
-    position L (its stored length), written to block L // B, row L % B of each sequence's blocks; a
-    beam request's rows share its prompt's full blocks (req.shared of them)."""
-    B = block_size
-    step = DecodeInputs([], [], [], [], [])
-    for req in reqs:
-        L = req.seqs[0].length
-        if req.n_seqs == 1:
-            step.groups.append(DecodeGroup(req.seqs[0].blocks, L + 1, [[]], 0))
-        else:
-            s = req.shared
-            step.groups.append(DecodeGroup(req.seqs[0].blocks[:s], s * B, [q.blocks[s:] for q in req.seqs],
-                                           L + 1 - s * B))
-        for seq in req.seqs:
-            step.write_blocks.append(seq.blocks[L // B])
-            step.write_offsets.append(L % B)
-        step.positions += [L] * req.n_seqs
-        step.tokens += req.next_tokens
-    return step
+                rows[req] = range(first + n_keep - 1, first + n_keep)  # its first (next) token
+        out.add(logits, rows)
 
 
 def _fail(reqs: list[Request], error: Exception, out: RunnerOutput) -> None:

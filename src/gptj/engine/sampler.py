@@ -12,14 +12,16 @@ then one device-to-host copy of the whole step's choices.
               search's `done` flag a device tensor read with the rest
 
 The tokens are exactly those of gptj.decode.greedy_or_sample and beam_search (the same ops on the
-same rows). `choose` returns plain data (`Choice` per request) that engine/update.py applies.
+same rows). The step's logits come as the runner's one tensor and a map of each request's rows in
+it: each kind's rows are read as a view where they lie in order (most steps), else gathered once.
+`choose` returns plain data (`Choice` per request) that engine/update.py applies.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,45 +56,48 @@ NOT_FINITE = {
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors, and the beams' pass writes over them
-def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | None = None) -> dict[Request, Choice]:
-    """items: (request, its logits (n_seqs, V) float32) -> each request's Choice. A beam request's
-    `beam` (a BeamSearch) is advanced; nothing else of a request is changed. `times.wait` gets the
-    time of the step's device-to-host copy (where the host waits for the device's work).
+def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
+           times: StepTimes | None = None) -> dict[Request, Choice]:
+    """logits (R, V) float32, the step's; rows: which of them are each request's (its sequences', in
+    order; a beam request's first token: one row, its prompt's last, for all its beams) -> each
+    request's Choice. A beam request's `beam` (a BeamSearch) is advanced; nothing else of a request
+    is changed. `times.wait` gets the time of the step's device-to-host copy (where the host waits
+    for the device's work).
 
     A request whose numbers are not finite gets a Choice with `error` set and no meaningful token;
     the others' tokens are those they would have had without it (rows are never mixed). The checks
     are device ops read with the step's one copy: a greedy row's chosen logit (torch's argmax picks
     NaN and +inf first, so a finite maximum means a usable row), a sampled row's probability sum,
     a beam search's best candidate score."""
-    greedy = [(req, logits) for req, logits in items if req.beam is None and not req.gen.sampling]
-    sampled = [(req, logits) for req, logits in items if req.beam is None and req.gen.sampling]
-    beams = [(req, logits) for req, logits in items if req.beam is not None]
+    greedy = [req for req in rows if req.beam is None and not req.gen.sampling]
+    sampled = [req for req in rows if req.beam is None and req.gen.sampling]
+    by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
+    for req in rows:
+        if req.beam is not None:
+            by_config.setdefault(req.gen, []).append(req)
+    beams = [req for group in by_config.values() for req in group]  # in the order their results come
     parts: list[torch.Tensor] = []
     finite: list[torch.Tensor] = []  # per request, greedy then sampled then beams: its numbers are finite
     if greedy:
-        tokens, ok = _argmax(greedy)
+        tokens, ok = _argmax(logits, greedy, [rows[req].start for req in greedy])
         parts.append(tokens)
         finite.append(ok)
     if sampled:
-        probs = _warped_probs(sampled)  # (S, V): HF's warpers, every sampled row at once
+        probs = _warped_probs(logits, sampled, [rows[req].start for req in sampled])  # (S, V): every sampled row
         total = probs.sum(dim=-1)
         ok = torch.isfinite(total) & (total > 0)
         # a row that is no distribution draws from a uniform one instead (its request fails; a draw
         # from it would raise and take the step down with it)
         probs = probs.masked_fill(~ok[:, None], 1.0)
         finite.append(ok)
-        for i, (req, _) in enumerate(sampled):  # one draw each, from the request's own generator
+        for i, req in enumerate(sampled):  # one draw each, from the request's own generator
             parts.append(torch.multinomial(probs[i:i + 1], num_samples=1, generator=req.generator)[0])
-    by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
-    for req, logits in beams:
-        by_config.setdefault(req.gen, []).append((req, logits))
-    beams = [item for group in by_config.values() for item in group]  # in the order their results come
     dones = []
     for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
-        sources, tokens, done, ok = BeamSearch.advance([req.beam for req, _ in group],
-                                                       [logits for _, logits in group],
+        K = group[0].gen.num_beams
+        index = [i for req in group for i in (rows[req] if len(rows[req]) == K else [rows[req].start] * K)]
+        sources, tokens, done, ok = BeamSearch.advance([req.beam for req in group], [rows_of(logits, index)],
                                                        reuse_logits=True)  # (update.py reads no beam request's)
-        K = group[0][0].gen.num_beams
         parts.append(torch.stack([sources.view(-1, K), tokens.view(-1, K)], dim=1).view(-1))
         dones.append(done)
         finite.append(ok)
@@ -103,50 +108,59 @@ def choose(items: Sequence[tuple[Request, torch.Tensor]], times: StepTimes | Non
     flat = flat.tolist()  # the step's one device-to-host copy
     if times is not None:
         times.wait += time.perf_counter() - t0
-    requests = [req for req, _ in greedy + sampled + beams]
+    requests = greedy + sampled + beams
     finite_at = len(flat) - len(requests)
     errors = {req: None if flat[finite_at + i] else NOT_FINITE[kind]
               for i, (req, kind) in enumerate(zip(requests, ["greedy"] * len(greedy) + ["sampled"] * len(sampled)
                                                   + ["beams"] * len(beams)))}
     out, at = {}, 0
-    for req, _ in greedy + sampled:
+    for req in greedy + sampled:
         out[req] = Choice([flat[at]], error=errors[req])
         at += 1
     done_at = finite_at - len(beams)
-    for i, (req, _) in enumerate(beams):
+    for i, req in enumerate(beams):
         K = req.n_seqs
         out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[done_at + i]), errors[req])
         at += 2 * K
     return out
 
 
-def _stacked(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
-    """The requests' logits stacked (R, V), EOS -inf on the rows still short of min_new_tokens
-    (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the runner's logits),
-    then the logit bias and penalties of the rows that have any (`_penalized`)."""
-    blocked = [(r, req.gen.eos_token_id) for r, (req, _) in enumerate(rows)
+def rows_of(logits: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
+    """logits' rows `index` (len(index), V): a view where they are consecutive and in order (the
+    rows of one kind in most steps: no copy of a large step's logits), else a copy (gathered)."""
+    first = index[0]
+    if index[-1] - first == len(index) - 1 and list(index) == list(range(first, first + len(index))):
+        return logits[first:first + len(index)]
+    return logits.index_select(0, to_device(torch.tensor(index, dtype=torch.long), logits.device))
+
+
+def _stacked(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]) -> torch.Tensor:
+    """The requests' rows `index` of logits (R, V), EOS -inf on the rows still short of
+    min_new_tokens (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the
+    runner's logits), then the logit bias and penalties of the rows that have any (`_penalized`)."""
+    blocked = [(r, req.gen.eos_token_id) for r, req in enumerate(reqs)
                if req.gen.eos_token_id is not None and len(req.output) < req.gen.min_new_tokens]
     if not blocked:  # read only: a view where the rows lie in order (one forward's), as most steps'
-        return _penalized(rows, stacked_rows([logits[:1] for _, logits in rows]))
-    scores = torch.cat([logits[:1] for _, logits in rows])
+        return _penalized(reqs, rows_of(logits, index))
+    scores = logits.index_select(0, to_device(torch.tensor(index, dtype=torch.long), logits.device))
     r, eos = zip(*blocked)
     scores[list(r), list(eos)] = -math.inf
-    return _penalized(rows, scores)
+    return _penalized(reqs, scores)
 
 
-def _penalized(rows: Sequence[tuple[Request, torch.Tensor]], scores: torch.Tensor) -> torch.Tensor:
+def _penalized(reqs: Sequence[Request], scores: torch.Tensor) -> torch.Tensor:
     """scores (R, V) with each request's logit bias and penalties applied (gptj.decode.penalize, in
     vLLM's order, as greedy_or_sample applies them): the rows of the requests that have any, at once;
     a new tensor (scores may be the runner's logits, which log-probabilities read later). A step where
     no request has any returns scores as they are: no extra pass."""
-    at = [r for r, (req, _) in enumerate(rows) if req.gen.penalized]
+    at = [r for r, req in enumerate(reqs) if req.gen.penalized]
     if not at:
         return scores
-    reqs = [rows[r][0] for r in at]
-    gens = [req.gen for req in reqs]
-    tokens, counts = _token_state(reqs, scores.device, scores.shape[-1]) if any(g.penalties for g in gens) \
+    penalized = [reqs[r] for r in at]
+    gens = [req.gen for req in penalized]
+    tokens, counts = _token_state(penalized, scores.device, scores.shape[-1]) if any(g.penalties for g in gens) \
         else (None, None)
-    if len(at) == len(rows):
+    if len(at) == len(reqs):
         return penalize(scores, **penalty_args(gens, scores.device, tokens, counts))
     idx = to_device(torch.tensor(at, dtype=torch.long), scores.device)
     part = penalize(scores[idx], **penalty_args(gens, scores.device, tokens, counts))
@@ -202,12 +216,14 @@ def _token_state(reqs: Sequence[Request], device: torch.device, V: int) -> tuple
     return tokens[:, :longest], counts
 
 
-def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy requests' next tokens (R,): the first index of each row's largest logit (as
-    torch.argmax, ties and NaN alike): gptj.native's on a CPU (policy.argmax_path), else torch.max's
-    indices (faster than torch.argmax on CPU: docs/PERFORMANCE.md); and whether each row's chosen
-    logit is finite (R,) bool (NaN and +inf are chosen first; all -inf leaves -inf)."""
-    scores = _stacked(rows)
+def _argmax(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy requests' next tokens (R,), from their rows `index` of logits: the first index of
+    each row's largest logit (as torch.argmax, ties and NaN alike): gptj.native's on a CPU
+    (policy.argmax_path), else torch.max's indices (faster than torch.argmax on CPU:
+    docs/PERFORMANCE.md); and whether each row's chosen logit is finite (R,) bool (NaN and +inf are
+    chosen first; all -inf leaves -inf)."""
+    scores = _stacked(logits, reqs, index)
     if scores.dtype is torch.float32 and scores.stride(-1) == 1 and policy.argmax_path(scores.device) == "native":
         tokens = native.argmax_rows(scores)
     else:
@@ -215,13 +231,13 @@ def _argmax(rows: Sequence[tuple[Request, torch.Tensor]]) -> tuple[torch.Tensor,
     return tokens, torch.isfinite(scores.gather(1, tokens[:, None].long())[:, 0])
 
 
-def _warped_probs(rows: Sequence[tuple[Request, torch.Tensor]]) -> torch.Tensor:
-    """The sampled requests' probabilities (S, V): gptj.decode.warp's temperature -> top_k -> top_p
-    (HF's order), each with the row's own setting, applied to all rows at once; a row's values are
-    those warp gives it alone (the same per-row ops; scalars rounded to float32 as torch rounds a
-    Python scalar)."""
-    scores = _stacked(rows)
-    gens = [req.gen for req, _ in rows]
+def _warped_probs(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]) -> torch.Tensor:
+    """The sampled requests' probabilities (S, V), from their rows `index` of logits: gptj.decode.warp's
+    temperature -> top_k -> top_p (HF's order), each with the row's own setting, applied to all rows
+    at once; a row's values are those warp gives it alone (the same per-row ops; scalars rounded to
+    float32 as torch rounds a Python scalar)."""
+    scores = _stacked(logits, reqs, index)
+    gens = [req.gen for req in reqs]
     dev, V = scores.device, scores.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:

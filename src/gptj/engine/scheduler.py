@@ -41,6 +41,9 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)  # one new token for each of their sequences
     prefill: list[PrefillChunk] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # before the forward: (src, dst, tokens)
+    # (request, i): its sequence i has a new last block, where its next token goes (a new block, or
+    # its own copy of one it shared): the step's change to the block tables (engine/input_batch.py)
+    new_blocks: list[tuple[Request, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     stalled: list[Request] = field(default_factory=list)  # prefilled, but no free block for their next token
@@ -115,7 +118,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is req:
                 return
-        for seq in req.seqs:
+        for i, seq in enumerate(req.seqs):
             if seq.length == len(seq.blocks) * B:  # the last block is full (or there is none)
                 seq.blocks += self.kv.allocate(1)
             elif self.kv.ref[seq.blocks[-1]] > 1:  # shared with another beam: copy before writing
@@ -123,6 +126,9 @@ class Scheduler:
                 out.copies.append((seq.blocks[-1], new, seq.length % B))
                 self.kv.release([seq.blocks[-1]])
                 seq.blocks[-1] = new
+            else:
+                continue
+            out.new_blocks.append((req, i))
         out.decode.append(req)
 
     def _prefill(self, req: Request, budget: int | None, out: SchedulerOutput) -> int | None:

@@ -6,7 +6,7 @@ step at once. Its beams start as one
 sequence (the prompt); at its first token the prompt's blocks are shared by all of them (held once
 per beam), and after each step every beam takes the block table of the beam it continues (its
 blocks held again, the old ones released) — the blocks are shared, not copied, until one is written
-(the scheduler's copy-on-write).
+(the scheduler's copy-on-write); the engine's InputBatch reorders the beams' rows alike.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from gptj.beam import BeamSearch
 from gptj.device import to_device
 from gptj.engine.config import StepTimes
+from gptj.engine.input_batch import InputBatch
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
 from gptj.engine.runner import RunnerOutput
@@ -42,9 +43,9 @@ def token_logprobs(logits: torch.Tensor, tokens: Seq[int], k: int) -> list[Token
 
 
 class Updater:
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, requests: dict[str, Request],
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, batch: InputBatch, requests: dict[str, Request],
                  device: torch.device, times: StepTimes | None = None) -> None:
-        self.kv, self.scheduler, self.requests, self.device = kv, scheduler, requests, device
+        self.kv, self.scheduler, self.batch, self.requests, self.device = kv, scheduler, batch, requests, device
         self.times = times if times is not None else StepTimes()  # the sampler adds its wait here
         self.prefill_tokens = 0
 
@@ -63,10 +64,12 @@ class Updater:
             if not req.done:
                 for seq in req.seqs:
                     seq.length += 1
-        live = [(req, self._prepare(req, logits)) for req, logits in result.logits.items() if not req.done]
-        choices = choose(live, self.times)  # every request's next token(s): batched, one device-to-host copy
-        for req, logits in live:
-            self._next(req, logits, choices[req])
+        rows = {req: r for req, r in result.rows.items() if not req.done}
+        for req in rows:
+            self._prepare(req)
+        choices = choose(result.logits, rows, self.times)  # every request's next token(s): batched, one device-to-host copy
+        for req, r in rows.items():
+            self._next(req, result.logits, r.start, choices[req])
             if req.done:
                 finished.append(req)
         return finished
@@ -85,17 +88,16 @@ class Updater:
             req.prompt_token_logprobs = ([None] if start == 0 else req.prompt_token_logprobs) + token_logprobs(
                 prompt_logits[:len(targets)], targets, req.prompt_logprobs)
 
-    def _prepare(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
-        """A beam request's first token: its beams start from the prompt, which they share."""
+    def _prepare(self, req: Request) -> None:
+        """A beam request's first token: its beams start from the prompt, which they share (its one
+        row of logits is every beam's)."""
         if req.gen.num_beams > 1 and req.beam is None:
             req.beam = BeamSearch(1, req.gen, self.device)
             self._fork(req)
-            return logits.expand(req.n_seqs, -1)
-        return logits
 
-    def _next(self, req: Request, logits: torch.Tensor, choice: Choice) -> None:
-        """Apply the sampler's choice of this step (logits: the request's rows, for log-probabilities);
-        retire the request when it is done."""
+    def _next(self, req: Request, logits: torch.Tensor, row: int, choice: Choice) -> None:
+        """Apply the sampler's choice of this step (logits: the step's, the request's at `row`, for
+        log-probabilities); retire the request when it is done."""
         gen = req.gen
         if choice.error is not None:  # its numbers went non-finite: it fails alone, the step goes on
             req.error = choice.error
@@ -114,7 +116,7 @@ class Updater:
         (token,) = choice.tokens
         req.output.append(token)
         if req.logprobs is not None:
-            req.token_logprobs += token_logprobs(logits[:1], [token], req.logprobs)
+            req.token_logprobs += token_logprobs(logits[row:row + 1], [token], req.logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         if req.on_token is not None:
@@ -145,6 +147,7 @@ class Updater:
             self.kv.hold(seq.blocks[s:])
         for seq in old:
             self.kv.release(seq.blocks[s:])
+        self.batch.reorder(req, source)
 
     def retire(self, req: Request, status: Status, reason: str) -> None:
         self.scheduler.remove(req)

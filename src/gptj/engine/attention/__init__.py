@@ -1,7 +1,8 @@
 """Attention over paged KV memory, behind one interface (base.py) with one implementation per file:
 
-    base.py        the protocol: DecodeGroup / PrefillSegment in, StepMetadata (device tensors, once
-                   per step) out of `build`; store, decode, prefill; PagedBatch, the model's cache
+    base.py        the protocol: DecodeRows (the engine's persistent ones, or made from DecodeGroups)
+                   and PrefillSegments in, StepMetadata (device tensors, once per step) out of
+                   `build`; store, decode, prefill; PagedBatch, the model's cache
     kv_cache.py    PagedKV: every layer's keys and values in blocks (float, or int8 / e4m3 with scales)
     reference.py   torch's eager and compiled forms, group by group: the ground truth
     cpu_native.py  gptj.native's kernels (AVX-512 or AVX2)
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import importlib
 
-from gptj.engine.attention.base import (AttentionBackend, DecodeGroup, DecodeTables, PagedBatch, PrefillSegment,
-                                        StepMetadata, build_step)
+from gptj.engine.attention.base import (AttentionBackend, DecodeGroup, DecodeRows, DecodeTables, GroupSpan, PagedBatch,
+                                        PrefillSegment, StepMetadata, build_step)
 from gptj.engine.attention.kv_cache import PagedKV, dequantize_heads, quantize_heads
 from gptj.policy import AttentionPath
 
@@ -27,8 +28,8 @@ BACKENDS = {
     "cuda": ("gptj.engine.attention.cuda", "CudaAttention"),
 }
 
-__all__ = ["BACKENDS", "AttentionBackend", "DecodeGroup", "DecodeTables", "PagedBatch", "PagedKV", "PrefillSegment",
-           "StepMetadata", "build_step", "dequantize_heads", "make_backend", "quantize_heads"]
+__all__ = ["BACKENDS", "AttentionBackend", "DecodeGroup", "DecodeRows", "DecodeTables", "GroupSpan", "PagedBatch",
+           "PagedKV", "PrefillSegment", "StepMetadata", "build_step", "dequantize_heads", "make_backend", "quantize_heads"]
 
 
 def make_backend(path: AttentionPath) -> AttentionBackend:

@@ -1,12 +1,15 @@
 """The attention backend interface: what a step hands a backend, and what a backend does with it.
 
-A step's forward carries decode rows (one new token per sequence) and prompt chunks. The runner
-describes them as plain data — `DecodeGroup`s (a request's rows: one sequence, or the beams of
-one request sharing their prompt's blocks), write slots (where each decode row's new key and
-value go) and `PrefillSegment`s — and the backend's `build` turns them into `StepMetadata`: device
-tensors made once per step (one pinned, non_blocking host-to-device copy, which also carries the
-runner's token ids, positions and kept rows), which every layer then reads. Per layer
-the model calls `PagedBatch.attend`, which only delegates:
+A step's forward carries decode rows (one new token per sequence) and prompt chunks. The decode
+rows come as `DecodeRows`: where each row's new key and value go, and `DecodeTables` over its
+groups (a request's rows: one sequence, or the beams of one request sharing their prompt's
+blocks). The engine keeps them in persistent buffers (engine/input_batch.py) and hands them in
+as they are; `build_step` makes them from plain data instead — `DecodeGroup`s and write slots —
+for the backends' tests. Prompt chunks come as `PrefillSegment`s. The backend's `build` turns
+the step into `StepMetadata`: device tensors made once per step (one pinned, non_blocking
+host-to-device copy, which also carries the runner's token ids, positions and kept rows of the
+chunks), which every layer then reads. Per layer the model calls `PagedBatch.attend`, which only
+delegates:
 
     store    the step's new keys and values into their blocks       backend.store
     decode   each decode row over its group's blocks                  backend.decode
@@ -23,6 +26,8 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -88,23 +93,73 @@ class SegmentSlots:
     positions: torch.Tensor  # (T,)
 
 
+class GroupSpan(NamedTuple):
+    """A decode group as the host knows it: its rows row0 .. row0 + rows - 1, its shared blocks from
+    stab[soff], holding shared_len tokens, and own_len tokens in each row's own blocks."""
+
+    row0: int
+    rows: int
+    soff: int
+    shared_len: int
+    own_len: int
+
+
 @dataclass
-class StepMetadata:
-    """What every layer of one forward reads: built once per step by `build_step`."""
+class DecodeRows:
+    """A step's decode rows on the device: where each row's new key and value go, and the
+    DecodeTables of its groups. `spans`: the groups' (row0, soff, slen, olen) on the host (lists or
+    arrays), for backends that walk the groups one by one (the reference); None where none does (a
+    graph's padded step)."""
 
     write_blocks: torch.Tensor  # (N,) long: decode row r's new key and value go to this block ...
     write_offsets: torch.Tensor  # (N,) long: ... at this row
-    groups: list[DecodeGroup]
-    group_blocks: list[tuple[torch.Tensor, torch.Tensor]]  # per group: shared blocks (m,), own (rows, m')
-    segments: list[PrefillSegment]
-    slots: list[SegmentSlots]
-    tables: DecodeTables | None = None  # made for backends that read them (reads_tables)
+    tables: DecodeTables
+    block_size: int
+    spans: tuple[Sequence[int], ...] | None = None
+
+
+@dataclass
+class StepMetadata:
+    """What every layer of one forward reads: the decode rows (engine/input_batch.py's, or made by
+    `build_step`) and the prompt chunks' slots, made once per step."""
+
+    decode: DecodeRows | None
+    segments: list[PrefillSegment] = field(default_factory=list)
+    slots: list[SegmentSlots] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # a backend's own per-step values
     rows: list[torch.Tensor] = field(default_factory=list)  # build's `rows` on the device (int64), in order
 
     @property
     def n_decode(self) -> int:
-        return len(self.write_blocks)
+        return 0 if self.decode is None else len(self.decode.write_blocks)
+
+    @property
+    def write_blocks(self) -> torch.Tensor | None:
+        return None if self.decode is None else self.decode.write_blocks
+
+    @property
+    def write_offsets(self) -> torch.Tensor | None:
+        return None if self.decode is None else self.decode.write_offsets
+
+    @property
+    def tables(self) -> DecodeTables | None:
+        return None if self.decode is None else self.decode.tables
+
+    @cached_property
+    def groups(self) -> list[GroupSpan]:
+        """The decode groups, on the host (none where the decode rows carry no spans)."""
+        if self.decode is None or self.decode.spans is None:
+            return []
+        row0, soff, slen, olen = (list(map(int, values)) for values in self.decode.spans)
+        return [GroupSpan(row0[g], row0[g + 1] - row0[g], soff[g], slen[g], olen[g]) for g in range(len(soff))]
+
+    @cached_property
+    def group_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group: its shared blocks (m,) and its rows' own blocks (rows, m'), views of the tables
+        (int32), as many as its lengths cover."""
+        tables, B = self.decode.tables, self.decode.block_size
+        return [(tables.stab[g.soff:g.soff - (-g.shared_len // B)],
+                 tables.otab[g.row0:g.row0 + g.rows, :-(-g.own_len // B)]) for g in self.groups]
 
 
 def row_tile(rows: int) -> int:
@@ -146,9 +201,9 @@ def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch
 _ARRAY_CODE = {torch.int32: "i", torch.int64: "q"}
 
 
-def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
-    """DecodeTables' contents as host lists: (row0, stab, soff, slen, own, olen), own the rows' own
-    block lists unpadded (build_step pads them to the step's longest, graphs.py to its bucket's)."""
+def _table_parts(groups: Sequence[DecodeGroup]) -> tuple[list[list[int]], int]:
+    """DecodeTables' six sections as host lists, in its order (row0, stab, soff, slen, otab, olen),
+    and omax: the own tables are padded with block 0 to the step's longest (at least 1)."""
     row0, stab, soff, slen, own, olen = [0], [], [], [], [], []
     for g in groups:
         soff.append(len(stab))
@@ -157,63 +212,56 @@ def table_lists(groups: Sequence[DecodeGroup]) -> tuple[list[int], ...]:
         olen.append(g.own_len)
         own += g.own
         row0.append(row0[-1] + g.rows)
-    return row0, stab, soff, slen, own, olen
-
-
-def _table_parts(groups: Sequence[DecodeGroup]) -> tuple[list[list[int]], int]:
-    """DecodeTables' six sections as host lists, in its order, and omax: the own tables are padded
-    with block 0 to the step's longest (at least 1)."""
-    row0, stab, soff, slen, own, olen = table_lists(groups)
     omax = max(1, max(map(len, own)))
     otab = [b for o in own for b in o + [0] * (omax - len(o))]
     return [row0, stab or [0], soff, slen, otab, olen], omax
 
 
-def build_step(kv: PagedKV, groups: Sequence[DecodeGroup], write_blocks: Sequence[int],
-               write_offsets: Sequence[int], segments: Sequence[PrefillSegment], tables: bool = False,
-               rows: Sequence[Sequence[int]] = ()) -> StepMetadata:
+def build_step(kv: PagedKV, groups: Sequence[DecodeGroup] = (), write_blocks: Sequence[int] = (),
+               write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = (),
+               rows: Sequence[Sequence[int]] = (), decode: DecodeRows | None = None) -> StepMetadata:
     """The step's metadata: every index tensor made on the host as one int64 tensor and moved to the
     KV's device in one copy, pinned and non_blocking (gptj.device.to_device): no host-device round
     trip per group or per layer, and on CUDA the host goes on to the step's launches instead of
     waiting for the work already queued (a decode graph just replayed) to finish first.
 
-    rows: int lists the caller wants on the device too (the runner's token ids, positions, logits to
-    keep, LoRA adapters), carried in the same copy: StepMetadata.rows, int64 views, in order.
-    tables: make DecodeTables. Their int32 sections ride in the same int64 copy and are cast on the
-    device, where a cast is one more queued kernel: a second, int32 copy would save a few KB of a
-    copy that takes microseconds, for a second pinned staging and copy on the host's side."""
+    The decode rows: `decode` as given (the engine's persistent ones), or made from `groups` and
+    their rows' write slots: DecodeTables whose int32 sections ride in the same int64 copy and are
+    cast on the device, where a cast is one more queued kernel (a second, int32 copy would save a few
+    KB of a copy that takes microseconds, for a second pinned staging and copy on the host's side).
+    rows: int lists the caller wants on the device too (the runner's chunk tokens, positions, logits
+    to keep, LoRA adapters), carried in the same copy: StepMetadata.rows, int64 views, in order."""
     B, device = kv.block_size, kv.device
-    parts: list[list[int]] = [list(write_blocks), list(write_offsets)]
-    for g in groups:
-        width = max(1, max(map(len, g.own)))
-        parts += [g.shared, [b for o in g.own for b in o + [0] * (width - len(o))]]
+    parts: list[list[int]] = [list(write_blocks), list(write_offsets)] if groups else []
     for seg in segments:
         end = seg.start + seg.length
         table = seg.blocks[:-(-end // B)]
         positions = list(range(seg.start, end))
         parts += [[table[p // B] for p in positions], [p % B for p in positions], table, positions]
     parts += [list(r) for r in rows]
-    table_parts, omax = _table_parts(groups) if tables and groups else ([], 0)
+    table_parts, omax = _table_parts(groups) if groups else ([], 0)
+    if not parts:
+        return StepMetadata(decode, list(segments))
     longs, starts = _aligned(parts, ALIGN_BYTES // 8)
     ints, int_starts = _aligned(table_parts, ALIGN_BYTES // 4)
     n = len(longs)
     flat = to_device(host_tensor(longs + ints), device)
     views = iter(_views(flat, parts, starts))
-    wb, wo = next(views), next(views)
-    group_blocks = [(next(views), next(views).view(g.rows, -1)) for g in groups]
-    slots = [SegmentSlots(*(next(views) for _ in range(4))) for _ in segments]
-    decode_tables = None
-    if table_parts:
+    if groups:
+        wb, wo = next(views), next(views)
         r, s, so, sl, ot, ol = _views(flat[n:].to(torch.int32), table_parts, int_starts)
-        decode_tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups),
-                                     max(g.shared_len for g in groups))
-    return StepMetadata(wb, wo, list(groups), group_blocks, list(segments), slots, decode_tables, rows=list(views))
+        tables = DecodeTables(r, s, so, sl, ot.view(-1, omax), ol, max(g.rows for g in groups),
+                              max(g.shared_len for g in groups))
+        row0, _, soff, slen, _, olen = table_parts
+        decode = DecodeRows(wb, wo, tables, B, spans=(row0, soff, slen, olen))
+    slots = [SegmentSlots(*(next(views) for _ in range(4))) for _ in segments]
+    return StepMetadata(decode, list(segments), slots, rows=list(views))
 
 
 class AttentionBackend:
     """One way of computing attention over paged KV memory. Subclasses implement store, decode and
-    prefill; `build` makes the step's metadata (with DecodeTables if `reads_tables`, and the
-    caller's `rows` carried in the same copy)."""
+    prefill; `build` makes the step's metadata (`build_step`). `reads_tables`: its decode reads the
+    step's DecodeTables in one call (a kernel's), not group by group."""
 
     name = "?"
     reads_tables = False
@@ -223,8 +271,8 @@ class AttentionBackend:
 
     def build(self, kv: PagedKV, groups: Sequence[DecodeGroup] = (), write_blocks: Sequence[int] = (),
               write_offsets: Sequence[int] = (), segments: Sequence[PrefillSegment] = (),
-              rows: Sequence[Sequence[int]] = ()) -> StepMetadata:
-        return build_step(kv, groups, write_blocks, write_offsets, segments, tables=self.reads_tables, rows=rows)
+              rows: Sequence[Sequence[int]] = (), decode: DecodeRows | None = None) -> StepMetadata:
+        return build_step(kv, groups, write_blocks, write_offsets, segments, rows=rows, decode=decode)
 
     def copy(self, kv: PagedKV, copies: Sequence[tuple[int, int, int]]) -> None:
         """Copy-on-write before a step's forward: block dst gets the first n tokens of block src, for
