@@ -207,12 +207,13 @@ def lora_config(tmp_path: Path, **changes) -> Path:
 
 def test_lora_fine_tune_trains_only_the_adapters_and_lowers_the_eval_loss(tmp_path, capsys):
     from gptj.train.config import load_config
-    from gptj.train.trainer import _initial_model, _lora_config, evaluate_only
+    from gptj.train import model as run_model
+    from gptj.train.trainer import evaluate_only
 
     path = lora_config(tmp_path)
     cfg = load_config(path)
-    untrained = _initial_model(cfg)  # the base the run starts from (seeded), its adapters at B = 0
-    save_adapter(untrained, _lora_config(cfg), tmp_path / "untrained")
+    untrained = run_model.initial_model(cfg)  # the base the run starts from (seeded), its adapters at B = 0
+    save_adapter(untrained, run_model.lora_config(cfg), tmp_path / "untrained")
     before = evaluate_only(cfg, tmp_path / "untrained", progress=False)
     assert main(["train", "--config", str(path), "--quiet"]) == 0
     assert "adapter, checkpoints and metrics.jsonl in" in capsys.readouterr().out
@@ -224,7 +225,7 @@ def test_lora_fine_tune_trains_only_the_adapters_and_lowers_the_eval_loss(tmp_pa
     again = evaluate_only(cfg, progress=False)
     assert again["eval_loss"] == after["eval_loss"]
     base_sd = {k: v for k, v in untrained.state_dict().items() if "lora_" not in k}
-    trained = _initial_model(cfg)
+    trained = run_model.initial_model(cfg)
     assert all(torch.equal(v, trained.state_dict()[k]) for k, v in base_sd.items())
 
 
