@@ -385,6 +385,46 @@ def _combine(leaf: MtjLeaf, pieces: list[torch.Tensor]) -> torch.Tensor:
     raise AssertionError(leaf.rule)
 
 
+def _pieces(leaf: MtjLeaf, shard_dirs: Sequence[Path], npzs: list, file_name: str, key: str,
+            dims: _Dims) -> list[torch.Tensor]:
+    """One leaf's array `key` of `file_name` from every shard's open npz file, each shape checked
+    against the dims, as finite torch tensors: one a shard, or shard 0's alone for a replicated leaf."""
+    pieces = []
+    for shard_dir, npz in zip(shard_dirs, npzs):
+        where = f"{shard_dir.name}/{file_name} {key}"
+        try:
+            arr = npz[key]
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            raise CheckpointError(f"{where} ({leaf.name}): cannot read array: {e}") from None
+        dims.check(leaf, arr.shape, where)
+        if leaf.rule is Rule.REPLICATED and pieces:
+            continue  # replicated copies: shard 0's is used
+        t = _to_torch(arr, where)
+        if not all_finite(t):
+            raise CheckpointError(f"{where} ({leaf.name} -> {leaf.hf_name}): non-finite values")
+        pieces.append(t)
+    return pieces
+
+
+def _check_result(leaf: MtjLeaf, tensor: torch.Tensor, expected_shapes: Mapping[str, Sequence[int]] | None,
+                  path: Path) -> None:
+    """A leaf's HF tensor as it will be yielded: finite after the shards' combination and the dtype's
+    conversion, and (expected_shapes given) among the expected names with their shape."""
+    if not all_finite(tensor):
+        raise CheckpointError(
+            f"{leaf.hf_name}: non-finite values after combining shards and converting to {tensor.dtype}"
+        )
+    if expected_shapes is not None:
+        want = expected_shapes.get(leaf.hf_name)
+        if want is None:
+            raise CheckpointError(f"{leaf.hf_name}: not among the expected tensors")
+        if tuple(want) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{leaf.hf_name}: shape {tuple(tensor.shape)} from {path} does not match "
+                f"the expected {tuple(want)}"
+            )
+
+
 def iter_mtj_slim(
     path: str | Path,
     n_layer: int,
@@ -440,20 +480,7 @@ def iter_mtj_slim(
                         break  # the trailing `step` leaf: ignored
                     leaf = leaves[index]
                     index += 1
-                    pieces = []
-                    for shard_dir, npz in zip(layout.shard_dirs, npzs):
-                        where = f"{shard_dir.name}/{file_name} {key}"
-                        try:
-                            arr = npz[key]
-                        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                            raise CheckpointError(f"{where} ({leaf.name}): cannot read array: {e}") from None
-                        dims.check(leaf, arr.shape, where)
-                        if leaf.rule is Rule.REPLICATED and pieces:
-                            continue  # replicated copies: shard 0's is used
-                        t = _to_torch(arr, where)
-                        if not all_finite(t):
-                            raise CheckpointError(f"{where} ({leaf.name} -> {leaf.hf_name}): non-finite values")
-                        pieces.append(t)
+                    pieces = _pieces(leaf, layout.shard_dirs, npzs, file_name, key, dims)
                     stored_dtype = pieces[0].dtype
                     tensor = _combine(leaf, pieces)
                     del pieces
@@ -469,19 +496,7 @@ def iter_mtj_slim(
                         tensor += wte_bias  # broadcast the [E] bias over every vocab row
 
                     tensor = tensor.to(dtype or stored_dtype).contiguous()
-                    if not all_finite(tensor):
-                        raise CheckpointError(
-                            f"{leaf.hf_name}: non-finite values after combining shards and converting to {tensor.dtype}"
-                        )
-                    if expected_shapes is not None:
-                        want = expected_shapes.get(leaf.hf_name)
-                        if want is None:
-                            raise CheckpointError(f"{leaf.hf_name}: not among the expected tensors")
-                        if tuple(want) != tuple(tensor.shape):
-                            raise CheckpointError(
-                                f"{leaf.hf_name}: shape {tuple(tensor.shape)} from {path} does not match "
-                                f"the expected {tuple(want)}"
-                            )
+                    _check_result(leaf, tensor, expected_shapes, path)
                     bar.update(1)
                     yield leaf.hf_name, tensor
     finally:
