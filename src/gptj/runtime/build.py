@@ -15,8 +15,6 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
 from gptj.files import model_file
