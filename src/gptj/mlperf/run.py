@@ -449,20 +449,15 @@ def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noq
 
 def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
     """One LoadGen run as `cfg` asks; `ctx`: under --tp / --pp, this process is the job's rank 0."""
-    import mlperf_loadgen as lg
+    import torch
     from tqdm import tqdm
 
-    from gptj.mlperf import report
-    from gptj.mlperf.dataset import Dataset
     from gptj.mlperf.sut import QSL, SUT
-    from gptj.tokenizer import tokenizer_for_model
-
-    import torch
 
     model_dir = Path(cfg.model) if cfg.model is not None else None
     threads = choose_threads(cfg, ctx)
     torch.set_num_threads(threads.compute)
-    remote = backend = None
+    remote = None
     if cfg.server is not None:
         from gptj.mlperf.remote import HTTPBackend
 
@@ -471,6 +466,55 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
         # First, so a wrong URL fails before anything is loaded; its threads start with the first request.
         remote = HTTPBackend(cfg.server, model_name=cfg.server_model, concurrency=cfg.server_concurrency,
                              api_key=os.environ.get(API_KEY_ENV) or None)
+    setup = _prepare(cfg, ctx, model_dir, threads, remote)
+
+    dataset = setup.dataset
+    total = len(dataset) if cfg.mode == "accuracy" else None
+    bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
+    qsl = QSL(dataset, setup.performance_samples)
+    sut = SUT(setup.backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update,
+              first_token_at_end=cfg.token_latencies and cfg.gen.num_beams > 1)
+    finished = _run_loadgen(sut, qsl, setup.settings, setup.log_settings, cfg.scenario, setup.audit)
+    interrupted = sut.interrupted
+    if finished:
+        sut.stop()
+        qsl.destroy()
+    bar.close()
+    if sut.error is not None and not interrupted:
+        if isinstance(sut.error, GptjError):
+            raise sut.error
+        raise RuntimeError(f"generation failed during the run: {sut.error!r}") from sut.error
+    return _results(cfg, setup, sut.stats, finished, interrupted, threads, remote)
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What a run settles before LoadGen's test: the data, the backend the SUT sends samples to (the
+    engine here, or a gptj server), the log folder, the notes, and LoadGen's settings."""
+
+    tokenizer: object
+    dataset: object  # gptj.mlperf.dataset.Dataset
+    backend: object  # an EngineBackend or an HTTPBackend
+    log_dir: Path
+    notes: list[str]
+    # LoadGen's part (_settle)
+    settings: object = None  # mlperf_loadgen.TestSettings
+    performance_samples: int = 0
+    asked: dict | None = None  # asked_settings: what the flags and files asked for
+    log_settings: object = None  # mlperf_loadgen.LogSettings
+    audit: Path | None = None
+
+
+def _prepare(cfg: MLPerfConfig, ctx: ParallelContext, model_dir: Path | None, threads: Threads,
+             remote) -> _Setup:  # noqa: ANN001 - an HTTPBackend or None
+    """The run up to LoadGen's test: the dataset tokenized, the backend started (with `remote`: the
+    server, checked to fit the longest prompt; else the engine, its model loaded), the log folder,
+    the notes printed, the settings made. Whatever fails, the backends opened are closed."""
+    from gptj.mlperf import report
+    from gptj.mlperf.dataset import Dataset
+    from gptj.tokenizer import tokenizer_for_model
+
+    backend = None
     try:
         tokenizer = tokenizer_for_model(model_dir)
         dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
@@ -484,65 +528,73 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
         log_dir.mkdir(parents=True, exist_ok=True)
         notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
         if remote is not None:
-            from gptj.runtime.flags import flags_given
-
-            ignored = flags_given(cfg.spec, cfg.engine)
-            notes.insert(0, f"samples ran on a remote gptj server: {remote.url}, model {remote.model!r}, "
-                            f"{cfg.server_concurrency} requests in flight at most; its dtype, device and batching "
-                            "are the server's" + (f" ({', '.join(ignored)} did not apply)" if ignored else ""))
-            if model_dir is None:
-                notes.insert(1, f"the served model was not checked to be GPT-J 6B (its folder on the server: "
-                                f"{remote.model_card.get('root', 'unknown')}); --model DIR with its config.json "
-                                "would say")
+            notes[:0] = _remote_notes(cfg, remote, model_dir)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-
-        expected_s = None
-        if needs_calibration(cfg):
-            print(f"note: timing {CALIBRATION_HOW} for SingleStream's expected latency (--target-latency-ms gives "
-                  "it instead)", file=sys.stderr)
-            expected_s = calibrate_latency(backend, dataset, cfg.gen)
-        settings = test_settings(cfg, len(dataset), expected_s)
-        performance_samples = min(settings.performance_sample_count_override, len(dataset))
-        asked = asked_settings(cfg, settings, expected_s)
-        more = flags_that_do_not_apply(cfg)
-        if (count := count_note(cfg, settings, performance_samples)) is not None:
-            more.append(count)
-        more += invalid_forecast(cfg, settings, performance_samples)
-        for note in more:
-            print(f"note: {note}", file=sys.stderr)
-        notes += more
-        log_settings = lg.LogSettings()
-        log_settings.log_output.outdir = str(log_dir)
-        log_settings.log_output.copy_summary_to_stdout = False
-        log_settings.enable_trace = False
-        audit = audit_config_path(cfg, log_dir)
+        return _settle(cfg, _Setup(tokenizer, dataset, backend, log_dir, notes))
     except BaseException:
         for opened in {id(b): b for b in (remote, backend) if b is not None}.values():
             opened.close()
         raise
 
-    total = len(dataset) if cfg.mode == "accuracy" else None
-    bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
-    qsl = QSL(dataset, performance_samples)
-    sut = SUT(backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update,
-              first_token_at_end=cfg.token_latencies and cfg.gen.num_beams > 1)
-    finished = _run_loadgen(sut, qsl, settings, log_settings, cfg.scenario, audit)
-    interrupted = sut.interrupted
-    if finished:
-        sut.stop()
-        qsl.destroy()
-    bar.close()
-    if sut.error is not None and not interrupted:
-        if isinstance(sut.error, GptjError):
-            raise sut.error
-        raise RuntimeError(f"generation failed during the run: {sut.error!r}") from sut.error
 
+def _remote_notes(cfg: MLPerfConfig, remote, model_dir: Path | None) -> list[str]:  # noqa: ANN001 - HTTPBackend
+    """What the notes say first of a run whose samples a gptj server answered."""
+    from gptj.runtime.flags import flags_given
+
+    ignored = flags_given(cfg.spec, cfg.engine)
+    notes = [f"samples ran on a remote gptj server: {remote.url}, model {remote.model!r}, "
+             f"{cfg.server_concurrency} requests in flight at most; its dtype, device and batching "
+             "are the server's" + (f" ({', '.join(ignored)} did not apply)" if ignored else "")]
+    if model_dir is None:
+        notes.append(f"the served model was not checked to be GPT-J 6B (its folder on the server: "
+                     f"{remote.model_card.get('root', 'unknown')}); --model DIR with its config.json "
+                     "would say")
+    return notes
+
+
+def _settle(cfg: MLPerfConfig, setup: _Setup) -> _Setup:
+    """LoadGen's settings for the run (SingleStream's expected latency timed on the backend where
+    needed), the notes they add (printed, and kept with the others), its log settings and audit
+    config -> the setup with them."""
+    import mlperf_loadgen as lg
+
+    expected_s = None
+    if needs_calibration(cfg):
+        print(f"note: timing {CALIBRATION_HOW} for SingleStream's expected latency (--target-latency-ms gives "
+              "it instead)", file=sys.stderr)
+        expected_s = calibrate_latency(setup.backend, setup.dataset, cfg.gen)
+    settings = test_settings(cfg, len(setup.dataset), expected_s)
+    performance_samples = min(settings.performance_sample_count_override, len(setup.dataset))
+    more = flags_that_do_not_apply(cfg)
+    if (count := count_note(cfg, settings, performance_samples)) is not None:
+        more.append(count)
+    more += invalid_forecast(cfg, settings, performance_samples)
+    for note in more:
+        print(f"note: {note}", file=sys.stderr)
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(setup.log_dir)
+    log_settings.log_output.copy_summary_to_stdout = False
+    log_settings.enable_trace = False
+    return dataclasses.replace(setup, notes=setup.notes + more, settings=settings,
+                               performance_samples=performance_samples,
+                               asked=asked_settings(cfg, settings, expected_s), log_settings=log_settings,
+                               audit=audit_config_path(cfg, setup.log_dir))
+
+
+def _results(cfg: MLPerfConfig, setup: _Setup, stats, finished: bool, interrupted: bool,  # noqa: ANN001
+             threads: Threads, remote) -> RunResult:  # noqa: ANN001 - an HTTPBackend or None
+    """The run's RunResult after LoadGen's test (`stats`: the SUT's; scored in accuracy mode, judged
+    in performance mode), its results bundle written; Interrupted after a Ctrl-C, once the bundle is
+    written."""
+    from gptj.mlperf import report
+
+    log_dir, dataset = setup.log_dir, setup.dataset
     accuracy = None
     if cfg.mode == "accuracy" and not interrupted:
         from gptj.mlperf.evaluate import evaluate_log
 
-        accuracy = evaluate_log(log_dir, dataset.references, tokenizer=tokenizer, expected_samples=len(dataset))
+        accuracy = evaluate_log(log_dir, dataset.references, tokenizer=setup.tokenizer, expected_samples=len(dataset))
     summary = report.parse_loadgen_summary(log_dir / "mlperf_log_summary.txt") if finished else {}
     remote_info = None
     if remote is not None:
@@ -551,9 +603,9 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
     if remote is None:
         threads = dataclasses.replace(threads, engine_thread=_ENGINE_THREAD_TORCH_THREADS[0])
     used = report.loadgen_effective(log_dir) if finished else {}
-    times = backend.engine.stats().times if remote is None else None  # the engine's thread is idle now
-    result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, sut.stats, notes,
-                       remote_info, threads, settings={"asked": asked, "loadgen": used}, engine_times=times)
+    times = setup.backend.engine.stats().times if remote is None else None  # the engine's thread is idle now
+    result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, stats, setup.notes,
+                       remote_info, threads, settings={"asked": setup.asked, "loadgen": used}, engine_times=times)
     if cfg.mode == "performance" and finished:
         result.invalid_reasons = report.invalid_reasons(cfg, summary, result.settings, interrupted)
     if interrupted:
