@@ -30,16 +30,11 @@ if TYPE_CHECKING:
 
 
 def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | None = None) -> nn.Module:
-    """The model for this rank of `ctx`: whole in one process; under --tp its shard (from `gptj
-    convert --tp N` files when present), under --pp its stage (both: its stage's shard), quantized
-    after splitting if asked. progress: bars on stderr (None: for a big model on a terminal).
-
-    Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
-    int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
-    each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
-    head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would.
-    fp8 weights (asked for, or in the checkpoint) are refused where they cannot run
-    (policy.check_fp8_device), in one line."""
+    """The model for this rank of `ctx`: whole in one process; under --tp its shard, under --pp its
+    stage (both: its stage's shard), quantized after splitting if asked (ParallelContext.load), with
+    the spec's LoRA adapter merged into its float weights first. progress: bars on stderr (None: for
+    a big model on a terminal). fp8 weights (asked for, or in the checkpoint) are refused where they
+    cannot run (policy.check_fp8_device), in one line, before the load."""
     if spec.path is None:
         raise GptjError("no model folder given")
     ctx.check(spec.tp, spec.pp)
