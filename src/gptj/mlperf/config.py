@@ -137,7 +137,7 @@ class RunResult:
     notes: list[str]
     remote: dict | None = None  # with a server: its url, model, max_model_len, concurrency, 429 retries
     threads: Threads | None = None
-    interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see _interrupted_logs)
+    interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see gptj.mlperf.loadgen.interrupted_logs)
     settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
     engine_times: object | None = None  # the local engine's StepTimes over the run (None: a remote server's)
     # an INVALID performance run: each condition LoadGen found unmet, why, and the setting that fixes it
