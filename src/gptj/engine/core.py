@@ -1,9 +1,13 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
-    schedule   engine/scheduler.py  what runs: decode rows, prefill chunks, admissions (plain data)
-    run        engine/runner.py     the forward passes over paged KV memory -> logits
-    update     engine/update.py     next tokens, beams, prefix-cache entries; retire the finished
-    kv         engine/kv.py         block tables, reference counts, the prefix cache
+    schedule   engine/scheduler.py    what runs: decode rows, prefill chunks, admissions (plain data)
+    run        engine/runner.py       the forward passes over paged KV memory -> one logits tensor and
+                                      whose rows they are
+    batch      engine/input_batch.py  the decode rows, kept from step to step and brought up to each
+                                      step from what the scheduler changed
+    update     engine/update.py       next tokens (engine/sampler.py), beams, prefix-cache entries;
+                                      retire the finished
+    kv         engine/kv.py           block tables, reference counts, the prefix cache
 
 Greedy, sampled and beam-search requests share every step. Each request attends over its own
 blocks only, so its tokens do not depend on what else shares the step (up to float rounding;

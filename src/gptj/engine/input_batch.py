@@ -108,6 +108,7 @@ class InputBatch:
         self.n = self.groups = self.widest = 0
         self.copied = None  # CUDA: an event after the last copies (the host arrays are free after it)
         self.prompts_changed = True  # `prompts` written since its last copy to the device
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (rows, groups) -> device views
 
     # --- the step's diff ---
 
@@ -256,10 +257,16 @@ class InputBatch:
 
     def _rows(self, rows: int, groups: int, max_rows: int, max_shared: int,
               spans: tuple[np.ndarray, ...] | None) -> BatchRows:
-        """Views of the device buffers: the first `rows` rows, the first `groups` groups."""
-        ids, pos, wb, wo = (t[:rows] for t in self.longs.device)
-        row0, soff, slen, olen, tables, _ = self.ints.device
-        stab = self.ints.device_tensor[self.ints.starts[4]:self.ints.starts[5] + self.max_rows * self.M]
-        decode_tables = DecodeTables(row0[:groups + 1], stab, soff[:groups], slen[:groups],
-                                     tables.view(self.max_rows, self.M)[:rows], olen[:groups], max_rows, max_shared)
-        return BatchRows(ids, pos, DecodeRows(wb, wo, decode_tables, self.B, spans), row_tile(max_rows))
+        """The device buffers' first `rows` rows and first `groups` groups, as a forward reads them."""
+        views = self._views.get((rows, groups))
+        if views is None:  # (made once for each size: a step's sizes change only when its requests do)
+            if len(self._views) > 64:
+                self._views.clear()
+            row0, soff, slen, olen, tables, _ = self.ints.device
+            stab = self.ints.device_tensor[self.ints.starts[4]:self.ints.starts[5] + self.max_rows * self.M]
+            views = self._views[rows, groups] = (
+                *(t[:rows] for t in self.longs.device), row0[:groups + 1], stab, soff[:groups], slen[:groups],
+                tables.view(self.max_rows, self.M)[:rows], olen[:groups])
+        ids, pos, wb, wo, *table_views = views
+        decode = DecodeRows(wb, wo, DecodeTables(*table_views, max_rows, max_shared), self.B, spans)
+        return BatchRows(ids, pos, decode, row_tile(max_rows))
