@@ -464,8 +464,8 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], names: Sequen
     sets before each forward. -> the wrapped modules; `model.lora_names` lists the names."""
     if getattr(model, "lora_names", None):
         raise GptjError("the model serves LoRA adapters already")
-    if model.kv_heads != model.config.n_head or model.pipeline is not None:
-        raise GptjError("LoRA adapters with --tp / --pp are not supported")
+    if model.kv_heads != model.config.n_head or any(not hasattr(b, "attn") for b in model.transformer.h):
+        raise GptjError("LoRA adapters with --tp / --pp are not supported")  # (a tensor shard; another stage's layers)
     for ad in adapters:
         _check_fits(model, ad)
     wrapped: dict[tuple[int, str], MultiLoRALinear] = {}

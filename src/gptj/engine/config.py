@@ -86,6 +86,7 @@ class KVPlan:
     max_len: int  # prompt + new tokens per sequence
     max_seqs: int  # sequences running at once
     block_bytes: int  # one block, all layers, keys and values
+    ranks: int = 1  # the ranks whose forwards run together (--tp / --pp): more than one, each forward is collective
 
     @property
     def blocks_per_seq(self) -> int:

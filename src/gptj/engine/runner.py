@@ -85,7 +85,7 @@ class ModelRunner:
                                                      model.config.head_dim))
         self.graphs = None  # decode-only steps from captured CUDA graphs (engine/graphs.py)
         self.lora = multi_lora_modules(model)  # LoRA adapters served over the model: each row's is set per forward
-        one_process = model.pipeline is None and model.kv_heads == model.config.n_head  # no collectives to capture
+        one_process = plan.ranks == 1  # no collectives to capture
         if (config.cuda_graphs == "auto" and w.device.type == "cuda" and self.attention.name == "cuda" and one_process
                 and not self.lora):  # (a step's adapters choose its kernels: not one graph per bucket)
             self.graphs = GraphRunner(model, self.kv, self.attention, self.batch, capture=True)

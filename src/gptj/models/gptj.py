@@ -176,8 +176,6 @@ class Transformer(nn.Module):
 
 
 class GPTJForCausalLM(nn.Module):
-    pipeline = None  # runs every layer here (what the engine asks; a gptj.parallel.pp.PipelineStage runs some)
-
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.config = config

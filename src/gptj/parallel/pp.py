@@ -69,11 +69,6 @@ class PipelineStage(nn.Module):
         """Attention heads each of this stage's layers computes (its tensor rank's share under --tp)."""
         return self.model.transformer.h[self.layers.start].attn.n_head
 
-    @property
-    def pipeline(self) -> PipelineStage:
-        """This stage (what the engine asks before it captures CUDA graphs: a stage's forward is collective)."""
-        return self
-
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A cache of every layer, this stage's heads (it fills only its own layers')."""
         w = self.model.transformer.wte.weight

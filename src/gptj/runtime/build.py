@@ -75,8 +75,8 @@ def plan_for(model: nn.Module, config: EngineConfig, free_bytes: int | None = No
     w = model.transformer.wte.weight
     if free_bytes is None and config.kv_blocks is None:
         free_bytes = ctx.least(available_memory_bytes(w.device))
-    return plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads,
-                   free_bytes=free_bytes)
+    plan = plan_kv(model.config, w.dtype, w.device, config, n_head=model.kv_heads, free_bytes=free_bytes)
+    return dataclasses.replace(plan, ranks=ctx.world if ctx.parallel else 1)
 
 
 def build_engine(model: nn.Module, config: EngineConfig, progress: bool | None = None,
