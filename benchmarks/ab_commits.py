@@ -33,11 +33,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def tree_of(commit: str, work: Path) -> Path:
+    """A worktree of `commit` under `work` (removed again by drop_tree)."""
     tree = work / f"tree-{commit}"
     if not tree.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
                        capture_output=True)
     return tree
+
+
+def drop_tree(tree: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def run(tree: Path, cmd: list[str], timeout: float = 3600) -> str:
@@ -76,10 +81,10 @@ def serve(tree: Path, model: Path, clients: int, threads: int) -> dict[str, floa
     return {"output_tok_s": json.loads(out)["results"][0]["output_throughput"]}
 
 
-def cells(parts: list[str], modes: list[str]) -> list[tuple[str, tuple]]:
+def cells(parts: list[str], modes: list[str], batches: list[int]) -> list[tuple[str, tuple]]:
     out = []
     if "latency" in parts:
-        out += [(f"latency {m} b{b}", ("latency", m, b)) for m in modes for b in (1, 8)]
+        out += [(f"latency {m} b{b}", ("latency", m, b)) for m in modes for b in batches]
     if "offline" in parts:
         out.append(("offline", ("offline",)))
     if "serve" in parts:
@@ -92,7 +97,10 @@ def main() -> None:
     p.add_argument("--before", required=True, help="the commit to compare against (a worktree of it is made)")
     p.add_argument("--parts", type=lambda s: s.split(","), default=["latency"])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["bfloat16", "int8", "int4", "w8a8"])
+    p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     p.add_argument("--rounds", type=int, default=2, help="rounds per commit and cell (default 2)")
+    p.add_argument("--model", type=Path, help="one model folder for every part (default: the two made under --work)")
+    p.add_argument("--keep-tree", action="store_true", help="keep --before's worktree for the next run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gptj-ab")
     p.add_argument("--json", action="store_true")
@@ -100,15 +108,26 @@ def main() -> None:
     from cpu_kinds import make_model
 
     args.work.mkdir(parents=True, exist_ok=True)
-    wide = args.work / "w4096"
-    narrow = args.work / "w1024"
+    wide = args.model or args.work / "w4096"
+    narrow = args.model or args.work / "w1024"
     if "latency" in args.parts and not wide.exists():
         make_model(wide, 4096, 2, calibrated="w8a8" in args.modes)
     if {"offline", "serve"} & set(args.parts) and not narrow.exists():
         make_model(narrow, 1024, 2, calibrated=False)
     trees = {"before": tree_of(args.before, args.work), "after": ROOT}
+    try:
+        results = compare(args, trees, wide, narrow)
+    finally:
+        if not args.keep_tree:
+            drop_tree(trees["before"])
+    if args.json:
+        print(json.dumps({"before": args.before, "results": results}))
+
+
+def compare(args: argparse.Namespace, trees: dict[str, Path], wide: Path, narrow: Path) -> dict:
+    """{cell: {figure: before, after, ratio, runs}} over the cells, rounds alternated."""
     results = {}
-    for name, cell in cells(args.parts, args.modes):
+    for name, cell in cells(args.parts, args.modes, args.batches):
         got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
         for r in range(args.rounds):
             for which in (("before", "after") if r % 2 == 0 else ("after", "before")):
@@ -128,8 +147,7 @@ def main() -> None:
         results[name] = row
         print(f"{name}: " + "  ".join(f"{k} {v['before']} -> {v['after']} ({v['ratio']}x)" for k, v in row.items()),
               file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps({"before": args.before, "results": results}))
+    return results
 
 
 if __name__ == "__main__":

@@ -73,6 +73,14 @@ def tiny(tmp_path_factory) -> str:
 # --- what each script prints --------------------------------------------------------------------
 
 
+def check_ab_commits(out: dict, err: str) -> None:
+    cell = out["results"]["latency bfloat16 b1"]
+    for fig in ("decode_tok_s", "prefill_tok_s"):
+        runs = cell[fig]["runs"]
+        assert len(runs["before"]) == len(runs["after"]) == 1 and min(runs["before"] + runs["after"]) > 0
+        assert abs(cell[fig]["ratio"] - cell[fig]["after"] / cell[fig]["before"]) < 0.01  # (of figures rounded to 0.01)
+
+
 def check_compare_peers(out: dict, err: str) -> None:
     res = out["results"]["tiny"]
     assert positive(out["bandwidth_gb_s"])
@@ -477,6 +485,9 @@ def without_peers(tmp: Path) -> dict[str, str]:
 
 # one job per script in benchmarks/: its tiny size
 SMOKE: dict[str, Job] = {
+    "ab_commits.py": Job("ab_commits.py", lambda m, tmp: ["--before", "HEAD", "--model", m, "--parts", "latency",
+                                                          "--modes", "bfloat16", "--batches", "1", "--rounds", "1",
+                                                          "--work", str(tmp), "--json"], check_ab_commits),
     "compare_peers.py": Job("compare_peers.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1",
                                                                 "--work-dir", str(tmp)], check_compare_peers),
     "engine_thread.py": Job("engine_thread.py", lambda m, tmp: ["--model", m, "--dtype", "float32", "--smoke",
