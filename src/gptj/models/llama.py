@@ -1,0 +1,543 @@
+"""Llama (Llama 2, Llama 3, Llama 3.1) as plain math, beside GPT-J's gptj.py and with its interface.
+
+    h = embed(ids)
+    for each layer:  h = h + attn(rmsnorm_1(h));  h = h + mlp(rmsnorm_2(h))     # sequential, pre-norm
+    logits = lm_head(rmsnorm_f(h))                                              # float32
+
+    attn: grouped-query attention, RoPE (rotate-half) on q and k; a KV head serves H / KV query heads
+    mlp:  down(silu(gate(x)) * up(x))                                           # SwiGLU
+
+Shapes: B batch, T new tokens, S = past + T keys, E hidden_size, I intermediate_size,
+H query heads, KV key/value heads, G = H / KV heads per group, D head_dim.
+
+The modules are laid out as GPT-J's (`transformer.wte`, `transformer.h[i]`, `transformer.ln_f`,
+`lm_head`) so the code that reaches into a model (the decode loops, the engine's KV planning) finds
+the same attributes; the leaves keep HF's Llama names (q_proj ... o_proj, gate_proj, up_proj,
+down_proj) so PEFT-style adapters name the same modules. `HF_NAMES` maps HF's state-dict names to
+these, and `load_hf_state_dict` loads an HF state dict strictly.
+
+float32 runs HF's eager math op for op (RMSNorm in float32, the rotary angles from HF's inverse
+frequencies, softmax in float32, keys and values repeated per group), so greedy decoding is
+token-identical to transformers' LlamaForCausalLM; below float32 attention goes through torch's SDPA
+(gptj.models.base.attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, _check_int, _is_int
+from gptj.errors import CheckpointError, ConfigError
+from gptj.models.base import KVCache, attention, causal_mask, exact, kept_positions, position_ids_from_mask
+
+# --- config ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """HF's rope_scaling {"rope_type": "llama3", ...}: long wavelengths slowed down by `factor`."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+
+
+def _check_number(name: str, value: Any, low: float, high: float, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:  # NaN fails
+        raise ConfigError(f"config field {name!r} must be a number {what}, got {value!r}")
+
+
+def validate_llama(c: LlamaConfig) -> None:
+    """Every rule a LlamaConfig obeys, checked on construction; ConfigError naming the field."""
+    _check_int("num_hidden_layers", c.num_hidden_layers, 1, MAX_LAYERS)
+    _check_int("hidden_size", c.hidden_size, 1, MAX_EMBD)
+    _check_int("intermediate_size", c.intermediate_size, 1, MAX_INNER)
+    _check_int("num_attention_heads", c.num_attention_heads, 1, c.hidden_size)
+    _check_int("num_key_value_heads", c.num_key_value_heads, 1, c.num_attention_heads,
+               " (at most num_attention_heads)")
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ConfigError(f"config field 'num_key_value_heads' ({c.num_key_value_heads}) must divide "
+                          f"num_attention_heads ({c.num_attention_heads})")
+    _check_int("head_dim", c.head_dim, 2, MAX_EMBD)
+    if c.head_dim % 2:
+        raise ConfigError(f"config field 'head_dim' ({c.head_dim}) must be even (rotary embeddings rotate pairs)")
+    _check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
+    _check_int("max_position_embeddings", c.max_position_embeddings, 1, MAX_POSITIONS)
+    _check_number("rms_norm_eps", c.rms_norm_eps, 0, 1, "in (0, 1]")
+    _check_number("rope_theta", c.rope_theta, 1, 1e12, "in (1, 1e12]")
+    s = c.rope_scaling
+    if s is not None:
+        if not isinstance(s, Llama3RopeScaling):
+            raise ConfigError(f"config field 'rope_scaling' must be llama3 scaling or null, got {s!r}")
+        _check_number("rope_scaling.factor", s.factor, 0, 1e6, "in (0, 1e6]")
+        _check_number("rope_scaling.high_freq_factor", s.high_freq_factor, 0, 1e6, "in (0, 1e6]")
+        _check_number("rope_scaling.low_freq_factor", s.low_freq_factor, 0, s.high_freq_factor,
+                      f"in (0, high_freq_factor {s.high_freq_factor}) (the blend divides by their difference)")
+        if s.low_freq_factor == s.high_freq_factor:
+            raise ConfigError(f"config field 'rope_scaling.low_freq_factor' must be below high_freq_factor "
+                              f"({s.high_freq_factor}), got {s.low_freq_factor!r}")
+        _check_int("rope_scaling.original_max_position_embeddings", s.original_max_position_embeddings, 1,
+                   MAX_POSITIONS)
+    if not isinstance(c.tie_word_embeddings, bool):
+        raise ConfigError(f"config field 'tie_word_embeddings' must be true or false, got {c.tie_word_embeddings!r}")
+    inside = f" (a token id below vocab_size {c.vocab_size})"
+    for name in ("bos_token_id", "pad_token_id"):
+        if getattr(c, name) is not None:
+            _check_int(name, getattr(c, name), 0, c.vocab_size - 1, inside + " or null")
+    if not isinstance(c.eos_token_ids, tuple) or not c.eos_token_ids:
+        raise ConfigError(f"config field 'eos_token_id' must be a token id or a non-empty list, "
+                          f"got {c.eos_token_ids!r}")
+    for eos in c.eos_token_ids:
+        _check_int("eos_token_id", eos, 0, c.vocab_size - 1, inside)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a LlamaForCausalLM, with HF's field names (config.json), checked on construction.
+
+    GPT-J's names (n_layer, n_embd, n_head, head_dim, n_positions, inner_dim, eos_token_id) are
+    properties, so the code written for GPTJConfig (KV caches, planning) reads a Llama config too.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = None  # type: ignore[assignment]  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)  # HF's eos_token_id: one id or a list (Llama 3.1 Instruct: 3)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        E, H = self.hidden_size, self.num_attention_heads
+        if self.head_dim is None and _is_int(E) and _is_int(H) and H > 0:  # else validate names the bad field
+            if E % H:
+                raise ConfigError(f"config field 'hidden_size' ({E}) must be divisible by num_attention_heads "
+                                  f"({H}) when head_dim is absent")
+            object.__setattr__(self, "head_dim", E // H)
+        validate_llama(self)
+
+    # GPT-J's names, for the code shared with GPTJConfig.
+    n_layer = property(lambda self: self.num_hidden_layers)
+    n_embd = property(lambda self: self.hidden_size)
+    n_head = property(lambda self: self.num_attention_heads)
+    n_kv_head = property(lambda self: self.num_key_value_heads)
+    n_positions = property(lambda self: self.max_position_embeddings)
+    inner_dim = property(lambda self: self.intermediate_size)
+    rope_dim = property(lambda self: self.head_dim)
+    eos_token_id = property(lambda self: self.eos_token_ids[0])
+
+    def replace(self, **changes: Any) -> LlamaConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json of LlamaForCausalLM (rope_theta / rope_scaling as transformers 4 and 5 read them)."""
+        d: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                             "attention_bias": False, "mlp_bias": False}
+        for f in dataclasses.fields(self):
+            d[f.name] = getattr(self, f.name)
+        eos = d.pop("eos_token_ids")
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+        d["rope_scaling"] = self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None
+        return dict(sorted(d.items()))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config") -> LlamaConfig:
+        """From HF's config.json (transformers 4's rope_theta + rope_scaling, or 5's rope_parameters);
+        absent optional fields take transformers.LlamaConfig's defaults. One-line ConfigError."""
+        try:
+            return cls(**_llama_kwargs(d))
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL = ("num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+             "bos_token_id", "pad_token_id")
+
+
+def _llama_kwargs(d: Any) -> dict[str, Any]:
+    """LlamaConfig's keyword arguments from an HF config dict; ConfigError for what Llama is not."""
+    if not isinstance(d, dict):
+        raise ConfigError("expected a JSON object")
+    if d.get("model_type") != "llama":
+        raise ConfigError(f"not a Llama config (model_type is {d.get('model_type')!r}, expected 'llama')")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (Llama uses 'silu')")
+    for name in ("attention_bias", "mlp_bias"):
+        if d.get(name, False) is not False:
+            raise ConfigError(f"config field {name!r} must be false (Llama's projections have no bias), "
+                              f"got {d[name]!r}")
+    for name in _REQUIRED:
+        if name not in d:
+            raise ConfigError(f"config field {name!r} is missing")
+    kwargs = {k: d[k] for k in _REQUIRED + _OPTIONAL if k in d}
+    if kwargs.get("num_key_value_heads") is None:  # HF: absent or null means one KV head per query head
+        kwargs["num_key_value_heads"] = d["num_attention_heads"]
+    eos = d.get("eos_token_id", 2)
+    kwargs["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    rope = d.get("rope_parameters")  # transformers 5: theta and scaling in one object
+    if isinstance(rope, dict):
+        theta, scaling = rope.get("rope_theta", d.get("rope_theta", 10000.0)), rope
+    else:
+        theta, scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"config field 'rope_theta' must be a number, got {theta!r}")
+    kwargs["rope_theta"] = float(theta)
+    kwargs["rope_scaling"] = _rope_scaling(scaling)
+    return kwargs
+
+
+def _rope_scaling(s: Any) -> Llama3RopeScaling | None:
+    """None (plain RoPE) or the llama3 scaling from HF's rope_scaling / rope_parameters."""
+    if s is None:
+        return None
+    if not isinstance(s, dict):
+        raise ConfigError(f"config field 'rope_scaling' must be an object or null, got {s!r}")
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"config field 'rope_scaling' has rope_type {kind!r}: only 'llama3' and 'default' "
+                          f"are supported")
+    if s.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config field 'partial_rotary_factor' must be 1.0, got {s['partial_rotary_factor']!r}")
+    names = [f.name for f in dataclasses.fields(Llama3RopeScaling)]
+    for name in names:
+        if name not in s:
+            raise ConfigError(f"config field 'rope_scaling.{name}' is missing (llama3 rope scaling needs it)")
+    return Llama3RopeScaling(**{name: s[name] for name in names})
+
+
+# Meta's Llama-3.1-8B (-Instruct: the MLPerf llama3.1-8b model; its three end-of-turn/text ids).
+LLAMA_3_1_8B = LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192),
+    max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009))
+
+
+# --- the math ----------------------------------------------------------------------------------
+
+
+def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """(D/2,) float32 inverse frequencies theta^(-2i/D), llama3-scaled if the config says so.
+
+    Computed on the CPU with HF's float32 operations in HF's order, so the angles (and every
+    rotation) match transformers bit for bit. llama3: wavelengths longer than
+    original / low_freq_factor are slowed down by `factor`, those shorter than
+    original / high_freq_factor kept, and those between blended linearly in original / wavelength.
+    """
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    original = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen, high_freq_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
+    slow = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * slow / s.factor + smooth * slow
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, slow)
+
+
+def rotary_tables(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, 1, T, D) in `dtype` for position_ids (B, T): angles in float32, each frequency used
+    for dims i and i + D/2 (rotate-half). Built once per forward, shared by every layer."""
+    freqs = position_ids[..., None].float() * inv_freq  # (B, T, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, D); HF's attention_scaling is 1.0 for these ropes
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, D); cos, sin: (B, 1, T, D) from `rotary_tables`."""
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, KV, S, D) -> (B, KV * groups, S, D): query head h reads KV head h // groups."""
+    if groups == 1:
+        return x
+    B, KV, S, D = x.shape
+    return x[:, :, None].expand(B, KV, groups, S, D).reshape(B, KV * groups, S, D)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * D^-0.5 + mask) v for q (B, H, T, D) over k, v (B, KV, S, D); (B, H, T, D).
+
+    float32: HF's eager attention op for op (scale as a multiplication by D^-0.5, softmax in
+    float32); below float32: base.attention (torch's SDPA) on the repeated keys and values.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    if not exact(q.dtype):
+        return attention(q, k, v, mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+class RMSNorm(nn.Module):
+    """weight * x / sqrt(mean(x^2) + eps), the normalisation in float32 and cast back before the weight (HF)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """The attention's weights (HF's names) and heads; Block computes it."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        E, D = config.hidden_size, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.q_proj = nn.Linear(E, self.n_head * D, bias=False)
+        self.k_proj = nn.Linear(E, self.n_kv_head * D, bias=False)
+        self.v_proj = nn.Linear(E, self.n_kv_head * D, bias=False)
+        self.o_proj = nn.Linear(self.n_head * D, E, bias=False)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): (B, T, E) -> (B, T, I) -> (B, T, E)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """h + attn(ln_1(h)), then + mlp(ln_2(.)): pre-norm, attention and MLP one after the other."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.ln_1 = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.ln_2 = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        h = h + self.self_attention(self.ln_1(h), cos, sin, mask, cache, layer)
+        return h + self.mlp(self.ln_2(h))
+
+    def self_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                       cache: KVCache | None, layer: int) -> torch.Tensor:
+        """o_proj(attention(rope(q), rope(k), v)) of x (B, T, E); the cache keeps the KV heads only."""
+        B, T, _ = x.shape
+        a = self.attn
+        D = a.head_dim
+        q = a.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        k = a.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
+        v = a.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far
+        out = gqa_attention(q, k, v, mask)  # (B, H, T, D)
+        return a.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        wte = torch.empty(config.vocab_size, config.hidden_size)
+        if not wte.is_meta:  # on meta (shapes only) normal_ would import torch's Python meta kernels
+            nn.init.normal_(wte)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size, _weight=wte)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.ln_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = Transformer(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        # (D/2,) float32, not saved: rebuilt on the weights' device after loading or casting.
+        self.register_buffer("inv_freq", rope_frequencies(config).to(self.transformer.wte.weight.device),
+                             persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Rebuild non-persistent buffers (after `load_state_dict(assign=True)` from the meta device)."""
+        device = device if device is not None else self.transformer.wte.weight.device
+        self.inv_freq = rope_frequencies(self.config).to(device)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
+        # .to(dtype) would cast the frequencies with the weights; keep them float32 on the weights' device.
+        super()._apply(fn, recurse)
+        self.init_buffers(self.transformer.wte.weight.device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits (B, T', vocab) in float32, as GPTJForCausalLM.forward: all T, the last
+        `logits_to_keep` if > 0, or the positions it lists if it is a tensor.
+
+        input_ids: (B, T). attention_mask: (B, past + T), 1 for tokens, 0 for padding (None: no
+        padding). position_ids: (B, T), by default from the mask. cache: a `KVCache` of KV heads
+        (`new_cache`), filled with this call's keys and values and advanced by T.
+        """
+        position_ids, mask = self.step_inputs(input_ids, attention_mask, position_ids, cache)
+        h = self.run_layers(self.transformer.wte(input_ids), position_ids, mask, cache)  # (B, T, E)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.logits(h, logits_to_keep)
+
+    def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, cache: KVCache | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's position_ids (B, T) and additive mask (B, 1, T, S), checked."""
+        B, T = input_ids.shape
+        if getattr(cache, "per_sequence", False):
+            raise ValueError("Llama runs with a contiguous KVCache (new_cache); the engine's caches do not serve "
+                             "grouped-query attention yet")
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, past + T):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, T)
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(position_ids.max())} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        return position_ids, causal_mask(attention_mask, T)
+
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                   cache: KVCache | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """h (B, T, E) through layers [start, stop) (default: all of them)."""
+        cos, sin = rotary_tables(self.inv_freq, position_ids, h.dtype)
+        for i, block in enumerate(itertools.islice(self.transformer.h, start, stop), start):
+            h = block(h, cos, sin, mask, cache, i)
+        return h
+
+    def logits(self, h: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The float32 logits of the last layer's h (B, T, E) at the positions forward keeps."""
+        return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads the cache holds: num_key_value_heads (fewer than the query heads under GQA)."""
+        return self.transformer.h[0].attn.n_kv_head
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        w = self.transformer.wte.weight  # the activations' dtype
+        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)
+
+
+def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A model of `dtype` on `device`; on 'meta' it has shapes only (for `load_hf_state_dict`)."""
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)  # inv_freq stays float32 (see _apply)
+
+
+# --- HF state dicts ----------------------------------------------------------------------------
+
+# HF LlamaForCausalLM's state-dict name -> this module's; {i} is the layer.
+HF_NAMES: dict[str, str] = {
+    "model.embed_tokens.weight": "transformer.wte.weight",
+    "model.layers.{i}.input_layernorm.weight": "transformer.h.{i}.ln_1.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "transformer.h.{i}.attn.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "transformer.h.{i}.attn.k_proj.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "transformer.h.{i}.attn.v_proj.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "transformer.h.{i}.attn.o_proj.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "transformer.h.{i}.ln_2.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "transformer.h.{i}.mlp.gate_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "transformer.h.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "transformer.h.{i}.mlp.down_proj.weight",
+    "model.norm.weight": "transformer.ln_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def hf_names(config: LlamaConfig) -> dict[str, str]:
+    """HF_NAMES for every layer, in checkpoint order: HF name -> this module's name."""
+    names = {}
+    for hf, ours in HF_NAMES.items():
+        layers = range(config.num_hidden_layers) if "{i}" in hf else [None]
+        names.update({hf.format(i=i): ours.format(i=i) for i in layers})
+    return names
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor],
+                       source: str = "state dict") -> None:
+    """Load HF LlamaForCausalLM's tensors into `model` (a meta model's are assigned), strictly.
+
+    A missing or unexpected tensor, or one of the wrong shape, is a one-line CheckpointError naming
+    the first. With tied embeddings lm_head.weight may be absent (as save_pretrained writes it) or
+    present and equal to model.embed_tokens.weight. HF's old rotary_emb.inv_freq buffers are ignored.
+    """
+    names = hf_names(model.config)
+    tied = model.config.tie_word_embeddings
+    given = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing = [k for k in names if k not in given and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    unexpected = [k for k in given if k not in names]
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected)")
+    embed = given["model.embed_tokens.weight"]
+    if tied and "lm_head.weight" in given and not torch.equal(given["lm_head.weight"], embed):
+        raise CheckpointError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from "
+                              f"model.embed_tokens.weight")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ours = {}
+    for hf, name in names.items():
+        t = embed if tied and hf == "lm_head.weight" else given[hf]
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise CheckpointError(f"{source}: tensor {hf!r} has shape {tuple(t.shape)}, the config expects "
+                                  f"{tuple(params[name].shape)}")
+        ours[name] = t
+    with torch.no_grad():
+        model.load_state_dict(ours, strict=True, assign=model.transformer.wte.weight.is_meta)
+    if tied:  # assign=True replaced each Parameter on its own: share them again
+        model.lm_head.weight = model.transformer.wte.weight
+    model.init_buffers()
