@@ -186,7 +186,7 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
 
     from gptj.cli import main
     from gptj.parallel.tp import load_rank, shard_file, shard_state_dict
-    from gptj.weights.io import load_model, save_checkpoint
+    from gptj.weights.io import Checkpoint, load_model, save_checkpoint
 
     # GPT-J's vocabulary and EOS, so that generate's EOS is in the vocabulary
     cfg = CFG.replace(vocab_size=50400, bos_token_id=50256, eos_token_id=50256)
@@ -202,7 +202,7 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
         want = shard_state_dict(full.state_dict(), cfg, rank, 2)
         assert stored.keys() == want.keys()
         assert all(torch.equal(stored[n], want[n]) for n in want)
-        model = load_rank(out, rank, 2, torch.float32, "cpu")  # no process group needed to load
+        model = load_rank(Checkpoint.read(out, rank, 2), rank, 2, torch.float32, "cpu")  # no process group needed
         assert model.kv_heads == 2 and model.lm_head.weight.shape == (cfg.vocab_size // 2, cfg.n_embd)
         assert all(torch.equal(model.state_dict()[n], want[n]) for n in want)
     # generate --tp 2 reads the shards (a checkpoint without them is sharded after loading): the ranks

@@ -510,19 +510,19 @@ def test_a_full_disk_while_writing_a_model_is_one_line_and_leaves_nothing(tmp_pa
 
 
 def test_tensor_parallel_shards_and_config_linked_out_are_refused(tmp_path, saved_ckpt, capsys):
-    """`gptj convert --tp N`'s per-rank files are read by each rank (gptj.parallel.tp.load_rank):
-    the same rule, before anything is built."""
-    from gptj.parallel.tp import load_rank
+    """`gptj convert --tp N`'s per-rank files are found for each rank (gptj.weights.io.Checkpoint,
+    what gptj.parallel.tp.load_rank loads from): the same rule, before anything is built."""
+    from gptj.weights.io import Checkpoint
 
     d = tmp_path / "tp"
     code, err = cli(["convert", saved_ckpt, "--out", d, "--tp", "2", "--quiet"], capsys)
     assert code == 0, err
     shard = moved_out(d, "tp2/rank1.safetensors", tmp_path / "elsewhere" / "rank1.safetensors")
     with pytest.raises(GptjError, match=rf"^{re.escape(str(shard))}: leaves the model folder"):
-        load_rank(d, 1, 2, torch.float32, "cpu")
+        Checkpoint.read(d, 1, 2)
     link = moved_out(d, "config.json", tmp_path / "elsewhere" / "config.json")
     with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
-        load_rank(d, 0, 2, torch.float32, "cpu")
+        Checkpoint.read(d, 0, 2)
 
 
 def test_the_fp8_precheck_reads_no_config_from_outside_the_folder(tmp_path, saved_ckpt):

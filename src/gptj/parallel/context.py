@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from gptj.models.gptj import GPTJForCausalLM
+    from gptj.weights.io import Checkpoint
 
 
 def check_grid(tp: int, pp: int, world: int) -> None:
@@ -107,10 +108,43 @@ class ParallelContext:
         return resolve_device(name)
 
     def load(self, folder: str, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
-             group_size: int | None = None, progress: bool | None = None) -> nn.Module:
-        """This rank's share of the checkpoint in `folder`: the whole model in one process; under --tp
-        its shard (from `gptj convert --tp N` files when present, else cut from the whole model),
-        under --pp its stage (both: its stage's shard), then quantized as `quantize` asks.
+             group_size: int | None = None, progress: bool | None = None, lora: str | None = None) -> nn.Module:
+        """This rank's share of the checkpoint in `folder` (see share_of), with the LoRA adapter in the
+        folder `lora` merged into its float weights, then quantized as `quantize` asks. Before any
+        tensor is read: the adapter (a bad one is refused in one line) and the checkpoint's config,
+        once (gptj.weights.io.Checkpoint); fp8 weights (asked for, or recorded in the checkpoint) are
+        refused where they cannot run (policy.check_fp8_device)."""
+        from gptj.policy import check_fp8_device
+        from gptj.weights.io import Checkpoint
+
+        adapter = None
+        if lora is not None:
+            from gptj.lora import read_adapter
+
+            adapter = read_adapter(lora)
+        checkpoint = Checkpoint.read(folder, self.tp_rank, self.tp if self.parallel else 1)
+        if (quantize or checkpoint.mode) == "fp8":
+            check_fp8_device(device)
+        asked = (quantize, group_size) if adapter is None else (None, None)  # an adapter merges in float
+        model = self.share_of(checkpoint, dtype, device, *asked, progress)
+        if adapter is None:
+            return model
+        if model.config.quantization is not None:
+            raise GptjError(f"--lora: {folder} is quantized; a LoRA adapter merges into float weights")
+        from gptj.lora import merge_lora
+
+        merge_lora(model, adapter)
+        if quantize:  # then quantized as asked
+            from gptj.quant import quantize_model
+
+            quantize_model(model, quantize, group_size)
+        return model
+
+    def share_of(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
+                 group_size: int | None = None, progress: bool | None = None) -> nn.Module:
+        """This rank's share of `checkpoint`: the whole model in one process; under --tp its shard
+        (from `gptj convert --tp N` files when present, else cut from the whole model), under --pp
+        its stage (both: its stage's shard), then quantized as `quantize` asks.
 
         Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
         int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
@@ -118,16 +152,17 @@ class ParallelContext:
         head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
         from gptj.weights.io import load_model as load_whole
 
+        folder = checkpoint.folder
         if not self.parallel:
             return load_whole(folder, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
                               progress=progress)
         if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
-        from gptj.parallel.tp import load_rank, shard_file
+        from gptj.parallel.tp import load_rank
 
-        sharded = self.tp > 1 and shard_file(folder, self.tp_rank, self.tp).is_file()
+        sharded = checkpoint.shard is not None
         if sharded:
-            model = load_rank(folder, self.tp_rank, self.tp, dtype, device, group=self.tp_group)
+            model = load_rank(checkpoint, self.tp_rank, self.tp, dtype, device, group=self.tp_group)
         else:
             model = load_whole(folder, dtype=dtype, device=device, progress=progress)
         share = self.share(model, sharded)  # the model, or its stage around it

@@ -21,7 +21,6 @@ the same seed on every rank. Backends: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,10 +31,10 @@ from torch import nn
 
 from gptj.config import GPTJConfig
 from gptj.errors import GptjError
-from gptj.files import model_file
 from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
+from gptj.weights.io import Checkpoint, shard_file
 
 
 class AllReduce:
@@ -178,11 +177,6 @@ def shard_model(model: GPTJForCausalLM, rank: int, world: int,
     return reduce
 
 
-def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
-    """Where `gptj convert --tp N` puts rank's tensors: DIR/tp{N}/rank{r}.safetensors."""
-    return Path(folder) / f"tp{world}" / f"rank{rank}.safetensors"
-
-
 def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, folder: Path, world: int) -> None:
     """Per-rank files (FasterTransformer's {N}-gpu/ idea), so each rank reads only its own."""
     (folder / f"tp{world}").mkdir()
@@ -191,16 +185,17 @@ def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, fol
                   metadata={"format": "pt", "tp_rank": str(rank), "tp_world": str(world)})
 
 
-def load_rank(folder: str | os.PathLike, rank: int, world: int, dtype: torch.dtype,
-              device: torch.device | str, group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
-    """Rank's model from its shard file alone (GptjError if there is none)."""
-    path = model_file(folder, shard_file(folder, rank, world).relative_to(folder))
-    if not path.is_file():
-        raise GptjError(f"{path}: no such shard (write it with gptj convert --tp {world})")
-    config = GPTJConfig.from_json_file(model_file(folder, "config.json"))
-    model = build_model(config, device="meta", dtype=dtype)
+def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype, device: torch.device | str,
+              group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
+    """Rank's model from its shard file alone, as Checkpoint.read(folder, rank, world) found it, with
+    the config read there (GptjError if there is no shard)."""
+    if checkpoint.shard is None or checkpoint.config is None:
+        raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
+                        f"--tp {world})")
+    model = build_model(checkpoint.config, device="meta", dtype=dtype)
     reshape_for_rank(model, world, group)
-    sd = {n: t.to(dtype) if t.is_floating_point() else t for n, t in load_file(str(path), device=str(device)).items()}
+    sd = {n: t.to(dtype) if t.is_floating_point() else t
+          for n, t in load_file(str(checkpoint.shard), device=str(device)).items()}
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_buffers(device)
     return model.eval()

@@ -11,15 +11,12 @@ ranks must schedule alike, so they plan their KV memory within the least free me
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gptj.engine.config import EngineConfig, KVPlan, available_memory_bytes, plan_kv
 from gptj.errors import GptjError
-from gptj.files import model_file
 from gptj.parallel.context import SINGLE, ParallelContext
-from gptj.policy import check_fp8_device
 from gptj.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -30,42 +27,16 @@ if TYPE_CHECKING:
 
 
 def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | None = None) -> nn.Module:
-    """The model for this rank of `ctx`: whole in one process; under --tp its shard, under --pp its
-    stage (both: its stage's shard), quantized after splitting if asked (ParallelContext.load), with
+    """The model for this rank of `ctx` (ParallelContext.load): whole in one process; under --tp its
+    shard, under --pp its stage (both: its stage's shard), quantized after splitting if asked, with
     the spec's LoRA adapter merged into its float weights first. progress: bars on stderr (None: for
-    a big model on a terminal). fp8 weights (asked for, or in the checkpoint) are refused where they
-    cannot run (policy.check_fp8_device), in one line, before the load."""
+    a big model on a terminal). A bad adapter, and fp8 weights (asked for, or in the checkpoint)
+    where they cannot run (policy.check_fp8_device), are refused in one line, before the load."""
     if spec.path is None:
         raise GptjError("no model folder given")
     ctx.check(spec.tp, spec.pp)
     device = ctx.device(spec.device)
-    mode = spec.quantize
-    if mode is None:  # the checkpoint's own (a config that cannot be read is left for the loader to report)
-        try:
-            recorded = json.loads(model_file(spec.path, "config.json").read_text()).get("quantization")
-            mode = recorded.get("mode") if isinstance(recorded, dict) else None
-        except (OSError, ValueError, AttributeError):
-            mode = None
-    if mode == "fp8":  # refused before a long load
-        check_fp8_device(device)
-    adapter = None
-    if spec.lora is not None:  # read first (a bad adapter is refused before a long load); merged in float
-        from gptj.lora import read_adapter
-
-        adapter = read_adapter(spec.lora)
-    asked = (spec.quantize, spec.group_size) if adapter is None else (None, None)
-    model = ctx.load(spec.path, spec.torch_dtype, device, *asked, progress)
-    if adapter is not None:
-        from gptj.lora import merge_lora
-
-        if model.config.quantization is not None:
-            raise GptjError(f"--lora: {spec.path} is quantized; a LoRA adapter merges into float weights")
-        merge_lora(model, adapter)
-        if spec.quantize:  # then quantized as asked
-            from gptj.quant import quantize_model
-
-            quantize_model(model, spec.quantize, spec.group_size)
-    return model
+    return ctx.load(spec.path, spec.torch_dtype, device, spec.quantize, spec.group_size, progress, lora=spec.lora)
 
 
 def plan_for(model: nn.Module, config: EngineConfig, free_bytes: int | None = None,

@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -294,6 +295,43 @@ def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLik
 
     model_file(folder, CALIBRATION_FILE)
     return load_factors(Path(folder), q["modules"], quant.linear_in_features(config))
+
+
+def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
+    """Where `gptj convert --tp N` puts rank's tensors: DIR/tp{N}/rank{r}.safetensors."""
+    return Path(folder) / f"tp{world}" / f"rank{rank}.safetensors"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the runtime's load reads of a model folder before any tensor, once (Checkpoint.read):
+    the quantization mode recorded in its config.json (`mode`: None when there is none, or when the
+    config cannot be read, which the loader then reports) and, for tensor rank `rank` of --tp N,
+    its own shard file (`shard`, from `gptj convert --tp N`; None without one) with the config
+    (`config`) its model is built from."""
+
+    folder: str | os.PathLike
+    mode: str | None = None
+    shard: Path | None = None
+    config: GPTJConfig | None = None
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike, rank: int = 0, world: int = 1) -> Checkpoint:
+        """`folder` for tensor rank `rank` of `world` (1: the whole model). Its files are read as
+        model_file allows (a link out of the folder is a one-line GptjError)."""
+        if world > 1 and shard_file(folder, rank, world).is_file():
+            shard = model_file(folder, shard_file(folder, rank, world).relative_to(folder))
+            config = GPTJConfig.from_json_file(model_file(folder, CONFIG))
+            return cls(folder, _mode(config.quantization), shard, config)
+        try:
+            recorded = json.loads(model_file(folder, CONFIG).read_text()).get("quantization")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        return cls(folder, _mode(recorded))
+
+
+def _mode(quantization: object) -> str | None:
+    return quantization.get("mode") if isinstance(quantization, dict) else None
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
