@@ -34,7 +34,9 @@ fused, packed, compiled or sent to a native kernel. Lower precision takes the fa
   `attention_path`    the engine's decode attention: gptj.native's kernel for bfloat16 or int8 KV of a
                       bfloat16 model on CPU
                       (kernels "auto"), else torch.compile'd sums below float32 (compile "auto") or
-                      always ("on") where `compile_trusted` (CUDA, not CPU), else the eager formulas
+                      always ("on") where `compile_trusted` (CUDA, not CPU), else the eager formulas;
+                      grouped-query attention (KV heads < query heads: Llama) always the reference's
+                      eager gqa_attention (neither gptj.native's kernels nor the Triton one take it yet)
 """
 
 from __future__ import annotations
@@ -614,19 +616,24 @@ def triton_available() -> bool:
 
 
 def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mode: str,
-                   compile_mode: str, compute: torch.dtype | None = None, head_dim: int = 256) -> AttentionPath:
+                   compile_mode: str, compute: torch.dtype | None = None, head_dim: int = 256,
+                   heads: int | None = None, kv_heads: int | None = None) -> AttentionPath:
     """The attention backend for KV stored as `kv_dtype` and computed in `compute` (the model's float
-    dtype; None: kv_dtype) on `device`, heads of `head_dim`, under the engine's kernels mode
-    ("auto" / "off") and compile mode ("auto": below float32, "on", "off"):
+    dtype; None: kv_dtype) on `device`, heads of `head_dim`, `heads` query heads over `kv_heads`
+    key/value heads (None: as many as the query heads), under the engine's kernels mode ("auto" /
+    "off") and compile mode ("auto": below float32, "on", "off"):
 
         cpu-native  kernels "auto", CPU, a bfloat16 model, bfloat16 or int8 KV, heads a multiple of 16
-                    up to 512, gptj.native available
-        cuda        kernels "auto", CUDA, Triton installed (any float dtype; float, int8 or e4m3 KV)
-        reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted
+                    up to 512, gptj.native available, one KV head per query head
+        cuda        kernels "auto", CUDA, Triton installed (any float dtype; float, int8 or e4m3 KV),
+                    one KV head per query head
+        reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted; the only
+                    one that computes grouped-query attention (kv_heads < heads: Llama), eagerly
     """
     compute = kv_dtype if compute is None else compute
     kind = torch.device(device).type
-    if kernels_mode == "auto":
+    grouped = heads is not None and kv_heads is not None and kv_heads < heads  # the kernels read H KV heads
+    if kernels_mode == "auto" and not grouped:
         if (kind == "cpu" and compute == torch.bfloat16 and kv_dtype in (torch.bfloat16, torch.int8)
                 and head_dim % 16 == 0 and head_dim <= 512 and native_available()):
             return AttentionPath(CPU_NATIVE, False)

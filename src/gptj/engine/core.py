@@ -135,7 +135,7 @@ class Engine:
         adapter; GptjError (one line) if any gives logits that are not finite. A checkpoint whose
         weights are finite but too large overflows here, at load, instead of on its first request.
         Nothing of it stays (KV blocks, prefix cache, counters)."""
-        gen = GenerationConfig(max_new_tokens=1)
+        gen = GenerationConfig(max_new_tokens=1, eos_token_id=None, pad_token_id=0)  # ids in any vocabulary
         for adapter in [None, *self.adapters]:
             req = self.add_request(list(prompt), gen, logprobs=0, adapter=adapter)
             while not req.done:

@@ -81,8 +81,11 @@ class ModelRunner:
         self.kv = PagedKV(model.config, plan.n_blocks + 1, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
         self.batch = InputBatch(plan.max_seqs, plan.blocks_per_seq, plan.block_size, w.device, scratch=plan.n_blocks)
+        c = model.config  # query heads: the KV heads times each one's group (Llama's GQA; GPT-J: 1)
+        groups = c.n_head // getattr(c, "n_kv_head", c.n_head)
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
-                                                     model.config.head_dim))
+                                                     c.head_dim, heads=model.kv_heads * groups,
+                                                     kv_heads=model.kv_heads))
         self.graphs = None  # decode-only steps from captured CUDA graphs (engine/graphs.py)
         self.lora = multi_lora_modules(model)  # LoRA adapters served over the model: each row's is set per forward
         one_process = plan.ranks == 1  # no collectives to capture

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gptj import native
+from gptj.config import GPTJConfig
 from gptj.policy import (NATIVE, PACK_MODES, TORCH, TRITON, can_pack, can_pack_int8, elementwise_path, exact, fusable,
                          pack_layout)
 from gptj.fallback import Fallbacks
@@ -242,8 +243,8 @@ def prepare_for_serving(model: nn.Module, mode: str = "auto", max_rows: int | No
     fuse = mode != "off" and any(_fusable(b) for b in blocks)
     if mode == "off":
         progress = False
-    elif progress is None:
-        progress = hasattr(model, "config") and auto_progress(model.config)
+    elif progress is None:  # (auto_progress counts a GPT-J checkpoint's tensors: other models get no bar)
+        progress = isinstance(getattr(model, "config", None), GPTJConfig) and auto_progress(model.config)
     fused = packed = 0
     for i in tqdm(range(len(blocks)), desc="preparing kernels", unit="layer", disable=not progress):
         if fuse and _fusable(blocks[i]):

@@ -44,6 +44,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, KV, S, D) -> (B, KV * groups, S, D): query head h reads KV head h // groups."""
+    if groups == 1:
+        return x
+    B, KV, S, D = x.shape
+    return x[:, :, None].expand(B, KV, groups, S, D).reshape(B, KV * groups, S, D)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * D^-0.5 + mask) v for q (B, H, T, D) over k, v (B, KV, S, D); (B, H, T, D).
+
+    float32: HF's eager attention op for op (scale as a multiplication by D^-0.5, softmax in
+    float32; models.llama's attention); below float32: `attention` (torch's SDPA) on the repeated keys and
+    values. The engine's reference backend (engine/attention/reference.py) runs it over paged keys.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    if not exact(q.dtype):
+        return attention(q, k, v, mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
 class KVCache:
     """Keys and values of every layer, preallocated for `max_len` positions.
 

@@ -20,6 +20,12 @@ float32 runs HF's eager math op for op (RMSNorm in float32, the rotary angles fr
 frequencies, softmax in float32, keys and values repeated per group), so greedy decoding is
 token-identical to transformers' LlamaForCausalLM; below float32 attention goes through torch's SDPA
 (gptj.models.base.attention).
+
+The engine (gptj.engine) serves it as it serves GPT-J: with its per-sequence cache (`per_sequence`)
+`step_inputs` builds no mask, the rotary angles come from each row's own positions, and each block
+hands `cache.attend` its H query heads and KV key/value heads (engine/attention/reference.py computes
+grouped-query attention; gptj.policy.attention_path routes KV < H there). gptj.kernels leaves its
+blocks unfused (GPT-J's fused q|k|v|fc_in is not its layout); bfloat16 linears are packed.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from torch import nn
 
 from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, _check_int, _is_int
 from gptj.errors import CheckpointError, ConfigError
-from gptj.models.base import KVCache, attention, causal_mask, exact, kept_positions, position_ids_from_mask
+from gptj.models.base import KVCache, causal_mask, gqa_attention, kept_positions, position_ids_from_mask
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -284,30 +290,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, KV, S, D) -> (B, KV * groups, S, D): query head h reads KV head h // groups."""
-    if groups == 1:
-        return x
-    B, KV, S, D = x.shape
-    return x[:, :, None].expand(B, KV, groups, S, D).reshape(B, KV * groups, S, D)
-
-
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T * D^-0.5 + mask) v for q (B, H, T, D) over k, v (B, KV, S, D); (B, H, T, D).
-
-    float32: HF's eager attention op for op (scale as a multiplication by D^-0.5, softmax in
-    float32); below float32: base.attention (torch's SDPA) on the repeated keys and values.
-    """
-    groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    if not exact(q.dtype):
-        return attention(q, k, v, mask)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
-    if mask is not None:
-        scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
-
-
 class RMSNorm(nn.Module):
     """weight * x / sqrt(mean(x^2) + eps), the normalisation in float32 and cast back before the weight (HF)."""
 
@@ -373,9 +355,12 @@ class Block(nn.Module):
         k = a.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         v = a.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far
-        out = gqa_attention(q, k, v, mask)  # (B, H, T, D)
+        if getattr(cache, "per_sequence", False):  # the engine's: stores k, v and attends, each sequence
+            out = cache.attend(layer, q, k, v, mask)  # over its own blocks (H query heads, KV key/value heads)
+        else:
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far
+            out = gqa_attention(q, k, v, mask)  # (B, H, T, D)
         return a.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -431,12 +416,14 @@ class LlamaForCausalLM(nn.Module):
 
     def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     position_ids: torch.Tensor | None, cache: KVCache | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's position_ids (B, T) and additive mask (B, 1, T, S), checked."""
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's position_ids (B, T) and additive mask (B, 1, T, S) (None: the engine's per-sequence
+        cache makes its own, its positions checked at admission), checked."""
         B, T = input_ids.shape
-        if getattr(cache, "per_sequence", False):
-            raise ValueError("Llama runs with a contiguous KVCache (new_cache); the engine's caches do not serve "
-                             "grouped-query attention yet")
+        if getattr(cache, "per_sequence", False):  # the engine's cache masks per sequence; rotary per row
+            if position_ids is None:
+                raise ValueError("a per-sequence cache needs explicit position_ids")
+            return position_ids, None
         past = cache.length if cache is not None else 0
         if attention_mask is None:
             attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)

@@ -4,7 +4,8 @@
                    and PrefillSegments in, StepMetadata (device tensors, once per step) out of
                    `build`; store, decode, prefill; PagedBatch, the model's cache
     kv_cache.py    PagedKV: every layer's keys and values in blocks (float, or int8 / e4m3 with scales)
-    reference.py   torch's eager and compiled forms, group by group: the ground truth
+    reference.py   torch's eager and compiled forms, group by group: the ground truth (and the only
+                   one for grouped-query attention: fewer KV heads than query heads)
     cpu_native.py  gptj.native's kernels (AVX-512 or AVX2)
     cuda.py        the whole decode batch in one Triton kernel per layer
 

@@ -290,8 +290,8 @@ class AttentionBackend:
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
-        """Segment i's q, k, v (T, H, D), its keys and values already stored: causal attention over
-        its sequence's blocks -> (T, H, D)."""
+        """Segment i's q (T, H, D), k, v (T, KV, D), its keys and values already stored: causal attention
+        over its sequence's blocks -> (T, H, D)."""
         raise NotImplementedError
 
 
@@ -311,9 +311,14 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """q, k, v: (B, H, T, D), B * T tokens in the order above -> (B, H, T, D)."""
+        """q (B, H, T, D), k, v (B, KV, T, D), B * T tokens in the order above -> (B, H, T, D).
+
+        KV: the key/value heads the PagedKV stores (the model's kv_heads); fewer than H is grouped-query
+        attention, query head h reading KV head h // (H / KV) (only the reference backend computes it:
+        gptj.policy.attention_path)."""
         Bq, H, T, D = q.shape
-        qt, kt, vt = (x.transpose(1, 2).reshape(Bq * T, H, D) for x in (q, k, v))  # (tokens, H, D)
+        qt = q.transpose(1, 2).reshape(Bq * T, H, D)  # (tokens, H, D)
+        kt, vt = (x.transpose(1, 2).reshape(Bq * T, x.shape[1], D) for x in (k, v))  # (tokens, KV, D)
         out = torch.empty((Bq * T, H, D), dtype=v.dtype, device=v.device)
         meta, n = self.meta, self.meta.n_decode
         if n:

@@ -18,7 +18,9 @@ class PagedKV:
     """Every layer's keys and values in blocks of B tokens: k[layer], v[layer] (n_blocks, H, B, D).
 
     Which block holds what is engine/kv.py's bookkeeping; a sequence's token t lies in block
-    blocks[t // B], row t % B. n_head: this rank's heads (tensor parallel).
+    blocks[t // B], row t % B. n_head: the key/value heads this rank stores (the model's kv_heads:
+    GPT-J's n_head, or its share under tensor parallelism; Llama's num_key_value_heads, fewer than its
+    query heads under grouped-query attention).
 
     `dtype` is the storage (engine.config.kv_storage). int8 (`quantized`): each token's head vector
     of D values is stored as round(x / s) with s = max |x| / 127 in k_scale / v_scale[layer]

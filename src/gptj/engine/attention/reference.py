@@ -9,6 +9,11 @@ computed by the forms below:
     a beam group   q (N, H, D) over the prompt's blocks, shared, then each beam's  beam search
                    own blocks; softmax over [shared | own]
 
+Grouped-query attention (the PagedKV holds KV < H heads, each serving H / KV query heads: Llama) runs
+gptj.models.base.gqa_attention — models.llama's own attention, float32 op for op — on each row's
+gathered keys and values (a beam's: the shared prompt's, then its own), eagerly in every mode: this
+is the only backend that computes it (gptj.policy.attention_path).
+
 Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.models.base.attention's exact
 math and the beam groups matmuls plus float32 products; at these shapes (a single query row per
 head) torch's batched matmuls and CPU SDPA are slow — SDPA took 965 us for 16 heads x 1000 keys
@@ -28,7 +33,7 @@ import torch
 from gptj.engine.attention.base import AttentionBackend, StepMetadata
 from gptj.engine.attention.kv_cache import PagedKV
 from gptj.fallback import Fallbacks
-from gptj.models.base import attention
+from gptj.models.base import attention, gqa_attention
 from gptj.policy import exact
 
 log = logging.getLogger(__name__)
@@ -122,6 +127,8 @@ class ReferenceAttention(AttentionBackend):
         return group_eager(q, pk, pv, tk, tv)
 
     def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        if kv.k[layer].shape[1] < q.shape[1]:
+            return self.decode_grouped(kv, layer, q, meta)
         out = torch.empty(q.shape, dtype=kv.compute, device=q.device)
         H, D = q.shape[1], q.shape[2]
         row = 0
@@ -138,10 +145,26 @@ class ReferenceAttention(AttentionBackend):
             row += n
         return out
 
+    def decode_grouped(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """decode under grouped-query attention: q (N, H, D) over KV < H heads; each group's rows over
+        [its shared keys | each row's own] by gqa_attention (beams: the shared keys repeated per row)."""
+        out = torch.empty(q.shape, dtype=kv.compute, device=q.device)
+        KV, D = kv.k[layer].shape[1], q.shape[2]
+        for g, (shared, own) in zip(meta.groups, meta.group_blocks):
+            n, rows = g.rows, slice(g.row0, g.row0 + g.rows)
+            pk, pv = kv.gather(layer, shared, g.shared_len)  # (KV, P, D)
+            k, v = pk.expand(n, -1, -1, -1), pv.expand(n, -1, -1, -1)  # (n, KV, P, D)
+            if g.own_len:
+                ok, ov = kv.blocks(layer, own)  # (n, m, KV, B, D)
+                k = torch.cat([k, ok.transpose(1, 2).reshape(n, KV, -1, D)[:, :, :g.own_len]], dim=2)
+                v = torch.cat([v, ov.transpose(1, 2).reshape(n, KV, -1, D)[:, :, :g.own_len]], dim=2)
+            out[rows] = gqa_attention(q[rows, :, None], k, v, None)[:, :, 0]
+        return out
+
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
-        """gptj.models.base.attention with a causal mask; over this call's keys when nothing was stored
-        before (and the blocks are not quantized), else over the gathered blocks."""
+        """gptj.models.base.attention (grouped-query: gqa_attention) with a causal mask; over this call's
+        keys when nothing was stored before (and the blocks are not quantized), else over the gathered blocks."""
         seg, slots = meta.segments[i], meta.slots[i]
         T, end = seg.length, seg.start + seg.length
         qh = q.transpose(0, 1)[None]  # (1, H, T, D)
@@ -149,8 +172,11 @@ class ReferenceAttention(AttentionBackend):
         keys_at = torch.arange(end, device=q.device)[None, :]
         causal.masked_fill_(keys_at > slots.positions[:, None], torch.finfo(torch.float32).min)
         if seg.start == 0 and not kv.quantized:  # nothing stored before: this call's keys are all of them
-            out = attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, causal=True)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             keys, values = kv.gather(layer, slots.table, end)
-            out = attention(qh, keys[None], values[None], causal)
+        if keys.shape[0] < q.shape[1]:  # grouped-query attention (KV < H heads)
+            out = gqa_attention(qh, keys[None], values[None], causal)
+        else:
+            out = attention(qh, keys[None], values[None], causal, causal=seg.start == 0 and not kv.quantized)
         return out[0].transpose(0, 1)
