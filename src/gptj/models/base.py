@@ -1,16 +1,19 @@
 """What every architecture's model file shares: the exact-dtype rule, attention over keys and values
 (HF's float32 math, torch's SDPA below float32), the contiguous KV cache of `decode.generate`, and
-the masks and positions of padded batches.
+the masks and positions of padded batches, and `CausalLM`: the model's forward, written once.
 
 Shapes: B batch, T new tokens, S = past + T keys, H heads, D head_dim.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gptj.config import GPTJConfig
 
@@ -153,3 +156,88 @@ def kept_positions(h: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch
     if isinstance(logits_to_keep, torch.Tensor):
         return h[:, logits_to_keep]
     return h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+
+
+class CausalLM(nn.Module):
+    """What gptj's decode loops and engine call on a causal language model, written once for every
+    architecture: forward = step_inputs -> run_layers -> logits. A subclass (gptj.models.gptj,
+    gptj.models.llama) holds `config` (with n_positions), `transformer` (wte, h, ln_f) and `lm_head`, and
+    gives `rotary` (the tables its blocks take after h, from the positions), `init_buffers` (its
+    float32 rotary buffer, rebuilt on the weights' device) and `kv_heads`."""
+
+    config: Any
+    transformer: nn.Module
+    lm_head: nn.Module
+
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        raise NotImplementedError
+
+    @property
+    def kv_heads(self) -> int:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
+        # .to(dtype) / .cuda() would cast the rotary buffer with the weights; rebuild it in float32
+        # on the weights' device instead, so precision changes never degrade positions.
+        super()._apply(fn, recurse)
+        self.init_buffers(self.transformer.wte.weight.device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits (B, T', vocab) in float32: all T positions, the last `logits_to_keep` if > 0, or the
+        positions it lists if it is a tensor (HF's logits_to_keep).
+
+        input_ids: (B, T) new tokens. attention_mask: (B, past + T), 1 for tokens, 0 for padding;
+        None means no padding. position_ids: (B, T); by default derived from the mask.
+        cache: filled with this call's keys/values and advanced by T. A cache that tracks each
+        sequence's own length (the engine's, `per_sequence = True`) makes its own masks; it needs
+        position_ids and no attention_mask.
+        """
+        position_ids, mask = self.step_inputs(input_ids, attention_mask, position_ids, cache)
+        h = self.run_layers(self.transformer.wte(input_ids), position_ids, mask, cache)  # (B, T, E)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.logits(h, logits_to_keep)
+
+    def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, cache: KVCache | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's position_ids (B, T) and attention mask (None: the cache makes its own), checked."""
+        B, T = input_ids.shape
+        if getattr(cache, "per_sequence", False):
+            if position_ids is None:
+                raise ValueError("a per-sequence cache needs explicit position_ids")
+            return position_ids, None
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, past + T):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, T)
+        # (the engine's cache checks lengths at admission: no device-to-host sync per forward there)
+        if int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
+        return position_ids, causal_mask(attention_mask, T)
+
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                   cache: KVCache | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """h (B, T, E) through layers [start, stop) (default: all of them)."""
+        tables = self.rotary(position_ids, h.dtype)
+        for i, block in enumerate(itertools.islice(self.transformer.h, start, stop), start):
+            h = block(h, *tables, mask, cache, i)
+        return h
+
+    def logits(self, h: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The float32 logits of the last layer's h (B, T, E) at the positions forward keeps."""
+        return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """A contiguous cache of this model's KV heads, in the activations' dtype (wte is never quantized)."""
+        w = self.transformer.wte.weight
+        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)

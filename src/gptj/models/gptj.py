@@ -20,14 +20,13 @@ and float32 runs them op for op (token-identical to HF).
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 from torch import nn
 
 from gptj.config import GPTJConfig
-from gptj.models.base import KVCache, attention, causal_mask, kept_positions, position_ids_from_mask
+from gptj.models.base import CausalLM, KVCache, attention
 
 ROPE_BASE = 10000.0
 
@@ -175,7 +174,9 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-class GPTJForCausalLM(nn.Module):
+class GPTJForCausalLM(CausalLM):
+    """GPT-J: its blocks over the shared forward (models.base.CausalLM)."""
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.config = config
@@ -189,72 +190,14 @@ class GPTJForCausalLM(nn.Module):
         device = device if device is not None else self.transformer.wte.weight.device
         self.rope = rope_table(self.config.n_positions, self.config.rope_dim, device=torch.device(device))
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
-        # .to(dtype) / .cuda() would cast the rotary table with the weights; rebuild it in float32
-        # on the weights' device instead, so precision changes never degrade positions.
-        super()._apply(fn, recurse)
-        self.init_buffers(self.transformer.wte.weight.device)
-        return self
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits (B, T', vocab) in float32 for the T new tokens: all, the last `logits_to_keep` if
-        it is > 0, or those at the positions it lists if it is a tensor (HF's convention).
-
-        input_ids: (B, T) new tokens. attention_mask: (B, past + T), 1 for tokens, 0 for padding;
-        None means no padding. position_ids: (B, T); by default derived from the mask.
-        cache: filled with this call's keys/values and advanced by T. A cache that tracks each
-        sequence's own length (the engine's, `per_sequence = True`) makes its own masks; it needs
-        position_ids and no attention_mask.
-        """
-        position_ids, mask = self.step_inputs(input_ids, attention_mask, position_ids, cache)
-        h = self.run_layers(self.transformer.wte(input_ids), position_ids, mask, cache)  # (B, T, E)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
-        return self.logits(h, logits_to_keep)
-
-    def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, cache: KVCache | None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward's position_ids (B, T) and attention mask (None: the cache makes its own), checked."""
-        B, T = input_ids.shape
-        if getattr(cache, "per_sequence", False):
-            if position_ids is None:
-                raise ValueError("a per-sequence cache needs explicit position_ids")
-            return position_ids, None
-        past = cache.length if cache is not None else 0
-        if attention_mask is None:
-            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
-        if attention_mask.shape != (B, past + T):
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, T)
-        # (the engine's cache checks lengths at admission: no device-to-host sync per forward there)
-        if int(position_ids.max()) >= self.config.n_positions:
-            raise ValueError(f"position {int(position_ids.max())} exceeds n_positions {self.config.n_positions}")
-        return position_ids, causal_mask(attention_mask, T)
-
-    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                   cache: KVCache | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """h (B, T, E) through layers [start, stop) (default: all of them)."""
-        sin, cos = rotary_tables(self.rope, position_ids, h.dtype)
-        for i, block in enumerate(itertools.islice(self.transformer.h, start, stop), start):
-            h = block(h, sin, cos, mask, cache, i)
-        return h
-
-    def logits(self, h: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """The float32 logits of the last layer's h (B, T, E) at the positions forward keeps."""
-        return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks' (sin, cos) at the positions."""
+        return rotary_tables(self.rope, position_ids, dtype)
 
     @property
     def kv_heads(self) -> int:
         """Attention heads this model computes: n_head, or its share under tensor parallelism."""
         return self.transformer.h[0].attn.n_head
-
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.transformer.wte.weight  # the activations' dtype: wte is never quantized
-        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)
 
 
 def build_model(config: GPTJConfig, device: torch.device | str = "cpu",

@@ -31,7 +31,6 @@ blocks unfused (GPT-J's fused q|k|v|fc_in is not its layout); bfloat16 linears a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +41,7 @@ from torch import nn
 
 from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, _check_int, _is_int
 from gptj.errors import CheckpointError, ConfigError
-from gptj.models.base import KVCache, causal_mask, gqa_attention, kept_positions, position_ids_from_mask
+from gptj.models.base import CausalLM, KVCache, gqa_attention
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -375,7 +374,9 @@ class Transformer(nn.Module):
         self.ln_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    """Llama: its blocks over the shared forward (models.base.CausalLM); the cache holds the KV heads."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -392,70 +393,14 @@ class LlamaForCausalLM(nn.Module):
         device = device if device is not None else self.transformer.wte.weight.device
         self.inv_freq = rope_frequencies(self.config).to(device)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch.nn.Module's signature
-        # .to(dtype) would cast the frequencies with the weights; keep them float32 on the weights' device.
-        super()._apply(fn, recurse)
-        self.init_buffers(self.transformer.wte.weight.device)
-        return self
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits (B, T', vocab) in float32, as GPTJForCausalLM.forward: all T, the last
-        `logits_to_keep` if > 0, or the positions it lists if it is a tensor.
-
-        input_ids: (B, T). attention_mask: (B, past + T), 1 for tokens, 0 for padding (None: no
-        padding). position_ids: (B, T), by default from the mask. cache: a `KVCache` of KV heads
-        (`new_cache`), filled with this call's keys and values and advanced by T.
-        """
-        position_ids, mask = self.step_inputs(input_ids, attention_mask, position_ids, cache)
-        h = self.run_layers(self.transformer.wte(input_ids), position_ids, mask, cache)  # (B, T, E)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
-        return self.logits(h, logits_to_keep)
-
-    def step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, cache: KVCache | None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward's position_ids (B, T) and additive mask (B, 1, T, S) (None: the engine's per-sequence
-        cache makes its own, its positions checked at admission), checked."""
-        B, T = input_ids.shape
-        if getattr(cache, "per_sequence", False):  # the engine's cache masks per sequence; rotary per row
-            if position_ids is None:
-                raise ValueError("a per-sequence cache needs explicit position_ids")
-            return position_ids, None
-        past = cache.length if cache is not None else 0
-        if attention_mask is None:
-            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
-        if attention_mask.shape != (B, past + T):
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != {(B, past + T)}")
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, T)
-        if int(position_ids.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(position_ids.max())} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        return position_ids, causal_mask(attention_mask, T)
-
-    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                   cache: KVCache | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """h (B, T, E) through layers [start, stop) (default: all of them)."""
-        cos, sin = rotary_tables(self.inv_freq, position_ids, h.dtype)
-        for i, block in enumerate(itertools.islice(self.transformer.h, start, stop), start):
-            h = block(h, cos, sin, mask, cache, i)
-        return h
-
-    def logits(self, h: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """The float32 logits of the last layer's h (B, T, E) at the positions forward keeps."""
-        return self.lm_head(self.transformer.ln_f(kept_positions(h, logits_to_keep))).float()
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks' (cos, sin) at the positions."""
+        return rotary_tables(self.inv_freq, position_ids, dtype)
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads the cache holds: num_key_value_heads (fewer than the query heads under GQA)."""
         return self.transformer.h[0].attn.n_kv_head
-
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.transformer.wte.weight  # the activations' dtype
-        return KVCache(self.config, batch_size, max_len, dtype=w.dtype, device=w.device, n_head=self.kv_heads)
 
 
 def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
