@@ -13,12 +13,19 @@ from gptj.runtime import flags
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a model with deterministic random weights in the canonical format."""
-    from gptj.config import get_preset
+    from gptj.config import GPTJConfig
     from gptj.device import parse_dtype
+    from gptj.models.registry import get_preset
     from gptj.weights.io import auto_progress, random_state_dict, save_checkpoint
 
     _check_out(args)
     config = get_preset(args.preset)
+    if not isinstance(config, GPTJConfig):  # a Llama preset: written shard by shard (llama3.1-8b is 16 GB in bf16)
+        from gptj.weights.hf_model import random_folder
+
+        out = random_folder(config, args.out, seed=args.seed, dtype=parse_dtype(args.dtype), overwrite=args.force)
+        print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out} (no tokenizer)")
+        return 0
     progress = auto_progress(config)  # gptj-6b takes minutes: bars on stderr when it is a terminal
     sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype), progress=progress)
     out = save_checkpoint(sd, config, args.out, overwrite=args.force, progress=progress)
@@ -85,7 +92,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     """Add `init`, `convert` and `calibrate` to `sub`."""
-    from gptj.config import PRESETS
+    from gptj.models.registry import PRESETS
 
     p = sub.add_parser("init", help="write a model with deterministic random weights", description=cmd_init.__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

@@ -242,6 +242,14 @@ LLAMA_3_1_8B = LlamaConfig(
     max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
     eos_token_ids=(128001, 128008, 128009))
 
+# `gptj init --preset NAME` (models.registry.PRESETS, beside GPT-J's): the real shape, and a tiny one for tests.
+PRESETS: dict[str, LlamaConfig] = {
+    "llama3.1-8b": LLAMA_3_1_8B,
+    "llama-tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
+                              max_position_embeddings=2048, bos_token_id=0, eos_token_ids=(1,)),
+}
+
 
 # --- the math ----------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from gptj.config import GPTJConfig, check_layer_count, get_preset
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.gptj import GPTJForCausalLM, build_model
+from gptj.models.registry import Architecture, architecture
 from gptj.quant.format import hf_quantization_config
 from gptj.device import all_finite, dtype_name
 from gptj.weights import hf, mtj
@@ -273,7 +274,16 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
     quantizes a float checkpoint tensor by tensor while loading. `progress`: a bar on stderr; None
     draws one for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
+
+    An HF folder of another architecture (config.json's model_type, gptj.models.registry: Llama)
+    loads through gptj.weights.hf_model; an unknown model_type is one line naming the supported ones.
     """
+    arch = other_architecture(path, config)
+    if arch is not None:
+        from gptj.weights.hf_model import load_folder
+
+        return load_folder(path, arch, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
+                           progress=progress)
     cfg, items = read_checkpoint(path, config, progress=False, dtype=dtype)
     hf_dir = detect_format(Path(path)) == "hf"
     progress = auto_progress(cfg, progress)
@@ -285,6 +295,19 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     return model_from_state_dict(cfg, sd, device)
+
+
+def other_architecture(path: str | os.PathLike, config: object = None) -> Architecture | None:
+    """The architecture of the HF folder `path` when its config.json names one other than GPT-J
+    (None: GPT-J's loader reads it, as it always has; also for a config given or one it cannot read)."""
+    if config is not None or not (Path(path) / CONFIG).is_file():
+        return None
+    from gptj.weights.hf_model import model_type_of
+
+    model_type = model_type_of(path)
+    if model_type is None or model_type == "gptj":
+        return None
+    return architecture(model_type, str(Path(path) / CONFIG))
 
 
 def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLike) -> dict | None:
@@ -382,6 +405,11 @@ def save_checkpoint(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, 
     `extra(folder)` writes more files (a trainer's state) into the folder before it is moved into place.
     A W8A8 calibration record is not kept: its factors belong to the weights it was made on (calibrate again).
     """
+    if not isinstance(config, GPTJConfig):  # another architecture's HF folder (no tokenizer: gptj bundles GPT-J's)
+        from gptj.weights.hf_model import save_folder
+
+        return save_folder(state_dict, config, out, dtype=dtype, overwrite=overwrite, progress=progress,
+                           max_shard_bytes=max_shard_bytes, extra=extra)
     items = ((n, tuple(t.shape), (lambda t=t: t), Path("<memory>")) for n, t in state_dict.items())
     sd = checked_state_dict(config, items, dtype=dtype)
     return _write_checkpoint(sd, config.replace(calibration=None), Path(out), overwrite, progress, max_shard_bytes,

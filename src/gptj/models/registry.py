@@ -1,0 +1,61 @@
+"""The architectures gptj loads, by config.json's `model_type`: the one place that chooses one.
+
+Each entry names its config class (from_hf_dict / to_hf_dict), its build_model and, for those whose
+module names are not HF's, the HF state-dict names (`hf_names(config)`: HF name -> ours). GPT-J's
+modules keep HF's names (gptj.weights.io reads them as they are); Llama's are mapped (models.llama).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gptj.config import PRESETS as GPTJ_PRESETS
+from gptj.config import GPTJConfig
+from gptj.errors import ConfigError
+from gptj.models import gptj, llama
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    config_class: type
+    build_model: Callable[..., Any]
+    hf_names: Callable[[Any], dict[str, str]] | None  # None: the model's names are HF's
+    load_hf: Callable[..., None] | None  # (model, HF state dict, source): strict, assigns on a meta model
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gptj": Architecture("gptj", GPTJConfig, gptj.build_model, None, None),
+    "llama": Architecture("llama", llama.LlamaConfig, llama.build_model, llama.hf_names, llama.load_hf_state_dict),
+}
+
+
+def architecture(model_type: Any, source: str = "config") -> Architecture:
+    """The architecture of `model_type`; an unknown one is a one-line ConfigError naming the supported."""
+    try:
+        return ARCHITECTURES[model_type]
+    except (KeyError, TypeError):
+        supported = ", ".join(repr(t) for t in ARCHITECTURES)
+        raise ConfigError(f"{source}: not a GPT-J config: model_type {model_type!r} is not supported "
+                          f"(supported: {supported})") from None
+
+
+def architecture_of(config: Any) -> Architecture:
+    """The architecture a config object belongs to."""
+    for arch in ARCHITECTURES.values():
+        if isinstance(config, arch.config_class):
+            return arch
+    raise ConfigError(f"not a model config: {type(config).__name__}")
+
+
+PRESETS: dict[str, Any] = {**GPTJ_PRESETS, **llama.PRESETS}  # every preset `gptj init` writes
+
+
+def get_preset(name: str) -> Any:
+    """A GPT-J or a Llama preset by name; one-line ConfigError naming them all."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})") from None

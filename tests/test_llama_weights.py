@@ -1,0 +1,173 @@
+"""HF Llama folders through gptj.weights.io (issue 59): what transformers' save_pretrained writes loads
+(one file or shards with an index) to HF's float32 logits; gptj's own save loads in HF's from_pretrained
+to the same logits and back in gptj; tied embeddings; one-line refusals; `gptj init --preset llama-tiny`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptj.cli import main
+from gptj.errors import CheckpointError, ConfigError, GptjError
+from gptj.models.llama import LlamaConfig
+from gptj.models.registry import PRESETS, architecture
+from gptj.weights.io import load_model, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=200, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=512,
+            bos_token_id=0, eos_token_id=1,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 256})
+IDS = torch.tensor([[5, 17, 42, 99, 3, 150, 23, 64]])
+U = 2.0 ** -24
+
+
+@torch.no_grad()
+def hf_model(tie: bool = False, seed: int = 0):
+    cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():  # far from HF's near-flat init, so logits differ a lot
+        noise = torch.randn(p.shape, generator=g)
+        p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
+    return model
+
+
+def bound(logits: torch.Tensor) -> float:
+    """float32 rounding between two orders of the same sums (tests/test_llama_model.py's bound)."""
+    return 7 * 128 * U * float(logits.abs().max())
+
+
+def same_logits(ours, hf) -> None:
+    with torch.no_grad():
+        got, want = ours(IDS), hf(IDS).logits
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=bound(want))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_save_pretrained_sharded_loads_to_hf_logits(tmp_path, tie):
+    hf = hf_model(tie)
+    hf.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    assert (tmp_path / "m" / "model.safetensors.index.json").is_file()  # sharded
+    assert len(list((tmp_path / "m").glob("model-*-of-*.safetensors"))) > 1
+    ours = load_model(tmp_path / "m")
+    assert type(ours).__name__ == "LlamaForCausalLM" and not ours.training
+    assert (ours.lm_head.weight is ours.transformer.wte.weight) == tie
+    assert ours.transformer.wte.weight.device.type == "cpu" and not ours.transformer.wte.weight.is_meta
+    same_logits(ours, hf)
+    bf16 = load_model(tmp_path / "m", dtype=torch.bfloat16)
+    assert bf16.transformer.h[0].mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_single_file_and_gptj_save_round_trip(tmp_path):
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "one")
+    assert (tmp_path / "one" / "model.safetensors").is_file()
+    ours = load_model(tmp_path / "one")
+    same_logits(ours, hf)
+    # gptj's save: an HF folder (sharded here) that from_pretrained loads to the same logits, and gptj loads back
+    save_checkpoint(ours.state_dict(), ours.config, tmp_path / "saved", max_shard_bytes=100_000)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["model_type"] == "llama" and (tmp_path / "saved" / "model.safetensors.index.json").is_file()
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").float()
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, hf(IDS).logits)  # the same weights, the same HF math
+    again = load_model(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(IDS), ours(IDS))
+
+
+def test_tied_save_writes_no_lm_head(tmp_path):
+    hf = hf_model(tie=True)
+    hf.save_pretrained(tmp_path / "m")
+    ours = load_model(tmp_path / "m")
+    save_checkpoint(ours.state_dict(), ours.config, tmp_path / "saved")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").float()
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, hf(IDS).logits)
+    assert load_model(tmp_path / "saved").lm_head.weight is not None
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+def test_missing_shard_tensor_and_unknown_model_type_are_one_line(tmp_path):
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    shard = sorted((tmp_path / "m").glob("model-*.safetensors"))[-1]
+    shard.rename(tmp_path / "away.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert f"shard {shard.name} is missing" in one_line(e)
+    # a tensor dropped from the index (its shard present): named before any weight is read
+    (tmp_path / "away.safetensors").rename(shard)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    d = json.loads(index.read_text())
+    del d["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    index.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "missing tensor model.layers.1.mlp.down_proj.weight" in one_line(e)
+    # a tensor the config does not have
+    d["weight_map"]["model.layers.1.mlp.down_proj.weight"] = shard.name
+    d["weight_map"]["model.layers.2.mlp.up_proj.weight"] = shard.name
+    index.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "unexpected tensor model.layers.2.mlp.up_proj.weight" in one_line(e)
+    cfg = tmp_path / "m" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_type": "mistral"}))
+    with pytest.raises(ConfigError) as e:
+        load_model(tmp_path / "m")
+    assert "model_type 'mistral' is not supported (supported: 'gptj', 'llama')" in one_line(e)
+    with pytest.raises(ConfigError, match="supported: 'gptj', 'llama'"):
+        architecture("bert")
+
+
+def test_non_finite_weight_and_quantize_are_refused(tmp_path):
+    hf = hf_model()
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")
+    hf.save_pretrained(tmp_path / "m")
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "model.layers.0.self_attn.k_proj.weight has NaN or infinite values" in one_line(e)
+    with pytest.raises(GptjError) as e:
+        load_model(tmp_path / "m", quantize="int8")
+    assert "--quantize is not supported for llama models yet" in one_line(e)
+
+
+def test_gptj_init_llama_tiny_writes_a_folder_that_loads(tmp_path, capsys):
+    assert "llama3.1-8b" in PRESETS and PRESETS["llama3.1-8b"].num_key_value_heads == 8
+    assert main(["init", "--preset", "llama-tiny", "--out", str(tmp_path / "m")]) == 0
+    assert "llama-tiny" in capsys.readouterr().out
+    model = load_model(tmp_path / "m")
+    assert isinstance(model.config, LlamaConfig) and model.config == PRESETS["llama-tiny"]
+    w = model.transformer.h[0].attn.q_proj.weight
+    assert 0.015 < float(w.detach().std()) < 0.025 and torch.equal(model.transformer.ln_f.weight, torch.ones(64))
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").float()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), back(IDS).logits, rtol=0, atol=bound(back(IDS).logits))
+    # deterministic: the same seed writes the same weights; bfloat16 on request
+    assert main(["init", "--preset", "llama-tiny", "--out", str(tmp_path / "b"), "--dtype", "bfloat16"]) == 0
+    assert torch.equal(load_model(tmp_path / "b").transformer.h[0].attn.q_proj.weight, w.bfloat16())
+
+
+def test_bad_llama_config_is_one_line(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError) as e:
+        load_model(tmp_path / "m")
+    assert "and not a valid llama one: config field 'vocab_size' is missing" in one_line(e)
