@@ -164,10 +164,13 @@ def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Score mlperf_log_accuracy.json as MLCommons' gptj evaluation does: ROUGE-1/2/L/Lsum, gen_len, gen_num,
-    and pass/fail against the gptj-99 and gptj-99.9 targets."""
+    and pass/fail against the gptj-99 and gptj-99.9 targets (--benchmark llama3.1-8b[-edge]: as its
+    evaluation.py does, against its targets, decoding with --tokenizer)."""
     from gptj.mlperf.dataset import DEFAULT_DATASET
     from gptj.mlperf.evaluate import evaluate_log, format_report, read_references, references_from_log
 
+    if args.benchmark != "gptj-99":
+        return _evaluate_llama(args)
     if args.against:
         references = references_from_log(Path(args.against))
         result = evaluate_log(Path(args.log_dir), references, against=args.against)
@@ -177,6 +180,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print(json.dumps(result.to_json(), indent=2) if args.json else format_report(result).rstrip())
     if not result.complete:  # an interrupted run: the scores are printed, but they are no result
         print(f"gptj evaluate: {result.incomplete_reason()}", file=sys.stderr)
+        return EXIT_NOT_A_RESULT
+    return 0
+
+
+def _evaluate_llama(args: argparse.Namespace) -> int:
+    """`gptj evaluate --benchmark llama3.1-8b[-edge]`: MLCommons' llama3.1-8b evaluation.py's scores."""
+    from gptj.mlperf import evaluate_llama
+    from gptj.mlperf.dataset import DEFAULT_LLAMA_DATASET, load_llama_records
+    from gptj.tokenizer import load_tokenizer
+
+    if args.against:
+        raise GptjError(f"--against scores gptj-99 runs only, not {args.benchmark}")
+    if not args.tokenizer:
+        raise GptjError(f"--benchmark {args.benchmark} needs --tokenizer: the Llama checkpoint folder (or its "
+                        "tokenizer.json) whose tokenizer decodes the log's token ids")
+    records = load_llama_records(Path(args.dataset) if args.dataset else DEFAULT_LLAMA_DATASET)
+    result = evaluate_llama.evaluate_log(Path(args.log_dir), [r.output for r in records],
+                                         load_tokenizer(args.tokenizer), benchmark=args.benchmark)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(evaluate_llama.accuracy_line(result))
+        print(evaluate_llama.format_report(result).rstrip())
+    if not result.complete:
+        print(f"gptj evaluate: the accuracy log answers {result.scores['gen_num']:,} of the "
+              f"{result.expected_samples:,} samples: these scores are not a result", file=sys.stderr)
         return EXIT_NOT_A_RESULT
     return 0
 
@@ -276,4 +305,9 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
                       help="score against another accuracy run's outputs instead (e.g. a quantized model's "
                            "summaries against bfloat16's: how close the two runs are)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--benchmark", default="gptj-99", choices=("gptj-99", "llama3.1-8b", "llama3.1-8b-edge"),
+                   help="whose scoring and targets (gptj-99 also checks gptj-99.9; llama3.1-8b's data set is its "
+                        "cnn_eval.json format, default: gptj's bundled llama stand-in)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="llama3.1-8b: the checkpoint folder (or tokenizer.json) whose tokenizer decodes the log")
     p.set_defaults(func=cmd_evaluate)

@@ -149,21 +149,12 @@ def postprocess_text(preds: Sequence[str], targets: Sequence[str]) -> tuple[list
 # ------------------------------------------------------------------------ scoring
 
 
-def score(predictions: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-    """ROUGE of predictions against references, as the reference reports it.
-
-    Returns {"rouge1", "rouge2", "rougeL", "rougeLsum"}: mean per-sample F1 x 100,
-    rounded to 4 decimals; "gen_len": total characters of the post-processed
-    predictions (int); "gen_num": number of predictions.
-    """
+def per_sample_f1(predictions: Sequence[str], references: Sequence[str]) -> tuple[list[str], dict[str, list[float]]]:
+    """The post-processed predictions and each one's ROUGE F-measures (0-1) per type: HF
+    `evaluate.load("rouge").compute(predictions, references, use_stemmer=True, use_aggregator=False)`
+    after `postprocess_text`, as the gpt-j and llama3.1-8b references both call it."""
     from rouge_score import rouge_scorer
 
-    if len(predictions) != len(references):
-        raise GptjError(
-            f"{len(predictions)} predictions but {len(references)} references: they must pair up"
-        )
-    if not predictions:
-        raise GptjError("no predictions to score")
     preds, targets = postprocess_text(predictions, references)
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     f1: dict[str, list[float]] = {k: [] for k in ROUGE_TYPES}
@@ -171,6 +162,23 @@ def score(predictions: Sequence[str], references: Sequence[str]) -> dict[str, An
         s = scorer.score(target, pred)  # rouge_score's order: (target, prediction)
         for k in ROUGE_TYPES:
             f1[k].append(s[k].fmeasure)
+    return preds, f1
+
+
+def score(predictions: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+    """ROUGE of predictions against references, as the reference reports it.
+
+    Returns {"rouge1", "rouge2", "rougeL", "rougeLsum"}: mean per-sample F1 x 100,
+    rounded to 4 decimals; "gen_len": total characters of the post-processed
+    predictions (int); "gen_num": number of predictions.
+    """
+    if len(predictions) != len(references):
+        raise GptjError(
+            f"{len(predictions)} predictions but {len(references)} references: they must pair up"
+        )
+    if not predictions:
+        raise GptjError("no predictions to score")
+    preds, f1 = per_sample_f1(predictions, references)
     result: dict[str, Any] = {k: round(float(np.mean(v)) * 100, 4) for k, v in f1.items()}
     result["gen_len"] = int(sum(len(p) for p in preds))
     result["gen_num"] = len(preds)

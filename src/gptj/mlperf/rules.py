@@ -82,3 +82,43 @@ def required_scenarios(round_name: str, category: str) -> tuple[str, ...]:
 def compliance_tests(round_name: str, division: str) -> tuple[str, ...]:
     """The compliance tests the checker reads for a gptj result (it checks none in the open division)."""
     return get_round(round_name).compliance if division == "closed" else ()
+
+
+# ----------------------------------------------------------------- llama3.1-8b accuracy (issue 59)
+
+
+@dataclass(frozen=True)
+class LlamaAccuracy:
+    """One llama3.1-8b benchmark's accuracy rule: ROUGE F-measures (%, 4 decimals, as MLCommons'
+    language/llama3.1-8b/evaluation.py prints them) each >= `rouge_fraction` of the BF16 reference's,
+    and gen_len (characters of the post-processed predictions) within [gen_len_low, gen_len_high] x
+    the reference's, over the whole data set of `dataset_size` samples."""
+
+    benchmark: str
+    reference_rouge: dict[str, float]  # rouge1, rouge2, rougeL, rougeLsum
+    reference_gen_len: int
+    dataset_size: int
+    rouge_fraction: float = 0.99
+    gen_len_low: float = 0.9
+    gen_len_high: float = 1.1
+
+
+# The BF16 reference's scores: language/llama3.1-8b/README.md, "Accuracy Target" (datacenter) and its
+# "Edge" subsection, which are also the submission checker's tables (tools/submission/
+# submission_checker/constants.py: "accuracy-target" 0.99 x each ROUGE and 0.9 x GEN_LEN,
+# "accuracy-upper-limit" 1.1 x GEN_LEN, "accuracy-sample-count"/"performance-sample-count" 13,368 and
+# 5,000). The edge set is the README's 5,000-sample `sample_cnn_eval_5000.json`.
+LLAMA_ACCURACY = {
+    "llama3.1-8b": LlamaAccuracy(
+        "llama3.1-8b", {"rouge1": 38.7792, "rouge2": 15.9075, "rougeL": 24.4957, "rougeLsum": 35.793},
+        reference_gen_len=8167644, dataset_size=13368),
+    "llama3.1-8b-edge": LlamaAccuracy(
+        "llama3.1-8b-edge", {"rouge1": 39.06, "rouge2": 16.1147, "rougeL": 24.6375, "rougeLsum": 36.124},
+        reference_gen_len=3051113, dataset_size=5000),
+}
+
+
+def llama_accuracy(benchmark: str) -> LlamaAccuracy:
+    if benchmark not in LLAMA_ACCURACY:
+        raise GptjError(f"unknown llama benchmark {benchmark!r} (one of {', '.join(LLAMA_ACCURACY)})")
+    return LLAMA_ACCURACY[benchmark]
