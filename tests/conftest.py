@@ -38,15 +38,17 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 
 KERNEL_PATHS = ("native", "native-avx512", "native-avx2", "native-generic", "fallback")  # native: the best ISA's
 
-# The modules that take longest, longest first (each over 25 s in the README's run on a 2-core
-# machine, measured 2026-11-28): pytest-xdist (the README's command runs two workers, one module per
-# worker at a time) hands out modules in collection order (`--no-loadscope-reorder` in pyproject.toml:
-# by default it reorders them by their number of tests), so the long ones do not end up last on one
-# worker while the other idles.
-LONGEST_FIRST = ("test_benchmarks.py", "test_ray_serve.py", "test_train.py", "test_benchmarks_gpu.py",
-                 "test_ray_multinode.py", "test_parallel_serve.py", "test_graphs.py", "test_parallel_tp.py",
-                 "test_attention_backends.py", "test_mlperf_submission.py", "test_quant_cuda.py",
-                 "test_parallel_pp.py", "test_lora.py", "test_mlperf_interrupt.py")
+# The modules that take longest, longest first (by their tests' summed durations in the README's
+# run on a 2-core machine: docs/PERFORMANCE.md#test-suite): pytest-xdist (the README's command runs
+# two workers, one module per worker at a time) hands out modules in collection order
+# (`--no-loadscope-reorder` in pyproject.toml: by default it reorders them by their number of tests),
+# so the long ones do not end up last on one worker while the other idles.
+LONGEST_FIRST = ("test_benchmarks.py", "test_ray_serve.py", "test_train.py", "test_ray_multinode.py",
+                 "test_quant_cuda.py", "test_attention_backends.py", "test_benchmarks_gpu.py", "test_graphs.py",
+                 "test_mlperf_submission.py", "test_parallel_serve.py", "test_parallel_tp.py",
+                 "test_mlperf_interrupt.py", "test_parallel_pp.py", "test_serve.py", "test_kv_quantized.py",
+                 "test_mlperf_run.py", "test_cli.py", "test_serve_cli.py", "test_lora.py", "test_decode.py",
+                 "test_warm_compiles.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
