@@ -107,6 +107,11 @@ class GPTJConfig:
         return self.n_embd // self.n_head
 
     @property
+    def n_kv_head(self) -> int:
+        """Key/value heads: GPT-J's attention has one per query head (Llama's grouped-query attention fewer)."""
+        return self.n_head
+
+    @property
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 

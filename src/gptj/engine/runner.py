@@ -82,7 +82,7 @@ class ModelRunner:
                           compute=w.dtype)
         self.batch = InputBatch(plan.max_seqs, plan.blocks_per_seq, plan.block_size, w.device, scratch=plan.n_blocks)
         c = model.config  # query heads: the KV heads times each one's group (Llama's GQA; GPT-J: 1)
-        groups = c.n_head // getattr(c, "n_kv_head", c.n_head)
+        groups = c.n_head // c.n_kv_head
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
                                                      c.head_dim, heads=model.kv_heads * groups,
                                                      kv_heads=model.kv_heads))
