@@ -36,6 +36,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gptj.errors import GptjError
 from gptj.files import read_text
@@ -91,6 +92,18 @@ def build_prompt(example: Example) -> str:
     return PROMPT_TEMPLATE.format_map({"instruction": example.instruction, "input": example.input})
 
 
+def _entry_with(path: Path, i: int, entry: Any, keys: tuple[str, ...]) -> str:
+    """Entry i of a data set file checked to be an object holding `keys` (GptjError, one line, else);
+    -> its place for later messages ("FILE: entry i")."""
+    where = f"{path}: entry {i}"
+    if not isinstance(entry, dict):
+        raise GptjError(f"{where}: must be an object with keys {', '.join(keys)}, got {_type_name(entry)}")
+    for key in keys:
+        if key not in entry:
+            raise GptjError(f"{where}: missing key {key!r}")
+    return where
+
+
 def _type_name(value: object) -> str:
     names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
     if type(value) in names:
@@ -111,14 +124,8 @@ def load_examples(path: str | Path) -> list[Example]:
     data = _read_list(path)
     examples = []
     for i, entry in enumerate(data):
-        where = f"{path}: entry {i}"
-        if not isinstance(entry, dict):
-            raise GptjError(
-                f"{where}: must be an object with keys {', '.join(KEYS)}, got {_type_name(entry)}"
-            )
+        where = _entry_with(path, i, entry, KEYS)
         for key in KEYS:
-            if key not in entry:
-                raise GptjError(f"{where}: missing key {key!r}")
             if not isinstance(entry[key], str):
                 raise GptjError(f"{where}: {key!r} must be a string, got {_type_name(entry[key])}")
         if not entry["input"].strip():
@@ -193,14 +200,7 @@ def load_llama_records(path: str | Path) -> list[LlamaRecord]:
     path = Path(path)
     records = []
     for i, entry in enumerate(_read_list(path)):
-        where = f"{path}: entry {i}"
-        if not isinstance(entry, dict):
-            raise GptjError(
-                f"{where}: must be an object with keys {', '.join(LLAMA_KEYS)}, got {_type_name(entry)}"
-            )
-        for key in LLAMA_KEYS:
-            if key not in entry:
-                raise GptjError(f"{where}: missing key {key!r}")
+        where = _entry_with(path, i, entry, LLAMA_KEYS)
         for key in ("input", "output"):
             if not isinstance(entry[key], str):
                 raise GptjError(f"{where}: {key!r} must be a string, got {_type_name(entry[key])}")
