@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gptj.errors import GptjError
+from gptj.errors import CheckpointError, GptjError
 
 if TYPE_CHECKING:
     import torch
@@ -91,3 +91,42 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())  # an overflowing sum of finite values is still fine
+
+
+# FP8 matrix units (torch._scaled_mm with e4m3): compute capability 8.9 (Ada) and 9.0 (Hopper) on.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether `device` has FP8 matrix units (a CUDA GPU of compute capability 8.9 or more)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def check_fp8_device(device: torch.device | str) -> None:
+    """GptjError, in one line, unless FP8 weights run on `device` (what every command that
+    generates checks before loading them)."""
+    import torch
+
+    if fp8_supported(device):
+        return
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}"
+    else:
+        where = f"this runs on {device.type}"
+    raise GptjError(f"fp8 weights need a GPU with FP8 matrix units (compute capability "
+                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more: Ada, Hopper); {where} "
+                    "(use --quantize int8, int4 or w8a8)")
+
+
+def check_finite(tensor: torch.Tensor, name: str, file: object) -> None:
+    """CheckpointError naming `file` and tensor `name` unless every value of `tensor` is finite: the one
+    finiteness check of everything gptj loads (a checkpoint's tensors, a LoRA adapter's)."""
+    if not all_finite(tensor):
+        raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")

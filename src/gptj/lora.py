@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gptj.device import check_finite
 from gptj.errors import GptjError
 from gptj.files import atomic_folder, model_file
 
@@ -349,8 +350,6 @@ def read_adapter(folder: str | Path) -> Adapter:
     """An adapter folder: its config and tensors (safetensors: data only, never code)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from gptj.weights.io import check_finite
 
     config = read_config(folder)
     path = model_file(folder, WEIGHTS_FILE)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from gptj import cpu, native
-from gptj.errors import GptjError
+from gptj.device import FP8_MIN_CAPABILITY, check_fp8_device, fp8_supported  # noqa: F401  (the device's FP8 units)
 from gptj.models.base import exact  # the rule (float32), beside the math it chooses; re-exported here
 
 PACK_MODES = ("auto", "off")  # the serving kernels' switch: "auto" follows this table, "off" keeps the model as loaded
@@ -77,8 +77,6 @@ SCALED_MM = "scaled-mm"  # e4m3 activations x e4m3 weights, float32 sums (torch.
 # dequantized weight is the better kernel). Reasoned and compiled for sm_90a, not timed on a GPU.
 TRITON_MAX_ROWS = 16
 TRITON_GEMM_DTYPES = (torch.bfloat16, torch.float16)
-# FP8 matrix units (torch._scaled_mm with e4m3): compute capability 8.9 (Ada) and 9.0 (Hopper) on.
-FP8_MIN_CAPABILITY = (8, 9)
 
 # gptj.native's GEMV is ahead of oneDNN's bf16 GEMM and torch's int8 kernel up to 8 rows.
 # Figures: docs/PERFORMANCE.md#policy-native-max-rows
@@ -572,30 +570,6 @@ def describe_linear_table() -> str:
         cond = "" if r.when is _always else r.when.__name__
         lines.append(f"{r.weight:14} {r.device:5} rows {rows:9} {r.path:11} {cond:14} {r.figures}")
     return "\n".join(lines)
-
-
-def fp8_supported(device: torch.device | str) -> bool:
-    """Whether `device` has FP8 matrix units (a CUDA GPU of compute capability 8.9 or more)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
-
-
-def check_fp8_device(device: torch.device | str) -> None:
-    """GptjError, in one line, unless FP8 weights run on `device` (what every command that
-    generates checks before loading them)."""
-    if fp8_supported(device):
-        return
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(device)
-        where = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}"
-    else:
-        where = f"this runs on {device.type}"
-    raise GptjError(f"fp8 weights need a GPU with FP8 matrix units (compute capability "
-                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more: Ada, Hopper); {where} "
-                    "(use --quantize int8, int4 or w8a8)")
 
 
 @dataclass(frozen=True)

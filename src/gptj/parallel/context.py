@@ -113,8 +113,8 @@ class ParallelContext:
         folder `lora` merged into its float weights, then quantized as `quantize` asks. Before any
         tensor is read: the adapter (a bad one is refused in one line) and the checkpoint's config,
         once (gptj.weights.io.Checkpoint); fp8 weights (asked for, or recorded in the checkpoint) are
-        refused where they cannot run (policy.check_fp8_device)."""
-        from gptj.policy import check_fp8_device
+        refused where they cannot run (gptj.device.check_fp8_device)."""
+        from gptj.device import check_fp8_device
         from gptj.weights.io import Checkpoint
 
         adapter = None

@@ -31,7 +31,7 @@ def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | 
     shard, under --pp its stage (both: its stage's shard), quantized after splitting if asked, with
     the spec's LoRA adapter merged into its float weights first. progress: bars on stderr (None: for
     a big model on a terminal). A bad adapter, and fp8 weights (asked for, or in the checkpoint)
-    where they cannot run (policy.check_fp8_device), are refused in one line, before the load."""
+    where they cannot run (gptj.device.check_fp8_device), are refused in one line, before the load."""
     if spec.path is None:
         raise GptjError("no model folder given")
     ctx.check(spec.tp, spec.pp)

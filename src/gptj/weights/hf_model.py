@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from gptj.device import all_finite, dtype_name
+from gptj.device import check_finite, dtype_name
 from gptj.errors import CheckpointError, ConfigError, GptjError
 from gptj.files import atomic_folder, model_file
 from gptj.models.registry import Architecture, architecture_of
@@ -110,18 +110,13 @@ def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtyp
             raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
                                   f"expected floating point")
         tensor = tensor.to(device=device, dtype=dtype)
-        _check_finite(tensor, name, file)
+        check_finite(tensor, name, file)
         sd[name] = tensor
         bar.update()
     bar.close()
     arch.load_hf(model, sd, str(folder))  # strict: the first missing tensor in one line; ties lm_head
     del sd
     return model.eval()
-
-
-def _check_finite(tensor: torch.Tensor, name: str, file: object) -> None:
-    if not all_finite(tensor):  # the words of gptj.weights.io.check_finite
-        raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
 
 
 def _progress(model_or_count: torch.nn.Module | int, progress: bool | None) -> bool:
@@ -226,7 +221,7 @@ def _write_folder(config: Any, out: Path, names: list[str], nbytes: Mapping[str,
             tensors = {}
             for name in group:
                 tensors[name] = make(name).contiguous()
-                _check_finite(tensors[name], name, "<memory>")
+                check_finite(tensors[name], name, "<memory>")
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
             weight_map.update({n: fname for n in group})

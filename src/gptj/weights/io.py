@@ -40,7 +40,7 @@ from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.gptj import GPTJForCausalLM, build_model
 from gptj.models.registry import Architecture, architecture
 from gptj.quant.format import hf_quantization_config
-from gptj.device import all_finite, dtype_name
+from gptj.device import check_finite, dtype_name
 from gptj.weights import hf, mtj
 
 CONFIG = "config.json"
@@ -156,13 +156,6 @@ def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
     if p.is_dir():
         return str(p / CONFIG)
     return str(p) if p.suffix == ".json" or p.exists() else f"preset {str(spec)!r}"
-
-
-def check_finite(tensor: torch.Tensor, name: str, file: object) -> None:
-    """CheckpointError naming `file` and tensor `name` unless every value of `tensor` is finite: the one
-    finiteness check of everything gptj loads (a checkpoint's tensors, a LoRA adapter's)."""
-    if not all_finite(tensor):
-        raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")
 
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
