@@ -18,7 +18,7 @@ from gptj.cli import _server_config, build_parser, main
 from gptj.engine.core import Engine
 from gptj.serve.app import create_app
 from gptj.serve.errors import UNION_EXPECTED
-from gptj.serve.protocol import CompletionRequest
+from gptj.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gptj.serve.registry import MAX_RETRY_AFTER_S, RetryAdvisor, ServerConfig
 from serve_util import server_thread
 
@@ -74,7 +74,8 @@ def test_no_validation_message_shows_pydantic_internal_names(bare):
 
 
 def test_every_union_field_has_an_expected_message():
-    unions = {name for name, f in CompletionRequest.model_fields.items()
+    fields = CompletionRequest.model_fields | ChatCompletionRequest.model_fields | ChatMessage.model_fields
+    unions = {name for name, f in fields.items()
               if typing.get_origin(f.annotation) in (typing.Union, getattr(__import__("types"), "UnionType"))
               and len([a for a in typing.get_args(f.annotation) if a is not type(None)]) > 1}
     assert unions == set(UNION_EXPECTED)

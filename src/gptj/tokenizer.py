@@ -39,6 +39,8 @@ MODEL_MAX_LENGTH = 2048
 class Tokenizer:
     """Encode text to GPT-J token ids and back. Build with `load_tokenizer`."""
 
+    chat_template: str | list | dict | None = None  # GPT-J has none (gptj.chat_template)
+
     def __init__(self, backend: _HFTokenizer) -> None:
         eos = backend.token_to_id(EOS_TOKEN)
         if eos is None:
@@ -133,7 +135,7 @@ class HFTokenizer(Tokenizer):
     """
 
     def __init__(self, backend: _HFTokenizer, tokenizer_config: dict | None = None,
-                 generation_config: dict | None = None) -> None:
+                 generation_config: dict | None = None, chat_template: str | None = None) -> None:
         cfg, gen = dict(tokenizer_config or {}), dict(generation_config or {})
         self._backend = backend
         _add_declared_tokens(backend, cfg.get("added_tokens_decoder"))
@@ -152,7 +154,8 @@ class HFTokenizer(Tokenizer):
         # transformers 5's decode cleans up " ." etc. only where the config asks; decode here never
         # does (as GPT-J's): a caller that must match HF's decode applies it when this is True
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
-        self.chat_template = cfg.get("chat_template")
+        # the folder's chat_template.jinja, else tokenizer_config.json's (as transformers reads them)
+        self.chat_template = chat_template if chat_template is not None else cfg.get("chat_template")
 
     def _named_id(self, cfg: dict, key: str) -> int | None:
         content = _token_content(cfg.get(key), f"tokenizer_config.json's {key}")
@@ -272,7 +275,9 @@ def _from_tokenizer_json(tokenizer_json: Path) -> Tokenizer:
     config = _read_config(model_file(folder, "tokenizer_config.json"))
     if _is_gptj(backend, config):
         return Tokenizer(backend)
-    return HFTokenizer(backend, config, _read_config(model_file(folder, "generation_config.json")))
+    template = model_file(folder, "chat_template.jinja")
+    return HFTokenizer(backend, config, _read_config(model_file(folder, "generation_config.json")),
+                       template.read_text(encoding="utf-8") if template.is_file() else None)
 
 
 def _build_bpe(vocab: dict[str, int], merges: list[tuple[str, str]]) -> _HFTokenizer:
@@ -347,7 +352,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     tokenizer_json = path if path.is_file() else path / "tokenizer.json"
     vocab, merges = path / "vocab.json", path / "merges.txt"
     if path.is_dir():
-        for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "chat_template.jinja"):
             model_file(path, name)
     try:
         if tokenizer_json.is_file():

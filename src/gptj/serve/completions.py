@@ -27,7 +27,8 @@ from urllib.parse import quote
 from gptj.decode import REPETITION_PENALTY_RANGE, SAMPLING_EPS, GenerationConfig
 from gptj.engine.loop import EngineStopped
 from gptj.errors import GptjError
-from gptj.serve.protocol import APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from gptj.serve.protocol import (APIError, CompletionLogprobs, CompletionRequest, CompletionResponse, SamplingRequest,
+                                 Usage)
 from gptj.serve.registry import ServedModel
 
 log = logging.getLogger("gptj.serve")
@@ -58,13 +59,22 @@ class Plan:
     @property
     def headers(self) -> dict[str, str]:
         """The response's own headers: X-Gptj-Ignored-Fields when the body had fields this API has not."""
-        return {IGNORED_HEADER: ",".join(_field_names(self.ignored))} if self.ignored else {}
+        return {IGNORED_HEADER: ",".join(field_names(self.ignored))} if self.ignored else {}
 
 
 MAX_NAMED_FIELDS = 16  # ignored fields named in the header and the log line; the rest are counted
 
 
-def _field_names(names: list[str]) -> list[str]:
+def ignored_fields(body: SamplingRequest, served: ServedModel, what: str) -> list[str]:
+    """The body's unknown fields: accepted, as vLLM does, and said: in the log and in the response's header."""
+    ignored = body.ignored_fields()
+    if ignored:
+        log.warning("model %s: a %s request's unknown fields are ignored: %s", served.name, what,
+                    ", ".join(field_names(ignored)))
+    return ignored
+
+
+def field_names(names: list[str]) -> list[str]:
     """Client-sent field names as a header and a log line can carry them: percent-encoded outside
     letters, digits and `_-.` (no control characters, nothing beyond Latin-1), at most
     MAX_NAMED_FIELDS of them and 64 characters each."""
@@ -80,15 +90,12 @@ def precheck(body: CompletionRequest, served: ServedModel) -> int:
     refused in microseconds instead of after seconds of tokenizing."""
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
-    _check_penalties(body, served.vocab_size)
+    check_penalties(body, served.vocab_size)
     prompt, L = body.prompt, served.max_model_len
     if not isinstance(prompt, str) and len(prompt) == 0:
         raise APIError(400, "prompt must not be empty", "prompt")
     several = not isinstance(prompt, str) and not isinstance(prompt[0], int)
-    n_jobs = (len(prompt) if several else 1) * (1 if body.use_beam_search else body.n)
-    if n_jobs > served.capacity:
-        raise APIError(400, f"the request needs {n_jobs} engine requests; this server admits at most "
-                            f"{served.capacity} at once", "n")
+    n_jobs = check_capacity((len(prompt) if several else 1) * (1 if body.use_beam_search else body.n), served)
     for i, p in enumerate([prompt] if not several else prompt):
         if isinstance(p, str):
             if served.max_token_bytes is None:
@@ -108,7 +115,15 @@ def precheck(body: CompletionRequest, served: ServedModel) -> int:
     return n_jobs
 
 
-def _check_penalties(body: CompletionRequest, V: int) -> dict[str, Any]:
+def check_capacity(n_jobs: int, served: ServedModel) -> int:
+    """n_jobs, the engine requests a request needs; APIError 400 where the server never admits that many."""
+    if n_jobs > served.capacity:
+        raise APIError(400, f"the request needs {n_jobs} engine requests; this server admits at most "
+                            f"{served.capacity} at once", "n")
+    return n_jobs
+
+
+def check_penalties(body: SamplingRequest, V: int) -> dict[str, Any]:
     """APIError 400 naming the field (and the key) unless the penalties and logit_bias are in range
     (OpenAI's: penalties -2 to 2, biases -100 to 100, keys token ids of the vocabulary; vLLM's:
     repetition_penalty > 0) and usable with the decoding asked for; else GenerationConfig's settings."""
@@ -141,7 +156,7 @@ def _check_penalties(body: CompletionRequest, V: int) -> dict[str, Any]:
                 raise APIError(400, f"logit_bias names token id {token} twice ({key!r})", "logit_bias")
             bias[token] = float(value)
         settings["logit_bias"] = bias
-    if body.use_beam_search and GenerationConfig(**settings).penalized:
+    if getattr(body, "use_beam_search", False) and GenerationConfig(**settings).penalized:
         name = next(iter(settings))
         raise APIError(400, f"{name} is not supported with use_beam_search (frequency_penalty, presence_penalty, "
                             "repetition_penalty and logit_bias apply to greedy and sampled decoding)", name)
@@ -153,11 +168,8 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
     tok = served.tokenizer
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
-    penalties = _check_penalties(body, served.vocab_size)
-    ignored = body.ignored_fields()
-    if ignored:  # accepted, as vLLM does, and said: here and in the response's header
-        log.warning("model %s: a completion request's unknown fields are ignored: %s", served.name,
-                    ", ".join(_field_names(ignored)))
+    penalties = check_penalties(body, served.vocab_size)
+    ignored = ignored_fields(body, served, "completion")
     prompt = body.prompt
     if isinstance(prompt, str):
         texts: list[str | None] = [prompt]
@@ -203,7 +215,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                 raise APIError(400, "logprobs are not available with use_beam_search", "logprobs")
             gen = GenerationConfig(max_new_tokens=body.max_tokens, min_new_tokens=body.min_tokens, num_beams=width,
                                    length_penalty=body.length_penalty, early_stopping=body.early_stopping,
-                                   eos_token_id=eos)
+                                   eos_token_id=eos, pad_token_id=tok.pad_token_id)
             jobs = [Job(p, gen, i * body.n, body.n) for i, p in enumerate(ids)]
         else:
             if body.best_of is not None and body.best_of != body.n:
@@ -214,7 +226,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                                     do_sample=sample,
                                     temperature=body.temperature if sample else 1.0,
                                     top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
-                                    eos_token_id=eos, **penalties)
+                                    eos_token_id=eos, pad_token_id=tok.pad_token_id, **penalties)
             jobs = []
             for i, p in enumerate(ids):
                 for j in range(body.n):
@@ -223,9 +235,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
     except GptjError as e:
         raise APIError(400, str(e)) from None
     n_choices = len(ids) * body.n
-    if len(jobs) > served.capacity:
-        raise APIError(400, f"the request needs {len(jobs)} engine requests; this server admits at most "
-                            f"{served.capacity} at once", "n")
+    check_capacity(len(jobs), served)
     # the engine's own limits (beam width, KV blocks) are checked once, where each job is submitted
     return Plan(ids, texts, jobs, n_choices, [c // body.n for c in range(n_choices)], ignored)
 
@@ -306,7 +316,7 @@ class _Choice:
         return out
 
 
-def _json_float(x: float) -> float | None:
+def json_float(x: float) -> float | None:
     """A log-probability as JSON can carry it: NaN and infinities (no JSON number) become null."""
     return x if math.isfinite(x) else None
 
@@ -320,8 +330,8 @@ def _logprobs_json(tok, entries: list, offset: int) -> CompletionLogprobs:  # no
         piece = tok.decode([token])
         tokens.append(piece)
         offsets.append(offset)
-        lps.append(None if isinstance(e, int) else _json_float(e.logprob))
-        tops.append({tok.decode([t]): _json_float(lp) for t, lp in e.top} if not isinstance(e, int) and e.top
+        lps.append(None if isinstance(e, int) else json_float(e.logprob))
+        tops.append({tok.decode([t]): json_float(lp) for t, lp in e.top} if not isinstance(e, int) and e.top
                     else None)
         offset += len(piece)
     return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
@@ -389,11 +399,15 @@ class _Event:
 
 
 class Completion:
-    """A planned request running on a served model. Iterate `events()` until `done`."""
+    """A planned request running on a served model. Iterate `events()` until `done`. The response's
+    shape (response, chunk, envelope, opening) is the completions API's; gptj.serve.chat's subclass
+    gives the chat API's over the same engine requests and choices."""
+
+    ID_PREFIX = "cmpl"
 
     def __init__(self, body: CompletionRequest, served: ServedModel, the_plan: Plan) -> None:
         self.body, self.served, self.plan = body, served, the_plan
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first_token: float | None = None
@@ -581,6 +595,10 @@ class Completion:
             if start == 0:
                 out["prompt_token_ids"] = self._prompt_of(c)[1]
         return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The chunks a stream starts with, before the engine makes a token (none here)."""
+        return []
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         return CompletionResponse(id=self.id, created=self.created, model=self.served.name, choices=choices,

@@ -80,6 +80,7 @@ UNION_EXPECTED = {
     "prompt": "expected a string, a list of strings, a list of token ids (integers >= 0) or a list of such lists",
     "stop": "expected a string (1-1000 characters) or a list of such strings",
     "early_stopping": 'expected true, false or "never"',
+    "content": 'expected a string or a list of {"type": "text", "text": ...} parts',  # a chat message's
 }
 # pydantic's type errors, as a user reads them
 _EXPECTED = {"int_type": "expected an integer", "int_parsing": "expected an integer",
@@ -121,25 +122,37 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "missing":
         where = _where(field, loc[1:])
         return f"{where}: field required", where
-    if field in UNION_EXPECTED and len(loc) > 1:
-        return _union_message(field, errors)
+    at = _union_at(loc)
+    if at is not None:
+        return _union_message(loc[:at + 1], errors)
     where = _where(field, loc[1:])
     what = _EXPECTED.get(err.get("type", ""), err.get("msg", "invalid value"))
     return f"{where}: {what}", where
 
 
-def _union_message(field: str, errors: list[dict]) -> tuple[str, str]:
-    """pydantic tried each form of a union field (an error's loc[1] names it): if the value has one
-    form's shape and breaks only its limits (a length, a bound), say which; if it has no form's
-    shape, say what the forms are."""
+def _union_at(loc: tuple) -> int | None:
+    """Where in `loc` a union field of UNION_EXPECTED stands, followed by pydantic's name of the form
+    it tried (prompt, or messages[0].content); None where there is none."""
+    for i, part in enumerate(loc[:-1]):
+        if part in UNION_EXPECTED and isinstance(loc[i + 1], str) and (i == 0 or isinstance(loc[i - 1], int)):
+            return i
+    return None
+
+
+def _union_message(field_loc: tuple, errors: list[dict]) -> tuple[str, str]:
+    """pydantic tried each form of a union field (the part of an error's loc after `field_loc` names
+    it): if the value has one form's shape and breaks only its limits (a length, a bound), say which;
+    if it has no form's shape, say what the forms are."""
+    n = len(field_loc)
+    field = _where(str(field_loc[0]), field_loc[1:])
     forms: dict[str, list[dict]] = {}
     for e in errors:
         e_loc = tuple(p for p in e.get("loc", ()) if p != "body")
-        if len(e_loc) > 1 and e_loc[0] == field:
-            forms.setdefault(str(e_loc[1]), []).append(e)
+        if len(e_loc) > n and e_loc[:n] == field_loc:
+            forms.setdefault(str(e_loc[n]), []).append(e)
     for form_errors in forms.values():
         if all(e.get("type") not in _TYPE_ERRORS for e in form_errors):
             e = form_errors[0]
-            where = _where(field, tuple(p for p in e["loc"] if p != "body")[2:])
+            where = _where(field, tuple(p for p in e["loc"] if p != "body")[n + 1:])
             return f"{where}: {e.get('msg', 'invalid value')}", field
-    return f"{field}: {UNION_EXPECTED[field]}", field
+    return f"{field}: {UNION_EXPECTED[field_loc[-1]]}", field

@@ -1,17 +1,19 @@
-"""The server's request and response schemas: OpenAI's completions API, plus vLLM's common extras,
-and APIError, an error answered in OpenAI's format (torch-free: Ray's gateway imports it too).
+"""The server's request and response schemas: OpenAI's completions and chat completions APIs, plus
+vLLM's common extras, and APIError, an error answered in OpenAI's format (torch-free: Ray's gateway
+imports it too).
 
 FastAPI publishes these as the server's OpenAPI document (/openapi.json); clients and the
 tests' schema fuzzing read them from there. Requests are strict: wrong JSON types are refused
 (no "5" for 5), and NaN/Infinity are refused, each with a 400 that names the field. Limits that
 depend on the model (context length, vocabulary) are checked by the app against the served model.
-Unknown fields: a completion request's top-level ones are accepted and ignored, as vLLM does (OpenAI
-clients send fields such as response_format): completions.plan logs them and names them for the
+Unknown fields: a (chat) completion request's top-level ones are accepted and ignored, as vLLM does
+(OpenAI clients send fields such as response_format): completions.plan logs them and names them for the
 response's X-Gptj-Ignored-Fields header (Plan.headers); elsewhere (nested objects, the admin API's
 bodies) they are refused.
 
 Extras beyond OpenAI's API (vLLM's names): min_tokens, top_k, use_beam_search, length_penalty,
-early_stopping, stop_token_ids, ignore_eos, return_token_ids, repetition_penalty.
+early_stopping, stop_token_ids, ignore_eos, return_token_ids, repetition_penalty (chat: min_tokens,
+top_k, stop_token_ids, repetition_penalty).
 """
 
 from __future__ import annotations
@@ -40,38 +42,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with the usage counts (and no choices)
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Unknown fields are kept in `model_extra` (ignored: `ignored_fields`)."""
+class SamplingRequest(BaseModel):
+    """What a completion and a chat completion request share: the model, how to sample, when to stop,
+    streaming. Unknown fields are kept in `model_extra` (ignored: `ignored_fields`)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256, description="a served model's name (GET /v1/models)")
-    prompt: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds | Annotated[
-        list[PromptIds], Field(max_length=MAX_PROMPTS)] = Field(
-        description="text, texts, token ids, or lists of token ids; each prompt is completed separately")
-    max_tokens: int = Field(16, ge=0, le=1_000_000,
-                            description="new tokens at most, per choice; 0 with echo scores the prompt only")
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="no end of text (EOS or stop) before this many")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; > 0 samples")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=1_000_000, description="-1 or 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="reproducible sampling (choice i uses seed + i)")
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="beam search: the beam width (default n)")
-    use_beam_search: bool = False
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="beam search: score / length ** this")
-    early_stopping: bool | Literal["never"] = False
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
-    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = Field(False, description="add token_ids (and prompt_token_ids) to each choice")
     user: str | None = Field(None, max_length=256)
     # Penalties and biases (gptj.decode.GenerationConfig; vLLM's semantics). Their ranges are checked by
-    # completions.precheck, which names the field and the value (the schema states them).
+    # completions.check_penalties, which names the field and the value (the schema states them).
     frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2.0, "maximum": 2.0},
                                             description="-2 to 2: each new token's logit loses this times its "
                                                         "count in the text generated so far")
@@ -83,12 +73,30 @@ class CompletionRequest(BaseModel):
                                                          "tokens are divided by it (multiplied where negative)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> a bias from -100 to 100 "
                                                                   "added to its logit")
-    # OpenAI fields gptj does not implement: accepted only at their neutral values.
-    suffix: str | None = None
 
     def ignored_fields(self) -> list[str]:
         """The body's fields that are not this API's (accepted and ignored), in the order given."""
         return list(self.model_extra or ())
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds | Annotated[
+        list[PromptIds], Field(max_length=MAX_PROMPTS)] = Field(
+        description="text, texts, token ids, or lists of token ids; each prompt is completed separately")
+    max_tokens: int = Field(16, ge=0, le=1_000_000,
+                            description="new tokens at most, per choice; 0 with echo scores the prompt only")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="beam search: the beam width (default n)")
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="beam search: score / length ** this")
+    early_stopping: bool | Literal["never"] = False
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs)")
+    return_token_ids: bool = Field(False, description="add token_ids (and prompt_token_ids) to each choice")
+    # OpenAI fields gptj does not implement: accepted only at their neutral values.
+    suffix: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -122,6 +130,108 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+MAX_MESSAGES = 10_000  # chat messages per request
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only {"type": "text", "text": ...} is served: a part of any
+    other type (image_url, input_audio, ...) is refused by gptj.serve.chat with a 400 that names it."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    type: str = Field(max_length=64)
+    text: PromptText | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "tool"]
+    content: PromptText | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] = Field(
+        description='a string, or a list of {"type": "text", "text": ...} parts')
+    name: str | None = Field(None, max_length=256)
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions: the messages are rendered with the model's chat template (its
+    tokenizer_config.json), and the reply ends at any of the model's end-of-turn tokens."""
+
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] = Field(
+        description="the conversation so far; the reply is the assistant's next message")
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000,
+                                              description="new tokens at most, per choice (default: the rest of "
+                                                          "the model's context)")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="max_completion_tokens' older name")
+    logprobs: bool = Field(False, description="the log-probability of each token of the reply")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: this many most likely alternatives per token")
+    # OpenAI fields gptj does not implement: accepted only at their neutral values (gptj.serve.chat).
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" is neutral
+    functions: list[Any] | None = None
+    function_call: Any = None  # "none" is neutral
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatReply(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class _ChatChoiceBase(BaseModel):
+    index: int
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatChoice(_ChatChoiceBase):
+    message: ChatReply
+
+
+class ChatChunkChoice(_ChatChoiceBase):
+    delta: ChatDelta
+
+
+class _ChatEnvelope(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: Usage | None = None
+
+
+class ChatCompletionResponse(_ChatEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_ChatEnvelope):
+    """One server-sent event of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
 
 
 class ModelCard(BaseModel):

@@ -248,7 +248,8 @@ class ServedModel:
             return f"{self.name}: LoRA adapter from {self.path} over {self.base.name}"
         engine, plan = self.engine, self.engine.plan
         model = engine.model
-        quant = (model.config.quantization or {}).get("mode", "quantized") if model.config.quantization else "none"
+        q = getattr(model.config, "quantization", None)  # a Llama config has none
+        quant = (q or {}).get("mode", "quantized") if q else "none"
         cfg = engine.config
         from gptj.engine.config import kv_storage
 

@@ -1,4 +1,4 @@
-"""A streamed completion: its server-sent events (strict JSON chunks, an error event where it
+"""A streamed completion (or chat completion): its server-sent events (strict JSON chunks, an error event where it
 failed, the usage chunk if asked for, then `data: [DONE]`) and EventStream, the response that
 sends them and cancels the generation as soon as the client goes away."""
 
@@ -25,6 +25,9 @@ async def events(run: Completion, timeout: float) -> AsyncIterator[tuple[bytes, 
     """Server-sent events: (bytes, final status or None) pairs; ends with `data: [DONE]`."""
     first = [True] * len(run.choices)
     status = 200
+    opening = run.opening()
+    if opening:
+        yield sse(run.envelope(opening)), None
     try:
         async with asyncio.timeout(timeout):
             while not run.done:

@@ -1,17 +1,21 @@
-"""OpenAI's API: POST /v1/completions (plain or streamed) and GET /v1/models, behind the API key."""
+"""OpenAI's API: POST /v1/completions and /v1/chat/completions (plain or streamed) and GET /v1/models,
+behind the API key."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gptj.serve import chat
 from gptj.serve.completions import Completion, Plan, plan, precheck
 from gptj.serve.errors import ERRORS, draining_error
 from gptj.serve.guards import check_key
-from gptj.serve.protocol import APIError, CompletionRequest, CompletionResponse, ModelCard, ModelList
+from gptj.serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, ModelCard, ModelList, SamplingRequest)
 from gptj.serve.registry import ServedModel
 from gptj.serve.state import ServerState, State
 from gptj.serve.stream import EventStream, events
@@ -31,9 +35,21 @@ async def list_models(request: Request, state: State) -> ModelList:
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
+    return await _serve(body, request, state, precheck, plan, Completion)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
+    return await _serve(body, request, state, chat.precheck, chat.plan, chat.ChatCompletion)
+
+
+async def _serve(body: SamplingRequest, request: Request, state: ServerState, check: Callable, make_plan: Callable,
+                 start_run: Callable[..., Completion]) -> Response:
+    """A (chat) completion request: checked and admitted (`check`, then `make_plan` off the event loop),
+    run on the engine as `start_run(body, served, plan)`, answered whole or streamed."""
     start = time.perf_counter()
-    served, the_plan = await _admit(body, request, state)
-    run = Completion(body, served, the_plan)
+    served, the_plan = await _admit(body, request, state, check, make_plan)
+    run = start_run(body, served, the_plan)
     run.start = start
     run.on_tokens = lambda n: state.metrics.count_tokens(served.name, n)
     run.submit()
@@ -62,7 +78,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         _finish(run, state, status, request)  # cancels what still runs (a disconnect, a timeout, an error)
 
 
-async def _admit(body: CompletionRequest, request: Request, state: ServerState) -> tuple[ServedModel, Plan]:
+async def _admit(body: SamplingRequest, request: Request, state: ServerState, check: Callable,
+                 make_plan: Callable) -> tuple[ServedModel, Plan]:
     """The request's model and plan, its engine requests admitted; else the APIError it is answered
     (counted in the metrics), nothing admitted."""
     admitted = 0
@@ -73,17 +90,17 @@ async def _admit(body: CompletionRequest, request: Request, state: ServerState) 
         served = state.model(body.model)
         # Cheap checks first (sizes, counts: no tokenizing), then admission, and only then the
         # expensive part: an invalid or unadmitted request costs the server next to nothing.
-        n_jobs = precheck(body, served)
+        n_jobs = check(body, served)
         if not served.admit(n_jobs):
             wait = served.retry_after(n_jobs)
             raise APIError(429, f"model {served.name!r} is at capacity ({served.capacity} requests running "
                                 f"or queued); retry in {wait} s", code="queue_full",
                            headers={"Retry-After": str(wait)})
         admitted = n_jobs
-        # Tokenizing long texts takes a while: off the event loop, on the server's own small
-        # executor, so that however many requests tokenize at once they take one thread's share
-        # (plan only reads the model's limits).
-        the_plan = await asyncio.get_running_loop().run_in_executor(state.tokenizing, plan, body, served)
+        # Tokenizing long texts (and rendering a chat template) takes a while: off the event loop, on the
+        # server's own small executor, so that however many requests tokenize at once they take one
+        # thread's share (planning only reads the model's limits).
+        the_plan = await asyncio.get_running_loop().run_in_executor(state.tokenizing, make_plan, body, served)
         if state.status == "draining":  # it began while this request was being tokenized
             raise draining_error()
     except APIError as e:
@@ -106,7 +123,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _collect(run: Completion, timeout_s: float) -> CompletionResponse:
+async def _collect(run: Completion, timeout_s: float) -> CompletionResponse | ChatCompletionResponse:
     try:
         async with asyncio.timeout(timeout_s):
             while not run.done:
