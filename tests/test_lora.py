@@ -305,3 +305,32 @@ def test_an_adapter_for_another_base_is_warned_of_in_one_line(adapter_dir, tiny_
     capsys.readouterr()
     assert main([*argv[:2], str(wide), *argv[3:]]) == 1
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_an_adapter_folds_into_the_weights_as_they_load(tiny_checkpoint, adapter_dir, tmp_path):
+    """--lora at load (gptj.weights.peft: W + scale * B @ A in float32, rounded once to the dtype) gives
+    merge_lora's weights on a float32 model, one rounding of the float32 sum in bfloat16, and under
+    --tp each rank's slice of the merged whole model (the sliced adapter delta on the shard file)."""
+    from gptj.parallel.context import SINGLE
+    from gptj.parallel.tp import load_rank, shard_state_dict
+    from gptj.weights.io import Checkpoint
+    from gptj.weights.peft import weight_name
+
+    folder, _ = adapter_dir
+    adapter = read_adapter(folder)
+    whole = load_model(tiny_checkpoint)
+    merge_lora(whole, adapter)
+    loaded = SINGLE.load(str(tiny_checkpoint), torch.float32, "cpu", lora=str(folder))
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in whole.state_dict().items())
+    base = load_model(tiny_checkpoint).state_dict()
+    bf16 = SINGLE.load(str(tiny_checkpoint), torch.bfloat16, "cpu", lora=str(folder)).state_dict()
+    name = weight_name(1, "fc_in")
+    assert torch.equal(bf16[name], (base[name] + adapter.delta(name)).to(torch.bfloat16))
+    assert not torch.equal(bf16[name], base[name].to(torch.bfloat16))
+
+    assert main(["convert", str(tiny_checkpoint), "--out", str(tmp_path / "tp"), "--tp", "2", "--quiet"]) == 0
+    for rank in range(2):
+        checkpoint = Checkpoint.read(tmp_path / "tp", rank, 2, lora=str(folder))
+        got = load_rank(checkpoint, rank, 2, torch.float32, "cpu").state_dict()
+        want = shard_state_dict(whole.state_dict(), whole.config, rank, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -4,8 +4,8 @@ when no --tp / --pp job runs. The several-rank cases run in test_parallel_tp/pp/
 from __future__ import annotations
 
 import pytest
-import torch
 
+from gptj.device import rank_device
 from gptj.errors import GptjError
 from gptj.parallel import lockstep
 from gptj.parallel.context import SINGLE, ParallelContext, check_grid
@@ -17,7 +17,8 @@ def test_one_process_is_no_job():
     assert not ctx.parallel and not SINGLE.parallel
     assert (ctx.world, ctx.tp_rank, ctx.stage) == (2, 0, 0)
     assert SINGLE.least(12345) == 12345  # nothing to agree with
-    assert SINGLE.device("cpu") == torch.device("cpu")
+    assert SINGLE.local_rank == 0  # its GPU under a job: cuda -> cuda:LOCAL_RANK
+    assert (rank_device("cuda", 3), rank_device("cuda:0", 1), rank_device("cpu", 3)) == ("cuda:3", "cuda:1", "cpu")
     SINGLE.check(1, 1)
     with pytest.raises(GptjError, match=r"--tp 2 --pp 1 runs on 2 ranks: start it with gptj"):
         SINGLE.check(2, 1)

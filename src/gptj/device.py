@@ -58,6 +58,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(name: str, local_rank: int) -> str:
+    """The device `name` means on the rank of a job whose index on its machine is `local_rank`:
+    cuda -> cuda:local_rank (one GPU per rank); cpu stays cpu."""
+    return f"cuda:{local_rank}" if name.startswith("cuda") else name
+
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`, without making the host wait for the device: how the engine's step
     moves host data to a GPU (tests/test_step_syncs.py holds it to that).

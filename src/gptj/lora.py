@@ -6,13 +6,12 @@ so an untrained adapter changes nothing. The base may be a float nn.Linear or a 
 (gptj.quant): its x-gradient is taken through its dequantized weight (`_FrozenBase`), so an int8
 base trains adapters on the layers below it too.
 
-On disk, an adapter is a folder with adapter_config.json (peft_type LORA, r, lora_alpha,
-lora_dropout, target_modules, ...) and adapter_model.safetensors, whose tensors are named
-`base_model.model.transformer.h.{i}.{attn|mlp}.{module}.lora_{A|B}.weight` (PEFT's names for
-GPTJForCausalLM). Writes are atomic.
+On disk, an adapter is a folder in PEFT's format (gptj.weights.peft reads it; its names are
+re-exported here); `save_adapter` writes one, atomically.
 
-`merge_lora` folds an adapter into float weights (W + scale * B @ A, one rounding to the weight's
-dtype) for serving one adapter at full speed; `LoRALinear` serves it unmerged, and
+A loader folds an adapter into the weights as it reads them (gptj.weights.peft.merged: W + scale *
+B @ A, one rounding to the weight's dtype); `merge_lora` does the same to a built model. Either
+serves one adapter at full speed; `LoRALinear` serves it unmerged, and
 `MultiLoRALinear` serves several adapters over one base in one batch, each row with its own (or
 none): what `gptj serve --lora NAME=DIR` runs.
 """
@@ -22,63 +21,18 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gptj.device import check_finite
 from gptj.errors import GptjError
-from gptj.files import atomic_folder, model_file
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")  # GPT-J's linears in a block
-DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for GPT-J
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PREFIX = "base_model.model."
-_KEY = re.compile(r"base_model\.model\.transformer\.h\.(\d+)\.(attn|mlp)\.(\w+)\.lora_([AB])\.weight")
-_PARENT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "out_proj": "attn", "fc_in": "mlp", "fc_out": "mlp"}
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """An adapter's shape: rank r, scale alpha / r, dropout on its input (training only), the
-    block linears it adapts."""
-
-    rank: int = 8
-    alpha: float = 8.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = DEFAULT_TARGETS
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise GptjError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if not isinstance(self.alpha, int | float) or isinstance(self.alpha, bool) or self.alpha <= 0:
-            raise GptjError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
-            raise GptjError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        targets = tuple(self.target_modules)
-        bad = [t for t in targets if t not in TARGETS]
-        if not targets or bad:
-            raise GptjError(f"LoRA target_modules must be some of {', '.join(TARGETS)}, got {list(targets)}")
-        object.__setattr__(self, "target_modules", tuple(t for t in TARGETS if t in targets))
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def peft_json(self, base_model: str | None = None) -> dict:
-        """adapter_config.json as HF PEFT writes it for a LoRA on a causal LM."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-                "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
-                "target_modules": list(self.target_modules), "bias": "none", "fan_in_fan_out": False,
-                "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-                "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-                "use_rslora": False, "use_dora": False, "revision": None}
-
+from gptj.files import atomic_folder
+from gptj.weights.peft import (CONFIG_FILE, DEFAULT_TARGETS, KEY, PARENT, PREFIX, TARGETS,  # noqa: F401 (re-exported)
+                               WEIGHTS_FILE, Adapter, LoRAConfig, base_mismatch, is_adapter, merged, read_adapter,
+                               read_adapter_state, read_config, weight_name)
 
 class _FrozenBase(torch.autograd.Function):
     """base(x) by whatever kernel the base runs, with dL/dx = dL/dy @ W (the dequantized weight):
@@ -200,19 +154,10 @@ class MultiLoRALinear(nn.Module):
         return y
 
 
-@dataclass
-class Adapter:
-    """An adapter read from disk: its config and its A, B per (layer, module)."""
-
-    config: LoRAConfig
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    path: str | None = None
-
-
 def _block_linears(model: nn.Module, targets: Iterable[str]) -> Iterable[tuple[int, nn.Module, str]]:
     for i, block in enumerate(model.transformer.h):
         for name in targets:
-            yield i, getattr(block, _PARENT[name]), name
+            yield i, getattr(block, PARENT[name]), name
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -239,7 +184,7 @@ def lora_modules(model: nn.Module) -> dict[tuple[int, str], LoRALinear]:
     found = {}
     for i, block in enumerate(model.transformer.h):
         for name in TARGETS:
-            m = getattr(getattr(block, _PARENT[name]), name)
+            m = getattr(getattr(block, PARENT[name]), name)
             if isinstance(m, LoRALinear):
                 found[(i, name)] = m
     return found
@@ -249,7 +194,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' tensors under PEFT's names (float32, on CPU)."""
     sd = {}
     for (i, name), m in lora_modules(model).items():
-        key = f"{PREFIX}transformer.h.{i}.{_PARENT[name]}.{name}"
+        key = f"{PREFIX}transformer.h.{i}.{PARENT[name]}.{name}"
         sd[f"{key}.lora_A.weight"] = m.lora_A.weight.detach().float().cpu().contiguous()
         sd[f"{key}.lora_B.weight"] = m.lora_B.weight.detach().float().cpu().contiguous()
     return sd
@@ -260,7 +205,7 @@ def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     mods = lora_modules(model)
     seen = set()
     for key, t in sd.items():
-        m = _KEY.fullmatch(key)
+        m = KEY.fullmatch(key)
         if m is None or (int(m[1]), m[3]) not in mods:
             raise GptjError(f"adapter tensor {key!r}: no LoRA module of this model takes it")
         target = getattr(mods[(int(m[1]), m[3])], f"lora_{m[4]}").weight
@@ -292,104 +237,6 @@ def save_adapter(state: nn.Module | dict[str, torch.Tensor], config: LoRAConfig,
     return folder
 
 
-def is_adapter(folder: str | Path) -> bool:
-    return (Path(folder) / CONFIG_FILE).is_file()
-
-
-def read_config(folder: str | Path) -> LoRAConfig:
-    """An adapter folder's LoRAConfig; one-line GptjError for what gptj cannot run."""
-    path = model_file(folder, CONFIG_FILE)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise GptjError(f"{folder}: not a LoRA adapter folder (no {CONFIG_FILE})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GptjError(f"{path}: cannot read: {e}") from None
-    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
-        got = raw.get("peft_type") if isinstance(raw, dict) else raw
-        raise GptjError(f"{path}: peft_type must be LORA, got {got!r}")
-    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
-        if raw.get(key, plain) != plain:
-            raise GptjError(f"{path}: {key} {raw[key]!r} is not supported (gptj runs plain LoRA)")
-    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
-        if raw.get(key):
-            raise GptjError(f"{path}: {key} is not supported (one rank and alpha for every adapted linear)")
-    targets = raw.get("target_modules")
-    if isinstance(targets, str):
-        targets = [targets]
-    if not isinstance(targets, list):
-        raise GptjError(f"{path}: target_modules must be a list of module names")
-    return LoRAConfig(rank=raw.get("r"), alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
-                      target_modules=tuple(targets))
-
-
-def base_mismatch(folder: str | Path, base: str | Path) -> str | None:
-    """Why adapter `folder` may not belong on the model folder `base`, in one line, or None: its
-    adapter_config.json's base_model_name_or_path names another model (by path when that path is
-    here, else by its last name: an HF id "EleutherAI/gpt-j-6b" fits a folder "gpt-j-6b"; `gptj
-    train`'s "gptj preset tiny" fits "tiny"). An adapter that names no base is taken as it is; its
-    shapes are checked where it loads (an error)."""
-    try:
-        raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # read_config says what is wrong with the folder
-    named = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
-    if not isinstance(named, str) or not named.strip():
-        return None
-    base = Path(base)
-    recorded = Path(named.removeprefix("gptj preset ").rstrip("/"))
-    if recorded.exists() and recorded.resolve() == base.resolve():
-        return None
-    if recorded.name.lower() == base.resolve().name.lower():
-        return None
-    return (f"adapter {folder} was trained on {named!r} (its adapter_config.json's base_model_name_or_path), "
-            f"not on {base}: its output may be meaningless")
-
-
-def read_adapter(folder: str | Path) -> Adapter:
-    """An adapter folder: its config and tensors (safetensors: data only, never code)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    config = read_config(folder)
-    path = model_file(folder, WEIGHTS_FILE)
-    try:
-        sd = load_file(str(path))
-    except FileNotFoundError:
-        raise GptjError(f"{folder}: no {WEIGHTS_FILE}") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise GptjError(f"{path}: not a readable safetensors file ({e})") from None
-    adapter = Adapter(config, path=str(folder))
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in sd.items():
-        m = _KEY.fullmatch(key.replace(".default.", "."))
-        if m is None or m[3] not in config.target_modules or _PARENT[m[3]] != m[2]:
-            raise GptjError(f"{path}: tensor {key!r} is not a LoRA weight of GPT-J's "
-                            f"{', '.join(config.target_modules)}")
-        if t.dim() != 2 or not t.is_floating_point():
-            raise GptjError(f"{path}: {key!r} must be a float matrix")
-        check_finite(t, key, path)  # a NaN here would make every token it touches NaN
-        pairs.setdefault((int(m[1]), m[3]), {})[m[4]] = t.float()
-    for where, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"} or ab["A"].shape[0] != config.rank or ab["B"].shape[1] != config.rank:
-            raise GptjError(f"{path}: layer {where[0]} {where[1]}: lora_A must be r x in and lora_B out x r "
-                            f"(r = {config.rank})")
-        adapter.weights[where] = (ab["A"], ab["B"])
-    if not adapter.weights:
-        raise GptjError(f"{path}: holds no LoRA weights")
-    return adapter
-
-
-def read_adapter_state(folder: str | Path, expected: LoRAConfig | None = None) -> dict[str, torch.Tensor]:
-    """An adapter folder's tensors under PEFT's names, for load_adapter_state; `expected`: the
-    LoRAConfig they must have been trained with (GptjError naming the difference)."""
-    adapter = read_adapter(folder)
-    if expected is not None and adapter.config != expected:
-        raise GptjError(f"{folder}: an adapter of {adapter.config}, the config asks for {expected}")
-    return {f"{PREFIX}transformer.h.{i}.{_PARENT[name]}.{name}.lora_{x}.weight": t
-            for (i, name), (a, b) in adapter.weights.items() for x, t in (("A", a), ("B", b))}
-
-
 def _module_at(block: nn.Module, path: str) -> nn.Module:
     m = block
     for part in path.split("."):
@@ -399,17 +246,14 @@ def _module_at(block: nn.Module, path: str) -> nn.Module:
 
 def _check_fits(model: nn.Module, adapter: Adapter) -> None:
     """GptjError unless each of `adapter`'s matrices fits the linear it adapts (plain or fused blocks)."""
-    n = len(model.transformer.h)
-    for (i, name), (a, b) in adapter.weights.items():
-        if i >= n:
-            raise GptjError(f"{adapter.path}: adapts layer {i}; the model has {n}")
-        path, cols, rows = _slots(model.transformer.h[i])[name]
-        m = _module_at(model.transformer.h[i], path)
-        width = len(range(*cols.indices(m.in_features)))
-        height = len(range(*rows.indices(m.out_features)))
-        if (a.shape[1], b.shape[0]) != (width, height):
-            raise GptjError(f"{adapter.path}: layer {i} {name} is {b.shape[0]} x {a.shape[1]}; the model's is "
-                            f"{height} x {width}")
+    shapes = {}
+    for (i, name) in adapter.weights:
+        if i < len(model.transformer.h):
+            path, cols, rows = _slots(model.transformer.h[i])[name]
+            m = _module_at(model.transformer.h[i], path)
+            shapes[weight_name(i, name)] = (len(range(*rows.indices(m.out_features))),
+                                            len(range(*cols.indices(m.in_features))))
+    adapter.check_fits(shapes, len(model.transformer.h))
 
 
 def attach_adapter(model: nn.Module, adapter: Adapter) -> None:
@@ -417,7 +261,7 @@ def attach_adapter(model: nn.Module, adapter: Adapter) -> None:
     _check_fits(model, adapter)
     apply_lora(model, adapter.config)
     for (i, name), (a, b) in adapter.weights.items():
-        m = getattr(getattr(model.transformer.h[i], _PARENT[name]), name)
+        m = getattr(getattr(model.transformer.h[i], PARENT[name]), name)
         with torch.no_grad():
             m.lora_A.weight.copy_(a)
             m.lora_B.weight.copy_(b)
@@ -428,14 +272,13 @@ def merge_lora(model: nn.Module, adapter: Adapter) -> None:
     """Fold `adapter` into `model`'s float weights: W <- W + scale * B @ A, computed in float32 and
     rounded to W's dtype once. Quantized weights cannot take it (GptjError)."""
     _check_fits(model, adapter)
-    scale = adapter.config.scale
-    for (i, name), (a, b) in adapter.weights.items():
-        base = getattr(getattr(model.transformer.h[i], _PARENT[name]), name)
+    for i, name in adapter.weights:
+        base = getattr(getattr(model.transformer.h[i], PARENT[name]), name)
         if not isinstance(base, nn.Linear):
             raise GptjError("a LoRA adapter merges into float weights only (load the base unquantized)")
         with torch.no_grad():
             w = base.weight
-            w.copy_((w.float() + scale * (b.to(w.device) @ a.to(w.device))).to(w.dtype))
+            w.copy_(merged(w, adapter.delta(weight_name(i, name), w.device)).to(w.dtype))
 
 
 def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
@@ -444,7 +287,7 @@ def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
     (gptj.kernels.fuse_block) computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
     in `w_out` (or keeps out_proj and fc_out apart)."""
     whole = slice(None)
-    slots = {name: (f"{_PARENT[name]}.{name}", whole, whole) for name in TARGETS}
+    slots = {name: (f"{PARENT[name]}.{name}", whole, whole) for name in TARGETS}
     if block.w_in is None:
         return slots
     E = block.attn.n_head * block.attn.head_dim

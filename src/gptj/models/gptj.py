@@ -21,6 +21,7 @@ and float32 runs them op for op (token-identical to HF).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -164,24 +165,27 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: GPTJConfig) -> None:
+    def __init__(self, config: GPTJConfig, block: Callable[[GPTJConfig], nn.Module] = Block) -> None:
         super().__init__()
         wte = torch.empty(config.vocab_size, config.n_embd)
         if not wte.is_meta:  # nn.Embedding's own init; on meta (shapes only) its normal_ would import
             nn.init.normal_(wte)  # torch's Python meta kernels, ~1 s per process
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=wte)
-        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.h = nn.ModuleList(block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class GPTJForCausalLM(CausalLM):
-    """GPT-J: its blocks over the shared forward (models.base.CausalLM)."""
+    """GPT-J: its blocks over the shared forward (models.base.CausalLM). `block` makes its blocks and
+    `head` is its lm_head (None: the whole vocabulary's); a tensor-parallel rank's come from
+    gptj.parallel.tp."""
 
-    def __init__(self, config: GPTJConfig) -> None:
+    def __init__(self, config: GPTJConfig, block: Callable[[GPTJConfig], nn.Module] = Block,
+                 head: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
-        self.transformer = Transformer(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
+        self.transformer = Transformer(config, block)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size) if head is None else head
         # [sin | cos] per position, float32; not saved (rebuilt after loading on the meta device).
         self.register_buffer("rope", rope_table(config.n_positions, config.rope_dim), persistent=False)
 
@@ -200,11 +204,12 @@ class GPTJForCausalLM(CausalLM):
         return self.transformer.h[0].attn.n_head
 
 
-def build_model(config: GPTJConfig, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> GPTJForCausalLM:
-    """A model of `dtype` on `device`; on 'meta' it has shapes only (for loading with assign=True)."""
+def build_model(config: GPTJConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                block: Callable[[GPTJConfig], nn.Module] = Block, head: nn.Module | None = None) -> GPTJForCausalLM:
+    """A model of `dtype` on `device`; on 'meta' it has shapes only (for loading with assign=True).
+    `block`, `head`: what makes its blocks and lm_head (GPTJForCausalLM)."""
     with torch.device(device):
-        model = GPTJForCausalLM(config)
+        model = GPTJForCausalLM(config, block, head)
     return model.to(dtype)  # the rotary table stays float32 (see _apply)
 
 

@@ -13,6 +13,7 @@ steps to the other ranks over its control group.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,7 @@ class ParallelContext:
     def __init__(self, tp: int = 1, pp: int = 1, rank: int = 0, control: dist.ProcessGroup | None = None,
                  tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
         self.tp, self.pp, self.rank = tp, pp, rank
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if control is not None else 0  # its GPU's index
         self.control, self.tp_group, self.pp_group = control, tp_group, pp_group
         self.stopped = self.leading = False
 
@@ -98,47 +100,22 @@ class ParallelContext:
         if (tp, pp) != (self.tp, self.pp):
             raise GptjError(f"--tp {tp} --pp {pp} asked of a job configured for --tp {self.tp} --pp {self.pp}")
 
-    def device(self, name: str) -> torch.device:
-        """The device `name` means on this rank: under a job on CUDA, this rank's own GPU."""
-        from gptj.device import resolve_device
-        from gptj.parallel.launch import rank_device
-
-        if self.parallel:
-            name = rank_device(name)
-        return resolve_device(name)
-
-    def load(self, folder: str, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
+    def load(self, folder: str, dtype: torch.dtype, device: str, quantize: str | None = None,
              group_size: int | None = None, progress: bool | None = None, lora: str | None = None) -> nn.Module:
-        """This rank's share of the checkpoint in `folder` (see share_of), with the LoRA adapter in the
-        folder `lora` merged into its float weights, then quantized as `quantize` asks. Before any
-        tensor is read: the adapter (a bad one is refused in one line) and the checkpoint's config,
-        once (gptj.weights.io.Checkpoint); fp8 weights (asked for, or recorded in the checkpoint) are
-        refused where they cannot run (gptj.device.check_fp8_device)."""
-        from gptj.device import check_fp8_device
+        """This rank's share (see share_of) of the checkpoint in `folder`, on the device `device` names
+        (under a job on CUDA, this rank's own GPU), with the LoRA adapter in the folder `lora` folded
+        into its float weights as they are read, then quantized as `quantize` asks. Before any tensor
+        is read (gptj.weights.io.Checkpoint): the adapter (a bad one is refused in one line) and the
+        checkpoint's config, once; then the device, where fp8 weights (asked for, or recorded in the
+        checkpoint) are refused unless they can run (gptj.device.check_fp8_device)."""
+        from gptj.device import check_fp8_device, rank_device, resolve_device
         from gptj.weights.io import Checkpoint
 
-        adapter = None
-        if lora is not None:
-            from gptj.lora import read_adapter
-
-            adapter = read_adapter(lora)
-        checkpoint = Checkpoint.read(folder, self.tp_rank, self.tp if self.parallel else 1)
+        checkpoint = Checkpoint.read(folder, self.tp_rank, self.tp if self.parallel else 1, lora=lora)
+        device = resolve_device(rank_device(device, self.local_rank) if self.parallel else device)
         if (quantize or checkpoint.mode) == "fp8":
             check_fp8_device(device)
-        asked = (quantize, group_size) if adapter is None else (None, None)  # an adapter merges in float
-        model = self.share_of(checkpoint, dtype, device, *asked, progress)
-        if adapter is None:
-            return model
-        if model.config.quantization is not None:
-            raise GptjError(f"--lora: {folder} is quantized; a LoRA adapter merges into float weights")
-        from gptj.lora import merge_lora
-
-        merge_lora(model, adapter)
-        if quantize:  # then quantized as asked
-            from gptj.quant import quantize_model
-
-            quantize_model(model, quantize, group_size)
-        return model
+        return self.share_of(checkpoint, dtype, device, quantize, group_size, progress)
 
     def share_of(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
                  group_size: int | None = None, progress: bool | None = None) -> nn.Module:
@@ -152,10 +129,10 @@ class ParallelContext:
         head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
         from gptj.weights.io import load_model as load_whole
 
-        folder = checkpoint.folder
+        folder, adapter = checkpoint.folder, checkpoint.adapter
         if not self.parallel:
             return load_whole(folder, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
-                              progress=progress)
+                              progress=progress, adapter=adapter)
         if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
         from gptj.parallel.tp import load_rank
@@ -164,7 +141,7 @@ class ParallelContext:
         if sharded:
             model = load_rank(checkpoint, self.tp_rank, self.tp, dtype, device, group=self.tp_group)
         else:
-            model = load_whole(folder, dtype=dtype, device=device, progress=progress)
+            model = load_whole(folder, dtype=dtype, device=device, progress=progress, adapter=adapter)
         share = self.share(model, sharded)  # the model, or its stage around it
         if quantize:
             from gptj.quant import quantize_model

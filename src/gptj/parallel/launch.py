@@ -43,10 +43,10 @@ def backend_for(device: str) -> str:
 
 
 def rank_device(device: str) -> str:
-    """cuda -> cuda:LOCAL_RANK (one GPU per rank); cpu stays cpu."""
-    if device.startswith("cuda"):
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return device
+    """cuda -> cuda:LOCAL_RANK (one GPU per rank: gptj.device.rank_device); cpu stays cpu."""
+    from gptj.device import rank_device as on_rank
+
+    return on_rank(device, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _use_rank_device(device: str) -> None:

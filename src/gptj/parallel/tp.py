@@ -35,6 +35,7 @@ from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
 from gptj.weights.io import Checkpoint, shard_file
+from gptj.weights.peft import linear_shapes, merged
 
 
 class AllReduce:
@@ -98,6 +99,12 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
+def vocab_head(config: GPTJConfig, dtype: torch.dtype, world: int,
+               group: dist.ProcessGroup | None = None) -> VocabParallelHead:
+    """A rank's lm_head (GPT-J's has a bias): its 1 / world of the vocabulary."""
+    return VocabParallelHead(config.vocab_size // world, config.n_embd, True, dtype, world, group)
+
+
 def check_plan(config: GPTJConfig, world: int) -> None:
     for what, n in (("n_head", config.n_head), ("inner_dim", config.inner_dim), ("vocab_size", config.vocab_size)):
         if n % world:
@@ -156,8 +163,7 @@ def reshape_for_rank(model: GPTJForCausalLM, world: int, group: dist.ProcessGrou
     with torch.device("meta"):
         for i in here:
             blocks[i] = TensorParallelBlock(c, world, reduce).to(dtype)
-    model.lm_head = VocabParallelHead(c.vocab_size // world, c.n_embd, model.lm_head.bias is not None, dtype, world,
-                                      group)
+    model.lm_head = vocab_head(c, dtype, world, group)
     return reduce
 
 
@@ -188,14 +194,22 @@ def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, fol
 def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype, device: torch.device | str,
               group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
     """Rank's model from its shard file alone, as Checkpoint.read(folder, rank, world) found it, with
-    the config read there (GptjError if there is no shard)."""
-    if checkpoint.shard is None or checkpoint.config is None:
+    the config read there (GptjError if there is no shard), built with its rank-sized blocks and head
+    and its checkpoint's adapter folded into its slices of the weights (before they are rounded)."""
+    config = checkpoint.config
+    if checkpoint.shard is None or config is None:
         raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
                         f"--tp {world})")
-    model = build_model(checkpoint.config, device="meta", dtype=dtype)
-    reshape_for_rank(model, world, group)
-    sd = {n: t.to(dtype) if t.is_floating_point() else t
-          for n, t in load_file(str(checkpoint.shard), device=str(device)).items()}
-    model.load_state_dict(sd, strict=True, assign=True)
+    check_plan(config, world)
+    reduce, head = AllReduce(group), vocab_head(config, dtype, world, group)
+    sd = load_file(str(checkpoint.shard), device=str(device))
+    if checkpoint.adapter is not None:
+        checkpoint.adapter.check_fits(linear_shapes(config), config.n_layer)
+        deltas = {name: d for name in sd if (d := checkpoint.adapter.delta(name, device)) is not None}
+        sd.update({name: merged(sd[name], d) for name, d in shard_state_dict(deltas, config, rank, world).items()})
+    model = build_model(config, device="meta", dtype=dtype, block=lambda c: TensorParallelBlock(c, world, reduce),
+                        head=head)
+    model.load_state_dict({n: t.to(dtype) if t.is_floating_point() else t for n, t in sd.items()}, strict=True,
+                          assign=True)
     model.init_buffers(device)
     return model.eval()

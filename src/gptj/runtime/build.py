@@ -35,8 +35,7 @@ def load_model(spec: ModelSpec, ctx: ParallelContext = SINGLE, progress: bool | 
     if spec.path is None:
         raise GptjError("no model folder given")
     ctx.check(spec.tp, spec.pp)
-    device = ctx.device(spec.device)
-    return ctx.load(spec.path, spec.torch_dtype, device, spec.quantize, spec.group_size, progress, lora=spec.lora)
+    return ctx.load(spec.path, spec.torch_dtype, spec.device, spec.quantize, spec.group_size, progress, lora=spec.lora)
 
 
 def plan_for(model: nn.Module, config: EngineConfig, free_bytes: int | None = None,

@@ -42,6 +42,7 @@ from gptj.models.registry import Architecture, architecture
 from gptj.quant.format import hf_quantization_config
 from gptj.device import check_finite, dtype_name
 from gptj.weights import hf, mtj
+from gptj.weights.peft import Adapter, merged, read_adapter
 
 CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
@@ -161,8 +162,11 @@ def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
                        device: torch.device | str = "cpu", progress: bool = False,
                        desc: str = "loading", quantize: Mapping | None = None,
-                       smooth: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                       smooth: Mapping[str, torch.Tensor] | None = None,
+                       adapter: Adapter | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor once, check name/shape/dtype/finiteness, convert to dtype and device.
+    `adapter`: a LoRA adapter folded into the float weights it adapts as they are read (before
+    they are rounded to `dtype` or quantized; gptj.weights.peft).
 
     `dtype` applies to float tensors only: quantized weights keep int8/uint8 and their scales and
     zeros stay bfloat16. `quantize` (a `quant.make_quantization` dict, for a float `config`):
@@ -175,6 +179,8 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
         qweights = {f"{m}.weight" for m in quantize["modules"]}
     else:
         qweights = set()
+    if adapter is not None:
+        adapter.check_fits({name: shape for name, (shape, _) in specs.items()}, config.n_layer)
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     bar = tqdm(total=len(specs), desc=desc, unit="tensor", disable=not progress)
@@ -190,6 +196,8 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
         if shape != want_shape:
             raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
         tensor = read()
+        if adapter is not None and tensor.is_floating_point():
+            tensor = merged(tensor, adapter.delta(name))
         if want_dtype is not None:  # a quantized weight: exactly int8 / uint8, kept as is
             if tensor.dtype != want_dtype:
                 raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
@@ -260,12 +268,14 @@ def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: i
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                config: str | os.PathLike | GPTJConfig | None = None, progress: bool | None = None,
-               quantize: str | None = None, group_size: int | None = None) -> GPTJForCausalLM:
+               quantize: str | None = None, group_size: int | None = None,
+               adapter: Adapter | None = None) -> GPTJForCausalLM:
     """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint.
 
     `dtype` is the float dtype (activations, embeddings, norms, biases). A quantized checkpoint
     loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
-    quantizes a float checkpoint tensor by tensor while loading. `progress`: a bar on stderr; None
+    quantizes a float checkpoint tensor by tensor while loading, after `adapter` (a LoRA adapter,
+    gptj.weights.peft) is folded into the float weights it adapts. `progress`: a bar on stderr; None
     draws one for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
 
     An HF folder of another architecture (config.json's model_type, gptj.models.registry: Llama)
@@ -275,6 +285,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if arch is not None:
         from gptj.weights.hf_model import load_folder
 
+        if adapter is not None:
+            raise GptjError(f"--lora: LoRA adapters on {arch.model_type} models are not supported yet")
         return load_folder(path, arch, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
                            progress=progress)
     cfg, items = read_checkpoint(path, config, progress=False, dtype=dtype)
@@ -284,7 +296,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         cfg, items = read_checkpoint(path, config, progress=True, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=path)
     sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress and hf_dir, quantize=q,
-                            smooth=w8a8_factors(q, cfg, path))
+                            smooth=w8a8_factors(q, cfg, path), adapter=adapter)
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     return model_from_state_dict(cfg, sd, device)
@@ -322,28 +334,37 @@ def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
 class Checkpoint:
     """What the runtime's load reads of a model folder before any tensor, once (Checkpoint.read):
     the quantization mode recorded in its config.json (`mode`: None when there is none, or when the
-    config cannot be read, which the loader then reports) and, for tensor rank `rank` of --tp N,
-    its own shard file (`shard`, from `gptj convert --tp N`; None without one) with the config
-    (`config`) its model is built from."""
+    config cannot be read, which the loader then reports); for tensor rank `rank` of --tp N, its own
+    shard file (`shard`, from `gptj convert --tp N`; None without one) with the config (`config`)
+    its model is built from; the LoRA adapter folded into its weights as they load (`adapter`)."""
 
     folder: str | os.PathLike
     mode: str | None = None
     shard: Path | None = None
     config: GPTJConfig | None = None
+    adapter: Adapter | None = None
 
     @classmethod
-    def read(cls, folder: str | os.PathLike, rank: int = 0, world: int = 1) -> Checkpoint:
-        """`folder` for tensor rank `rank` of `world` (1: the whole model). Its files are read as
-        model_file allows (a link out of the folder is a one-line GptjError)."""
-        if world > 1 and shard_file(folder, rank, world).is_file():
-            shard = model_file(folder, shard_file(folder, rank, world).relative_to(folder))
+    def read(cls, folder: str | os.PathLike, rank: int = 0, world: int = 1, lora: str | None = None) -> Checkpoint:
+        """`folder` for tensor rank `rank` of `world` (1: the whole model), with the adapter in the
+        folder `lora` (None: none). Its files are read as model_file allows (a link out of the folder
+        is a one-line GptjError); a bad adapter, or one on a quantized checkpoint, is one too."""
+        shard = shard_file(folder, rank, world) if world > 1 else None
+        adapter = None if lora is None else read_adapter(lora)
+        config = None
+        if shard is not None and shard.is_file():
+            shard = model_file(folder, shard.relative_to(folder))
             config = GPTJConfig.from_json_file(model_file(folder, CONFIG))
-            return cls(folder, _mode(config.quantization), shard, config)
-        try:
-            recorded = json.loads(model_file(folder, CONFIG).read_text()).get("quantization")
-        except (OSError, ValueError, AttributeError):
-            recorded = None
-        return cls(folder, _mode(recorded))
+            recorded = config.quantization
+        else:
+            shard = None
+            try:
+                recorded = json.loads(model_file(folder, CONFIG).read_text()).get("quantization")
+            except (OSError, ValueError, AttributeError):
+                recorded = None
+        if adapter is not None and recorded is not None:
+            raise GptjError(f"--lora: {folder} is quantized; a LoRA adapter merges into float weights")
+        return cls(folder, _mode(recorded), shard, config, adapter)
 
 
 def _mode(quantization: object) -> str | None:
