@@ -386,28 +386,22 @@ def check_paged_kv(out: dict, err: str) -> None:
 
 
 def check_serve_vs_vllm(out: dict, err: str) -> None:
-    """No --vllm-python: gptj alone, said on stderr; every concurrency measured, no ratio made up.
-    --w8a8: gptj served the calibrated copy, quantized."""
+    """No --vllm-python: gptj alone, said on stderr; no ratio made up. Two gptj settings (--gptj
+    NAME=FLAGS), two rounds: each its own server in each round, the order reversed in the second,
+    every concurrency measured; the w8a8 setting served the calibrated copy, quantized."""
     assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
-    assert out["calibrated_model"] == out["model"] + "-w8a8" and out["gptj"]["gptj"].endswith("--quantize w8a8")
-    (only,) = out["rounds"]
-    assert only["order"] == ["gptj"] and "vllm" not in only and out["ratios"] == []
-    for c in ("1", "2"):
-        res = only["gptj"][c]
-        assert res["completed"] == int(c) and res["failed"] == 0 and res["total_output_tokens"] == 4 * int(c)
-        assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
-
-
-def check_serve_vs_vllm_settings(out: dict, err: str) -> None:
-    """Two gptj settings (--gptj NAME=FLAGS), two rounds: each its own server in each round, the order
-    reversed in the second; no --quantize w8a8 among them, so no calibrated copy was made."""
-    assert out["gptj"] == {"gptj-f32": "--dtype float32 --threads 1", "gptj-bf16": "--dtype bfloat16 --threads 1"}
-    assert out["calibrated_model"] is None and out["ratios"] == []
+    assert out["gptj"] == {"gptj-f32": "--dtype float32 --threads 1",
+                           "gptj-w8a8": "--dtype bfloat16 --threads 1 --quantize w8a8"}
+    assert out["calibrated_model"] == out["model"] + "-w8a8" and out["ratios"] == []
     first, second = out["rounds"]
-    assert first["order"] == ["gptj-f32", "gptj-bf16"] and second["order"] == ["gptj-bf16", "gptj-f32"]
+    assert first["order"] == ["gptj-f32", "gptj-w8a8"] and second["order"] == ["gptj-w8a8", "gptj-f32"]
     for r in (first, second):
+        assert "vllm" not in r
         for name in first["order"]:
-            assert r[name]["1"]["completed"] == 1 and r[name]["1"]["total_output_tokens"] == 4
+            for c in ("1", "2"):
+                res = r[name][c]
+                assert res["completed"] == int(c) and res["failed"] == 0 and res["total_output_tokens"] == 4 * int(c)
+                assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
 
 
 def check_serve_profile(out: dict, err: str) -> None:
@@ -518,8 +512,10 @@ SMOKE: dict[str, Job] = {
                                                         "--smoke", "--json"], check_ray_serve),
     "serve_load.py": Job("serve_load.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1",
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
-    "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--w8a8", "--work-dir", str(tmp)],
-                            check_serve_vs_vllm),
+    "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: [
+        "--smoke", "--json", "--concurrency", "1,2", "--rounds", "2", "--work-dir", str(tmp),
+        "--gptj", "f32=--dtype float32 --threads 1", "--gptj", "w8a8=--dtype bfloat16 --threads 1 --quantize w8a8"],
+        check_serve_vs_vllm),
     "serve_profile.py": Job("serve_profile.py", lambda m, tmp: ["--smoke", "--json", "--work-dir", str(tmp)],
                             check_serve_profile),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
@@ -538,11 +534,6 @@ MORE: dict[str, Job] = {
     "native_gemv.py --int8-gemm": Job("native_gemv.py",
                                       lambda m, tmp: ["--smoke", "--json", "--int8-gemm", "--threads", "1"],
                                       check_native_gemv_int8_gemm),
-    "serve_vs_vllm.py with two gptj settings": Job(
-        "serve_vs_vllm.py", lambda m, tmp: ["--smoke", "--json", "--concurrency", "1", "--rounds", "2", "--work-dir",
-                                            str(tmp), "--gptj", "f32=--dtype float32 --threads 1",
-                                            "--gptj", "bf16=--dtype bfloat16 --threads 1"],
-        check_serve_vs_vllm_settings),
     "profile_steps.py without the profiler": Job(
         "profile_steps.py", lambda m, tmp: ["--model", m, "--smoke", "--json", "--no-kernels", "--out", str(tmp / "p")],
         check_profile_steps_host_only),
