@@ -188,7 +188,7 @@ def test_greedy_reports_first_tokens(tiny_checkpoint, tmp_path, capsys):
 @pytest.mark.parametrize("setup, message", [
     ("missing-dataset", "no-such.json"),
     ("malformed-dataset", "bad.json"),
-    ("not-gptj", "not a GPT-J config"),
+    ("not-gptj", "not a GPT-J config: model_type 'bert' is not supported"),
     ("missing-model", "no such file or directory"),
 ])
 def test_bad_inputs_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, setup, message):
@@ -200,7 +200,7 @@ def test_bad_inputs_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, setup, m
         args += ["--dataset", str(tmp_path / "bad.json")]
     elif setup == "not-gptj":
         (tmp_path / "llama").mkdir()
-        (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "bert"}))
         args[2] = str(tmp_path / "llama")
     else:
         args[2] = str(tmp_path / "nothing")

@@ -1,5 +1,5 @@
-"""`gptj mlperf`, `gptj submission` and `gptj evaluate`: MLPerf's gptj-99 runs, a submission's
-tree of them, and the scoring of an accuracy log."""
+"""`gptj mlperf`, `gptj submission` and `gptj evaluate`: MLPerf's gptj-99 and llama3.1-8b runs, a
+gptj submission's tree of them, and the scoring of an accuracy log."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from gptj.cli.common import check_parallel
 from gptj.errors import GptjError
+from gptj.mlperf.rules import RUN_BENCHMARKS
 from gptj.runtime import flags
 
 EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
@@ -20,10 +21,13 @@ EXIT_NOT_A_RESULT = 3  # gptj evaluate: scored, but the log did not answer every
 
 def mlperf_config(args: argparse.Namespace):  # noqa: ANN201 - gptj.mlperf.config.MLPerfConfig
     """What `gptj mlperf` runs (its engine's size follows from it: gptj.mlperf.run.engine_config)."""
+    from gptj.mlperf.config import choose_benchmark
+
     if not args.model and not args.server:
         raise GptjError("give --model DIR to run in this process, or --server URL to run against a gptj server")
     return run_config(
-        args, scenario=args.scenario, mode=args.mode, log_dir=Path(args.log_dir) if args.log_dir else None,
+        args, benchmark=choose_benchmark(args.benchmark, args.model), scenario=args.scenario, mode=args.mode,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
         user_conf=Path(args.user_conf) if args.user_conf else None,
         audit_config=Path(args.audit_config) if args.audit_config else None,
         server=args.server, server_model=args.server_model, server_concurrency=args.server_concurrency)
@@ -32,12 +36,14 @@ def mlperf_config(args: argparse.Namespace):  # noqa: ANN201 - gptj.mlperf.confi
 def run_config(args: argparse.Namespace, **own: Any):  # noqa: ANN201 - gptj.mlperf.config.MLPerfConfig
     """The run that the flags `gptj mlperf` and `gptj submission` share (_add_mlperf_run_flags) ask
     for; `own` holds what only `gptj mlperf` sets (a submission leaves it at MLPerfConfig's defaults:
-    each of its runs gets its own scenario, mode and folder)."""
+    each of its runs gets its own scenario, mode and folder). The generation flags not given are the
+    benchmark's (gptj-99: 4 beams, 30-128 new tokens; llama3.1-8b: greedy, 1-128)."""
     from gptj.decode import GenerationConfig
-    from gptj.mlperf.config import MLPerfConfig
+    from gptj.mlperf.config import MLPerfConfig, llama_generation
+    from gptj.mlperf.rules import LLAMA_BENCHMARKS
 
-    gen = GenerationConfig.mlperf(num_beams=args.num_beams, min_new_tokens=args.min_new_tokens,
-                                  max_new_tokens=args.max_new_tokens)
+    given = {k: v for k in ("num_beams", "min_new_tokens", "max_new_tokens") if (v := getattr(args, k)) is not None}
+    gen = llama_generation(**given) if own.get("benchmark") in LLAMA_BENCHMARKS else GenerationConfig.mlperf(**given)
     return MLPerfConfig(
         model=Path(args.model) if args.model else None,
         dataset=Path(args.dataset) if args.dataset else None, max_examples=args.max_examples,
@@ -53,8 +59,8 @@ def run_config(args: argparse.Namespace, **own: Any):  # noqa: ANN201 - gptj.mlp
 
 
 def cmd_mlperf(args: argparse.Namespace) -> int:
-    """Run MLPerf Inference gptj-99 (CNN-DailyMail summarization) with the real LoadGen. Accuracy runs score
-    themselves; every run writes a results folder."""
+    """Run MLPerf Inference gptj-99 or llama3.1-8b (CNN-DailyMail summarization) with the real LoadGen. Accuracy
+    runs score themselves; every run writes a results folder."""
     from gptj.mlperf.run import run
     from gptj.parallel.launch import run_parallel, under_torchrun
 
@@ -123,7 +129,7 @@ def cmd_submission(args: argparse.Namespace) -> int:
     from gptj.mlperf.rules import DEFAULT_ROUND
     from gptj.mlperf.submission import SubmissionConfig, submit
 
-    shared = run_config(args)
+    shared = run_config(args, benchmark=args.benchmark)  # a llama model folder is refused: gptj-99 only
     if args.max_query_count is None:  # an official run has no cap (LoadGen logs one as an error)
         shared = dataclasses.replace(shared, max_query_count=0)
     sub = SubmissionConfig(
@@ -147,10 +153,10 @@ def cmd_submission(args: argparse.Namespace) -> int:
 
 
 def _mlperf_report(result) -> None:  # noqa: ANN001 - gptj.mlperf.run.RunResult
-    from gptj.mlperf.evaluate import format_report
+    from gptj.mlperf.report import accuracy_report
 
     if result.accuracy is not None:
-        print(format_report(result.accuracy).rstrip())
+        print(accuracy_report(result.accuracy).rstrip())
     if result.result_line:
         print(result.result_line + (f" ({result.metric})" if result.metric else ""))
     for reason in getattr(result, "invalid_reasons", None) or []:
@@ -171,6 +177,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.benchmark != "gptj-99":
         return _evaluate_llama(args)
+    if args.log_dtype != "int64":
+        raise GptjError(f"--log-dtype {args.log_dtype} is for llama3.1-8b logs: gptj-99's token ids are int64")
     if args.against:
         references = references_from_log(Path(args.against))
         result = evaluate_log(Path(args.log_dir), references, against=args.against)
@@ -197,7 +205,8 @@ def _evaluate_llama(args: argparse.Namespace) -> int:
                         "tokenizer.json) whose tokenizer decodes the log's token ids")
     records = load_llama_records(Path(args.dataset) if args.dataset else DEFAULT_LLAMA_DATASET)
     result = evaluate_llama.evaluate_log(Path(args.log_dir), [r.output for r in records],
-                                         load_tokenizer(args.tokenizer), benchmark=args.benchmark)
+                                         load_tokenizer(args.tokenizer), benchmark=args.benchmark,
+                                         dtype=args.log_dtype)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -225,9 +234,9 @@ def _add_mlperf_run_flags(p) -> None:  # noqa: ANN001 - a parser
     flags.add_engine_flags(p, max_seqs_help="sequences running at once (default: max-batch-size x num-beams, as "
                                             "the KV memory allows)")
     flags.add_model_flags(p)
-    p.add_argument("--num-beams", type=flags.positive, default=4, help="official: 4")
-    p.add_argument("--min-new-tokens", type=flags.nonnegative, default=30, help="official: 30")
-    p.add_argument("--max-new-tokens", type=flags.positive, default=128, help="official: 128")
+    p.add_argument("--num-beams", type=flags.positive, help="official: gptj-99 4, llama3.1-8b 1 (greedy)")
+    p.add_argument("--min-new-tokens", type=flags.nonnegative, help="official: gptj-99 30, llama3.1-8b 1")
+    p.add_argument("--max-new-tokens", type=flags.positive, help="official: 128")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     flags.add_threads_flag(p)
 
@@ -251,7 +260,8 @@ def _add_run_length_flags(p) -> None:  # noqa: ANN001 - a parser
 
 def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     """Add `mlperf`, `submission` and `evaluate` to `sub`."""
-    p = sub.add_parser("mlperf", help="run the MLPerf gptj-99 benchmark with LoadGen", description=cmd_mlperf.__doc__)
+    p = sub.add_parser("mlperf", help="run the MLPerf gptj-99 or llama3.1-8b benchmark with LoadGen",
+                       description=cmd_mlperf.__doc__)
     p.add_argument("--model", help="model directory (HF / gptj format); with --server optional: its tokenizer "
                                    "(default GPT-J's) and config for the notes")
     p.add_argument("--server", metavar="URL",
@@ -260,7 +270,12 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     p.add_argument("--server-model", metavar="NAME", help="with --server: the served model (default: its only one)")
     p.add_argument("--server-concurrency", type=flags.positive, default=64, metavar="N",
                    help="with --server: requests in flight at once (default 64)")
-    p.add_argument("--scenario", choices=("Offline", "Server", "SingleStream"), default="Offline")
+    p.add_argument("--benchmark", choices=RUN_BENCHMARKS,
+                   help="default: the model's (gptj-99 for GPT-J, llama3.1-8b for Llama; gptj-99.9 runs as gptj-99 "
+                        "and is scored against both). llama3.1-8b: datacenter, Offline, Server, Interactive; "
+                        "llama3.1-8b-edge: Offline, SingleStream")
+    p.add_argument("--scenario", choices=("Offline", "Server", "SingleStream", "Interactive"), default="Offline",
+                   help="Interactive: llama3.1-8b's Server with tighter token latency limits")
     p.add_argument("--mode", choices=("performance", "accuracy"), default="accuracy")
     p.add_argument("--log-dir", help="results folder (default: mlperf-logs/<time>-<scenario>-<mode>)")
     p.add_argument("--user-conf", help="LoadGen user.conf (applied over the built-in mlperf.conf)")
@@ -310,4 +325,7 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
                         "cnn_eval.json format, default: gptj's bundled llama stand-in)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="llama3.1-8b: the checkpoint folder (or tokenizer.json) whose tokenizer decodes the log")
+    p.add_argument("--log-dtype", choices=("int64", "int32"), default="int64",
+                   help="llama3.1-8b: the log's token id type, the reference evaluation.py's --dtype (default int64, "
+                        "as its; `gptj mlperf --benchmark llama3.1-8b` writes int32, as the reference SUT does)")
     p.set_defaults(func=cmd_evaluate)

@@ -16,7 +16,44 @@ from gptj.mlperf.sut import SCENARIOS, Batching, default_batching
 from gptj.runtime.spec import ModelSpec
 
 MODES = ("performance", "accuracy")
-MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf
+MODEL_NAME = "gptj"  # the key of LoadGen's built-in mlperf.conf (gptj-99; rules.loadgen_model_name: any benchmark)
+
+
+def model_architecture(model_dir: Path | str | None) -> str | None:
+    """The model folder's config.json model_type ("gptj", "llama"); None where there is no folder or no
+    readable config.json (a slim GPT-J checkpoint has none): loading the model says what is wrong."""
+    import json
+
+    if model_dir is None:
+        return None
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None
+
+
+def choose_benchmark(benchmark: str | None, model_dir: Path | str | None) -> str:
+    """`benchmark` as asked (checked to fit the model folder's architecture), else the architecture's
+    (gptj-99 for GPT-J, llama3.1-8b for Llama; gptj-99 where the folder does not say)."""
+    from gptj.mlperf import rules
+
+    arch = model_architecture(model_dir)
+    if benchmark is None:
+        return rules.DEFAULT_BENCHMARK.get(arch or "gptj", "gptj-99")
+    rules.check_benchmark(benchmark)
+    if arch is not None and arch in rules.DEFAULT_BENCHMARK and rules.ARCHITECTURE[benchmark] != arch:
+        raise GptjError(f"--benchmark {benchmark} needs a {rules.ARCHITECTURE[benchmark]} model, and {model_dir} is "
+                        f"{arch} (its benchmark: {rules.DEFAULT_BENCHMARK[arch]})")
+    return benchmark
+
+
+def llama_generation(eos_token_ids: tuple[int, ...] = (), **overrides: object) -> GenerationConfig:
+    """MLPerf llama3.1-8b's generation (language/llama3.1-8b/SUT_VLLM.py's sampling parameters):
+    greedy (temperature 0, top_k 1), 1 to 128 new tokens, no beam search, stopping at the tokenizer's
+    EOS ids (the engine stops at the first of them; the SUT at the others: run.stop_ids)."""
+    eos = {"eos_token_id": eos_token_ids[0], "pad_token_id": eos_token_ids[0]} if eos_token_ids else {}
+    return GenerationConfig(**{"num_beams": 1, "min_new_tokens": 1, "max_new_tokens": 128, **eos, **overrides})
 
 
 @dataclass
@@ -43,7 +80,7 @@ class MLPerfConfig:
     round: str | None = None  # an MLPerf round's seeds (rules.ROUNDS); None: LoadGen's built-in mlperf.conf's
     max_batch_size: int | None = None  # samples per batch (the SUT's; the engine runs x num_beams sequences)
     batch_wait_ms: float | None = None
-    gen: GenerationConfig = field(default_factory=GenerationConfig.mlperf)
+    gen: GenerationConfig | None = None  # None: the benchmark's (GenerationConfig.mlperf(), llama_generation())
     spec: ModelSpec = field(default_factory=ModelSpec)  # how the model runs here (its path: `model`)
     # the engine's size as asked; max_seqs / max_len not given come from the run (see run.engine_config)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -53,10 +90,29 @@ class MLPerfConfig:
     server: str | None = None  # a gptj server's URL: run the samples there, over HTTP
     server_model: str | None = None  # which of its models (None: the only one it serves)
     server_concurrency: int = 64  # requests in flight at once
+    # gptj-99, gptj-99.9, llama3.1-8b, llama3.1-8b-edge (rules.RUN_BENCHMARKS); None: the model folder's
+    # architecture's (choose_benchmark). Its generation is `gen`'s: run_config / llama_generation.
+    benchmark: str | None = None
+    # llama3.1-8b's Interactive scenario: LoadGen's Server (which `scenario` then says) with the conf of
+    # llama3_1-8b-interactive (scenario="Interactive" is taken as scenario "Server", interactive True)
+    interactive: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.server is None:
             raise GptjError("give a model folder (--model DIR), or a server to run against (--server URL)")
+        if self.scenario == "Interactive":
+            self.scenario, self.interactive = "Server", True
+        self.benchmark = choose_benchmark(self.benchmark, self.model)
+        if self.scenario in SCENARIOS:
+            from gptj.mlperf.rules import check_scenario
+
+            check_scenario(self.benchmark, self.scenario_name)
+        if self.interactive and self.scenario != "Server":
+            raise GptjError(f"the Interactive scenario is LoadGen's Server, not {self.scenario}")
+        if self.gen is None:
+            self.gen = llama_generation() if self.llama else GenerationConfig.mlperf()
+        if self.llama and self.server is not None:
+            raise GptjError(f"--server runs gptj-99 only: run {self.benchmark} with --model DIR")
         if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \
                 self.server_concurrency < 1:
             raise GptjError(f"server_concurrency must be an integer >= 1, got {self.server_concurrency!r}")
@@ -80,6 +136,22 @@ class MLPerfConfig:
             raise GptjError(f"--max-query-count {self.max_query_count} is below --min-query-count "
                             f"{self.min_query_count}")
 
+    @property
+    def llama(self) -> bool:
+        return self.benchmark != "gptj-99" and self.benchmark != "gptj-99.9"
+
+    @property
+    def scenario_name(self) -> str:
+        """The scenario as MLPerf names it: Interactive for llama3.1-8b's, else LoadGen's."""
+        return "Interactive" if self.interactive else self.scenario
+
+    @property
+    def loadgen_model(self) -> str:
+        """The model name of LoadGen's mlperf.conf / user.conf keys for this run."""
+        from gptj.mlperf.rules import loadgen_model_name
+
+        return loadgen_model_name(self.benchmark, self.scenario_name)
+
     def identity(self) -> dict:
         """What makes two runs the same run (JSON values): recorded in run.json, compared when a
         submission reuses or assembles runs already made. Not where the logs go, threads or bars."""
@@ -91,8 +163,9 @@ class MLPerfConfig:
         def content(p: Path | None) -> str | None:
             return None if p is None else hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
 
+        llama = {"benchmark": self.benchmark, "interactive": self.interactive} if self.llama else {}
         return {
-            "scenario": self.scenario, "mode": self.mode, "model": path(self.model), "server": self.server,
+            **llama, "scenario": self.scenario, "mode": self.mode, "model": path(self.model), "server": self.server,
             "dataset": path(self.dataset), "max_examples": self.max_examples, "round": self.round,
             "token_latencies": self.token_latencies,
             "generation": dataclasses.asdict(self.gen),
@@ -142,3 +215,5 @@ class RunResult:
     engine_times: object | None = None  # the local engine's StepTimes over the run (None: a remote server's)
     # an INVALID performance run: each condition LoadGen found unmet, why, and the setting that fixes it
     invalid_reasons: list[str] = field(default_factory=list)
+    # llama performance runs: LoadGen's TTFT / TPOT (report.token_latencies: p99, mean, limits; ns)
+    token_latencies: dict | None = None

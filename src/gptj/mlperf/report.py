@@ -27,8 +27,28 @@ METRIC_KEYS = {
 }
 
 
+def accuracy_report(accuracy) -> str:  # noqa: ANN001 - an EvaluationResult or a LlamaEvaluation
+    """The accuracy run's scores as `gptj evaluate` prints them (gptj-99's or llama3.1-8b's)."""
+    from gptj.mlperf import evaluate, evaluate_llama
+
+    if isinstance(accuracy, evaluate_llama.LlamaEvaluation):
+        return evaluate_llama.format_report(accuracy)
+    return evaluate.format_report(accuracy)
+
+
+def _accuracy_line(accuracy) -> str:  # noqa: ANN001 - as accuracy_report's
+    """What an MLPerf submission's accuracy.txt holds: the reference evaluation's result line."""
+    from gptj.mlperf import evaluate, evaluate_llama
+
+    if isinstance(accuracy, evaluate_llama.LlamaEvaluation):
+        return evaluate_llama.accuracy_line(accuracy)
+    return evaluate.accuracy_line(accuracy)
+
+
 def notes_for(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str]) -> list[str]:
     """What a reader must know to interpret the numbers."""
+    if cfg.llama:
+        return _llama_notes(cfg, model_dir, differences)
     notes = []
     try:
         from gptj.config import GPTJConfig
@@ -50,6 +70,85 @@ def notes_for(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str])
     return notes
 
 
+def _llama_notes(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str]) -> list[str]:
+    """notes_for a llama3.1-8b run."""
+    from gptj.mlperf.rules import llama_accuracy
+
+    notes = []
+    try:
+        import json
+
+        c = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        if (c.get("num_hidden_layers"), c.get("hidden_size"), c.get("vocab_size")) != (32, 4096, 128256):
+            notes.append(f"the model is not Llama-3.1-8B ({c.get('num_hidden_layers')} layers, hidden size "
+                         f"{c.get('hidden_size')}): demo weights, scores are not meaningful")
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    if differences:
+        notes.append(f"not the official {cfg.benchmark} generation settings: " + ", ".join(differences))
+    if cfg.dataset is None:
+        size = llama_accuracy(cfg.benchmark).dataset_size
+        notes.append(f"dataset: gptj's bundled llama stand-in, not MLCommons' {size:,}-sample {cfg.benchmark} data set")
+    if cfg.max_examples is not None:
+        notes.append(f"dataset limited to the first {cfg.max_examples} examples")
+    return notes
+
+
+# What LoadGen's detail log says of token latencies (use_token_latencies), in ns.
+_TOKEN_KEYS = {"ttft_p99": "result_first_token_99.00_percentile_latency_ns",
+               "ttft_mean": "result_first_token_mean_latency_ns",
+               "tpot_p99": "result_time_per_output_token_99.00_percentile_ns",
+               "tpot_mean": "result_time_to_output_token_mean",
+               "ttft_limit": "requested_server_ttft_latency", "tpot_limit": "requested_server_tpot_latency",
+               "tokens_per_s": "result_completed_tokens_per_second"}
+
+
+def token_latencies(log_dir: Path) -> dict[str, float]:
+    """TTFT and TPOT (p99, mean; ns) and their Server limits from mlperf_log_detail.txt's :::MLLOG records
+    (empty: no token latencies logged)."""
+    import json
+
+    wanted = {v: k for k, v in _TOKEN_KEYS.items()}
+    out: dict[str, float] = {}
+    path = log_dir / "mlperf_log_detail.txt"
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith(":::MLLOG") and any(k in line for k in wanted):
+            try:
+                record = json.loads(line[len(":::MLLOG"):])
+            except ValueError:
+                continue
+            if record.get("key") in wanted and isinstance(record.get("value"), int | float):
+                out[wanted[record["key"]]] = record["value"]
+    return out
+
+
+def token_latency_lines(cfg: MLPerfConfig, tokens: dict[str, float]) -> list[str]:
+    """summary.md's TTFT / TPOT section: p99 and mean, against the scenario's limits (Server,
+    Interactive: p99 TTFT and TPOT; LoadGen's performance constraints)."""
+    from gptj.mlperf.rules import TOKEN_LATENCY_LIMITS_MS
+
+    if not tokens:
+        return []
+    limits = TOKEN_LATENCY_LIMITS_MS.get((cfg.benchmark, cfg.scenario_name), {})
+    lines = ["## Token latencies (LoadGen)", ""]
+    for key, label in (("ttft", "TTFT (time to first token)"), ("tpot", "TPOT (time per output token)")):
+        p99, mean = tokens.get(f"{key}_p99"), tokens.get(f"{key}_mean")
+        if p99 is None:
+            continue
+        text = f"- {label}: p99 {p99 / 1e6:,.1f} ms, mean {mean / 1e6:,.1f} ms" if mean is not None else \
+            f"- {label}: p99 {p99 / 1e6:,.1f} ms"
+        limit = limits.get(key)
+        if limit is not None:
+            text += f"; limit p99 {limit:,} ms: {'met' if p99 <= limit * 1e6 else 'NOT MET'}"
+        lines.append(text)
+    if not limits:
+        lines.append(f"- {cfg.scenario_name} has no token latency limit (Server: TTFT 2,000 ms / TPOT 100 ms; "
+                     "Interactive: 500 / 30 ms, p99)")
+    return lines + [""]
+
+
 def parse_loadgen_summary(path: Path) -> dict[str, str]:
     """The fields of mlperf_log_summary.txt ("key : value" lines), plus result_line and metric."""
     out: dict[str, str] = {}
@@ -64,8 +163,9 @@ def parse_loadgen_summary(path: Path) -> dict[str, str]:
             else:
                 early.append(line.strip().lstrip("* ").strip())
                 continue
-        if line.startswith("Early Stopping Result"):
-            early = []
+        # token latencies (llama): a TTFT and a TPOT block, read as one
+        if line.startswith(("Early Stopping Result", "TTFT Early Stopping Result", "TPOT Early Stopping Result")):
+            early = [out.pop("early_stopping")] if out.get("early_stopping") else []
             continue
         m = re.match(r"^\s*([^:]+?)\s*:\s*(.+?)\s*$", line)
         if m and m.group(1) not in out:
@@ -115,7 +215,7 @@ def _no(summary: dict[str, str], key: str) -> bool:
 
 
 def invalid_reasons(cfg: MLPerfConfig, summary: dict[str, str], settings: dict | None,
-                    interrupted: bool = False) -> list[str]:
+                    interrupted: bool = False, result_dir: Path | None = None) -> list[str]:
     """For an INVALID performance run: each condition LoadGen's summary says is not satisfied, in
     one line with why and the setting that fixes it (empty: the run is VALID, or no summary)."""
     if "INVALID" not in summary.get("result_line", ""):
@@ -169,7 +269,15 @@ def invalid_reasons(cfg: MLPerfConfig, summary: dict[str, str], settings: dict |
             fix = "give more queries (--min-query-count), or a lower --target-qps"
         said = " ".join(text.split()).rstrip(".") or "it could not judge the percentile latency"
         out.append(f"early stopping not satisfied (LoadGen: {said}); {fix}")
-    if _no(summary, "Performance constraints satisfied"):
+    if _no(summary, "Performance constraints satisfied") and getattr(cfg, "llama", False):
+        tokens = token_latencies(result_dir) if result_dir is not None else {}
+        over = [f"{k.upper()} p99 {tokens[f'{k}_p99'] / 1e6:,.1f} ms against {tokens[f'{k}_limit'] / 1e6:,.0f} ms"
+                for k in ("ttft", "tpot") if f"{k}_p99" in tokens and f"{k}_limit" in tokens
+                and tokens[f"{k}_p99"] > tokens[f"{k}_limit"]]
+        completed = summary.get("Completed samples per second", "?")
+        out.append(f"performance constraints not satisfied: {'; '.join(over) or 'a token latency is over its limit'}; "
+                   f"give a lower --target-qps (the system completed {completed} samples/s)")
+    elif _no(summary, "Performance constraints satisfied"):
         p99 = summary.get("99.00 percentile latency (ns)")
         target = used.get("target_latency_ns")
         over = f" ({int(p99) / 1e9:.2f} s against a bound of {target / 1e9:g} s)" if p99 and p99.isdigit() \
@@ -341,7 +449,7 @@ def _settings_dict(cfg: MLPerfConfig) -> dict[str, object]:
 def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen: dict[str, str],
                      system: dict[str, object]) -> str:
     st = result.stats
-    lines = [f"# gptj MLPerf gptj-99 — {cfg.scenario}, {cfg.mode}", ""]
+    lines = [f"# gptj MLPerf {cfg.benchmark if cfg.llama else 'gptj-99'} — {cfg.scenario_name}, {cfg.mode}", ""]
     remote = result.remote
     if remote is not None:
         lines.append(f"- model: `{remote['model']}` on the gptj server at `{remote['url']}` "
@@ -349,8 +457,9 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                      f"requests in flight, {remote['retries']} retried after HTTP 429)")
     else:
         lines.append(f"- model: `{cfg.model}` ({cfg.spec.dtype} on {cfg.spec.device})")
-    lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples; {dataset.num_truncated} prompts longer than "
-              f"{dataset.max_input_tokens} tokens, truncated to it as the reference does)",
+    truncated = f"{dataset.num_truncated} prompts longer than {dataset.max_input_tokens} tokens, truncated to it as " \
+        "the reference does" if not cfg.llama else "its token ids as they are, untruncated, as the reference's"
+    lines += [f"- dataset: `{dataset.path}` ({len(dataset)} samples; {truncated})",
               f"- command: `{' '.join(cfg.argv)}`",
               f"- {'LoadGen client' if remote is not None else 'system'}: {system['cpu']}, {system['cpu_count']} "
               f"CPUs, GPU {system['gpu'] or 'none'}, torch {system['torch']}, LoadGen {system['mlcommons-loadgen']}"]
@@ -378,11 +487,10 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
                 lines.append(f"- {key}: {loadgen[key]}")
         if result.invalid_reasons:
             lines += ["", "Why INVALID, and what fixes it:", ""] + [f"- {r}" for r in result.invalid_reasons]
-        lines += [""] + _settings_lines(cfg, result) + ["![latency distribution](latency.png)", ""]
+        lines += [""] + token_latency_lines(cfg, result.token_latencies or {}) + _settings_lines(cfg, result)
+        lines += ["![latency distribution](latency.png)", ""]
     if result.accuracy is not None:
-        from gptj.mlperf.evaluate import format_report
-
-        lines += ["## Accuracy", "", "```", format_report(result.accuracy).rstrip(), "```", ""]
+        lines += ["## Accuracy", "", "```", accuracy_report(result.accuracy).rstrip(), "```", ""]
     lat = st.latencies_s
     lines += ["## SUT", "",
               f"- samples answered: {st.samples} in {st.batches} batches "
@@ -432,13 +540,12 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
                 "duplicate_answers": sum(1 for c in st.answered.values() if c > 1),
                 "answered_empty_after_interrupt": st.interrupted},
         "engine_steps": _engine_times_json(result.engine_times),
+        **({"benchmark": cfg.benchmark, "scenario": cfg.scenario_name, "loadgen_model": cfg.loadgen_model,
+            "token_latencies_ns": result.token_latencies} if cfg.llama else {}),
     })
     if result.accuracy is not None:
-        from gptj.mlperf.evaluate import accuracy_line
-
         atomic_write_json(d / "accuracy.json", result.accuracy.to_json())
-        # What an MLPerf submission's accuracy.txt holds: the reference evaluation's result line.
-        atomic_write_text(d / "accuracy.txt", accuracy_line(result.accuracy) + "\n")
+        atomic_write_text(d / "accuracy.txt", _accuracy_line(result.accuracy) + "\n")
     if cfg.mode == "performance" and st.latencies_s:
         png = latency_plot(st.latencies_s, st.first_token_s, f"gptj {cfg.scenario}: {len(st.latencies_s)} samples",
                            st.issued_s if cfg.scenario != "Offline" else None)

@@ -122,3 +122,51 @@ def llama_accuracy(benchmark: str) -> LlamaAccuracy:
     if benchmark not in LLAMA_ACCURACY:
         raise GptjError(f"unknown llama benchmark {benchmark!r} (one of {', '.join(LLAMA_ACCURACY)})")
     return LLAMA_ACCURACY[benchmark]
+
+
+# ----------------------------------------------------------------- which benchmark a run is (issue 59)
+
+GPTJ_BENCHMARKS = BENCHMARKS
+LLAMA_BENCHMARKS = tuple(LLAMA_ACCURACY)
+RUN_BENCHMARKS = GPTJ_BENCHMARKS + LLAMA_BENCHMARKS  # what `gptj mlperf --benchmark` runs
+# config.json's model_type each benchmark's model has (gptj.models.registry's architectures)
+ARCHITECTURE = {"gptj-99": "gptj", "gptj-99.9": "gptj", "llama3.1-8b": "llama", "llama3.1-8b-edge": "llama"}
+DEFAULT_BENCHMARK = {"gptj": "gptj-99", "llama": "llama3.1-8b"}  # by architecture
+
+# The scenarios each benchmark runs in. gptj: any of LoadGen's three (as before; the submission
+# checker's v5.0 tables ask datacenter Offline + Server, edge Offline + SingleStream). llama3.1-8b:
+# the checker's datacenter tables (constants.py, "required-scenarios-datacenter" Offline, "optional-
+# scenarios-datacenter" Interactive and Server); llama3.1-8b-edge: its edge tables, SingleStream
+# and Offline. Interactive is LoadGen's Server scenario under the model name llama3_1-8b-interactive.
+SCENARIOS = {
+    "gptj-99": ("Offline", "Server", "SingleStream"), "gptj-99.9": ("Offline", "Server", "SingleStream"),
+    "llama3.1-8b": ("Offline", "Server", "Interactive"), "llama3.1-8b-edge": ("Offline", "SingleStream"),
+}
+
+# Token latency limits (p99, ms): LoadGen's built-in mlperf.conf, llama3_1-8b.Server.ttft_latency /
+# tpot_latency and llama3_1-8b-interactive.Server's (also the checker's LLM_LATENCY_LIMITS).
+TOKEN_LATENCY_LIMITS_MS = {("llama3.1-8b", "Server"): {"ttft": 2000, "tpot": 100},
+                           ("llama3.1-8b", "Interactive"): {"ttft": 500, "tpot": 30}}
+
+
+def check_benchmark(benchmark: str) -> str:
+    if benchmark not in RUN_BENCHMARKS:
+        raise GptjError(f"unknown benchmark {benchmark!r} (choose from {', '.join(RUN_BENCHMARKS)})")
+    return benchmark
+
+
+def check_scenario(benchmark: str, scenario: str) -> None:
+    """A one-line GptjError where `benchmark` has no `scenario`."""
+    allowed = SCENARIOS[check_benchmark(benchmark)]
+    if scenario not in allowed:
+        whose = [b for b in RUN_BENCHMARKS if scenario in SCENARIOS[b] and ARCHITECTURE[b] == ARCHITECTURE[benchmark]]
+        why = f" ({scenario} is {' and '.join(whose)}'s)" if whose else ""
+        raise GptjError(f"{benchmark} has no {scenario} scenario{why}: choose from {', '.join(allowed)}")
+
+
+def loadgen_model_name(benchmark: str, scenario: str) -> str:
+    """The model name LoadGen's mlperf.conf and user.conf know the run by."""
+    if benchmark in GPTJ_BENCHMARKS:
+        return "gptj"
+    name = benchmark.replace("3.1", "3_1")  # llama3_1-8b, llama3_1-8b-edge
+    return f"{name}-interactive" if scenario == "Interactive" else name

@@ -54,9 +54,9 @@ def _kept(reserve: int) -> str:
     return f", less {reserve} kept for LoadGen and the SUT" if reserve else ""
 
 
-def official_differences(gen: GenerationConfig) -> list[str]:
-    """How `gen` differs from MLPerf gptj-99's generation settings (empty: official)."""
-    official = GenerationConfig.mlperf()
+def official_differences(gen: GenerationConfig, official: GenerationConfig | None = None) -> list[str]:
+    """How `gen` differs from MLPerf gptj-99's generation settings, or `official` (empty: official)."""
+    official = official or GenerationConfig.mlperf()
     return [f"{f.name}={getattr(gen, f.name)!r} (official {getattr(official, f.name)!r})"
             for f in dataclasses.fields(GenerationConfig) if getattr(gen, f.name) != getattr(official, f.name)]
 
@@ -83,16 +83,17 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
     # FromConfig's kind 1 (a user.conf) loads the built-in mlperf.conf again the first time a process
     # uses it, over whatever was set before; kind 2 (an audit config) applies the file's keys alone.
     settings = lg.TestSettings()
-    settings.FromConfig("", MODEL_NAME, cfg.scenario, 0)  # the built-in mlperf.conf
+    model = cfg.loadgen_model  # Interactive: LoadGen's Server scenario, with llama3_1-8b-interactive's keys
+    settings.FromConfig("", model, cfg.scenario, 0)  # the built-in mlperf.conf
     if cfg.user_conf is not None:
-        settings.FromConfig(str(cfg.user_conf), MODEL_NAME, cfg.scenario, 1)
+        settings.FromConfig(str(cfg.user_conf), model, cfg.scenario, 1)
     if cfg.round is not None:
         from gptj.mlperf.rules import apply_seeds
 
         apply_seeds(settings, cfg.round)
     settings.scenario = getattr(lg.TestScenario, cfg.scenario)
     settings.mode = lg.TestMode.AccuracyOnly if cfg.mode == "accuracy" else lg.TestMode.PerformanceOnly
-    if cfg.token_latencies:
+    if cfg.token_latencies or cfg.llama:  # llama: each answer's token count, its first token when made
         settings.use_token_latencies = True
     if cfg.performance_sample_count is not None:
         settings.performance_sample_count_override = cfg.performance_sample_count
@@ -117,7 +118,7 @@ def test_settings(cfg: MLPerfConfig, performance_sample_count: int, expected_lat
     if cap is not None:
         settings.max_query_count = cap
     if cfg.audit_config is not None:  # LoadGen applies it over all of the above: so the plan does too
-        settings.FromConfig(str(cfg.audit_config), MODEL_NAME, cfg.scenario, 2)
+        settings.FromConfig(str(cfg.audit_config), model, cfg.scenario, 2)
     return settings
 
 
@@ -130,7 +131,7 @@ def audited_keys(cfg: MLPerfConfig) -> set[str]:
     for line in Path(cfg.audit_config).read_text().splitlines():
         name = line.split("#", 1)[0].split("=", 1)[0].strip()
         parts = name.split(".")
-        if len(parts) == 3 and parts[0] in ("*", MODEL_NAME) and parts[1] in ("*", cfg.scenario):
+        if len(parts) == 3 and parts[0] in ("*", cfg.loadgen_model) and parts[1] in ("*", cfg.scenario):
             keys.add(parts[2])
     return keys
 
@@ -219,11 +220,11 @@ def audit_config_path(cfg: MLPerfConfig, log_dir: Path) -> Path:
     return path
 
 
-def user_conf_sets_expected_latency(path: Path | None) -> bool:
-    """Whether a user.conf sets gptj's SingleStream target_latency (LoadGen's expected latency)."""
+def user_conf_sets_expected_latency(path: Path | None, model: str = MODEL_NAME) -> bool:
+    """Whether a user.conf sets `model`'s SingleStream target_latency (LoadGen's expected latency)."""
     if path is None:
         return False
-    pattern = re.compile(rf"^\s*({MODEL_NAME}|\*)\.(SingleStream|\*)\.target_latency\s*=")
+    pattern = re.compile(rf"^\s*({re.escape(model)}|\*)\.(SingleStream|\*)\.target_latency\s*=")
     return any(pattern.match(line) for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines())
 
 
@@ -232,7 +233,7 @@ def needs_calibration(cfg: MLPerfConfig) -> bool:
     the query count, 2 x min duration / expected latency (in equal-issue mode, as gptj's mlperf.conf
     has it), so a slow SUT would run far longer than asked."""
     return cfg.scenario == "SingleStream" and cfg.mode == "performance" and cfg.target_latency_ms is None \
-        and not user_conf_sets_expected_latency(cfg.user_conf)
+        and not user_conf_sets_expected_latency(cfg.user_conf, cfg.loadgen_model)
 
 
 CALIBRATION_SAMPLES = 2  # timed, after one untimed warm-up sample
@@ -358,6 +359,8 @@ def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dic
                                   "source": "--max-query-count" if cfg.max_query_count else "--min-query-count"}
     if cfg.scenario == "Offline":
         out["expected_qps"] = {"value": settings.offline_expected_qps, "source": src(cfg.target_qps, "--target-qps")}
+    elif cfg.scenario == "Server" and cfg.llama:  # LoadGen judges token latencies (report.token_latency_lines)
+        out["target_qps"] = {"value": settings.server_target_qps, "source": src(cfg.target_qps, "--target-qps")}
     elif cfg.scenario == "Server":
         out["target_qps"] = {"value": settings.server_target_qps, "source": src(cfg.target_qps, "--target-qps")}
         out["target_latency_ms"] = {"value": settings.server_target_latency_ns / 1e6,
@@ -367,7 +370,7 @@ def asked_settings(cfg: MLPerfConfig, settings, expected_s: float | None) -> dic
             source = "--target-latency-ms"
         elif expected_s is not None:
             source = f"timed on {CALIBRATION_HOW}"
-        elif user_conf_sets_expected_latency(cfg.user_conf):
+        elif user_conf_sets_expected_latency(cfg.user_conf, cfg.loadgen_model):
             source = "user.conf"
         else:
             source = "LoadGen's default"
@@ -385,6 +388,9 @@ def flags_that_do_not_apply(cfg: MLPerfConfig) -> list[str]:
                        "its expected latency)")
         if cfg.max_batch_size is not None or cfg.batch_wait_ms is not None:
             out.append("--max-batch-size / --batch-wait-ms do not apply to SingleStream (one sample at a time)")
+    if cfg.scenario == "Server" and cfg.llama and cfg.target_latency_ms is not None:
+        out.append(f"--target-latency-ms does not apply to {cfg.benchmark} {cfg.scenario_name}: LoadGen judges its "
+                   "p99 time to first token and time per output token against mlperf.conf's limits")
     if cfg.scenario == "Offline" and cfg.target_latency_ms is not None:
         out.append("--target-latency-ms does not apply to Offline (it has no latency bound; --target-qps sets "
                    "its expected QPS)")
@@ -408,11 +414,24 @@ def engine_config(cfg: MLPerfConfig, longest: int):  # noqa: ANN201 - EngineConf
 
 
 def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int,
-                    ctx: ParallelContext):  # noqa: ANN202
-    """The engine on its thread, the model loaded there (a load error is raised here)."""
+                    ctx: ParallelContext, stop_ids: frozenset[int] = frozenset()):  # noqa: ANN202
+    """The engine on its thread, the model loaded there (a load error is raised here); `stop_ids`: the
+    EOS ids besides gen.eos_token_id at which an answer ends too."""
     from gptj.mlperf.sut import EngineBackend
 
-    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads), ctx)
+    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads), ctx, stop_ids=stop_ids)
+
+
+def with_tokenizer_eos(cfg: MLPerfConfig, tokenizer) -> tuple[MLPerfConfig, frozenset[int]]:  # noqa: ANN001
+    """llama: `cfg` generating until the tokenizer's EOS ids (the engine stops at the first, gen's
+    eos_token_id; the others are returned as stop ids), as the reference's vLLM does. gptj: as it is."""
+    if not cfg.llama:
+        return cfg, frozenset()
+    if cfg.model is None or not (Path(cfg.model) / "tokenizer.json").is_file():
+        raise GptjError(f"{cfg.benchmark} needs the model's own tokenizer: {cfg.model} has no tokenizer.json")
+    eos = tuple(tokenizer.eos_token_ids)
+    gen = cfg.gen.replace(eos_token_id=eos[0], pad_token_id=eos[0])
+    return dataclasses.replace(cfg, gen=gen), frozenset(eos[1:]) - {eos[0]}
 
 
 _ENGINE_THREAD_TORCH_THREADS = [None]  # what torch.get_num_threads() said on the engine's thread (run.json)
@@ -450,12 +469,16 @@ def _check_fits_server(cfg: MLPerfConfig, backend, longest: int) -> None:  # noq
 
 def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
     """One LoadGen run as `cfg` asks; `ctx`: under --tp / --pp, this process is the job's rank 0."""
+    import numpy as np
     import torch
     from tqdm import tqdm
 
     from gptj.mlperf.sut import QSL, SUT
+    from gptj.tokenizer import tokenizer_for_model
 
     model_dir = Path(cfg.model) if cfg.model is not None else None
+    tokenizer = tokenizer_for_model(model_dir)
+    cfg, stop_ids = with_tokenizer_eos(cfg, tokenizer)
     threads = choose_threads(cfg, ctx)
     torch.set_num_threads(threads.compute)
     remote = None
@@ -467,14 +490,15 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
         # First, so a wrong URL fails before anything is loaded; its threads start with the first request.
         remote = HTTPBackend(cfg.server, model_name=cfg.server_model, concurrency=cfg.server_concurrency,
                              api_key=os.environ.get(API_KEY_ENV) or None)
-    setup = _prepare(cfg, ctx, model_dir, threads, remote)
+    setup = _prepare(cfg, ctx, model_dir, threads, remote, tokenizer, stop_ids)
 
     dataset = setup.dataset
     total = len(dataset) if cfg.mode == "accuracy" else None
     bar = tqdm(total=total, desc=f"{cfg.scenario} {cfg.mode}", unit="sample", disable=not cfg.progress)
     qsl = QSL(dataset, setup.performance_samples)
     sut = SUT(setup.backend, dataset, cfg.gen, cfg.batching, on_complete=bar.update,
-              first_token_at_end=cfg.token_latencies and cfg.gen.num_beams > 1)
+              first_token_at_end=(cfg.token_latencies or cfg.llama) and cfg.gen.num_beams > 1,
+              token_dtype=np.int32 if cfg.llama else np.int64)  # llama: int32, as its reference SUT sends
     finished = run_loadgen(sut, qsl, setup.settings, setup.log_settings, cfg.scenario, setup.audit)
     interrupted = sut.interrupted
     if finished:
@@ -507,27 +531,29 @@ class _Setup:
 
 
 def _prepare(cfg: MLPerfConfig, ctx: ParallelContext, model_dir: Path | None, threads: Threads,
-             remote) -> _Setup:  # noqa: ANN001 - an HTTPBackend or None
+             remote, tokenizer, stop_ids: frozenset[int]) -> _Setup:  # noqa: ANN001 - an HTTPBackend or None
     """The run up to LoadGen's test: the dataset tokenized, the backend started (with `remote`: the
     server, checked to fit the longest prompt; else the engine, its model loaded), the log folder,
     the notes printed, the settings made. Whatever fails, the backends opened are closed."""
     from gptj.mlperf import report
+    from gptj.mlperf.config import llama_generation
     from gptj.mlperf.dataset import Dataset
-    from gptj.tokenizer import tokenizer_for_model
 
     backend = None
     try:
-        tokenizer = tokenizer_for_model(model_dir)
-        dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples)
+        dataset = Dataset.load(cfg.dataset, tokenizer=tokenizer, max_examples=cfg.max_examples,
+                               benchmark=cfg.benchmark if cfg.llama else "gptj-99")
         longest = max(len(ids) for ids in dataset.input_ids)
         if remote is not None:
             _check_fits_server(cfg, remote, longest)
             backend = remote
         else:
-            backend = _engine_backend(cfg, model_dir, longest, threads.compute, ctx)
-        log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario, cfg.mode)
+            backend = _engine_backend(cfg, model_dir, longest, threads.compute, ctx, stop_ids)
+        log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario_name, cfg.mode)
         log_dir.mkdir(parents=True, exist_ok=True)
-        notes = report.notes_for(cfg, model_dir, official_differences(cfg.gen))
+        differences = official_differences(cfg.gen, llama_generation(tuple(tokenizer.eos_token_ids))) if cfg.llama \
+            else official_differences(cfg.gen)
+        notes = report.notes_for(cfg, model_dir, differences)
         if remote is not None:
             notes[:0] = _remote_notes(cfg, remote, model_dir)
         for note in notes:
@@ -592,7 +618,12 @@ def _results(cfg: MLPerfConfig, setup: _Setup, stats, finished: bool, interrupte
 
     log_dir, dataset = setup.log_dir, setup.dataset
     accuracy = None
-    if cfg.mode == "accuracy" and not interrupted:
+    if cfg.mode == "accuracy" and not interrupted and cfg.llama:
+        from gptj.mlperf import evaluate_llama
+
+        accuracy = evaluate_llama.evaluate_log(log_dir, dataset.references, setup.tokenizer, benchmark=cfg.benchmark,
+                                               dtype="int32", expected_samples=len(dataset))
+    elif cfg.mode == "accuracy" and not interrupted:
         from gptj.mlperf.evaluate import evaluate_log
 
         accuracy = evaluate_log(log_dir, dataset.references, tokenizer=setup.tokenizer, expected_samples=len(dataset))
@@ -608,7 +639,12 @@ def _results(cfg: MLPerfConfig, setup: _Setup, stats, finished: bool, interrupte
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, stats, setup.notes,
                        remote_info, threads, settings={"asked": setup.asked, "loadgen": used}, engine_times=times)
     if cfg.mode == "performance" and finished:
-        result.invalid_reasons = report.invalid_reasons(cfg, summary, result.settings, interrupted)
+        result.invalid_reasons = report.invalid_reasons(cfg, summary, result.settings, interrupted, log_dir)
+        if cfg.llama:  # MLPerf's llama metric is tokens per second (SingleStream: its latency, as for gptj)
+            result.token_latencies = report.token_latencies(log_dir)
+            key = next((k for k in ("Completed tokens per second", "Tokens per second") if k in summary), None)
+            if key is not None and cfg.scenario != "SingleStream":
+                result.metric = f"{key}: {summary[key]}"
     if interrupted:
         result.interrupted = interrupted_logs(log_dir, finished)
     report.write_bundle(cfg, result, dataset, summary)

@@ -2,8 +2,9 @@
 
 The SUT's issue callback never blocks: it stamps the samples and puts them on a queue. One
 worker thread forms batches (the scenario's `Batching` policy), runs the backend, and answers
-LoadGen with the new token ids as raw int64 bytes and their count, as the MLCommons reference
-does, so MLCommons' own evaluation script reads the accuracy log unchanged.
+LoadGen with the new token ids as raw bytes (gptj-99: int64; llama3.1-8b: int32) and their count,
+as the MLCommons references do, so MLCommons' own evaluation scripts read the accuracy log unchanged.
+Greedy answers report their first token to LoadGen (FirstTokenComplete) as soon as the engine makes it.
 
     Offline       whole issued query, sorted by prompt length, cut into batches of max_batch_size
     Server        dynamic batching: after the first sample, wait up to wait_ms for more,
@@ -78,27 +79,39 @@ class Backend(Protocol):
 class EngineBackend:
     """gptj's continuous-batching engine on a background thread. `build(ctx)` makes the engine (loads
     the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop);
-    `ctx`: the job's context (under --tp / --pp this engine leads the other ranks')."""
+    `ctx`: the job's context (under --tp / --pp this engine leads the other ranks').
 
-    def __init__(self, build, ctx: ParallelContext) -> None:  # noqa: ANN001 - Callable[[ParallelContext], Engine]
+    `stop_ids`: token ids besides gen.eos_token_id that end an answer (Llama 3.1 Instruct has three
+    EOS ids; the engine stops at one): once one is made (after min_new_tokens), the request is
+    cancelled and its answer cut after it, so a step the engine ran meanwhile adds nothing."""
+
+    def __init__(self, build, ctx: ParallelContext,  # noqa: ANN001 - Callable[[ParallelContext], Engine]
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         from gptj.parallel import lockstep
 
         self.loop = lockstep.engine_loop(build, ctx)  # leads the other ranks under --tp / --pp
         self.engine = self.loop.engine
+        self.stop_ids = frozenset(stop_ids)
         self._handles: dict[str, object] = {}  # request id -> RequestHandle, until it finishes
         self._lock = threading.Lock()
 
     def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend
+        stopped_at: list[int] = []  # the answer's length at its first stop id
+
         def on_token(req, token):  # noqa: ANN001
             if on_first_token is not None and len(req.output) == 1:
                 on_first_token(token)
+            if token in self.stop_ids and not stopped_at and len(req.output) >= gen.min_new_tokens:
+                stopped_at.append(len(req.output))
+                self.loop.cancel(req.request_id)  # runs on the loop's thread: applied before its next step
 
         def on_finish(req):  # noqa: ANN001
             with self._lock:
                 self._handles.pop(req.request_id, None)
-            on_done(req.output, req.error)
+            on_done(req.output[:stopped_at[0]] if stopped_at else req.output, req.error)
 
-        handle = self.loop.submit(prompt, gen, on_token=on_token if gen.num_beams == 1 else None, on_finish=on_finish)
+        watch = gen.num_beams == 1 and (on_first_token is not None or self.stop_ids)
+        handle = self.loop.submit(prompt, gen, on_token=on_token if watch else None, on_finish=on_finish)
         with self._lock:
             if not handle.done():
                 self._handles[handle.request_id] = handle
@@ -165,10 +178,13 @@ class SUTStats:
 
 class SUT:
     def __init__(self, backend: Backend, dataset: Dataset, gen: GenerationConfig, batching: Batching,
-                 on_complete: Callable[[int], None] | None = None, first_token_at_end: bool = False) -> None:
+                 on_complete: Callable[[int], None] | None = None, first_token_at_end: bool = False,
+                 token_dtype: type = np.int64) -> None:
         """`first_token_at_end`: report each answer's first token to LoadGen with the answer (beam
-        search has no final token before it ends; LoadGen's use_token_latencies wants one)."""
+        search has no final token before it ends; LoadGen's use_token_latencies wants one).
+        `token_dtype`: how the answers' token ids are laid out for LoadGen (its accuracy log)."""
         self.backend, self.dataset, self.gen, self.batching = backend, dataset, gen, batching
+        self.token_dtype = token_dtype
         self.first_token_at_end = first_token_at_end
         self.stats = SUTStats()
         self._lock = threading.Lock()  # completions arrive on the engine's thread
@@ -256,7 +272,7 @@ class SUT:
                     self._complete(item, [], f"{type(e).__name__}: {e}")
 
     def _first_token(self, item: _Item, token: int) -> None:
-        a = np.array([token], dtype=np.int64)
+        a = np.array([token], dtype=self.token_dtype)
         with self._answer_lock:
             if self.abandoned or self._outstanding.get(item.sample_id) is not item:
                 return  # already answered (interrupted)
@@ -265,7 +281,7 @@ class SUT:
             self.stats.first_token_s.append(time.perf_counter() - item.issued)
 
     def _complete(self, item: _Item, tokens: list[int], error: str | None) -> None:
-        a = np.asarray([] if error is not None else tokens, dtype=np.int64)  # alive until LoadGen has copied it
+        a = np.asarray([] if error is not None else tokens, dtype=self.token_dtype)  # alive until LoadGen copied it
         with self._answer_lock:
             if self.abandoned or self._outstanding.pop(item.sample_id, None) is not item:
                 return  # already answered (interrupted): a late answer of a cancelled request
