@@ -171,6 +171,9 @@ def test_openai_client_through_the_gateway_and_the_models_route(served, models, 
     assert status == 400 and body["error"]["param"] == "model"
     status, body, _ = call(url, body={"model": "tiny", "prompt": "x", "max_tokens": -1})  # the replica's 400
     assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body, _ = call(url, path="/v1/chat/completions",  # routed too: GPT-J's replica has no chat template
+                           body={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["code"] == "no_chat_template"
 
 
 def test_ls_shows_both_replicas(served, cluster):

@@ -1,9 +1,11 @@
-"""The HTTP server: OpenAI's completions API over gptj's engine (FastAPI on uvicorn). create_app
-assembles it from one router per concern (gptj.serve.routes), the middleware that answers before
-a route (gptj.serve.middleware), the error handlers (gptj.serve.errors), all over one ServerState
-(gptj.serve.state) that the routes receive as a dependency.
+"""The HTTP server: OpenAI's completions and chat completions APIs over gptj's engine (FastAPI on
+uvicorn). create_app assembles it from one router per concern (gptj.serve.routes), the middleware
+that answers before a route (gptj.serve.middleware), the error handlers (gptj.serve.errors), all
+over one ServerState (gptj.serve.state) that the routes receive as a dependency.
 
     POST /v1/completions    text or token-id prompts; plain or streamed (server-sent events)   routes/v1.py
+    POST /v1/chat/completions  messages in the model's chat template (gptj.chat_template), plain or  routes/v1.py
+                            streamed; the reply ends at any of the model's end-of-turn tokens
     GET  /v1/models         served models                                                      routes/v1.py
     GET  /health            200 once every model given at start is loaded; 503 while           routes/monitoring.py
                             loading/draining
@@ -57,7 +59,7 @@ def create_app(cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
             state.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="gptj", version=_version(), lifespan=lifespan, exception_handlers=HANDLERS,
-                  description="OpenAI-compatible completions over gptj's GPT-J engine.")
+                  description="OpenAI-compatible completions and chat completions over gptj's engine.")
     app.state.gptj = state  # what the routes' dependency (gptj.serve.state.State) reads
     for routes in (monitoring, v1, admin):
         app.include_router(routes.router)

@@ -5,12 +5,12 @@ SAX's model management maps onto Ray Serve applications:
 * every published model is one application, named after the model, whose ingress deployment
   (`GPTJModel`) has N replicas. Each replica is a whole single-machine gptj server — the same
   FastAPI app (`gptj.serve.app.create_app`), schemas, errors, backpressure and metrics — serving one
-  model, reachable directly at `/NAME/v1/completions`;
+  model, reachable directly at `/NAME/v1/completions` (and `/NAME/v1/chat/completions`);
 * one gateway application (`gptj-gateway`, at `/`) answers the OpenAI routes at the root
-  (`/v1/completions`, `/v1/models`, `/health`) and routes each request by its `model` field to that
-  model's application through a Ray Serve handle, streaming the answer back as it comes. Ray Serve
-  balances over the replicas and routes around dead ones; the gateway also retries a request once
-  when the replica it was sent to died before answering.
+  (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`) and routes each request by
+  its `model` field to that model's application through a Ray Serve handle, streaming the answer
+  back as it comes. Ray Serve balances over the replicas and routes around dead ones; the gateway
+  also retries a request once when the replica it was sent to died before answering.
 
 `publish` deploys a model application, `unpublish` deletes it, `list_models` reads the Serve
 controller (name, replicas, status, route). Ray and Ray Serve are the engine here: gptj never starts
@@ -256,6 +256,14 @@ def build_gateway_app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    async def forward(request: Request, path: str) -> Response:
+        """A (chat) completion request, sent to the application of its `model` and answered as it comes."""
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
@@ -266,7 +274,7 @@ def build_gateway_app() -> FastAPI:
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str):
             return _error(400, "model: field required (a string)", "model")
-        start, stream = await call(model, "POST", "/v1/completions", passed(request), body)
+        start, stream = await call(model, "POST", path, passed(request), body)
 
         async def rest() -> AsyncIterator[bytes]:
             async for chunk in stream:
