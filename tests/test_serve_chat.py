@@ -6,8 +6,11 @@ Llama-3-shaped tokenizer (tests/test_tokenizer_hf.py's) and a Llama-3-style temp
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import time
+import urllib.parse
 import urllib.request
 
 import openai
@@ -301,6 +304,37 @@ def test_metrics_count_chat_requests(server):
     assert [a - b for a, b in zip(after, before)] == [body["usage"]["prompt_tokens"],
                                                       body["usage"]["completion_tokens"]]
     assert metric(server.url, "gptj_requests_total", model="llama", status="200") == ok + 1
+
+
+def test_a_full_model_answers_429_and_a_dropped_stream_is_cancelled(server, tok):
+    served = server.state.models["llama"]
+    while metric(server.url, "gptj_outstanding_requests", model="llama") != 0:  # the last test's, released
+        time.sleep(0.01)
+    assert served.admit(served.capacity)  # every place taken (no request runs now)
+    try:
+        status, body, headers = chat(server.url, messages=MESSAGES["one"], max_tokens=2)
+    finally:
+        served.release(served.capacity)
+    assert status == 429 and body["error"]["code"] == "queue_full" and int(headers["Retry-After"]) >= 1
+
+    steps_before, max_tokens = served.engine.steps, 1500
+    never_end = {str(t): -100 for t in tok.eos_token_ids}
+    parsed = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "llama", "messages": MESSAGES["one"], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "logit_bias": never_end}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for _ in range(3):
+        assert resp.readline().startswith(b"data: ")
+        resp.readline()
+    conn.sock.shutdown(2)
+    conn.close()
+    while metric(server.url, "gptj_outstanding_requests", model="llama") != 0:
+        time.sleep(0.01)
+    assert served.engine.steps - steps_before < max_tokens // 3  # cancelled, not run out
+    while metric(server.url, "gptj_requests_total", model="llama", status="499", absent=0.0) < 1:
+        time.sleep(0.01)
 
 
 BAD = [
