@@ -213,3 +213,35 @@ def test_state_dict_is_loaded_strictly():
     assert torch.equal(model.lm_head.weight, sd["model.embed_tokens.weight"])
     with pytest.raises(CheckpointError, match="lm_head.weight differs"):
         load_hf_state_dict(build_model(tied_cfg), sd)
+
+
+def test_several_eos_ids_end_a_sequence_as_in_hf():
+    """Llama 3.1 Instruct's generation_config lists three EOS ids: any of them ends a sequence. Greedy
+    and beam search (gptj.decode) and the engine stop where HF's generate stops with the same list."""
+    from gptj.decode import beam_search, greedy_or_sample
+    from gptj.engine import Engine, EngineConfig
+
+    ours, hf = make_pair(LLAMA3, False, 2)
+    ids, mask = left_pad(PROMPTS)
+    with torch.no_grad():
+        free = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[:, ids.shape[1]:].tolist()
+    eos = [free[0][3], free[1][6], 199]  # each row meets a different one first; the last never comes
+    assert free[0][3] not in free[0][:3] + free[1][:7] and free[1][6] not in free[1][:6]
+
+    def cut(row):  # HF pads a finished row with pad_token_id: up to its first EOS
+        return next((row[: i + 1] for i, t in enumerate(row) if t in eos), row)
+
+    with torch.no_grad():
+        want = [cut(r) for r in hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                            pad_token_id=0, eos_token_id=eos)[:, ids.shape[1]:].tolist()]
+    assert [len(r) for r in want] == [4, 7]
+    gen = GenerationConfig(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert gen.eos_ids == tuple(eos) and GenerationConfig(eos_token_id=[7]).eos_token_id == 7
+    assert greedy_or_sample(ours, ids, mask, gen) == want
+    assert Engine(ours, EngineConfig(max_seqs=4, block_size=8)).generate(PROMPTS, gen) == want
+    kwargs = dict(num_beams=3, max_new_tokens=NEW, length_penalty=1.0, early_stopping=True, min_new_tokens=2)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=eos, **kwargs)
+    got, _ = beam_search(ours, ids, mask, GenerationConfig(**kwargs, eos_token_id=eos, pad_token_id=0))
+    assert [cut(r) for r in got] == [cut(r) for r in out[:, ids.shape[1]:].tolist()]

@@ -223,15 +223,15 @@ def _scores(x: torch.Tensor, run_scores: torch.Tensor, rows: _Rows, gen: Generat
     """Each candidate's score (B, K V): log_softmax of its beam's logits x (B*K, V), min_new_tokens
     applied after it (HF: EOS -inf, no renormalizing), plus the beam's running score."""
     B, K = run_scores.shape
-    V, eos = x.shape[-1], gen.eos_token_id
+    V, eos = x.shape[-1], list(gen.eos_ids)
     if reuse_logits and x.is_contiguous() and not x.requires_grad:  # (a backward reads log_softmax's output)
         # the same kernel, its output over its input: each element written after its row's max and sum
         log_probs = torch.log_softmax(x, dim=-1, out=x)
     else:
         log_probs = F.log_softmax(x, dim=-1)  # (B*K, V)
     short = [beam for p, t in enumerate(rows.steps) if t < gen.min_new_tokens for beam in range(p * K, p * K + K)]
-    if eos is not None and short:
-        log_probs[_on(rows.device, short, torch.long), eos] = -math.inf
+    if eos and short:
+        log_probs[_on(rows.device, short, torch.long)[:, None], _on(rows.device, eos, torch.long)] = -math.inf
     return log_probs.view(B, K, V).add_(run_scores[:, :, None]).view(B, K * V)  # in place: log_probs is ours
 
 
@@ -245,8 +245,8 @@ def _candidates(scores: torch.Tensor, run_tokens: torch.Tensor, rows: _Rows, gen
     cand_token = flat % V
     cand_tokens = torch.take_along_dim(run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
     cand_tokens.scatter_(2, rows.at.expand(B, 2 * K, 1), cand_token[:, :, None])
-    eos = gen.eos_token_id
-    ends = cand_token == eos if eos is not None else torch.zeros_like(cand_token, dtype=torch.bool)
+    eos = _on(rows.device, list(gen.eos_ids), torch.long)
+    ends = torch.isin(cand_token, eos)
     return cand_scores, cand_beam, cand_tokens, ends | rows.last[:, None]
 
 

@@ -49,9 +49,8 @@ def check_prompts(model: GPTJForCausalLM, prompts: Sequence[Sequence[int]], gen:
         for t in prompt:
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < V:
                 raise GptjError(f"prompt {i} has token id {t!r} outside the vocabulary [0, {V})")
-    for name in ("eos_token_id", "pad_token_id"):
-        value = getattr(gen, name)
-        if value is not None and value >= V:
+    for name, value in [*(("eos_token_id", e) for e in gen.eos_ids), ("pad_token_id", gen.pad_token_id)]:
+        if value >= V:
             raise GptjError(f"{name} {value} is outside the vocabulary [0, {V})")
     for token, _ in gen.logit_bias or ():
         if token >= V:
@@ -75,10 +74,9 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _cut_at_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
-    if eos_token_id is not None and eos_token_id in tokens:
-        return tokens[: tokens.index(eos_token_id) + 1]
-    return tokens
+def _cut_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    end = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    return tokens if end is None else tokens[: end + 1]
 
 
 # --- logits processors (HF's, in HF's order) ----------------------------------------------
@@ -87,9 +85,9 @@ def _cut_at_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
 def block_eos(scores: torch.Tensor, n_new: int, gen: GenerationConfig) -> torch.Tensor:
     """HF's MinNewTokensLengthLogitsProcessor: EOS gets -inf while fewer than min_new_tokens
     tokens have been generated (`n_new` so far). scores: (N, V)."""
-    if gen.eos_token_id is not None and n_new < gen.min_new_tokens:
+    if gen.eos_ids and n_new < gen.min_new_tokens:
         scores = scores.clone()
-        scores[:, gen.eos_token_id] = -math.inf
+        scores[:, list(gen.eos_ids)] = -math.inf
     return scores
 
 
@@ -251,9 +249,9 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
         else:
             next_tokens = torch.argmax(scores, dim=-1)  # first index on ties, as HF
-        if gen.eos_token_id is not None:
+        if gen.eos_ids:
             next_tokens = torch.where(unfinished, next_tokens, gen.pad_token_id)
-            unfinished &= next_tokens != gen.eos_token_id
+            unfinished &= ~torch.isin(next_tokens, torch.tensor(gen.eos_ids, device=next_tokens.device))
         out[:, step] = next_tokens
         if counts is not None:
             counts.scatter_add_(1, next_tokens[:, None], torch.ones_like(counts[:, :1]))
@@ -264,7 +262,7 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
         logits = model(next_tokens[:, None], attention_mask=attention_mask, cache=cache)[:, -1]
-    return [_cut_at_eos(row, gen.eos_token_id) for row in out[:, :n].tolist()]
+    return [_cut_at_eos(row, gen.eos_ids) for row in out[:, :n].tolist()]
 
 
 @torch.inference_mode()

@@ -37,7 +37,8 @@ class GenerationConfig:
     so `torch.manual_seed(s)` then sampling gives the same tokens as HF's generate after it.
     Beam search: a hypothesis scores sum(log p) / new_len ** length_penalty; `early_stopping`
     True stops a prompt once it has num_beams finished hypotheses, False/"never" as in HF.
-    `eos_token_id` None never stops early.
+    `eos_token_id`: one id, or several (a tuple; HF's list: Llama 3.1 Instruct ends a turn with any of
+    three), each of which ends a sequence; None never stops early.
 
     Penalties and biases act on the raw logits, after min_new_tokens and before the warpers, in
     vLLM's order: `logit_bias` (token id -> a bias added to its logit, -100 to 100 as OpenAI's;
@@ -60,7 +61,7 @@ class GenerationConfig:
     seed: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = True
-    eos_token_id: int | None = EOS_TOKEN_ID
+    eos_token_id: int | tuple[int, ...] | None = EOS_TOKEN_ID
     pad_token_id: int = EOS_TOKEN_ID
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -86,8 +87,13 @@ class GenerationConfig:
         _check_float("length_penalty", self.length_penalty)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise GptjError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
-        if self.eos_token_id is not None:
-            _check_int("eos_token_id", self.eos_token_id, minimum=0)
+        if isinstance(self.eos_token_id, list | tuple):
+            if not self.eos_token_id:
+                raise GptjError("eos_token_id must be an id or a non-empty list of ids")
+            ids = tuple(self.eos_token_id)
+            object.__setattr__(self, "eos_token_id", ids[0] if len(ids) == 1 else ids)  # one id: as an int
+        for eos in self.eos_ids:
+            _check_int("eos_token_id", eos, minimum=0)
         _check_int("pad_token_id", self.pad_token_id, minimum=0)
         for name in ("frequency_penalty", "presence_penalty"):
             _check_float(name, getattr(self, name))
@@ -116,6 +122,12 @@ class GenerationConfig:
 
     def replace(self, **changes: Any) -> GenerationConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a sequence (none when eos_token_id is None)."""
+        eos = self.eos_token_id
+        return () if eos is None else eos if isinstance(eos, tuple) else (eos,)
 
     @property
     def sampling(self) -> bool:

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from gptj.errors import GptjError
+
 
 def token_ids(text: str) -> list[int]:
     """'1,2, 3' or '1 2 3' -> [1, 2, 3]."""
@@ -45,12 +47,15 @@ def progress_line(command: str):  # noqa: ANN201 - (str) -> None
 
 def check_parallel(tp: int, pp: int, model: str | Path) -> None:
     """Refuse a plan the model cannot take before any rank starts (the ranks check it again)."""
-    if not (Path(model) / "config.json").is_file():
-        return  # the loader says what is wrong with the folder
+    if tp * pp == 1 or not (Path(model) / "config.json").is_file():
+        return  # one process; or the loader says what is wrong with the folder
     from gptj.parallel.pp import check_split
     from gptj.parallel.tp import check_plan
-    from gptj.weights.io import resolve_config
+    from gptj.weights.io import other_architecture, resolve_config
 
+    arch = other_architecture(model)
+    if arch is not None:
+        raise GptjError(f"--tp / --pp run GPT-J models only for now, not {arch.model_type} ({model})")
     config = resolve_config(model)
     if tp > 1:
         check_plan(config, tp)

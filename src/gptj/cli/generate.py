@@ -21,14 +21,14 @@ def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prom
 
     if not args.prompt and not args.prompt_ids:
         raise GptjError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
-    gen = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
+    tok = tokenizer_for(args.model)
+    gen = GenerationConfig(  # EOS (any of them ends a sequence) and padding: the model's tokenizer's
+        eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
         do_sample=args.temperature > 0, temperature=args.temperature,
         top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
     )
-    tok = tokenizer_for(args.model)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
     for i, p in enumerate(prompts):
         if not p:

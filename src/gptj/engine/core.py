@@ -124,7 +124,7 @@ class Engine:
         B, chunk = self.plan.block_size, self.config.prefill_chunk
         n = max(prompt_len, chunk + 1 if chunk else 0)
         n += n % B == 0  # a partial last block
-        prompt = [gen.eos_token_id or 0] * max(1, min(n, self.plan.max_len - 2))
+        prompt = [(gen.eos_ids or (0,))[0]] * max(1, min(n, self.plan.max_len - 2))
         self.generate([prompt], dataclasses.replace(gen, max_new_tokens=2, min_new_tokens=0))
         warmed = self.runner.graphs.warm(gen.num_beams) if self.runner.graphs is not None else 0
         self._forget()

@@ -138,8 +138,8 @@ def _stacked(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]
     """The requests' rows `index` of logits (R, V), EOS -inf on the rows still short of
     min_new_tokens (gptj.decode.block_eos, row by row; then a copy, else possibly a view of the
     runner's logits), then the logit bias and penalties of the rows that have any (`_penalized`)."""
-    blocked = [(r, req.gen.eos_token_id) for r, req in enumerate(reqs)
-               if req.gen.eos_token_id is not None and len(req.output) < req.gen.min_new_tokens]
+    blocked = [(r, eos) for r, req in enumerate(reqs) if len(req.output) < req.gen.min_new_tokens
+               for eos in req.gen.eos_ids]
     if not blocked:  # read only: a view where the rows lie in order (one forward's), as most steps'
         return _penalized(reqs, rows_of(logits, index))
     scores = logits.index_select(0, to_device(torch.tensor(index, dtype=torch.long), logits.device))

@@ -107,8 +107,7 @@ class Updater:
             if choice.done:
                 req.hypotheses = req.beam.ranked(0)
                 req.output, req.score = req.hypotheses[0]
-                eos = gen.eos_token_id
-                self.retire(req, FINISHED, "stop" if eos is not None and req.output[-1:] == [eos] else "length")
+                self.retire(req, FINISHED, "stop" if req.output[-1:] and req.output[-1] in gen.eos_ids else "length")
                 return
             self._reorder(req, choice.source)
             req.next_tokens = choice.tokens
@@ -121,7 +120,7 @@ class Updater:
             req.first_token_time = time.perf_counter()
         if req.on_token is not None:
             req.on_token(req, token)
-        if gen.eos_token_id is not None and token == gen.eos_token_id:
+        if token in gen.eos_ids:
             self.retire(req, FINISHED, "stop")
         elif len(req.output) >= gen.max_new_tokens:
             self.retire(req, FINISHED, "length")

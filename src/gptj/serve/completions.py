@@ -205,7 +205,7 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                        "max_tokens")
     if body.min_tokens > body.max_tokens:
         raise APIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {body.max_tokens}", "min_tokens")
-    eos = None if body.ignore_eos else tok.eos_token_id
+    eos = None if body.ignore_eos else tok.eos_token_ids
     try:
         if body.use_beam_search:
             width = body.best_of if body.best_of is not None else body.n
@@ -531,8 +531,7 @@ class Completion:
 
     @staticmethod
     def _reason(tokens: list[int], job: Job) -> str:
-        eos = job.gen.eos_token_id
-        return "stop" if eos is not None and tokens[-1:] == [eos] else "length"
+        return "stop" if tokens[-1:] and tokens[-1] in job.gen.eos_ids else "length"
 
     # --- the response ---
 
