@@ -96,10 +96,9 @@ def tokenizer_folder(path, template, jinja_file=False):
     backend.save(str(path / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOT,
            "pad_token": {"__type": "AddedToken", "content": END_OF_TEXT, "special": True}}
+    cfg["chat_template"] = LLAMA_TEMPLATE if jinja_file else template  # the file, where there is one, wins
     if jinja_file:
         (path / "chat_template.jinja").write_text(template, encoding="utf-8")
-    else:
-        cfg["chat_template"] = template
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     ids = [backend.token_to_id(t) for t in (END_OF_TEXT, EOM, EOT)]
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": backend.token_to_id(BOS),
@@ -352,7 +351,9 @@ BAD = [
     (dict(tool_choice="auto"), None, "tool_choice is not supported"),
     (dict(response_format={"type": "json_object"}), None, "response_format 'json_object' is not supported"),
     (dict(top_logprobs=2), None, "top_logprobs needs logprobs"),
-    (dict(max_completion_tokens=4096), "context_length_exceeded", "maximum context length"),
+    (dict(max_completion_tokens=4096), "context_length_exceeded", "max_completion_tokens 4096 leaves no room"),
+    (dict(messages=[{"role": "user", "content": "word " * 1000}], max_tokens=1500), "context_length_exceeded",
+     r"the messages make \d+ tokens and max_tokens is 1500; shorten the messages or lower max_tokens"),
     (dict(n=9), None, "needs 9 engine requests"),
     (dict(temperature="hot"), None, "temperature: expected a number"),
     (dict(presence_penalty=3.0), None, "presence_penalty must be from -2 to 2"),

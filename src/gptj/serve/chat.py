@@ -82,17 +82,23 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
 
+def _limit(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """The new tokens asked for at most (None: the rest of the context), and the field that asked."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
 def precheck(body: ChatCompletionRequest, served: ServedModel) -> int:
     """The checks that need no rendering or tokenizing (APIError 400); else the engine requests to admit."""
     _template(served)
     _check_messages(body)
     _check_unsupported(body)
     check_penalties(body, served.vocab_size)
-    limit = body.max_completion_tokens or body.max_tokens
+    limit, name = _limit(body)
     if limit is not None and limit >= served.max_model_len:
         raise APIError(400, f"this model's maximum context length is {served.max_model_len} tokens; "
-                            f"max_completion_tokens {limit} leaves no room for the messages",
-                       "max_completion_tokens", "context_length_exceeded")
+                            f"{name} {limit} leaves no room for the messages", name, "context_length_exceeded")
     return check_capacity(body.n, served)
 
 
@@ -111,12 +117,12 @@ def prompt_ids(body: ChatCompletionRequest, served: ServedModel) -> list[int]:
 def plan(body: ChatCompletionRequest, served: ServedModel) -> ChatPlan:
     """Render and tokenize the messages, then plan them as a completion of those token ids (APIError 400)."""
     ids = prompt_ids(body, served)
-    L, asked = served.max_model_len, body.max_completion_tokens or body.max_tokens
+    L, (asked, name) = served.max_model_len, _limit(body)
     if len(ids) + (asked or 1) > L:
         raise APIError(400, f"this model's maximum context length is {L} tokens, but the messages make {len(ids)} "
-                            f"tokens" + (f" and max_completion_tokens is {asked}" if asked else "") +
-                            "; shorten the messages" + (" or lower max_completion_tokens" if asked else ""),
-                       "messages" if len(ids) >= L else "max_completion_tokens", "context_length_exceeded")
+                            f"tokens" + (f" and {name} is {asked}" if asked else "") +
+                            "; shorten the messages" + (f" or lower {name}" if asked else ""),
+                       "messages" if len(ids) >= L else name, "context_length_exceeded")
     request = CompletionRequest.model_construct(
         **{name: getattr(body, name) for name in SHARED_FIELDS}, prompt=ids, max_tokens=asked or L - len(ids),
         stop_token_ids=list(dict.fromkeys([*(body.stop_token_ids or ()), *served.tokenizer.eos_token_ids])),
