@@ -111,7 +111,10 @@ def prompt_ids(body: ChatCompletionRequest, served: ServedModel) -> list[int]:
         text = render_chat(tok, messages)
     except ChatTemplateError as e:
         raise APIError(400, f"model {served.name!r}: {e}", "messages") from None
-    return tok.encode(text, add_special_tokens=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, f"model {served.name!r}: its chat template made no text of the messages", "messages")
+    return ids
 
 
 def plan(body: ChatCompletionRequest, served: ServedModel) -> ChatPlan:
@@ -124,7 +127,7 @@ def plan(body: ChatCompletionRequest, served: ServedModel) -> ChatPlan:
                             "; shorten the messages" + (f" or lower {name}" if asked else ""),
                        "messages" if len(ids) >= L else name, "context_length_exceeded")
     request = CompletionRequest.model_construct(
-        **{name: getattr(body, name) for name in SHARED_FIELDS}, prompt=ids, max_tokens=asked or L - len(ids),
+        **{f: getattr(body, f) for f in SHARED_FIELDS}, prompt=ids, max_tokens=asked or L - len(ids),
         stop_token_ids=list(dict.fromkeys([*(body.stop_token_ids or ()), *served.tokenizer.eos_token_ids])),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     inner = completions.plan(request, served)
