@@ -80,7 +80,7 @@ def read_log(log_dir):
 
 
 def greedy(llama_dir, prompts, max_new_tokens):
-    """The engine-free reference: gptj.decode's greedy answers, cut after the first of the tokenizer's EOS ids."""
+    """The engine-free reference: gptj.decode's greedy answers, up to any of the tokenizer's EOS ids."""
     import torch
 
     from gptj.decode import generate
@@ -88,31 +88,26 @@ def greedy(llama_dir, prompts, max_new_tokens):
     from gptj.tokenizer import load_tokenizer
     from gptj.weights.io import load_model
 
-    eos = load_tokenizer(llama_dir).eos_token_ids
     model = load_model(llama_dir)
-    gen = llama_generation(eos, max_new_tokens=max_new_tokens)
-    out = []
+    gen = llama_generation(load_tokenizer(llama_dir), max_new_tokens=max_new_tokens)
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = generate(model, [prompt], gen)[0]
-            stop = next((i for i, t in enumerate(ids) if t in eos), None)
-            out.append(ids if stop is None else ids[:stop + 1])
-    return out
+        return [generate(model, [prompt], gen)[0] for prompt in prompts]
 
 
-def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scores(llama_dir, tmp_path, capsys):
+def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scores(llama_dir, short_set, tmp_path,
+                                                                                     capsys):
     from gptj.mlperf.dataset import Dataset
     from gptj.tokenizer import load_tokenizer
 
     log_dir = tmp_path / "acc"
-    assert mlperf(llama_dir, log_dir, "--mode", "accuracy", "--max-examples", "4", "--max-new-tokens", "10") == 0
+    assert mlperf(llama_dir, log_dir, "--mode", "accuracy", "--dataset", str(short_set), "--max-new-tokens", "10") == 0
     out = capsys.readouterr().out
     assert "llama3.1-8b: FAIL" in out  # scored against llama3.1-8b's targets (random weights fail them)
     answers, entries = read_log(log_dir)
     assert sorted(answers) == [0, 1, 2, 3] and len(entries) == 4  # each sample once
     for ids, count in answers.values():
         assert count == len(ids) and 1 <= count <= 10  # n_tokens: the answer's token count
-    dataset = Dataset.load(tokenizer=load_tokenizer(llama_dir), max_examples=4, benchmark="llama3.1-8b")
+    dataset = Dataset.load(short_set, tokenizer=load_tokenizer(llama_dir), benchmark="llama3.1-8b")
     expected = greedy(llama_dir, dataset.input_ids, 10)
     assert [answers[i][0] for i in range(4)] == expected
 
@@ -124,14 +119,14 @@ def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scor
     assert accuracy["benchmark"] == "llama3.1-8b" and accuracy["gen_num"] == 4 and accuracy["passed"] is False
     # the log scores the same with `gptj evaluate --log-dtype int32` (the reference's --dtype int32)
     assert main(["evaluate", "--benchmark", "llama3.1-8b", "--tokenizer", str(llama_dir), "--log-dtype", "int32",
-                 "--log-dir", str(log_dir), "--json"]) == 3  # scored; 4 of the 30 samples are no result
+                 "--dataset", str(short_set), "--log-dir", str(log_dir), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert {k: again[k] for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len", "gen_num")} == \
         {k: accuracy[k] for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len", "gen_num")}
     assert (log_dir / "accuracy.txt").read_text().startswith("{'rouge1': '")
     summary = (log_dir / "summary.md").read_text()
     assert summary.startswith("# gptj MLPerf llama3.1-8b — Offline, accuracy")
-    assert "not Llama-3.1-8B" in summary and "llama stand-in" in summary and "max_new_tokens=10" in summary
+    assert "not Llama-3.1-8B" in summary and "max_new_tokens=10" in summary and "untruncated" in summary
 
 
 def test_interactive_reports_each_first_token_before_its_answer(llama_dir, short_set, tmp_path, monkeypatch):
@@ -222,36 +217,53 @@ def test_benchmark_follows_the_architecture_and_a_mismatch_is_one_line(llama_dir
                                                     "llama3.1-8b-edge's)"),
         (llama_dir, ["--benchmark", "llama3.1-8b-edge", "--scenario", "Server"], "llama3.1-8b-edge has no Server"),
         (tiny_checkpoint, ["--scenario", "Interactive"], "gptj-99 has no Interactive scenario"),
+        (llama_dir, ["--round", "v5.0"], "--round sets gptj-99's round seeds (v5.0)"),
+        (llama_dir, ["--server", "http://127.0.0.1:9"], "--server runs gptj-99 only"),
     ]:
         assert mlperf(model, tmp_path / "x", *extra) != 0
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+    # gptj submission makes gptj-99 submissions only: a Llama folder is refused before anything runs
+    assert main(["submission", "--model", str(llama_dir), "--out", str(tmp_path / "sub"), "--submitter", "s",
+                 "--system-name", "n", "--division", "open", "--category", "edge", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "--benchmark gptj-99 needs a gptj model" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sub").exists()
 
 
-def test_an_answer_ends_at_any_of_the_tokenizers_eos_ids(llama_dir):
-    """The engine stops at gen.eos_token_id; EngineBackend's stop ids end an answer at the others (cut after
-    the first, even when the engine ran a step more), but not before min_new_tokens."""
+def test_an_answer_ends_at_any_of_the_tokenizers_eos_ids(llama_dir, tiny_checkpoint):
+    """A llama run generates until any of the tokenizer's EOS ids (generation_config.json's two here, as
+    Llama 3.1 Instruct's three), held back for min_new_tokens; a gptj-99 run keeps GPT-J's."""
     import threading
 
     from gptj.engine.config import EngineConfig
-    from gptj.mlperf.config import llama_generation
-    from gptj.mlperf.sut import EngineBackend
     from gptj.parallel.context import SINGLE
+    from gptj.mlperf.config import MLPerfConfig
+    from gptj.mlperf.run import with_tokenizer_eos
+    from gptj.mlperf.sut import EngineBackend
     from gptj.runtime.build import build_engine
+    from gptj.tokenizer import load_tokenizer, tokenizer_for_model
     from gptj.weights.io import load_model
+
+    tok = load_tokenizer(llama_dir)
+    gen = with_tokenizer_eos(MLPerfConfig(model=llama_dir), tok).gen
+    assert gen.eos_ids == tok.eos_token_ids == (510, 511)  # <|end_of_text|>, <|eot_id|>
+    assert (gen.num_beams, gen.min_new_tokens, gen.max_new_tokens, gen.sampling) == (1, 1, 128, False)
+    gptj = MLPerfConfig(model=tiny_checkpoint)
+    assert with_tokenizer_eos(gptj, tokenizer_for_model(tiny_checkpoint)) is gptj
 
     prompt = list(range(3, 40))
     free = greedy(llama_dir, [prompt], 12)[0]
-    assert len(free) == 12  # (random weights: no EOS of the tokenizer's in a 12-token answer)
+    assert len(free) == 12 and not set(free) & {510, 511}  # (random weights: no EOS in 12 tokens)
     model = load_model(llama_dir)
 
-    def answer(stop, min_new_tokens=1):
-        backend = EngineBackend(lambda ctx: build_engine(model, EngineConfig(max_seqs=2, max_len=64)), SINGLE,
-                                stop_ids=frozenset({stop}))
+    def answer(eos, min_new_tokens=1):
+        backend = EngineBackend(lambda ctx: build_engine(model, EngineConfig(max_seqs=2, max_len=64)), SINGLE)
         got, done = [], threading.Event()
         try:
-            backend.submit(prompt, llama_generation((511,), max_new_tokens=12, min_new_tokens=min_new_tokens),
+            backend.submit(prompt, gen.replace(eos_token_id=(511, eos), max_new_tokens=12,
+                                               min_new_tokens=min_new_tokens),
                            on_done=lambda tokens, error: (got.append((tokens, error)), done.set()))
             assert done.wait(60)
         finally:
@@ -260,9 +272,7 @@ def test_an_answer_ends_at_any_of_the_tokenizers_eos_ids(llama_dir):
 
     stop_at = next(i for i in range(1, 12) if free[i] not in free[:i])  # a token whose first time is at i
     assert answer(free[stop_at]) == (free[:stop_at + 1], None)
-    first = free[0]
-    later = next((i for i in range(1, 12) if free[i] == first), None)
-    assert answer(first, min_new_tokens=2) == (free if later is None else free[:later + 1], None)
+    assert answer(free[0], min_new_tokens=2) != (free[:1], None)  # not at the first token: held back
 
 
 TEST06 = Path(__file__).resolve().parents[1].parent / "shared" / "mlperf-inference" / "compliance" / "TEST06"

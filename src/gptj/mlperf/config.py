@@ -48,11 +48,12 @@ def choose_benchmark(benchmark: str | None, model_dir: Path | str | None) -> str
     return benchmark
 
 
-def llama_generation(eos_token_ids: tuple[int, ...] = (), **overrides: object) -> GenerationConfig:
+def llama_generation(tokenizer=None, **overrides: object) -> GenerationConfig:  # noqa: ANN001 - a Tokenizer
     """MLPerf llama3.1-8b's generation (language/llama3.1-8b/SUT_VLLM.py's sampling parameters):
-    greedy (temperature 0, top_k 1), 1 to 128 new tokens, no beam search, stopping at the tokenizer's
-    EOS ids (the engine stops at the first of them; the SUT at the others: run.stop_ids)."""
-    eos = {"eos_token_id": eos_token_ids[0], "pad_token_id": eos_token_ids[0]} if eos_token_ids else {}
+    greedy (temperature 0, top_k 1), 1 to 128 new tokens, no beam search, stopping at any of the
+    tokenizer's EOS ids (vLLM's stop ids; None: the EOS ids are set later, run.with_tokenizer_eos)."""
+    eos = {} if tokenizer is None else {"eos_token_id": tuple(tokenizer.eos_token_ids),
+                                        "pad_token_id": tokenizer.pad_token_id}
     return GenerationConfig(**{"num_beams": 1, "min_new_tokens": 1, "max_new_tokens": 128, **eos, **overrides})
 
 
@@ -111,6 +112,9 @@ class MLPerfConfig:
             raise GptjError(f"the Interactive scenario is LoadGen's Server, not {self.scenario}")
         if self.gen is None:
             self.gen = llama_generation() if self.llama else GenerationConfig.mlperf()
+        if self.llama and self.round is not None:
+            raise GptjError(f"--round sets gptj-99's round seeds (v5.0): a {self.benchmark} run takes LoadGen's "
+                            "built-in mlperf.conf's seeds")
         if self.llama and self.server is not None:
             raise GptjError(f"--server runs gptj-99 only: run {self.benchmark} with --model DIR")
         if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \

@@ -414,24 +414,22 @@ def engine_config(cfg: MLPerfConfig, longest: int):  # noqa: ANN201 - EngineConf
 
 
 def _engine_backend(cfg: MLPerfConfig, model_dir: Path, longest: int, threads: int,
-                    ctx: ParallelContext, stop_ids: frozenset[int] = frozenset()):  # noqa: ANN202
-    """The engine on its thread, the model loaded there (a load error is raised here); `stop_ids`: the
-    EOS ids besides gen.eos_token_id at which an answer ends too."""
+                    ctx: ParallelContext):  # noqa: ANN202
+    """The engine on its thread, the model loaded there (a load error is raised here)."""
     from gptj.mlperf.sut import EngineBackend
 
-    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads), ctx, stop_ids=stop_ids)
+    return EngineBackend(functools.partial(_build_engine, cfg, model_dir, longest, threads), ctx)
 
 
-def with_tokenizer_eos(cfg: MLPerfConfig, tokenizer) -> tuple[MLPerfConfig, frozenset[int]]:  # noqa: ANN001
-    """llama: `cfg` generating until the tokenizer's EOS ids (the engine stops at the first, gen's
-    eos_token_id; the others are returned as stop ids), as the reference's vLLM does. gptj: as it is."""
+def with_tokenizer_eos(cfg: MLPerfConfig, tokenizer) -> MLPerfConfig:  # noqa: ANN001 - a Tokenizer
+    """llama: `cfg` generating until any of the tokenizer's EOS ids (Llama 3.1 Instruct has three;
+    min_new_tokens holds them all back), as the reference's vLLM does. gptj: as it is."""
     if not cfg.llama:
-        return cfg, frozenset()
+        return cfg
     if cfg.model is None or not (Path(cfg.model) / "tokenizer.json").is_file():
         raise GptjError(f"{cfg.benchmark} needs the model's own tokenizer: {cfg.model} has no tokenizer.json")
-    eos = tuple(tokenizer.eos_token_ids)
-    gen = cfg.gen.replace(eos_token_id=eos[0], pad_token_id=eos[0])
-    return dataclasses.replace(cfg, gen=gen), frozenset(eos[1:]) - {eos[0]}
+    gen = cfg.gen.replace(eos_token_id=tuple(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
+    return dataclasses.replace(cfg, gen=gen)
 
 
 _ENGINE_THREAD_TORCH_THREADS = [None]  # what torch.get_num_threads() said on the engine's thread (run.json)
@@ -478,7 +476,7 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
 
     model_dir = Path(cfg.model) if cfg.model is not None else None
     tokenizer = tokenizer_for_model(model_dir)
-    cfg, stop_ids = with_tokenizer_eos(cfg, tokenizer)
+    cfg = with_tokenizer_eos(cfg, tokenizer)
     threads = choose_threads(cfg, ctx)
     torch.set_num_threads(threads.compute)
     remote = None
@@ -490,7 +488,7 @@ def run(cfg: MLPerfConfig, ctx: ParallelContext = SINGLE) -> RunResult:
         # First, so a wrong URL fails before anything is loaded; its threads start with the first request.
         remote = HTTPBackend(cfg.server, model_name=cfg.server_model, concurrency=cfg.server_concurrency,
                              api_key=os.environ.get(API_KEY_ENV) or None)
-    setup = _prepare(cfg, ctx, model_dir, threads, remote, tokenizer, stop_ids)
+    setup = _prepare(cfg, ctx, model_dir, threads, remote, tokenizer)
 
     dataset = setup.dataset
     total = len(dataset) if cfg.mode == "accuracy" else None
@@ -531,7 +529,7 @@ class _Setup:
 
 
 def _prepare(cfg: MLPerfConfig, ctx: ParallelContext, model_dir: Path | None, threads: Threads,
-             remote, tokenizer, stop_ids: frozenset[int]) -> _Setup:  # noqa: ANN001 - an HTTPBackend or None
+             remote, tokenizer) -> _Setup:  # noqa: ANN001 - an HTTPBackend or None, a Tokenizer
     """The run up to LoadGen's test: the dataset tokenized, the backend started (with `remote`: the
     server, checked to fit the longest prompt; else the engine, its model loaded), the log folder,
     the notes printed, the settings made. Whatever fails, the backends opened are closed."""
@@ -548,10 +546,10 @@ def _prepare(cfg: MLPerfConfig, ctx: ParallelContext, model_dir: Path | None, th
             _check_fits_server(cfg, remote, longest)
             backend = remote
         else:
-            backend = _engine_backend(cfg, model_dir, longest, threads.compute, ctx, stop_ids)
+            backend = _engine_backend(cfg, model_dir, longest, threads.compute, ctx)
         log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir(cfg.scenario_name, cfg.mode)
         log_dir.mkdir(parents=True, exist_ok=True)
-        differences = official_differences(cfg.gen, llama_generation(tuple(tokenizer.eos_token_ids))) if cfg.llama \
+        differences = official_differences(cfg.gen, llama_generation(tokenizer)) if cfg.llama \
             else official_differences(cfg.gen)
         notes = report.notes_for(cfg, model_dir, differences)
         if remote is not None:

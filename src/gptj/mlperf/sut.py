@@ -79,39 +79,27 @@ class Backend(Protocol):
 class EngineBackend:
     """gptj's continuous-batching engine on a background thread. `build(ctx)` makes the engine (loads
     the model) on that thread, which runs it faster than a model loaded elsewhere (EngineLoop);
-    `ctx`: the job's context (under --tp / --pp this engine leads the other ranks').
+    `ctx`: the job's context (under --tp / --pp this engine leads the other ranks')."""
 
-    `stop_ids`: token ids besides gen.eos_token_id that end an answer (Llama 3.1 Instruct has three
-    EOS ids; the engine stops at one): once one is made (after min_new_tokens), the request is
-    cancelled and its answer cut after it, so a step the engine ran meanwhile adds nothing."""
-
-    def __init__(self, build, ctx: ParallelContext,  # noqa: ANN001 - Callable[[ParallelContext], Engine]
-                 stop_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, build, ctx: ParallelContext) -> None:  # noqa: ANN001 - Callable[[ParallelContext], Engine]
         from gptj.parallel import lockstep
 
         self.loop = lockstep.engine_loop(build, ctx)  # leads the other ranks under --tp / --pp
         self.engine = self.loop.engine
-        self.stop_ids = frozenset(stop_ids)
         self._handles: dict[str, object] = {}  # request id -> RequestHandle, until it finishes
         self._lock = threading.Lock()
 
     def submit(self, prompt, gen, on_done, on_first_token=None) -> None:  # noqa: ANN001 - see Backend
-        stopped_at: list[int] = []  # the answer's length at its first stop id
-
         def on_token(req, token):  # noqa: ANN001
             if on_first_token is not None and len(req.output) == 1:
                 on_first_token(token)
-            if token in self.stop_ids and not stopped_at and len(req.output) >= gen.min_new_tokens:
-                stopped_at.append(len(req.output))
-                self.loop.cancel(req.request_id)  # runs on the loop's thread: applied before its next step
 
         def on_finish(req):  # noqa: ANN001
             with self._lock:
                 self._handles.pop(req.request_id, None)
-            on_done(req.output[:stopped_at[0]] if stopped_at else req.output, req.error)
+            on_done(req.output, req.error)
 
-        watch = gen.num_beams == 1 and (on_first_token is not None or self.stop_ids)
-        handle = self.loop.submit(prompt, gen, on_token=on_token if watch else None, on_finish=on_finish)
+        handle = self.loop.submit(prompt, gen, on_token=on_token if gen.num_beams == 1 else None, on_finish=on_finish)
         with self._lock:
             if not handle.done():
                 self._handles[handle.request_id] = handle
