@@ -295,7 +295,12 @@ def test_compliance_test06_passes(llama_dir, short_set, tmp_path):
     assert len(entries) >= 8 and all("token_data" in e for e in entries)
     from gptj.tokenizer import load_tokenizer
 
-    eos = load_tokenizer(llama_dir).eos_token_ids[0]
+    eos_ids = load_tokenizer(llama_dir).eos_token_ids
+    for e in entries:  # what TEST06 checks, checked here too: at most one EOS, and only last; counts right
+        ids = np.frombuffer(bytes.fromhex(e["data"]), np.int32).tolist()
+        assert e["token_count"] == len(ids) and not set(ids[:-1]) & set(eos_ids)
+        assert np.frombuffer(bytes.fromhex(e["token_data"]), np.int32).tolist() == ids[:1]
+    eos = eos_ids[0]
     done = subprocess.run([sys.executable, str(TEST06 / "run_verification.py"), "-c", str(log_dir), "-o",
                            str(tmp_path / "out"), "-s", "Server", "-d", "int32", "-e", str(eos)],
                           capture_output=True, text=True, check=True)
