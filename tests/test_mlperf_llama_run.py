@@ -202,6 +202,24 @@ def test_loadgen_settings_are_the_benchmarks(llama_dir, benchmark, scenario, mod
         assert (settings.ttft_latency, settings.tpot_latency) == (ttft * 10**6, tpot * 10**6)
 
 
+def test_user_conf_keys_are_read_under_the_runs_loadgen_model_name(llama_dir, tmp_path):
+    from gptj.mlperf import run as mlperf_run
+    from gptj.mlperf.config import MLPerfConfig
+
+    conf = tmp_path / "user.conf"
+    conf.write_text("gptj.Server.target_qps = 9\nllama3_1-8b.Server.target_qps = 7\n"
+                    "llama3_1-8b-interactive.Server.target_qps = 3\nllama3_1-8b-edge.SingleStream.target_latency = 40\n")
+
+    def settings(**kw):
+        cfg = MLPerfConfig(model=llama_dir, mode="performance", user_conf=conf, **kw)
+        return cfg, mlperf_run.test_settings(cfg, 100)
+
+    assert settings(scenario="Server")[1].server_target_qps == 7
+    assert settings(scenario="Interactive")[1].server_target_qps == 3
+    cfg, edge = settings(benchmark="llama3.1-8b-edge", scenario="SingleStream")
+    assert edge.single_stream_expected_latency_ns == 40 * 10**6 and not mlperf_run.needs_calibration(cfg)
+
+
 def test_benchmark_follows_the_architecture_and_a_mismatch_is_one_line(llama_dir, tiny_checkpoint, tmp_path,
                                                                         capsys):
     from gptj.mlperf.config import MLPerfConfig
