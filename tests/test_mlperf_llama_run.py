@@ -127,6 +127,7 @@ def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scor
     summary = (log_dir / "summary.md").read_text()
     assert summary.startswith("# gptj MLPerf llama3.1-8b — Offline, accuracy")
     assert "not Llama-3.1-8B" in summary and "max_new_tokens=10" in summary and "untruncated" in summary
+    assert f"--log-dtype int32 --log-dir {log_dir} --dataset {short_set}`" in summary
 
 
 def test_interactive_reports_each_first_token_before_its_answer(llama_dir, short_set, tmp_path, monkeypatch):

@@ -491,6 +491,10 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
         lines += ["![latency distribution](latency.png)", ""]
     if result.accuracy is not None:
         lines += ["## Accuracy", "", "```", accuracy_report(result.accuracy).rstrip(), "```", ""]
+        if cfg.llama:  # its token ids are int32, as the reference SUT's (evaluation.py --dtype int32)
+            data = f" --dataset {cfg.dataset}" if cfg.dataset is not None else ""
+            lines += [f"Scored again by `gptj evaluate --benchmark {cfg.benchmark} --tokenizer {cfg.model} --log-dtype "
+                      f"int32 --log-dir {result.log_dir}{data}` (MLCommons' evaluation.py: `--dtype int32`).", ""]
     lat = st.latencies_s
     lines += ["## SUT", "",
               f"- samples answered: {st.samples} in {st.batches} batches "
