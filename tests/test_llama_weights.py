@@ -145,8 +145,42 @@ def test_non_finite_weight_and_quantize_are_refused(tmp_path):
         load_model(tmp_path / "m")
     assert "model.layers.0.self_attn.k_proj.weight has NaN or infinite values" in one_line(e)
     with pytest.raises(GptjError) as e:
-        load_model(tmp_path / "m", quantize="int8")
-    assert "--quantize is not supported for llama models yet" in one_line(e)
+        load_model(tmp_path / "m", quantize="w8a8")
+    assert "--quantize w8a8 needs gptj calibrate's smoothing factors" in one_line(e)
+    with pytest.raises(GptjError) as e:
+        load_model(tmp_path / "m", group_size=32)
+    assert "a group size needs a quantization mode" in one_line(e)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_at_load_every_linear_within_its_rounding(tmp_path, mode):
+    """--quantize int8 / int4 on a Llama folder: every linear (the blocks' seven, lm_head) becomes the
+    mode's layer, each weight within its rounding of the float one, and the engine decodes with it
+    as gptj.decode does."""
+    from gptj.decode import generate
+    from gptj.engine import Engine, EngineConfig
+    from gptj.generation_config import GenerationConfig
+    from gptj.quant.linear import LAYERS
+
+    hf_model().save_pretrained(tmp_path / "m")
+    ref, q = load_model(tmp_path / "m"), load_model(tmp_path / "m", quantize=mode)
+    floats = {n: m for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(floats) == 2 * 7 + 1 and q.config.quantization["mode"] == mode
+    for name, lin in floats.items():
+        layer = q.get_submodule(name)
+        assert type(layer) is LAYERS[mode], name
+        w, deq = lin.weight.detach(), layer.dequantized_weight(torch.float32)
+        if mode == "int8":  # symmetric per row: half a step, plus the bfloat16 scale's rounding (2^-8 of up to 127 steps)
+            step = w.abs().amax(1, keepdim=True) / 127
+            assert bool(((w - deq).abs() <= step * (0.5 + 127 * 2.0 ** -8) + 1e-7).all()), name
+        else:  # asymmetric per group of the inputs: at most one step of 15 over the group's range
+            g = q.config.quantization["group_size"]
+            groups = w.reshape(w.shape[0], -1, g)
+            step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+            assert bool(((groups - deq.reshape(groups.shape)).abs() <= step * (1 + 15 * 2.0 ** -8) + 1e-7).all()), name
+    gen = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    prompts = [IDS[0].tolist(), IDS[0, :5].tolist()]
+    assert Engine(q, EngineConfig(max_seqs=2, block_size=8)).generate(prompts, gen) == generate(q, prompts, gen)
 
 
 def test_gptj_init_llama_tiny_writes_a_folder_that_loads(tmp_path, capsys):

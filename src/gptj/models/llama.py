@@ -131,6 +131,7 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)  # HF's eos_token_id: one id or a list (Llama 3.1 Instruct: 3)
     pad_token_id: int | None = None
+    quantization: dict | None = None  # quantized at load (gptj.quant.make_quantization's entry); never saved
 
     def __post_init__(self) -> None:
         E, H = self.hidden_size, self.num_attention_heads
@@ -160,6 +161,7 @@ class LlamaConfig:
                              "attention_bias": False, "mlp_bias": False}
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
+        del d["quantization"]  # (a quantized Llama is made at load, and not written)
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         d["rope_scaling"] = self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None

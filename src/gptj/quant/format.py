@@ -89,13 +89,15 @@ def quantize_weight(w: torch.Tensor, mode: str, group_size: int | None = None,
 
 
 def _float_meta_model(config: Any) -> nn.Module:
-    from gptj.models.gptj import build_model
+    """A float model of `config`'s architecture (GPT-J's or Llama's) on the meta device: shapes only."""
+    from gptj.models.registry import ARCHITECTURES
 
-    return build_model(config.replace(quantization=None), device="meta")
+    arch = next(a for a in ARCHITECTURES.values() if isinstance(config, a.config_class))
+    return arch.build_model(config.replace(quantization=None), device="meta")
 
 
 def linear_in_features(config: Any) -> dict[str, int]:
-    """Module name -> in_features of every nn.Linear of a GPT-J with `config`."""
+    """Module name -> in_features of every nn.Linear of a model (GPT-J or Llama) with `config`."""
     return {n: m.in_features for n, m in _float_meta_model(config).named_modules() if isinstance(m, nn.Linear)}
 
 

@@ -32,6 +32,8 @@ from gptj.device import check_finite, dtype_name
 from gptj.errors import CheckpointError, ConfigError, GptjError
 from gptj.files import atomic_folder, model_file
 from gptj.models.registry import Architecture, architecture_of
+from gptj.quant.format import make_quantization
+from gptj.quant.linear import quantize_model
 from gptj.weights import hf
 
 CONFIG = "config.json"
@@ -82,10 +84,13 @@ def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtyp
                 progress: bool | None = None) -> torch.nn.Module:
     """The model in the HF folder `folder` of architecture `arch`, in `dtype` on `device`, eval mode."""
     folder = Path(folder)
-    if quantize is not None or group_size is not None:
-        raise GptjError(f"{folder}: --quantize is not supported for {arch.model_type} models yet "
-                        f"(gptj.quant's layer lists are GPT-J's): load it in float")
+    if quantize == "w8a8":
+        raise GptjError(f"{folder}: --quantize w8a8 needs gptj calibrate's smoothing factors, which are made for "
+                        f"GPT-J models only so far: use int8, int4 or fp8 for {arch.model_type}")
+    if quantize is None and group_size is not None:
+        raise GptjError("a group size needs a quantization mode (int4)")
     config = read_config(folder, arch)
+    q = make_quantization(config, quantize, group_size) if quantize else None  # the mode and group checked first
     names = arch.hf_names(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     listed = hf.listed_tensor_names(folder)  # the index checked, every shard present
@@ -116,6 +121,8 @@ def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtyp
     bar.close()
     arch.load_hf(model, sd, str(folder))  # strict: the first missing tensor in one line; ties lm_head
     del sd
+    if q is not None:  # module by module: each float weight is freed as its quantized one takes its place
+        quantize_model(model, quantize, q["group_size"])
     return model.eval()
 
 
