@@ -2,7 +2,8 @@
 
 GPU machines are lent rarely; code that cannot run must still compile, and compile well. This script
 calls gptj's own launchers (paged_decode, paged_prefill, store_kv, copy_blocks, int8_linear,
-int4_linear, quantize_rows, rotary_qk_) on meta tensors of GPT-J 6B's shapes with Triton's launch
+int4_linear, quantize_rows, rotary_qk_) on meta tensors of GPT-J 6B's shapes (and the attention
+kernels at Llama-3.1-8B's grouped-query heads) with Triton's launch
 replaced by a recorder, so the kernels, constexprs, num_warps and stages are those the engine would
 launch, decided by the engine's own code. Each recorded launch is then specialized as Triton's
 launcher would on a GPU (its binder: dtypes, ints equal to 1, 16-divisible ints and pointers) and
@@ -58,6 +59,8 @@ HEADS, HEAD_DIM, ROTARY_DIM = 16, 256, 64
 CONTEXT = 2048  # n_positions: a decode launch of groups this long runs its most splits (and the merge)
 N_EMBD, N_INNER, VOCAB = 4096, 16384, 50400
 FUSED = 3 * N_EMBD + N_INNER  # the fused block's q|k|v|fc_in outputs
+# Llama-3.1-8B's attention (grouped-query: 4 query heads a KV head, a program per KV head reads its blocks once)
+GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM = 32, 8, 128
 LINEARS = {"qkv|fc_in": (FUSED, N_EMBD, True), "out_proj": (N_EMBD, N_EMBD, False),
            "fc_out": (N_EMBD, N_INNER, True), "lm_head": (VOCAB, N_EMBD, True)}  # (N, K, bias)
 
@@ -145,6 +148,31 @@ def attention_cases() -> Iterator[Case]:
                            fp8)
 
 
+def gqa_cases() -> Iterator[Case]:
+    """The decode and prefill kernels at Llama-3.1-8B's grouped heads (GQA_*): a bfloat16 model over
+    blocks of 16 tokens, any KV dtype, decode groups of 1 to 16 rows (defaults as attention_cases')."""
+    from gptj.engine.attention import cuda as ac
+
+    cdtype, B = COMPUTE[DEFAULT_COMPUTE], DEFAULT_BLOCK
+    for kname, kdtype in KV.items():
+        kv_dtype = kdtype or cdtype
+        quantized = kdtype is not None
+        fp8 = kv_dtype == torch.float8_e4m3fn
+        kc = meta(64, GQA_KV_HEADS, B, GQA_HEAD_DIM, dtype=kv_dtype)
+        scales = (meta(64, GQA_KV_HEADS, B, dtype=torch.float32),) * 2 if quantized else ()
+        tag = f"gqa {GQA_HEADS}/{GQA_KV_HEADS}x{GQA_HEAD_DIM} {DEFAULT_COMPUTE} kv={kname} B={B}"
+        for R in TILES:
+            chosen = {(k, t) for k, t, _, _ in ac.decode_launches(ac.CudaAttention.decode_variant, R, B)}
+            for variant in ("sum", "dot"):
+                q = meta(4 * R, GQA_HEADS, GQA_HEAD_DIM, dtype=cdtype)
+                tables = (ints(5), ints(40), ints(4), ints(4), ints(4 * R * 3).view(4 * R, 3), ints(4 * R))
+                yield Case(f"decode {variant} tile={R} {tag}", (variant, R) in chosen and R <= DEFAULT_MAX_TILE,
+                           _call(ac.paged_decode, q, kc, kc, tables, R, *scales, out_dtype=cdtype, variant=variant,
+                                 max_shared=CONTEXT), fp8)
+        q = meta(100, GQA_HEADS, GQA_HEAD_DIM, dtype=cdtype)
+        yield Case(f"prefill {tag}", True, _call(ac.paged_prefill, q, kc, kc, ints(40).long(), 37, *scales), fp8)
+
+
 def quant_cases(arch: str = HOPPER) -> Iterator[Case]:
     from gptj.policy import TRITON_GEMM_DTYPES
     from gptj.quant import cuda as qc
@@ -208,7 +236,7 @@ def all_cases(arch: str = HOPPER) -> list[Case]:
     from gptj.policy import FP8_MIN_CAPABILITY
 
     fp8_ok = ARCHES[arch] >= 10 * FP8_MIN_CAPABILITY[0] + FP8_MIN_CAPABILITY[1]
-    return [c for c in (*attention_cases(), *quant_cases(arch), *rotary_cases()) if fp8_ok or not c.fp8]
+    return [c for c in (*attention_cases(), *gqa_cases(), *quant_cases(arch), *rotary_cases()) if fp8_ok or not c.fp8]
 
 
 def _call(fn: Callable, *args, **kwargs) -> Callable[[], None]:

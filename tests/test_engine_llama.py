@@ -4,7 +4,8 @@ A tiny random Llama (4 query heads of 16; 2 KV heads: GQA, 1: multi-query, 4: mu
 with weights of std 0.3 (norms 1 + 0.1 noise, as tests/test_llama_model.py draws them) so logits are
 far from flat. The engine's tokens are compared with gptj.decode's on the same model (float32: the
 exact path, a contiguous KV cache, left-padded batches): greedy with chunked prefill, prefix caching,
-beam search. KV heads fewer than query heads run on the reference backend (gptj.policy.attention_path).
+beam search. KV heads fewer than query heads run where gptj.policy.attention_path sends them
+(float32: the reference).
 """
 
 from __future__ import annotations
@@ -57,17 +58,18 @@ def bound(logits: torch.Tensor, layers: int = 2, reduction: int = 128) -> float:
     return (3 * layers + 1) * reduction * U * float(logits.abs().max())
 
 
-def test_grouped_query_attention_runs_on_the_reference_backend():
-    # kv_heads < heads: never a kernel that reads H KV heads, whatever the device, dtype and mode
+def test_grouped_query_attention_runs_where_the_kv_heads_divide_the_query_heads():
+    # whole groups of query heads per KV head: the choice of a model with one KV head per query head
+    # (the kernels read KV head h // group; tests/test_attention_gqa.py); other counts: the reference
     for device in ("cpu", "cuda"):
         for dtype in (torch.bfloat16, torch.float32):
             for mode in ("auto", "off"):
-                path = policy.attention_path(device, dtype, mode, "auto", dtype, 16, heads=4, kv_heads=2)
+                path = policy.attention_path(device, dtype, mode, "auto", dtype, 16, heads=6, kv_heads=4)
                 assert path.backend == policy.REFERENCE
-    # as many KV heads as query heads (GPT-J, multi-head Llama): the choice as before
     for device, dtype in (("cpu", torch.bfloat16), ("cpu", torch.float32), ("cuda", torch.bfloat16)):
-        assert (policy.attention_path(device, dtype, "auto", "auto", dtype, 64, heads=4, kv_heads=4)
-                == policy.attention_path(device, dtype, "auto", "auto", dtype, 64))
+        for kv in (4, 2, 1):
+            assert (policy.attention_path(device, dtype, "auto", "auto", dtype, 64, heads=4, kv_heads=kv)
+                    == policy.attention_path(device, dtype, "auto", "auto", dtype, 64))
 
 
 def test_the_paged_kv_holds_the_kv_heads(model):

@@ -598,16 +598,20 @@ def attention_path(device: torch.device | str, kv_dtype: torch.dtype, kernels_mo
     "off") and compile mode ("auto": below float32, "on", "off"):
 
         cpu-native  kernels "auto", CPU, a bfloat16 model, bfloat16 or int8 KV, heads a multiple of 16
-                    up to 512, gptj.native available, one KV head per query head
-        cuda        kernels "auto", CUDA, Triton installed (any float dtype; float, int8 or e4m3 KV),
-                    one KV head per query head
-        reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted; the only
-                    one that computes grouped-query attention (kv_heads < heads: Llama), eagerly
+                    up to 512, gptj.native available
+        cuda        kernels "auto", CUDA, Triton installed (any float dtype; float, int8 or e4m3 KV)
+        reference   otherwise: torch's forms, compiled per compile_mode where compile_trusted
+
+    Grouped-query attention (kv_heads < heads: Llama) runs on the same terms where kv_heads divides
+    heads (both backends' kernels read KV head h // (heads // kv_heads) for query head h, a KV head's
+    blocks once for its group of query heads); other head counts go to the reference, which computes
+    any grouping, eagerly.
     """
     compute = kv_dtype if compute is None else compute
     kind = torch.device(device).type
-    grouped = heads is not None and kv_heads is not None and kv_heads < heads  # the kernels read H KV heads
-    if kernels_mode == "auto" and not grouped:
+    # the kernels' grouping: whole groups of query heads per KV head
+    groups_fit = heads is None or kv_heads is None or (0 < kv_heads <= heads and heads % kv_heads == 0)
+    if kernels_mode == "auto" and groups_fit:
         if (kind == "cpu" and compute == torch.bfloat16 and kv_dtype in (torch.bfloat16, torch.int8)
                 and head_dim % 16 == 0 and head_dim <= 512 and native_available()):
             return AttentionPath(CPU_NATIVE, False)

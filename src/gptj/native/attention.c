@@ -124,9 +124,10 @@ int attend_group_bf16(const float *q, int N, int H, int D,
 
 /* ---------------------------------------------------------------------------------------------
    Paged decode attention of a whole decode batch in one call (engine/attention/cpu_native.py).
-   Keys/values live in blocks (n_blocks, H, B, D) contiguous, so token t of a block table lies in
+   Keys/values live in blocks (n_blocks, KH, B, D) contiguous (KH KV heads; grouped-query attention:
+   query head h of H reads KV head h / (H / KH)), so token t of a block table lies in
    block tab[t / B] at row t % B: bfloat16, or int8 with a float32 scale per (block, head, row) in
-   ks, vs (n_blocks, H, B) (engine/attention/kv_cache.py's PagedKV: the value is q * scale). Group g (a
+   ks, vs (n_blocks, KH, B) (engine/attention/kv_cache.py's PagedKV: the value is q * scale). Group g (a
    request: one sequence, or the beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of
    q (N, H, D) float32 and reads
        its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
@@ -146,10 +147,17 @@ int attend_group_bf16(const float *q, int N, int H, int D,
 typedef struct { /* one layer's paged keys and values */
     const void *k, *v;     /* (n_blocks, H, B, D): bfloat16, or int8 when ks is set */
     const float *ks, *vs;  /* (n_blocks, H, B) scales of int8 blocks; NULL for bfloat16 */
-    int H, B, D;
+    int H, B, D;           /* H: the blocks' KV heads */
+    int G;                 /* query heads per KV head (grouped-query attention; 1: one each) */
 } pages_t;
 
-/* where head h of block blk starts: its B rows of D keys (k) or values (v), and their scales */
+/* the KV head query head h reads: h / G (query heads kh * G .. kh * G + G - 1 share KV head kh) */
+static inline int kv_head(const pages_t *kv, int h)
+{
+    return kv->G == 1 ? h : h / kv->G;
+}
+
+/* where KV head h of block blk starts: its B rows of D keys (k) or values (v), and their scales */
 static inline const void *rows_at(const pages_t *kv, const void *base, int blk, int h)
 {
     return (const char *)base + ((long)blk * kv->H + h) * kv->B * kv->D * (kv->ks ? 1 : 2);
@@ -353,49 +361,55 @@ static inline void values_any(const float *p, const void *vr, const float *vs, i
     else values_acc(p, vr, NULL, n, D, o);
 }
 
-/* Rows [r0, r0 + nr) of one group, heads [h0, h1): blocks are walked in address order (each block
-   holds every head's rows, B x D each, one after another), every head's rows of a block serving
-   all the group's queries (up to ATT_QB at a time) while they are in cache. Scratch: s
-   ATT_QB x (h1 - h0) x L scores; qv, qs the block of queries prepared (q_prepare), ATT_QB x (h1 - h0). */
+/* Rows [r0, r0 + nr) of one group, query heads [h0, h1) (whole groups of G query heads: KV heads
+   h0 / G .. h1 / G - 1): blocks are walked in address order (each block holds every KV head's rows,
+   B x D each, one after another), every KV head's rows of a block serving all the group's queries (up
+   to ATT_QB at a time) of each of its G query heads while they are in cache: a KV head's rows are
+   read from memory once for its G query heads (G = 1: one KV head per query head, the same loops).
+   Scratch: s ATT_QB x (h1 - h0) x L scores; qv, qs the block of queries prepared (q_prepare),
+   ATT_QB x (h1 - h0). */
 static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
                         const int *otab, int omax, int ol, float *out, float scale, float *s, char *qv, float *qs)
 {
-    const int H = kv->H, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
-    const long head_bytes = (long)B * D * (kv->ks ? 1 : 2);
+    const int G = kv->G, H = kv->H * G, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
+    const int kh0 = h0 / G, kh1 = h1 / G;
+    const long head_bytes = (long)B * D * (kv->ks ? 1 : 2), row_bytes = (long)D * (kv->ks ? 1 : 2);
     const int i8 = kv->ks != NULL;
 #define S(i, h) (s + ((long)(i) * nh + ((h) - h0)) * L)
 #define QV(i, h) (qv + ((long)(i) * nh + ((h) - h0)) * QPREP_BYTES(D))
 #define QS(i, h) qs[(long)(i) * nh + ((h) - h0)]
 #define O(n, h) (out + ((long)(n) * H + (h)) * D)
-#define KS(blk, h) (i8 ? scales_at(kv->ks, kv, blk, h) : NULL)
-#define VS(blk, h) (i8 ? scales_at(kv->vs, kv, blk, h) : NULL)
+#define KS(blk, kh) (i8 ? scales_at(kv->ks, kv, blk, kh) : NULL)
+#define VS(blk, kh) (i8 ? scales_at(kv->vs, kv, blk, kh) : NULL)
     for (int n0 = r0; n0 < r0 + nr; n0 += ATT_QB) {
         const int nb = r0 + nr - n0 < ATT_QB ? r0 + nr - n0 : ATT_QB;
         for (int i = 0; i < nb; i++)
             for (int h = h0; h < h1; h++) q_prepare(q + ((long)(n0 + i) * H + h) * D, D, i8, QV(i, h), &QS(i, h));
         for (int j = 0; j * B < sl; j++) { /* shared blocks: scores of every query */
             const int tn = sl - j * B < B ? sl - j * B : B;
-            for (int h = h0; h < h1; h++) {
-                const char *kb = rows_at(kv, kv->k, stab[j], h);
-                const float *ks = KS(stab[j], h);
-                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->k, stab[j + 1], h), head_bytes);
-                for (int i = 0; i < nb; i++)
-                    for (int c = 0; c < tn; c += VW)
-                        scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
-                                 tn - c < VW ? tn - c : VW, D, scale, S(i, h) + j * B + c);
+            for (int kh = kh0; kh < kh1; kh++) {
+                const char *kb = rows_at(kv, kv->k, stab[j], kh);
+                const float *ks = KS(stab[j], kh);
+                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->k, stab[j + 1], kh), head_bytes);
+                for (int h = kh * G; h < kh * G + G; h++)
+                    for (int i = 0; i < nb; i++)
+                        for (int c = 0; c < tn; c += VW)
+                            scores_any(QV(i, h), QS(i, h), kb + c * row_bytes, ks ? ks + c : NULL,
+                                       tn - c < VW ? tn - c : VW, D, scale, S(i, h) + j * B + c);
             }
         }
         for (int i = 0; i < nb; i++) { /* each query's own blocks */
             const int n = n0 + i;
             for (int j = 0; j * B < ol; j++) {
                 const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
-                for (int h = h0; h < h1; h++) {
-                    const char *kb = rows_at(kv, kv->k, blk, h);
-                    const float *ks = KS(blk, h);
-                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->k, otab[(long)n * omax + j + 1], h), head_bytes);
-                    for (int c = 0; c < tn; c += VW)
-                        scores_any(QV(i, h), QS(i, h), kb + (long)c * D * (i8 ? 1 : 2), ks ? ks + c : NULL,
-                                 tn - c < VW ? tn - c : VW, D, scale, S(i, h) + sl + j * B + c);
+                for (int kh = kh0; kh < kh1; kh++) {
+                    const char *kb = rows_at(kv, kv->k, blk, kh);
+                    const float *ks = KS(blk, kh);
+                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->k, otab[(long)n * omax + j + 1], kh), head_bytes);
+                    for (int h = kh * G; h < kh * G + G; h++)
+                        for (int c = 0; c < tn; c += VW)
+                            scores_any(QV(i, h), QS(i, h), kb + c * row_bytes, ks ? ks + c : NULL,
+                                       tn - c < VW ? tn - c : VW, D, scale, S(i, h) + sl + j * B + c);
                 }
             }
             for (int h = h0; h < h1; h++) {
@@ -405,19 +419,22 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
         }
         for (int j = 0; j * B < sl; j++) { /* shared values */
             const int tn = sl - j * B < B ? sl - j * B : B;
-            for (int h = h0; h < h1; h++) {
-                const void *vb = rows_at(kv, kv->v, stab[j], h);
-                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->v, stab[j + 1], h), head_bytes);
-                for (int i = 0; i < nb; i++) values_any(S(i, h) + j * B, vb, VS(stab[j], h), tn, D, O(n0 + i, h));
+            for (int kh = kh0; kh < kh1; kh++) {
+                const void *vb = rows_at(kv, kv->v, stab[j], kh);
+                if ((j + 1) * B < sl) prefetch_span(rows_at(kv, kv->v, stab[j + 1], kh), head_bytes);
+                for (int h = kh * G; h < kh * G + G; h++)
+                    for (int i = 0; i < nb; i++) values_any(S(i, h) + j * B, vb, VS(stab[j], kh), tn, D, O(n0 + i, h));
             }
         }
         for (int i = 0; i < nb; i++) { /* own values */
             const int n = n0 + i;
             for (int j = 0; j * B < ol; j++) {
                 const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
-                for (int h = h0; h < h1; h++) {
-                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->v, otab[(long)n * omax + j + 1], h), head_bytes);
-                    values_any(S(i, h) + sl + j * B, rows_at(kv, kv->v, blk, h), VS(blk, h), tn, D, O(n, h));
+                for (int kh = kh0; kh < kh1; kh++) {
+                    const void *vb = rows_at(kv, kv->v, blk, kh);
+                    if ((j + 1) * B < ol) prefetch_span(rows_at(kv, kv->v, otab[(long)n * omax + j + 1], kh), head_bytes);
+                    for (int h = kh * G; h < kh * G + G; h++)
+                        values_any(S(i, h) + sl + j * B, vb, VS(blk, kh), tn, D, O(n, h));
                 }
             }
         }
@@ -430,23 +447,26 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
 #undef VS
 }
 
-/* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales */
-int attend_paged(const float *q, int N, int H, int D, const void *kc, const void *vc, const float *ks, const float *vs,
-                 int B, int G, const int *row0, const int *stab, const int *soff, const int *slen, const int *otab,
-                 int omax, const int *olen, float *out, float scale, int nthreads)
+/* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales, KH KV heads (H a multiple:
+   query head h reads KV head h / (H / KH)) */
+int attend_paged(const float *q, int N, int H, int KH, int D, const void *kc, const void *vc, const float *ks,
+                 const float *vs, int B, int G, const int *row0, const int *stab, const int *soff, const int *slen,
+                 const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
 {
-    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || H < 1 || (!ks != !vs)) return -1;
+    if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || KH < 1 || H < KH || H % KH || (!ks != !vs)) return -1;
     long maxL = 0;
     for (int g = 0; g < G; g++) {
         if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
         if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
     }
-    const pages_t kv = {kc, vc, ks, vs, H, B, D};
-    /* work items: (group, range of heads); a group's heads are split only as far as it takes to
-       give every thread about two items (a group's heads together read each block in one sweep) */
+    const int QG = H / KH; /* query heads per KV head */
+    const pages_t kv = {kc, vc, ks, vs, KH, B, D, QG};
+    /* work items: (group, range of KV heads with their query heads); a group's heads are split only as
+       far as it takes to give every thread about two items (a group's heads together read each block in
+       one sweep), never inside a KV head's query heads (they read its rows together) */
     int parts = nthreads > 1 ? (2 * nthreads + G - 1) / G : 1;
-    if (parts > H) parts = H;
-    const int hper = (H + parts - 1) / parts;
+    if (parts > KH) parts = KH;
+    const int hper = ((KH + parts - 1) / parts) * QG; /* query heads an item */
     parts = (H + hper - 1) / hper;
     const long nq = (long)ATT_QB * hper, sbytes = ((sizeof(float) * nq * maxL + 63) / 64) * 64;
     int failed = 0;
@@ -490,7 +510,8 @@ int attend_paged(const float *q, int N, int H, int D, const void *kc, const void
      its matmul (an int8 value row's scale multiplied in first), and packed in pairs of keys per
      query; value rows are interleaved in pairs (d-lanes), int8 ones widened to bfloat16, and
      out[i][d .. d + 16] += vdpbf16ps(value pair, query i's probability pair broadcast), float32.
-   q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even;
+   q bfloat16 at q[t * sq + h * D + d]; blocks as pages_t (bfloat16, or int8 with scales), B even; query
+   head h reads KV head h / (H / KH), a KV head's query heads one work item after another;
    out bfloat16 at out[t * so + h * D + d], rounded to nearest even once. */
 
 /* Shared by both tiles, HAVE_DP's and the vector layer's (their lanes are the tile's VW queries, query i at position pos0 + i):
@@ -553,7 +574,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     uint16_t *vp = (uint16_t *)(pp + (Lmax / 2 + 1) * PF_QT);
     uint32_t *qp = (uint32_t *)(vp + (Lmax / 2 + 1) * 2 * (long)kv->D);
     uint16_t *kw = (uint16_t *)(qp + (kv->D / 2) * PF_QT);
-    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL;
+    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL, kh = kv_head(kv, h); /* h: q and out; kh: the blocks */
     const long head_bytes = (long)B * D * (i8 ? 1 : 2);
     const int pos0 = start + p0, L = pos0 + nq, D2 = D / 2; /* keys of the tile's last query */
     for (int p = 0; p < D2; p++)
@@ -566,9 +587,9 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
         const int j = c0 / B, off = c0 % B;
         int n = B - off < 16 ? B - off : 16;
         if (L - c0 < n) n = L - c0;
-        const char *rows = rows_at(kv, kv->k, tab[j], h);
+        const char *rows = rows_at(kv, kv->k, tab[j], kh);
         const uint32_t *kr = (const uint32_t *)(rows + (long)off * D * (i8 ? 1 : 2));
-        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], h), head_bytes);
+        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], kh), head_bytes);
         if (i8) { /* the n keys widened to bfloat16 */
             for (int c = 0; c < n; c++)
                 for (int d = 0; d < D; d += 16)
@@ -584,7 +605,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
             for (int c = 0; c < 16; c++)
                 if (c < n) acc[c] = _mm512_dpbf16_ps(acc[c], qv, (__m512bh)_mm512_set1_epi32((int)kr[(long)c * D2 + p]));
         }
-        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
+        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], kh) + off : NULL;
         for (int c = 0; c < n; c++)
             tile_score(st, c0 + c, pos0, _mm512_mul_ps(acc[c], ks ? _mm512_set1_ps(scale * ks[c]) : vscale), &mx);
         c0 += n;
@@ -595,7 +616,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st + (long)kp * PF_QT), inv);
         __m512 b = kp + 1 < L ? _mm512_mul_ps(_mm512_loadu_ps(st + (long)(kp + 1) * PF_QT), inv) : _mm512_setzero_ps();
         if (i8) { /* the value rows' scales (kp, kp + 1 share a block: B is even) */
-            const float *vs = scales_at(kv->vs, kv, tab[kp / B], h) + kp % B;
+            const float *vs = scales_at(kv->vs, kv, tab[kp / B], kh) + kp % B;
             a = _mm512_mul_ps(a, _mm512_set1_ps(vs[0]));
             if (kp + 1 < L) b = _mm512_mul_ps(b, _mm512_set1_ps(vs[1]));
         }
@@ -603,9 +624,9 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     }
     /* value rows interleaved in pairs: vp[k][2d + r] = v[2k + r][d] (B even: a pair never spans blocks) */
     for (int kp = 0; kp < L; kp += 2) {
-        const char *v0 = (const char *)rows_at(kv, kv->v, tab[kp / B], h) + (long)(kp % B) * D * (i8 ? 1 : 2);
+        const char *v0 = (const char *)rows_at(kv, kv->v, tab[kp / B], kh) + (long)(kp % B) * D * (i8 ? 1 : 2);
         const char *v1 = v0 + (long)D * (i8 ? 1 : 2);
-        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(rows_at(kv, kv->v, tab[kp / B + 1], h), head_bytes);
+        if (kp % B == 0 && (kp / B + 1) * B < L) prefetch_span(rows_at(kv, kv->v, tab[kp / B + 1], kh), head_bytes);
         for (int d = 0; d < D; d += 16) {
             const __m256i lo = row16_bf16(kv, v0, d);
             const __m256i hi = kp + 1 < L ? row16_bf16(kv, v1, d) : _mm256_setzero_si256();
@@ -661,13 +682,13 @@ static long prefill_scratch_bytes(long Lmax, int D)
 /* out[i][d0 .. d0 + 2 VW) (with `two`; else d0 .. d0 + VW: D's last VW where D / VW is odd) for queries
    i0 .. i0 + 3 of the tile: sum over keys of p[i][key] v[key][d], value rows widened (exact) from
    bfloat16 or int8 (their scales already in p), float32 FMAs */
-static inline __attribute__((always_inline)) void prefill_values(const pages_t *kv, int h, const int *tab, int L,
+static inline __attribute__((always_inline)) void prefill_values(const pages_t *kv, int kh, const int *tab, int L,
                                                                   const float *st, int i0, int d0, int i8, int two,
                                                                   vf o[4][2])
 {
     const int B = kv->B, D = kv->D;
     for (int j = 0; j * B < L; j++) {
-        const char *rows = rows_at(kv, kv->v, tab[j], h);
+        const char *rows = rows_at(kv, kv->v, tab[j], kh);
         const int nr = L - j * B < B ? L - j * B : B;
         for (int r = 0; r < nr; r++) {
             const vf v0 = i8 ? vf_load_i8((const int8_t *)rows + (long)r * D + d0)
@@ -696,7 +717,7 @@ static inline __attribute__((always_inline)) void prefill_values(const pages_t *
 static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, int p0, int nq, const int *tab,
                          int start, uint16_t *out, long so, float scale, char *buf, long Lmax)
 {
-    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL;
+    const int B = kv->B, D = kv->D, i8 = kv->ks != NULL, kh = kv_head(kv, h); /* h: q and out; kh: the blocks */
     const long head_bytes = (long)B * D * (i8 ? 1 : 2);
     const int pos0 = start + p0, L = pos0 + nq; /* keys of the tile's last query */
     float *st = (float *)buf, *qt = st + Lmax * PF_QT, *kw = qt + (long)D * PF_QT;
@@ -709,8 +730,8 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
         const int j = c0 / B, off = c0 % B;
         int n = B - off < PF_KB ? B - off : PF_KB;
         if (L - c0 < n) n = L - c0;
-        const char *rows = (const char *)rows_at(kv, kv->k, tab[j], h) + (long)off * D * (i8 ? 1 : 2);
-        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], h), head_bytes);
+        const char *rows = (const char *)rows_at(kv, kv->k, tab[j], kh) + (long)off * D * (i8 ? 1 : 2);
+        if (off == 0 && (j + 1) * B < L) prefetch_span(rows_at(kv, kv->k, tab[j + 1], kh), head_bytes);
         for (int c = 0; c < n; c++) /* the n keys widened to float32 (exact) */
             for (int d = 0; d < D; d += VW)
                 vf_storeu(kw + (long)c * D + d, i8 ? vf_load_i8((const int8_t *)rows + (long)c * D + d)
@@ -724,7 +745,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
             for (int c = 0; c < PF_KB; c++)
                 if (c < n) acc[c] = vf_fmadd(qv, vf_set1(kw[(long)c * D + d]), acc[c]);
         }
-        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], h) + off : NULL;
+        const float *ks = i8 ? scales_at(kv->ks, kv, tab[j], kh) + off : NULL;
         for (int c = 0; c < n; c++) tile_score(st, c0 + c, pos0, vf_mul(acc[c], vf_set1(ks ? scale * ks[c] : scale)), &mx);
         c0 += n;
     }
@@ -732,7 +753,7 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
     const vf inv = tile_softmax(st, L, mx);
     for (int kp = 0; kp < L; kp++) {
         vf pv = vf_mul(vf_loadu(st + (long)kp * PF_QT), inv);
-        if (i8) pv = vf_mul(pv, vf_set1(scales_at(kv->vs, kv, tab[kp / B], h)[kp % B]));
+        if (i8) pv = vf_mul(pv, vf_set1(scales_at(kv->vs, kv, tab[kp / B], kh)[kp % B]));
         vf_storeu(st + (long)kp * PF_QT, vf_round_bf16(pv));
     }
     /* values */
@@ -743,11 +764,11 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) o[i][0] = o[i][1] = vf_zero();
             if (two) {
-                if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, 1, o);
-                else prefill_values(kv, h, tab, L, st, i0, d0, 0, 1, o);
+                if (i8) prefill_values(kv, kh, tab, L, st, i0, d0, 1, 1, o);
+                else prefill_values(kv, kh, tab, L, st, i0, d0, 0, 1, o);
             } else {
-                if (i8) prefill_values(kv, h, tab, L, st, i0, d0, 1, 0, o);
-                else prefill_values(kv, h, tab, L, st, i0, d0, 0, 0, o);
+                if (i8) prefill_values(kv, kh, tab, L, st, i0, d0, 1, 0, o);
+                else prefill_values(kv, kh, tab, L, st, i0, d0, 0, 0, o);
             }
             for (int i = 0; i < 4 && i0 + i < nq; i++) {
                 uint16_t *dst = out + (long)(p0 + i0 + i) * so + (long)h * D + d0;
@@ -760,12 +781,14 @@ static void prefill_tile(const uint16_t *q, long sq, const pages_t *kv, int h, i
 #endif
 
 /* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales */
-int prefill_paged(const uint16_t *q, long sq, int T, int H, int D, const void *kc, const void *vc, const float *ks,
-                  const float *vs, int B, const int *tab, int start, uint16_t *out, long so, float scale, int nthreads)
+int prefill_paged(const uint16_t *q, long sq, int T, int H, int KH, int D, const void *kc, const void *vc,
+                  const float *ks, const float *vs, int B, const int *tab, int start, uint16_t *out, long so, float scale,
+                  int nthreads)
 {
-    if (D % 16 || D > ATT_MAXD || T < 1 || H < 1 || B < 2 || B % 2 || start < 0 || (!ks != !vs)) return -1;
+    if (D % 16 || D > ATT_MAXD || T < 1 || KH < 1 || H < KH || H % KH || B < 2 || B % 2 || start < 0 || (!ks != !vs))
+        return -1;
     const long L = (long)start + T, tiles = (T + PF_QT - 1) / PF_QT;
-    const pages_t kv = {kc, vc, ks, vs, H, B, D};
+    const pages_t kv = {kc, vc, ks, vs, KH, B, D, H / KH};
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -776,7 +799,8 @@ int prefill_paged(const uint16_t *q, long sq, int T, int H, int D, const void *k
         }
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < (long)H * tiles; w++) {
-            /* heads inside tiles: the late (long) tiles of every head first, so the threads end together */
+            /* heads inside tiles: the late (long) tiles of every head first, so the threads end together;
+               a KV head's query heads one after another (they read its rows while they are in cache) */
             const int tile = (int)(tiles - 1 - w / H), h = (int)(w % H);
             const int p0 = tile * PF_QT, nq = T - p0 < PF_QT ? T - p0 : PF_QT;
             if (buf) prefill_tile(q, sq, &kv, h, p0, nq, tab, start, out, so, scale, buf, L);

@@ -362,8 +362,9 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of a whole batch over paged keys/values, float32 scores and softmax.
 
-    q (N, H, D); kc, vc (n_blocks, H, B, D) contiguous: bfloat16, or int8 whose values are
-    q * k_scale, v_scale (n_blocks, H, B) float32. int32 CPU tensors, contiguous:
+    q (N, H, D); kc, vc (n_blocks, KH, B, D) contiguous: bfloat16, or int8 whose values are
+    q * k_scale, v_scale (n_blocks, KH, B) float32; KH dividing H (grouped-query attention: query
+    head h reads KV head h // (H // KH), a KV head's rows read once for its query heads). int32 CPU tensors, contiguous:
     row0 (G + 1,) the first query row of each group (row0[G] = N); stab the groups' shared block
     tables one after another, group g's from soff[g], holding slen[g] tokens; otab (N, omax) each
     row's own blocks, holding olen[g] tokens for the rows of group g. Returns (N, H, D) float32.
@@ -373,7 +374,7 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
         _lib_or_raise("attention_paged", "attention")
     N, H, D = q.shape
     _, h, B, d, ks, vs = _pages("attention_paged", kc, vc, k_scale, v_scale)
-    if (h, d) != (H, D):
+    if d != D or H % h:
         raise _bad("attention_paged", f"blocks of {h} heads of {d} do not match queries of {H} heads of {D}")
     ints = (row0, stab, soff, slen, otab, olen)
     if any(t.dtype is not torch.int32 or not t.is_contiguous() for t in ints):
@@ -383,7 +384,7 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
         raise _bad("attention_paged", f"tables do not match {G} groups of {N} rows")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty((N, H, D), dtype=torch.float32)
-    rc = loader._attend_paged(qf.data_ptr(), N, H, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B, G, row0.data_ptr(),
+    rc = loader._attend_paged(qf.data_ptr(), N, H, h, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B, G, row0.data_ptr(),
                               stab.data_ptr(), soff.data_ptr(), slen.data_ptr(), otab.data_ptr(), otab.shape[1],
                               olen.data_ptr(), out.data_ptr(), 1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
@@ -397,7 +398,8 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
 
     q (T, H, D) bfloat16 on CPU, the queries of positions start .. start + T - 1, each head's D
     values contiguous (any stride between tokens: a view into the fused q|k|v projection serves);
-    kc, vc (n_blocks, H, B, D), B even: bfloat16, or int8 with scales (as attention_paged's); table:
+    kc, vc (n_blocks, KH, B, D), B even, KH dividing H (query head h reads KV head h // (H // KH)):
+    bfloat16, or int8 with scales (as attention_paged's); table:
     the sequence's blocks, int32, at least ceil((start + T) / B) of them. Returns (T, H, D)
     bfloat16: float32 scores (exact bfloat16 products) and softmax; the probabilities rounded to
     bfloat16 (as HF rounds them to the values' dtype) and summed against the values in float32,
@@ -407,8 +409,9 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
         _lib_or_raise("prefill_paged", "attention")
     T, H, D = q.shape
     _, h, B, d, ks, vs = _pages("prefill_paged", kc, vc, k_scale, v_scale)
-    if q.dtype is not _bf16 or not q.is_cpu or (h, d) != (H, D):
-        raise _bad("prefill_paged", f"queries must be bfloat16 on CPU with the blocks' {h} heads of {d}")
+    if q.dtype is not _bf16 or not q.is_cpu or d != D or H % h:
+        raise _bad("prefill_paged", f"queries must be bfloat16 on CPU, heads of the blocks' {d} values, a multiple "
+                   f"of their {h} heads")
     if B % 2:
         raise _bad("prefill_paged", f"blocks must hold an even number of tokens, got {B}")
     if table.dtype is not torch.int32 or not table.is_contiguous() or table.numel() * B < start + T:
@@ -416,7 +419,7 @@ def prefill_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
     out = torch.empty((T, H, D), dtype=_bf16)
-    rc = loader._prefill_paged(q.data_ptr(), q.stride(0), T, H, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B,
+    rc = loader._prefill_paged(q.data_ptr(), q.stride(0), T, H, h, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B,
                                table.data_ptr(), int(start), out.data_ptr(), H * D, 1.0 / float(D) ** 0.5,
                                torch.get_num_threads())
     if rc != 0:

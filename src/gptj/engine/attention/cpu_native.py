@@ -7,6 +7,10 @@ layer). A prompt chunk attends over its blocks in place (native.prefill_paged: c
 gathered copy), and the new keys and values are stored (int8: rounded) in one pass
 (native.store_kv). gptj.policy.attention_path chooses it only where all of that holds; a store
 whose keys are laid out otherwise goes through the reference's indexing.
+
+Grouped-query attention (Llama: the blocks hold fewer KV heads than the model has query heads, a
+divisor of them): both kernels read KV head h // group for query head h, and decode walks each KV
+head's rows of a block once for all of its query heads (tests/test_attention_gqa.py).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ blocks in place (a whole prompt over float blocks: SDPA on its own keys, the ref
 stores by one Triton kernel for a layer's keys and values (int8 and e4m3 quantized in it): the
 reference's values bit for bit, in one launch where indexing and the quantizer take two to twenty.
 
-The kernel runs one program per (decode group, head). A group's rows — one sequence, or the beams
-of one request — are one tile of queries (R, D): the group's shared blocks (its prompt) are read
-once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
+The kernels (engine/attention/triton_paged.py) run one program per (decode group, KV head). A group's
+rows — one sequence, or the beams of one request — are one tile of queries (R, D), a row per query
+head of the KV head where models group their query heads (Llama's grouped-query attention; one for
+GPT-J), so each KV head's blocks are read once for all of them: the group's shared blocks (its
+prompt) are read once for all of its rows, then each row's own blocks. Scores and softmax are float32 (HF's rule),
 the softmax online (flash-decoding's running max and sum, one pass over the keys and values);
 quantized blocks (int8 or e4m3) are read in place with their per-token-head scales. The step's
 groups come as the same int32 DecodeTables gptj.native reads, made once per step and copied to the
@@ -57,6 +59,7 @@ import torch
 from gptj.engine.attention.base import StepMetadata, host_tensor, row_tile
 from gptj.engine.attention.kv_cache import PagedKV
 from gptj.engine.attention.reference import ReferenceAttention
+from gptj.engine.attention import triton_paged  # the decode and prefill kernels
 
 log = logging.getLogger(__name__)
 
@@ -67,291 +70,6 @@ try:
     from gptj.quant.cuda import quantize_values, row_scale  # the quantizers' jit helpers (the KV store's)
 except ImportError:  # policy.attention_path chooses this backend only where Triton is installed
     triton = None
-
-
-if triton is not None:
-    @triton.jit
-    def _softmax_tile(s, v, m, den, acc):
-        """One tile of keys into the running softmax: scores s (R, B), -inf where masked; values v
-        (R or 1, B, D) float32; running max m (R,), sum den (R,), weighted values acc (R, D)."""
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)  # the old sums' rescale (0 at the first tile: m = -inf)
-        p = tl.exp(s - m_new[:, None])
-        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
-
-    @triton.jit
-    def _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
-                    omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B: tl.constexpr,
-                    KEYS: tl.constexpr, QUANTIZED: tl.constexpr):
-        """Each row's own blocks (beams: what they wrote since the prompt) into its running softmax,
-        an (R, KEYS, D) tile a step (KEYS tokens of one block, KEYS dividing B), float32 on CUDA
-        cores: q (R, D) float32, olen the rows' own tokens -> (m, den, acc)."""
-        t = tl.arange(0, KEYS)
-        for j in range(0, tl.cdiv(olen, KEYS)):
-            block = tl.load(otab_ptr + rows * omax + j * KEYS // B, mask=rmask, other=0).to(tl.int64)  # (R,)
-            row = j * KEYS % B + t  # the tokens' rows in their block
-            tmask = j * KEYS + t < olen
-            at = block[:, None, None] * s_kb + h * s_kh + row[None, :, None] * s_kt + d[None, None, :]
-            kvmask = rmask[:, None, None] & tmask[None, :, None] & dmask[None, None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (R, KEYS, D)
-            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
-            if QUANTIZED:
-                sat = block[:, None] * s_sb + h * s_sh + row[None, :]
-                smask = rmask[:, None] & tmask[None, :]
-                k = k * tl.load(ks_ptr + sat, mask=smask, other=0.0)[:, :, None]
-                v = v * tl.load(vs_ptr + sat, mask=smask, other=0.0)[:, :, None]
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # (R, KEYS)
-            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v, m, den, acc)
-        return m, den, acc
-
-    @triton.jit
-    def _span(slen, s, S, SPAN: tl.constexpr):
-        """Split s's part of a group's slen shared tokens: (first token, end, the group's spans, s is its
-        last). A group's spans are SPAN tokens each (at least one: a group without shared tokens has
-        one, empty), at most S (the launch's splits: the last takes the rest); a split past them
-        reads nothing."""
-        spans = tl.minimum(tl.maximum(tl.cdiv(slen, SPAN), 1), S)
-        first = s * SPAN
-        end = tl.where(s == spans - 1, slen, tl.minimum(slen, first + SPAN))
-        return first, tl.where(s < spans, end, first), spans, s == spans - 1
-
-    @triton.jit
-    def _finish_rows(m, den, acc, rows, rmask, d, dmask, h, s, spans, out_ptr, s_on, s_oh,
-                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D):
-        """A split's running softmax (m, den, acc) of its rows: a group of one span stores its
-        output; of more, each split its partial (acc, and m, den), which _merge_splits_kernel
-        combines, and split 0 the rows' span count."""
-        whole = tl.where(spans == 1, rmask, False)  # (tl.where: the interpreter's rmask & scalar is not a mask)
-        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every row (its top key adds exp(0)); 0 on padding
-        tl.store(out_ptr + rows[:, None] * s_on + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=whole[:, None] & dmask[None, :])
-        if S > 1:  # (the launch's splits: with one, no partials, no count)
-            part = tl.where(spans == 1, False, rmask)
-            at = (rows.to(tl.int64) * H + h) * S + s  # (R,) partial (row, head, split)
-            tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc, mask=part[:, None] & dmask[None, :])
-            tl.store(pml_ptr + at * 2, m, mask=part)
-            tl.store(pml_ptr + at * 2 + 1, den, mask=part)
-            tl.store(pspan_ptr + rows.to(tl.int64) * H + h, spans, mask=tl.where(s == 0, rmask, False))
-
-    @triton.jit(do_not_specialize=["S"])
-    def _merge_splits_kernel(pacc_ptr, pml_ptr, pspan_ptr, out_ptr, H, S, D, s_on, s_oh, BLOCK_D: tl.constexpr):
-        """Program (row n, head h): a row of more than one span, its splits' partials merged in
-        order 0, 1, ... (the online softmax's rescale, a span at a time) and stored; rows of one
-        span stored their output already."""
-        n = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        spans = tl.load(pspan_ptr + n * H + h)
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        m = tl.full([1], float("-inf"), tl.float32)
-        den = tl.zeros([1], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s in range(0, tl.where(spans > 1, spans, 0)):
-            at = (n * H + h) * S + s
-            ms = tl.load(pml_ptr + at * 2 + tl.arange(0, 1))  # every span has a key: finite
-            ds = tl.load(pml_ptr + at * 2 + 1 + tl.arange(0, 1))
-            m_new = tl.maximum(m, ms)
-            alpha = tl.exp(m - m_new)  # 0 at the first span (m = -inf)
-            beta = tl.exp(ms - m_new)
-            den = den * alpha + ds * beta
-            acc = acc * alpha + tl.load(pacc_ptr + at * D + d, mask=dmask, other=0.0) * beta
-            m = m_new
-        out = acc / tl.maximum(den, 1.0)
-        tl.store(out_ptr + n * s_on + h * s_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=tl.where(spans > 1, dmask, False))
-
-    @triton.jit(do_not_specialize=["omax", "lo", "hi", "S"])
-    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
-                             row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                             pacc_ptr, pml_ptr, pspan_ptr,
-                             omax, lo, hi, S, scale, H, D,
-                             s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                             B: tl.constexpr, KEYS: tl.constexpr, SPAN: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr):
-        """Program (group g, head h, split s), for groups of lo to hi rows (others: another launch's):
-        the group's shared tokens of span s (_span), and if s is the group's last span, each row's
-        own blocks; keys and values KEYS tokens a step (decode_tiles)."""
-        g = tl.program_id(0)
-        h = tl.program_id(1)
-        split = tl.program_id(2)
-        first = tl.load(row0_ptr + g)
-        end = tl.load(row0_ptr + g + 1)
-        t0, t1, spans, last = _span(tl.load(slen_ptr + g), split, S, SPAN)
-        take = (end - first >= lo) & (end - first <= hi) & (split < spans)  # (not an early return: ptxas spilled)
-        end = tl.where(take, end, first)  # another launch's group, or a split past its spans: no rows, no keys
-        rows = first + tl.arange(0, BLOCK_R)
-        rmask = rows < end
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        t = tl.arange(0, KEYS)
-        q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max of each row's scores
-        den = tl.zeros([BLOCK_R], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)  # running sum of exp(score - m) * value
-
-        # the span's shared tokens: one (KEYS, D) tile of keys and values for all of the group's rows
-        t1 = tl.where(take, t1, t0)
-        soff = tl.load(soff_ptr + g)
-        for j in range(t0 // KEYS, tl.cdiv(t1, KEYS)):
-            block = tl.load(stab_ptr + soff + j * KEYS // B).to(tl.int64)
-            row = j * KEYS % B + t  # the tokens' rows in their block
-            tmask = j * KEYS + t < t1
-            at = block * s_kb + h * s_kh + row[:, None] * s_kt + d[None, :]
-            kvmask = tmask[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)  # (KEYS, D)
-            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0).to(tl.float32)
-            if QUANTIZED:
-                sat = block * s_sb + h * s_sh + row
-                k = k * tl.load(ks_ptr + sat, mask=tmask, other=0.0)[:, None]
-                v = v * tl.load(vs_ptr + sat, mask=tmask, other=0.0)[:, None]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (R, KEYS)
-            m, den, acc = _softmax_tile(tl.where(tmask[None, :], s, float("-inf")), v[None, :, :], m, den, acc)
-
-        # each row's own blocks (beams: what they wrote since the prompt), in the group's last span: an
-        # (R, KEYS, D) tile
-        olen = tl.where(take & last, tl.load(olen_ptr + g), 0)
-        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
-                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
-        _finish_rows(m, den, acc, rows, rmask, d, dmask, h, split, spans, out_ptr, s_on, s_oh,
-                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D)
-
-
-if triton is not None:
-    @triton.jit(do_not_specialize=["omax", "lo", "hi", "S"])
-    def _paged_decode_dot_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr,
-                                 row0_ptr, stab_ptr, soff_ptr, slen_ptr, otab_ptr, olen_ptr,
-                                 pacc_ptr, pml_ptr, pspan_ptr,
-                                 omax, lo, hi, S, scale, H, D,
-                                 s_qn, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_on, s_oh,
-                                 B: tl.constexpr, KEYS: tl.constexpr, SPAN: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 DOT_R: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
-                                 IEEE: tl.constexpr):
-        """_paged_decode_kernel's "dot" variant: the group's shared blocks by tl.dot (tensor cores) on a
-        tile of DOT_R = max(16, BLOCK_R) rows, with the prefill kernel's conventions (float32: IEEE;
-        16-bit: q and keys in their dtype, the probabilities rounded to the values' dtype, float32
-        sums; quantized blocks dequantized to the compute dtype); the running softmax then moves to
-        the BLOCK_R rows (an exact selection) and each row's own blocks are read as the "sum" kernel
-        reads them. Groups of lo to hi rows (others: another launch's); split s as the "sum" kernel's."""
-        g = tl.program_id(0)
-        h = tl.program_id(1)
-        split = tl.program_id(2)
-        first = tl.load(row0_ptr + g)
-        end = tl.load(row0_ptr + g + 1)
-        t0, t1, spans, last = _span(tl.load(slen_ptr + g), split, S, SPAN)
-        take = (end - first >= lo) & (end - first <= hi) & (split < spans)  # (not an early return: ptxas spilled)
-        end = tl.where(take, end, first)  # another launch's group, or a split past its spans: no rows, no keys
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        t = tl.arange(0, B)
-        r16 = tl.arange(0, DOT_R)
-        q16 = tl.load(q_ptr + (first + r16)[:, None] * s_qn + h * s_qh + d[None, :],
-                      mask=((first + r16) < end)[:, None] & dmask[None, :], other=0.0)  # (DOT_R, D), q's dtype
-        m16 = tl.full([DOT_R], float("-inf"), tl.float32)
-        den16 = tl.zeros([DOT_R], tl.float32)
-        acc16 = tl.zeros([DOT_R, BLOCK_D], tl.float32)
-
-        # the span's shared blocks: scores (DOT_R, B) = q . k^T and values p . v, both by tl.dot
-        t1 = tl.where(take, t1, t0)
-        soff = tl.load(soff_ptr + g)
-        for j in range(t0 // B, tl.cdiv(t1, B)):
-            block = tl.load(stab_ptr + soff + j).to(tl.int64)
-            tmask = j * B + t < t1
-            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
-            kvmask = tmask[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + at, mask=kvmask, other=0.0)  # (B, D)
-            v = tl.load(vc_ptr + at, mask=kvmask, other=0.0)
-            if QUANTIZED:  # dequantized to the compute dtype, as the prefill kernel reads them
-                sat = block * s_sb + h * s_sh + t
-                k = k.to(tl.float32) * tl.load(ks_ptr + sat, mask=tmask, other=0.0)[:, None]
-                v = v.to(tl.float32) * tl.load(vs_ptr + sat, mask=tmask, other=0.0)[:, None]
-            k = k.to(q16.dtype)
-            v = v.to(q16.dtype)
-            if IEEE:
-                s = tl.dot(q16, tl.trans(k), input_precision="ieee") * scale  # (DOT_R, B) float32
-            else:
-                s = tl.dot(q16, tl.trans(k)) * scale
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m16, tl.max(s, axis=1))
-            alpha = tl.exp(m16 - m_new)  # 0 at the first tile (m = -inf); every tile has a key
-            p = tl.exp(s - m_new[:, None])
-            den16 = den16 * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc16 = acc16 * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:  # the probabilities rounded to the values' dtype (HF's rule), summed in float32
-                acc16 = acc16 * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m16 = m_new
-
-        # the running softmax from the DOT_R tile to the BLOCK_R rows: each row's own values, exactly
-        if DOT_R == BLOCK_R:
-            m, den, acc = m16, den16, acc16
-        else:
-            pick = tl.arange(0, BLOCK_R)[:, None] == r16[None, :]  # (R, DOT_R)
-            m = tl.max(tl.where(pick, m16[None, :], float("-inf")), axis=1)
-            den = tl.sum(tl.where(pick, den16[None, :], 0.0), axis=1)
-            acc = tl.sum(tl.where(pick[:, :, None], acc16[None, :, :], 0.0), axis=1)
-
-        # each row's own blocks: as _paged_decode_kernel reads them (float32 on CUDA cores)
-        rows = first + tl.arange(0, BLOCK_R)
-        rmask = rows < end
-        q = tl.load(q_ptr + rows[:, None] * s_qn + h * s_qh + d[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (R, D)
-        olen = tl.where(take & last, tl.load(olen_ptr + g), 0)
-        m, den, acc = _own_blocks(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, otab_ptr, olen, rows, rmask, d, dmask,
-                                  omax, scale, h, s_kb, s_kh, s_kt, s_sb, s_sh, m, den, acc, B, KEYS, QUANTIZED)
-        _finish_rows(m, den, acc, rows, rmask, d, dmask, h, split, spans, out_ptr, s_on, s_oh,
-                     pacc_ptr, pml_ptr, pspan_ptr, H, S, D)
-
-
-if triton is not None:
-    @triton.jit(do_not_specialize=["start", "T"])  # a chunk's start and length vary: one binary for all
-    def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr,
-                              start, T, scale, D,
-                              s_qt, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_ot, s_oh,
-                              B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                              QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
-        """One (tile of BLOCK_M queries, head): causal attention over the sequence's blocks in place."""
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        qi = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        qmask = qi < T
-        qpos = start + qi
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        t = tl.arange(0, B)
-        q = tl.load(q_ptr + qi[:, None] * s_qt + h * s_qh + d[None, :], mask=qmask[:, None] & dmask[None, :],
-                    other=0.0)  # (M, D) in the compute dtype
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        den = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        last = start + tl.minimum(tile * BLOCK_M + BLOCK_M, T) - 1  # the tile's last query position
-        for j in range(0, last // B + 1):
-            block = tl.load(table_ptr + j).to(tl.int64)
-            stored = j * B + t <= last  # rows past the tile's last query are unwritten (never read)
-            at = block * s_kb + h * s_kh + t[:, None] * s_kt + d[None, :]
-            k = tl.load(kc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)  # (B, D)
-            v = tl.load(vc_ptr + at, mask=stored[:, None] & dmask[None, :], other=0.0)
-            if QUANTIZED:  # dequantized to the compute dtype, as the reference reads quantized blocks
-                sat = block * s_sb + h * s_sh + t
-                k = (k.to(tl.float32) * tl.load(ks_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * tl.load(vs_ptr + sat, mask=stored, other=0.0)[:, None]).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (M, B) float32
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where((j * B + t)[None, :] <= qpos[:, None], s, float("-inf"))  # causal
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:  # the probabilities rounded to the values' dtype (HF's rule), summed in float32
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / tl.maximum(den, 1.0)[:, None]  # den >= 1 on every query (its top key adds exp(0))
-        tl.store(out_ptr + qi[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=qmask[:, None] & dmask[None, :])
 
 
 if triton is not None:
@@ -500,18 +218,37 @@ TILE_VALUES_PER_THREAD = 64
 # from this tile on, 8 warps: "dot" at 4 warps spilled 20-64 B at tiles 4 and 16 (bf16) under Triton 3.9,
 # 8 B at tile 2 (int8 / e4m3 KV) under 3.6; at 8 warps none under either (docs/GPU.md, "Compiled without a GPU")
 WIDE_TILE = 2
+# grouped-query attention's tiles (a lane per row and query head) read at most this many keys a step:
+# at Llama-3.1-8B's heads (4 query heads a KV head, 128 values) tile 1's 4 lanes x 16 keys spilled 8 B
+# (int8 KV, 8 warps, sm_90a, Triton 3.9: benchmarks/gpu_compile.py), 8 keys none (109 registers)
+GROUPED_KEYS = 8
 
 
-def decode_tiles(tile: int, block_size: int, head_dim: int) -> tuple[int, int]:
-    """(KEYS, num_warps) of a decode kernel over groups of `tile` rows: the tokens of a block read a
-    loop step (a power of two dividing block_size) so that an (R, KEYS, D) tile of float32 keys is
-    TILE_VALUES_PER_THREAD values a thread of 4 warps, and the warps (8 from WIDE_TILE rows). A row's
-    sums follow KEYS: a group's rows are the same bit for bit in any step of the same tile (and block
-    size). Tile 1 over blocks of 16 (single sequences, the default) reads a whole block a step, as
-    the kernel did before KEYS."""
-    budget = TILE_VALUES_PER_THREAD * 32 * 4 // (tile * triton.next_power_of_2(head_dim))
+def decode_tiles(tile: int, block_size: int, head_dim: int, group: int = 1) -> tuple[int, int]:
+    """(KEYS, num_warps) of a decode kernel over groups of `tile` rows, `group` lanes a row (a KV
+    head's query heads, a power of two; 1 without grouping): the tokens of a block read a loop step (a
+    power of two dividing block_size) so that an (R, KEYS, D) tile of float32 keys (R: the lanes) is
+    TILE_VALUES_PER_THREAD values a thread of 4 warps (grouped: GROUPED_KEYS at most), and the warps
+    (8 from WIDE_TILE lanes). A row's sums follow KEYS: a group's rows are the same bit for bit in any
+    step of the same tile (and block size). Tile 1 over blocks of 16 (single sequences, the default)
+    reads a whole block a step, as the kernel did before KEYS."""
+    lanes = tile * group
+    budget = TILE_VALUES_PER_THREAD * 32 * 4 // (lanes * triton.next_power_of_2(head_dim))
     keys = 1 << max(0, budget.bit_length() - 1) if budget else 1
-    return min(block_size, keys), 8 if tile >= WIDE_TILE else 4
+    if group > 1:
+        keys = min(keys, GROUPED_KEYS)
+    return min(block_size, keys), 8 if lanes >= WIDE_TILE else 4
+
+
+def kv_groups(name: str, heads: int, kc: torch.Tensor) -> tuple[int, int, int]:
+    """(KV heads, GROUP query heads each, GP: GROUP rounded up to a power of two) of blocks kc
+    (n_blocks, KV heads, B, D) read by `heads` query heads (grouped-query attention: query head h
+    reads KV head h // GROUP; the kernels' tile has GP lanes per KV head and row)."""
+    kv_heads = kc.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{name}: {heads} query heads are not whole groups of the blocks' {kv_heads} KV heads")
+    group = heads // kv_heads
+    return kv_heads, group, triton.next_power_of_2(group)
 
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, start: int,
@@ -519,7 +256,8 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     """A prompt chunk's causal attention over its sequence's blocks, in place (the Triton kernel).
 
     q (T, H, D): the queries of positions start .. start + T - 1, each head's D values contiguous;
-    kc, vc (n_blocks, H, B, D) contiguous with B >= 16, the chunk's own keys and values already
+    kc, vc (n_blocks, KH, B, D) contiguous with B >= 16, KH dividing H (query head h reads KV head
+    h // (H // KH): kv_groups; a program a tile of queries and KV head), the chunk's own keys and values already
     stored (float, or int8 / e4m3 with scales as paged_decode's); table: the sequence's blocks (int64),
     at least ceil((start + T) / B). -> (T, H, D) in q's dtype: float32 scores and softmax; below
     float32 the probabilities are rounded to the values' dtype before the sum (HF's rule)."""
@@ -529,15 +267,16 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: to
     B = kc.shape[2]
     if q.stride(-1) != 1 or not kc.is_contiguous() or not vc.is_contiguous() or B < PREFILL_TILE:
         raise ValueError("paged_prefill: contiguous heads and KV blocks of at least 16 tokens")
+    kv_heads, group, gp = kv_groups("paged_prefill", H, kc)
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     quantized = k_scale is not None
     ks, vs = (k_scale, v_scale) if quantized else (kc, vc)
-    _paged_prefill_kernel[(triton.cdiv(T, PREFILL_TILE), H)](
+    triton_paged._paged_prefill_kernel[(triton.cdiv(T, PREFILL_TILE), kv_heads)](
         q, kc, vc, ks, vs, out, table, start, T, 1.0 / math.sqrt(D), D,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1),
         B=B, BLOCK_M=PREFILL_TILE, BLOCK_D=triton.next_power_of_2(D), QUANTIZED=quantized,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, GROUP=group, GP=gp)
     return out
 
 
@@ -566,8 +305,10 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     (per group: "sum" for single sequences, "dot" for groups of DOT_MIN_ROWS rows or more):
     decode_launches.
 
-    q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, H, B, D) contiguous, float, or
-    int8 or e4m3 with k_scale, v_scale (n_blocks, H, B) float32 (the value is q * scale); tables: the
+    q (N, H, D), each head's D values contiguous; kc, vc (n_blocks, KH, B, D) contiguous, KH dividing
+    H (query head h reads KV head h // (H // KH): kv_groups; a program a group and KV head, its tile
+    a lane per row and query head of it), float, or
+    int8 or e4m3 with k_scale, v_scale (n_blocks, KH, B) float32 (the value is q * scale); tables: the
     step's DecodeTables (row0, stab, soff, slen, otab, olen) on q's device; max_rows: the most rows
     of one group; max_shared: the most shared tokens of one group (DecodeTables.max_shared), which
     sets the launch's splits (decode_splits): a group's spans of `span` tokens (SPLIT_SPAN; a multiple
@@ -583,6 +324,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
         raise ValueError("paged_decode: q's heads and the KV blocks must be contiguous")
     if span < 1 or span % B:
         raise ValueError(f"paged_decode: a span of {span} tokens is not a multiple of the block size {B}")
+    kv_heads, group, gp = kv_groups("paged_decode", H, kc)
     row0, stab, soff, slen, otab, olen = tables
     out = torch.empty((N, H, D), dtype=out_dtype, device=q.device)
     S = decode_splits(max_shared, span)
@@ -598,18 +340,19 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: tu
     args = (q, kc, vc, ks, vs, out, row0, stab, soff, slen, otab, olen, pacc, pml, pspan, otab.shape[1])
     strides = (1.0 / math.sqrt(D), H, D, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                ks.stride(0) if quantized else 0, ks.stride(1) if quantized else 0, out.stride(0), out.stride(1))
+    grid = (len(soff), kv_heads, S)
     for kernel, tile, lo, hi in decode_launches(variant, max_rows, B):
-        keys, warps = decode_tiles(tile, B, D)
+        keys, warps = decode_tiles(tile, B, D, gp)  # the tile's lanes: rows x the group's query heads
         sizes = dict(B=B, KEYS=keys, SPAN=span, BLOCK_R=tile, BLOCK_D=triton.next_power_of_2(D),
-                     QUANTIZED=quantized, num_warps=warps)
+                     QUANTIZED=quantized, GROUP=group, GP=gp, num_warps=warps)
         if kernel == "dot":
-            _paged_decode_dot_kernel[(len(soff), H, S)](*args, lo, hi, S, *strides, DOT_R=max(PREFILL_TILE, tile),
+            triton_paged._paged_decode_dot_kernel[grid](*args, lo, hi, S, *strides, DOT_R=max(PREFILL_TILE, tile * gp),
                                                         IEEE=q.dtype == torch.float32, **sizes)
         else:
-            _paged_decode_kernel[(len(soff), H, S)](*args, lo, hi, S, *strides, **sizes)
+            triton_paged._paged_decode_kernel[grid](*args, lo, hi, S, *strides, **sizes)
     if S > 1:
-        _merge_splits_kernel[(N, H)](pacc, pml, pspan, out, H, S, D, out.stride(0), out.stride(1),
-                                     BLOCK_D=triton.next_power_of_2(D))
+        triton_paged._merge_splits_kernel[(N, H)](pacc, pml, pspan, out, H, S, D, out.stride(0), out.stride(1),
+                                                  BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
