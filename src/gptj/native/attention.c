@@ -367,11 +367,14 @@ static inline void values_any(const float *p, const void *vr, const float *vs, i
    to ATT_QB at a time) of each of its G query heads while they are in cache: a KV head's rows are
    read from memory once for its G query heads (G = 1: one KV head per query head, the same loops).
    Scratch: s ATT_QB x (h1 - h0) x L scores; qv, qs the block of queries prepared (q_prepare),
-   ATT_QB x (h1 - h0). */
-static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
-                        const int *otab, int omax, int ol, float *out, float scale, float *s, char *qv, float *qs)
+   ATT_QB x (h1 - h0). G is kv->G, a constant 1 in paged_group's first expansion: one KV head per query
+   head compiles to the loops of a kernel without grouping. */
+static inline __attribute__((always_inline)) void paged_group_g(const float *q, const pages_t *kv, int h0, int h1,
+                                                                int r0, int nr, const int *stab, int sl,
+                                                                const int *otab, int omax, int ol, float *out,
+                                                                float scale, float *s, char *qv, float *qs, const int G)
 {
-    const int G = kv->G, H = kv->H * G, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
+    const int H = kv->H * G, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
     const int kh0 = h0 / G, kh1 = h1 / G;
     const long head_bytes = (long)B * D * (kv->ks ? 1 : 2), row_bytes = (long)D * (kv->ks ? 1 : 2);
     const int i8 = kv->ks != NULL;
@@ -445,6 +448,13 @@ static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r
 #undef O
 #undef KS
 #undef VS
+}
+
+static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
+                        const int *otab, int omax, int ol, float *out, float scale, float *s, char *qv, float *qs)
+{
+    if (kv->G == 1) paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, out, scale, s, qv, qs, 1);
+    else paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, out, scale, s, qv, qs, kv->G);
 }
 
 /* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales, KH KV heads (H a multiple:
