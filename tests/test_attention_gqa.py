@@ -29,6 +29,8 @@ from test_engine_llama import U_BF16, bound, prompts_of, tiny
 SHAPES = [(8, 2), (6, 2), (4, 1), (4, 4)]
 SHAPE_IDS = [f"{h}over{k}" for h, k in SHAPES]
 needs_triton = pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))
+on_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="gptj.native reads CPU blocks (test_attention_backends' pools "
+                            "are on the GPU here)")
 
 
 def repeated(kv: att.PagedKV, group: int, storage: str, compute: torch.dtype) -> att.PagedKV:
@@ -66,6 +68,7 @@ def decode_on(backend: str, kv: att.PagedKV, groups: list[att.DecodeGroup], q: t
 
 # --- gptj.native -------------------------------------------------------------------------------------
 
+@on_cpu
 @pytest.mark.parametrize("H, KH, B", [(h, k, b) for (h, k), b in zip(SHAPES, (16, 8, 16, 8))], ids=SHAPE_IDS)
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])
 def test_native_decode_reads_each_query_heads_kv_head(native_isa, H, KH, storage, B):
@@ -87,8 +90,8 @@ def prefill_bound(kv: att.PagedKV, blocks: list[int], q: torch.Tensor, start: in
     and the values' own rounding 2u p.|v|, the output's rounding u |out|, float32 sums (4L + 16) 2^-24."""
     T, H, D = q.shape
     end = start + T
-    k, v = (x.repeat_interleave(group, dim=0) for x in exact_values(kv, blocks, end))  # (H, end, D)
-    qd = q.double().transpose(0, 1)
+    k, v = (x.cpu().repeat_interleave(group, dim=0) for x in exact_values(kv, blocks, end))  # (H, end, D)
+    qd = q.cpu().double().transpose(0, 1)
     s = qd @ k.transpose(1, 2) / D**0.5
     causal = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
     p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
@@ -97,10 +100,11 @@ def prefill_bound(kv: att.PagedKV, blocks: list[int], q: torch.Tensor, start: in
     vmax = v.abs().amax((1, 2))[:, None, None]
     bound = (u * (want.abs().transpose(0, 1) + 2 * (p @ v.abs()))
              + (2.01 * delta[..., None] + (4 * end + 16) * 2.0**-24) * vmax).transpose(0, 1)
-    err = (got.double() - want).abs()
+    err = (got.cpu().double() - want).abs()
     assert (err <= bound).all(), float((err / bound).max())
 
 
+@on_cpu
 @pytest.mark.parametrize("H, KH, storage", [(h, k, s) for (h, k), s in zip(SHAPES, ("int8", "bfloat16") * 2)],
                          ids=SHAPE_IDS)
 def test_native_prefill_reads_each_query_heads_kv_head(native_isa, H, KH, storage):
@@ -118,6 +122,7 @@ def test_native_prefill_reads_each_query_heads_kv_head(native_isa, H, KH, storag
     prefill_bound(kv, blocks, q, start, got, UNIT[torch.bfloat16], H // KH)
 
 
+@on_cpu
 def test_native_refuses_query_heads_that_are_not_whole_groups(native_isa):
     kv = make_pool(2, 32, 16, 4, "bfloat16", torch.bfloat16, seed=0)
     q = torch.zeros(3, 3, 32, dtype=torch.bfloat16)
@@ -245,7 +250,7 @@ def test_the_cuda_prefill_kernel_reads_each_query_heads_kv_head(H, KH, storage, 
     q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(6)).to(compute).to(DEVICE)
     got = paged_prefill(q, kv.k[0], kv.v[0], torch.tensor(blocks, device=DEVICE), start, *kv.scales(0))
     assert got.shape == (T, H, D)
-    prefill_bound(kv, blocks, q.cpu(), start, got.cpu(), UNIT[compute], H // KH)
+    prefill_bound(kv, blocks, q, start, got, UNIT[compute], H // KH)
 
 
 @needs_triton
@@ -258,7 +263,8 @@ def test_a_float32_llama_on_the_cuda_backend_gives_decodes_tokens():
     prompts = prompts_of([6, 9], seed=4)
     gen = GenerationConfig(max_new_tokens=4, eos_token_id=None, pad_token_id=0)
     want = generate(model, prompts, gen)
-    engine = Engine(model, EngineConfig(max_seqs=2, block_size=16, prefill_chunk=4, prefix_caching=False))
+    engine = Engine(tiny(2, seed=0).to(DEVICE), EngineConfig(max_seqs=2, block_size=16, prefill_chunk=4,
+                                                            prefix_caching=False))
     engine.runner.attention = att.make_backend(policy.AttentionPath(policy.CUDA, False))
     reqs = [engine.add_request(p, gen, logprobs=0) for p in prompts]
     while engine.has_work:
