@@ -314,8 +314,8 @@ class PagedBatch:
         """q (B, H, T, D), k, v (B, KV, T, D), B * T tokens in the order above -> (B, H, T, D).
 
         KV: the key/value heads the PagedKV stores (the model's kv_heads); fewer than H is grouped-query
-        attention, query head h reading KV head h // (H / KV) (only the reference backend computes it:
-        gptj.policy.attention_path)."""
+        attention, query head h reading KV head h // (H / KV) (every backend computes it where KV
+        divides H: gptj.policy.attention_path)."""
         Bq, H, T, D = q.shape
         qt = q.transpose(1, 2).reshape(Bq * T, H, D)  # (tokens, H, D)
         kt, vt = (x.transpose(1, 2).reshape(Bq * T, x.shape[1], D) for x in (k, v))  # (tokens, KV, D)

@@ -11,8 +11,8 @@ computed by the forms below:
 
 Grouped-query attention (the PagedKV holds KV < H heads, each serving H / KV query heads: Llama) runs
 gptj.models.base.gqa_attention — models.llama's own attention, float32 op for op — on each row's
-gathered keys and values (a beam's: the shared prompt's, then its own), eagerly in every mode: this
-is the only backend that computes it (gptj.policy.attention_path).
+gathered keys and values (a beam's: the shared prompt's, then its own), eagerly in every mode (the
+cpu-native and cuda backends compute it in their kernels: gptj.policy.attention_path).
 
 Scores and softmax are float32 (HF's rule). Eagerly, float32 runs gptj.models.base.attention's exact
 math and the beam groups matmuls plus float32 products; at these shapes (a single query row per
