@@ -205,3 +205,19 @@ def test_bad_llama_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_model(tmp_path / "m")
     assert "and not a valid llama one: config field 'vocab_size' is missing" in one_line(e)
+
+
+def test_compare_and_quant_report_take_a_llama_folder(tmp_path):
+    """gptj compare --hf (HF's LlamaForCausalLM against gptj's, float32: within the float32 floor) and
+    gptj quant-report (GPT-J's modes but w8a8, whose calibration is GPT-J's) on a Llama folder."""
+    from gptj.bench.compare import compare, gptj_side, hf_side
+    from gptj.bench.quant_report import quantization_report
+
+    hf_model().save_pretrained(tmp_path / "m")
+    cpu = torch.device("cpu")
+    report = compare(hf_side(tmp_path / "m", torch.float32, cpu), gptj_side(tmp_path / "m", torch.float32, cpu),
+                     [IDS[0].tolist()], 4)
+    assert report["verdict"] == "agree"
+    report = quantization_report(tmp_path / "m", prompts=[IDS[0].tolist()], speed=False)
+    assert "int8" in report["modes"] and "int4" in report["modes"] and "w8a8" not in report["modes"]
+    assert report["modes"]["int8"]["weight_bytes"] < report["float32_weight_bytes"] / 3

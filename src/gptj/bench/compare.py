@@ -2,8 +2,9 @@
 converted model against the original.
 
 Each side is a checkpoint gptj loads (an HF folder, gptj's own format, a quantized folder, a
-mesh-transformer-jax slim checkpoint), optionally quantized on load, or HF transformers' own
-GPTJForCausalLM on an HF folder (the reference gptj is exact against). For each prompt:
+mesh-transformer-jax slim checkpoint; GPT-J or Llama), optionally quantized on load, or HF
+transformers' own model on an HF folder (GPTJForCausalLM or LlamaForCausalLM: the reference gptj is
+exact against). For each prompt:
 
   1. the first side (A, the reference) continues the prompt greedily for `new_tokens` tokens
      (gptj's decoder when A is a gptj model, else B's: the path is the same up to the first
@@ -117,15 +118,22 @@ def gptj_side(path: str | Path, dtype: torch.dtype, device: torch.device, quanti
 
 
 def hf_side(path: str | Path, dtype: torch.dtype, device: torch.device) -> Side:
-    """HF transformers' GPTJForCausalLM on the HF folder `path` (float checkpoints only)."""
-    from gptj.config import GPTJConfig
+    """HF transformers' model for the HF folder `path` (its GPTJForCausalLM or LlamaForCausalLM, with
+    the eager attention gptj's float32 math follows; float checkpoints only)."""
+    import json
+
     from gptj.device import dtype_name
+    from gptj.files import model_file
     from gptj.weights.io import CONFIG, detect_format
 
     if detect_format(Path(path)) != "hf":
         raise GptjError(f"{path}: --hf needs an HF folder (config.json + weights); convert a slim checkpoint "
                         "first (gptj convert)")
-    if GPTJConfig.from_json_file(Path(path) / CONFIG).quantization:
+    try:
+        raw = json.loads(model_file(path, CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise GptjError(f"{Path(path) / CONFIG}: cannot read ({e})") from None
+    if not isinstance(raw, dict) or raw.get("quantization") or raw.get("quantization_config"):
         raise GptjError(f"{path}: --hf needs a float checkpoint (HF transformers cannot load gptj's quantized "
                         "format)")
     try:
@@ -137,7 +145,8 @@ def hf_side(path: str | Path, dtype: torch.dtype, device: torch.device) -> Side:
         transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar: not this command's output
         # transformers 4.56 renamed from_pretrained's torch_dtype to dtype (the old name warns in 5.x)
         new = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit()) >= (4, 56)
-        model = transformers.GPTJForCausalLM.from_pretrained(str(path), **{"dtype" if new else "torch_dtype": dtype})
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager",
+                                                                  **{"dtype" if new else "torch_dtype": dtype})
         model = model.to(device).eval()
 
         @torch.inference_mode()

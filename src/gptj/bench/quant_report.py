@@ -21,18 +21,18 @@ from torch import nn
 from gptj import cpu, policy
 from gptj.errors import GptjError
 from gptj.quant import QUANT_MODES, check_mode
-from gptj.weights.io import load_model, read_checkpoint
+from gptj.weights.io import Checkpoint, load_model, other_architecture
 
 
 def _report_prompts(prompts: Sequence[Sequence[int] | str] | None, n_prompts: int, max_tokens: int,
                     model_dir: Any) -> list[list[int]]:
-    if prompts is None:
+    from gptj.tokenizer import tokenizer_for_model
+
+    if prompts is None:  # the bundled MLPerf prompts, in the model's own tokens (a Llama folder's tokenizer)
         from gptj.mlperf.dataset import Dataset
 
-        ids = Dataset.load(max_examples=n_prompts).input_ids
+        ids = Dataset.load(max_examples=n_prompts, tokenizer=tokenizer_for_model(str(model_dir))).input_ids
     else:
-        from gptj.tokenizer import tokenizer_for_model
-
         tok = None
         ids = []
         for p in prompts:
@@ -102,8 +102,9 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
     (what the dtype alone costs). `speed`: time each one with the serving kernels too (see above).
     Returns a JSON-able dict (see `format_report`).
     """
-    cfg, _ = read_checkpoint(model_dir)
-    if cfg.quantization:
+    if modes is QUANT_MODES and other_architecture(model_dir) is not None:
+        modes = tuple(m for m in modes if m != "w8a8")  # its calibration is GPT-J's so far
+    if Checkpoint.read(model_dir).mode is not None:
         raise GptjError(f"{model_dir}: the report needs a float checkpoint (this one is quantized)")
     for mode in modes:
         check_mode(mode)
