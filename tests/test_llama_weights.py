@@ -221,3 +221,25 @@ def test_compare_and_quant_report_take_a_llama_folder(tmp_path):
     report = quantization_report(tmp_path / "m", prompts=[IDS[0].tolist()], speed=False)
     assert "int8" in report["modes"] and "int4" in report["modes"] and "w8a8" not in report["modes"]
     assert report["modes"]["int8"]["weight_bytes"] < report["float32_weight_bytes"] / 3
+
+
+def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
+    """gptj convert on a Llama folder: the weights rounded once to --dtype (by default the dtype its
+    config.json records: nothing rounded), its tokenizer and generation_config.json (the EOS ids) kept
+    as they are; --tp and --quantize refused in one line, nothing written."""
+    hf_model().save_pretrained(tmp_path / "m")
+    gen = {"bos_token_id": 0, "eos_token_id": [1, 7]}
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(gen))
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16",
+                 "--quiet"]) == 0
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "same"), "--quiet"]) == 0
+    src, bf16, same = (load_model(tmp_path / d).state_dict() for d in ("m", "bf16", "same"))
+    assert all(torch.equal(bf16[n], t.to(torch.bfloat16)) and torch.equal(same[n], t) for n, t in src.items())
+    for d in ("bf16", "same"):
+        assert json.loads((tmp_path / d / "generation_config.json").read_text()) == gen
+        assert json.loads((tmp_path / d / "tokenizer_config.json").read_text()) == {"eos_token": "x"}
+    for flags in (["--tp", "2"], ["--quantize", "int8"]):
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", *flags]) == 1
+        assert "writes a llama folder in float only" in capsys.readouterr().err and not (tmp_path / "no").exists()

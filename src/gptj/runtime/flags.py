@@ -124,7 +124,7 @@ DTYPE_RULES_HELP = ("auto: the checkpoint's own, as its config.json records it (
 
 def add_dtype_flag(p: Any, default: str | None = "float32", help: str | None = None,  # noqa: A002
                    auto: bool = False) -> None:
-    """--dtype; `auto` offers the rules "auto" (the checkpoint's dtype: runtime.spec.checkpoint_dtype) and
+    """--dtype; `auto` offers the rules "auto" (the checkpoint's dtype: gptj.weights.hf.checkpoint_dtype) and
     "fast" (gptj.policy.fast_dtype) too, resolved in ModelSpec."""
     choices = (*_dtype_names(), "auto", "fast") if auto else _dtype_names()
     if help is None and auto:

@@ -28,30 +28,6 @@ AUTO = "auto"  # the checkpoint's own dtype, as config.json records it (HF trans
 FAST = "fast"  # bfloat16 where it runs fast, else float32 (gptj.policy.fast_dtype)
 
 
-def checkpoint_dtype(path: object) -> str:
-    """`--dtype auto` for the model folder `path`: the float dtype its config.json records
-    (`torch_dtype`; transformers 5 writes `dtype`), float32 when it records none (or there is no
-    config.json: the loader then says what is wrong with the folder). So a run with the defaults
-    computes in the dtype HF transformers loads the same checkpoint in, token for token."""
-    import json
-    from pathlib import Path
-
-    from gptj.device import DTYPE_NAMES, dtype_name, parse_dtype
-
-    try:
-        config = json.loads((Path(str(path)) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
-    recorded = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
-    if recorded is None:
-        return "float32"
-    name = str(recorded).removeprefix("torch.")
-    if name not in DTYPE_NAMES:
-        raise GptjError(f"{path}: config.json records torch_dtype {recorded!r}, which gptj does not run; "
-                        f"pass --dtype ({', '.join(DTYPE_NAMES)})")
-    return dtype_name(parse_dtype(name))
-
-
 def _positive(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise GptjError(f"{what} must be a positive integer, got {value!r}")
@@ -87,6 +63,8 @@ class ModelSpec:
 
             object.__setattr__(self, "dtype", dtype_name(fast_dtype(named_device(self.device))))
         elif self.dtype == AUTO and self.path is not None:  # resolved once the folder is known
+            from gptj.weights.hf import checkpoint_dtype
+
             object.__setattr__(self, "dtype", checkpoint_dtype(self.path))
         if self.dtype != AUTO:
             object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))  # canonical: bf16 -> bfloat16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gptj.errors import CheckpointError
+from gptj.errors import CheckpointError, GptjError
 from gptj.files import model_file
 
 SAFETENSORS = "model.safetensors"
@@ -176,3 +176,24 @@ def iter_hf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], callable
         reader = _iter_safetensors if file.suffix == ".safetensors" else _iter_bin
         for name, shape, read in reader(file):
             yield name, shape, read, file
+
+
+def checkpoint_dtype(path: object) -> str:
+    """`--dtype auto` for the model folder `path`: the float dtype its config.json records
+    (`torch_dtype`; transformers 5 writes `dtype`), float32 when it records none (or there is no
+    config.json: the loader then says what is wrong with the folder). So a run with the defaults
+    computes in the dtype HF transformers loads the same checkpoint in, token for token."""
+    from gptj.device import DTYPE_NAMES, dtype_name, parse_dtype
+
+    try:
+        config = json.loads((Path(str(path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    recorded = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    if recorded is None:
+        return "float32"
+    name = str(recorded).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise GptjError(f"{path}: config.json records torch_dtype {recorded!r}, which gptj does not run; "
+                        f"pass --dtype ({', '.join(DTYPE_NAMES)})")
+    return dtype_name(parse_dtype(name))

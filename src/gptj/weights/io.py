@@ -480,6 +480,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
     refuses a quantized checkpoint (a ValueError from from_pretrained); gptj's `load_model` loads it.
     """
+    arch = other_architecture(src, config)
+    if arch is not None:
+        return _convert_folder(src, out, arch, dtype, overwrite, progress, quantize, group_size, also)
     cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress, dtype=dtype)
     q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
@@ -501,6 +504,34 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
             write(folder)
 
     return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
+
+
+# copied as they are by convert (another architecture's folder): its tokenizer and generation settings
+KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "generation_config.json")
+
+
+def _convert_folder(src: str | os.PathLike, out: str | os.PathLike, arch: Architecture, dtype: torch.dtype | None,
+                    overwrite: bool, progress: bool, quantize: str | None, group_size: int | None,
+                    also: Callable | None) -> Path:
+    """convert for an HF folder of another architecture (Llama): read in `dtype` (default: the one its
+    config.json records, so nothing is rounded) and written again in gptj's layout, with the
+    folder's tokenizer and generation_config.json (its EOS ids) as they are; float only so far."""
+    from gptj.weights.hf_model import load_folder, save_folder
+
+    if quantize is not None or group_size is not None or also is not None:
+        raise GptjError(f"{src}: gptj convert writes a {arch.model_type} folder in float only so far "
+                        "(no --quantize, no --tp; quantize on load instead)")
+    dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
+    model = load_folder(src, arch, dtype=dtype, progress=progress)
+
+    def kept_files(folder: Path) -> None:
+        for name in KEPT_FILES:
+            if (Path(src) / name).is_file():
+                shutil.copyfile(model_file(src, name), folder / name)
+
+    return save_folder(model.state_dict(), model.config, out, dtype=dtype, overwrite=overwrite, progress=progress,
+                       extra=kept_files)
 
 
 def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str, alpha: float | None = None,
