@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from gptj.cli.common import check_parallel
 from gptj.errors import GptjError
-from gptj.mlperf.rules import RUN_BENCHMARKS
+from gptj.mlperf.rules import RUN_BENCHMARKS, SUBMISSION_BENCHMARKS
 from gptj.runtime import flags
 
 EXIT_CHECKER_ERRORS = 3  # gptj submission: the tree is written; MLCommons' checker found errors in it
@@ -120,21 +120,27 @@ def _mlperf_job(rank: int, world: int, payload: dict) -> None:
 
 
 def cmd_submission(args: argparse.Namespace) -> int:
-    """Run what an MLPerf Inference gptj submission needs (each required scenario's performance and accuracy
-    runs, and the closed division's compliance tests), reusing runs already made, and write the official tree
-    <out>/<division>/<submitter>/. With --mlperf-inference, MLCommons' submission checker then checks it (exit 3
-    when it finds errors)."""
+    """Run what an MLPerf Inference submission of gptj-99 (round v5.0) or llama3.1-8b / llama3.1-8b-edge (round
+    v6.1) needs (each scenario's performance and accuracy runs, and the closed division's compliance tests),
+    reusing runs already made, and write the official tree <out>/<division>/<submitter>/. With
+    --mlperf-inference, MLCommons' submission checker then checks it (exit 3 when it finds errors)."""
+    import copy
     import dataclasses
 
-    from gptj.mlperf.rules import DEFAULT_ROUND
+    from gptj.mlperf.rules import LLAMA_BENCHMARKS
     from gptj.mlperf.submission import SubmissionConfig, submit
 
-    shared = run_config(args, benchmark=args.benchmark)  # a llama model folder is refused: gptj-99 only
+    llama = args.benchmark in LLAMA_BENCHMARKS
+    run_args = copy.copy(args)
+    if llama:  # --round names the submission's round; a llama run takes LoadGen's seeds (checked to be its)
+        run_args.round = None
+    shared = run_config(run_args, benchmark=args.benchmark)  # a model folder of the other architecture: refused
     if args.max_query_count is None:  # an official run has no cap (LoadGen logs one as an error)
         shared = dataclasses.replace(shared, max_query_count=0)
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip()) if args.scenarios else None
     sub = SubmissionConfig(
         out=Path(args.out), submitter=args.submitter, system_name=args.system_name, division=args.division,
-        category=args.category, benchmark=args.benchmark, run=shared, round=args.round or DEFAULT_ROUND,
+        category=args.category, benchmark=args.benchmark, run=shared, round=args.round, scenarios=scenarios,
         runs_dir=Path(args.runs_dir) if args.runs_dir else None,
         system_desc=Path(args.system_desc) if args.system_desc else None,
         mlperf_inference=Path(args.mlperf_inference) if args.mlperf_inference else None,
@@ -219,14 +225,14 @@ def _evaluate_llama(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_mlperf_run_flags(p) -> None:  # noqa: ANN001 - a parser
+def _add_mlperf_run_flags(p, round_help: str | None = None) -> None:  # noqa: ANN001 - a parser
     """How `gptj mlperf` and `gptj submission` run LoadGen and the model."""
     p.add_argument("--dataset", help="cnn_eval.json (default: gptj's bundled sample set)")
     p.add_argument("--max-examples", type=flags.positive, help="use only the first N examples")
     p.add_argument("--target-qps", type=flags.positive_float, help="Offline expected / Server target QPS")
     p.add_argument("--target-latency-ms", type=flags.positive_float,
                    help="SingleStream expected / Server target latency")
-    _add_run_length_flags(p)
+    _add_run_length_flags(p, round_help)
     p.add_argument("--max-batch-size", type=flags.positive,
                    help="samples per batch (Offline/Server; default 8 on CPU; on CUDA 256 Offline, 64 Server)")
     p.add_argument("--batch-wait-ms", type=flags.nonnegative_float,
@@ -241,7 +247,7 @@ def _add_mlperf_run_flags(p) -> None:  # noqa: ANN001 - a parser
     flags.add_threads_flag(p)
 
 
-def _add_run_length_flags(p) -> None:  # noqa: ANN001 - a parser
+def _add_run_length_flags(p, round_help: str | None = None) -> None:  # noqa: ANN001 - a parser
     """LoadGen's run-length settings, over its built-in mlperf.conf (gptj mlperf, gptj submission)."""
     p.add_argument("--min-duration-ms", type=flags.nonnegative, help="LoadGen min_duration_ms (official: 600000)")
     p.add_argument("--min-query-count", type=flags.positive,
@@ -254,8 +260,9 @@ def _add_run_length_flags(p) -> None:  # noqa: ANN001 - a parser
                         "below LoadGen's minimum the run is INVALID)")
     p.add_argument("--performance-sample-count", type=flags.positive,
                    help="LoadGen performance_sample_count_override (official: 13368; at most the data set's size)")
-    p.add_argument("--round", metavar="VERSION", help="an MLPerf round's seeds (v5.0, the last round with GPT-J; "
-                                                      "default: LoadGen's built-in mlperf.conf's)")
+    p.add_argument("--round", metavar="VERSION", help=round_help or "an MLPerf round's seeds (v5.0, the last round "
+                                                                    "with GPT-J; default: LoadGen's built-in "
+                                                                    "mlperf.conf's)")
 
 
 def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
@@ -286,17 +293,23 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     flags.add_parallel_flags(p)
     p.set_defaults(func=cmd_mlperf, argv=None)
 
-    p = sub.add_parser("submission", help="make an MLPerf gptj submission: every run it needs, the official tree, "
-                                          "MLCommons' checker",
+    p = sub.add_parser("submission", help="make an MLPerf gptj-99 or llama3.1-8b submission: every run it needs, "
+                                          "the official tree, MLCommons' checker",
                        description=cmd_submission.__doc__)
     p.add_argument("--model", required=True, help="model directory (HF / gptj format)")
     p.add_argument("--out", required=True, help="the submission's root folder")
     p.add_argument("--submitter", required=True, help="the organization (names a folder)")
     p.add_argument("--system-name", required=True, help="the system (names systems/<name>.json and folders)")
     p.add_argument("--division", required=True, choices=("closed", "open"))
-    p.add_argument("--category", required=True, choices=("edge", "datacenter"),
-                   help="edge: SingleStream + Offline; datacenter: Server + Offline")
-    p.add_argument("--benchmark", default="gptj-99", choices=("gptj-99", "gptj-99.9"))
+    p.add_argument("--category", choices=("edge", "datacenter"),
+                   help="gptj-99: edge (SingleStream + Offline) or datacenter (Server + Offline); llama3.1-8b is "
+                        "datacenter, llama3.1-8b-edge edge (the default for them)")
+    p.add_argument("--benchmark", default="gptj-99", choices=SUBMISSION_BENCHMARKS,
+                   help="gptj-99 (default; round v5.0, the last with GPT-J), gptj-99.9, or for a Llama-3.1-8B folder "
+                        "llama3.1-8b / llama3.1-8b-edge (round v6.1, the newest of MLCommons' checker)")
+    p.add_argument("--scenarios", metavar="LIST",
+                   help="comma-separated, for llama3.1-8b: Offline and Server and/or Interactive (default "
+                        "Offline,Server); the others run their round's required scenarios (the default)")
     p.add_argument("--runs-dir", help="where the runs and their untruncated logs go (default: mlperf-runs/"
                                       "<system>-<benchmark>-<division>); runs already there are reused")
     p.add_argument("--system-desc", metavar="FILE",
@@ -309,7 +322,9 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     p.add_argument("--assemble-only", action="store_true", help="run nothing: assemble the runs in --runs-dir "
                                                                  "(a missing, different or damaged run is an error)")
     p.add_argument("--force", action="store_true", help="replace an existing <out>/<division>/<submitter>")
-    _add_mlperf_run_flags(p)
+    _add_mlperf_run_flags(p, round_help="the MLPerf round (default: gptj-99 v5.0, the last round with GPT-J, whose "
+                                        "seeds its runs set; llama3.1-8b v6.1, the newest of MLCommons' checker, "
+                                        "whose seeds are LoadGen's built-in ones)")
     p.set_defaults(func=cmd_submission, argv=None)
 
     p = sub.add_parser("evaluate", help="score an MLPerf accuracy log (ROUGE)", description=cmd_evaluate.__doc__)

@@ -14,7 +14,7 @@ constants.py of mlcommons/inference (b66003e, Aug 2026), and LoadGen's built-in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gptj.errors import GptjError
 
@@ -33,9 +33,15 @@ class Round:
     name: str
     seeds: dict[str, int]  # LoadGen TestSettings attribute -> the round's value
     scenarios: dict[str, tuple[str, ...]]  # category -> required scenarios (closed: exactly these)
-    compliance: tuple[str, ...]  # compliance tests a closed gptj result needs
+    compliance: tuple[str, ...]  # compliance tests a closed result needs
     dataset_size: int = 13368  # the accuracy run must cover all of it (every division)
     performance_sample_count: int = 13368  # at least this many performance samples
+    # category -> scenarios of which a closed result needs at least one (llama3.1-8b: Server, Interactive)
+    optional: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the tree's layout: "v5" (measurements/, compliance/ and code/ beside results/) or "v6" (from v6.0:
+    # measurements.json, user.conf, README.md and the compliance folders in results/<sut>/<benchmark>/
+    # <scenario>/, the source in src/)
+    layout: str = "v5"
 
 
 ROUNDS = {
@@ -170,3 +176,67 @@ def loadgen_model_name(benchmark: str, scenario: str) -> str:
         return "gptj"
     name = benchmark.replace("3.1", "3_1")  # llama3_1-8b, llama3_1-8b-edge
     return f"{name}-interactive" if scenario == "Interactive" else name
+
+
+# ----------------------------------------------------------------- llama3.1-8b submissions (issue 59)
+
+# The newest round of the submission checker's tables (MODEL_CONFIG's keys v5.0, v5.1, v6.0, v6.1)
+# with llama3.1-8b and llama3.1-8b-edge is v6.1. Its seeds are those of LoadGen's built-in mlperf.conf
+# (mlcommons-loadgen 6.0), which a llama run uses as it is (--round sets gptj-99's seeds only): so v6.1
+# is the round gptj submits llama for, checked against LoadGen before any run
+# (gptj.mlperf.submission_rounds.check_loadgen_seeds). v6.1's tables: llama3.1-8b is a datacenter
+# benchmark, Offline required and Server or Interactive (at least one) besides; llama3.1-8b-edge an edge
+# one, Offline and SingleStream; TEST06 for llama3.1-8b (models_TEST06, Interactive included), no
+# compliance test for llama3.1-8b-edge; 13,368 and 5,000 samples; results in v6's layout.
+LLAMA_ROUND = "v6.1"
+_V6_1_SEEDS = {"qsl_rng_seed": 2085463073848966840, "sample_index_rng_seed": 2747215439041700203,
+               "schedule_rng_seed": 16159082839903944936}
+LLAMA_ROUNDS = {
+    "llama3.1-8b": {"v6.1": Round(
+        name="v6.1", seeds=_V6_1_SEEDS, scenarios={"datacenter": ("Offline",)}, compliance=("TEST06",),
+        optional={"datacenter": ("Server", "Interactive")}, layout="v6")},
+    "llama3.1-8b-edge": {"v6.1": Round(
+        name="v6.1", seeds=_V6_1_SEEDS, scenarios={"edge": ("Offline", "SingleStream")}, compliance=(),
+        dataset_size=5000, performance_sample_count=5000, layout="v6")},
+}
+SUBMISSION_BENCHMARKS = GPTJ_BENCHMARKS + LLAMA_BENCHMARKS  # what `gptj submission --benchmark` takes
+
+
+def default_round(benchmark: str) -> str:
+    return LLAMA_ROUND if benchmark in LLAMA_ROUNDS else DEFAULT_ROUND
+
+
+def submission_round(benchmark: str, name: str | None = None) -> Round:
+    """What round `name` (None: the benchmark's default) requires of a `benchmark` submission."""
+    if benchmark not in LLAMA_ROUNDS:
+        return get_round(name or DEFAULT_ROUND)
+    name = name or LLAMA_ROUND
+    if name not in LLAMA_ROUNDS[benchmark]:
+        raise GptjError(f"gptj submits {benchmark} for MLPerf Inference {LLAMA_ROUND} only (the newest round of "
+                        f"MLCommons' checker, whose seeds are LoadGen's built-in ones that llama runs use), "
+                        f"not {name}: use --round {LLAMA_ROUND}")
+    return LLAMA_ROUNDS[benchmark][name]
+
+
+def submission_categories(benchmark: str, round_name: str | None = None) -> tuple[str, ...]:
+    return tuple(submission_round(benchmark, round_name).scenarios)
+
+
+def submission_scenarios(benchmark: str, round_name: str | None, category: str,
+                         asked: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The scenarios a submission runs: `asked`, checked against the round's required and optional ones
+    (None: the required ones and the first optional one, e.g. llama3.1-8b's Offline and Server)."""
+    rnd = submission_round(benchmark, round_name)
+    if category not in rnd.scenarios:
+        raise GptjError(f"{benchmark} has no {category} category in round {rnd.name}: use --category "
+                        f"{' or '.join(rnd.scenarios)}")
+    required, optional = rnd.scenarios[category], rnd.optional.get(category, ())
+    if asked is None:
+        return required + optional[:1]
+    unknown = [s for s in asked if s not in required + optional]
+    missing = [s for s in required if s not in asked]
+    if unknown or missing or (optional and not set(optional) & set(asked)) or len(set(asked)) != len(asked):
+        need = " and ".join(required) + (f", and {' and/or '.join(optional)}" if optional else "")
+        raise GptjError(f"--scenarios {','.join(asked)}: a {category} {benchmark} submission in round {rnd.name} "
+                        f"runs {need}")
+    return tuple(s for s in required + optional if s in asked)

@@ -1,17 +1,20 @@
-"""`gptj submission`: the runs an MLPerf gptj submission needs, and the official tree made from them.
+"""`gptj submission`: the runs an MLPerf submission of gptj-99 (round v5.0) or llama3.1-8b[-edge] (round
+v6.1) needs, and the official tree made from them.
 
-    plan      the round's required scenarios for the category: a performance and an accuracy run each,
-              and (closed division) the compliance tests the checker reads (v5.0: TEST06)
+    plan      the round's scenarios for the benchmark and category (llama3.1-8b: Offline, and Server and/or
+              Interactive): a performance and an accuracy run each, and (closed division) the compliance
+              tests the checker reads (TEST06; none for llama3.1-8b-edge)
     runs      each in its own folder under runs_dir (<Scenario>/<performance|accuracy|TEST06>), made with
               `gptj mlperf`'s run(); a complete run with the same identity is reused, so a stopped
               submission goes on where it stopped and runs made before can be assembled
-    assemble  <out>/<division>/<submitter>/{code,documentation,measurements,results,systems,compliance},
-              filled beside its target and moved into place whole; accuracy logs truncated as MLCommons'
+    assemble  <out>/<division>/<submitter>/{code,documentation,measurements,results,systems,compliance}
+              (v6.1: {src,documentation,results,systems}, see submission_rounds), filled beside its
+              target and moved into place whole; accuracy logs truncated as MLCommons'
               truncate_accuracy_log.py does (the untouched originals stay in runs_dir)
     check     MLCommons' submission checker, when a checkout of mlcommons/inference is given
 
 Everything that can be wrong with the input (system description, a run of other settings, a missing
-run, a damaged one, a round without GPT-J) is found before the first run starts. A run taken as made
+run, a damaged one, a round without the benchmark) is found before the first run starts. A run taken as made
 is read first (`damage`): LoadGen's summary states its result and is whole, the detail log is whole
 :::MLLOG records to the test's end, the accuracy log is JSON covering every sample of an accuracy
 run, and LoadGen logged the settings the run records."""
@@ -32,13 +35,13 @@ from pathlib import Path
 from gptj.errors import GptjError
 from gptj.files import atomic_write_text, move_into_place, temp_sibling
 from gptj.mlperf import rules
-from gptj.mlperf.config import MODEL_NAME, MLPerfConfig
+from gptj.mlperf import submission_rounds as layout
+from gptj.mlperf.config import MLPerfConfig
 
-EOS_TOKEN_ID = 50256  # GPT-J's end of text (TEST06's EOS check)
 MAX_ACCURACY_LOG_BYTES = 10 * 1024  # the checker's MAX_ACCURACY_LOG_SIZE
 TRUNCATE_KEEP_CHARS = 4096  # head and tail kept by MLCommons' truncate_accuracy_log.py
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-IMPLEMENTATION = "gptj"
+IMPLEMENTATION = layout.IMPLEMENTATION
 
 
 @dataclass
@@ -47,10 +50,11 @@ class SubmissionConfig:
     submitter: str
     system_name: str
     division: str
-    category: str
+    category: str | None  # None: the benchmark's only one (llama3.1-8b datacenter, llama3.1-8b-edge edge)
     benchmark: str
     run: MLPerfConfig  # the settings every run shares (its scenario, mode, log_dir, audit_config are set per run)
-    round: str = rules.DEFAULT_ROUND
+    round: str | None = None  # None: the benchmark's (rules.default_round: gptj v5.0, llama v6.1)
+    scenarios: tuple[str, ...] | None = None  # None: the round's required ones (and llama3.1-8b's Server)
     runs_dir: Path | None = None  # None: mlperf-runs/<system>-<benchmark>-<division>
     system_desc: Path | None = None  # None: <runs_dir>/system_desc.json
     mlperf_inference: Path | None = None  # a checkout of mlcommons/inference: compliance tests, the checker
@@ -63,11 +67,18 @@ class SubmissionConfig:
             if not NAME_RE.fullmatch(value or ""):
                 raise GptjError(f"{what} {value!r}: use letters, digits, '_', '.' and '-' (it names folders)")
         for what, value, allowed in (("--division", self.division, rules.DIVISIONS),
-                                     ("--category", self.category, rules.CATEGORIES),
-                                     ("--benchmark", self.benchmark, rules.BENCHMARKS)):
+                                     ("--benchmark", self.benchmark, rules.SUBMISSION_BENCHMARKS)):
             if value not in allowed:
                 raise GptjError(f"{what} {value!r}: choose from {', '.join(allowed)}")
-        rules.get_round(self.round)
+        self.round = self.round or rules.default_round(self.benchmark)
+        categories = rules.submission_categories(self.benchmark, self.round)
+        if self.category is None:
+            if len(categories) != 1:
+                raise GptjError(f"{self.benchmark} needs --category ({' or '.join(categories)})")
+            self.category = categories[0]
+        if self.category not in rules.CATEGORIES:
+            raise GptjError(f"--category {self.category!r}: choose from {', '.join(rules.CATEGORIES)}")
+        self.scenarios = rules.submission_scenarios(self.benchmark, self.round, self.category, self.scenarios)
         if self.runs_dir is None:
             self.runs_dir = Path("mlperf-runs") / f"{self.system_name}-{self.benchmark}-{self.division}"
         if self.system_desc is None:
@@ -77,12 +88,17 @@ class SubmissionConfig:
     def tree(self) -> Path:
         return Path(self.out) / self.division / self.submitter
 
+    @property
+    def round_rules(self) -> rules.Round:
+        return rules.submission_round(self.benchmark, self.round)
+
 
 @dataclass(frozen=True)
 class PlannedRun:
     scenario: str
     kind: str  # performance, accuracy, or a compliance test (TEST06)
     cfg: MLPerfConfig
+    seeds: dict | None = None  # the round's seeds, which LoadGen must log (None: not checked)
 
     @property
     def folder(self) -> Path:
@@ -106,16 +122,19 @@ def compliance_dir(sub: SubmissionConfig, test: str) -> Path:
 
 def plan(sub: SubmissionConfig) -> list[PlannedRun]:
     """Every run the submission needs, in the order they run."""
-    runs = []
-    for scenario in rules.required_scenarios(sub.round, sub.category):
+    runs, rnd = [], sub.round_rules
+    # a gptj run sets the round's seeds; a llama run takes LoadGen's built-in ones (prepare checks them)
+    round_seeds = None if sub.run.llama else sub.round
+    for scenario in sub.scenarios:
         kinds = [("performance", "performance", None), ("accuracy", "accuracy", None)]
-        kinds += [(test, "performance", compliance_dir(sub, test) / "audit.config")
-                  for test in rules.compliance_tests(sub.round, sub.division)]
+        tests = rnd.compliance if sub.division == "closed" else ()
+        kinds += [(test, "performance", compliance_dir(sub, test) / "audit.config") for test in tests]
         for kind, mode, audit in kinds:
-            cfg = dataclasses.replace(sub.run, scenario=scenario, mode=mode, round=sub.round, audit_config=audit,
+            cfg = dataclasses.replace(sub.run, scenario=scenario, mode=mode, round=round_seeds, audit_config=audit,
                                       token_latencies=kind in rules.TOKEN_COUNT_TESTS,
                                       log_dir=Path(sub.runs_dir) / scenario / kind)
-            runs.append(PlannedRun(scenario, kind, cfg))
+            seeds = rnd.seeds if kind in ("performance", "accuracy") else None
+            runs.append(PlannedRun(scenario, kind, cfg, seeds))
     return runs
 
 
@@ -220,7 +239,7 @@ def damage(run: PlannedRun, made: dict) -> str | None:
     if mode == "PerformanceOnly":
         if not _RESULT.match(summary.get("result_line", "")):
             return f"{summary_path.name} states no result ('Result is : VALID' or 'INVALID')"
-        for key, wanted in (("Scenario", run.scenario), ("Mode", mode)):
+        for key, wanted in (("Scenario", run.cfg.scenario), ("Mode", mode)):
             if summary.get(key) != wanted:
                 return f"{summary_path.name} says {key.lower()} {summary.get(key)!r}, not {wanted!r}"
 
@@ -234,9 +253,9 @@ def damage(run: PlannedRun, made: dict) -> str | None:
     if mode == "PerformanceOnly" and records["result_validity"] != summary["result_line"].rsplit(" ", 1)[1]:
         return (f"mlperf_log_detail.txt says {records['result_validity']} but {summary_path.name} says "
                 f"{summary['result_line'].rsplit(' ', 1)[1]}")
-    wanted = {"effective_scenario": run.scenario, "effective_test_mode": mode}
-    if run.cfg.round is not None and run.kind in ("performance", "accuracy"):
-        wanted.update({f"effective_{key}": value for key, value in rules.get_round(run.cfg.round).seeds.items()})
+    wanted = {"effective_scenario": run.cfg.scenario, "effective_test_mode": mode}  # Interactive: LoadGen's Server
+    if run.seeds is not None:
+        wanted.update({f"effective_{key}": value for key, value in run.seeds.items()})
     asked = (made.get("run_length") or {}).get("asked") or {}
     for key, logged in (("min_duration_ms", "requested_min_duration_ms"),
                         ("min_query_count", "requested_min_query_count"),
@@ -289,11 +308,11 @@ def user_conf_text(runs: list[PlannedRun], scenario: str) -> str:
             "performance_sample_count": "performance_sample_count_override", "max_query_count": "max_query_count",
             "expected_qps": "target_qps", "target_qps": "target_qps", "target_latency_ms": "target_latency",
             "expected_latency_ms": "target_latency"}
-    lines = [f"# {IMPLEMENTATION}: what the {scenario} runs set over LoadGen's built-in mlperf.conf "
-             f"({perf.round} seeds)"]
+    seeds = f"{perf.round} seeds" if perf.round else "its seeds"
+    lines = [f"# {IMPLEMENTATION}: what the {scenario} runs set over LoadGen's built-in mlperf.conf ({seeds})"]
     for key, conf_key in keys.items():
         if key in asked and asked[key]["source"] not in ("mlperf.conf", "user.conf / mlperf.conf"):
-            lines.append(f"{MODEL_NAME}.{scenario}.{conf_key} = {asked[key]['value']:g}")
+            lines.append(f"{perf.loadgen_model}.{perf.scenario}.{conf_key} = {asked[key]['value']:g}")
     return "\n".join(lines) + "\n"
 
 
@@ -315,9 +334,10 @@ def implementation_json(cfg: MLPerfConfig) -> dict:
 def measurements_readme(sub: SubmissionConfig, runs: list[PlannedRun], scenario: str) -> str:
     import gptj
 
+    source = layout.source_folder(Path(), sub.round_rules).as_posix()
     lines = [f"# {sub.benchmark} {scenario} on {sub.system_name}", "",
              f"Implementation: gptj {gptj.__version__} (`pip install {gptj.DISTRIBUTION}`; its source is in "
-             f"`code/gptj`), LoadGen's built-in mlperf.conf with the {sub.round} seeds, and `user.conf` here.", "",
+             f"`{source}`), LoadGen's built-in mlperf.conf with the {sub.round} seeds, and `user.conf` here.", "",
              "## How the runs were made", ""]
     for run in runs:
         if run.scenario != scenario:
@@ -345,8 +365,9 @@ def _copy_source(dst: Path) -> None:
 def _verify_test06(sub: SubmissionConfig, run: PlannedRun, out: Path) -> None:
     """MLCommons' TEST06 verification of the run's accuracy log, written to out/TEST06."""
     script = compliance_dir(sub, "TEST06") / "run_verification.py"
+    eos, dtype = layout.test06_arguments(sub.benchmark, sub.run.model)
     cmd = [sys.executable, str(script), "-c", str(run.folder), "-o", str(out), "-s", run.scenario,
-           "-e", str(EOS_TOKEN_ID), "-d", "int64"]
+           "-e", str(eos), "-d", dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     if done.returncode != 0 or not (out / "TEST06" / "verify_accuracy.txt").is_file():
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -354,7 +375,8 @@ def _verify_test06(sub: SubmissionConfig, run: PlannedRun, out: Path) -> None:
 
 
 def assemble(sub: SubmissionConfig, runs: list[PlannedRun], system: dict) -> Path:
-    """Write <out>/<division>/<submitter> from the runs (all done), whole or not at all."""
+    """Write <out>/<division>/<submitter> from the runs (all done), whole or not at all, in the round's
+    layout (submission_rounds)."""
     target = sub.tree
     if target.exists() and not sub.force:
         raise GptjError(f"{target} exists; --force replaces it")
@@ -363,42 +385,45 @@ def assemble(sub: SubmissionConfig, runs: list[PlannedRun], system: dict) -> Pat
         system_dir = tmp / "systems"
         system_dir.mkdir()
         (system_dir / f"{sub.system_name}.json").write_text(json.dumps(system, indent=2) + "\n", encoding="utf-8")
-        _copy_source(tmp / "code" / IMPLEMENTATION)
+        _copy_source(layout.source_folder(tmp, sub.round_rules))
         doc = tmp / "documentation"
         doc.mkdir()
         (doc / "calibration.md").write_text(calibration_text(sub.run), encoding="utf-8")
-        for scenario in rules.required_scenarios(sub.round, sub.category):
-            rel = Path(sub.system_name) / sub.benchmark / scenario
-            meas = tmp / "measurements" / rel
-            meas.mkdir(parents=True)
-            (meas / f"{sub.system_name}_{IMPLEMENTATION}_{scenario}.json").write_text(
-                json.dumps(implementation_json(sub.run), indent=2) + "\n", encoding="utf-8")
-            (meas / "user.conf").write_text(user_conf_text(runs, scenario), encoding="utf-8")
-            (meas / "README.md").write_text(measurements_readme(sub, runs, scenario), encoding="utf-8")
-            for run in (r for r in runs if r.scenario == scenario):
-                if run.kind == "performance":
-                    dst = tmp / "results" / rel / "performance" / "run_1"
-                    dst.mkdir(parents=True)
-                    for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
-                        shutil.copyfile(run.folder / name, dst / name)
-                elif run.kind == "accuracy":
-                    dst = tmp / "results" / rel / "accuracy"
-                    dst.mkdir(parents=True)
-                    for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
-                        shutil.copyfile(run.folder / name, dst / name)
-                    digest = truncate_accuracy_log(run.folder / "mlperf_log_accuracy.json",
-                                                   dst / "mlperf_log_accuracy.json")
-                    text = (run.folder / "accuracy.txt").read_text(encoding="utf-8").rstrip("\n")
-                    (dst / "accuracy.txt").write_text(f"{text}\nhash={digest}\n", encoding="utf-8")
-                else:  # a compliance test: MLCommons' verification writes its folder
-                    dst = tmp / "compliance" / rel
-                    dst.mkdir(parents=True, exist_ok=True)
-                    _verify_test06(sub, run, dst)
+        for scenario in sub.scenarios:
+            _assemble_scenario(sub, runs, scenario, layout.scenario_folders(tmp, sub.round_rules, sub.system_name,
+                                                                            sub.benchmark, scenario))
         move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _assemble_scenario(sub: SubmissionConfig, runs: list[PlannedRun], scenario: str,
+                       folders: layout.ScenarioFolders) -> None:
+    meas = folders.measurements
+    meas.mkdir(parents=True, exist_ok=True)
+    (meas / folders.measurements_json).write_text(json.dumps(implementation_json(sub.run), indent=2) + "\n",
+                                                  encoding="utf-8")
+    (meas / "user.conf").write_text(user_conf_text(runs, scenario), encoding="utf-8")
+    (meas / "README.md").write_text(measurements_readme(sub, runs, scenario), encoding="utf-8")
+    for run in (r for r in runs if r.scenario == scenario):
+        if run.kind == "performance":
+            dst = folders.results / "performance" / "run_1"
+            dst.mkdir(parents=True)
+            for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+                shutil.copyfile(run.folder / name, dst / name)
+        elif run.kind == "accuracy":
+            dst = folders.results / "accuracy"
+            dst.mkdir(parents=True)
+            for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+                shutil.copyfile(run.folder / name, dst / name)
+            digest = truncate_accuracy_log(run.folder / "mlperf_log_accuracy.json", dst / "mlperf_log_accuracy.json")
+            text = (run.folder / "accuracy.txt").read_text(encoding="utf-8").rstrip("\n")
+            (dst / "accuracy.txt").write_text(f"{text}\nhash={digest}\n", encoding="utf-8")
+        else:  # a compliance test: MLCommons' verification writes its folder
+            folders.compliance.mkdir(parents=True, exist_ok=True)
+            _verify_test06(sub, run, folders.compliance)
 
 
 def calibration_text(cfg: MLPerfConfig) -> str:
@@ -449,7 +474,12 @@ def check_division(sub: SubmissionConfig) -> None:
         return
     from gptj.mlperf.run import official_differences
 
-    diff = official_differences(sub.run.gen)
+    if sub.run.llama:
+        from gptj.mlperf.config import llama_generation
+
+        diff = official_differences(sub.run.gen, llama_generation())
+    else:
+        diff = official_differences(sub.run.gen)
     if diff:
         raise GptjError(f"the closed division runs MLPerf's generation settings; these differ: {', '.join(diff)}")
     calibration = _w8a8_calibration(sub.run)
@@ -489,6 +519,9 @@ def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[s
         raise GptjError(f"{sub.mlperf_inference}: not a checkout of github.com/mlcommons/inference "
                         "(no tools/submission)")
     runs = plan(sub)
+    for run in runs:  # a llama run's seeds are LoadGen's own: the round's?
+        if run.seeds is not None:
+            layout.check_loadgen_seeds(sub.benchmark, run.cfg.loadgen_model, run.cfg.scenario, sub.round_rules)
     statuses = [run_status(r) for r in runs]
     problems = [why for r, (state, why) in zip(runs, statuses)
                 if state in ("different", "damaged") or (sub.assemble_only and state != "done")]
