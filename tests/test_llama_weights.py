@@ -243,3 +243,44 @@ def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
         capsys.readouterr()
         assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", *flags]) == 1
         assert "writes a llama folder in float only" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
+    """A LoRA adapter HF PEFT saved for LlamaForCausalLM (Llama's module names: attention's q/k/v/o and
+    the MLP's gate/up/down), folded in as the folder loads: HF PEFT's merged model's logits, within
+    float32 rounding; a GPT-J adapter on it, and a Llama adapter on a built model, refused in one line."""
+    peft = pytest.importorskip("peft")
+    from gptj.lora import merge_lora
+    from gptj.parallel.context import SINGLE
+    from gptj.weights.peft import read_adapter
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "m")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    wrapped = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:  # a trained adapter's shape: B is not zero
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    want = wrapped.merge_and_unload()
+    ours = SINGLE.load(str(tmp_path / "m"), torch.float32, "cpu", lora=str(tmp_path / "adapter"))
+    with torch.no_grad():
+        base = load_model(tmp_path / "m")(IDS)
+        got, ref = ours(IDS), want(IDS).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=2 * bound(ref))
+    assert float((got - base).abs().max()) > 100 * bound(ref)  # and the adapter matters
+    adapter = read_adapter(tmp_path / "adapter")
+    assert adapter.layout.arch == "llama" and len(adapter.weights) == 2 * 7
+    with pytest.raises(GptjError) as e:
+        merge_lora(ours, adapter)
+    assert "on GPT-J only so far" in one_line(e)
+    from gptj.lora import LoRAConfig, save_adapter
+
+    gptj_names = {"base_model.model.transformer.h.0.attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+                  "base_model.model.transformer.h.0.attn.q_proj.lora_B.weight": torch.zeros(64, 4)}
+    save_adapter(gptj_names, LoRAConfig(rank=4, target_modules=("q_proj",)), tmp_path / "gptj-adapter")
+    with pytest.raises(GptjError) as e:
+        SINGLE.load(str(tmp_path / "m"), torch.float32, "cpu", lora=str(tmp_path / "gptj-adapter"))
+    assert "adapts gptj's modules" in one_line(e) and "is a llama model" in one_line(e)

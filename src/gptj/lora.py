@@ -163,6 +163,10 @@ def _block_linears(model: nn.Module, targets: Iterable[str]) -> Iterable[tuple[i
 def apply_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
     """Wrap `model`'s target linears in LoRALinear (freezing every other parameter); -> the
     adapters' parameters, the only trainable ones."""
+    other = [t for t in config.target_modules if t not in TARGETS]
+    if other:
+        raise GptjError(f"LoRA target_modules {other} are not GPT-J's linears ({', '.join(TARGETS)}): adapters "
+                        "train on GPT-J models only so far")
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
@@ -246,6 +250,10 @@ def _module_at(block: nn.Module, path: str) -> nn.Module:
 
 def _check_fits(model: nn.Module, adapter: Adapter) -> None:
     """GptjError unless each of `adapter`'s matrices fits the linear it adapts (plain or fused blocks)."""
+    if adapter.layout.arch != "gptj" or not hasattr(model.transformer.h[0], "w_in"):
+        raise GptjError(f"{adapter.path}: a {adapter.layout.arch} adapter on this model: adapters are applied to "
+                        "built models (merged, served unmerged, trained) on GPT-J only so far; a Llama model takes "
+                        "--lora folded in as it loads")
     shapes = {}
     for (i, name) in adapter.weights:
         if i < len(model.transformer.h):

@@ -35,6 +35,7 @@ from gptj.models.registry import Architecture, architecture_of
 from gptj.quant.format import make_quantization
 from gptj.quant.linear import quantize_model
 from gptj.weights import hf
+from gptj.weights.peft import Adapter, merged
 
 CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -81,8 +82,10 @@ def _check_listing(listed: list[str], names: Mapping[str, str], tied: bool, list
 
 def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", quantize: str | None = None, group_size: int | None = None,
-                progress: bool | None = None) -> torch.nn.Module:
-    """The model in the HF folder `folder` of architecture `arch`, in `dtype` on `device`, eval mode."""
+                progress: bool | None = None, adapter: Adapter | None = None) -> torch.nn.Module:
+    """The model in the HF folder `folder` of architecture `arch`, in `dtype` on `device`, eval mode;
+    `adapter` (a LoRA adapter of the architecture's module names) folded into the weights it adapts as
+    they are read, before they are rounded to `dtype` or quantized."""
     folder = Path(folder)
     if quantize == "w8a8":
         raise GptjError(f"{folder}: --quantize w8a8 needs gptj calibrate's smoothing factors, which are made for "
@@ -98,6 +101,11 @@ def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtyp
         _check_listing(listed[0], names, tied, listed[1])
     model = arch.build_model(config, device="meta", dtype=dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
+    if adapter is not None:
+        if adapter.layout.arch != arch.model_type:
+            raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {folder} is a "
+                            f"{arch.model_type} model")
+        adapter.check_fits({h: tuple(params[o].shape) for h, o in names.items()}, config.num_hidden_layers)
     sd: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not _progress(model, progress))
     for name, shape, read, file in hf.iter_hf_tensors(folder):
@@ -114,6 +122,8 @@ def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtyp
         if not tensor.is_floating_point():
             raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
                                   f"expected floating point")
+        if adapter is not None:
+            tensor = merged(tensor, adapter.delta(name))
         tensor = tensor.to(device=device, dtype=dtype)
         check_finite(tensor, name, file)
         sd[name] = tensor

@@ -285,10 +285,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     if arch is not None:
         from gptj.weights.hf_model import load_folder
 
-        if adapter is not None:
-            raise GptjError(f"--lora: LoRA adapters on {arch.model_type} models are not supported yet")
         return load_folder(path, arch, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
-                           progress=progress)
+                           progress=progress, adapter=adapter)
     cfg, items = read_checkpoint(path, config, progress=False, dtype=dtype)
     hf_dir = detect_format(Path(path)) == "hf"
     progress = auto_progress(cfg, progress)

@@ -2,9 +2,10 @@
 weights it adapts as they are read (gptj.lora holds the modules that train and serve adapters).
 
 A folder holds adapter_config.json (peft_type LORA, r, lora_alpha, lora_dropout, target_modules,
-...) and adapter_model.safetensors, whose tensors are named
-`base_model.model.transformer.h.{i}.{attn|mlp}.{module}.lora_{A|B}.weight` (PEFT's names for
-GPTJForCausalLM). An adapter adds scale * B @ A to the weight of each linear it adapts, scale =
+...) and adapter_model.safetensors, whose tensors are named as PEFT names them (`Layout`):
+`base_model.model.transformer.h.{i}.{attn|mlp}.{module}.lora_{A|B}.weight` for GPTJForCausalLM,
+`base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` for LlamaForCausalLM
+(whose adapters gptj folds in at load; it trains and serves unmerged adapters on GPT-J). An adapter adds scale * B @ A to the weight of each linear it adapts, scale =
 lora_alpha / r: `merged` computes that sum in float32, and `Adapter.delta` gives it for a weight by its
 checkpoint name, so a loader folds the adapter in while it reads the checkpoint (the model is never
 built unmerged, and a quantized load quantizes the merged weight).
@@ -30,8 +31,42 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 KEY = re.compile(r"base_model\.model\.transformer\.h\.(\d+)\.(attn|mlp)\.(\w+)\.lora_([AB])\.weight")
-WEIGHT = re.compile(r"transformer\.h\.(\d+)\.(attn|mlp)\.(\w+)\.weight")  # weight_name's
 PARENT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "out_proj": "attn", "fc_in": "mlp", "fc_out": "mlp"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How PEFT names an architecture's adapters: the block linears it may adapt (`targets`, each
+    under its `parent`), its tensors' names (`key`: layer, parent, module, A or B) and the checkpoint
+    name of the weight each adapts (`weight`, a format of i, parent, module)."""
+
+    arch: str
+    targets: tuple[str, ...]
+    parent: dict[str, str]
+    key: re.Pattern
+    weight: str
+
+    def weight_name(self, layer: int, module: str) -> str:
+        return self.weight.format(i=layer, parent=self.parent[module], module=module)
+
+    def weight_of(self, name: str) -> tuple[int, str] | None:
+        """(layer, module) of the checkpoint weight `name` this layout's adapters may adapt, or None."""
+        m = re.fullmatch(re.escape(self.weight).replace(r"\{i\}", r"(\d+)").replace(r"\{parent\}", r"(\w+)")
+                         .replace(r"\{module\}", r"(\w+)"), name)
+        if m is None or self.parent.get(m[3]) != m[2]:
+            return None
+        return int(m[1]), m[3]
+
+
+_LLAMA_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+LAYOUTS = {
+    "gptj": Layout("gptj", TARGETS, PARENT, KEY, "transformer.h.{i}.{parent}.{module}.weight"),
+    "llama": Layout("llama", tuple(_LLAMA_PARENT), _LLAMA_PARENT,
+                    re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"),
+                    "model.layers.{i}.{parent}.{module}.weight"),
+}
+_ALL_TARGETS = tuple(dict.fromkeys(t for layout in LAYOUTS.values() for t in layout.targets))
 
 
 @dataclass(frozen=True)
@@ -52,10 +87,11 @@ class LoRAConfig:
         if not 0 <= self.dropout < 1:
             raise GptjError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
         targets = tuple(self.target_modules)
-        bad = [t for t in targets if t not in TARGETS]
+        bad = [t for t in targets if t not in _ALL_TARGETS]
         if not targets or bad:
-            raise GptjError(f"LoRA target_modules must be some of {', '.join(TARGETS)}, got {list(targets)}")
-        object.__setattr__(self, "target_modules", tuple(t for t in TARGETS if t in targets))
+            raise GptjError(f"LoRA target_modules must be some of {', '.join(TARGETS)} (GPT-J) or "
+                            f"{', '.join(LAYOUTS['llama'].targets)} (Llama), got {list(targets)}")
+        object.__setattr__(self, "target_modules", tuple(t for t in _ALL_TARGETS if t in targets))
 
     @property
     def scale(self) -> float:
@@ -78,6 +114,7 @@ class Adapter:
     config: LoRAConfig
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     path: str | None = None
+    layout: Layout = LAYOUTS["gptj"]  # whose module names it adapts
 
     def check_fits(self, shapes: dict[str, tuple[int, ...]], n_layer: int) -> None:
         """GptjError unless each of the adapter's matrices fits the weight it adapts, of a model
@@ -85,7 +122,7 @@ class Adapter:
         for (i, name), (a, b) in self.weights.items():
             if i >= n_layer:
                 raise GptjError(f"{self.path}: adapts layer {i}; the model has {n_layer}")
-            height, width = shapes[weight_name(i, name)]
+            height, width = shapes[self.layout.weight_name(i, name)]
             if (a.shape[1], b.shape[0]) != (width, height):
                 raise GptjError(f"{self.path}: layer {i} {name} is {b.shape[0]} x {a.shape[1]}; the model's is "
                                 f"{height} x {width}")
@@ -93,9 +130,9 @@ class Adapter:
     def delta(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """scale * B @ A (float32, on `device`) for the weight the checkpoint names `name`, or None
         when the adapter leaves that weight alone."""
-        m = WEIGHT.fullmatch(name)
-        ab = None if m is None else self.weights.get((int(m[1]), m[3]))
-        if ab is None or PARENT[m[3]] != m[2]:
+        where = self.layout.weight_of(name)
+        ab = None if where is None else self.weights.get(where)
+        if ab is None:
             return None
         a, b = ab
         return self.config.scale * (b.to(device) @ a.to(device))
@@ -168,12 +205,14 @@ def read_adapter(folder: str | Path) -> Adapter:
         raise GptjError(f"{folder}: no {WEIGHTS_FILE}") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise GptjError(f"{path}: not a readable safetensors file ({e})") from None
-    adapter = Adapter(config, path=str(folder))
+    keys = [key.replace(".default.", ".") for key in sd]
+    layout = next((lay for lay in LAYOUTS.values() if keys and lay.key.fullmatch(keys[0])), LAYOUTS["gptj"])
+    adapter = Adapter(config, path=str(folder), layout=layout)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in sd.items():
-        m = KEY.fullmatch(key.replace(".default.", "."))
-        if m is None or m[3] not in config.target_modules or PARENT[m[3]] != m[2]:
-            raise GptjError(f"{path}: tensor {key!r} is not a LoRA weight of GPT-J's "
+    for key, t in zip(keys, sd.values()):
+        m = layout.key.fullmatch(key)
+        if m is None or m[3] not in config.target_modules or layout.parent.get(m[3]) != m[2]:
+            raise GptjError(f"{path}: tensor {key!r} is not a LoRA weight of {layout.arch}'s "
                             f"{', '.join(config.target_modules)}")
         if t.dim() != 2 or not t.is_floating_point():
             raise GptjError(f"{path}: {key!r} must be a float matrix")
