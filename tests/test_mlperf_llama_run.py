@@ -94,6 +94,25 @@ def greedy(llama_dir, prompts, max_new_tokens):
         return [generate(model, [prompt], gen)[0] for prompt in prompts]
 
 
+def hf_greedy(llama_dir, prompts, max_new_tokens):
+    """HF transformers' LlamaForCausalLM on the same folder, greedy as the reference SUT asks (1 to
+    max_new_tokens new tokens, any EOS id ends an answer), each answer up to its EOS."""
+    import torch
+
+    from gptj.tokenizer import load_tokenizer
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(llama_dir), attn_implementation="eager").float().eval()
+    eos = list(load_tokenizer(llama_dir).eos_token_ids)
+    answers = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=1, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
+            answers.append(next((out[:i + 1] for i, t in enumerate(out) if t in eos), out))
+    return answers
+
+
 def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scores(llama_dir, short_set, tmp_path,
                                                                                      capsys):
     from gptj.mlperf.dataset import Dataset
@@ -110,6 +129,7 @@ def test_offline_accuracy_run_logs_int32_greedy_answers_that_evaluate_llama_scor
     dataset = Dataset.load(short_set, tokenizer=load_tokenizer(llama_dir), benchmark="llama3.1-8b")
     expected = greedy(llama_dir, dataset.input_ids, 10)
     assert [answers[i][0] for i in range(4)] == expected
+    assert expected == hf_greedy(llama_dir, dataset.input_ids, 10)  # and per sample, exactly HF's tokens
 
     run = json.loads((log_dir / "run.json").read_text())
     assert run["benchmark"] == "llama3.1-8b" and run["loadgen_model"] == "llama3_1-8b"
