@@ -215,3 +215,73 @@ def test_loadgen_of_another_round_is_named_before_any_run(monkeypatch):
     with pytest.raises(Exception, match="built-in mlperf.conf has other seeds for llama3_1-8b-edge than round "
                                         "v6.1's .* install the mlcommons-loadgen of round v6.1"):
         submission_rounds.check_loadgen_seeds("llama3.1-8b-edge", "llama3_1-8b-edge", "Offline", rnd)
+
+
+def closed_datacenter(llama_dir, runs_dir, scenarios="Offline,Server"):  # noqa: F811
+    from gptj.mlperf.config import MLPerfConfig
+
+    return submission.SubmissionConfig(
+        out=runs_dir / "out", submitter="gptjteam", system_name="cpu2", division="closed", category=None,
+        benchmark="llama3.1-8b", run=MLPerfConfig(model=llama_dir, benchmark="llama3.1-8b", max_query_count=0),
+        scenarios=tuple(scenarios.split(",")), runs_dir=runs_dir, mlperf_inference=INFERENCE)
+
+
+@needs_inference
+def test_a_closed_datacenter_plan_runs_test06_in_each_scenario_and_puts_it_in_results(llama_dir, tmp_path):  # noqa: F811
+    """The fast half of test_closed_datacenter_tree_...: what a closed llama3.1-8b submission runs (each
+    scenario's performance, accuracy and TEST06 runs, Interactive as LoadGen's Server with its own model
+    name, TEST06 with MLCommons' audit.config and token counts), where v6.1 wants TEST06's folder, and how
+    MLCommons' run_verification.py is asked to read a llama log."""
+    sub = closed_datacenter(llama_dir, tmp_path, "Offline,Interactive")
+    assert sub.category == "datacenter" and sub.round == "v6.1" and sub.scenarios == ("Offline", "Interactive")
+    runs = submission.plan(sub)
+    assert [r.label for r in runs] == ["Offline performance", "Offline accuracy", "Offline TEST06",
+                                       "Interactive performance", "Interactive accuracy", "Interactive TEST06"]
+    for run in runs:
+        assert run.cfg.round is None and run.cfg.llama  # LoadGen's built-in seeds: the round's (prepare checks)
+        assert run.seeds == (None if run.kind == "TEST06" else rules.LLAMA_ROUNDS["llama3.1-8b"]["v6.1"].seeds)
+        assert run.folder == tmp_path / run.scenario / run.kind
+        assert (run.cfg.audit_config == INFERENCE / "compliance" / "TEST06" / "audit.config") == \
+            (run.kind == "TEST06") == run.cfg.token_latencies
+        if run.scenario == "Interactive":
+            assert run.cfg.scenario == "Server" and run.cfg.loadgen_model == "llama3_1-8b-interactive"
+    folders = submission_rounds.scenario_folders(tmp_path, sub.round_rules, "cpu2", "llama3.1-8b", "Interactive")
+    assert folders.compliance == folders.results == folders.measurements == \
+        tmp_path / "results" / "cpu2" / "llama3.1-8b" / "Interactive"
+    from gptj.tokenizer import load_tokenizer
+
+    eos, dtype = submission_rounds.test06_arguments("llama3.1-8b", llama_dir)
+    assert (eos, dtype) == (load_tokenizer(llama_dir).eos_token_id, "int32") and eos == 511  # <|eot_id|>
+    assert submission_rounds.test06_arguments("gptj-99", None) == (50256, "int64")
+
+
+@pytest.mark.slow
+@needs_inference
+def test_closed_datacenter_tree_passes_the_checker_but_for_what_only_a_full_length_run_satisfies(
+        llama_dir, short_set, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """Offline + Server with TEST06 (~20 s on 2 cores: 459 Server queries for early stopping, 100 per TEST06
+    run). Closed runs MLPerf's generation (up to 128 tokens): the short settings are let through here, as
+    in test_mlperf_submission's closed test."""
+    from gptj.mlperf import run as mlperf_run
+
+    monkeypatch.setattr(mlperf_run, "official_differences", lambda gen, official=None: [])
+    rc = submit(llama_dir, short_set, tmp_path, "llama3.1-8b", "--mlperf-inference", str(INFERENCE),
+                "--min-query-count", "459", "--target-qps", "100", division="closed")
+    assert rc == EXIT_CHECKER_ERRORS, capsys.readouterr().err[-2000:]
+    log = tmp_path / "runs" / "checker.log"
+    allowed = {**allowed_errors(4, 13368),
+               # closed: Offline's one query holds the whole set (13,368 samples), the short run 459
+               "Offline samples per query": r"Required minimum samples per query not met by user config, "
+                                            r"Expected=13368, Found=459"}
+    errors = checker_errors(log)
+    assert unexpected(errors, allowed) == [], errors
+    text = log.read_text()
+    tree = tmp_path / "out" / "closed" / "gptjteam"
+    for scenario in ("Offline", "Server"):
+        folder = tree / "results" / "cpu2" / "llama3.1-8b" / scenario
+        assert f"All compliance check checks passed for: {folder}/" in text
+        verify = (folder / "TEST06" / "verify_accuracy.txt").read_text()
+        assert "EOS check pass: True" in verify and "Sample length check pass: True" in verify
+        assert ("First token check pass: Skipped" if scenario == "Offline" else "First token check pass: True") \
+            in verify
+    assert "Failed extra check for TTFT and TPOT" not in text  # Server's token latencies within its limits
