@@ -1,8 +1,9 @@
-"""Peak memory and time of loading gptj-6b in bfloat16 (and preparing it for serving), against the
-weight bytes and a plain file read.
+"""Peak memory and time of loading gptj-6b (or llama3.1-8b) in bfloat16 (and preparing it for serving),
+against the weight bytes and a plain file read.
 
     python benchmarks/load_memory.py --dir /tmp/gptj-6b-bf16     # writes the checkpoint once (12.1 GB)
     python benchmarks/load_memory.py --dir /tmp/gptj-6b-l4 --layers 4 --repeats 1   # gptj-6b's shapes, 4 layers
+    python benchmarks/load_memory.py --preset llama3.1-8b --dir /tmp/llama-8b-bf16 --repeats 1   # 16.1 GB
 
 Cases, each in a fresh subprocess:
   kernels off     load_model only (what `--kernels off` serves)
@@ -67,7 +68,9 @@ CASES = ("off", "native", "onednn")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/gptj-6b-bf16")
-    ap.add_argument("--layers", type=int, help="gptj-6b's shapes with this many layers (cheaper; written to --dir)")
+    ap.add_argument("--preset", default="gptj-6b", choices=("gptj-6b", "llama3.1-8b"),
+                    help="the model written to --dir when it holds none")
+    ap.add_argument("--layers", type=int, help="the preset's shapes with this many layers (cheaper; written to --dir)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
     args = ap.parse_args()
@@ -78,14 +81,18 @@ def main() -> None:
     if not (out / "config.json").exists():
         import torch
 
-        from gptj.config import get_preset
+        from gptj.models.registry import PRESETS
+        from gptj.weights.hf_model import random_folder
         from gptj.weights.io import random_state_dict, save_checkpoint
 
-        cfg = get_preset("gptj-6b")
+        cfg = PRESETS[args.preset]
         if args.layers:
-            cfg = cfg.replace(n_layer=args.layers)
-        print(f"writing a random gptj-6b ({cfg.n_layer} layers) bfloat16 checkpoint to", out, flush=True)
-        save_checkpoint(random_state_dict(cfg, dtype=torch.bfloat16), cfg, out, progress=True)
+            cfg = cfg.replace(**{"n_layer" if args.preset == "gptj-6b" else "num_hidden_layers": args.layers})
+        print(f"writing a random {args.preset} ({cfg.n_layer} layers) bfloat16 checkpoint to", out, flush=True)
+        if args.preset == "gptj-6b":
+            save_checkpoint(random_state_dict(cfg, dtype=torch.bfloat16), cfg, out, progress=True)
+        else:  # written one tensor at a time, as `gptj init --preset llama3.1-8b` writes it
+            random_folder(cfg, out, dtype=torch.bfloat16, progress=True)
     subprocess.run([sys.executable, "-c", CHILD_READ, str(out)], check=True, capture_output=True)  # warm the cache
     reads, runs = [], {c: [] for c in cases}
     for _ in range(args.repeats):
