@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,6 +106,29 @@ def test_edge_tree_is_in_round_v6_1s_layout(edge_submission):
             assert f'"key": "effective_{key}", "value": {value},' in detail
 
 
+def test_assembling_again_reuses_every_run_and_gives_the_same_tree(edge_submission, llama_dir, short_set,  # noqa: F811
+                                                                   tmp_path, capsys):
+    made = edge_submission[0]
+    for name in ("runs", "out"):
+        shutil.copytree(made / name, tmp_path / name)
+    tree = tmp_path / "out" / "open" / "gptjteam"
+
+    def files():
+        return {p.relative_to(tree): p.read_bytes() for p in tree.rglob("*") if p.is_file() and p.name != "README.md"}
+
+    before = files()
+    assert submit(llama_dir, short_set, tmp_path, "llama3.1-8b-edge", "--assemble-only", "--force") == 0
+    err = capsys.readouterr().err
+    assert err.count("reusing") == 4 and "->" not in err
+    assert files() == before
+    # a run of other settings is named, and the tree left as it was
+    assert submit(llama_dir, short_set, tmp_path, "llama3.1-8b-edge", "--assemble-only", "--force",
+                  "--max-new-tokens", "6") == 1
+    err = capsys.readouterr().err.strip()
+    assert "not the Offline performance run asked for: generation.max_new_tokens 8 (wanted 6)" in err
+    assert len(err.splitlines()) == 1 and files() == before
+
+
 @needs_inference
 def test_edge_tree_passes_the_checker_but_for_what_only_a_full_length_run_satisfies(edge_submission):
     made, out, err = edge_submission
@@ -178,6 +202,8 @@ def test_scenarios_and_categories_of_a_llama_submission():
         with pytest.raises(Exception, match=re.escape(message)):
             pick(benchmark, None, category, asked)
     assert rules.default_round("llama3.1-8b") == "v6.1" and rules.default_round("gptj-99") == "v5.0"
+    assert rules.submission_categories("llama3.1-8b-edge") == ("edge",)
+    assert rules.submission_categories("gptj-99") == ("datacenter", "edge")
     with pytest.raises(Exception, match="gptj submits llama3.1-8b for MLPerf Inference v6.1 only"):
         rules.submission_round("llama3.1-8b", "v5.1")
 

@@ -122,15 +122,20 @@ def compliance_dir(sub: SubmissionConfig, test: str) -> Path:
 
 def plan(sub: SubmissionConfig) -> list[PlannedRun]:
     """Every run the submission needs, in the order they run."""
-    runs, rnd = [], sub.round_rules
+    runs, rnd, shared = [], sub.round_rules, sub.run
     # a gptj run sets the round's seeds; a llama run takes LoadGen's built-in ones (prepare checks them)
-    round_seeds = None if sub.run.llama else sub.round
+    round_seeds = None if shared.llama else sub.round
+    if shared.llama:  # what run() generates with, and records as the run's identity: the tokenizer's EOS ids
+        from gptj.mlperf.run import with_tokenizer_eos
+        from gptj.tokenizer import tokenizer_for_model
+
+        shared = with_tokenizer_eos(shared, tokenizer_for_model(shared.model))
     for scenario in sub.scenarios:
         kinds = [("performance", "performance", None), ("accuracy", "accuracy", None)]
         tests = rnd.compliance if sub.division == "closed" else ()
         kinds += [(test, "performance", compliance_dir(sub, test) / "audit.config") for test in tests]
         for kind, mode, audit in kinds:
-            cfg = dataclasses.replace(sub.run, scenario=scenario, mode=mode, round=round_seeds, audit_config=audit,
+            cfg = dataclasses.replace(shared, scenario=scenario, mode=mode, round=round_seeds, audit_config=audit,
                                       token_latencies=kind in rules.TOKEN_COUNT_TESTS,
                                       log_dir=Path(sub.runs_dir) / scenario / kind)
             seeds = rnd.seeds if kind in ("performance", "accuracy") else None
@@ -171,7 +176,7 @@ def run_status(run: PlannedRun) -> tuple[str, str]:
     identity = made.get("identity")
     if not isinstance(identity, dict):
         return "different", f"{folder}: run.json has no identity (made by an older gptj); run it again"
-    diff = _differences(identity, run.cfg.identity())
+    diff = _differences(identity, json.loads(json.dumps(run.cfg.identity())))  # as run.json holds it (tuples: lists)
     if diff:
         return "different", f"{folder}: not the {run.label} run asked for: {'; '.join(diff[:3])}"
     what = damage(run, made)
