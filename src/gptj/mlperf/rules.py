@@ -1,4 +1,5 @@
-"""What MLPerf Inference requires of a gptj submission, per round: plain facts, cited, in one place.
+"""What MLPerf Inference requires of a gptj-99 (round v5.0) or llama3.1-8b / llama3.1-8b-edge (round v6.1,
+at the end of this file) submission, per round: plain facts, cited, in one place.
 
 Sources (facts, not code): MLCommons' submission checker, tools/submission/submission_checker/
 constants.py of mlcommons/inference (b66003e, Aug 2026), and LoadGen's built-in mlperf.conf.
