@@ -91,7 +91,8 @@ def test_edge_tree_is_in_round_v6_1s_layout(edge_submission):
         assert set(json.loads((folder / "measurements.json").read_text())) >= {
             "input_data_types", "retraining", "starting_weights_filename", "weight_data_types",
             "weight_transformations"}
-        assert f"llama3_1-8b-edge.{scenario}.min_duration = 200" in (folder / "user.conf").read_text()
+        conf = (folder / "user.conf").read_text()
+        assert f"llama3_1-8b-edge.{scenario}.min_duration = 200" in conf and "(its seeds, round v6.1's)" in conf
         assert "`src/gptj`" in (folder / "README.md").read_text()
         summary = (folder / "performance" / "run_1" / "mlperf_log_summary.txt").read_text()
         assert f"Scenario : {scenario}" in summary and "Result is : VALID" in summary
@@ -311,3 +312,20 @@ def test_closed_datacenter_tree_passes_the_checker_but_for_what_only_a_full_leng
         assert ("First token check pass: Skipped" if scenario == "Offline" else "First token check pass: True") \
             in verify
     assert "Failed extra check for TTFT and TPOT" not in text  # Server's token latencies within its limits
+
+
+def test_gptj_99_still_needs_its_category_and_round(tiny_checkpoint, tmp_path, capsys):
+    """--category is optional now (a llama benchmark has one): gptj-99 still asks for it, and stays v5.0."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    complete_desc(runs / "system_desc.json")
+    args = ["submission", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"), "--runs-dir", str(runs),
+            "--submitter", "gptjteam", "--system-name", "cpu2", "--division", "open", "--quiet"]
+    for extra, message in ((), "gptj-99 needs --category (datacenter or edge)"), \
+            (("--category", "edge", "--round", "v6.1"), "MLPerf Inference v6.1 has no GPT-J benchmark"), \
+            (("--category", "edge", "--scenarios", "Offline"), "--scenarios Offline: an edge gptj-99 submission in "
+                                                               "round v5.0 runs Offline and SingleStream"):
+        assert main([*args, *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in runs.iterdir()) == ["system_desc.json"]

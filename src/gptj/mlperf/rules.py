@@ -238,6 +238,7 @@ def submission_scenarios(benchmark: str, round_name: str | None, category: str,
     missing = [s for s in required if s not in asked]
     if unknown or missing or (optional and not set(optional) & set(asked)) or len(set(asked)) != len(asked):
         need = " and ".join(required) + (f", and {' and/or '.join(optional)}" if optional else "")
-        raise GptjError(f"--scenarios {','.join(asked)}: a {category} {benchmark} submission in round {rnd.name} "
-                        f"runs {need}")
+        article = "an" if category[0] in "aeiou" else "a"
+        raise GptjError(f"--scenarios {','.join(asked)}: {article} {category} {benchmark} submission in round "
+                        f"{rnd.name} runs {need}")
     return tuple(s for s in required + optional if s in asked)

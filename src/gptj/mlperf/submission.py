@@ -304,7 +304,7 @@ def truncate_accuracy_log(src: Path, dst: Path) -> str:
     return digest
 
 
-def user_conf_text(runs: list[PlannedRun], scenario: str) -> str:
+def user_conf_text(runs: list[PlannedRun], scenario: str, round_name: str | None = None) -> str:
     """The scenario's settings over mlperf.conf, in user.conf's syntax (what the runs were given)."""
     perf = next(r.cfg for r in runs if r.scenario == scenario and r.kind == "performance")
     made = json.loads((Path(perf.log_dir) / "run.json").read_text(encoding="utf-8"))
@@ -313,7 +313,7 @@ def user_conf_text(runs: list[PlannedRun], scenario: str) -> str:
             "performance_sample_count": "performance_sample_count_override", "max_query_count": "max_query_count",
             "expected_qps": "target_qps", "target_qps": "target_qps", "target_latency_ms": "target_latency",
             "expected_latency_ms": "target_latency"}
-    seeds = f"{perf.round} seeds" if perf.round else "its seeds"
+    seeds = f"{perf.round} seeds" if perf.round else f"its seeds, round {round_name}'s" if round_name else "its seeds"
     lines = [f"# {IMPLEMENTATION}: what the {scenario} runs set over LoadGen's built-in mlperf.conf ({seeds})"]
     for key, conf_key in keys.items():
         if key in asked and asked[key]["source"] not in ("mlperf.conf", "user.conf / mlperf.conf"):
@@ -410,7 +410,7 @@ def _assemble_scenario(sub: SubmissionConfig, runs: list[PlannedRun], scenario: 
     meas.mkdir(parents=True, exist_ok=True)
     (meas / folders.measurements_json).write_text(json.dumps(implementation_json(sub.run), indent=2) + "\n",
                                                   encoding="utf-8")
-    (meas / "user.conf").write_text(user_conf_text(runs, scenario), encoding="utf-8")
+    (meas / "user.conf").write_text(user_conf_text(runs, scenario, sub.round), encoding="utf-8")
     (meas / "README.md").write_text(measurements_readme(sub, runs, scenario), encoding="utf-8")
     for run in (r for r in runs if r.scenario == scenario):
         if run.kind == "performance":
