@@ -184,6 +184,11 @@ def test_the_llama_rounds_are_the_checkers(monkeypatch):
     assert constants.TEST06_ACC_PATH["v6.1"].endswith("/results/{system}/{benchmark}/{scenario}/TEST06/"
                                                       "verify_accuracy.txt")
     assert constants.SRC_PATH["v6.1"].endswith("/src")
+    # the system description's fields are the same in every round: gptj's probe fills v6.1's too
+    from gptj.mlperf import sysdesc
+
+    assert list(sysdesc.REQUIRED) == constants.SYSTEM_DESC_REQUIRED_FIELDS
+    assert list(sysdesc.MEANINGFUL) == constants.SYSTEM_DESC_MEANINGFUL_RESPONSE_REQUIRED_FIELDS
 
 
 def test_scenarios_and_categories_of_a_llama_submission():
