@@ -263,9 +263,10 @@ def test_benchmark_follows_the_architecture_and_a_mismatch_is_one_line(llama_dir
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "x").exists()
-    # gptj submission makes gptj-99 submissions only: a Llama folder is refused before anything runs
+    # gptj submission takes its benchmark as gptj mlperf does: gptj-99 on a Llama folder is refused before any run
     assert main(["submission", "--model", str(llama_dir), "--out", str(tmp_path / "sub"), "--submitter", "s",
-                 "--system-name", "n", "--division", "open", "--category", "edge", "--quiet"]) != 0
+                 "--system-name", "n", "--division", "open", "--category", "edge", "--benchmark", "gptj-99",
+                 "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "--benchmark gptj-99 needs a gptj model" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "sub").exists()

@@ -127,9 +127,11 @@ def cmd_submission(args: argparse.Namespace) -> int:
     import copy
     import dataclasses
 
+    from gptj.mlperf.config import choose_benchmark
     from gptj.mlperf.rules import LLAMA_BENCHMARKS
     from gptj.mlperf.submission import SubmissionConfig, submit
 
+    args.benchmark = choose_benchmark(args.benchmark, args.model)  # left out: the folder's architecture's
     llama = args.benchmark in LLAMA_BENCHMARKS
     run_args = copy.copy(args)
     if llama:  # --round names the submission's round; a llama run takes LoadGen's seeds (checked to be its)
@@ -304,9 +306,10 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     p.add_argument("--category", choices=("edge", "datacenter"),
                    help="gptj-99: edge (SingleStream + Offline) or datacenter (Server + Offline); llama3.1-8b is "
                         "datacenter, llama3.1-8b-edge edge (the default for them)")
-    p.add_argument("--benchmark", default="gptj-99", choices=SUBMISSION_BENCHMARKS,
-                   help="gptj-99 (default; round v5.0, the last with GPT-J), gptj-99.9, or for a Llama-3.1-8B folder "
-                        "llama3.1-8b / llama3.1-8b-edge (round v6.1, the newest of MLCommons' checker)")
+    p.add_argument("--benchmark", choices=SUBMISSION_BENCHMARKS,
+                   help="gptj-99 (round v5.0, the last with GPT-J) or gptj-99.9 for a GPT-J folder; llama3.1-8b / "
+                        "llama3.1-8b-edge (round v6.1, the newest of MLCommons' checker) for a Llama-3.1-8B folder "
+                        "(default: gptj-99 for GPT-J, llama3.1-8b for Llama)")
     p.add_argument("--scenarios", metavar="LIST",
                    help="comma-separated, for llama3.1-8b: Offline and Server and/or Interactive (default "
                         "Offline,Server); the others run their round's required scenarios (the default)")
