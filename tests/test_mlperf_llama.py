@@ -48,9 +48,9 @@ REFERENCE_TEMPLATE = ("Summarize the following news article in 128 tokens. Pleas
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 
 
-def _tokenizer_dir(path: Path, clean_up: bool) -> Path:
-    """A small Llama-3-shaped tokenizer (byte-level BPE trained on the bundled articles, BOS added by the
-    post-processor, specials after the vocabulary), saved as an HF tokenizer folder."""
+def llama_bpe(vocab_size: int) -> Backend:
+    """A small Llama-3-shaped tokenizer: byte-level BPE of `vocab_size` ids trained on the bundled
+    articles, SPECIALS after them, BOS added by the post-processor."""
     examples = load_examples(DEFAULT_DATASET)
     tok = Backend(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -58,10 +58,16 @@ def _tokenizer_dir(path: Path, clean_up: bool) -> Path:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([e.input for e in examples] + [e.output for e in examples], trainers.BpeTrainer(
-        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     tok.post_processor = processors.TemplateProcessing(single=f"{SPECIALS[0]} $A",
                                                        special_tokens=[(SPECIALS[0], tok.token_to_id(SPECIALS[0]))])
+    return tok
+
+
+def _tokenizer_dir(path: Path, clean_up: bool) -> Path:
+    """llama_bpe(1000) saved as an HF tokenizer folder."""
+    tok = llama_bpe(1000)
     path.mkdir(parents=True)
     tok.save(str(path / "tokenizer.json"))
     # Llama-3.1-8B-Instruct's tokenizer_config.json says clean_up_tokenization_spaces: true, which the reference's

@@ -12,33 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
-from tokenizers import Tokenizer as Backend
-
 from gptj.cli import main
-from gptj.mlperf.dataset import DEFAULT_DATASET, load_examples
+from test_mlperf_llama import SPECIALS, llama_bpe
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 VOCAB = 512  # llama-tiny's
 
 
 def _llama_tokenizer(path):
     """A Llama-3-shaped byte-level BPE of llama-tiny's 512 ids (509 learned, 3 specials last), BOS added by
     its post-processor; generation_config.json names two EOS ids, as Llama 3.1 Instruct names three."""
-    examples = load_examples(DEFAULT_DATASET)
-    tok = Backend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\s?\p{L}+|\s?\p{N}{1,3}|\s?[^\s\p{L}\p{N}]+|\s+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([e.input for e in examples] + [e.output for e in examples], trainers.BpeTrainer(
-        vocab_size=VOCAB - len(SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok = llama_bpe(VOCAB - len(SPECIALS))
     assert tok.get_vocab_size(with_added_tokens=True) == VOCAB
-    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIALS[0]} $A",
-                                                       special_tokens=[(SPECIALS[0], tok.token_to_id(SPECIALS[0]))])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[2],
