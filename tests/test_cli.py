@@ -81,7 +81,7 @@ def test_user_errors_are_one_line(tiny, tmp_path, capsys, args, message):
     assert message in err and "Traceback" not in err
 
 
-def test_console_script_bad_flag_and_help(tmp_path):
+def test_console_script_bad_flag_and_help(tmp_path, capsys):
     bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--num-beams", "zero"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
@@ -92,9 +92,12 @@ def test_console_script_bad_flag_and_help(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--model", str(cfg), "--prompt", "x"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "not a GPT-J config" in bad.stderr
-    for cmd in ("init", "convert", "generate", "tokenize", "detokenize"):
-        ok = subprocess.run([sys.executable, "-m", "gptj.cli", cmd, "--help"], capture_output=True, text=True)
-        assert ok.returncode == 0 and "usage: gptj" in ok.stdout
+    ok = subprocess.run([sys.executable, "-m", "gptj.cli", "init", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "usage: gptj init" in ok.stdout  # the console entry point; the others in-process
+    for cmd in ("convert", "generate", "tokenize", "detokenize"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and f"usage: gptj {cmd}" in capsys.readouterr().out
 
 
 def test_convert_mtj_slim_then_hf_loads_it(tmp_path, capsys):
