@@ -206,6 +206,12 @@ def variants(given: list[str], default: str, prefix: str, p: argparse.ArgumentPa
     return out
 
 
+def round_order(names: list[str], i: int) -> list[str]:
+    """Round i's order of the servers: as given in even rounds, reversed in odd ones, so that each
+    setting runs first as often as last (a machine warming up or a neighbour's load favours neither)."""
+    return names if i % 2 == 0 else names[::-1]
+
+
 def quantized_w8a8(flags: str) -> bool:
     words = shlex.split(flags)
     return "--quantize=w8a8" in words or any(a == "--quantize" and b == "w8a8" for a, b in zip(words, words[1:]))
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     start = servers(args.model, args, calibrated)
     rounds = []
     for i in range(args.rounds):
-        order = list(start) if i % 2 == 0 else list(reversed(start))
+        order = round_order(list(start), i)
         r = {"order": order}
         for name in order:
             with start[name]() as url:
