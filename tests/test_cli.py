@@ -91,7 +91,7 @@ def test_console_script_bad_flag_and_help(tmp_path, capsys):
     (cfg / "config.json").write_text(json.dumps({"model_type": "llama"}))
     bad = subprocess.run([sys.executable, "-m", "gptj.cli", "generate", "--model", str(cfg), "--prompt", "x"],
                          capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "not a GPT-J config" in bad.stderr
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "a llama model without its tokenizer" in bad.stderr
     ok = subprocess.run([sys.executable, "-m", "gptj.cli", "init", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "usage: gptj init" in ok.stdout  # the console entry point; the others in-process
     for cmd in ("convert", "generate", "tokenize", "detokenize"):

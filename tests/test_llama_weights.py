@@ -284,3 +284,24 @@ def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     with pytest.raises(GptjError) as e:
         SINGLE.load(str(tmp_path / "m"), torch.float32, "cpu", lora=str(tmp_path / "gptj-adapter"))
     assert "adapts gptj's modules" in one_line(e) and "is a llama model" in one_line(e)
+
+
+def test_gptj_init_llama_tiny_writes_a_stand_in_tokenizer(tmp_path, capsys):
+    """llama-tiny's folder runs every command that takes text: a byte-level BPE of its 512 ids trained
+    on the bundled articles (deterministic), BOS 0 added to what it encodes, EOS 1 as config.json and
+    generation_config.json say. A Llama folder without a tokenizer is refused in one line, not given
+    GPT-J's."""
+    from gptj.tokenizer import HFTokenizer, load_tokenizer, tokenizer_for_model
+
+    for d in ("a", "b"):
+        assert main(["init", "--preset", "llama-tiny", "--out", str(tmp_path / d)]) == 0
+    assert "stand-in tokenizer" in capsys.readouterr().out
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    tok = load_tokenizer(tmp_path / "a")
+    assert isinstance(tok, HFTokenizer) and tok.eos_token_ids == (1,) and tok.vocab_size == 512
+    ids = tok.encode("The storm hit the coast on Tuesday.")
+    assert ids[0] == 0 and 1 not in ids and max(ids) < 512 and tok.decode(ids[1:]) == "The storm hit the coast on Tuesday."
+    (tmp_path / "a" / "tokenizer.json").unlink()
+    with pytest.raises(GptjError) as e:
+        tokenizer_for_model(tmp_path / "a")
+    assert "a llama model without its tokenizer" in one_line(e)

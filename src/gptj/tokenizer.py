@@ -369,7 +369,43 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 def tokenizer_for_model(model_dir: str | Path | None) -> Tokenizer:
     """The tokenizer a model folder carries (tokenizer.json: GPT-J's `Tokenizer` or an `HFTokenizer`,
-    as `load_tokenizer` picks), else GPT-J's packaged one."""
+    as `load_tokenizer` picks), else GPT-J's packaged one; a folder of another architecture (its
+    config.json's model_type) without one is refused in one line: GPT-J's ids are not its."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return load_tokenizer(model_dir)
+    if model_dir is not None:
+        config = _read_config(Path(model_dir) / "config.json") if (Path(model_dir) / "config.json").is_file() else None
+        model_type = (config or {}).get("model_type", "gptj")
+        if model_type != "gptj":
+            raise GptjError(f"{model_dir}: a {model_type} model without its tokenizer (copy the model's "
+                            "tokenizer.json, tokenizer_config.json and generation_config.json into the folder)")
     return load_tokenizer()
+
+
+STANDIN_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1: llama-tiny's BOS and EOS
+
+
+def write_standin_tokenizer(folder: str | Path, texts: Sequence[str], vocab_size: int) -> None:
+    """A Llama-3-style stand-in tokenizer for a model with random weights (`gptj init --preset
+    llama-tiny`): byte-level BPE of `vocab_size` ids trained on `texts`, deterministically, with
+    STANDIN_SPECIALS first (BOS, added by the post-processor, and EOS), written as tokenizer.json and
+    tokenizer_config.json. No real tokenizer can be downloaded here; this one makes the folder run
+    every command that takes text."""
+    from tokenizers import Regex, trainers
+
+    backend = _HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s?\p{L}+|\s?\p{N}{1,3}|\s?[^\s\p{L}\p{N}]+|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(list(texts), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[AddedToken(t, special=True, normalized=False) for t in STANDIN_SPECIALS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bos = STANDIN_SPECIALS[0]
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, backend.token_to_id(bos))])
+    folder = Path(folder)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": STANDIN_SPECIALS[1],
+        "model_max_length": MODEL_MAX_LENGTH, "clean_up_tokenization_spaces": False}, indent=2) + "\n")

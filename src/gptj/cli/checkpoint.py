@@ -23,14 +23,26 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not isinstance(config, GPTJConfig):  # a Llama preset: written shard by shard (llama3.1-8b is 16 GB in bf16)
         from gptj.weights.hf_model import random_folder
 
-        out = random_folder(config, args.out, seed=args.seed, dtype=parse_dtype(args.dtype), overwrite=args.force)
-        print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out} (no tokenizer)")
+        extra, said = None, " (no tokenizer: copy the real model's tokenizer files into it)"
+        if config.vocab_size <= STANDIN_MAX_VOCAB:  # a stand-in trained on the bundled articles (none downloads)
+            from gptj.mlperf.dataset import DEFAULT_DATASET, load_examples
+            from gptj.tokenizer import write_standin_tokenizer
+
+            texts = [t for e in load_examples(DEFAULT_DATASET) for t in (e.input, e.output)]
+            extra, said = (lambda folder: write_standin_tokenizer(folder, texts, config.vocab_size),
+                           " with a stand-in tokenizer trained on the bundled articles")
+        out = random_folder(config, args.out, seed=args.seed, dtype=parse_dtype(args.dtype), overwrite=args.force,
+                            extra=extra)
+        print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out}{said}")
         return 0
     progress = auto_progress(config)  # gptj-6b takes minutes: bars on stderr when it is a terminal
     sd = random_state_dict(config, seed=args.seed, dtype=parse_dtype(args.dtype), progress=progress)
     out = save_checkpoint(sd, config, args.out, overwrite=args.force, progress=progress)
     print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {out}")
     return 0
+
+
+STANDIN_MAX_VOCAB = 4096  # presets up to this vocabulary get a stand-in tokenizer (llama-tiny: 512)
 
 
 def _check_out(args: argparse.Namespace) -> None:

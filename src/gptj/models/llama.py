@@ -249,7 +249,8 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3.1-8b": LLAMA_3_1_8B,
     "llama-tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
-                              max_position_embeddings=2048, bos_token_id=0, eos_token_ids=(1,)),
+                              max_position_embeddings=4096, bos_token_id=0, eos_token_ids=(1,)),  # 4096: the
+    # bundled articles in its 512-id stand-in tokenizer's tokens (up to 1,931) and 128 new ones fit
 }
 
 

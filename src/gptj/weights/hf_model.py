@@ -185,7 +185,7 @@ def save_folder(state_dict: Mapping[str, torch.Tensor], config: Any, out: str | 
 
 def random_folder(config: Any, out: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
                   std: float = 0.02, overwrite: bool = False, progress: bool | None = None,
-                  max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                  max_shard_bytes: int = MAX_SHARD_BYTES, extra: Callable[[Path], None] | None = None) -> Path:
     """`gptj init`: deterministic random weights (HF's init: normal(0, std) matrices, unit norms),
     made in float32 one tensor at a time, cast to `dtype`, and written one shard at a time."""
     arch = architecture_of(config)
@@ -204,7 +204,7 @@ def random_folder(config: Any, out: str | os.PathLike, seed: int = 0, dtype: tor
         return torch.empty(shapes[h]).normal_(0.0, std, generator=gen).to(dtype)
 
     progress = _progress(sum(math.prod(s) for s in shapes.values()), progress)
-    return _write_folder(config, Path(out), write, nbytes, make, dtype, overwrite, progress, max_shard_bytes)
+    return _write_folder(config, Path(out), write, nbytes, make, dtype, overwrite, progress, max_shard_bytes, extra)
 
 
 def _shards(names: list[str], nbytes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
