@@ -54,8 +54,13 @@ def check_parallel(tp: int, pp: int, model: str | Path) -> None:
     from gptj.weights.io import other_architecture, resolve_config
 
     arch = other_architecture(model)
+    if arch is not None and tp > 1:
+        raise GptjError(f"--tp runs GPT-J models only for now, not {arch.model_type} ({model}); --pp runs both")
     if arch is not None:
-        raise GptjError(f"--tp / --pp run GPT-J models only for now, not {arch.model_type} ({model})")
+        from gptj.weights.hf_model import read_config
+
+        check_split(read_config(Path(model), arch).n_layer, pp)
+        return
     config = resolve_config(model)
     if tp > 1:
         check_plan(config, tp)

@@ -200,8 +200,9 @@ class GPTJForCausalLM(CausalLM):
 
     @property
     def kv_heads(self) -> int:
-        """Attention heads this model computes: n_head, or its share under tensor parallelism."""
-        return self.transformer.h[0].attn.n_head
+        """Attention heads this model computes: n_head, or its share under tensor parallelism (read
+        from its first block here: a pipeline stage holds some of them)."""
+        return next(b for b in self.transformer.h if hasattr(b, "attn")).attn.n_head
 
 
 def build_model(config: GPTJConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -410,8 +410,9 @@ class LlamaForCausalLM(CausalLM):
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads the cache holds: num_key_value_heads (fewer than the query heads under GQA)."""
-        return self.transformer.h[0].attn.n_kv_head
+        """Key/value heads the cache holds: num_key_value_heads (fewer than the query heads under GQA;
+        read from its first block here: a pipeline stage holds some of them)."""
+        return next(b for b in self.transformer.h if hasattr(b, "attn")).attn.n_kv_head
 
 
 def build_model(config: LlamaConfig, device: torch.device | str = "cpu",

@@ -156,6 +156,10 @@ class ParallelContext:
         from gptj.parallel.pp import PipelineStage
         from gptj.parallel.tp import shard_model
 
+        from gptj.models.gptj import GPTJForCausalLM
+
+        if self.tp > 1 and not isinstance(model, GPTJForCausalLM):
+            raise GptjError("--tp runs GPT-J models only for now (--pp runs Llama too)")
         share = model
         if self.pp > 1:
             share = PipelineStage(model, self.stage, self.pp, micro_batches=self.pp, group=self.pp_group,

@@ -66,8 +66,8 @@ class PipelineStage(nn.Module):
 
     @property
     def kv_heads(self) -> int:
-        """Attention heads each of this stage's layers computes (its tensor rank's share under --tp)."""
-        return self.model.transformer.h[self.layers.start].attn.n_head
+        """Key/value heads each of this stage's layers holds (its tensor rank's share under --tp)."""
+        return self.model.kv_heads
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A cache of every layer, this stage's heads (it fills only its own layers')."""
