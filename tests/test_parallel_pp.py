@@ -102,15 +102,16 @@ def test_cli_generate_pp2_equals_pp1(tmp_path, capsys):
         if not quant:  # tensor x pipeline: 4 ranks, 2 stages of 2 tensor ranks
             assert main(args + ["--pp", "2", "--tp", "2"]) == 0
             assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == outs[0]
-    # a Llama (its stand-in tokenizer, grouped-query attention): two stages, each its layers' KV heads
+    # a Llama (its stand-in tokenizer, grouped-query attention): two stages, each its layers' KV heads;
+    # two tensor ranks, each half the query and KV heads (gptj.parallel.tp_llama; the 2 x 2 grid: GPT-J's above)
     llama = tmp_path / "llama"
     assert main(["init", "--preset", "llama-tiny", "--out", str(llama)]) == 0
     capsys.readouterr()
     outs = []
-    for pp in ("1", "2"):
+    for grid in (["--pp", "1"], ["--pp", "2"], ["--tp", "2"]):
         assert main(["generate", "--model", str(llama), "--prompt", "The storm hit", "--max-new-tokens", "6", "--json",
-                     "--pp", pp]) == 0
+                     *grid]) == 0
         outs.append(json.loads(capsys.readouterr().out))
-    assert outs[0] == outs[1] and len(outs[0]["token_ids"]) == 6
-    assert main(["generate", "--model", str(llama), "--prompt", "x", "--tp", "2"]) == 1
-    assert "--tp runs GPT-J models only for now" in capsys.readouterr().err
+    assert all(out == outs[0] for out in outs) and len(outs[0]["token_ids"]) == 6
+    assert main(["generate", "--model", str(llama), "--prompt", "x", "--tp", "3"]) == 1
+    assert "needs num_attention_heads (4) divisible by 3" in capsys.readouterr().err

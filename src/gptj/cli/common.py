@@ -7,7 +7,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from gptj.errors import GptjError
 
 
 def token_ids(text: str) -> list[int]:
@@ -54,12 +53,15 @@ def check_parallel(tp: int, pp: int, model: str | Path) -> None:
     from gptj.weights.io import other_architecture, resolve_config
 
     arch = other_architecture(model)
-    if arch is not None and tp > 1:
-        raise GptjError(f"--tp runs GPT-J models only for now, not {arch.model_type} ({model}); --pp runs both")
-    if arch is not None:
+    if arch is not None:  # Llama
+        from gptj.parallel.tp_llama import check_llama_plan
         from gptj.weights.hf_model import read_config
 
-        check_split(read_config(Path(model), arch).n_layer, pp)
+        config = read_config(Path(model), arch)
+        if tp > 1:
+            check_llama_plan(config, tp)
+        if pp > 1:
+            check_split(config.n_layer, pp)
         return
     config = resolve_config(model)
     if tp > 1:

@@ -153,19 +153,18 @@ class ParallelContext:
         """`model` (a whole float model, or this tensor rank's shard when `sharded`) cut to this
         rank's share: under --pp its stage (gptj.parallel.pp.PipelineStage, around the same model;
         the other stages' layers are released first), under --tp its tensor shard of what is left."""
+        from gptj.models.llama import LlamaForCausalLM
         from gptj.parallel.pp import PipelineStage
         from gptj.parallel.tp import shard_model
+        from gptj.parallel.tp_llama import shard_llama
 
-        from gptj.models.gptj import GPTJForCausalLM
-
-        if self.tp > 1 and not isinstance(model, GPTJForCausalLM):
-            raise GptjError("--tp runs GPT-J models only for now (--pp runs Llama too)")
         share = model
         if self.pp > 1:
             share = PipelineStage(model, self.stage, self.pp, micro_batches=self.pp, group=self.pp_group,
                                   peers=[self.tp_rank + i * self.tp for i in range(self.pp)])
         if self.tp > 1 and not sharded:
-            shard_model(model, self.tp_rank, self.tp, group=self.tp_group)
+            shard = shard_llama if isinstance(model, LlamaForCausalLM) else shard_model
+            shard(model, self.tp_rank, self.tp, group=self.tp_group)
         return share
 
     def least(self, value: int) -> int:

@@ -111,7 +111,7 @@ def check_plan(config: GPTJConfig, world: int) -> None:
             raise GptjError(f"tensor parallel over {world} ranks needs {what} ({n}) divisible by {world}")
 
 
-def _part(n: int, rank: int, world: int) -> slice:
+def part(n: int, rank: int, world: int) -> slice:
     return slice(rank * n // world, (rank + 1) * n // world)
 
 
@@ -119,8 +119,8 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig,
                      world: int) -> dict[str, torch.Tensor]:
     """Rank's tensors of a full float state dict, under the plan above (the one source of it)."""
     check_plan(config, world)
-    heads, ffn = _part(config.n_embd, rank, world), _part(config.inner_dim, rank, world)
-    vocab = _part(config.vocab_size, rank, world)
+    heads, ffn = part(config.n_embd, rank, world), part(config.inner_dim, rank, world)
+    vocab = part(config.vocab_size, rank, world)
     out = {}
     for name, t in state_dict.items():
         leaf = name.split(".", 3)[-1] if name.startswith("transformer.h.") else name
