@@ -376,7 +376,9 @@ def tokenizer_for_model(model_dir: str | Path | None) -> Tokenizer:
     if model_dir is not None:
         config = _read_config(Path(model_dir) / "config.json") if (Path(model_dir) / "config.json").is_file() else None
         model_type = (config or {}).get("model_type", "gptj")
-        if model_type != "gptj":
+        from gptj.models.registry import ARCHITECTURES
+
+        if model_type != "gptj" and model_type in ARCHITECTURES:  # (an unknown one: the loader says so)
             raise GptjError(f"{model_dir}: a {model_type} model without its tokenizer (copy the model's "
                             "tokenizer.json, tokenizer_config.json and generation_config.json into the folder)")
     return load_tokenizer()
