@@ -218,7 +218,7 @@ def test_state_dict_is_loaded_strictly():
 def test_several_eos_ids_end_a_sequence_as_in_hf():
     """Llama 3.1 Instruct's generation_config lists three EOS ids: any of them ends a sequence. Greedy
     and beam search (gptj.decode) and the engine stop where HF's generate stops with the same list."""
-    from gptj.decode import beam_search, greedy_or_sample
+    from gptj.decode import beam_search, generate, greedy_or_sample
     from gptj.engine import Engine, EngineConfig
 
     ours, hf = make_pair(LLAMA3, False, 2)
@@ -243,5 +243,8 @@ def test_several_eos_ids_end_a_sequence_as_in_hf():
     kwargs = dict(num_beams=3, max_new_tokens=NEW, length_penalty=1.0, early_stopping=True, min_new_tokens=2)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=eos, **kwargs)
-    got, _ = beam_search(ours, ids, mask, GenerationConfig(**kwargs, eos_token_id=eos, pad_token_id=0))
+    beams = GenerationConfig(**kwargs, eos_token_id=eos, pad_token_id=0)
+    got, _ = beam_search(ours, ids, mask, beams)
     assert [cut(r) for r in got] == [cut(r) for r in out[:, ids.shape[1]:].tolist()]
+    engine_beams = Engine(ours, EngineConfig(max_seqs=6, block_size=8)).generate(PROMPTS, beams)
+    assert engine_beams == generate(ours, PROMPTS, beams) and engine_beams[1][-1] in eos  # a beam ended at an EOS
