@@ -29,13 +29,13 @@ MAX_POSITIONS = 1 << 20
 MAX_ROPE_TABLE_BYTES = 1 << 30
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """An int that is an int: not a bool, not a float like 28.0, not a string."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: Any, low: int, high: int, what: str = "") -> None:
-    if not _is_int(value) or not low <= value <= high:
+def check_int(name: str, value: Any, low: int, high: int, what: str = "") -> None:
+    if not is_int(value) or not low <= value <= high:
         raise ConfigError(f"config field {name!r} must be an integer in [{low}, {high}]{what}, got {value!r}")
 
 
@@ -44,16 +44,16 @@ def validate(c: GPTJConfig) -> None:
 
     Pure arithmetic on the fields: nothing is built or allocated. Raises ConfigError naming the field.
     """
-    _check_int("n_layer", c.n_layer, 1, MAX_LAYERS)
-    _check_int("n_embd", c.n_embd, 1, MAX_EMBD)
-    _check_int("n_head", c.n_head, 1, c.n_embd)
-    _check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
-    _check_int("n_positions", c.n_positions, 1, MAX_POSITIONS)
+    check_int("n_layer", c.n_layer, 1, MAX_LAYERS)
+    check_int("n_embd", c.n_embd, 1, MAX_EMBD)
+    check_int("n_head", c.n_head, 1, c.n_embd)
+    check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
+    check_int("n_positions", c.n_positions, 1, MAX_POSITIONS)
     if c.n_embd % c.n_head:
         raise ConfigError(f"config field 'n_embd' ({c.n_embd}) must be divisible by n_head ({c.n_head})")
     head_dim = c.n_embd // c.n_head
     if c.rotary_dim is not None:
-        if not _is_int(c.rotary_dim) or c.rotary_dim <= 0 or c.rotary_dim % 2:
+        if not is_int(c.rotary_dim) or c.rotary_dim <= 0 or c.rotary_dim % 2:
             raise ConfigError(f"config field 'rotary_dim' must be a positive even integer, got {c.rotary_dim!r}")
         if c.rotary_dim > head_dim:
             raise ConfigError(f"config field 'rotary_dim' ({c.rotary_dim}) exceeds head_dim ({head_dim} = "
@@ -66,15 +66,15 @@ def validate(c: GPTJConfig) -> None:
         raise ConfigError(f"config field 'n_positions' ({c.n_positions}) x rotary dims ({rope_dim}) would need a "
                           f"rope table over {MAX_ROPE_TABLE_BYTES >> 30} GiB (float32)")
     if c.n_inner is not None:
-        _check_int("n_inner", c.n_inner, 1, MAX_INNER, " or null")
+        check_int("n_inner", c.n_inner, 1, MAX_INNER, " or null")
     eps = c.layer_norm_epsilon
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps <= 1:  # NaN / inf fail too
         raise ConfigError(f"config field 'layer_norm_epsilon' must be a number in (0, 1], got {eps!r}")
     inside = f" (a token id below vocab_size {c.vocab_size})"
-    _check_int("bos_token_id", c.bos_token_id, 0, c.vocab_size - 1, inside)
-    _check_int("eos_token_id", c.eos_token_id, 0, c.vocab_size - 1, inside)
+    check_int("bos_token_id", c.bos_token_id, 0, c.vocab_size - 1, inside)
+    check_int("eos_token_id", c.eos_token_id, 0, c.vocab_size - 1, inside)
     if c.pad_token_id is not None:
-        _check_int("pad_token_id", c.pad_token_id, 0, c.vocab_size - 1, inside + " or null")
+        check_int("pad_token_id", c.pad_token_id, 0, c.vocab_size - 1, inside + " or null")
     for name in ("quantization", "calibration"):
         value = getattr(c, name)
         if value is not None and not isinstance(value, dict):

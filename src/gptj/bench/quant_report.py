@@ -88,7 +88,7 @@ def hardware(device: Any) -> dict[str, str]:
 
 
 @torch.inference_mode()
-def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prompts: Sequence[Any] | None = None,
+def quantization_report(model_dir: Any, modes: Sequence[str] | None = None, prompts: Sequence[Any] | None = None,
                         n_prompts: int = 8, max_tokens: int = 128, group_size: int | None = None,
                         dtype: torch.dtype = torch.bfloat16, device: Any = "cpu", baseline: bool = True,
                         speed: bool = True) -> dict[str, Any]:
@@ -102,8 +102,8 @@ def quantization_report(model_dir: Any, modes: Sequence[str] = QUANT_MODES, prom
     (what the dtype alone costs). `speed`: time each one with the serving kernels too (see above).
     Returns a JSON-able dict (see `format_report`).
     """
-    if modes is QUANT_MODES and other_architecture(model_dir) is not None:
-        modes = tuple(m for m in modes if m != "w8a8")  # its calibration is GPT-J's so far
+    if modes is None:  # every mode the model's architecture takes (w8a8's calibration is GPT-J's so far)
+        modes = tuple(m for m in QUANT_MODES if m != "w8a8" or other_architecture(model_dir) is None)
     if Checkpoint.read(model_dir).mode is not None:
         raise GptjError(f"{model_dir}: the report needs a float checkpoint (this one is quantized)")
     for mode in modes:

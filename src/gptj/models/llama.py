@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, _check_int, _is_int
+from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, check_int, is_int
 from gptj.errors import CheckpointError, ConfigError
 from gptj.models.base import CausalLM, KVCache, gqa_attention
 
@@ -66,20 +66,20 @@ def _check_number(name: str, value: Any, low: float, high: float, what: str) -> 
 
 def validate_llama(c: LlamaConfig) -> None:
     """Every rule a LlamaConfig obeys, checked on construction; ConfigError naming the field."""
-    _check_int("num_hidden_layers", c.num_hidden_layers, 1, MAX_LAYERS)
-    _check_int("hidden_size", c.hidden_size, 1, MAX_EMBD)
-    _check_int("intermediate_size", c.intermediate_size, 1, MAX_INNER)
-    _check_int("num_attention_heads", c.num_attention_heads, 1, c.hidden_size)
-    _check_int("num_key_value_heads", c.num_key_value_heads, 1, c.num_attention_heads,
+    check_int("num_hidden_layers", c.num_hidden_layers, 1, MAX_LAYERS)
+    check_int("hidden_size", c.hidden_size, 1, MAX_EMBD)
+    check_int("intermediate_size", c.intermediate_size, 1, MAX_INNER)
+    check_int("num_attention_heads", c.num_attention_heads, 1, c.hidden_size)
+    check_int("num_key_value_heads", c.num_key_value_heads, 1, c.num_attention_heads,
                " (at most num_attention_heads)")
     if c.num_attention_heads % c.num_key_value_heads:
         raise ConfigError(f"config field 'num_key_value_heads' ({c.num_key_value_heads}) must divide "
                           f"num_attention_heads ({c.num_attention_heads})")
-    _check_int("head_dim", c.head_dim, 2, MAX_EMBD)
+    check_int("head_dim", c.head_dim, 2, MAX_EMBD)
     if c.head_dim % 2:
         raise ConfigError(f"config field 'head_dim' ({c.head_dim}) must be even (rotary embeddings rotate pairs)")
-    _check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
-    _check_int("max_position_embeddings", c.max_position_embeddings, 1, MAX_POSITIONS)
+    check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
+    check_int("max_position_embeddings", c.max_position_embeddings, 1, MAX_POSITIONS)
     _check_number("rms_norm_eps", c.rms_norm_eps, 0, 1, "in (0, 1]")
     _check_number("rope_theta", c.rope_theta, 1, 1e12, "in (1, 1e12]")
     s = c.rope_scaling
@@ -93,19 +93,19 @@ def validate_llama(c: LlamaConfig) -> None:
         if s.low_freq_factor == s.high_freq_factor:
             raise ConfigError(f"config field 'rope_scaling.low_freq_factor' must be below high_freq_factor "
                               f"({s.high_freq_factor}), got {s.low_freq_factor!r}")
-        _check_int("rope_scaling.original_max_position_embeddings", s.original_max_position_embeddings, 1,
+        check_int("rope_scaling.original_max_position_embeddings", s.original_max_position_embeddings, 1,
                    MAX_POSITIONS)
     if not isinstance(c.tie_word_embeddings, bool):
         raise ConfigError(f"config field 'tie_word_embeddings' must be true or false, got {c.tie_word_embeddings!r}")
     inside = f" (a token id below vocab_size {c.vocab_size})"
     for name in ("bos_token_id", "pad_token_id"):
         if getattr(c, name) is not None:
-            _check_int(name, getattr(c, name), 0, c.vocab_size - 1, inside + " or null")
+            check_int(name, getattr(c, name), 0, c.vocab_size - 1, inside + " or null")
     if not isinstance(c.eos_token_ids, tuple) or not c.eos_token_ids:
         raise ConfigError(f"config field 'eos_token_id' must be a token id or a non-empty list, "
                           f"got {c.eos_token_ids!r}")
     for eos in c.eos_token_ids:
-        _check_int("eos_token_id", eos, 0, c.vocab_size - 1, inside)
+        check_int("eos_token_id", eos, 0, c.vocab_size - 1, inside)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         E, H = self.hidden_size, self.num_attention_heads
-        if self.head_dim is None and _is_int(E) and _is_int(H) and H > 0:  # else validate names the bad field
+        if self.head_dim is None and is_int(E) and is_int(H) and H > 0:  # else validate names the bad field
             if E % H:
                 raise ConfigError(f"config field 'hidden_size' ({E}) must be divisible by num_attention_heads "
                                   f"({H}) when head_dim is absent")

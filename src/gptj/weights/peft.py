@@ -13,6 +13,7 @@ built unmerged, and a quantized load quantizes the merged weight).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -38,21 +39,25 @@ PARENT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "out_proj": "att
 class Layout:
     """How PEFT names an architecture's adapters: the block linears it may adapt (`targets`, each
     under its `parent`), its tensors' names (`key`: layer, parent, module, A or B) and the checkpoint
-    name of the weight each adapts (`weight`, a format of i, parent, module)."""
+    name of the weight each adapts (`prefix` + "{i}.{parent}.{module}.weight", `weight_key` its
+    pattern: layer, parent, module)."""
 
     arch: str
     targets: tuple[str, ...]
     parent: dict[str, str]
     key: re.Pattern
-    weight: str
+    prefix: str
+
+    @functools.cached_property
+    def weight_key(self) -> re.Pattern:
+        return re.compile(re.escape(self.prefix) + r"(\d+)\.(\w+)\.(\w+)\.weight")
 
     def weight_name(self, layer: int, module: str) -> str:
-        return self.weight.format(i=layer, parent=self.parent[module], module=module)
+        return f"{self.prefix}{layer}.{self.parent[module]}.{module}.weight"
 
     def weight_of(self, name: str) -> tuple[int, str] | None:
         """(layer, module) of the checkpoint weight `name` this layout's adapters may adapt, or None."""
-        m = re.fullmatch(re.escape(self.weight).replace(r"\{i\}", r"(\d+)").replace(r"\{parent\}", r"(\w+)")
-                         .replace(r"\{module\}", r"(\w+)"), name)
+        m = self.weight_key.fullmatch(name)
         if m is None or self.parent.get(m[3]) != m[2]:
             return None
         return int(m[1]), m[3]
@@ -61,10 +66,10 @@ class Layout:
 _LLAMA_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 LAYOUTS = {
-    "gptj": Layout("gptj", TARGETS, PARENT, KEY, "transformer.h.{i}.{parent}.{module}.weight"),
+    "gptj": Layout("gptj", TARGETS, PARENT, KEY, "transformer.h."),
     "llama": Layout("llama", tuple(_LLAMA_PARENT), _LLAMA_PARENT,
                     re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"),
-                    "model.layers.{i}.{parent}.{module}.weight"),
+                    "model.layers."),
 }
 _ALL_TARGETS = tuple(dict.fromkeys(t for layout in LAYOUTS.values() for t in layout.targets))
 
