@@ -245,8 +245,11 @@ def _candidates(scores: torch.Tensor, run_tokens: torch.Tensor, rows: _Rows, gen
     cand_token = flat % V
     cand_tokens = torch.take_along_dim(run_tokens, cand_beam[:, :, None], dim=1)  # (B, 2K, L)
     cand_tokens.scatter_(2, rows.at.expand(B, 2 * K, 1), cand_token[:, :, None])
-    eos = _on(rows.device, list(gen.eos_ids), torch.long)
-    ends = torch.isin(cand_token, eos)
+    eos = gen.eos_ids  # one id (GPT-J's, most models'): compared as a number, no host-to-device copy a step
+    if len(eos) <= 1:
+        ends = cand_token == eos[0] if eos else torch.zeros_like(cand_token, dtype=torch.bool)
+    else:
+        ends = torch.isin(cand_token, _on(rows.device, list(eos), torch.long))
     return cand_scores, cand_beam, cand_tokens, ends | rows.last[:, None]
 
 

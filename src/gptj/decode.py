@@ -233,6 +233,7 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
     out = torch.full((B, L), gen.pad_token_id, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    eos = torch.tensor(gen.eos_ids, dtype=torch.long, device=input_ids.device)  # once, not per step
     counts = prompt_tokens = None
     if gen.penalties:  # each row's output counts, and its prompt's tokens (a pad stands for its first)
         counts = torch.zeros((B, logits.shape[-1]), dtype=torch.float32, device=input_ids.device)
@@ -251,7 +252,7 @@ def greedy_or_sample(model: GPTJForCausalLM, input_ids: torch.Tensor, attention_
             next_tokens = torch.argmax(scores, dim=-1)  # first index on ties, as HF
         if gen.eos_ids:
             next_tokens = torch.where(unfinished, next_tokens, gen.pad_token_id)
-            unfinished &= ~torch.isin(next_tokens, torch.tensor(gen.eos_ids, device=next_tokens.device))
+            unfinished &= ~torch.isin(next_tokens, eos)
         out[:, step] = next_tokens
         if counts is not None:
             counts.scatter_add_(1, next_tokens[:, None], torch.ones_like(counts[:, :1]))
