@@ -38,6 +38,17 @@ copy of the model folder (`gptj calibrate` on the bundled set's first 8 prompts,
 it); vLLM serves the float folder, so it never sees the factors file.
 
 Without --vllm-python only gptj runs (what the smoke run in CI checks).
+
+A Llama folder (config.json's model_type "llama"; --llama-layers N writes the Llama-3.1-8B-shaped
+one of benchmarks/llama_shapes.py, N of its 32 layers, to --model or under --work-dir) runs the
+same load: the random prompt ids lie within its vocabulary either way, and both servers get
+--max-model-len 2048 unless a setting names its own (the folder's own 131,072 would make gptj
+size its KV for sequences that long; vLLM's default flags already say 2048). w8a8 is refused
+(gptj's W8A8 is GPT-J's only). Issue 59's row, bf16 against bf16:
+
+    python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --llama-layers 2 \
+        --model /tmp/llama-8b-w2 --gptj "bf16=--dtype bfloat16 --threads 2" \
+        --vllm "bf16=--dtype bfloat16 --max-model-len 2048"
 """
 
 from __future__ import annotations
@@ -54,6 +65,34 @@ import serve_load  # benchmarks/serve_load.py (a script's own folder is on sys.p
 from _smoke import parse_args
 
 SHAPE = dict(n_layer=8, n_embd=1024, n_head=16, rotary_dim=32, n_inner=4096, n_positions=2048)
+LLAMA_MAX_MODEL_LEN = 2048  # a Llama folder's serving length, both servers (vLLM's default flags' value)
+
+
+def model_type(model: Path) -> str:
+    """The folder's architecture, as its config.json's model_type says ("gptj" where it says none)."""
+    try:
+        found = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "gptj"
+    return found if isinstance(found, str) else "gptj"
+
+
+def has_flag(flags: str, flag: str) -> bool:
+    """Whether the command line `flags` gives `flag` (as `--flag V` or `--flag=V`)."""
+    return any(w == flag or w.startswith(flag + "=") for w in shlex.split(flags))
+
+
+def with_max_model_len(flags: str, length: int = LLAMA_MAX_MODEL_LEN) -> str:
+    """`flags` with --max-model-len `length` added unless they give one."""
+    return flags if has_flag(flags, "--max-model-len") else f"{flags} --max-model-len {length}".strip()
+
+
+def llama_model(args: argparse.Namespace) -> Path:
+    """--llama-layers N's folder (written once): --model, else llama-8b-wN under --work-dir."""
+    import llama_shapes  # benchmarks/llama_shapes.py (imports gptj and torch: only here, not in vLLM's venv)
+
+    out = args.model if args.model is not None else args.work_dir / f"llama-8b-w{args.llama_layers}"
+    return llama_shapes.write_model(out, args.llama_layers)
 
 
 def ensure_model(work_dir: Path, shape: dict) -> Path:
@@ -75,6 +114,9 @@ def add_vllm_args(p: argparse.ArgumentParser, model_help: str) -> None:
     environment, the model folder and where the default one is written."""
     p.add_argument("--vllm-python", help="the Python of vLLM's venv; without it only gptj runs")
     p.add_argument("--model", type=Path, help=model_help)
+    p.add_argument("--llama-layers", type=int, metavar="N",
+                   help="a Llama-3.1-8B-shaped folder with N of its 32 layers (benchmarks/llama_shapes.py, "
+                        "random bfloat16 weights), written once to --model (default: llama-8b-wN under --work-dir)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-serve-vs-vllm"))
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for vLLM (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=0-1; "
@@ -115,6 +157,8 @@ def add_load_args(p: argparse.ArgumentParser, rounds: int) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="the client's limit per request, s (default 600; a slow server at 32 clients needs more)")
 
 
 def check_load_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -124,7 +168,10 @@ def check_load_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def default_model(args: argparse.Namespace) -> Path:
-    """--model, or the benchmark's model written once under --work-dir (a tiny one with --smoke)."""
+    """--model (written by llama_shapes with --llama-layers), or the benchmark's model written once under
+    --work-dir (a tiny one with --smoke)."""
+    if getattr(args, "llama_layers", None) is not None:
+        return llama_model(args)
     if args.model is not None:
         return args.model
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +216,8 @@ def load_args(url: str, concurrency: int, args: argparse.Namespace, seed: int) -
     n = concurrency * args.requests_per_client
     argv = ["--url", url, "--rates", "inf", "--max-concurrency", str(concurrency), "--num-prompts", str(n),
             "--dataset", "random", "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
-            "--ignore-eos", "--warmup", "0", "--seed", str(seed), "--json"]
+            "--ignore-eos", "--warmup", "0", "--seed", str(seed), "--request-timeout", str(args.request_timeout),
+            "--json"]
     return serve_load.build_parser().parse_args(argv)
 
 
@@ -185,8 +233,9 @@ def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]
         if res.failed:
             raise SystemExit(f"serve_vs_vllm: {name} failed {res.failed} requests at concurrency {c}: {res.errors}")
         out[c] = serve_load.json_safe(res) | {"prompt_tokens": report["prompt_tokens"]["mean"]}
-        print(f"{name} C={c}: {res.output_throughput:.1f} out tok/s, TTFT p99 {res.ttft_p99_ms:.0f} ms, "
-              f"TPOT p50 {res.tpot_p50_ms:.1f} ms", file=sys.stderr)
+        print(f"{name} C={c}: {res.output_throughput:.1f} out tok/s, TTFT p50 {res.ttft_p50_ms:.0f} ms, "
+              f"p99 {res.ttft_p99_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms, p99 {res.tpot_p99_ms:.1f} ms",
+              file=sys.stderr, flush=True)
     return out
 
 
@@ -270,9 +319,10 @@ def table(rounds: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_vllm_args(p, "a GPT-J folder (default: the ~0.2 B model, written to --work-dir)")
+    add_vllm_args(p, "a GPT-J or Llama folder (default: the ~0.2 B GPT-J, written to --work-dir)")
     add_load_args(p, rounds=2)
-    p.add_argument("--gptj-args", default="--dtype bfloat16", help="`gptj serve` flags (default: --dtype bfloat16)")
+    p.add_argument("--gptj-args", default="--dtype bfloat16",
+                   help="`gptj serve` flags (default: --dtype bfloat16; a Llama folder's get --max-model-len 2048)")
     p.add_argument("--w8a8", action="store_true",
                    help="gptj serves a calibrated copy of the model with --quantize w8a8 (vLLM the float model)")
     p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
@@ -290,6 +340,15 @@ SMOKE = dict(concurrency=[1, 2], requests_per_client=1, input_len=8, max_tokens=
              gptj_args="--dtype float32 --threads 1")
 
 
+def llama_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A Llama folder's servers: w8a8 refused (gptj's W8A8 is GPT-J's); every setting, gptj's and
+    vLLM's, given --max-model-len 2048 unless it names one."""
+    if any(quantized_w8a8(flags) for flags in args.gptj_variants.values()):
+        p.error(f"{args.model} is a Llama model: gptj's --quantize w8a8 is GPT-J's only (int8 or int4 serve Llama)")
+    args.gptj_variants = {name: with_max_model_len(flags) for name, flags in args.gptj_variants.items()}
+    args.vllm_variants = {name: with_max_model_len(flags) for name, flags in args.vllm_variants.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = parse_args(p, SMOKE, argv)
@@ -301,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     args.gptj_variants = variants(args.gptj, args.gptj_args, "gptj", p)
     args.vllm_variants = variants(args.vllm, args.vllm_args, "vllm", p)
     check_vllm_args(p, args)
+    args.architecture = model_type(args.model)
+    if args.architecture == "llama":
+        llama_settings(p, args)
     calibrated = None
     if any(quantized_w8a8(flags) for flags in args.gptj_variants.values()):
         calibrated = calibrated_copy(args.model, args.work_dir)
@@ -313,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             with start[name]() as url:
                 r[name] = run_server(name, url, args)
         rounds.append(r)
-    report = {"model": str(args.model), "calibrated_model": str(calibrated) if calibrated else None,
+    report = {"model": str(args.model), "architecture": args.architecture,
+              "calibrated_model": str(calibrated) if calibrated else None,
               "input_len": args.input_len, "max_tokens": args.max_tokens,
               "requests_per_client": args.requests_per_client, "gptj": args.gptj_variants,
               "vllm_python": args.vllm_python,
