@@ -278,7 +278,7 @@ def test_an_existing_out_is_refused_before_reading_weights(tiny, tmp_path, capsy
     def never(*args, **kwargs):
         raise AssertionError("weights read before --out was checked")
 
-    monkeypatch.setattr(io, "read_checkpoint", never)
+    monkeypatch.setattr(io.Checkpoint, "read", never)
     monkeypatch.setattr(io, "random_state_dict", never)
     for argv in (["convert", str(tiny), "--out", str(out), "--quiet"], ["init", "--out", str(out)]):
         code, _, err = run(argv, capsys)

@@ -18,7 +18,8 @@ from gptj.errors import GptjError
 from gptj.mlperf import run as mlperf_run
 from gptj.runtime.flags import SERVE_PREFILL_CHUNK
 from gptj.runtime.spec import ModelSpec, kv_plan
-from gptj.weights.io import random_state_dict, resolve_config, save_checkpoint
+from gptj.weights.checkpoint import resolve_config
+from gptj.weights.io import random_state_dict, save_checkpoint
 
 FREE = 1 << 30  # bytes of free memory every plan is made within
 LONGEST = 40  # mlperf: the longest prompt of its data set (what run() measures)

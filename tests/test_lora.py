@@ -313,7 +313,7 @@ def test_an_adapter_folds_into_the_weights_as_they_load(tiny_checkpoint, adapter
     --tp each rank's slice of the merged whole model (the sliced adapter delta on the shard file)."""
     from gptj.parallel.context import SINGLE
     from gptj.parallel.tp import load_rank, shard_state_dict
-    from gptj.weights.io import Checkpoint
+    from gptj.weights.checkpoint import Checkpoint
     from gptj.weights.peft import weight_name
 
     folder, _ = adapter_dir

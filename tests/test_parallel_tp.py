@@ -186,7 +186,8 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
 
     from gptj.cli import main
     from gptj.parallel.tp import load_rank, shard_file, shard_state_dict
-    from gptj.weights.io import Checkpoint, load_model, save_checkpoint
+    from gptj.weights.checkpoint import Checkpoint
+    from gptj.weights.io import load_model, save_checkpoint
 
     # GPT-J's vocabulary and EOS, so that generate's EOS is in the vocabulary
     cfg = CFG.replace(vocab_size=50400, bos_token_id=50256, eos_token_id=50256)

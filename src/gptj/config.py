@@ -178,21 +178,25 @@ class GPTJConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> GPTJConfig:
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read ({e})") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON ({e})") from None
-        return cls.from_hf_dict(d, source=str(path))
+        return cls.from_hf_dict(read_json(path), source=str(path))
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_hf_dict(), indent=2) + "\n"
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value in the file `path` (a config.json); a one-line ConfigError when it cannot be read."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
 
 
 def check_layer_count(config: GPTJConfig, held: int, source: str, listing: object) -> None:

@@ -96,7 +96,7 @@ def gptj_side(path: str | Path, dtype: torch.dtype, device: torch.device, quanti
         from gptj.decode import GenerationConfig, generate
         from gptj.weights.io import load_model
 
-        from gptj.weights.io import detect_format
+        from gptj.weights.checkpoint import detect_format
 
         slim = detect_format(Path(path)) == "mtj"  # --config names a slim checkpoint's (an HF folder has its own)
         model = load_model(path, dtype=dtype, device=device, config=config if slim else None, quantize=quantize,
@@ -124,7 +124,7 @@ def hf_side(path: str | Path, dtype: torch.dtype, device: torch.device) -> Side:
 
     from gptj.device import dtype_name
     from gptj.files import model_file
-    from gptj.weights.io import CONFIG, detect_format
+    from gptj.weights.checkpoint import CONFIG, detect_format
 
     if detect_format(Path(path)) != "hf":
         raise GptjError(f"{path}: --hf needs an HF folder (config.json + weights); convert a slim checkpoint "

@@ -21,7 +21,8 @@ from torch import nn
 from gptj import cpu, policy
 from gptj.errors import GptjError
 from gptj.quant import QUANT_MODES, check_mode
-from gptj.weights.io import Checkpoint, load_model, other_architecture
+from gptj.weights.checkpoint import GPTJ, Checkpoint
+from gptj.weights.io import load_model
 
 
 def _report_prompts(prompts: Sequence[Sequence[int] | str] | None, n_prompts: int, max_tokens: int,
@@ -102,9 +103,10 @@ def quantization_report(model_dir: Any, modes: Sequence[str] | None = None, prom
     (what the dtype alone costs). `speed`: time each one with the serving kernels too (see above).
     Returns a JSON-able dict (see `format_report`).
     """
+    checkpoint = Checkpoint.read(model_dir)
     if modes is None:  # every mode the model's architecture takes (w8a8's calibration is GPT-J's so far)
-        modes = tuple(m for m in QUANT_MODES if m != "w8a8" or other_architecture(model_dir) is None)
-    if Checkpoint.read(model_dir).mode is not None:
+        modes = tuple(m for m in QUANT_MODES if m != "w8a8" or checkpoint.arch is GPTJ)
+    if checkpoint.mode is not None:
         raise GptjError(f"{model_dir}: the report needs a float checkpoint (this one is quantized)")
     for mode in modes:
         check_mode(mode)

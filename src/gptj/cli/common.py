@@ -50,22 +50,13 @@ def check_parallel(tp: int, pp: int, model: str | Path) -> None:
         return  # one process; or the loader says what is wrong with the folder
     from gptj.parallel.pp import check_split
     from gptj.parallel.tp import check_plan
-    from gptj.weights.io import other_architecture, resolve_config
+    from gptj.parallel.tp_llama import check_llama_plan
+    from gptj.weights.checkpoint import GPTJ, Checkpoint
 
-    arch = other_architecture(model)
-    if arch is not None:  # Llama
-        from gptj.parallel.tp_llama import check_llama_plan
-        from gptj.weights.hf_model import read_config
-
-        config = read_config(Path(model), arch)
-        if tp > 1:
-            check_llama_plan(config, tp)
-        if pp > 1:
-            check_split(config.n_layer, pp)
-        return
-    config = resolve_config(model)
+    checkpoint = Checkpoint.read(model, 0, tp)  # rank 0's shard of `gptj convert --tp`, when there is one
+    config = checkpoint.config
     if tp > 1:
-        check_plan(config, tp)
+        (check_plan if checkpoint.arch is GPTJ else check_llama_plan)(config, tp)
     if pp > 1:
         check_split(config.n_layer, pp)
 

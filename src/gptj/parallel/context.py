@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from gptj.models.gptj import GPTJForCausalLM
-    from gptj.weights.io import Checkpoint
+    from gptj.weights.checkpoint import Checkpoint
 
 
 def check_grid(tp: int, pp: int, world: int) -> None:
@@ -105,11 +105,11 @@ class ParallelContext:
         """This rank's share (see share_of) of the checkpoint in `folder`, on the device `device` names
         (under a job on CUDA, this rank's own GPU), with the LoRA adapter in the folder `lora` folded
         into its float weights as they are read, then quantized as `quantize` asks. Before any tensor
-        is read (gptj.weights.io.Checkpoint): the adapter (a bad one is refused in one line) and the
+        is read (gptj.weights.checkpoint.Checkpoint): the adapter (a bad one is refused in one line) and the
         checkpoint's config, once; then the device, where fp8 weights (asked for, or recorded in the
         checkpoint) are refused unless they can run (gptj.device.check_fp8_device)."""
         from gptj.device import check_fp8_device, rank_device, resolve_device
-        from gptj.weights.io import Checkpoint
+        from gptj.weights.checkpoint import Checkpoint
 
         checkpoint = Checkpoint.read(folder, self.tp_rank, self.tp if self.parallel else 1, lora=lora)
         device = resolve_device(rank_device(device, self.local_rank) if self.parallel else device)
@@ -127,12 +127,10 @@ class ParallelContext:
         int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
         each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
         head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
-        from gptj.weights.io import load_model as load_whole
+        from gptj.weights.io import load
 
-        folder, adapter = checkpoint.folder, checkpoint.adapter
         if not self.parallel:
-            return load_whole(folder, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
-                              progress=progress, adapter=adapter)
+            return load(checkpoint, dtype, device, quantize, group_size, progress)
         if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
         from gptj.parallel.tp import load_rank
@@ -141,7 +139,7 @@ class ParallelContext:
         if sharded:
             model = load_rank(checkpoint, self.tp_rank, self.tp, dtype, device, group=self.tp_group)
         else:
-            model = load_whole(folder, dtype=dtype, device=device, progress=progress, adapter=adapter)
+            model = load(checkpoint, dtype, device, progress=progress)
         share = self.share(model, sharded)  # the model, or its stage around it
         if quantize:
             from gptj.quant import quantize_model

@@ -34,7 +34,7 @@ from gptj.errors import GptjError
 from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
-from gptj.weights.io import Checkpoint, shard_file
+from gptj.weights.checkpoint import Checkpoint, shard_file
 from gptj.weights.peft import linear_shapes, merged
 
 
@@ -197,7 +197,7 @@ def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype,
     the config read there (GptjError if there is no shard), built with its rank-sized blocks and head
     and its checkpoint's adapter folded into its slices of the weights (before they are rounded)."""
     config = checkpoint.config
-    if checkpoint.shard is None or config is None:
+    if checkpoint.shard is None:
         raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
                         f"--tp {world})")
     check_plan(config, world)

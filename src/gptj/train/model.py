@@ -20,7 +20,7 @@ from gptj.train.ranks import Ranks
 def check_model_fits(cfg: TrainConfig) -> None:
     """What the model's config alone can refuse, before any data is prepared or weights are read."""
     from gptj.config import get_preset
-    from gptj.weights.io import resolve_config
+    from gptj.weights.checkpoint import resolve_config
 
     if cfg.model.preset is not None:
         config = get_preset(cfg.model.preset)

@@ -1,7 +1,8 @@
 """HF folders of the architectures beside GPT-J (gptj.models.registry; today Llama's LlamaForCausalLM).
 
-    load_folder:   config.json -> the model built on the meta device -> each tensor read (one safetensors
-                   file, or the shards model.safetensors.index.json lists; .bin through weights_only),
+    load_folder:   a Checkpoint (gptj.weights.checkpoint read its config) -> the model built on the meta
+                   device -> each tensor read (one safetensors file, or the shards
+                   model.safetensors.index.json lists; .bin through weights_only),
                    checked (name, shape, floating point, finite), converted and assigned: never two copies
     save_folder:   a model's state dict -> an HF-layout folder (config.json by the config's to_hf_dict,
                    generation_config.json, safetensors with HF's names, sharded with an index when large)
@@ -9,9 +10,9 @@
     random_folder: `gptj init` of such a preset: deterministic random weights, made and written one
                    shard at a time (Llama-3.1-8B's 16 GB in bfloat16 never all in memory)
 
-gptj.weights.io.load_model and save_checkpoint hand these folders and configs here; GPT-J's own
-loading and saving stay in io.py. Quantizing these models is refused for now (gptj.quant's layer
-lists are GPT-J's). No tokenizer is written (gptj's bundled one is GPT-J's).
+gptj.weights.io.load and save_checkpoint hand these folders and configs here; GPT-J's own loading
+and saving stay in io.py. They quantize at load (int8, int4, fp8); quantized checkpoints of them are
+refused for now (Checkpoint.read). No tokenizer is written (gptj's bundled one is GPT-J's).
 """
 
 from __future__ import annotations
@@ -29,42 +30,18 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gptj.device import check_finite, dtype_name
-from gptj.errors import CheckpointError, ConfigError, GptjError
-from gptj.files import atomic_folder, model_file
-from gptj.models.registry import Architecture, architecture_of
+from gptj.errors import CheckpointError, GptjError
+from gptj.files import atomic_folder
+from gptj.models.registry import architecture_of
 from gptj.quant.format import make_quantization
 from gptj.quant.linear import quantize_model
 from gptj.weights import hf
-from gptj.weights.peft import Adapter, merged
+from gptj.weights.checkpoint import CONFIG, Checkpoint
+from gptj.weights.peft import merged
 
-CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3
 PROGRESS_MIN_PARAMS = 500_000_000  # as gptj.weights.io's: bars for models this big on a terminal
 _LEGACY = ("rotary_emb.inv_freq",)  # buffers old HF Llama checkpoints saved; gptj computes them
-
-
-def model_type_of(folder: str | os.PathLike) -> Any:
-    """config.json's model_type, or None when the file cannot be read as a JSON object (the GPT-J
-    loader then reports why, as it always has)."""
-    try:
-        d = json.loads(model_file(folder, CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return d.get("model_type") if isinstance(d, dict) else None
-
-
-def read_config(folder: Path, arch: Architecture) -> Any:
-    """The folder's config.json as `arch`'s config; one-line ConfigError."""
-    path = model_file(folder, CONFIG)
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    if isinstance(d, dict) and (d.get("quantization") is not None or d.get("quantization_config") is not None):
-        raise GptjError(f"{path}: quantized {arch.model_type} checkpoints are not supported yet")
-    # Errors say both what the folder is not and what is wrong with what it claims to be.
-    return arch.config_class.from_hf_dict(d, source=f"{path}: not a GPT-J config (model_type {arch.model_type!r}), "
-                                                   f"and not a valid {arch.model_type} one")
 
 
 def _check_listing(listed: list[str], names: Mapping[str, str], tied: bool, listing: Path) -> None:
@@ -80,19 +57,18 @@ def _check_listing(listed: list[str], names: Mapping[str, str], tied: bool, list
         raise CheckpointError(f"{listing}: missing tensor {missing[0]} ({len(missing)} missing)")
 
 
-def load_folder(folder: str | os.PathLike, arch: Architecture, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", quantize: str | None = None, group_size: int | None = None,
-                progress: bool | None = None, adapter: Adapter | None = None) -> torch.nn.Module:
-    """The model in the HF folder `folder` of architecture `arch`, in `dtype` on `device`, eval mode;
-    `adapter` (a LoRA adapter of the architecture's module names) folded into the weights it adapts as
-    they are read, before they are rounded to `dtype` or quantized."""
-    folder = Path(folder)
+def load_folder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                quantize: str | None = None, group_size: int | None = None,
+                progress: bool | None = None) -> torch.nn.Module:
+    """The model of `checkpoint` (an HF folder of an architecture beside GPT-J's, as Checkpoint.read found
+    it), in `dtype` on `device`, eval mode; its adapter (a LoRA adapter of the architecture's module
+    names) folded into the weights it adapts as they are read, before they are rounded to `dtype` or quantized."""
+    folder, arch, config, adapter = checkpoint.folder, checkpoint.arch, checkpoint.config, checkpoint.adapter
     if quantize == "w8a8":
         raise GptjError(f"{folder}: --quantize w8a8 needs gptj calibrate's smoothing factors, which are made for "
                         f"GPT-J models only so far: use int8, int4 or fp8 for {arch.model_type}")
     if quantize is None and group_size is not None:
         raise GptjError("a group size needs a quantization mode (int4)")
-    config = read_config(folder, arch)
     q = make_quantization(config, quantize, group_size) if quantize else None  # the mode and group checked first
     names = arch.hf_names(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -4,8 +4,9 @@ The canonical on-disk format is an HF-compatible directory: config.json, safeten
 (one file, or shards with model.safetensors.index.json), generation_config.json and the
 tokenizer files, so HF transformers loads what gptj writes.
 
-Loading builds the model on the meta device and assigns each tensor as it is read
-and converted (`load_state_dict(assign=True)`), so weights are never held twice.
+Loading (`load(Checkpoint.read(folder), ...)`, or `load_model(folder, ...)`: gptj.weights.checkpoint
+reads the folder's format, architecture and config once) builds the model on the meta device and
+assigns each tensor as it is read and converted (`load_state_dict(assign=True)`), so weights are never held twice.
 Every tensor is checked for name, shape and finiteness; errors name the tensor and file.
 
 Quantized checkpoints (see `gptj.quant`): config.json's "quantization" entry says which linears
@@ -22,35 +23,29 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gptj import quant
-from gptj.config import GPTJConfig, check_layer_count, get_preset
+from gptj.config import GPTJConfig
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.gptj import GPTJForCausalLM, build_model
-from gptj.models.registry import Architecture, architecture
 from gptj.quant.format import hf_quantization_config
 from gptj.device import check_finite, dtype_name
-from gptj.weights import hf, mtj
-from gptj.weights.peft import Adapter, merged, read_adapter
+from gptj.weights import hf
+from gptj.weights.checkpoint import CONFIG, GPTJ, Checkpoint, TensorItem
+from gptj.weights.peft import Adapter, merged
 
-CONFIG = "config.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
-_LAYER_NAME = re.compile(r"transformer\.h\.(\d{1,9})\.")  # longer: no layer (the stream check names it)
 PROGRESS_MIN_PARAMS = 500_000_000  # progress=None: bars for models this big (gptj-6b loads for a minute)
-
-# (name, shape, read, source file) — the stream every reader produces.
-TensorItem = tuple[str, tuple[int, ...], Callable[[], torch.Tensor], Path]
 
 
 def expected_specs(config: GPTJConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -73,90 +68,6 @@ def auto_progress(config: GPTJConfig, progress: bool | None = None) -> bool:
 def expected_shapes(config: GPTJConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a GPT-J checkpoint with `config` must hold."""
     return {name: shape for name, (shape, _) in expected_specs(config).items()}
-
-
-def detect_format(path: Path) -> str:
-    """'hf' (a directory with config.json) or 'mtj' (a slim checkpoint with shard_0/)."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (expected an HF GPT-J directory or a slim checkpoint)")
-    if (path / CONFIG).is_file():
-        return "hf"
-    if mtj.is_mtj_slim(path):
-        return "mtj"
-    raise CheckpointError(f"{path}: neither an HF GPT-J directory (no {CONFIG}) nor a slim checkpoint (no shard_0/)")
-
-
-def resolve_config(spec: str | os.PathLike | GPTJConfig | None) -> GPTJConfig:
-    """A config from a preset name, a config.json path (or its directory), or a GPTJConfig."""
-    if spec is None:
-        return get_preset("gptj-6b")
-    if isinstance(spec, GPTJConfig):
-        return spec
-    p = Path(spec)
-    if p.is_dir():
-        p = model_file(p, CONFIG)
-    if p.suffix == ".json" or p.exists():
-        return GPTJConfig.from_json_file(p)
-    return get_preset(str(spec))
-
-
-def _mtj_items(path: Path, config: GPTJConfig, progress: bool, dtype: torch.dtype | None) -> Iterator[TensorItem]:
-    # The dtype goes down to the reader: it sums the sharded biases (and wte + the embedding bias)
-    # in float32 and rounds once to it; rounding to the stored bfloat16 first would lose bits.
-    for name, tensor in mtj.iter_mtj_slim(path, config.n_layer, dtype=dtype, progress=progress):
-        yield name, tuple(tensor.shape), (lambda t=tensor: t), path
-
-
-def read_checkpoint(path: str | os.PathLike, config: str | os.PathLike | GPTJConfig | None = None,
-                    fmt: str = "auto", progress: bool = False, dtype: torch.dtype | None = None
-                    ) -> tuple[GPTJConfig, Iterator[TensorItem]]:
-    """The config and a stream of tensors of an HF directory or a slim checkpoint.
-
-    For a slim checkpoint (which carries no config) `config` names it: a preset or a
-    config.json; by default gptj-6b. `dtype`: the float dtype the tensors are wanted in, for a
-    slim checkpoint's combined tensors to be rounded once, to it (an HF directory's tensors come
-    as stored; the caller converts them).
-    """
-    path = Path(path)
-    found = detect_format(path)
-    if fmt not in ("auto", found):
-        raise CheckpointError(f"{path}: expected a {fmt} checkpoint but found a {found} one")
-    # The config is validated (GPTJConfig) and its n_layer checked against the layers the checkpoint's
-    # tensor listing names before any tensor table is built or any weight read.
-    if found == "hf":
-        cfg = GPTJConfig.from_json_file(model_file(path, CONFIG))
-        if config is not None and resolve_config(config) != cfg:
-            raise CheckpointError(f"{path}: its config.json differs from the config given")
-        listed = hf.listed_tensor_names(path)
-        if listed is not None:  # a single .bin lists nothing until unpickled: its tensors are checked as read
-            names, listing = listed
-            check_layer_count(cfg, layers_named(names), str(path / CONFIG), listing.name)
-        if cfg.quantization is not None:
-            cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
-        return cfg, hf.iter_hf_tensors(path)
-    cfg = resolve_config(config)
-    check_layer_count(cfg, mtj.count_layers(path), _config_source(config), f"{path.name}/shard_*/*.npz")
-    return cfg, _mtj_items(path, cfg, progress, dtype)
-
-
-def layers_named(names: Iterable[str]) -> int:
-    """How many layers tensor names cover: 1 + the highest i of a `transformer.h.{i}.` name (0 if none)."""
-    layers = [int(m.group(1)) for n in names if (m := _LAYER_NAME.match(n))]
-    return max(layers) + 1 if layers else 0
-
-
-def _config_source(spec: str | os.PathLike | GPTJConfig | None) -> str:
-    """How an error names the config resolve_config(spec) gives."""
-    if spec is None:
-        return "preset 'gptj-6b'"
-    if isinstance(spec, GPTJConfig):
-        return "the config given"
-    p = Path(spec)
-    if p.is_dir():
-        return str(p / CONFIG)
-    return str(p) if p.suffix == ".json" or p.exists() else f"preset {str(spec)!r}"
 
 
 def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
@@ -269,48 +180,41 @@ def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: i
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                config: str | os.PathLike | GPTJConfig | None = None, progress: bool | None = None,
                quantize: str | None = None, group_size: int | None = None,
-               adapter: Adapter | None = None) -> GPTJForCausalLM:
-    """Load a GPT-J from an HF directory (gptj's own format included) or a slim checkpoint.
+               adapter: Adapter | None = None) -> nn.Module:
+    """The model in `path`: an HF directory (gptj's own format included; its config.json's model_type
+    picks the architecture, an unknown one is one line naming the supported ones) or a GPT-J slim
+    checkpoint (`config` names its config). `load(Checkpoint.read(path), ...)`, with `adapter` (a LoRA
+    adapter, gptj.weights.peft) folded into the float weights it adapts."""
+    return load(Checkpoint.read(path, config=config).with_adapter(adapter), dtype, device, quantize, group_size,
+                progress)
+
+
+def load(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+         quantize: str | None = None, group_size: int | None = None, progress: bool | None = None) -> nn.Module:
+    """The whole model of `checkpoint`, in eval mode.
 
     `dtype` is the float dtype (activations, embeddings, norms, biases). A quantized checkpoint
-    loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4)
-    quantizes a float checkpoint tensor by tensor while loading, after `adapter` (a LoRA adapter,
-    gptj.weights.peft) is folded into the float weights it adapts. `progress`: a bar on stderr; None
-    draws one for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
-
-    An HF folder of another architecture (config.json's model_type, gptj.models.registry: Llama)
-    loads through gptj.weights.hf_model; an unknown model_type is one line naming the supported ones.
+    loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4; "w8a8" /
+    "fp8") quantizes a float checkpoint tensor by tensor while loading, after the checkpoint's
+    adapter is folded into the float weights it adapts. `progress`: a bar on stderr; None draws one
+    for a big model (gptj-6b) when stderr is a terminal (`auto_progress`). Architectures other than
+    GPT-J load through gptj.weights.hf_model.
     """
-    arch = other_architecture(path, config)
-    if arch is not None:
+    if checkpoint.arch is not GPTJ:
         from gptj.weights.hf_model import load_folder
 
-        return load_folder(path, arch, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
-                           progress=progress, adapter=adapter)
-    cfg, items = read_checkpoint(path, config, progress=False, dtype=dtype)
-    hf_dir = detect_format(Path(path)) == "hf"
+        return load_folder(checkpoint, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
+                           progress=progress)
+    cfg, folder, hf_dir = checkpoint.config, checkpoint.folder, checkpoint.format == "hf"
     progress = auto_progress(cfg, progress)
-    if progress and not hf_dir:  # a slim checkpoint's reader draws its own bar (per leaf across shards)
-        cfg, items = read_checkpoint(path, config, progress=True, dtype=dtype)
-    q = resolve_quantization(cfg, quantize, group_size, where=path)
-    sd = checked_state_dict(cfg, items, dtype=dtype, device=device, progress=progress and hf_dir, quantize=q,
-                            smooth=w8a8_factors(q, cfg, path), adapter=adapter)
+    q = resolve_quantization(cfg, quantize, group_size, where=folder)
+    # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
+    sd = checked_state_dict(cfg, checkpoint.tensors(progress and not hf_dir, dtype), dtype=dtype, device=device,
+                            progress=progress and hf_dir, quantize=q, smooth=w8a8_factors(q, cfg, folder),
+                            adapter=checkpoint.adapter)
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     return model_from_state_dict(cfg, sd, device)
-
-
-def other_architecture(path: str | os.PathLike, config: object = None) -> Architecture | None:
-    """The architecture of the HF folder `path` when its config.json names one other than GPT-J
-    (None: GPT-J's loader reads it, as it always has; also for a config given or one it cannot read)."""
-    if config is not None or not (Path(path) / CONFIG).is_file():
-        return None
-    from gptj.weights.hf_model import model_type_of
-
-    model_type = model_type_of(path)
-    if model_type is None or model_type == "gptj":
-        return None
-    return architecture(model_type, str(Path(path) / CONFIG))
 
 
 def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLike) -> dict | None:
@@ -321,52 +225,6 @@ def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLik
 
     model_file(folder, CALIBRATION_FILE)
     return load_factors(Path(folder), q["modules"], quant.linear_in_features(config))
-
-
-def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
-    """Where `gptj convert --tp N` puts rank's tensors: DIR/tp{N}/rank{r}.safetensors."""
-    return Path(folder) / f"tp{world}" / f"rank{rank}.safetensors"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What the runtime's load reads of a model folder before any tensor, once (Checkpoint.read):
-    the quantization mode recorded in its config.json (`mode`: None when there is none, or when the
-    config cannot be read, which the loader then reports); for tensor rank `rank` of --tp N, its own
-    shard file (`shard`, from `gptj convert --tp N`; None without one) with the config (`config`)
-    its model is built from; the LoRA adapter folded into its weights as they load (`adapter`)."""
-
-    folder: str | os.PathLike
-    mode: str | None = None
-    shard: Path | None = None
-    config: GPTJConfig | None = None
-    adapter: Adapter | None = None
-
-    @classmethod
-    def read(cls, folder: str | os.PathLike, rank: int = 0, world: int = 1, lora: str | None = None) -> Checkpoint:
-        """`folder` for tensor rank `rank` of `world` (1: the whole model), with the adapter in the
-        folder `lora` (None: none). Its files are read as model_file allows (a link out of the folder
-        is a one-line GptjError); a bad adapter, or one on a quantized checkpoint, is one too."""
-        shard = shard_file(folder, rank, world) if world > 1 else None
-        adapter = None if lora is None else read_adapter(lora)
-        config = None
-        if shard is not None and shard.is_file():
-            shard = model_file(folder, shard.relative_to(folder))
-            config = GPTJConfig.from_json_file(model_file(folder, CONFIG))
-            recorded = config.quantization
-        else:
-            shard = None
-            try:
-                recorded = json.loads(model_file(folder, CONFIG).read_text()).get("quantization")
-            except (OSError, ValueError, AttributeError):
-                recorded = None
-        if adapter is not None and recorded is not None:
-            raise GptjError(f"--lora: {folder} is quantized; a LoRA adapter merges into float weights")
-        return cls(folder, _mode(recorded), shard, config, adapter)
-
-
-def _mode(quantization: object) -> str | None:
-    return quantization.get("mode") if isinstance(quantization, dict) else None
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -478,15 +336,15 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
     refuses a quantized checkpoint (a ValueError from from_pretrained); gptj's `load_model` loads it.
     """
-    arch = other_architecture(src, config)
-    if arch is not None:
-        return _convert_folder(src, out, arch, dtype, overwrite, progress, quantize, group_size, also)
-    cfg, items = read_checkpoint(src, config, fmt=fmt, progress=progress, dtype=dtype)
+    checkpoint = Checkpoint.read(src, config=config, fmt=fmt)
+    if checkpoint.arch is not GPTJ:
+        return _convert_folder(checkpoint, out, dtype, overwrite, progress, quantize, group_size, also)
+    cfg = checkpoint.config
     q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
-    own_bar = progress and detect_format(Path(src)) == "hf"
-    sd = checked_state_dict(cfg, items, dtype=dtype, progress=own_bar, desc="reading", quantize=q,
-                            smooth=w8a8_factors(q, cfg, src))
+    own_bar = progress and checkpoint.format == "hf"
+    sd = checked_state_dict(cfg, checkpoint.tensors(progress and not own_bar, dtype), dtype=dtype, progress=own_bar,
+                            desc="reading", quantize=q, smooth=w8a8_factors(q, cfg, src))
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     extras = []
@@ -509,23 +367,23 @@ KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "generation_config.json")
 
 
-def _convert_folder(src: str | os.PathLike, out: str | os.PathLike, arch: Architecture, dtype: torch.dtype | None,
-                    overwrite: bool, progress: bool, quantize: str | None, group_size: int | None,
-                    also: Callable | None) -> Path:
+def _convert_folder(checkpoint: Checkpoint, out: str | os.PathLike, dtype: torch.dtype | None, overwrite: bool,
+                    progress: bool, quantize: str | None, group_size: int | None, also: Callable | None) -> Path:
     """convert for an HF folder of another architecture (Llama): read in `dtype` (default: the one its
     config.json records, so nothing is rounded) and written again in gptj's layout, with the
     folder's tokenizer and generation_config.json (its EOS ids) as they are; float only so far."""
     from gptj.weights.hf_model import load_folder, save_folder
 
+    src = checkpoint.folder
     if quantize is not None or group_size is not None or also is not None:
-        raise GptjError(f"{src}: gptj convert writes a {arch.model_type} folder in float only so far "
+        raise GptjError(f"{src}: gptj convert writes a {checkpoint.arch.model_type} folder in float only so far "
                         "(no --quantize, no --tp; quantize on load instead)")
     dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
-    model = load_folder(src, arch, dtype=dtype, progress=progress)
+    model = load_folder(checkpoint, dtype=dtype, progress=progress)
 
     def kept_files(folder: Path) -> None:
         for name in KEPT_FILES:
-            if (Path(src) / name).is_file():
+            if (src / name).is_file():
                 shutil.copyfile(model_file(src, name), folder / name)
 
     return save_folder(model.state_dict(), model.config, out, dtype=dtype, overwrite=overwrite, progress=progress,
@@ -541,9 +399,13 @@ def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str,
     from gptj.quant.calibrate import input_absmax, make_record, save_factors, smoothing
 
     folder = Path(folder)
-    if detect_format(folder) != "hf":
+    checkpoint = Checkpoint.read(folder)
+    if checkpoint.format != "hf":
         raise GptjError(f"{folder}: calibration needs a model folder with config.json (gptj convert makes one)")
-    cfg = GPTJConfig.from_json_file(model_file(folder, CONFIG))
+    if checkpoint.arch is not GPTJ:
+        raise GptjError(f"{folder}: w8a8 calibration is made for GPT-J models only so far "
+                        f"(this is a {checkpoint.arch.model_type} model)")
+    cfg = checkpoint.config
     if cfg.quantization is not None:
         raise GptjError(f"{folder}: already quantized ({cfg.quantization['mode']}): calibrate the float checkpoint")
     alpha = quant.SMOOTH_ALPHA if alpha is None else alpha
