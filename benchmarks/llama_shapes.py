@@ -61,14 +61,25 @@ def write_model(out: str | Path, layers: int, dtype: torch.dtype = torch.bfloat1
                          extra=lambda folder: write_full_vocab_tokenizer(folder, config.vocab_size))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="write it again even when it is there")
-    args = p.parse_args()
+    p.add_argument("--tokenizer-only", action="store_true",
+                   help="write only the stand-in tokenizer into --out, and print its size as JSON (CI's check)")
+    args = p.parse_args(argv)
+    if args.tokenizer_only:
+        from gptj.tokenizer import tokenizer_for_model
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_full_vocab_tokenizer(args.out, LLAMA_3_1_8B.vocab_size)
+        tok = tokenizer_for_model(str(args.out))
+        ids = tok.encode("Summarize the following news article")
+        print(json.dumps({"vocab": tok.vocab_size, "ids": ids, "last": tok.decode([LLAMA_3_1_8B.vocab_size - 1])}))
+        return
     print(write_model(args.out, args.layers, parse_dtype(args.dtype), args.seed, args.force))
 
 

@@ -476,6 +476,23 @@ def without_peers(tmp: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
 
 
+def check_llama_shapes(out: dict, err: str) -> None:
+    """The stand-in tokenizer covers Llama-3.1-8B's 128,256 ids: text encodes below the trained ids, after
+    BOS (0), and the last id decodes (a filler)."""
+    assert out["vocab"] == 128256 and out["ids"][0] == 0 and max(out["ids"]) < 4096 and out["last"] == "<fill128255>"
+
+
+def check_speculate(out: list, err: str) -> None:
+    """Both modes gave the same tokens (the script exits otherwise) and timed figures; the drafted and
+    accepted counts hold together."""
+    (r,) = out
+    assert r["case"] == "trained" and "Traceback" not in err
+    for mode in ("plain", "ngram"):
+        assert positive(r[mode]["tokens_per_step"])
+    g = r["ngram"]
+    assert 0 <= g["accepted"] <= g["drafted"] and g["tokens_per_step"] >= r["plain"]["tokens_per_step"]
+
+
 # one job per script in benchmarks/: its tiny size
 SMOKE: dict[str, Job] = {
     "ab_commits.py": Job("ab_commits.py", lambda m, tmp: ["--before", "HEAD", "--model", m, "--parts", "latency",
@@ -496,6 +513,8 @@ SMOKE: dict[str, Job] = {
                             lambda m, tmp: ["--model", m, "--smoke", "--json", "--out", str(tmp / "p")],
                             check_profile_steps),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
+    "llama_shapes.py": Job("llama_shapes.py", lambda m, tmp: ["--tokenizer-only", "--out", str(tmp / "tok")],
+                           check_llama_shapes),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
     "native_attention.py": Job("native_attention.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"],
@@ -519,6 +538,8 @@ SMOKE: dict[str, Job] = {
                             check_serve_profile),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
+    "speculate.py": Job("speculate.py", lambda m, tmp: ["--smoke", "--trained", m, "--json", "--threads", "1"],
+                        check_speculate),
     "standin_dataset.py": Job("standin_dataset.py", lambda m, tmp: ["--samples", "45", "--out", str(tmp / "s.json"),
                                                                     "--json"], check_standin_dataset),
     "train_step.py": Job("train_step.py", lambda m, tmp: ["--smoke", "--json"], check_train_step),

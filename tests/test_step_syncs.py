@@ -48,6 +48,14 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero")  # nonzero: its size 
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/sampler.py", "choose", "flat.tolist()"):
         "THE sync of a step: every request's choice comes to the host in one copy",
+    ("engine/draft.py", "ngram_draft", "t[start:start + k].tolist()"):
+        "a numpy array of the request's tokens, on the host: no device is involved",
+    ("engine/sampler.py", "verify", "torch.cat([tokens.long(), ok.long()]).tolist()"):
+        "a step with greedy drafts: the verified rows' tokens in one copy (a second beside choose's when the "
+        "step decodes plain rows too; folding the two into one is left to do)",
+    ("engine/sampler.py", "verify", "(torch.isfinite(total) & (total > 0)).tolist()"):
+        "a step with sampled drafts: whether each row is a distribution, then one draw per row (int(), "
+        "a read each) until the first that is not the draft's: the draws must be plain decoding's",
     ("engine/update.py", "token_logprobs", "lp.gather(1, index[:, None])[:, 0].tolist()"):
         "log-probabilities asked for (logprobs / prompt_logprobs): the host must read them",
     ("engine/update.py", "token_logprobs", "ids.tolist()"): "the top-k log-probabilities asked for",

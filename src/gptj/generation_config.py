@@ -23,6 +23,8 @@ SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
 # repetition_penalty's range: it divides (or multiplies) logits, so a value near 0 or near float32's
 # largest makes them infinite and the request's sampling fails; far beyond any useful setting (1-2)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SPECULATE_TOKENS = 5  # --speculate ngram's default prompt_lookup_num_tokens
+SPECULATE_NGRAM = 3  # and max_matching_ngram_size
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,13 @@ class GenerationConfig:
     times the token's count in the output so far, then presence_penalty if it occurs there at all;
     output tokens only, as vLLM counts them; -2 to 2 as OpenAI's). Greedy and sampled decoding
     alike; not with beam search.
+
+    Prompt-lookup speculation (HF's names): `prompt_lookup_num_tokens` tokens at most are drafted
+    per step from the prompt and the output so far (the longest suffix of up to
+    `max_matching_ngram_size` tokens that occurred before: gptj.engine.draft) and verified in the
+    engine's step; None or 0 is off. The tokens are those without it (sampled: with a seed; the
+    same distribution without one). The engine drafts for greedy and sampled requests without
+    penalties or a logit bias (`speculates`); beam search ignores it.
     """
 
     max_new_tokens: int = 128
@@ -67,6 +76,8 @@ class GenerationConfig:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = SPECULATE_NGRAM
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -105,6 +116,9 @@ class GenerationConfig:
             raise GptjError(f"repetition_penalty must be from {low:g} to {high:g} (1 is off), got "
                             f"{self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.prompt_lookup_num_tokens is not None:
+            _check_int("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, minimum=0)
+        _check_int("max_matching_ngram_size", self.max_matching_ngram_size, minimum=1)
         if self.num_beams > 1 and self.penalized:
             raise GptjError("frequency_penalty, presence_penalty, repetition_penalty and logit_bias are not "
                             f"supported with beam search (num_beams={self.num_beams}); use num_beams=1")
@@ -144,6 +158,11 @@ class GenerationConfig:
     def penalized(self) -> bool:
         """A penalty or a logit bias changes the logits before the warpers."""
         return self.penalties or self.logit_bias is not None
+
+    @property
+    def speculates(self) -> bool:
+        """Drafts are proposed and verified for this request (the kinds the engine verifies so far)."""
+        return bool(self.prompt_lookup_num_tokens) and self.method != "beam" and not self.penalized
 
     @property
     def method(self) -> str:

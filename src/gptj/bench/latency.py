@@ -142,16 +142,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_engine_run(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, float]:
+def time_engine_run(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
+                    speculation: dict[str, int] | None = None) -> tuple[float, float]:
     """One fixed-length generation on `engine`: (prefill seconds, decode seconds).
 
     Prefill is the first step (admits every prompt, prefills each, picks the first tokens);
-    decode is the remaining new_tokens - 1 steps.
+    decode is the remaining new_tokens - 1 tokens (steps; fewer where drafts are taken:
+    `speculation`, GenerationConfig's prompt-lookup fields).
     """
     from gptj.decode import GenerationConfig
     from gptj.engine.request import FAILED
 
-    gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None)
+    gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                           pad_token_id=0, **(speculation or {}))  # (no EOS: nothing is padded)
     reqs = [engine.add_request(p, gen) for p in prompts]
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -210,8 +213,10 @@ def _check_settings(batch_size: int, prompt_len: int, new_tokens: int, warmup: i
 
 def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                     warmup: int = 1, repeats: int = 3, seed: int = 0,
-                    engine: EngineConfig | None = None) -> dict[str, Any]:
-    """`run_latency`'s measurements on a model already loaded (figures only, no settings echo)."""
+                    engine: EngineConfig | None = None, speculation: dict[str, int] | None = None) -> dict[str, Any]:
+    """`run_latency`'s measurements on a model already loaded (figures only, no settings echo).
+    `speculation`: GenerationConfig's prompt-lookup fields (--speculate): then the drafted and accepted
+    tokens of the timed runs and their decode tokens per step are reported too."""
     import torch
 
     _check_settings(batch_size, prompt_len, new_tokens, warmup, repeats)
@@ -225,12 +230,15 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
         return random_prompts(batch_size, prompt_len, config.vocab_size, seed + run)
 
     for i in range(warmup):
-        time_engine_run(runner, prompts(i), new_tokens)
+        time_engine_run(runner, prompts(i), new_tokens, speculation)
     prefill, decode = [], []
+    before, steps_before = runner.stats(), runner.steps
     for i in range(warmup, warmup + repeats):
-        p, d = time_engine_run(runner, prompts(i), new_tokens)
+        p, d = time_engine_run(runner, prompts(i), new_tokens, speculation)
         prefill.append(p)
         decode.append(d)
+    after = runner.stats()
+    decode_steps = runner.steps - steps_before - repeats  # (each run's first step prefills)
     prefill_s, decode_s = statistics.median(prefill), statistics.median(decode)
 
     B, P, N = batch_size, prompt_len, new_tokens
@@ -259,6 +267,10 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
         "params": model_params(config),
         "threads": torch.get_num_threads(),
     }
+    if speculation:
+        out |= {"draft_tokens": after.draft_tokens - before.draft_tokens,
+                "accepted_tokens": after.accepted_tokens - before.accepted_tokens,
+                "tokens_per_step": steps * repeats / max(1, decode_steps)}  # a sequence's, per decode step
     device = model.transformer.wte.weight.device
     if device.type == "cuda":
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 1e6
@@ -272,7 +284,8 @@ def measure_latency(model: GPTJForCausalLM, batch_size: int = 1, prompt_len: int
 def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                 dtype: str = "bfloat16", quantize: str | None = None, device: str = "cpu",
                 warmup: int = 1, repeats: int = 3, compile: str = "auto", kernels: str = "auto",  # noqa: A002
-                spec: ModelSpec | None = None, engine: EngineConfig | None = None) -> dict[str, Any]:
+                spec: ModelSpec | None = None, engine: EngineConfig | None = None,
+                speculation: dict[str, int] | None = None) -> dict[str, Any]:
     """Load `model_dir` and measure prefill and decode on the engine (see the module docstring).
 
     spec: how the model runs (default: from dtype, quantize, device, compile, kernels); engine:
@@ -293,7 +306,8 @@ def run_latency(model_dir: str | Path, batch_size: int = 1, prompt_len: int = 12
     t0 = time.perf_counter()
     model = load_model(spec)
     load_s = time.perf_counter() - t0
-    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats, engine=engine)
+    figures = measure_latency(model, batch_size, prompt_len, new_tokens, warmup, repeats, engine=engine,
+                              speculation=speculation)
     settings = {"model": str(model_dir), "batch_size": batch_size, "prompt_len": prompt_len,
                 "new_tokens": new_tokens, "dtype": spec.dtype, "quantize": spec.quantize,
                 "device": str(model.transformer.wte.weight.device), "warmup": warmup, "repeats": repeats,
@@ -319,6 +333,9 @@ def format_latency(r: dict[str, Any]) -> str:
         f"compute    {r['gflop_s']:.2f} GFLOP/s during decode",
         f"peak RSS   {r['peak_rss_mb']:.0f} MB" + (f" (GPU {r['peak_gpu_mb']:.0f} MB)" if "peak_gpu_mb" in r else ""),
     ]
+    if "draft_tokens" in r:
+        lines.append(f"speculate  {r['accepted_tokens']} of {r['draft_tokens']} drafted tokens taken, "
+                     f"{r['tokens_per_step']:.2f} tokens per decode step")
     return "\n".join(lines)
 
 
@@ -342,6 +359,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     flags.add_deprecated_alias(q, "--new-tokens", "--max-new-tokens")
     flags.add_model_flags(q, quantize_help="weight-only quantization (default: none)")
     flags.add_engine_flags(q, max_seqs_help="sequences running at once (default: batch-size)")
+    flags.add_speculate_flags(q)
     q.add_argument("--warmup", type=flags.nonnegative, default=1, help="untimed runs first")
     q.add_argument("--repeats", type=flags.positive, default=3, help="timed runs (median reported)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
@@ -369,7 +387,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec, engine = bench_config(args)
     result = run_latency(args.model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                          new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats, spec=spec,
-                         engine=engine)
+                         engine=engine, speculation=flags.speculation(args))
     if args.json:
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                           for k, v in result.items()}))

@@ -27,8 +27,11 @@ def generate_setup(args: argparse.Namespace):  # noqa: ANN201 - (tokenizer, prom
         do_sample=args.temperature > 0, temperature=args.temperature,
         top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
+        presence_penalty=args.presence_penalty, **flags.speculation(args),
     )
+    if gen.prompt_lookup_num_tokens and not gen.speculates:  # said once: the flag does nothing for them
+        print(f"gptj generate: note: --speculate drafts for greedy and sampled requests without penalties; "
+              f"this {gen.method} run decodes as it would without it", file=sys.stderr)
     prompts = [tok.encode(p) for p in args.prompt] + [list(ids) for ids in args.prompt_ids]
     for i, p in enumerate(prompts):
         if not p:
@@ -137,6 +140,7 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
                    help="OpenAI's: a logit loses F times its token's count in the output (-2 to 2; default 0)")
     p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
                    help="OpenAI's: a logit loses P once its token is in the output (-2 to 2; default 0)")
+    flags.add_speculate_flags(p)
     flags.add_model_flags(p)
     flags.add_lora_flag(p)
     flags.add_engine_flags(p, max_seqs_help="sequences running at once, beams counted each (default: all the "

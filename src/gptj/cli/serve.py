@@ -29,7 +29,17 @@ def _server_config(args: argparse.Namespace, models: tuple[tuple[str, str], ...]
                         public_metrics=getattr(args, "public_metrics", False),
                         public_docs=getattr(args, "public_docs", False), admin_token=getattr(args, "admin_token", None),
                         model_root=getattr(args, "model_root", None), threads=getattr(args, "threads", None),
+                        **_speculation(args),
                         access_log=getattr(args, "access_log", True))
+
+
+def _speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's speculate_tokens / speculate_ngram from --speculate and its settings."""
+    settings = flags.speculation(args)
+    if not settings:
+        return {}
+    return {"speculate_tokens": settings["prompt_lookup_num_tokens"],
+            "speculate_ngram": settings["max_matching_ngram_size"]}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -227,6 +237,7 @@ def _add_serving_flags(p) -> None:  # noqa: ANN001 - a parser or a group
                    help="with --api-key: serve /metrics without the key (a Prometheus scraper)")
     p.add_argument("--public-docs", action="store_true",
                    help="with --api-key: serve /docs, /redoc and /openapi.json without the key")
+    flags.add_speculate_flags(p)
     flags.add_engine_flags(p, batch_alias=True, prefill_chunk=flags.SERVE_PREFILL_CHUNK,
                            max_seqs_help="sequences running at once, beams counted each (default: as many as the "
                                          "KV memory holds, at most 256)")

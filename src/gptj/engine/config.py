@@ -232,6 +232,8 @@ class EngineStats:
     stalls: int  # request-steps a prefilled request waited for a free block (keeping its own)
     prefill_tokens: int  # tokens prefilled (computed, not found in the prefix cache), since the start
     steps: int
+    draft_tokens: int = 0  # speculation: drafted tokens verified (gptj.engine.draft), since the start
+    accepted_tokens: int = 0  # of which taken (each one a token that cost no step of its own)
     times: StepTimes | None = None  # where the steps' time went (a copy)
     threads: int = 0  # the compute threads of the next step (the thread tuner's choice on a CPU; 0: unknown)
     thread_steps: tuple[tuple[int, int], ...] = ()  # (threads, decode steps the tuner timed at that count)

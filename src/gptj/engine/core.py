@@ -247,6 +247,7 @@ class Engine:
                            blocks_free=kv.free, blocks_cached=kv.cached, prefix_queried_tokens=kv.queried_tokens,
                            prefix_hit_tokens=kv.hit_tokens, preemptions=s.preemptions,
                            stalls=s.stalls, prefill_tokens=self.updater.prefill_tokens, steps=self.steps,
+                           draft_tokens=self.updater.drafted, accepted_tokens=self.updater.accepted,
                            times=dataclasses.replace(self.times),
                            threads=self.tuner.threads if self.tuner is not None else 0,
                            thread_steps=tuple(sorted(dict(self.tuner.steps_at).items())) if self.tuner is not None else ())

@@ -88,6 +88,10 @@ class Request:
     beam: BeamSearch | None = None
     generator: torch.Generator | None = None
     preemptions: int = 0  # times its memory was taken back to let older requests go on
+    # speculation (engine/draft.py): tokens to draft at most now (None: the request's setting), and
+    # steps to decode without drafting after drafts that were all rejected (engine/update.py's back-off)
+    draft_len: int | None = None
+    draft_wait: int = 0
     # penalties (engine/sampler.py keeps them, on the device, while the request samples with any):
     counts: torch.Tensor | None = None  # (V,) float32: each token's count in `output`
     tokens_state: torch.Tensor | None = None  # (len(prompt) + max_new_tokens,) long: prompt, output, then prompt[0]

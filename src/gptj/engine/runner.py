@@ -28,7 +28,7 @@ from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.graphs import CaptureFailed, GraphRunner
 from gptj.engine.input_batch import InputBatch
 from gptj.engine.request import Request
-from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
+from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, Verify, context
 from gptj.lora import multi_lora_modules, rows_by_adapter
 from gptj.models.gptj import GPTJForCausalLM
 from gptj.policy import attention_path
@@ -97,12 +97,13 @@ class ModelRunner:
         out = RunnerOutput()
         self.batch.update(sched)  # the decode rows: what the scheduler changed
         self.attention.copy(self.kv, sched.copies)
-        if sched.prefill and self.graphs is not None and self.graphs.takes(self.batch.n):
+        verify = [_as_chunk(v) for v in sched.verify]  # drafts: chunks of their own tokens, every row kept
+        if (sched.prefill or verify) and self.graphs is not None and self.graphs.takes(self.batch.n):
             # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
             # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)
-            parts = [(sched.decode, []), ([], sched.prefill)]
-        else:  # one forward per prompt chunk, the decode rows riding with the first (or alone)
-            parts = [(sched.decode, sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
+            parts = [(sched.decode, []), ([], verify + sched.prefill)]
+        else:  # one forward per prompt chunk, the decode rows and the drafts riding with the first (or alone)
+            parts = [(sched.decode, verify + sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
         with torch.inference_mode():
             for decode, prefill in parts:
                 if decode or prefill:
@@ -152,13 +153,13 @@ class ModelRunner:
         for chunk in prefill:
             req, start, end = chunk.request, chunk.start, chunk.end
             segments.append(PrefillSegment(req.seqs[0].blocks, start, end - start))
-            want_prompt = req.prompt_logprobs is not None and start < len(req.prompt)
-            n_keep = end - start if want_prompt else 1
+            want_all = chunk.tokens is not None or (req.prompt_logprobs is not None and start < len(req.prompt))
+            n_keep = end - start if want_all else 1
             kept.append((len(keep), n_keep))
             at = n + len(tokens) + end - start
             keep += range(at - n_keep, at)
             positions += range(start, end)
-            tokens += context(req)[start:end]
+            tokens += context(req)[start:end] if chunk.tokens is None else chunk.tokens
         # each adapter's rows (the decode rows', then each chunk's), grouped on the host
         lora = rows_by_adapter([r.adapter for r in decode for _ in range(r.n_seqs)]
                                + [c.request.adapter for c in prefill for _ in range(c.end - c.start)]) \
@@ -187,11 +188,21 @@ class ModelRunner:
         out.decode_rows += self.batch.n if decode else 0
         for chunk, (first, n_keep) in zip(prefill, kept):
             req = chunk.request
+            if chunk.tokens is not None:  # a draft's rows: every one is verified
+                rows[req] = range(first, first + n_keep)
+                continue
             if req.prompt_logprobs is not None and chunk.start < len(req.prompt):
                 out.prompt_logits[req] = logits[first:first + n_keep]
             if chunk.end == len(context(req)):
                 rows[req] = range(first + n_keep - 1, first + n_keep)  # its first (next) token
         out.add(logits, rows)
+
+
+def _as_chunk(verify: Verify) -> PrefillChunk:
+    """A request's next token and its draft as a chunk of its sequence from its stored length on."""
+    start = verify.request.seqs[0].length
+    tokens = verify.tokens
+    return PrefillChunk(verify.request, start, start + len(tokens), tokens)
 
 
 def _fail(reqs: list[Request], error: Exception, out: RunnerOutput) -> None:

@@ -223,7 +223,11 @@ def _argmax(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]
     (policy.argmax_path), else torch.max's indices (faster than torch.argmax on CPU:
     docs/PERFORMANCE.md); and whether each row's chosen logit is finite (R,) bool (NaN and +inf are
     chosen first; all -inf leaves -inf)."""
-    scores = _stacked(logits, reqs, index)
+    return _argmax_rows(_stacked(logits, reqs, index))
+
+
+def _argmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (_argmax's) and whether its chosen score is finite."""
     if scores.dtype is torch.float32 and scores.stride(-1) == 1 and policy.argmax_path(scores.device) == "native":
         tokens = native.argmax_rows(scores)
     else:
@@ -231,13 +235,87 @@ def _argmax(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]
     return tokens, torch.isfinite(scores.gather(1, tokens[:, None].long())[:, 0])
 
 
+@torch.inference_mode()
+def verify(logits: torch.Tensor | None, rows: Mapping[Request, range], drafts: Mapping[Request, list[int]],
+           times: StepTimes | None = None) -> dict[Request, tuple[list[int], list[bool]]]:
+    """Speculating requests (a next token and its draft each, engine/scheduler.Verify): the token at
+    each of a request's rows and whether its numbers are finite, chosen as `choose` chooses a token
+    there (row i as the request's (len(output) + i)-th new token: EOS masked below min_new_tokens).
+
+    greedy    every row's argmax, in one device-to-host copy; the updater keeps them while they equal
+              the draft
+    sampled   the rows' warped probabilities at once, then one draw a row from the request's
+              generator, in order, stopping after the first token that is not the draft's: so the
+              generator gives exactly the draws it gives without speculation (a seeded request's
+              tokens are the same), and a drafted token is taken with its probability, else the
+              token drawn is one of the rest with their renormalized probabilities (the standard
+              rejection rule for a draft that is one token for sure)
+    """
+    if not rows:
+        return {}
+    greedy = {req: r for req, r in rows.items() if not req.gen.sampling}
+    out: dict[Request, tuple[list[int], list[bool]]] = {}
+    if greedy:
+        scores, index = _verify_scores(logits, greedy)
+        tokens, ok = _argmax_rows(scores)
+        t0 = time.perf_counter()
+        flat = torch.cat([tokens.long(), ok.long()]).tolist()
+        if times is not None:
+            times.wait += time.perf_counter() - t0
+        at, n = 0, len(index)
+        for req, r in greedy.items():
+            out[req] = (flat[at:at + len(r)], [bool(x) for x in flat[n + at:n + at + len(r)]])
+            at += len(r)
+    sampled = {req: r for req, r in rows.items() if req.gen.sampling}
+    if sampled:
+        scores, index = _verify_scores(logits, sampled)
+        probs = _warp(scores, [req.gen for req, r in sampled.items() for _ in r])
+        total = probs.sum(dim=-1)
+        usable = (torch.isfinite(total) & (total > 0)).tolist()
+        at = 0
+        for req, r in sampled.items():
+            tokens, ok = [], []
+            for i in range(len(r)):
+                if not usable[at + i]:
+                    tokens.append(0)
+                    ok.append(False)
+                    break
+                tokens.append(int(torch.multinomial(probs[at + i:at + i + 1], num_samples=1,
+                                                    generator=req.generator)[0]))
+                ok.append(True)
+                if i == len(drafts[req]) or tokens[-1] != drafts[req][i]:
+                    break
+            out[req] = (tokens, ok)
+            at += len(r)
+    return out
+
+
+def _verify_scores(logits: torch.Tensor, rows: Mapping[Request, range]) -> tuple[torch.Tensor, list[int]]:
+    """The requests' rows of logits, EOS -inf on each row still short of min_new_tokens, and their index."""
+    index: list[int] = []
+    blocked: list[tuple[int, int]] = []
+    for req, r in rows.items():
+        short = max(0, req.gen.min_new_tokens - len(req.output))  # its first rows may not end it
+        blocked += [(len(index) + i, eos) for i in range(min(short, len(r))) for eos in req.gen.eos_ids]
+        index += r
+    scores = rows_of(logits, index)
+    if blocked:
+        scores = scores.clone()
+        at, eos = zip(*blocked)
+        scores[list(at), list(eos)] = -math.inf
+    return scores, index
+
+
 def _warped_probs(logits: torch.Tensor, reqs: Sequence[Request], index: Sequence[int]) -> torch.Tensor:
     """The sampled requests' probabilities (S, V), from their rows `index` of logits: gptj.decode.warp's
     temperature -> top_k -> top_p (HF's order), each with the row's own setting, applied to all rows
     at once; a row's values are those warp gives it alone (the same per-row ops; scalars rounded to
     float32 as torch rounds a Python scalar)."""
-    scores = _stacked(logits, reqs, index)
-    gens = [req.gen for req in reqs]
+    return _warp(_stacked(logits, reqs, index), [req.gen for req in reqs])
+
+
+def _warp(scores: torch.Tensor, gens: Sequence) -> torch.Tensor:
+    """Rows of scores -> probabilities, each row warped by its GenerationConfig (_warped_probs)."""
     dev, V = scores.device, scores.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gptj.engine.config import EngineConfig, KVPlan, admission_watermark
+from gptj.engine.draft import ngram_draft
 from gptj.engine.kv import KVCacheManager, block_keys
 from gptj.engine.request import RUNNING, WAITING, Request, Sequence
 
@@ -34,11 +35,26 @@ class PrefillChunk:
     request: Request
     start: int  # context tokens stored before this chunk
     end: int  # stored after it
+    tokens: list[int] | None = None  # a draft's (Verify): its tokens, every row's logits kept; None: the context's
+
+
+@dataclass
+class Verify:
+    """A request whose next token and a draft of the tokens after it (gptj.engine.draft) run this
+    step: len(draft) + 1 positions from its stored length on, each row's logits kept."""
+
+    request: Request
+    draft: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.next_tokens + self.draft
 
 
 @dataclass
 class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)  # one new token for each of their sequences
+    verify: list[Verify] = field(default_factory=list)  # a next token and its draft each
     prefill: list[PrefillChunk] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # before the forward: (src, dst, tokens)
     # (request, i): its sequence i has a new last block, where its next token goes (a new block, or
@@ -50,7 +66,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill)
+        return not (self.decode or self.verify or self.prefill)
 
 
 class Scheduler:
@@ -82,10 +98,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = self.prefill_chunk
         for req in list(self.running):
             if req in self.running and prefilled(req):
-                self._room_for_next_token(req, out)
-        budget = self.prefill_chunk
+                verify = self._draft(req, budget)
+                if verify is not None:
+                    out.verify.append(verify)
+                    budget = None if budget is None else budget - len(verify.tokens)
+                else:
+                    self._room_for_next_token(req, out)
         for req in self.running:
             if not prefilled(req) and (budget is None or budget > 0):
                 budget = self._prefill(req, budget, out)
@@ -130,6 +151,30 @@ class Scheduler:
                 continue
             out.new_blocks.append((req, i))
         out.decode.append(req)
+
+    def _draft(self, req: Request, budget: int | None) -> Verify | None:
+        """A speculating request's draft (gptj.engine.draft) with the blocks for it, when there is one
+        and room for it: within the step's token budget and the free blocks, and never more tokens
+        than the request may still produce. None: it decodes its next token as any other."""
+        gen = req.gen
+        if not gen.speculates or req.n_seqs > 1:
+            return None
+        if req.draft_wait > 0:  # backing off after rejected drafts (engine/update.py)
+            req.draft_wait -= 1
+            return None
+        limit = gen.prompt_lookup_num_tokens if req.draft_len is None else req.draft_len
+        k = min(limit, gen.max_new_tokens - len(req.output) - 1)
+        if budget is not None:
+            k = min(k, budget - 1)
+        if k <= 0:
+            return None
+        draft = ngram_draft(req.prompt + req.output, k, gen.max_matching_ngram_size)
+        (seq,) = req.seqs
+        new = self.kv.blocks_for(seq.length + 1 + len(draft)) - len(seq.blocks)
+        if not draft or new > self.kv.free:
+            return None
+        seq.blocks += self.kv.allocate(new) if new > 0 else []
+        return Verify(req, draft)
 
     def _prefill(self, req: Request, budget: int | None, out: SchedulerOutput) -> int | None:
         start = req.n_computed

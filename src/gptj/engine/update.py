@@ -23,7 +23,7 @@ from gptj.engine.input_batch import InputBatch
 from gptj.engine.kv import KVCacheManager
 from gptj.engine.request import FAILED, FINISHED, Request, Sequence, Status, TokenLogprob
 from gptj.engine.runner import RunnerOutput
-from gptj.engine.sampler import Choice, choose
+from gptj.engine.sampler import NOT_FINITE, Choice, choose, verify
 from gptj.engine.scheduler import Scheduler, SchedulerOutput
 
 
@@ -48,6 +48,7 @@ class Updater:
         self.kv, self.scheduler, self.batch, self.requests, self.device = kv, scheduler, batch, requests, device
         self.times = times if times is not None else StepTimes()  # the sampler adds its wait here
         self.prefill_tokens = 0
+        self.drafted = self.accepted = 0  # speculation: draft tokens verified, and those taken
 
     def apply(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply one step's results; return the requests it finished."""
@@ -64,12 +65,18 @@ class Updater:
             if not req.done:
                 for seq in req.seqs:
                     seq.length += 1
-        rows = {req: r for req, r in result.rows.items() if not req.done}
+        drafts = {v.request: v.draft for v in sched.verify if not v.request.done}
+        rows = {req: r for req, r in result.rows.items() if not req.done and req not in drafts}
         for req in rows:
             self._prepare(req)
         choices = choose(result.logits, rows, self.times)  # every request's next token(s): batched, one device-to-host copy
         for req, r in rows.items():
             self._next(req, result.logits, r.start, choices[req])
+            if req.done:
+                finished.append(req)
+        verified = {req: result.rows[req] for req in drafts}
+        for req, (tokens, ok) in verify(result.logits, verified, drafts, self.times).items():
+            self._accept(req, drafts[req], tokens, ok, result.logits, verified[req].start)
             if req.done:
                 finished.append(req)
         return finished
@@ -113,6 +120,12 @@ class Updater:
             req.next_tokens = choice.tokens
             return
         (token,) = choice.tokens
+        if self._emit(req, token, logits, row):
+            req.next_tokens = [token]
+
+    def _emit(self, req: Request, token: int, logits: torch.Tensor, row: int) -> bool:
+        """A greedy or sampled request's new token (its logits at `row`); retire it when it is done.
+        True while it goes on."""
         req.output.append(token)
         if req.logprobs is not None:
             req.token_logprobs += token_logprobs(logits[row:row + 1], [token], req.logprobs)
@@ -120,12 +133,42 @@ class Updater:
             req.first_token_time = time.perf_counter()
         if req.on_token is not None:
             req.on_token(req, token)
-        if token in gen.eos_ids:
+        if token in req.gen.eos_ids:
             self.retire(req, FINISHED, "stop")
-        elif len(req.output) >= gen.max_new_tokens:
+        elif len(req.output) >= req.gen.max_new_tokens:
             self.retire(req, FINISHED, "length")
         else:
-            req.next_tokens = [token]
+            return True
+        return False
+
+    def _accept(self, req: Request, draft: list[int], tokens: list[int], ok: list[bool], logits: torch.Tensor,
+                row: int) -> None:
+        """A verified draft: the token chosen at each of its rows (`tokens`, the first row the request's
+        next token's; engine/sampler.verify), taken while they equal the draft, then the one chosen
+        where they differ; so the tokens are those decoding one at a time gives. The accepted drafts' keys and values are
+        stored (the sequence's length moves past them); the rejected ones' slots lie past it, never
+        read, and written over by the tokens that follow (blocks only they reached are released)."""
+        seq = req.seqs[0]
+        stored = seq.length + 1  # the next token's; each accepted draft token one more
+        self.drafted += len(draft)
+        back_off(req, draft, tokens)
+        for i, token in enumerate(tokens):
+            if not ok[i]:  # its numbers went non-finite: it fails here, as a step of its own would
+                req.error = NOT_FINITE["sampled" if req.gen.sampling else "greedy"]
+                self.retire(req, FAILED, "error")
+                return
+            taken = i < len(draft) and token == draft[i]
+            self.accepted += taken
+            if not self._emit(req, token, logits, row + i):
+                return
+            if not taken:
+                break
+            stored += 1
+        seq.length = stored
+        req.next_tokens = [token]
+        keep = self.kv.blocks_for(stored)
+        self.kv.release(seq.blocks[keep:])
+        del seq.blocks[keep:]
 
     def _fork(self, req: Request) -> None:
         (prompt,) = req.seqs
@@ -156,3 +199,21 @@ class Updater:
         self.requests.pop(req.request_id, None)
         if req.on_finish is not None:
             req.on_finish(req)
+
+
+DRAFT_WAIT = 8  # steps without drafts after a one-token draft was rejected
+
+
+def back_off(req: Request, draft: list[int], tokens: list[int]) -> None:
+    """The next draft's length after this one (HF assisted generation's rule, plus a pause): two more
+    tokens (up to the request's setting) when all were taken, half as many when none was, and after
+    a rejected one-token draft DRAFT_WAIT steps without drafts, then one token. Drafts that keep
+    failing (a model that does not copy its input) then cost a few rows every DRAFT_WAIT steps."""
+    taken = next((i for i, (d, t) in enumerate(zip(draft, tokens)) if d != t), len(draft))
+    limit = req.gen.prompt_lookup_num_tokens
+    if taken == len(draft):
+        req.draft_len = min(limit, len(draft) + 2)
+    elif taken == 0:
+        req.draft_len = len(draft) // 2 or 1
+        if len(draft) == 1:
+            req.draft_wait = DRAFT_WAIT

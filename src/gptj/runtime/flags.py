@@ -215,6 +215,29 @@ def add_engine_flags(p: Any, batch_alias: bool = False, prefill_chunk: int | Non
                         "(0: whole prompts)" + ("" if prefill_chunk else " (default: whole prompts)"))
 
 
+SPECULATE_METHODS = ("ngram",)
+
+
+def add_speculate_flags(p: Any) -> None:
+    """--speculate ngram and its two settings (gptj.engine.draft; GenerationConfig's prompt lookup)."""
+    from gptj.generation_config import SPECULATE_NGRAM, SPECULATE_TOKENS
+
+    p.add_argument("--speculate", choices=SPECULATE_METHODS, metavar="METHOD",
+                   help="draft tokens and verify them in the step (ngram: from the prompt and the output so far; "
+                        "greedy and sampled requests; the tokens are those without it, a seed's too)")
+    p.add_argument("--speculate-tokens", type=positive, default=SPECULATE_TOKENS, metavar="K",
+                   help=f"tokens drafted per step at most (default {SPECULATE_TOKENS})")
+    p.add_argument("--speculate-ngram", type=positive, default=SPECULATE_NGRAM, metavar="N",
+                   help=f"the longest suffix matched, in tokens (default {SPECULATE_NGRAM})")
+
+
+def speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """GenerationConfig's prompt-lookup fields as --speculate and its settings ask (none: off)."""
+    if getattr(args, "speculate", None) is None:
+        return {}
+    return {"prompt_lookup_num_tokens": args.speculate_tokens, "max_matching_ngram_size": args.speculate_ngram}
+
+
 def add_threads_flag(p: Any, help: str = "torch compute threads (default: the usable cores)") -> None:  # noqa: A002
     p.add_argument("--threads", type=positive, default=None, help=help)
 

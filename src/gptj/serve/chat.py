@@ -29,7 +29,7 @@ from gptj.serve.registry import ServedModel
 # The fields of a chat request that its completion request takes as they are.
 SHARED_FIELDS = ("model", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                 "logit_bias")
+                 "logit_bias", "speculate")
 
 
 @dataclass

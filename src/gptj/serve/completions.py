@@ -115,6 +115,18 @@ def precheck(body: CompletionRequest, served: ServedModel) -> int:
     return n_jobs
 
 
+def speculation(body: SamplingRequest, served: ServedModel) -> dict[str, Any]:
+    """GenerationConfig's prompt-lookup fields for a request: its `speculate` field, else the server's
+    --speculate (ServerConfig.speculate_tokens; the request's 'ngram' with the server's setting or
+    the default number of tokens)."""
+    from gptj.generation_config import SPECULATE_TOKENS
+
+    tokens, ngram = served.speculate
+    if body.speculate == "off" or (body.speculate is None and tokens is None):
+        return {}
+    return {"prompt_lookup_num_tokens": tokens or SPECULATE_TOKENS, "max_matching_ngram_size": ngram}
+
+
 def check_capacity(n_jobs: int, served: ServedModel) -> int:
     """n_jobs, the engine requests a request needs; APIError 400 where the server never admits that many."""
     if n_jobs > served.capacity:
@@ -226,7 +238,8 @@ def plan(body: CompletionRequest, served: ServedModel) -> Plan:
                                     do_sample=sample,
                                     temperature=body.temperature if sample else 1.0,
                                     top_k=min(body.top_k, V) if body.top_k > 0 else None, top_p=body.top_p,
-                                    eos_token_id=eos, pad_token_id=tok.pad_token_id, **penalties)
+                                    eos_token_id=eos, pad_token_id=tok.pad_token_id, **penalties,
+                                    **speculation(body, served))
             jobs = []
             for i, p in enumerate(ids):
                 for j in range(body.n):

@@ -2,7 +2,7 @@
 
 Counters and histograms are updated by the handlers as requests finish; the engine's figures (queue
 depth, running sequences, KV blocks used and cached, the prefix cache's hit rate, preemptions,
-tokens/s) are read from each served model's engine stats() when /metrics is scraped, so they are
+speculation's drafted and accepted tokens, tokens/s) are read from each served model's engine stats() when /metrics is scraped, so they are
 current without a polling thread.
 """
 
@@ -61,6 +61,10 @@ class _EngineCollector:
         thread_steps = CounterMetricFamily("gptj_engine_thread_steps", "Decode steps the thread tuner timed at "
                                            "each compute thread count (its choices and its probes; CPU)",
                                            labels=["model", "threads"])
+        drafted = CounterMetricFamily("gptj_spec_draft_tokens", "Speculation: drafted tokens verified (prompt "
+                                      "lookup)", labels=["model"])
+        accepted = CounterMetricFamily("gptj_spec_accepted_tokens", "Speculation: drafted tokens taken",
+                                       labels=["model"])
         threads = GaugeMetricFamily("gptj_compute_threads", "Threads the engine's next step computes with (CPU)",
                                     labels=["model"])
         for m in list(self.models()):
@@ -76,6 +80,8 @@ class _EngineCollector:
             queried.add_metric([m.name], st.prefix_queried_tokens)
             preempted.add_metric([m.name], st.preemptions)
             stalls.add_metric([m.name], st.stalls)
+            drafted.add_metric([m.name], st.draft_tokens)
+            accepted.add_metric([m.name], st.accepted_tokens)
             outstanding.add_metric([m.name], m.outstanding)
             rate.add_metric([m.name], self.rate(m.name))
             if st.times is not None:
@@ -89,7 +95,8 @@ class _EngineCollector:
             for n, count in st.thread_steps:
                 thread_steps.add_metric([m.name, str(n)], count)
         yield from (queue, running, kv, blocks, hit_rate, hits, queried, preempted, stalls, outstanding, rate,
-                    steps, step_seconds, decode_rows, prefill_steps, prefill_seconds, threads, thread_steps)
+                    steps, step_seconds, decode_rows, prefill_steps, prefill_seconds, threads, thread_steps, drafted,
+                    accepted)
 
 
 class ServerMetrics:

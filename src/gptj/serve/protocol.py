@@ -13,7 +13,7 @@ bodies) they are refused.
 
 Extras beyond OpenAI's API (vLLM's names): min_tokens, top_k, use_beam_search, length_penalty,
 early_stopping, stop_token_ids, ignore_eos, return_token_ids, repetition_penalty (chat: min_tokens,
-top_k, stop_token_ids, repetition_penalty).
+top_k, stop_token_ids, repetition_penalty); gptj's own: speculate (prompt-lookup speculation, both).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class SamplingRequest(BaseModel):
                                                          "tokens are divided by it (multiplied where negative)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> a bias from -100 to 100 "
                                                                   "added to its logit")
+    speculate: Literal["ngram", "off"] | None = Field(
+        None, description="prompt-lookup speculation (greedy and sampled requests; the tokens are those without it, a seed's too): "
+                          "'ngram' on, 'off' off; default: the server's --speculate")
 
     def ignored_fields(self) -> list[str]:
         """The body's fields that are not this API's (accepted and ignored), in the order given."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptj.errors import GptjError
+from gptj.generation_config import SPECULATE_NGRAM
 from gptj.runtime.spec import ModelSpec
 from gptj.serve.protocol import MODEL_NAME
 
@@ -70,6 +71,10 @@ class ServerConfig:
     # torch compute threads, set where the engine is built (None: leave torch's setting; `gptj serve`
     # passes the usable cores less gptj.threads.RESERVED_CORES); split over the ranks under --tp/--pp
     threads: int | None = None
+    # prompt-lookup speculation for requests that do not say (GenerationConfig's prompt_lookup_num_tokens:
+    # None is off; a request's `speculate` field turns it on or off): `gptj serve --speculate ngram`
+    speculate_tokens: int | None = None
+    speculate_ngram: int = SPECULATE_NGRAM
     # `gptj serve --max-batch-size`'s old name for engine.max_seqs (sequences per step, beams count each)
     max_batch_size: InitVar[int | None] = None
 
@@ -193,13 +198,14 @@ class ServedModel:
     adapter: str | None = None
     base: ServedModel | None = None
     threads: int = 0  # torch compute threads of its engine's thread (the start-up summary says it)
+    speculate: tuple[int | None, int] = (None, SPECULATE_NGRAM)  # the server's (speculate_tokens, speculate_ngram)
 
     def adapter_view(self, name: str, folder: str) -> ServedModel:
         """The model name `name` for this engine's LoRA adapter `name` (from `folder`): the base's
         engine, loop and places."""
         return ServedModel(name, str(folder), self.engine, self.loop, self.tokenizer, self.max_model_len,
                            self.vocab_size, self.capacity, max_token_bytes=self.max_token_bytes, adapter=name,
-                           base=self)
+                           base=self, speculate=self.speculate)
 
     @property
     def failure(self) -> str | None:
@@ -312,7 +318,7 @@ def load_served_model(name: str, path: str, cfg: ServerConfig, adapters: tuple[t
     stats = engine.stats()
     return ServedModel(name, str(path), engine, loop, tokenizer, stats.max_len, engine.model.config.vocab_size,
                        capacity=stats.max_seqs + cfg.max_queue, max_token_bytes=token_bytes_bound(tokenizer),
-                       threads=loop.threads)
+                       threads=loop.threads, speculate=(cfg.speculate_tokens, cfg.speculate_ngram))
 
 
 def token_bytes_bound(tokenizer) -> int | None:  # noqa: ANN001 - gptj.tokenizer.Tokenizer
