@@ -44,11 +44,18 @@ one of benchmarks/llama_shapes.py, N of its 32 layers, to --model or under --wor
 same load: the random prompt ids lie within its vocabulary either way, and both servers get
 --max-model-len 2048 unless a setting names its own (the folder's own 131,072 would make gptj
 size its KV for sequences that long; vLLM's default flags already say 2048). w8a8 is refused
-(gptj's W8A8 is GPT-J's only). Issue 59's row, bf16 against bf16:
+(gptj's W8A8 is GPT-J's only). Issue 59's row, bf16 against bf16 (with int8 weights and KV beside
+it, at lower precision than vLLM's); vLLM's bfloat16 on an AVX2-only CPU is slow enough that its
+32 clients outlast the client's 600 s per request, hence --request-timeout (and gptj's own
+--request-timeout-s), and one request per client:
 
     python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --llama-layers 2 \
-        --model /tmp/llama-8b-w2 --gptj "bf16=--dtype bfloat16 --threads 2" \
-        --vllm "bf16=--dtype bfloat16 --max-model-len 2048"
+        --model /tmp/llama-8b-w2 --requests-per-client 1 --request-timeout 3600 \
+        --gptj "bf16=--dtype bfloat16 --threads 2 --request-timeout-s 3600" \
+        --gptj "int8=--dtype bfloat16 --threads 2 --quantize int8 --kv-dtype int8 --request-timeout-s 3600" \
+        --vllm "bf16=--dtype bfloat16 --max-model-len 2048" --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1
+
+--first-round N goes on with a series in another run (its order of servers is round N's).
 """
 
 from __future__ import annotations
@@ -331,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a gptj server of its own, gptj-NAME, serving with FLAGS (repeatable; in place of --gptj-args)")
     p.add_argument("--vllm", action="append", default=[], metavar="NAME=FLAGS",
                    help="a vLLM server of its own, vllm-NAME, serving with FLAGS (repeatable; in place of --vllm-args)")
+    p.add_argument("--first-round", type=int, default=1, metavar="N",
+                   help="number this run's first round N: its order of servers is round N's (round_order), so a "
+                        "series can go on in another run (default 1)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true")
     return p
@@ -353,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = parse_args(p, SMOKE, argv)
     check_load_args(p, args)
+    if args.first_round < 1:
+        p.error("--first-round must be >= 1")
     if args.w8a8:
         if args.gptj:
             p.error("--w8a8 adds --quantize w8a8 to --gptj-args; with --gptj, put it in the setting's FLAGS")
@@ -369,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     start = servers(args.model, args, calibrated)
     rounds = []
     for i in range(args.rounds):
-        order = round_order(list(start), i)
+        order = round_order(list(start), i + args.first_round - 1)
         r = {"order": order}
         for name in order:
             with start[name]() as url:
@@ -378,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": str(args.model), "architecture": args.architecture,
               "calibrated_model": str(calibrated) if calibrated else None,
               "input_len": args.input_len, "max_tokens": args.max_tokens,
-              "requests_per_client": args.requests_per_client, "gptj": args.gptj_variants,
+              "requests_per_client": args.requests_per_client, "first_round": args.first_round,
+              "gptj": args.gptj_variants,
               "vllm_python": args.vllm_python,
               "vllm": args.vllm_variants if args.vllm_python else None,
               "vllm_env": args.vllm_env if args.vllm_python else None, "rounds": rounds, "ratios": summary(rounds)}
