@@ -482,6 +482,14 @@ def check_llama_shapes(out: dict, err: str) -> None:
     assert out["vocab"] == 128256 and out["ids"][0] == 0 and max(out["ids"]) < 4096 and out["last"] == "<fill128255>"
 
 
+def check_llama_peers(out: dict, err: str) -> None:
+    """gptj's int8 variant on the tiny Llama: decode timed in its own worker process (the peers' variants
+    and the export check, which need gguf and llama_cpp, are benchmarks/llama_peers.py's own test's)."""
+    assert list(out["results"]) == ["gptj-int8"] and "Traceback" not in err
+    r = out["results"]["gptj-int8"]
+    assert positive(r["decode_tok_s"]) and r["tN_s"] > r["t1_s"] > 0 and r["weight_bytes"] > 0
+
+
 def check_speculate(out: list, err: str) -> None:
     """Both modes gave the same tokens (the script exits otherwise) and timed figures; the drafted and
     accepted counts hold together."""
@@ -513,6 +521,9 @@ SMOKE: dict[str, Job] = {
                             lambda m, tmp: ["--model", m, "--smoke", "--json", "--out", str(tmp / "p")],
                             check_profile_steps),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
+    "llama_peers.py": Job("llama_peers.py", lambda m, tmp: ["--smoke", "--json", "--skip-check", "--variants",
+                                                            "gptj-int8", "--threads", "1", "--work-dir", str(tmp)],
+                          check_llama_peers),
     "llama_shapes.py": Job("llama_shapes.py", lambda m, tmp: ["--tokenizer-only", "--out", str(tmp / "tok")],
                            check_llama_shapes),
     "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
