@@ -56,7 +56,8 @@ class GenerationConfig:
     per step from the prompt and the output so far (the longest suffix of up to
     `max_matching_ngram_size` tokens that occurred before: gptj.engine.draft) and verified in the
     engine's step; None or 0 is off. The tokens are those without it (sampled: with a seed; the
-    same distribution without one). The engine drafts for greedy and sampled requests without
+    same distribution without one) in float32; in bfloat16 a draft's rows run other kernels than a
+    decode row (the prefill path), so a near-tie may round the other way. The engine drafts for greedy and sampled requests without
     penalties or a logit bias (`speculates`); beam search ignores it.
     """
 
