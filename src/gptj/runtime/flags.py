@@ -224,7 +224,7 @@ def add_speculate_flags(p: Any) -> None:
 
     p.add_argument("--speculate", choices=SPECULATE_METHODS, metavar="METHOD",
                    help="draft tokens and verify them in the step (ngram: from the prompt and the output so far; "
-                        "greedy and sampled requests; the tokens are those without it, a seed's too)")
+                        "greedy and sampled requests; the tokens are those without it in float32, a seed's too)")
     p.add_argument("--speculate-tokens", type=positive, default=SPECULATE_TOKENS, metavar="K",
                    help=f"tokens drafted per step at most (default {SPECULATE_TOKENS})")
     p.add_argument("--speculate-ngram", type=positive, default=SPECULATE_NGRAM, metavar="N",

@@ -74,7 +74,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> a bias from -100 to 100 "
                                                                   "added to its logit")
     speculate: Literal["ngram", "off"] | None = Field(
-        None, description="prompt-lookup speculation (greedy and sampled requests; the tokens are those without it, a seed's too): "
+        None, description="prompt-lookup speculation (greedy and sampled requests; in float32 the tokens are those without it): "
                           "'ngram' on, 'off' off; default: the server's --speculate")
 
     def ignored_fields(self) -> list[str]:
