@@ -605,7 +605,7 @@ def report(summary: dict[str, dict], args: argparse.Namespace) -> tuple[str, dic
     return "\n".join(lines), {"ratios": ratios, "first_token_difference": same}
 
 
-SMOKE = dict(prompt_len=8, new_tokens=4, rounds=1, warmup=0, repeats=1, check_steps=2)
+SMOKE = dict(prompt_len=8, new_tokens=24, rounds=1, warmup=1, repeats=3, check_steps=2)
 
 
 def main(argv: list[str] | None = None) -> None:
