@@ -1065,21 +1065,68 @@ static inline __attribute__((always_inline)) void i4f_tile(const uint8_t *col, l
     }
 }
 
-/* block b's scales of group g, lane by lane (off: each lane's channel's offset, in elements, from the
-   block's first channel's): sc the scales, zc zero - 8 s (8 s exact: one rounding) */
-static inline void i4f_group_scales(const struct i4_info *q, const long *off, long b, long g, long G, float *sc,
-                                    float *zc)
+/* block b's scales of every group, lane by lane, in float32 (chan: each lane's channel in the block):
+   group g's at sc + g block (the scales) and zc + g block (zero - 8 s: 8 s exact, so one rounding), read by
+   the tiles' vector loads. Each channel's G scales are read in a row, written far ahead of their loads: a
+   gather per group (a channel's scales G apart) with narrow stores read back at once by a vector load had
+   cost a third of a row of x's time (docs/PERFORMANCE.md#avx2-int4). On AVX2, 8 lanes of consecutive
+   channels take 8 groups at a time through an 8 x 8 transpose of their bfloat16s. */
+#if defined(GPTJ_ISA_AVX2)
+/* rows r[0..8) of 8 bfloat16 each (the scales of 8 channels over 8 groups), transposed: out[g] = the 8
+   channels' scales of group g, as float32 */
+static inline void bf16_8x8_t(const uint16_t *const r[8], vf out[8])
 {
-    const uint16_t *sp = q->scale + b * q->block * G + g, *zp = q->zero + b * q->block * G + g;
-    uint16_t s16[64], z16[64];
-    for (int L = 0; L < q->block; L++) {
-        s16[L] = sp[off[L]];
-        z16[L] = zp[off[L]];
+    __m128i a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm_loadu_si128((const __m128i *)r[i]);
+    for (int i = 0; i < 4; i++) {  /* pairs of rows, 16-bit words interleaved */
+        b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
     }
-    for (int L = 0; L < q->block; L += VW) {
-        const vf s = vf_load_bf16(s16 + L);
-        vf_storeu(sc + L, s);
-        vf_storeu(zc + L, vf_fnmadd(vf_set1(8.0f), s, vf_load_bf16(z16 + L)));
+    for (int i = 0; i < 2; i++) {  /* quads of rows, 32-bit pairs interleaved */
+        a[4 * i] = _mm_unpacklo_epi32(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 1] = _mm_unpackhi_epi32(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 2] = _mm_unpacklo_epi32(b[4 * i + 1], b[4 * i + 3]);
+        a[4 * i + 3] = _mm_unpackhi_epi32(b[4 * i + 1], b[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {  /* all 8 rows: groups 2i and 2i + 1 */
+        const __m128i lo = _mm_unpacklo_epi64(a[i], a[i + 4]), hi = _mm_unpackhi_epi64(a[i], a[i + 4]);
+        out[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+        out[2 * i + 1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+    }
+}
+#endif
+
+static void i4f_block_scales(const struct i4_info *q, const int *chan, long b, long G, float *sc, float *zc)
+{
+    const long block = q->block;
+    for (long L = 0; L < block; L += VW) {
+        long g0 = 0;
+#if defined(GPTJ_ISA_AVX2)
+        if (chan[L + 7] == chan[L] + 7) {  /* consecutive channels (the split layout) */
+            const uint16_t *rs[8], *rz[8];
+            for (; g0 + 8 <= G; g0 += 8) {
+                for (int i = 0; i < 8; i++) {
+                    rs[i] = q->scale + (b * block + chan[L] + i) * G + g0;
+                    rz[i] = q->zero + (b * block + chan[L] + i) * G + g0;
+                }
+                vf s[8], z[8];
+                bf16_8x8_t(rs, s);
+                bf16_8x8_t(rz, z);
+                for (int g = 0; g < 8; g++) {
+                    vf_storeu(sc + (g0 + g) * block + L, s[g]);
+                    vf_storeu(zc + (g0 + g) * block + L, vf_fnmadd(vf_set1(8.0f), s[g], z[g]));
+                }
+            }
+        }
+#endif
+        for (long i = 0; i < VW; i++) {
+            const uint16_t *sp = q->scale + (b * block + chan[L + i]) * G, *zp = q->zero + (b * block + chan[L + i]) * G;
+            for (long g = g0; g < G; g++) {
+                const float s = bf16_to_f32(sp[g]);
+                sc[g * block + L + i] = s;
+                zc[g * block + L + i] = bf16_to_f32(zp[g]) - 8.0f * s;
+            }
+        }
     }
 }
 
@@ -1113,20 +1160,43 @@ static inline void i4f_rows(const struct i4_info *q, const uint8_t *col, const f
     }
 }
 
+/* one row of x, a whole block (M = 1; nu: the block's units, a constant where inlined): each group's
+   sums (2 nu vectors, all of the block's columns in one tile) scaled into the block's running sums, both
+   in registers, as i4f_rows sums them (the same roundings in the same order); stored to tot at the end */
+static inline __attribute__((always_inline)) void i4f_row1(const uint8_t *cols, long half, long group, long G,
+                                                           const float *xf, const float *xs, long pf,
+                                                           const float *sc, const float *zc, float *tot, int nu)
+{
+    vf run[I4F_NV];
+    for (int v = 0; v < 2 * nu; v++) run[v] = vf_zero();
+    for (long g = 0; g < G; g++) {
+        vf acc[I4F_MR][I4F_NV];  /* i4f_tile's shape; row 0 only */
+        for (int v = 0; v < 2 * nu; v++) acc[0][v] = vf_zero();
+        i4f_tile(cols + g * group * half, half, group, xf + g * group, 1, nu, 1, pf, acc);
+        const vf xsum = vf_set1(xs[g]);
+        for (int v = 0; v < 2 * nu; v++)
+            run[v] = vf_fmadd(vf_loadu(zc + g * (2 * nu * VW) + v * VW), xsum,
+                              vf_fmadd(acc[0][v], vf_loadu(sc + g * (2 * nu * VW) + v * VW), run[v]));
+    }
+    for (int v = 0; v < 2 * nu; v++) vf_storeu(tot + v * VW, run[v]);
+}
+
 /* y = x times the int4 weight (gemm_int4 at every row count without HAVE_DP): 0, or -1 without memory */
 static int gemv_int4_vf(const job_t *j, int nthreads)
 {
     const struct i4_info *q = j->i4;
     const long M = j->M, N = j->N, K = j->K, group = q->group, G = K / group, half = q->block / 2;
-    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = M > 1 ? 2 * g_pf_dist : 0;
+    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = 2 * g_pf_dist;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > blocks) nthreads = (int)blocks;
     if (N * K / 2 < g_min_parallel) nthreads = 1;
     float *xf = malloc(sizeof(float) * (size_t)(M * K + M * G));  /* x in float32, then X[m, g] */
     float *tots = malloc(sizeof(float) * 64 * (size_t)M * (size_t)nthreads);
-    if (!xf || !tots) {
+    float *tabs = malloc(sizeof(float) * 2 * (size_t)(G * q->block) * (size_t)nthreads);  /* scale tables */
+    if (!xf || !tots || !tabs) {
         free(xf);
         free(tots);
+        free(tabs);
         return -1;
     }
     float *xs = xf + M * K;  /* xf: x transposed, x[m, k] at xf[k M + m] (a tile's rows of a column side by side) */
@@ -1144,24 +1214,29 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
         }
 #pragma omp parallel num_threads(nthreads)
     {
-        float *tot = tots + 64 * M * omp_get_thread_num();  /* row m's sums: tot[64 m + VW v' + lane] */
-        float sc[64], zc[64];  /* a group's scales and zero - 8 s, lane by lane */
-        long off[64];  /* lane L's channel's scales (in the block's first channel's row) */
+        const int me = omp_get_thread_num();
+        float *tot = tots + 64 * M * me;  /* row m's sums: tot[64 m + VW v' + lane] */
+        float *sc = tabs + 2 * G * q->block * me, *zc = sc + G * q->block;  /* the block's i4f_block_scales */
+        int chan[64];  /* lane L's channel in the block */
         for (long u = 0; u < units; u++)
             for (int v = 0; v < 2; v++)
-                for (int i = 0; i < VW; i++) off[(2 * u + v) * VW + i] = I4F_CHANNEL(q->block, q->split, u, v, i) * G;
+                for (int i = 0; i < VW; i++) chan[(2 * u + v) * VW + i] = I4F_CHANNEL(q->block, q->split, u, v, i);
 #pragma omp for schedule(static)
         for (long b = 0; b < blocks; b++) {
             const uint8_t *cols = (const uint8_t *)j->w + b * K * half;
-            for (long g = 0; g < G; g++) {
-                i4f_group_scales(q, off, b, g, G, sc, zc);
+            i4f_block_scales(q, chan, b, G, sc, zc);
+            if (M == 1 && (units == 1 || units == 2 || units == 4)) {  /* each a tile of its own */
+                if (units == 1) i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 1);
+                else if (units == 2) i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 2);
+                else i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 4);
+            } else for (long g = 0; g < G; g++) {
                 const int nu = M == 1 ? (int)units : 1;  /* units a tile */
                 const long tiles = (M + I4F_MR - 1) / I4F_MR, base = M / tiles;
                 for (long u0 = 0; u0 < units; u0 += nu)
                     for (long t = 0, m0 = 0; t < tiles; t++) {
                         const int mr = (int)(base + (t < M % tiles));
                         i4f_rows(q, cols + g * group * half, xf + g * group * M, M, m0, mr, u0, nu,
-                                 u0 == 0 && t == 0 ? pf : 0, g, xs, G, sc, zc, tot);
+                                 u0 == 0 && t == 0 ? pf : 0, g, xs, G, sc + g * q->block, zc + g * q->block, tot);
                         m0 += mr;
                     }
             }
@@ -1176,6 +1251,7 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
     }
     free(xf);
     free(tots);
+    free(tabs);
     return 0;
 }
 #endif /* HAVE_DP */
