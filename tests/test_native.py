@@ -998,7 +998,7 @@ def test_int4_gemm_is_within_float32_sums_and_one_bfloat16_rounding(block, split
 
 
 @pytest.mark.parametrize("block, split", INT4_LAYOUTS)
-@pytest.mark.parametrize("M,n,K,group", INT4_SHAPES[:4] + [(8, 256, 1024, 32)])
+@pytest.mark.parametrize("M,n,K,group", INT4_SHAPES[:4] + [(8, 256, 1024, 32), (2, 128, 4352, 128)])
 def test_int4_gemv_is_within_float32_sums_of_the_exact_weights_and_one_bfloat16_rounding(block, split, M, n, K,
                                                                                         group, native_isa):
     """linear_int4's GEMV (forced at every row count on AVX512-BF16's library; the others have no other)
@@ -1008,8 +1008,8 @@ def test_int4_gemv_is_within_float32_sums_of_the_exact_weights_and_one_bfloat16_
     rounded once: at most K u of sum|x| (o + q)), scaled once by s and corrected by (zero - (o + 8) s)
     times x's float32 group sum (a rounding each), then rounded once to bfloat16. So within (K + 2 G + 4) u
     of sum|x| (s (o + q) + |zero - (o + 8) s|) (G: the groups) of the float64 value, plus bfloat16's unit
-    roundoff of it. Every layout, a row to 45 (tiles of up to 8, 6 or 4 rows), every group size; the output
-    is columns of a wider tensor, left alone elsewhere."""
+    roundoff of it. Every layout, a row to 45 (tiles of up to 8, 6 or 4 rows; 2 rows: 2 units a tile), every
+    group size; the output is columns of a wider tensor, left alone elsewhere."""
     packed, scale, zero, _, q = _int4_case(n, K, group, block, split, seed=M + n + K)
     q, o = q.double(), _int4_gemv_offset()
     s, z = (t.double().repeat_interleave(group, 1) for t in (scale, zero))
@@ -1042,7 +1042,7 @@ def test_int4_gemm_rows_do_not_depend_on_their_call_or_the_threads(native_isa):
     for kind in ("gemv", "gemm") if gemm else ("gemv",):
         with _int4_kernel(kind):
             full = run(x)
-            for M in (1, 3, 8, 12, 13, 27):
+            for M in (1, 2, 3, 8, 12, 13, 27):
                 assert torch.equal(run(x[-M:]), full[-M:]), (kind, M)
             assert torch.equal(_at_one_thread(lambda: run(x)), full), kind
         if kind == "gemv":

@@ -1130,25 +1130,19 @@ static void i4f_block_scales(const struct i4_info *q, const int *chan, long b, l
     }
 }
 
-/* one tile: rows [m0, m0 + mr) of x (xg: group g's columns, transposed) times units [u0, u0 + nu) of group g's
-   columns of a block (col: the group's first), the sums scaled (sc, zc: the group's lane by lane) into the
-   block's running sums tot (row m at tot + 64 m; the group's first sets them) */
-static inline void i4f_rows(const struct i4_info *q, const uint8_t *col, const float *xg, long M, long m0, int mr,
-                            long u0, int nu, long pf, long g, const float *xs, long G, const float *sc,
-                            const float *zc, float *tot)
+/* one tile: rows [m0, m0 + mr) of x (xg: group g's columns, transposed; mr a constant where inlined) times
+   units [u0, u0 + nu) of group g's columns of a block (col: the group's first; nu a constant too), the sums scaled (sc, zc: the group's lane
+   by lane) into the block's running sums tot (row m at tot + 64 m; the group's first sets them) */
+static inline __attribute__((always_inline)) void i4f_unit(const struct i4_info *q, const uint8_t *col,
+                                                           const float *xg, long M, long m0, long u0, long pf,
+                                                           long g, const float *xs, long G, const float *sc,
+                                                           const float *zc, float *tot, const int mr,
+                                                           const int nu)
 {
-    const long half = q->block / 2, group = q->group;
-    vf acc[I4F_MR][I4F_NV];
-    for (int r = 0; r < I4F_MR; r++)
-        for (int v = 0; v < I4F_NV; v++) acc[r][v] = vf_zero();
-    if (nu == 4) i4f_tile(col, half, group, xg + m0, M, 4, 1, pf, acc);
-    else if (nu == 2) i4f_tile(col, half, group, xg + m0, M, 2, 1, pf, acc);
-    else switch (mr) {  /* each case a tile of its own, reading rows [m0, m0 + mr) only */
-#define I4F_CASE(r) case r: i4f_tile(col + VW * u0, half, group, xg + m0, M, 1, r, pf, acc); break;
-    I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
-    default: i4f_tile(col + VW * u0, half, group, xg + m0, M, 1, I4F_MR, pf, acc); break;
-#undef I4F_CASE
-    }
+    vf acc[I4F_MR][I4F_NV];  /* rows [0, mr), vectors [0, 2 nu) */
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 2 * nu; v++) acc[r][v] = vf_zero();
+    i4f_tile(col + VW * u0, q->block / 2, q->group, xg + m0, M, nu, mr, pf, acc);
     for (int r = 0; r < mr; r++) {
         const vf xsum = vf_set1(xs[(m0 + r) * G + g]);
         for (int v = 0; v < 2 * nu; v++) {
@@ -1157,6 +1151,23 @@ static inline void i4f_rows(const struct i4_info *q, const uint8_t *col, const f
             const vf t0 = vf_fmadd(acc[r][v], vf_loadu(sc + lane), g ? vf_loadu(o) : vf_zero());
             vf_storeu(o, vf_fmadd(vf_loadu(zc + lane), xsum, t0));
         }
+    }
+}
+
+/* i4f_unit for 1 to I4F_MR rows of one unit, or 2 rows of 2 units (nu 2: the FMA chains of 2 rows of 1 unit, 4,
+   were too few), each a tile of its own (reading rows [m0, m0 + mr) only) */
+static void i4f_rows(const struct i4_info *q, const uint8_t *col, const float *xg, long M, long m0, int mr, long u0,
+                     int nu, long pf, long g, const float *xs, long G, const float *sc, const float *zc, float *tot)
+{
+    if (nu == 2 && mr == 2) {
+        i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, 2, 2);
+        return;
+    }
+    switch (mr) {
+#define I4F_CASE(r) case r: i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, r, 1); break;
+    I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
+    default: i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, I4F_MR, 1); break;
+#undef I4F_CASE
     }
 }
 
@@ -1225,13 +1236,13 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
         for (long b = 0; b < blocks; b++) {
             const uint8_t *cols = (const uint8_t *)j->w + b * K * half;
             i4f_block_scales(q, chan, b, G, sc, zc);
-            if (M == 1 && (units == 1 || units == 2 || units == 4)) {  /* each a tile of its own */
+            if (M == 1) {  /* all of a block's units a tile (1, 2 or 4: each a tile of its own) */
                 if (units == 1) i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 1);
                 else if (units == 2) i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 2);
                 else i4f_row1(cols, half, group, G, xf, xs, pf, sc, zc, tot, 4);
-            } else for (long g = 0; g < G; g++) {
-                const int nu = M == 1 ? (int)units : 1;  /* units a tile */
+            } else for (long g = 0; g < G; g++) {  /* I4F_MR rows of x a tile at most; 2 rows: 2 units a tile */
                 const long tiles = (M + I4F_MR - 1) / I4F_MR, base = M / tiles;
+                const int nu = M == 2 && units % 2 == 0 ? 2 : 1;
                 for (long u0 = 0; u0 < units; u0 += nu)
                     for (long t = 0, m0 = 0; t < tiles; t++) {
                         const int mr = (int)(base + (t < M % tiles));
