@@ -50,7 +50,17 @@
 #define MAXMT 8  /* rows of x per pass over a group of rows of w */
 #define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 
-static long g_pf_dist = 8192;       /* prefetch distance in bytes; 0 turns prefetch off */
+/* prefetch distance in bytes; 0 turns prefetch off. The AVX2 library runs on Zen 2 / Zen 3 here: 1 KiB read
+   one row of bfloat16 weights 1.13x faster there than 8 KiB (4096 inputs; level from 4 rows of x, and at 14336
+   inputs; docs/PERFORMANCE.md#avx2-prefetch) */
+#if defined(GPTJ_ISA_AVX2)
+#define PF_DIST_DEFAULT 1024
+#else
+#define PF_DIST_DEFAULT 8192
+#endif
+static long g_pf_dist = PF_DIST_DEFAULT;
+/* the int4 GEMVs' distance, in bytes of packed weights, while prefetch is on (g_pf_dist > 0) */
+#define I4_PF_DIST 16384
 static long g_min_parallel = 65536; /* weight bytes below which a call runs on one thread */
 
 /* Tuning knobs (benchmarks): a negative value leaves that setting as it is. */
@@ -832,7 +842,7 @@ static void i4_panel(const job_t *j, long n0, long p0, long kn, uint32_t *buf)
      tile's sums are scaled into the block's running sums (a per-thread buffer), the scales gathered
      (i4v_group_scales).
    - The threads split the blocks (static): each streams its contiguous range of the weight, with a software
-     prefetch 2 g_pf_dist bytes ahead (without it one row of x falls well behind torch's int4 kernel). Each
+     prefetch I4_PF_DIST bytes ahead (without it one row of x falls well behind torch's int4 kernel). Each
      output is one lane's sums in a fixed order: results depend neither on the other rows of the call nor
      on the threads.
    - Or'ing into 128's bits is faster than a vpermw table of bfloat16(q - 8), and units of 32 channels
@@ -978,7 +988,7 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
                 s = _mm512_add_ps(s, vf_load_bf16(j->x + m * K + k));
             xs[m * G + g] = _mm512_reduce_add_ps(s);
         }
-    const long ly = ldy_of(j), pf = 2 * g_pf_dist;
+    const long ly = ldy_of(j), pf = g_pf_dist > 0 ? I4_PF_DIST : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *tot = tots + 64 * M * omp_get_thread_num();  /* row m's sums: tot[64 m + 16 v' + lane] */
@@ -1022,14 +1032,14 @@ static int gemv_int4_dp(const job_t *j, int nthreads)
      channels and their high nibbles another (I4F_CHANNEL says which), as float32: a zero-extending load, an
      and, a shift and two conversions for 2 VW weights, shared by the tile's rows of x.
    - One row of x takes all of a block's units in one tile (on AVX2 a column of a block of 32 is 2 units:
-     4 accumulators, all the FMA chains the call has); more rows take one unit at a time, I4F_MR rows of x
-     a tile, so a unit's conversion serves that many rows (the broadcasts of x are loads). I4F_MR is 5 on
-     AVX2: tiles of 6 rows (12 accumulators) leave its 16 registers one short, and the compiler spills an
-     accumulator (docs/PERFORMANCE.md#avx2-int4).
-   - A group's scales are gathered through an offset table per lane, widened VW at a time.
-   - The threads split the blocks (static), each streaming its range of the weight. From 2 rows of x a
-     software prefetch runs 2 g_pf_dist bytes ahead (gemv_int4_dp's); at one row the hardware's prefetchers
-     alone keep up better (docs/PERFORMANCE.md#avx2-int4). Each output is one lane's sums in a
+     4 accumulators), the block's running sums kept in registers from group to group (i4f_row1). Two rows
+     take 2 units a tile (8 FMA chains). More rows take one unit at a time, I4F_MR rows of x a tile, so a
+     unit's conversion serves that many rows (the broadcasts of x are loads). I4F_MR is 5 on AVX2: tiles
+     of 6 rows (12 accumulators) leave its 16 registers one short, and the compiler spills an accumulator
+     (docs/PERFORMANCE.md#avx2-int4).
+   - A block's scales are transposed once, lane by lane for every group (i4f_block_scales).
+   - The threads split the blocks (static), each streaming its range of the weight, a software prefetch
+     I4_PF_DIST bytes ahead (gemv_int4_dp's). Each output is one lane's sums in a
      fixed order, whatever the call's other rows and the threads. */
 
 #ifndef I4F_MR
@@ -1197,7 +1207,7 @@ static int gemv_int4_vf(const job_t *j, int nthreads)
 {
     const struct i4_info *q = j->i4;
     const long M = j->M, N = j->N, K = j->K, group = q->group, G = K / group, half = q->block / 2;
-    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = 2 * g_pf_dist;
+    const long blocks = N / q->block, units = half / VW, ly = ldy_of(j), pf = g_pf_dist > 0 ? I4_PF_DIST : 0;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > blocks) nthreads = (int)blocks;
     if (N * K / 2 < g_min_parallel) nthreads = 1;
