@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--int4-gemm", action="store_true",
                     help="int4 weights at many rows instead (shapes as --int8-gemm)")
     ap.add_argument("--group", type=int, default=128, help="--int4-gemm's group size")
+    ap.add_argument("--prefetch", type=int, metavar="BYTES",
+                    help="every GEMV's software prefetch distance for this run (0: off; default: the library's, "
+                         "8192; the int4 GEMVs keep theirs while it is on)")
+    ap.add_argument("--prefetch-bf16", type=int, metavar="BYTES",
+                    help="then the bfloat16 GEMV's alone (default: the library's, 1024 on AVX2, else 8192)")
     args = _smoke.parse_args(ap, SMOKE, argv)
     out = sys.stderr if args.json else sys.stdout
 
@@ -355,6 +360,17 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"skipped": why}))
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    from gptj.native import loader
+
+    for flag, value in (("--prefetch", args.prefetch), ("--prefetch-bf16", args.prefetch_bf16)):
+        if value is not None and value < 0:
+            ap.error(f"{flag} takes a distance in bytes, 0 or more")
+    lib = loader.load()
+    if args.prefetch is not None:
+        lib.gemv_set_tuning(args.prefetch, -1)
+    if args.prefetch_bf16 is not None:
+        lib.gemv_set_prefetch_bf16(args.prefetch_bf16)
+    prefetch = {"int8": lib.gemv_get_prefetch(), "bf16": lib.gemv_get_prefetch_bf16()}
     if args.int8_gemm or args.int4_gemm:
         print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads\n",
               file=out)
@@ -366,10 +382,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"cpu": cpu, "isa": native.isa().name, key: table}))
         return
     print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation\n", file=out)
+          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation, prefetch {prefetch['int8']} "
+          f"(int8) and {prefetch['bf16']} (bf16) bytes ahead\n", file=out)
     print(HEADER, file=out, flush=True)
     result: dict = {"cpu": cpu, "isa": native.isa().name, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                    "rows": []}
+                    "prefetch": prefetch, "rows": []}
     with torch.inference_mode():
         for i, shape in enumerate(args.shapes):
             N, K = (int(v) for v in shape.lower().split("x"))

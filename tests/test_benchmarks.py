@@ -217,6 +217,7 @@ def check_native_gemv(out: dict, err: str) -> None:
         assert "not available" in out["skipped"] and "native_gemv: skipped" in err
         return
     assert out["isa"] == native.isa().name
+    assert out["prefetch"] == {"int8": 8192, "bf16": 1024 if out["isa"] == "avx2" else 8192}  # the defaults
     assert [(r["N"], r["K"], r["M"]) for r in out["rows"]] == [(256, 128, 1), (256, 128, 2)]
     onednn = policy.can_pack(torch.bfloat16, "cpu")
     for row in out["rows"]:

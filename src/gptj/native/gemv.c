@@ -13,8 +13,8 @@
    - OpenMP threads (static) each own a contiguous range of rows of w, i.e. one contiguous range
      of memory. They walk it in groups of 16 rows: in address order, row after row (or R rows
      side by side, R = 2..4 for 2..8 rows of x, so that a load of x serves R rows of w).
-   - A software prefetch cursor runs g_pf_dist bytes ahead of the reads, into L2, one line per
-     line read, across row boundaries: rows as short as 1 KiB (K = 1024 int8) stream as well as
+   - A software prefetch cursor runs g_pf_dist bytes (bfloat16: g_pf_dist_bf16) ahead of the reads, into
+     L2, one line per line read, across row boundaries: rows as short as 1 KiB (K = 1024 int8) stream as well as
      long ones, whatever order the tiles read the lines of their group in. The lines between a
      thread's start and the cursor's start are requested all at once when the thread starts.
    - x beyond X_L1_BYTES (many rows of x, long K) is split along K into chunks that stay in L1;
@@ -50,27 +50,36 @@
 #define MAXMT 8  /* rows of x per pass over a group of rows of w */
 #define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 
-/* prefetch distance in bytes; 0 turns prefetch off. The AVX2 library runs on Zen 2 / Zen 3 here: 1 KiB read
-   one row of bfloat16 weights 1.13x faster there than 8 KiB (4096 inputs; level from 4 rows of x, and at 14336
-   inputs; docs/PERFORMANCE.md#avx2-prefetch) */
+/* prefetch distances in bytes (0 turns prefetch off): g_pf_dist the int8 GEMV's (and whether the int4 GEMVs
+   prefetch), g_pf_dist_bf16 the bfloat16 GEMV's. The AVX2 library runs on Zen 2 / Zen 3 here, where 1 KiB
+   read one row of bfloat16 weights of 4096 inputs 1.13-1.21x faster than 8 KiB (1.00-1.08x at 14336 inputs
+   and at 4 rows of x) while int8's ran up to 1.1x slower with it (docs/PERFORMANCE.md#avx2-prefetch) */
 #if defined(GPTJ_ISA_AVX2)
-#define PF_DIST_DEFAULT 1024
+#define PF_DIST_BF16_DEFAULT 1024
 #else
-#define PF_DIST_DEFAULT 8192
+#define PF_DIST_BF16_DEFAULT 8192
 #endif
-static long g_pf_dist = PF_DIST_DEFAULT;
+static long g_pf_dist = 8192, g_pf_dist_bf16 = PF_DIST_BF16_DEFAULT;
 /* the int4 GEMVs' distance, in bytes of packed weights, while prefetch is on (g_pf_dist > 0) */
 #define I4_PF_DIST 16384
 static long g_min_parallel = 65536; /* weight bytes below which a call runs on one thread */
 
-/* Tuning knobs (benchmarks): a negative value leaves that setting as it is. */
+/* Tuning knobs (benchmarks): a negative value leaves that setting as it is. pf_dist sets every GEMV's
+   prefetch distance (the bfloat16 one's too); gemv_set_prefetch_bf16 then the bfloat16 GEMV's alone. */
 void gemv_set_tuning(int pf_dist, int min_parallel_bytes)
 {
-    if (pf_dist >= 0) g_pf_dist = pf_dist;
+    if (pf_dist >= 0) g_pf_dist = g_pf_dist_bf16 = pf_dist;
     if (min_parallel_bytes >= 0) g_min_parallel = min_parallel_bytes;
 }
 
+void gemv_set_prefetch_bf16(int pf_dist)
+{
+    if (pf_dist >= 0) g_pf_dist_bf16 = pf_dist;
+}
+
 int gemv_get_prefetch(void) { return (int)g_pf_dist; }
+
+int gemv_get_prefetch_bf16(void) { return (int)g_pf_dist_bf16; }
 
 int gemv_omp_max_threads(void) { return omp_get_max_threads(); }
 
@@ -464,9 +473,10 @@ static void run_rows(const job_t *j, long n0, long n1)
     int R0 = R_F[mt0];
 #endif
     long span = chunk_for(j, 0, mt0) < K ? GROUP : (R0 > 1 ? R0 : 0);
-    long ahead = span * K * esz + g_pf_dist;
+    const long dist = j->is_i8 ? g_pf_dist : g_pf_dist_bf16;
+    long ahead = span * K * esz + dist;
     cursor_t pf = {NULL, (const char *)j->w + n1 * K * esz};
-    cursor_t *pfp = g_pf_dist > 0 ? &pf : NULL;
+    cursor_t *pfp = dist > 0 ? &pf : NULL;
     if (pfp) {  /* the lines the cursor starts ahead of: requested at once, not left to demand */
         const char *p0 = (const char *)j->w + n0 * K * esz;
         long end = (n1 - n0) * K * esz < ahead ? (n1 - n0) * K * esz : ahead;

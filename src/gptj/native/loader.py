@@ -71,6 +71,7 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "gemv_bf16": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_bf16_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4, ctypes.c_int),
     "gemv_set_tuning": ([ctypes.c_int, ctypes.c_int], None),
+    "gemv_set_prefetch_bf16": ([ctypes.c_int], None),
     "gemm_w8a8": ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int),
     "w8a8_panel": ([], ctypes.c_int),
     "int8_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
@@ -87,7 +88,7 @@ def _load_path(path: Path) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = restype
-        for name in ("gemv_get_prefetch", "gemv_omp_max_threads"):
+        for name in ("gemv_get_prefetch", "gemv_get_prefetch_bf16", "gemv_omp_max_threads"):
             getattr(lib, name).argtypes = []
             getattr(lib, name).restype = ctypes.c_int
         return lib
