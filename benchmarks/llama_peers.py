@@ -169,15 +169,19 @@ def _tensors(folder: Path) -> Iterator[tuple[str, tuple[int, ...], object]]:
 def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16", permute: bool = True,
                 rope: bool = True) -> Path:
     """Write the HF Llama folder as a GGUF for llama.cpp (general.architecture "llama"): matrices in
-    `dtype` ("bf16" or "f32"), norms and rope_freqs in float32, streamed one tensor at a time (never
-    the whole model in memory). `permute` / `rope` off write deliberately wrong files (the check's
-    negative controls)."""
+    `dtype` ("bf16", "f32", or "q8_0": quantized by the gguf package's Q8_0 quantizer, what
+    `llama-quantize` makes of every matrix for Q8_0, without a BF16 file first), norms and rope_freqs in
+    float32, streamed one tensor at a time (never the whole model in memory). `permute` / `rope` off write
+    deliberately wrong files (the check's negative controls)."""
     import gguf
+    from gguf.quants import quantize as quantize_q8_0
 
     folder, out = Path(folder), Path(out)
     config = read_llama_config(folder)
     names = gguf_names(config)
-    matrix_type = {"bf16": gguf.GGMLQuantizationType.BF16, "f32": gguf.GGMLQuantizationType.F32}[dtype]
+    matrix_type = {"bf16": gguf.GGMLQuantizationType.BF16, "f32": gguf.GGMLQuantizationType.F32,
+                   "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
+    q8_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0]  # (32 weights, 34 bytes)
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(folder.name)
@@ -193,7 +197,8 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bf16" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f32": gguf.LlamaFileType.ALL_F32,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     tokens, types, merges = gguf_vocab(folder, config.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # the stand-in's split is close to GPT-2's; text is never tokenized here
@@ -217,6 +222,10 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         if len(shape) == 2 and matrix_type == gguf.GGMLQuantizationType.BF16:
             w.add_tensor_info(names[name], shape, torch.empty(0, dtype=torch.int16).numpy().dtype,
                               shape[0] * shape[1] * 2, raw_dtype=matrix_type)
+        elif len(shape) == 2 and matrix_type == gguf.GGMLQuantizationType.Q8_0:
+            row = shape[1] // q8_bytes[0] * q8_bytes[1]  # a row's bytes
+            w.add_tensor_info(names[name], (shape[0], row), torch.empty(0, dtype=torch.uint8).numpy().dtype,
+                              shape[0] * row, raw_dtype=matrix_type)
         else:
             n = 1
             for s in shape:
@@ -241,6 +250,8 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
             t = to_rotary_pairs(t, kv_heads)
         if t.dim() == 2 and matrix_type == gguf.GGMLQuantizationType.BF16:
             data = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        elif t.dim() == 2 and matrix_type == gguf.GGMLQuantizationType.Q8_0:
+            data = quantize_q8_0(t.float().contiguous().numpy(), matrix_type)
         else:
             data = t.float().contiguous().numpy()
         w.write_tensor_data(data)
@@ -516,9 +527,12 @@ def missing(variant: str) -> str | None:
     return f"{', '.join(absent)} not installed" if absent else None
 
 
-def prepare_ggufs(variants: list[str], folder: Path, work: Path, threads: int) -> dict[str, dict]:
+def prepare_ggufs(variants: list[str], folder: Path, work: Path, threads: int,
+                  direct: bool = False) -> dict[str, dict]:
     """The GGUF files the llama.cpp variants need: BF16 by export_gguf, Q8_0 / Q4_0 from it by llama.cpp's
-    quantizer; the BF16 file is deleted afterwards when llama.cpp-bf16 is not measured (disk)."""
+    quantizer; the BF16 file is deleted afterwards when llama.cpp-bf16 is not measured (disk). `direct`:
+    each of BF16 and Q8_0 written by export_gguf straight from the folder (no BF16 file for Q8_0: a
+    full-depth model on a small disk)."""
     kinds = [v.split("-", 1)[1] for v in variants if v.startswith("llama.cpp-")]
     if not kinds:
         return {}
@@ -526,6 +540,13 @@ def prepare_ggufs(variants: list[str], folder: Path, work: Path, threads: int) -
     bf16 = gguf_path(work, folder, "bf16")
     info = {}
     needed = [k for k in kinds if not gguf_path(work, folder, k).is_file()]
+    if direct:
+        for k in needed:
+            t0 = time.perf_counter()
+            export_gguf(folder, gguf_path(work, folder, k), k)
+            info[f"export_{k}_s"] = time.perf_counter() - t0
+            note(f"exported {gguf_path(work, folder, k)} in {info[f'export_{k}_s']:.0f} s")
+        needed = []
     if needed and not bf16.is_file():
         t0 = time.perf_counter()
         export_gguf(folder, bf16, "bf16")
@@ -627,6 +648,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--threads at every step")
     ap.add_argument("--check-steps", type=int, default=8, help="greedy steps of the export check")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--direct-export", action="store_true",
+                    help="write llama.cpp-q8_0's GGUF with the gguf package's Q8_0 quantizer straight from the folder "
+                         "(no BF16 GGUF first: full depth on a small disk); only the bf16 and q8_0 variants")
     ap.add_argument("--check-only", action="store_true", help="the export check, no measurement")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (tables to stderr)")
     ap.add_argument("--json-out", type=Path, help="also write the figures to this file")
@@ -640,6 +664,9 @@ def main(argv: list[str] | None = None) -> None:
     for v in variants:
         if v not in VARIANTS + EXTRA_VARIANTS:
             ap.error(f"unknown variant {v!r}")
+    if args.direct_export and any(v.startswith("llama.cpp-") and v not in ("llama.cpp-bf16", "llama.cpp-q8_0")
+                                  for v in variants):
+        ap.error("--direct-export writes only llama.cpp-bf16's and llama.cpp-q8_0's files")
     if args.new_tokens < 2 or args.rounds < 1:
         ap.error("--new-tokens must be >= 2 and --rounds >= 1")
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -678,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
             if why := missing(v):
                 note(f"skipping {v}: {why}")
                 variants.remove(v)
-        result["gguf"] = prepare_ggufs(variants, args.model, args.work_dir, args.threads)
+        result["gguf"] = prepare_ggufs(variants, args.model, args.work_dir, args.threads, args.direct_export)
         gc.collect()
         rounds: list[dict[str, dict]] = []
         for r in range(args.rounds):

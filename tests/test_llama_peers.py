@@ -138,3 +138,24 @@ def test_llama_cpp_reproduces_gptj_logits_on_the_export(tmp_path):
                                                       config.num_attention_heads))
     assert torch.allclose(torch.from_numpy(tensors[llama_peers.ROPE_FREQS].data.copy()),
                           llama_peers.rope_factors(config))
+
+
+@needs_llama_cpp
+def test_direct_q8_0_export_holds_what_llama_quantize_makes(tmp_path):
+    """--direct-export's Q8_0 file (the gguf package's quantizer, straight from the folder) holds every
+    tensor llama-quantize's Q8_0 of the BF16 export holds, of the same type, with the same bytes (the
+    folder's weights are bfloat16, so the BF16 file loses nothing on the way)."""
+    import gguf
+
+    folder = llama_peers.write_check_model(tmp_path / "model", dtype=torch.bfloat16)
+    bf16 = llama_peers.export_gguf(folder, tmp_path / "bf16.gguf", "bf16")
+    theirs = llama_peers.quantize_gguf(bf16, tmp_path / "llama-quantize.gguf", "q8_0", threads=1)
+    ours = llama_peers.export_gguf(folder, tmp_path / "direct.gguf", "q8_0")
+    a = {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
+    assert set(a) == set(b)
+    assert {t.tensor_type for t in b.values()} >= {gguf.GGMLQuantizationType.Q8_0}
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert list(a[name].shape) == list(b[name].shape), name
+        assert (a[name].data == b[name].data).all(), name
