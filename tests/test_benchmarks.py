@@ -574,8 +574,10 @@ JOBS = {**SMOKE, **MORE}
 # run by a module of their own (tests/test_benchmarks_gpu.py), so that pytest-xdist (--dist loadfile)
 # puts them beside this module's other scripts: gpu_check.py's rehearsal is the longest of them (~110 s)
 OWN_MODULE = ("gpu_check.py",)
-LONGEST_FIRST = ("ray_serve.py", "engine_thread.py", "compare_peers.py", "train_step.py", "generate_vs_hf.py",
-                 "serve_load.py", "load_memory.py")  # roughly, as measured; the rest after them
+LONGEST_FIRST = ("ray_serve.py", "compare_peers.py", "quant_trained.py", "serve_vs_vllm.py", "kv_int8.py",
+                 "offline_vs_vllm.py", "paged_kv.py", "engine_thread.py", "serve_profile.py", "ab_commits.py",
+                 "gemv_sweep.py", "train_step.py", "load_memory.py", "generate_vs_hf.py", "serve_load.py",
+                 "llama_peers.py")  # by their wall times, each run alone; the rest after them
 
 
 @pytest.fixture(scope="session")
