@@ -1184,7 +1184,8 @@ static void i4f_rows(const struct i4_info *q, const uint8_t *col, const float *x
         return;
     }
     switch (mr) {
-#define I4F_CASE(r) case r: i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, r, 1); break;
+#define I4F_CASE(r) case r: i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, \
+                                      (r) < I4F_MR ? (r) : I4F_MR, 1); break;  /* cases past I4F_MR: never taken */
     I4F_CASE(1) I4F_CASE(2) I4F_CASE(3) I4F_CASE(4) I4F_CASE(5) I4F_CASE(6) I4F_CASE(7)
     default: i4f_unit(q, col, xg, M, m0, u0, pf, g, xs, G, sc, zc, tot, I4F_MR, 1); break;
 #undef I4F_CASE
