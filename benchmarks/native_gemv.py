@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"cpu": cpu, "isa": native.isa().name, key: table}))
         return
     print(f"{cpu}, gptj.native {native.isa().name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation, prefetch {prefetch['int8']} "
-          f"(int8) and {prefetch['bf16']} (bf16) bytes ahead\n", file=out)
+          f"{args.rounds} rounds, >= {args.min_mb:.0f} MB of weight copies per implementation, prefetch "
+          f"{prefetch['int8']} (int8) and {prefetch['bf16']} (bf16) bytes ahead\n", file=out)
     print(HEADER, file=out, flush=True)
     result: dict = {"cpu": cpu, "isa": native.isa().name, "threads": torch.get_num_threads(), "rounds": args.rounds,
                     "prefetch": prefetch, "rows": []}

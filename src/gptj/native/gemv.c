@@ -1140,7 +1140,8 @@ static void i4f_block_scales(const struct i4_info *q, const int *chan, long b, l
         }
 #endif
         for (long i = 0; i < VW; i++) {
-            const uint16_t *sp = q->scale + (b * block + chan[L + i]) * G, *zp = q->zero + (b * block + chan[L + i]) * G;
+            const long row = (b * block + chan[L + i]) * G;  /* the lane's channel's scales */
+            const uint16_t *sp = q->scale + row, *zp = q->zero + row;
             for (long g = g0; g < G; g++) {
                 const float s = bf16_to_f32(sp[g]);
                 sc[g * block + L + i] = s;
@@ -1151,8 +1152,9 @@ static void i4f_block_scales(const struct i4_info *q, const int *chan, long b, l
 }
 
 /* one tile: rows [m0, m0 + mr) of x (xg: group g's columns, transposed; mr a constant where inlined) times
-   units [u0, u0 + nu) of group g's columns of a block (col: the group's first; nu a constant too), the sums scaled (sc, zc: the group's lane
-   by lane) into the block's running sums tot (row m at tot + 64 m; the group's first sets them) */
+   units [u0, u0 + nu) of group g's columns of a block (col: the group's first; nu a constant too), the sums
+   scaled (sc, zc: the group's lane by lane) into the block's running sums tot (row m at tot + 64 m; the
+   group's first sets them) */
 static inline __attribute__((always_inline)) void i4f_unit(const struct i4_info *q, const uint8_t *col,
                                                            const float *xg, long M, long m0, long u0, long pf,
                                                            long g, const float *xs, long G, const float *sc,
