@@ -37,7 +37,7 @@ from gptj.quant.format import make_quantization
 from gptj.quant.linear import quantize_model
 from gptj.weights import hf
 from gptj.weights.checkpoint import CONFIG, Checkpoint
-from gptj.weights.peft import merged
+from gptj.weights.reading import read_checked
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PROGRESS_MIN_PARAMS = 500_000_000  # as gptj.weights.io's: bars for models this big on a terminal
@@ -77,34 +77,13 @@ def load_folder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, devi
         _check_listing(listed[0], names, tied, listed[1])
     model = arch.build_model(config, device="meta", dtype=dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    if adapter is not None:
-        if adapter.layout.arch != arch.model_type:
-            raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {folder} is a "
-                            f"{arch.model_type} model")
-        adapter.check_fits({h: tuple(params[o].shape) for h, o in names.items()}, config.num_hidden_layers)
-    sd: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not _progress(model, progress))
-    for name, shape, read, file in hf.iter_hf_tensors(folder):
-        if name.endswith(_LEGACY):
-            continue
-        if name not in names:
-            raise CheckpointError(f"{file}: unexpected tensor {name} (not a weight of this config)")
-        if name in sd:
-            raise CheckpointError(f"{file}: tensor {name} appears twice")
-        want = tuple(params[names[name]].shape)
-        if shape != want:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want)}")
-        tensor = read()
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
-                                  f"expected floating point")
-        if adapter is not None:
-            tensor = merged(tensor, adapter.delta(name))
-        tensor = tensor.to(device=device, dtype=dtype)
-        check_finite(tensor, name, file)
-        sd[name] = tensor
-        bar.update()
-    bar.close()
+    if adapter is not None and adapter.layout.arch != arch.model_type:
+        raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {folder} is a "
+                        f"{arch.model_type} model")
+    specs = {h: (tuple(params[o].shape), None) for h, o in names.items()}  # HF names, our shapes
+    sd = read_checked(specs, hf.iter_hf_tensors(folder), config.num_hidden_layers, dtype=dtype, device=device,
+                      progress=_progress(model, progress), adapter=adapter, skip=_LEGACY,
+                      optional=("lm_head.weight",) if tied else ())
     arch.load_hf(model, sd, str(folder))  # strict: the first missing tensor in one line; ties lm_head
     del sd
     if q is not None:  # module by module: each float weight is freed as its quantized one takes its place

@@ -35,14 +35,15 @@ from tqdm import tqdm
 
 from gptj import quant
 from gptj.config import GPTJConfig
-from gptj.errors import CheckpointError, GptjError
+from gptj.errors import GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.gptj import GPTJForCausalLM, build_model
 from gptj.quant.format import hf_quantization_config
-from gptj.device import check_finite, dtype_name
+from gptj.device import dtype_name
 from gptj.weights import hf
 from gptj.weights.checkpoint import CONFIG, GPTJ, Checkpoint, TensorItem
-from gptj.weights.peft import Adapter, merged
+from gptj.weights.peft import Adapter
+from gptj.weights.reading import read_checked
 
 MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
 PROGRESS_MIN_PARAMS = 500_000_000  # progress=None: bars for models this big (gptj-6b loads for a minute)
@@ -75,69 +76,19 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
                        desc: str = "loading", quantize: Mapping | None = None,
                        smooth: Mapping[str, torch.Tensor] | None = None,
                        adapter: Adapter | None = None) -> dict[str, torch.Tensor]:
-    """Read every tensor once, check name/shape/dtype/finiteness, convert to dtype and device.
-    `adapter`: a LoRA adapter folded into the float weights it adapts as they are read (before
-    they are rounded to `dtype` or quantized; gptj.weights.peft).
+    """A GPT-J checkpoint's tensors, each read once and checked against `config`
+    (gptj.weights.reading.read_checked: name, shape, dtype, finiteness; `dtype` and `device` for the
+    float ones; `adapter` folded into the float weights it adapts as they are read).
 
     `dtype` applies to float tensors only: quantized weights keep int8/uint8 and their scales and
     zeros stay bfloat16. `quantize` (a `quant.make_quantization` dict, for a float `config`):
     quantize each weight it names as soon as it is read, so no float copy of the model is held.
     """
-    specs = expected_specs(config)
-    if quantize is not None:
-        if config.quantization is not None:
-            raise GptjError("the checkpoint is already quantized")
-        qweights = {f"{m}.weight" for m in quantize["modules"]}
-    else:
-        qweights = set()
-    if adapter is not None:
-        adapter.check_fits({name: shape for name, (shape, _) in specs.items()}, config.n_layer)
-    out: dict[str, torch.Tensor] = {}
-    seen: set[str] = set()
-    bar = tqdm(total=len(specs), desc=desc, unit="tensor", disable=not progress)
-    for name, shape, read, file in items:
-        if hf.is_legacy_buffer(name):
-            continue
-        if name not in specs:
-            raise CheckpointError(f"{file}: unexpected tensor {name} (not a GPT-J weight of this config)")
-        if name in seen:
-            raise CheckpointError(f"{file}: tensor {name} appears twice")
-        seen.add(name)
-        want_shape, want_dtype = specs[name]
-        if shape != want_shape:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
-        tensor = read()
-        if adapter is not None and tensor.is_floating_point():
-            tensor = merged(tensor, adapter.delta(name))
-        if want_dtype is not None:  # a quantized weight: exactly int8 / uint8, kept as is
-            if tensor.dtype != want_dtype:
-                raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
-                                      f"expected {dtype_name(want_dtype)} (quantized weight)")
-            out[name] = tensor.to(device=device)
-        elif not tensor.is_floating_point():
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
-                                  f"expected floating point")
-        elif name in qweights:
-            check_finite(tensor, name, file)
-            module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
-            for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"],
-                                                 (smooth or {}).get(module)).items():
-                out[f"{module}.{leaf}"] = t
-            del tensor
-        else:
-            target = quant.SCALE_DTYPE if quant.is_quant_param(name) else (dtype or tensor.dtype)
-            tensor = tensor.to(device=device, dtype=target)
-            check_finite(tensor, name, file)
-            if name.endswith(".weight_scale") and not bool((tensor > 0).all()):
-                raise CheckpointError(f"{file}: tensor {name} has scales that are not positive")
-            out[name] = tensor
-        bar.update()
-    bar.close()
-    missing = [n for n in specs if n not in seen]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
-    return out
+    if quantize is not None and config.quantization is not None:
+        raise GptjError("the checkpoint is already quantized")
+    return read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
+                        progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
+                        skip=hf.LEGACY_SUFFIXES, what="a GPT-J weight")
 
 
 def model_from_state_dict(config: GPTJConfig, state_dict: Mapping[str, torch.Tensor],
