@@ -305,3 +305,27 @@ def test_gptj_init_llama_tiny_writes_a_stand_in_tokenizer(tmp_path, capsys):
     with pytest.raises(GptjError) as e:
         tokenizer_for_model(tmp_path / "a")
     assert "a llama model without its tokenizer" in one_line(e)
+
+
+def test_the_shared_read_loop_passes_over_old_rotary_buffers_and_names_a_bad_tensor(tmp_path):
+    """Llama folders go through the one checked read (gptj.weights.reading): a .bin without a listing (so
+    only the loop sees its names), with an old checkpoint's rotary_emb.inv_freq buffer and a tied head
+    left out, loads to HF's logits; a non-finite weight and a missing one are one line naming them."""
+    hf = hf_model(tie=True)
+    sd = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    hf.config.save_pretrained(tmp_path / "m")
+    torch.save(sd, tmp_path / "m" / "pytorch_model.bin")
+    same_logits(load_model(tmp_path / "m"), hf)
+    bad = dict(sd)
+    bad["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].clone()
+    bad["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    torch.save(bad, tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "model.layers.1.mlp.up_proj.weight has NaN or infinite values" in one_line(e)
+    del bad["model.layers.1.mlp.up_proj.weight"]
+    torch.save(bad, tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "missing tensor model.layers.1.mlp.up_proj.weight" in one_line(e)
