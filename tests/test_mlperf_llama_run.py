@@ -332,3 +332,48 @@ def test_compliance_test06_passes(llama_dir, short_set, tmp_path):
                           capture_output=True, text=True, check=True)
     assert "First token check pass: True" in done.stdout and "EOS check pass: True" in done.stdout
     assert "Sample length check pass: True" in done.stdout and "TEST06 verification complete" in done.stdout
+
+
+def test_speculate_gives_the_same_answers_is_marked_open_division_and_closed_refuses_it(llama_dir, short_set,
+                                                                                       tmp_path, capsys):
+    """`gptj mlperf --speculate ngram` (issue 60; MLPerf's open division): in float32 every sample's tokens are
+    those of the run without it; the run says it is the open division's and counts its drafts; a closed
+    submission and a run against a server refuse it in one line."""
+    common = ["--mode", "accuracy", "--dataset", str(short_set), "--max-new-tokens", "24", "--dtype", "float32"]
+    assert mlperf(llama_dir, tmp_path / "plain", *common) == 0
+    assert mlperf(llama_dir, tmp_path / "spec", *common, "--speculate", "ngram", "--speculate-tokens", "3") == 0
+    capsys.readouterr()
+    plain, spec = read_log(tmp_path / "plain")[0], read_log(tmp_path / "spec")[0]
+    assert sorted(spec) == [0, 1, 2, 3] and spec == plain
+    run = json.loads((tmp_path / "spec" / "run.json").read_text())
+    assert run["identity"]["generation"]["prompt_lookup_num_tokens"] == 3 and run["official_generation"] is False
+    drafts = run["speculation"]
+    assert 0 <= drafts["accepted"] <= drafts["drafted"] and drafts["drafted"] > 0
+    assert json.loads((tmp_path / "plain" / "run.json").read_text())["speculation"] is None
+    summary = (tmp_path / "spec" / "summary.md").read_text()
+    assert "for MLPerf's open division only" in summary and f"{drafts['drafted']} drafted tokens" in summary
+
+    args = ["submission", "--model", str(llama_dir), "--out", str(tmp_path / "out"), "--submitter", "s",
+            "--system-name", "x", "--division", "closed", "--runs-dir", str(tmp_path / "runs"),
+            "--speculate", "ngram"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "gptj submission: error: --speculate: MLPerf's closed division does not allow speculative " \
+                  "decoding; submit it in --division open"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()  # refused before any run
+    assert main(["mlperf", "--server", "http://127.0.0.1:9", "--speculate", "ngram", "--quiet"]) == 1
+    assert "--speculate with --server" in capsys.readouterr().err.strip()
+
+
+def test_speculate_notes_say_what_a_beam_search_run_ignores():
+    from gptj.decode import GenerationConfig
+    from gptj.mlperf.config import MLPerfConfig
+    from gptj.mlperf.report import notes_for
+
+    beams = MLPerfConfig(model=Path("m"), benchmark="gptj-99",
+                         gen=GenerationConfig.mlperf(prompt_lookup_num_tokens=5, max_matching_ngram_size=3))
+    assert notes_for(beams, None, [])[0].startswith("--speculate changes nothing here: beam requests")
+    greedy = MLPerfConfig(model=Path("m"), benchmark="gptj-99",
+                          gen=GenerationConfig.mlperf(num_beams=1, prompt_lookup_num_tokens=5, max_matching_ngram_size=3))
+    assert "open division only" in notes_for(greedy, None, [])[0]
+    assert not any("speculat" in n for n in notes_for(MLPerfConfig(model=Path("m"), benchmark="gptj-99"), None, []))

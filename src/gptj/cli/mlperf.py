@@ -43,6 +43,7 @@ def run_config(args: argparse.Namespace, **own: Any):  # noqa: ANN201 - gptj.mlp
     from gptj.mlperf.rules import LLAMA_BENCHMARKS
 
     given = {k: v for k in ("num_beams", "min_new_tokens", "max_new_tokens") if (v := getattr(args, k)) is not None}
+    given |= flags.speculation(args)  # --speculate ngram: the open division's (check_division refuses it in closed)
     gen = llama_generation(**given) if own.get("benchmark") in LLAMA_BENCHMARKS else GenerationConfig.mlperf(**given)
     return MLPerfConfig(
         model=Path(args.model) if args.model else None,
@@ -245,6 +246,7 @@ def _add_mlperf_run_flags(p, round_help: str | None = None) -> None:  # noqa: AN
     p.add_argument("--num-beams", type=flags.positive, help="official: gptj-99 4, llama3.1-8b 1 (greedy)")
     p.add_argument("--min-new-tokens", type=flags.nonnegative, help="official: gptj-99 30, llama3.1-8b 1")
     p.add_argument("--max-new-tokens", type=flags.positive, help="official: 128")
+    flags.add_speculate_flags(p)  # the open division only: MLPerf's closed division forbids speculative decoding
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     flags.add_threads_flag(p)
 

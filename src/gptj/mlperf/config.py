@@ -115,6 +115,9 @@ class MLPerfConfig:
         if self.llama and self.round is not None:
             raise GptjError(f"--round sets gptj-99's round seeds (v5.0): a {self.benchmark} run takes LoadGen's "
                             "built-in mlperf.conf's seeds")
+        if self.server is not None and self.gen.prompt_lookup_num_tokens:
+            raise GptjError("--speculate with --server: the server drafts as its own --speculate says "
+                            "(gptj serve --speculate ngram)")
         if self.llama and self.server is not None:
             raise GptjError(f"--server runs gptj-99 only: run {self.benchmark} with --model DIR")
         if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \
@@ -217,6 +220,8 @@ class RunResult:
     interrupted: dict | None = None  # after a Ctrl-C: what LoadGen left (see gptj.mlperf.loadgen.interrupted_logs)
     settings: dict | None = None  # {"asked": asked_settings(), "loadgen": what LoadGen's detail log says it used}
     engine_times: object | None = None  # the local engine's StepTimes over the run (None: a remote server's)
+    # --speculate: the local engine's draft tokens verified and accepted over the run (None: no speculation)
+    speculation: dict | None = None
     # an INVALID performance run: each condition LoadGen found unmet, why, and the setting that fixes it
     invalid_reasons: list[str] = field(default_factory=list)
     # llama performance runs: LoadGen's TTFT / TPOT (report.token_latencies: p99, mean, limits; ns)

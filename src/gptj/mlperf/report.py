@@ -47,9 +47,9 @@ def _accuracy_line(accuracy) -> str:  # noqa: ANN001 - as accuracy_report's
 
 def notes_for(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str]) -> list[str]:
     """What a reader must know to interpret the numbers."""
+    notes = _speculation_notes(cfg)
     if cfg.llama:
-        return _llama_notes(cfg, model_dir, differences)
-    notes = []
+        return notes + _llama_notes(cfg, model_dir, differences)
     try:
         from gptj.config import GPTJConfig
 
@@ -68,6 +68,19 @@ def notes_for(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str])
     if cfg.max_examples is not None:
         notes.append(f"dataset limited to the first {cfg.max_examples} examples")
     return notes
+
+
+def _speculation_notes(cfg: MLPerfConfig) -> list[str]:
+    """What --speculate means for this run: the open division's, and nothing at all under beam search."""
+    gen = cfg.gen
+    if not gen.prompt_lookup_num_tokens:
+        return []
+    if not gen.speculates:
+        return [f"--speculate changes nothing here: {gen.method} requests are not drafted for "
+                "(greedy and sampled ones without penalties are)"]
+    return [f"speculative decoding (prompt lookup: up to {gen.prompt_lookup_num_tokens} tokens drafted from "
+            f"n-grams of up to {gen.max_matching_ngram_size}): for MLPerf's open division only (the closed "
+            "division forbids it)"]
 
 
 def _llama_notes(cfg: MLPerfConfig, model_dir: Path | None, differences: list[str]) -> list[str]:
@@ -502,6 +515,8 @@ def summary_markdown(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loa
               f"wait {cfg.batching.wait_ms:g} ms{', sorted by length' if cfg.batching.sort_by_length else ''})",
               f"- new tokens: {st.new_tokens}",
               *([f"- engine: {result.engine_times.line()}"] if result.engine_times is not None else []),
+              *([f"- speculation: {result.speculation['accepted']} of {result.speculation['drafted']} drafted "
+                 "tokens accepted"] if result.speculation is not None else []),
               f"- latency as the SUT saw it: p50 {_percentile(lat, 50) * 1000:.1f} ms, "
               f"p90 {_percentile(lat, 90) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms", ""]
     lines += ["## Files", "",
@@ -544,6 +559,7 @@ def write_bundle(cfg: MLPerfConfig, result: RunResult, dataset: Dataset, loadgen
                 "duplicate_answers": sum(1 for c in st.answered.values() if c > 1),
                 "answered_empty_after_interrupt": st.interrupted},
         "engine_steps": _engine_times_json(result.engine_times),
+        "speculation": result.speculation,
         **({"benchmark": cfg.benchmark, "scenario": cfg.scenario_name, "loadgen_model": cfg.loadgen_model,
             "token_latencies_ns": result.token_latencies} if cfg.llama else {}),
     })

@@ -633,9 +633,12 @@ def _results(cfg: MLPerfConfig, setup: _Setup, stats, finished: bool, interrupte
     if remote is None:
         threads = dataclasses.replace(threads, engine_thread=_ENGINE_THREAD_TORCH_THREADS[0])
     used = report.loadgen_effective(log_dir) if finished else {}
-    times = setup.backend.engine.stats().times if remote is None else None  # the engine's thread is idle now
+    engine = setup.backend.engine.stats() if remote is None else None  # the engine's thread is idle now
+    drafts = {"drafted": engine.draft_tokens, "accepted": engine.accepted_tokens} \
+        if engine is not None and cfg.gen.prompt_lookup_num_tokens else None
     result = RunResult(log_dir, summary.get("result_line"), summary.get("metric"), accuracy, stats, setup.notes,
-                       remote_info, threads, settings={"asked": setup.asked, "loadgen": used}, engine_times=times)
+                       remote_info, threads, settings={"asked": setup.asked, "loadgen": used},
+                       engine_times=engine.times if engine is not None else None, speculation=drafts)
     if cfg.mode == "performance" and finished:
         result.invalid_reasons = report.invalid_reasons(cfg, summary, result.settings, interrupted, log_dir)
         if cfg.llama:  # MLPerf's llama metric is tokens per second (SingleStream: its latency, as for gptj)

@@ -477,6 +477,9 @@ def check_division(sub: SubmissionConfig) -> None:
     """The closed division runs MLPerf's generation settings (the open one may change anything)."""
     if sub.division != "closed":
         return
+    if sub.run.gen.prompt_lookup_num_tokens:
+        raise GptjError("--speculate: MLPerf's closed division does not allow speculative decoding; submit it in "
+                        "--division open")
     from gptj.mlperf.run import official_differences
 
     if sub.run.llama:
