@@ -243,7 +243,6 @@ def test_benchmark_follows_the_architecture_and_a_mismatch_is_one_line(llama_dir
         (llama_dir, ["--benchmark", "llama3.1-8b-edge", "--scenario", "Server"], "llama3.1-8b-edge has no Server"),
         (tiny_checkpoint, ["--scenario", "Interactive"], "gptj-99 has no Interactive scenario"),
         (llama_dir, ["--round", "v5.0"], "--round sets gptj-99's round seeds (v5.0)"),
-        (llama_dir, ["--server", "http://127.0.0.1:9"], "--server runs gptj-99 only"),
     ]:
         assert mlperf(model, tmp_path / "x", *extra) != 0
         err = capsys.readouterr().err
@@ -377,3 +376,24 @@ def test_speculate_notes_say_what_a_beam_search_run_ignores():
                           gen=GenerationConfig.mlperf(num_beams=1, prompt_lookup_num_tokens=5, max_matching_ngram_size=3))
     assert "open division only" in notes_for(greedy, None, [])[0]
     assert not any("speculat" in n for n in notes_for(MLPerfConfig(model=Path("m"), benchmark="gptj-99"), None, []))
+
+
+@pytest.mark.parametrize("scenario", ["Offline", "Server"])
+def test_a_llama_run_over_the_network_equals_the_run_in_process(llama_dir, short_set, tmp_path, capsys, scenario):
+    """`gptj mlperf --server URL --model DIR` on a llama3.1-8b run (the folder gives the tokenizer and its EOS
+    ids): a gptj server's answers are the in-process run's, token for token, ending at whichever of the
+    tokenizer's EOS ids stopped them; Server streams, so every first token reaches LoadGen early."""
+    from serve_util import running_server
+
+    common = ["--model", str(llama_dir), "--scenario", scenario, "--mode", "accuracy", "--dataset", str(short_set),
+              "--max-new-tokens", "16", "--target-qps", "100", "--dtype", "float32", "--quiet"]
+    assert main(["mlperf", "--log-dir", str(tmp_path / "local"), *common]) == 0
+    with running_server({"m": llama_dir}, max_batch_size=8) as url:
+        assert main(["mlperf", "--server", url, "--log-dir", str(tmp_path / "remote"), "--server-concurrency", "4",
+                     *common]) == 0
+    capsys.readouterr()
+    local, remote = read_log(tmp_path / "local")[0], read_log(tmp_path / "remote")[0]
+    assert sorted(local) == [0, 1, 2, 3] and remote == local
+    run = json.loads((tmp_path / "remote" / "run.json").read_text())
+    assert run["remote"]["model"] == "m" and run["benchmark"] == "llama3.1-8b"
+    assert run["sut"]["first_tokens"] == 4 and run["sut"]["duplicate_answers"] == 0

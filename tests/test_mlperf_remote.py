@@ -302,6 +302,27 @@ def test_stop_keeps_the_eos_the_engine_would_return():
     assert done[0][0] == fake_tokens({"prompt": [1], "max_tokens": 5}) + [50256]
 
 
+def test_with_several_eos_ids_the_servers_own_last_token_is_kept():
+    """Llama 3.1's answers end at any of several EOS ids: only the server knows which one stopped an answer
+    (gptj's lists it in token_ids), so nothing is appended, and what it lists is kept as it is."""
+    def respond(body):
+        answer = completion(body, finish="stop")
+        if body["prompt"] == [2]:  # this answer lists the EOS that stopped it
+            answer["choices"][0]["token_ids"][-1] = 511
+        return 200, {}, answer
+
+    llama = GREEDY.replace(eos_token_id=(510, 511))
+    with FakeServer(respond=respond) as server:
+        backend = HTTPBackend(server.url)
+        results = Results()
+        backend.submit([1], llama, results.on_done(0))
+        backend.submit([2], llama, results.on_done(1))
+        done = results.wait(2)
+        backend.close()
+    assert done[0][0] == fake_tokens({"prompt": [1], "max_tokens": 5})
+    assert done[1][0] == fake_tokens({"prompt": [2], "max_tokens": 5})[:-1] + [511]
+
+
 def test_streaming_reports_the_first_token():
     def respond(body):
         assert body["stream"] is True

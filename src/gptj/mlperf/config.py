@@ -118,8 +118,6 @@ class MLPerfConfig:
         if self.server is not None and self.gen.prompt_lookup_num_tokens:
             raise GptjError("--speculate with --server: the server drafts as its own --speculate says "
                             "(gptj serve --speculate ngram)")
-        if self.llama and self.server is not None:
-            raise GptjError(f"--server runs gptj-99 only: run {self.benchmark} with --model DIR")
         if isinstance(self.server_concurrency, bool) or not isinstance(self.server_concurrency, int) or \
                 self.server_concurrency < 1:
             raise GptjError(f"server_concurrency must be an integer >= 1, got {self.server_concurrency!r}")

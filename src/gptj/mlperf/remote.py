@@ -313,9 +313,11 @@ class HTTPBackend:
                     self._drop_connection()
                 raise
             # The engine's output ends with the EOS that stopped it; keep that so the accuracy log's
-            # token ids are the in-process ones whether or not the server lists the EOS.
-            if finish == "stop" and gen.eos_token_id is not None and (not tokens or tokens[-1] != gen.eos_token_id):
-                tokens.append(gen.eos_token_id)
+            # token ids are the in-process ones whether or not the server lists the EOS (with several EOS ids,
+            # as Llama 3.1's, only a server that lists it says which one: gptj's does).
+            eos = gen.eos_ids
+            if finish == "stop" and len(eos) == 1 and (not tokens or tokens[-1] != eos[0]):
+                tokens.append(eos[0])
             return tokens
 
     @staticmethod
