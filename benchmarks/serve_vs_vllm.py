@@ -64,8 +64,10 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import sys
+import urllib.request
 from pathlib import Path
 
 import serve_load  # benchmarks/serve_load.py (a script's own folder is on sys.path)
@@ -228,20 +230,42 @@ def load_args(url: str, concurrency: int, args: argparse.Namespace, seed: int) -
     return serve_load.build_parser().parse_args(argv)
 
 
+def speculation_counts(url: str) -> dict[str, int]:
+    """A gptj server's speculation counters on /metrics (drafted tokens verified, and taken), summed
+    over its models: {"drafted": n, "accepted": n}."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"drafted": 0, "accepted": 0}
+    for line in text.splitlines():
+        m = re.match(r"^gptj_spec_(draft|accepted)_tokens_total(?:\{.*\})? (\S+)$", line)
+        if m:
+            out["drafted" if m.group(1) == "draft" else "accepted"] += int(float(m.group(2)))
+    return out
+
+
 def run_server(name: str, url: str, args: argparse.Namespace) -> dict[int, dict]:
-    """Every concurrency against one running server: {C: serve_load's result}."""
+    """Every concurrency against one running server: {C: serve_load's result}; a gptj server's also
+    holds the load's speculation counts ("speculation": drafted and accepted tokens, from /metrics)."""
     out = {}
+    gptj = name.startswith("gptj")
     warm = load_args(url, 1, args, seed=args.seed + 1_000_000)
     warm.num_prompts, warm.warmup = 1, 1  # first-call costs out of the way, not counted
     asyncio.run(serve_load.bench(url, warm))
     for c in args.concurrency:  # the same prompts for every server and round
+        before = speculation_counts(url) if gptj else None
         report = asyncio.run(serve_load.bench(url, load_args(url, c, args, seed=args.seed + c)))
         res = report["results"][0]
         if res.failed:
             raise SystemExit(f"serve_vs_vllm: {name} failed {res.failed} requests at concurrency {c}: {res.errors}")
         out[c] = serve_load.json_safe(res) | {"prompt_tokens": report["prompt_tokens"]["mean"]}
+        drafts = ""
+        if before is not None:
+            after = speculation_counts(url)
+            out[c]["speculation"] = {k: after[k] - before[k] for k in after}
+            if out[c]["speculation"]["drafted"]:
+                drafts = f", drafts {out[c]['speculation']['accepted']} of {out[c]['speculation']['drafted']} taken"
         print(f"{name} C={c}: {res.output_throughput:.1f} out tok/s, TTFT p50 {res.ttft_p50_ms:.0f} ms, "
-              f"p99 {res.ttft_p99_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms, p99 {res.tpot_p99_ms:.1f} ms",
+              f"p99 {res.ttft_p99_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms, p99 {res.tpot_p99_ms:.1f} ms{drafts}",
               file=sys.stderr, flush=True)
     return out
 

@@ -392,7 +392,7 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
     calibrated copy, quantized. (A second round reverses the order: round_order, in
     test_serve_vs_vllm_compares_every_gptj_setting_with_every_vllm_one.)"""
     assert "# skipping vLLM: no --vllm-python given" in err and "Traceback" not in err
-    assert out["gptj"] == {"gptj-f32": "--dtype float32 --threads 1",
+    assert out["gptj"] == {"gptj-f32": "--dtype float32 --threads 1 --speculate ngram",
                            "gptj-w8a8": "--dtype bfloat16 --threads 1 --quantize w8a8"}
     assert out["calibrated_model"] == out["model"] + "-w8a8" and out["ratios"] == []
     (only,) = out["rounds"]
@@ -402,6 +402,8 @@ def check_serve_vs_vllm(out: dict, err: str) -> None:
             res = only[name][c]
             assert res["completed"] == int(c) and res["failed"] == 0 and res["total_output_tokens"] == 4 * int(c)
             assert positive(res["output_throughput"]) and res["ttft_p50_ms"] <= res["ttft_p99_ms"]
+            drafts = res["speculation"]  # the load's own counts off /metrics: none where nothing speculates
+            assert 0 <= drafts["accepted"] <= drafts["drafted"] and (name == "gptj-f32" or drafts["drafted"] == 0)
 
 
 def check_serve_profile(out: dict, err: str) -> None:
@@ -544,7 +546,8 @@ SMOKE: dict[str, Job] = {
                                                           "--smoke", "--compare-engine", "--json"], check_serve_load),
     "serve_vs_vllm.py": Job("serve_vs_vllm.py", lambda m, tmp: [
         "--smoke", "--json", "--concurrency", "1,2", "--work-dir", str(tmp),
-        "--gptj", "f32=--dtype float32 --threads 1", "--gptj", "w8a8=--dtype bfloat16 --threads 1 --quantize w8a8"],
+        "--gptj", "f32=--dtype float32 --threads 1 --speculate ngram",
+        "--gptj", "w8a8=--dtype bfloat16 --threads 1 --quantize w8a8"],
         check_serve_vs_vllm),
     "serve_profile.py": Job("serve_profile.py", lambda m, tmp: ["--smoke", "--json", "--work-dir", str(tmp)],
                             check_serve_profile),
