@@ -146,7 +146,7 @@ def test_non_finite_weight_and_quantize_are_refused(tmp_path):
     assert "model.layers.0.self_attn.k_proj.weight has NaN or infinite values" in one_line(e)
     with pytest.raises(GptjError) as e:
         load_model(tmp_path / "m", quantize="w8a8")
-    assert "--quantize w8a8 needs gptj calibrate's smoothing factors" in one_line(e)
+    assert "w8a8 needs a calibration: run `gptj calibrate --model" in one_line(e)
     with pytest.raises(GptjError) as e:
         load_model(tmp_path / "m", group_size=32)
     assert "a group size needs a quantization mode" in one_line(e)
@@ -181,6 +181,47 @@ def test_quantized_at_load_every_linear_within_its_rounding(tmp_path, mode):
     gen = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     prompts = [IDS[0].tolist(), IDS[0, :5].tolist()]
     assert Engine(q, EngineConfig(max_seqs=2, block_size=8)).generate(prompts, gen) == generate(q, prompts, gen)
+
+
+def test_a_calibrated_llama_loads_as_w8a8_within_its_rounding(tmp_path):
+    """W8A8 for Llama: calibrate records the factors (q, k, v share ln_1's; gate and up share ln_2's)
+    and transformers still reads the folder; --quantize w8a8 makes every linear a W8A8Linear, each
+    weight within its rounding of the float one, that the engine decodes with as gptj.decode does;
+    convert keeps the factors, and the copy quantizes to the same tensors."""
+    from gptj.decode import generate
+    from gptj.engine import Engine, EngineConfig
+    from gptj.generation_config import GenerationConfig
+    from gptj.quant import W8A8Linear
+    from gptj.weights.io import calibrate, convert
+
+    folder = tmp_path / "m"
+    hf = hf_model()
+    hf.save_pretrained(folder)
+    record = calibrate(folder, [IDS[0].tolist(), [7, 8, 9, 10]], "test prompts")
+    assert json.loads((folder / "config.json").read_text())["calibration"] == record and record["tokens"] == 12
+    ref, q = load_model(folder), load_model(folder, quantize="w8a8")
+    same_logits(ref, transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").float())
+    assert q.config.quantization["calibration"] == record and q.config.calibration is None
+    for name, lin in ((n, m) for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)):
+        layer = q.get_submodule(name)
+        assert type(layer) is W8A8Linear, name
+        # per row of W * s: half a step of 127, plus the bfloat16 scale's rounding; then / s per input column
+        w, s = lin.weight.detach(), layer.input_smooth.float()
+        step = (w * s).abs().amax(1, keepdim=True) / 127
+        err = (w - layer.dequantized_weight(torch.float32)).abs()
+        assert bool((err <= step * (0.5 + 127 * 2.0 ** -8) / s + 1e-6).all()), name
+    attn, mlp = q.transformer.h[1].attn, q.transformer.h[1].mlp
+    assert torch.equal(attn.q_proj.input_smooth, attn.k_proj.input_smooth)
+    assert torch.equal(attn.q_proj.input_smooth, attn.v_proj.input_smooth)
+    assert torch.equal(mlp.gate_proj.input_smooth, mlp.up_proj.input_smooth)
+    assert not torch.equal(mlp.gate_proj.input_smooth, mlp.down_proj.input_smooth)
+    gen = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    prompts = [IDS[0].tolist(), IDS[0, :5].tolist()]
+    assert Engine(q, EngineConfig(max_seqs=2, block_size=8)).generate(prompts, gen) == generate(q, prompts, gen)
+    copy = convert(folder, tmp_path / "copy")
+    assert (copy / "calibration.safetensors").read_bytes() == (folder / "calibration.safetensors").read_bytes()
+    a, b = q.state_dict(), load_model(copy, quantize="w8a8").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_gptj_init_llama_tiny_writes_a_folder_that_loads(tmp_path, capsys):

@@ -324,7 +324,7 @@ def test_hostile_config_is_one_line_naming_the_field(tmp_path, saved_ckpt, capsy
     def refuse(*args, **kwargs):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr(io, "build_model", refuse)  # validation comes first: nothing is built
+    monkeypatch.setattr(io, "model_from_state_dict", refuse)  # validation comes first: nothing is built
     monkeypatch.setattr(gptj_model, "build_model", refuse)
     monkeypatch.setattr(io, "checked_state_dict", refuse)  # ... and no weight is read
     d = with_config(tmp_path, saved_ckpt, changes)

@@ -21,7 +21,7 @@ from torch import nn
 from gptj import cpu, policy
 from gptj.errors import GptjError
 from gptj.quant import QUANT_MODES, check_mode
-from gptj.weights.checkpoint import GPTJ, Checkpoint
+from gptj.weights.checkpoint import Checkpoint
 from gptj.weights.io import load_model
 
 
@@ -104,8 +104,8 @@ def quantization_report(model_dir: Any, modes: Sequence[str] | None = None, prom
     Returns a JSON-able dict (see `format_report`).
     """
     checkpoint = Checkpoint.read(model_dir)
-    if modes is None:  # every mode the model's architecture takes (w8a8's calibration is GPT-J's so far)
-        modes = tuple(m for m in QUANT_MODES if m != "w8a8" or checkpoint.arch is GPTJ)
+    if modes is None:  # every mode (w8a8 where the folder is calibrated: gptj calibrate)
+        modes = tuple(m for m in QUANT_MODES if m != "w8a8" or checkpoint.config.calibration is not None)
     if checkpoint.mode is not None:
         raise GptjError(f"{model_dir}: the report needs a float checkpoint (this one is quantized)")
     for mode in modes:

@@ -205,6 +205,10 @@ class GPTJForCausalLM(CausalLM):
         return next(b for b in self.transformer.h if hasattr(b, "attn")).attn.n_head
 
 
+# Buffers old HF GPT-J checkpoints saved (the causal mask and its fill value); gptj computes them.
+LEGACY_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
 def build_model(config: GPTJConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 block: Callable[[GPTJConfig], nn.Module] = Block, head: nn.Module | None = None) -> GPTJForCausalLM:
     """A model of `dtype` on `device`; on 'meta' it has shapes only (for loading with assign=True).

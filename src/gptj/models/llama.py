@@ -106,6 +106,9 @@ def validate_llama(c: LlamaConfig) -> None:
                           f"got {c.eos_token_ids!r}")
     for eos in c.eos_token_ids:
         check_int("eos_token_id", eos, 0, c.vocab_size - 1, inside)
+    for name in ("quantization", "calibration"):
+        if getattr(c, name) is not None and not isinstance(getattr(c, name), dict):
+            raise ConfigError(f"config field {name!r} must be an object or absent, got {getattr(c, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = (2,)  # HF's eos_token_id: one id or a list (Llama 3.1 Instruct: 3)
     pad_token_id: int | None = None
     quantization: dict | None = None  # quantized at load (gptj.quant.make_quantization's entry); never saved
+    calibration: dict | None = None  # W8A8 calibration of a float checkpoint (gptj.quant.calibrate's record)
 
     def __post_init__(self) -> None:
         E, H = self.hidden_size, self.num_attention_heads
@@ -162,6 +166,8 @@ class LlamaConfig:
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
         del d["quantization"]  # (a quantized Llama is made at load, and not written)
+        if d["calibration"] is None:
+            del d["calibration"]
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         d["rope_scaling"] = self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None
@@ -179,7 +185,7 @@ class LlamaConfig:
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _OPTIONAL = ("num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-             "bos_token_id", "pad_token_id")
+             "bos_token_id", "pad_token_id", "calibration")
 
 
 def _llama_kwargs(d: Any) -> dict[str, Any]:
@@ -425,6 +431,8 @@ def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
 
 # --- HF state dicts ----------------------------------------------------------------------------
 
+LEGACY_BUFFERS = ("rotary_emb.inv_freq",)  # old HF Llama checkpoints saved it; rope_frequencies computes it
+
 # HF LlamaForCausalLM's state-dict name -> this module's; {i} is the layer.
 HF_NAMES: dict[str, str] = {
     "model.embed_tokens.weight": "transformer.wte.weight",
@@ -461,7 +469,7 @@ def load_hf_state_dict(model: LlamaForCausalLM, state_dict: dict[str, torch.Tens
     """
     names = hf_names(model.config)
     tied = model.config.tie_word_embeddings
-    given = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    given = {k: v for k, v in state_dict.items() if not k.endswith(LEGACY_BUFFERS)}
     missing = [k for k in names if k not in given and not (tied and k == "lm_head.weight")]
     if missing:
         raise CheckpointError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing)")

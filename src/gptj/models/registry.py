@@ -1,8 +1,9 @@
 """The architectures gptj loads, by config.json's `model_type`: the one place that chooses one.
 
-Each entry names its config class (from_hf_dict / to_hf_dict), its build_model and, for those whose
-module names are not HF's, the HF state-dict names (`hf_names(config)`: HF name -> ours). GPT-J's
-modules keep HF's names (gptj.weights.io reads them as they are); Llama's are mapped (models.llama).
+Each entry names its config class (from_hf_dict / to_hf_dict), its build_model, for those whose
+module names are not HF's the HF state-dict names (`hf_names(config)`: HF name -> ours), and the
+buffers old HF checkpoints of it saved (passed over when read). GPT-J's modules keep HF's names;
+Llama's are mapped (models.llama). gptj.weights.io loads every one the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ class Architecture:
     config_class: type
     build_model: Callable[..., Any]
     hf_names: Callable[[Any], dict[str, str]] | None  # None: the model's names are HF's
-    load_hf: Callable[..., None] | None  # (model, HF state dict, source): strict, assigns on a meta model
+    legacy: tuple[str, ...] = ()  # name suffixes of buffers old HF checkpoints saved (gptj computes them)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "gptj": Architecture("gptj", GPTJConfig, gptj.build_model, None, None),
-    "llama": Architecture("llama", llama.LlamaConfig, llama.build_model, llama.hf_names, llama.load_hf_state_dict),
+    "gptj": Architecture("gptj", GPTJConfig, gptj.build_model, None, gptj.LEGACY_BUFFERS),
+    "llama": Architecture("llama", llama.LlamaConfig, llama.build_model, llama.hf_names, llama.LEGACY_BUFFERS),
 }
 
 

@@ -4,9 +4,9 @@ linear's input |max| per channel, and turn it into per-input-channel smoothing f
   absmax = input_absmax(model, prompts)        {linear: (in,) float32}, over every prompt token
   smooth = smoothing(model, absmax, alpha)     {linear: (in,) bfloat16}, s = max|X|^a / max|W|^(1-a)
 
-Linears that read the same tensor share one factor vector (GPT-J's q, k, v and fc_in all read
-ln_1's output), computed over all their weights: the fused serving block (gptj.kernels.fused)
-quantizes that input once for the four of them.
+Linears that read the same tensor share one factor vector, computed over all their weights (GPT-J's
+q, k, v and fc_in all read ln_1's output: the fused serving block, gptj.kernels.fused, quantizes
+that input once for the four of them; Llama's q, k, v read ln_1's, its gate and up ln_2's).
 
 A float checkpoint keeps its factors in `calibration.safetensors` beside its weights, and
 config.json's `calibration` entry records how they were made (`make_record`, `check_record`); a
@@ -32,15 +32,18 @@ CALIBRATION_VERSION = 1
 METHOD = "smoothquant"
 _RECORD_KEYS = {"version", "method", "alpha", "dataset", "samples", "tokens"}
 
-# Linears of a block that read ln_1's output (GPT-J's attention and MLP run in parallel on it).
-_READS_LN_1 = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")
+# The linears of a block (gptj.models' names) that read one norm's output: GPT-J's attention and MLP run
+# in parallel on ln_1's; Llama's attention reads ln_1's, its MLP's gate and up ln_2's.
+_READS_NORM = {"attn.q_proj": "ln_1", "attn.k_proj": "ln_1", "attn.v_proj": "ln_1", "mlp.fc_in": "ln_1",
+               "mlp.gate_proj": "ln_2", "mlp.up_proj": "ln_2"}
 
 
 def input_group(name: str) -> str:
-    """The tensor a linear reads, as a name: `<block>.ln_1` for q/k/v/fc_in, else the linear itself."""
-    for leaf in _READS_LN_1:
+    """The tensor a linear reads, as a name: `<block>.ln_1` / `<block>.ln_2` for the linears that
+    read a norm's output (_READS_NORM), else the linear itself."""
+    for leaf, norm in _READS_NORM.items():
         if name.endswith("." + leaf):
-            return name[: -len(leaf)] + "ln_1"
+            return name[: -len(leaf)] + norm
     return name
 
 

@@ -145,10 +145,19 @@ class Checkpoint:
         q = getattr(self.config, "quantization", None)
         return q["mode"] if q is not None else None
 
+    @property
+    def renames(self) -> dict[str, str] | None:
+        """Stored tensor name -> the model's, where the architecture's module names are not HF's (None: the same)."""
+        return self.arch.hf_names(self.config) if self.arch.hf_names is not None else None
+
     def with_adapter(self, adapter: Adapter | None) -> Checkpoint:
-        """This checkpoint with `adapter` folded into its float weights as they load (one line if it is quantized)."""
+        """This checkpoint with `adapter` folded into its float weights as they load (one line if it is
+        quantized, or adapts another architecture's modules)."""
         if adapter is not None and self.mode is not None:
             raise GptjError(f"--lora: {self.folder} is quantized; a LoRA adapter merges into float weights")
+        if adapter is not None and adapter.layout.arch != self.arch.model_type:
+            raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {self.folder} is a "
+                            f"{self.arch.model_type} model")
         return dataclasses.replace(self, adapter=adapter)
 
     def tensors(self, progress: bool = False, dtype: torch.dtype | None = None) -> Iterator[TensorItem]:
@@ -168,12 +177,27 @@ def _read_hf(path: Path, config: str | os.PathLike | GPTJConfig | None, listing:
     arch, cfg = hf_config(model_file(path, CONFIG))
     if config is not None and resolve_config(config) != cfg:
         raise CheckpointError(f"{path}: its config.json differs from the config given")
-    if arch is not GPTJ:  # its loader checks the listing against the architecture's names
-        return arch, cfg
     listed = hf.listed_tensor_names(path) if listing else None
-    if listed is not None:  # a single .bin lists nothing until unpickled: its tensors are checked as read
+    if listed is not None and arch is not GPTJ:  # a single .bin lists nothing until unpickled: checked as read
+        check_listing(arch, cfg, *listed)
+    elif listed is not None:
         names, listing = listed
         check_layer_count(cfg, layers_named(names), str(path / CONFIG), listing.name)
     if cfg.quantization is not None:
         cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
     return arch, cfg
+
+
+def check_listing(arch: Architecture, config: Any, listed: list[str], listing: Path) -> None:
+    """The tensor names a folder of another architecture than GPT-J lists, against its config's, before
+    any weight is read: the first unexpected or missing one, in one line (a tied LM head may be absent)."""
+    names = arch.hf_names(config)
+    given = [n for n in listed if not n.endswith(arch.legacy)]
+    unexpected = [n for n in given if n not in names]
+    if unexpected:
+        raise CheckpointError(f"{listing}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected; "
+                              f"not a weight of this config)")
+    tied, present = bool(getattr(config, "tie_word_embeddings", False)), set(given)
+    missing = [n for n in names if n not in present and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"{listing}: missing tensor {missing[0]} ({len(missing)} missing)")

@@ -24,14 +24,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
-# Buffers that old HF GPT-J checkpoints saved (causal mask and its fill value); gptj computes them.
-LEGACY_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
-
-def is_legacy_buffer(name: str) -> bool:
-    return name.endswith(LEGACY_SUFFIXES)
-
-
 def weight_files(path: Path) -> list[Path]:
     """The weight files of an HF directory, preferring safetensors over .bin; each must lie inside it
     (gptj.files.model_file)."""

@@ -1,18 +1,15 @@
 """HF folders of the architectures beside GPT-J (gptj.models.registry; today Llama's LlamaForCausalLM).
 
-    load_folder:   a Checkpoint (gptj.weights.checkpoint read its config) -> the model built on the meta
-                   device -> each tensor read (one safetensors file, or the shards
-                   model.safetensors.index.json lists; .bin through weights_only),
-                   checked (name, shape, floating point, finite), converted and assigned: never two copies
     save_folder:   a model's state dict -> an HF-layout folder (config.json by the config's to_hf_dict,
                    generation_config.json, safetensors with HF's names, sharded with an index when large)
                    that transformers' from_pretrained loads, and gptj too
     random_folder: `gptj init` of such a preset: deterministic random weights, made and written one
                    shard at a time (Llama-3.1-8B's 16 GB in bfloat16 never all in memory)
 
-gptj.weights.io.load and save_checkpoint hand these folders and configs here; GPT-J's own loading
-and saving stay in io.py. They quantize at load (int8, int4, fp8); quantized checkpoints of them are
-refused for now (Checkpoint.read). No tokenizer is written (gptj's bundled one is GPT-J's).
+gptj.weights.io's save_checkpoint hands these configs here (GPT-J's own saving stays in io.py);
+io.load reads every architecture's folder alike. They quantize at load (int8, int4, fp8); quantized
+checkpoints of them are refused for now (Checkpoint.read). No tokenizer is written (gptj's bundled
+one is GPT-J's).
 """
 
 from __future__ import annotations
@@ -33,64 +30,11 @@ from gptj.device import check_finite, dtype_name
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder
 from gptj.models.registry import architecture_of
-from gptj.quant.format import make_quantization
-from gptj.quant.linear import quantize_model
 from gptj.weights import hf
-from gptj.weights.checkpoint import CONFIG, Checkpoint
-from gptj.weights.reading import read_checked
+from gptj.weights.checkpoint import CONFIG
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PROGRESS_MIN_PARAMS = 500_000_000  # as gptj.weights.io's: bars for models this big on a terminal
-_LEGACY = ("rotary_emb.inv_freq",)  # buffers old HF Llama checkpoints saved; gptj computes them
-
-
-def _check_listing(listed: list[str], names: Mapping[str, str], tied: bool, listing: Path) -> None:
-    """The listed tensor names against the config's, before any weight is read: the first missing or
-    unexpected one, in one line."""
-    given = {n for n in listed if not n.endswith(_LEGACY)}
-    unexpected = [n for n in listed if n in given and n not in names]
-    if unexpected:
-        raise CheckpointError(f"{listing}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected; "
-                              f"not a weight of this config)")
-    missing = [n for n in names if n not in given and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise CheckpointError(f"{listing}: missing tensor {missing[0]} ({len(missing)} missing)")
-
-
-def load_folder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                quantize: str | None = None, group_size: int | None = None,
-                progress: bool | None = None) -> torch.nn.Module:
-    """The model of `checkpoint` (an HF folder of an architecture beside GPT-J's, as Checkpoint.read found
-    it), in `dtype` on `device`, eval mode; its adapter (a LoRA adapter of the architecture's module
-    names) folded into the weights it adapts as they are read, before they are rounded to `dtype` or quantized."""
-    folder, arch, config, adapter = checkpoint.folder, checkpoint.arch, checkpoint.config, checkpoint.adapter
-    if quantize == "w8a8":
-        raise GptjError(f"{folder}: --quantize w8a8 needs gptj calibrate's smoothing factors, which are made for "
-                        f"GPT-J models only so far: use int8, int4 or fp8 for {arch.model_type}")
-    if quantize is None and group_size is not None:
-        raise GptjError("a group size needs a quantization mode (int4)")
-    q = make_quantization(config, quantize, group_size) if quantize else None  # the mode and group checked first
-    names = arch.hf_names(config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    listed = hf.listed_tensor_names(folder)  # the index checked, every shard present
-    if listed is not None:
-        _check_listing(listed[0], names, tied, listed[1])
-    model = arch.build_model(config, device="meta", dtype=dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if adapter is not None and adapter.layout.arch != arch.model_type:
-        raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {folder} is a "
-                        f"{arch.model_type} model")
-    specs = {h: (tuple(params[o].shape), None) for h, o in names.items()}  # HF names, our shapes
-    sd = read_checked(specs, hf.iter_hf_tensors(folder), config.num_hidden_layers, dtype=dtype, device=device,
-                      progress=_progress(model, progress), adapter=adapter, skip=_LEGACY,
-                      optional=("lm_head.weight",) if tied else ())
-    arch.load_hf(model, sd, str(folder))  # strict: the first missing tensor in one line; ties lm_head
-    del sd
-    if q is not None:  # module by module: each float weight is freed as its quantized one takes its place
-        quantize_model(model, quantize, q["group_size"])
-    return model.eval()
-
-
 def _progress(model_or_count: torch.nn.Module | int, progress: bool | None) -> bool:
     if progress is not None:
         return progress

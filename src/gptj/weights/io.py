@@ -27,6 +27,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,9 +36,9 @@ from tqdm import tqdm
 
 from gptj import quant
 from gptj.config import GPTJConfig
-from gptj.errors import GptjError
+from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
-from gptj.models.gptj import GPTJForCausalLM, build_model
+from gptj.models.registry import architecture_of
 from gptj.quant.format import hf_quantization_config
 from gptj.device import dtype_name
 from gptj.weights import hf
@@ -49,15 +50,16 @@ MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep peak memory low while writing
 PROGRESS_MIN_PARAMS = 500_000_000  # progress=None: bars for models this big (gptj-6b loads for a minute)
 
 
-def expected_specs(config: GPTJConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Name -> (shape, dtype) of every tensor a checkpoint with `config` must hold; dtype None means
-    any floating point dtype (int8 / uint8 for the weights of a quantized config's linears)."""
+def expected_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name -> (shape, dtype) of every tensor a checkpoint with `config` (any architecture's, the
+    model's names) must hold; dtype None means any floating point dtype (int8 / uint8 for the weights
+    of a quantized config's linears)."""
     if config.quantization is not None:
         quant.check_quantization(config.quantization, config)
     return quant.quantized_specs(config)
 
 
-def auto_progress(config: GPTJConfig, progress: bool | None = None) -> bool:
+def auto_progress(config: Any, progress: bool | None = None) -> bool:
     """progress=None: a bar (tqdm, on stderr) when stderr is a terminal and the model is big enough
     to keep one waiting (PROGRESS_MIN_PARAMS); True / False as given."""
     if progress is not None:
@@ -66,19 +68,20 @@ def auto_progress(config: GPTJConfig, progress: bool | None = None) -> bool:
     return n >= PROGRESS_MIN_PARAMS and sys.stderr.isatty()
 
 
-def expected_shapes(config: GPTJConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a GPT-J checkpoint with `config` must hold."""
+def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint with `config` must hold."""
     return {name: shape for name, (shape, _) in expected_specs(config).items()}
 
 
-def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
+def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dtype | None = None,
                        device: torch.device | str = "cpu", progress: bool = False,
                        desc: str = "loading", quantize: Mapping | None = None,
                        smooth: Mapping[str, torch.Tensor] | None = None,
                        adapter: Adapter | None = None) -> dict[str, torch.Tensor]:
-    """A GPT-J checkpoint's tensors, each read once and checked against `config`
-    (gptj.weights.reading.read_checked: name, shape, dtype, finiteness; `dtype` and `device` for the
-    float ones; `adapter` folded into the float weights it adapts as they are read).
+    """A checkpoint's tensors (of any architecture: a Llama's HF names become the model's), each read
+    once and checked against `config` (gptj.weights.reading.read_checked: name, shape, dtype,
+    finiteness; `dtype` and `device` for the float ones; `adapter` folded into the float weights it
+    adapts as they are read).
 
     `dtype` applies to float tensors only: quantized weights keep int8/uint8 and their scales and
     zeros stay bfloat16. `quantize` (a `quant.make_quantization` dict, for a float `config`):
@@ -86,20 +89,49 @@ def checked_state_dict(config: GPTJConfig, items: Iterable[TensorItem], dtype: t
     """
     if quantize is not None and config.quantization is not None:
         raise GptjError("the checkpoint is already quantized")
+    arch = architecture_of(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     return read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
                         progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
-                        skip=hf.LEGACY_SUFFIXES, what="a GPT-J weight")
+                        skip=arch.legacy, optional=("lm_head.weight",) if tied else (),
+                        rename=arch.hf_names(config) if arch.hf_names is not None else None,
+                        what="a GPT-J weight" if arch.hf_names is None else "a weight")
 
 
-def model_from_state_dict(config: GPTJConfig, state_dict: Mapping[str, torch.Tensor],
-                          device: torch.device | str = "cpu") -> GPTJForCausalLM:
-    model = build_model(config, device="meta")
-    if config.quantization is not None:
-        quant.swap_quantized_modules(model, config.quantization)
+def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
+                          device: torch.device | str = "cpu") -> nn.Module:
+    """The model of `config`'s architecture holding `state_dict` (the model's names; quantized as
+    config.quantization says), assigned on the meta device, packed for `device`'s kernels, eval mode.
+    A tied LM head (tie_word_embeddings) is the embedding: an absent one is filled from it, a stored
+    one must equal it (as HF reads such a checkpoint)."""
+    q = config.quantization
+    model = architecture_of(config).build_model(config, device="meta")
+    if q is not None:
+        quant.swap_quantized_modules(model, q)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        state_dict = _tied_head(state_dict, q)
     model.load_state_dict(state_dict, strict=True, assign=True)
+    if tied and isinstance(model.lm_head, nn.Linear):  # assign=True replaced each Parameter: share them again
+        model.lm_head.weight = model.transformer.wte.weight
     model.init_buffers(device)
     quant.prepare_model(model)  # pack quantized weights for the device's kernels
     return model.eval()
+
+
+def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None) -> dict[str, torch.Tensor]:
+    """`state_dict` with a tied LM head's tensors: the embedding's (quantized as `q` says, if it names
+    lm_head) where the checkpoint left them out; a stored float head must equal the embedding."""
+    sd, embed = dict(state_dict), state_dict["transformer.wte.weight"]
+    head = sd.get("lm_head.weight")
+    if head is None and q is not None and "lm_head" in q["modules"]:
+        sd.update({f"lm_head.{leaf}": t for leaf, t in
+                   quant.quantize_weight(embed, q["mode"], q["group_size"]).items()})
+    elif head is None:
+        sd["lm_head.weight"] = embed
+    elif head.is_floating_point() and not torch.equal(head, embed):
+        raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    return sd
 
 
 def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: int | None = None,
@@ -142,23 +174,17 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
 
 def load(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
          quantize: str | None = None, group_size: int | None = None, progress: bool | None = None) -> nn.Module:
-    """The whole model of `checkpoint`, in eval mode.
+    """The whole model of `checkpoint` (any architecture gptj runs), in eval mode.
 
     `dtype` is the float dtype (activations, embeddings, norms, biases). A quantized checkpoint
     loads into quantized modules. `quantize` ("int8" / "int4", with `group_size` for int4; "w8a8" /
     "fp8") quantizes a float checkpoint tensor by tensor while loading, after the checkpoint's
     adapter is folded into the float weights it adapts. `progress`: a bar on stderr; None draws one
-    for a big model (gptj-6b) when stderr is a terminal (`auto_progress`). Architectures other than
-    GPT-J load through gptj.weights.hf_model.
+    for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
     """
-    if checkpoint.arch is not GPTJ:
-        from gptj.weights.hf_model import load_folder
-
-        return load_folder(checkpoint, dtype=dtype, device=device, quantize=quantize, group_size=group_size,
-                           progress=progress)
     cfg, folder, hf_dir = checkpoint.config, checkpoint.folder, checkpoint.format == "hf"
-    progress = auto_progress(cfg, progress)
     q = resolve_quantization(cfg, quantize, group_size, where=folder)
+    progress = auto_progress(cfg, progress)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     sd = checked_state_dict(cfg, checkpoint.tensors(progress and not hf_dir, dtype), dtype=dtype, device=device,
                             progress=progress and hf_dir, quantize=q, smooth=w8a8_factors(q, cfg, folder),
@@ -313,9 +339,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
 
 
-# copied as they are by convert (another architecture's folder): its tokenizer and generation settings
+# copied as they are by convert (another architecture's folder): its tokenizer, generation settings and
+# W8A8 smoothing factors (config.json keeps their record)
 KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "generation_config.json")
+              "generation_config.json", "calibration.safetensors")
 
 
 def _convert_folder(checkpoint: Checkpoint, out: str | os.PathLike, dtype: torch.dtype | None, overwrite: bool,
@@ -323,14 +350,14 @@ def _convert_folder(checkpoint: Checkpoint, out: str | os.PathLike, dtype: torch
     """convert for an HF folder of another architecture (Llama): read in `dtype` (default: the one its
     config.json records, so nothing is rounded) and written again in gptj's layout, with the
     folder's tokenizer and generation_config.json (its EOS ids) as they are; float only so far."""
-    from gptj.weights.hf_model import load_folder, save_folder
+    from gptj.weights.hf_model import save_folder
 
     src = checkpoint.folder
     if quantize is not None or group_size is not None or also is not None:
         raise GptjError(f"{src}: gptj convert writes a {checkpoint.arch.model_type} folder in float only so far "
                         "(no --quantize, no --tp; quantize on load instead)")
     dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
-    model = load_folder(checkpoint, dtype=dtype, progress=progress)
+    model = load(checkpoint, dtype=dtype, progress=progress)
 
     def kept_files(folder: Path) -> None:
         for name in KEPT_FILES:
@@ -353,9 +380,6 @@ def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str,
     checkpoint = Checkpoint.read(folder)
     if checkpoint.format != "hf":
         raise GptjError(f"{folder}: calibration needs a model folder with config.json (gptj convert makes one)")
-    if checkpoint.arch is not GPTJ:
-        raise GptjError(f"{folder}: w8a8 calibration is made for GPT-J models only so far "
-                        f"(this is a {checkpoint.arch.model_type} model)")
     cfg = checkpoint.config
     if cfg.quantization is not None:
         raise GptjError(f"{folder}: already quantized ({cfg.quantization['mode']}): calibrate the float checkpoint")

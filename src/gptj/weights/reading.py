@@ -30,42 +30,47 @@ def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype
                  device: torch.device | str = "cpu", progress: bool = False, desc: str = "loading",
                  quantize: Mapping | None = None, smooth: Mapping[str, torch.Tensor] | None = None,
                  adapter: Adapter | None = None, skip: tuple[str, ...] = (), optional: Iterable[str] = (),
-                 what: str = "a weight") -> dict[str, torch.Tensor]:
+                 rename: Mapping[str, str] | None = None, what: str = "a weight") -> dict[str, torch.Tensor]:
     """Every tensor of `items`, checked against `specs` and converted: float ones to `dtype` (None: as
     stored) on `device`, a quantization's scales to its scale dtype. `quantize` (a
     quant.make_quantization dict): the weights of its modules quantized as read (`smooth`: W8A8's
     factors by module). `skip`: name suffixes of buffers old checkpoints saved, passed over;
-    `optional`: names that may be absent (a tied LM head); `what`: how an unexpected name is called."""
+    `optional`: names that may be absent (a tied LM head); `rename`: stored name -> the model's, where
+    they differ (Llama's HF names: the specs, `quantize`, `smooth` and the result use the model's;
+    errors and the adapter the stored ones); `what`: how an unexpected name is called."""
+    rename = rename or {}
+    stored = {ours: name for name, ours in rename.items()}  # the model's name -> the file's
     qweights = {f"{m}.weight" for m in quantize["modules"]} if quantize is not None else set()
     if adapter is not None:
-        adapter.check_fits({name: shape for name, (shape, _) in specs.items()}, n_layer)
+        adapter.check_fits({stored.get(name, name): shape for name, (shape, _) in specs.items()}, n_layer)
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     bar = tqdm(total=len(specs), desc=desc, unit="tensor", disable=not progress)
-    for name, shape, read, file in items:
-        if skip and name.endswith(skip):
+    for stored_name, shape, read, file in items:
+        if skip and stored_name.endswith(skip):
             continue
+        name = rename.get(stored_name, stored_name)
         if name not in specs:
-            raise CheckpointError(f"{file}: unexpected tensor {name} (not {what} of this config)")
+            raise CheckpointError(f"{file}: unexpected tensor {stored_name} (not {what} of this config)")
         if name in seen:
-            raise CheckpointError(f"{file}: tensor {name} appears twice")
+            raise CheckpointError(f"{file}: tensor {stored_name} appears twice")
         seen.add(name)
         want_shape, want_dtype = specs[name]
         if shape != want_shape:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
+            raise CheckpointError(f"{file}: tensor {stored_name} has shape {list(shape)}, expected {list(want_shape)}")
         tensor = read()
         if adapter is not None and tensor.is_floating_point():
-            tensor = merged(tensor, adapter.delta(name))
+            tensor = merged(tensor, adapter.delta(stored_name))
         if want_dtype is not None:  # a quantized weight: exactly int8 / uint8, kept as is
             if tensor.dtype != want_dtype:
-                raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
+                raise CheckpointError(f"{file}: tensor {stored_name} has dtype {dtype_name(tensor.dtype)}, "
                                       f"expected {dtype_name(want_dtype)} (quantized weight)")
             out[name] = tensor.to(device=device)
         elif not tensor.is_floating_point():
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
+            raise CheckpointError(f"{file}: tensor {stored_name} has dtype {dtype_name(tensor.dtype)}, "
                                   f"expected floating point")
         elif name in qweights:
-            check_finite(tensor, name, file)
+            check_finite(tensor, stored_name, file)
             module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
             for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"],
                                                  (smooth or {}).get(module)).items():
@@ -74,15 +79,15 @@ def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype
         else:
             target = quant.SCALE_DTYPE if quant.is_quant_param(name) else (dtype or tensor.dtype)
             tensor = tensor.to(device=device, dtype=target)
-            check_finite(tensor, name, file)
+            check_finite(tensor, stored_name, file)
             if name.endswith(".weight_scale") and not bool((tensor > 0).all()):
-                raise CheckpointError(f"{file}: tensor {name} has scales that are not positive")
+                raise CheckpointError(f"{file}: tensor {stored_name} has scales that are not positive")
             out[name] = tensor
         bar.update()
     bar.close()
     missing = [n for n in specs if n not in seen and n not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+        raise CheckpointError(f"checkpoint is missing tensor {stored.get(missing[0], missing[0])}{more}")
     return out
 
