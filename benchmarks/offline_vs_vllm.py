@@ -30,8 +30,7 @@ Llama-3.1-8B-shaped one) runs MLPerf llama3.1-8b's shape instead: greedy only (i
 samples greedily; beam is refused), the first --samples prompts of gptj's bundled llama3.1-8b
 sample set (gptj.mlperf.dataset.DEFAULT_LLAMA_DATASET: the llama prompt format, tokenized with the
 folder's tokenizer), --new-tokens new tokens each, EOS ignored; vLLM's max_model_len 2048 (more
-where the longest prompt and its new tokens need it). gptj's --gptj-quantize int8 / int4 work for
-Llama; w8a8 is refused.
+where the longest prompt and its new tokens need it). Every --gptj-quantize works for Llama too.
 
     python benchmarks/offline_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --llama-layers 2 \
         --model /tmp/llama-8b-w2
@@ -161,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gptj's float dtype")
     p.add_argument("--gptj-quantize", choices=("none", "int8", "int4", "w8a8"), default="none",
-                   help="gptj's weights (w8a8: GPT-J only; vLLM loads the float folder either way)")
+                   help="gptj's weights (w8a8: a calibrated copy; vLLM loads the float folder either way)")
     p.add_argument("--group-size", type=int, help="with --gptj-quantize int4: its group size (default: gptj's)")
     p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto", help="gptj's KV storage")
     p.add_argument("--threads", type=int, default=2, help="gptj's torch threads (0: leave as is)")
@@ -174,7 +173,7 @@ SMOKE = dict(samples=2, new_tokens=3, rounds=1, dtype="float32", threads=1)
 
 def workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """The MLPerf benchmark whose shape the folder runs, gptj-99 (GPT-J: --modes default both) or
-    llama3.1-8b (Llama: greedy only, --modes default greedy, w8a8 refused); p.error otherwise."""
+    llama3.1-8b (Llama: greedy only, --modes default greedy); p.error otherwise."""
     arch = model_type(args.model)
     if arch != "llama":
         args.modes = args.modes or list(MODES)
@@ -183,8 +182,6 @@ def workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     if args.modes != ["greedy"]:
         p.error(f"{args.model} is a Llama model: MLPerf llama3.1-8b is greedy (--modes greedy), "
                 f"got {','.join(args.modes)}")
-    if args.gptj_quantize == "w8a8":
-        p.error(f"{args.model} is a Llama model: gptj's w8a8 is GPT-J's only (--gptj-quantize int8 or int4)")
     return "llama3.1-8b"
 
 

@@ -34,8 +34,8 @@ named gptj-NAME and vllm-NAME, and every gptj one is compared with every vLLM on
 Without them one of each runs: gptj with --gptj-args, vLLM with --vllm-args.
 
 A gptj setting with --quantize w8a8 (or --w8a8, which adds it to --gptj-args) serves a calibrated
-copy of the model folder (`gptj calibrate` on the bundled set's first 8 prompts, made once beside
-it); vLLM serves the float folder, so it never sees the factors file.
+copy of the model folder (`gptj calibrate` on the first 8 prompts of the bundled set of its
+benchmark, made once beside it); vLLM serves the float folder, so it never sees the factors file.
 
 Without --vllm-python only gptj runs (what the smoke run in CI checks).
 
@@ -43,8 +43,7 @@ A Llama folder (config.json's model_type "llama"; --llama-layers N writes the Ll
 one of benchmarks/llama_shapes.py, N of its 32 layers, to --model or under --work-dir) runs the
 same load: the random prompt ids lie within its vocabulary either way, and both servers get
 --max-model-len 2048 unless a setting names its own (the folder's own 131,072 would make gptj
-size its KV for sequences that long; vLLM's default flags already say 2048). w8a8 is refused
-(gptj's W8A8 is GPT-J's only). Issue 59's row, bf16 against bf16 (with int8 weights and KV beside
+size its KV for sequences that long; vLLM's default flags already say 2048). Issue 59's row, bf16 against bf16 (with int8 weights and KV beside
 it, at lower precision than vLLM's); vLLM's bfloat16 on an AVX2-only CPU is slow enough that its
 32 clients outlast the client's 600 s per request, hence --request-timeout (and gptj's own
 --request-timeout-s), and one request per client:
@@ -214,7 +213,12 @@ def calibrated_copy(model: Path, work_dir: Path) -> Path:
     out = work_dir / (model.name + "-w8a8")
     if not (out / "config.json").exists() or not json.loads((out / "config.json").read_text()).get("calibration"):
         shutil.copytree(model, out, dirs_exist_ok=True)
-        data = Dataset.load(max_examples=8)
+        if model_type(model) == "llama":  # llama3.1-8b's set in its prompt format, the folder's tokenizer
+            from gptj.tokenizer import tokenizer_for_model
+
+            data = Dataset.load(tokenizer=tokenizer_for_model(out), max_examples=8, benchmark="llama3.1-8b")
+        else:
+            data = Dataset.load(max_examples=8)
         calibrate(out, data.input_ids, data.path.name, dtype=torch.bfloat16)
     return out
 
@@ -375,10 +379,7 @@ SMOKE = dict(concurrency=[1, 2], requests_per_client=1, input_len=8, max_tokens=
 
 
 def llama_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A Llama folder's servers: w8a8 refused (gptj's W8A8 is GPT-J's); every setting, gptj's and
-    vLLM's, given --max-model-len 2048 unless it names one."""
-    if any(quantized_w8a8(flags) for flags in args.gptj_variants.values()):
-        p.error(f"{args.model} is a Llama model: gptj's --quantize w8a8 is GPT-J's only (int8 or int4 serve Llama)")
+    """A Llama folder's servers: every setting, gptj's and vLLM's, given --max-model-len 2048 unless it names one."""
     args.gptj_variants = {name: with_max_model_len(flags) for name, flags in args.gptj_variants.items()}
     args.vllm_variants = {name: with_max_model_len(flags) for name, flags in args.vllm_variants.items()}
 

@@ -1,5 +1,5 @@
 """benchmarks/serve_vs_vllm.py and offline_vs_vllm.py on a Llama folder (issue 59's peer table): the
-settings and prompts they pick, without a model or vLLM (pure logic, well under a second)."""
+settings and prompts they pick, without vLLM (pure logic, and a tiny Llama calibrated for w8a8)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ def test_model_type_reads_the_folder_and_defaults_to_gptj(bench, tmp_path):
     assert serve.model_type(tmp_path / "missing") == "gptj"
 
 
-def test_llama_servers_get_a_max_model_len_and_no_w8a8(bench, tmp_path):
-    """Every setting, gptj's and vLLM's, gets --max-model-len 2048 unless it gives one (either
-    spelling); a gptj setting with --quantize w8a8 is one usage line (exit 2)."""
+def test_llama_servers_get_a_max_model_len(bench, tmp_path):
+    """Every setting, gptj's and vLLM's, gets --max-model-len 2048 unless it gives one (either spelling)."""
     serve, _ = bench
     assert serve.with_max_model_len("--dtype bfloat16") == "--dtype bfloat16 --max-model-len 2048"
     assert serve.with_max_model_len("--max-model-len 4096") == "--max-model-len 4096"
@@ -53,10 +52,6 @@ def test_llama_servers_get_a_max_model_len_and_no_w8a8(bench, tmp_path):
     assert args.gptj_variants == {"gptj-bf16": "--dtype bfloat16 --threads 2 --max-model-len 2048",
                                   "gptj-int8": "--quantize int8 --max-model-len 1024"}
     assert args.vllm_variants == {"vllm-bf16": "--dtype bfloat16 --max-model-len 2048"}
-    args.gptj_variants = {"gptj-w8a8": "--quantize w8a8"}
-    with pytest.raises(SystemExit) as e:
-        serve.llama_settings(p, args)
-    assert e.value.code == 2
 
 
 def test_offline_workload_llama_is_greedy_gptj_keeps_both_modes(bench, tmp_path):
@@ -65,12 +60,12 @@ def test_offline_workload_llama_is_greedy_gptj_keeps_both_modes(bench, tmp_path)
     gptj = argparse.Namespace(model=folder(tmp_path / "g", "gptj"), modes=None, gptj_quantize="w8a8")
     assert offline.workload(p, gptj) == "gptj-99" and gptj.modes == ["beam", "greedy"]
     llama = folder(tmp_path / "l", "llama")
-    args = argparse.Namespace(model=llama, modes=None, gptj_quantize="int4")
-    assert offline.workload(p, args) == "llama3.1-8b" and args.modes == ["greedy"]
-    for bad in (dict(modes=["beam", "greedy"], gptj_quantize="none"), dict(modes=None, gptj_quantize="w8a8")):
-        with pytest.raises(SystemExit) as e:
-            offline.workload(p, argparse.Namespace(model=llama, **bad))
-        assert e.value.code == 2
+    for quantize in ("int4", "w8a8"):
+        args = argparse.Namespace(model=llama, modes=None, gptj_quantize=quantize)
+        assert offline.workload(p, args) == "llama3.1-8b" and args.modes == ["greedy"]
+    with pytest.raises(SystemExit) as e:
+        offline.workload(p, argparse.Namespace(model=llama, modes=["beam", "greedy"], gptj_quantize="none"))
+    assert e.value.code == 2
 
 
 def test_offline_llama_prompts_are_the_llama_sample_set_in_its_format(bench, monkeypatch, tmp_path):
@@ -93,3 +88,21 @@ def test_offline_llama_prompts_are_the_llama_sample_set_in_its_format(bench, mon
     assert ids == [[0, len(r.input)] for r in records]
     assert offline.vllm_max_model_len([[1] * 100], 128) == 2048
     assert offline.vllm_max_model_len([[1] * 2000], 128) == 2128
+
+
+def test_a_llama_w8a8_copy_is_calibrated_on_the_llama_set(bench, tmp_path):
+    """--quantize w8a8 on a Llama folder serves a copy calibrated on llama3.1-8b's bundled prompts
+    (its prompt format, the folder's tokenizer), made once; it loads with every linear W8A8."""
+    from gptj.cli import main
+    from gptj.mlperf.dataset import DEFAULT_LLAMA_DATASET
+    from gptj.quant import W8A8Linear
+    from gptj.weights.io import load_model
+
+    serve, _ = bench
+    assert main(["init", "--preset", "llama-tiny", "--out", str(tmp_path / "m")]) == 0
+    out = serve.calibrated_copy(tmp_path / "m", tmp_path / "work")
+    record = json.loads((out / "config.json").read_text())["calibration"]
+    assert record["samples"] == 8 and record["dataset"] == Path(DEFAULT_LLAMA_DATASET).name
+    assert serve.calibrated_copy(tmp_path / "m", tmp_path / "work") == out  # made once
+    model = load_model(out, quantize="w8a8")
+    assert all(type(model.get_submodule(n)) is W8A8Linear for n in model.config.quantization["modules"])
