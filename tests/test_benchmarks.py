@@ -146,6 +146,8 @@ def check_load_memory(out: dict, err: str) -> None:
         assert positive(r["weights_gb"]) and positive(r["load_s"])
         assert r["peak_rss_gb"] > r["weights_gb"]  # the process holds the weights and more
     assert all(v is True for k, v in leaves if k.endswith("logits_finite")), leaves
+    if out.get("quantize"):  # quantized as read: fewer weight bytes than the float file holds
+        assert all(r["weights_gb"] < out["file_gb"] for r in records), out
 
 
 def check_membw(out: dict, err: str) -> None:
@@ -529,7 +531,8 @@ SMOKE: dict[str, Job] = {
                           check_llama_peers),
     "llama_shapes.py": Job("llama_shapes.py", lambda m, tmp: ["--tokenizer-only", "--out", str(tmp / "tok")],
                            check_llama_shapes),
-    "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1"], check_load_memory),
+    "load_memory.py": Job("load_memory.py", lambda m, tmp: ["--dir", m, "--repeats", "1", "--quantize", "int8"],
+                          check_load_memory),
     "membw.py": Job("membw.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_membw),
     "native_attention.py": Job("native_attention.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"],
                                check_native_attention),

@@ -221,7 +221,7 @@ def test_save_refuses_to_overwrite_without_force(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_is_exact(dtype):
-    from gptj.device import all_finite
+    from gptj.weights.finite import all_finite
 
     t = torch.ones(1000, dtype=dtype)
     assert all_finite(t)

@@ -1,5 +1,4 @@
-"""Dtype and device names, a finiteness check and a host-to-device copy: the small helpers the CLI
-and the library share.
+"""Dtype and device names and a host-to-device copy: the small helpers the CLI and the library share.
 
 torch is imported inside the functions so that `gptj --help` starts without it.
 """
@@ -8,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gptj.errors import CheckpointError, GptjError
+from gptj.errors import GptjError
 
 if TYPE_CHECKING:
     import torch
@@ -83,22 +82,6 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device)
 
 
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True if no element is NaN or infinite.
-
-    A sum is non-finite exactly when an element is (NaN and inf propagate) or the sum overflows,
-    and summing is ~30x faster than torch.isfinite on CPU (0.02 s vs 0.7 s for 64M bf16 values),
-    which matters for 6B parameters. Only when the sum is not finite do we look element by element.
-    """
-    import torch
-
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return True
-    if bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())  # an overflowing sum of finite values is still fine
-
-
 # FP8 matrix units (torch._scaled_mm with e4m3): compute capability 8.9 (Ada) and 9.0 (Hopper) on.
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -129,10 +112,3 @@ def check_fp8_device(device: torch.device | str) -> None:
     raise GptjError(f"fp8 weights need a GPU with FP8 matrix units (compute capability "
                     f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more: Ada, Hopper); {where} "
                     "(use --quantize int8, int4 or w8a8)")
-
-
-def check_finite(tensor: torch.Tensor, name: str, file: object) -> None:
-    """CheckpointError naming `file` and tensor `name` unless every value of `tensor` is finite: the one
-    finiteness check of everything gptj loads (a checkpoint's tensors, a LoRA adapter's)."""
-    if not all_finite(tensor):
-        raise CheckpointError(f"{file}: tensor {name} has NaN or infinite values")

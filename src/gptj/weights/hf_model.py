@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from gptj.device import check_finite, dtype_name
+from gptj.device import dtype_name
+from gptj.weights.finite import check_finite
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder
 from gptj.models.registry import architecture_of

@@ -5,9 +5,10 @@ The canonical on-disk format is an HF-compatible directory: config.json, safeten
 tokenizer files, so HF transformers loads what gptj writes.
 
 Loading (`load(Checkpoint.read(folder), ...)`, or `load_model(folder, ...)`: gptj.weights.checkpoint
-reads the folder's format, architecture and config once) builds the model on the meta device and
-assigns each tensor as it is read and converted (`load_state_dict(assign=True)`), so weights are never held twice.
-Every tensor is checked for name, shape and finiteness; errors name the tensor and file.
+reads the folder's format, architecture and config once) is the same for every architecture: each
+tensor is read once and checked (gptj.weights.reading: name, shape, finiteness; a Llama's HF names
+become the model's), converted or quantized as it comes, and assigned to a model built on the meta
+device (`load_state_dict(assign=True)`), so weights are never held twice; errors name the tensor and file.
 
 Quantized checkpoints (see `gptj.quant`): config.json's "quantization" entry says which linears
 hold int8/int4 weights (with their bfloat16 scales/zeros); those load into quantized modules,
@@ -104,13 +105,12 @@ def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
     config.quantization says), assigned on the meta device, packed for `device`'s kernels, eval mode.
     A tied LM head (tie_word_embeddings) is the embedding: an absent one is filled from it, a stored
     one must equal it (as HF reads such a checkpoint)."""
-    q = config.quantization
+    q, tied = config.quantization, bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        state_dict = _tied_head(state_dict, q)
     model = architecture_of(config).build_model(config, device="meta")
     if q is not None:
         quant.swap_quantized_modules(model, q)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
-        state_dict = _tied_head(state_dict, q)
     model.load_state_dict(state_dict, strict=True, assign=True)
     if tied and isinstance(model.lm_head, nn.Linear):  # assign=True replaced each Parameter: share them again
         model.lm_head.weight = model.transformer.wte.weight

@@ -83,7 +83,7 @@ from tqdm import tqdm
 
 from gptj.errors import CheckpointError
 from gptj.files import model_file
-from gptj.device import all_finite
+from gptj.weights.finite import all_finite
 
 __all__ = [
     "MtjLeaf",

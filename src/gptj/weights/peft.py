@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gptj.config import GPTJConfig
-from gptj.device import check_finite
+from gptj.weights.finite import check_finite
 from gptj.errors import GptjError
 from gptj.files import model_file
 

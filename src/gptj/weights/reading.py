@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from gptj import quant
-from gptj.device import check_finite, dtype_name
+from gptj.device import dtype_name
+from gptj.weights.finite import check_finite
 from gptj.errors import CheckpointError
 from gptj.weights.peft import Adapter, merged
 
