@@ -267,7 +267,7 @@ def test_compare_and_quant_report_take_a_llama_folder(tmp_path):
 def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
     """gptj convert on a Llama folder: the weights rounded once to --dtype (by default the dtype its
     config.json records: nothing rounded), its tokenizer and generation_config.json (the EOS ids) kept
-    as they are; --tp and --quantize refused in one line, nothing written."""
+    as they are; --tp refused in one line, nothing written."""
     hf_model().save_pretrained(tmp_path / "m")
     gen = {"bos_token_id": 0, "eos_token_id": [1, 7]}
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps(gen))
@@ -280,10 +280,44 @@ def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
     for d in ("bf16", "same"):
         assert json.loads((tmp_path / d / "generation_config.json").read_text()) == gen
         assert json.loads((tmp_path / d / "tokenizer_config.json").read_text()) == {"eos_token": "x"}
-    for flags in (["--tp", "2"], ["--quantize", "int8"]):
-        capsys.readouterr()
-        assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", *flags]) == 1
-        assert "writes a llama folder in float only" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", "--tp", "2"]) == 1
+    assert "--tp writes GPT-J shards only so far" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("mode, tie", [("int8", False), ("int4", True), ("w8a8", False)])
+def test_a_quantized_llama_checkpoint_round_trips(tmp_path, capsys, mode, tie):
+    """gptj convert --quantize on a Llama folder writes HF's module names with each linear's scales
+    beside its weight (a tied head too: quantized, it is no longer the embedding); it loads to the
+    tensors quantizing at load gives, and decodes the same tokens; HF transformers refuses it; saving
+    the loaded model writes the same folder again."""
+    from gptj.decode import generate
+    from gptj.generation_config import GenerationConfig
+    from gptj.weights.io import calibrate
+
+    folder = tmp_path / "m"
+    hf_model(tie).save_pretrained(folder)
+    if mode == "w8a8":
+        calibrate(folder, [IDS[0].tolist()], "test prompts")
+    assert main(["convert", str(folder), "--out", str(tmp_path / "q"), "--quantize", mode, "--quiet"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight_scale",
+            "lm_head.weight_scale"} <= keys
+    assert ("model.layers.0.self_attn.q_proj.input_smooth" in keys) == (mode == "w8a8")
+    on_load, saved = load_model(folder, quantize=mode), load_model(tmp_path / "q")
+    assert saved.config.quantization == on_load.config.quantization
+    a, b = on_load.state_dict(), saved.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    gen = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    assert generate(saved, [IDS[0].tolist()], gen) == generate(on_load, [IDS[0].tolist()], gen)
+    with pytest.raises(ValueError):
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "q")
+    again = save_checkpoint(saved.state_dict(), saved.config, tmp_path / "again")
+    c = load_model(again).state_dict()
+    assert c.keys() == b.keys() and all(torch.equal(c[k], b[k]) for k in b)
 
 
 def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):

@@ -134,7 +134,7 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)  # HF's eos_token_id: one id or a list (Llama 3.1 Instruct: 3)
     pad_token_id: int | None = None
-    quantization: dict | None = None  # quantized at load (gptj.quant.make_quantization's entry); never saved
+    quantization: dict | None = None  # gptj.quant.make_quantization's entry: quantized at load, or in the checkpoint
     calibration: dict | None = None  # W8A8 calibration of a float checkpoint (gptj.quant.calibrate's record)
 
     def __post_init__(self) -> None:
@@ -165,9 +165,9 @@ class LlamaConfig:
                              "attention_bias": False, "mlp_bias": False}
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
-        del d["quantization"]  # (a quantized Llama is made at load, and not written)
-        if d["calibration"] is None:
-            del d["calibration"]
+        for name in ("quantization", "calibration"):
+            if d[name] is None:
+                del d[name]
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         d["rope_scaling"] = self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None
@@ -185,7 +185,7 @@ class LlamaConfig:
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _OPTIONAL = ("num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-             "bos_token_id", "pad_token_id", "calibration")
+             "bos_token_id", "pad_token_id", "quantization", "calibration")
 
 
 def _llama_kwargs(d: Any) -> dict[str, Any]:

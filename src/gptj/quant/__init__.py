@@ -16,6 +16,7 @@ Which kernel a quantized layer's call runs is gptj.policy's LINEAR_TABLE (KERNEL
 from gptj import native
 from gptj.policy import KERNEL_MAX_ROWS, native_available
 from gptj.quant.format import (
+    QUANT_LEAVES,
     QUANT_MODES,
     QUANT_VERSION,
     check_mode,
@@ -81,7 +82,7 @@ def _native():  # noqa: ANN202 - the gptj.native module, or None where its kerne
 
 
 __all__ = [
-    "QUANT_MODES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
+    "QUANT_MODES", "QUANT_LEAVES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
     "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8", "quantize_rows_fp8",
     "fp8_error_bound", "fp8_sums", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",

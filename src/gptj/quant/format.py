@@ -246,9 +246,12 @@ def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype
     return out
 
 
+QUANT_LEAVES = ("weight_scale", "weight_zero", "input_smooth")  # a quantized linear's tensors beside its weight
+
+
 def is_quant_param(name: str) -> bool:
     """Scales, zeros and smoothing factors: float tensors kept as bfloat16 whatever the model's dtype."""
-    return name.endswith((".weight_scale", ".weight_zero", ".input_smooth"))
+    return name.endswith(tuple("." + leaf for leaf in QUANT_LEAVES))
 
 
 def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], config: Any, mode: str,

@@ -91,8 +91,6 @@ def hf_config(path: Path) -> tuple[Architecture, Any]:
     if model_type in (None, "gptj"):
         return GPTJ, GPTJConfig.from_hf_dict(d, source=str(path))
     arch = architecture(model_type, str(path))
-    if d.get("quantization") is not None or d.get("quantization_config") is not None:
-        raise GptjError(f"{path}: quantized {arch.model_type} checkpoints are not supported yet")
     # Errors say both what the folder is not and what is wrong with what it claims to be.
     return arch, arch.config_class.from_hf_dict(d, source=f"{path}: not a GPT-J config (model_type "
                                                          f"{arch.model_type!r}), and not a valid {arch.model_type} one")
@@ -147,8 +145,8 @@ class Checkpoint:
 
     @property
     def renames(self) -> dict[str, str] | None:
-        """Stored tensor name -> the model's, where the architecture's module names are not HF's (None: the same)."""
-        return self.arch.hf_names(self.config) if self.arch.hf_names is not None else None
+        """Stored tensor name -> the model's (tensor_names)."""
+        return tensor_names(self.arch, self.config)
 
     def with_adapter(self, adapter: Adapter | None) -> Checkpoint:
         """This checkpoint with `adapter` folded into its float weights as they load (one line if it is
@@ -178,22 +176,39 @@ def _read_hf(path: Path, config: str | os.PathLike | GPTJConfig | None, listing:
     if config is not None and resolve_config(config) != cfg:
         raise CheckpointError(f"{path}: its config.json differs from the config given")
     listed = hf.listed_tensor_names(path) if listing else None
-    if listed is not None and arch is not GPTJ:  # a single .bin lists nothing until unpickled: checked as read
-        check_listing(arch, cfg, *listed)
-    elif listed is not None:
+    if listed is not None and arch is GPTJ:  # a single .bin lists nothing until unpickled: checked as read
         names, listing = listed
         check_layer_count(cfg, layers_named(names), str(path / CONFIG), listing.name)
     if cfg.quantization is not None:
         cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
+    if listed is not None and arch is not GPTJ:
+        check_listing(arch, cfg, *listed)
     return arch, cfg
 
 
-def check_listing(arch: Architecture, config: Any, listed: list[str], listing: Path) -> None:
-    """The tensor names a folder of another architecture than GPT-J lists, against its config's, before
-    any weight is read: the first unexpected or missing one, in one line (a tied LM head may be absent)."""
+def tensor_names(arch: Architecture, config: Any) -> dict[str, str] | None:
+    """Stored (HF) tensor name -> the model's, for an architecture whose module names are not HF's
+    (None: they are): every weight's, and beside each the scales, zeros and smoothing factors a
+    quantized checkpoint stores under the same module name."""
+    if arch.hf_names is None:
+        return None
     names = arch.hf_names(config)
+    if config.quantization is not None:
+        for stored, ours in list(names.items()):
+            if stored.endswith(".weight"):
+                names.update({stored[:-len("weight")] + leaf: ours[:-len("weight")] + leaf for leaf in quant.QUANT_LEAVES})
+    return names
+
+
+def check_listing(arch: Architecture, config: Any, listed: list[str], listing: Path) -> None:
+    """The tensor names a folder of another architecture than GPT-J lists, against its config's (its
+    quantization's tensors included), before any weight is read: the first unexpected or missing one,
+    in one line (a tied float LM head may be absent)."""
+    stored = {ours: name for name, ours in tensor_names(arch, config).items()}
+    names = [stored.get(n, n) for n in quant.quantized_specs(config)]
     given = [n for n in listed if not n.endswith(arch.legacy)]
-    unexpected = [n for n in given if n not in names]
+    expected = set(names)
+    unexpected = [n for n in given if n not in expected]
     if unexpected:
         raise CheckpointError(f"{listing}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected; "
                               f"not a weight of this config)")

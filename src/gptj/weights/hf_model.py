@@ -2,14 +2,14 @@
 
     save_folder:   a model's state dict -> an HF-layout folder (config.json by the config's to_hf_dict,
                    generation_config.json, safetensors with HF's names, sharded with an index when large)
-                   that transformers' from_pretrained loads, and gptj too
+                   that transformers' from_pretrained loads, and gptj too; a quantized one (each linear's
+                   scales beside its weight) gptj loads and transformers refuses
     random_folder: `gptj init` of such a preset: deterministic random weights, made and written one
                    shard at a time (Llama-3.1-8B's 16 GB in bfloat16 never all in memory)
 
-gptj.weights.io's save_checkpoint hands these configs here (GPT-J's own saving stays in io.py);
-io.load reads every architecture's folder alike. They quantize at load (int8, int4, fp8); quantized
-checkpoints of them are refused for now (Checkpoint.read). No tokenizer is written (gptj's bundled
-one is GPT-J's).
+gptj.weights.io's save_checkpoint and convert hand these configs here (GPT-J's own writing stays in
+io.py); io.load reads every architecture's folder alike. No tokenizer is written (gptj's bundled one
+is GPT-J's; convert copies the folder's).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from gptj.weights.finite import check_finite
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder
 from gptj.models.registry import architecture_of
+from gptj.quant.format import hf_quantization_config, is_quant_param, quantized_specs
 from gptj.weights import hf
-from gptj.weights.checkpoint import CONFIG
+from gptj.weights.checkpoint import CONFIG, tensor_names
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PROGRESS_MIN_PARAMS = 500_000_000  # as gptj.weights.io's: bars for models this big on a terminal
@@ -52,35 +53,39 @@ def _progress(model_or_count: torch.nn.Module | int, progress: bool | None) -> b
 def save_folder(state_dict: Mapping[str, torch.Tensor], config: Any, out: str | os.PathLike,
                 dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False,
                 max_shard_bytes: int = MAX_SHARD_BYTES, extra: Callable[[Path], None] | None = None) -> Path:
-    """Write a model's state dict (gptj's names: `model.state_dict()`) as an HF folder, atomically.
+    """Write a model's state dict (gptj's names: `model.state_dict()`, or a checked read's) as an HF
+    folder, atomically; a quantized config's tensors too (its scales beside each weight, HF's module
+    names), with config.json's `quantization_config` that makes transformers refuse the folder.
 
     Strict: a missing or unexpected tensor is one line, before anything is written; every tensor
-    is checked finite as written. `dtype` converts the float tensors (default: as they are). With
-    tied embeddings lm_head.weight is not written (as HF's save_pretrained).
+    is checked finite as written. `dtype` converts the float weights (default: as they are; a
+    quantization's scales stay bfloat16). With tied embeddings a float lm_head.weight is not written
+    (as HF's save_pretrained).
     """
     arch = architecture_of(config)
-    names = arch.hf_names(config)  # HF -> ours
+    stored = {ours: name for name, ours in tensor_names(arch, config).items()}  # ours -> HF
+    specs = quantized_specs(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    ours = {o: h for h, o in names.items()}
-    unexpected = [n for n in state_dict if n not in ours]
+    unexpected = [n for n in state_dict if n not in specs]
     if unexpected:
         raise CheckpointError(f"state dict: unexpected tensor {unexpected[0]} (not a weight of this config)")
-    missing = [o for h, o in names.items() if o not in state_dict and not (tied and h == "lm_head.weight")]
+    ours = [o for o in specs if not (tied and o == "lm_head.weight" and specs[o][1] is None)]
+    missing = [o for o in ours if o not in state_dict]
     if missing:
         raise CheckpointError(f"state dict: missing tensor {missing[0]} ({len(missing)} missing)")
-    write = [h for h in names if not (tied and h == "lm_head.weight")]
+    names = {stored[o]: o for o in ours}  # HF -> ours, in the model's order
 
-    def target(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+    def target(o: str) -> torch.dtype:
+        keep = dtype is None or specs[o][1] is not None or is_quant_param(o)
+        return state_dict[o].dtype if keep else dtype
 
     def make(h: str) -> torch.Tensor:
-        t = state_dict[names[h]].detach()
-        return t.to(device="cpu", dtype=target(t))
+        return state_dict[names[h]].detach().to(device="cpu", dtype=target(names[h]))
 
-    nbytes = {h: state_dict[names[h]].numel() * torch.empty((), dtype=target(state_dict[names[h]])).element_size()
-              for h in write}
-    first = target(state_dict[names[write[0]]])
-    return _write_folder(config, Path(out), write, nbytes, make, first, overwrite, progress, max_shard_bytes, extra)
+    nbytes = {h: state_dict[o].numel() * torch.empty((), dtype=target(o)).element_size() for h, o in names.items()}
+    first = target(next(o for o in ours if specs[o][1] is None))
+    return _write_folder(config, Path(out), list(names), nbytes, make, first, overwrite, progress, max_shard_bytes,
+                         extra)
 
 
 def random_folder(config: Any, out: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -127,8 +132,10 @@ def _write_folder(config: Any, out: Path, names: list[str], nbytes: Mapping[str,
         raise GptjError(f"{out}: already exists (choose a new --out, or pass --force to replace it)")
     groups = _shards(names, nbytes, max_shard_bytes)
     with atomic_folder(out) as tmp:
-        _write_json(tmp / CONFIG, config.to_hf_dict() | {"torch_dtype": dtype_name(dtype)})
-        cfg = config.to_hf_dict()
+        cfg = config.to_hf_dict() | {"torch_dtype": dtype_name(dtype)}
+        if config.quantization is not None:  # HF transformers refuses the folder instead of misreading it
+            cfg["quantization_config"] = hf_quantization_config(config.quantization)
+        _write_json(tmp / CONFIG, cfg)
         _write_json(tmp / "generation_config.json",
                     {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")})
         bar = tqdm(total=len(names), desc="writing", unit="tensor", disable=not progress)

@@ -43,7 +43,7 @@ from gptj.models.registry import architecture_of
 from gptj.quant.format import hf_quantization_config
 from gptj.device import dtype_name
 from gptj.weights import hf
-from gptj.weights.checkpoint import CONFIG, GPTJ, Checkpoint, TensorItem
+from gptj.weights.checkpoint import CONFIG, GPTJ, Checkpoint, TensorItem, tensor_names
 from gptj.weights.peft import Adapter
 from gptj.weights.reading import read_checked
 
@@ -92,36 +92,33 @@ def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dt
         raise GptjError("the checkpoint is already quantized")
     arch = architecture_of(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
-                        progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
-                        skip=arch.legacy, optional=("lm_head.weight",) if tied else (),
-                        rename=arch.hf_names(config) if arch.hf_names is not None else None,
-                        what="a GPT-J weight" if arch.hf_names is None else "a weight")
+    sd = read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
+                      progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
+                      skip=arch.legacy, optional=("lm_head.weight",) if tied else (),
+                      rename=tensor_names(arch, config), what="a GPT-J weight" if arch.hf_names is None else "a weight")
+    return _tied_head(sd, quantize or config.quantization) if tied else sd
 
 
 def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
                           device: torch.device | str = "cpu") -> nn.Module:
     """The model of `config`'s architecture holding `state_dict` (the model's names; quantized as
     config.quantization says), assigned on the meta device, packed for `device`'s kernels, eval mode.
-    A tied LM head (tie_word_embeddings) is the embedding: an absent one is filled from it, a stored
-    one must equal it (as HF reads such a checkpoint)."""
-    q, tied = config.quantization, bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
-        state_dict = _tied_head(state_dict, q)
+    A tied float LM head (tie_word_embeddings) shares the embedding's weight."""
     model = architecture_of(config).build_model(config, device="meta")
-    if q is not None:
-        quant.swap_quantized_modules(model, q)
+    if config.quantization is not None:
+        quant.swap_quantized_modules(model, config.quantization)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    if tied and isinstance(model.lm_head, nn.Linear):  # assign=True replaced each Parameter: share them again
-        model.lm_head.weight = model.transformer.wte.weight
+    if getattr(config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced each Parameter: share them again
     model.init_buffers(device)
     quant.prepare_model(model)  # pack quantized weights for the device's kernels
     return model.eval()
 
 
 def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None) -> dict[str, torch.Tensor]:
-    """`state_dict` with a tied LM head's tensors: the embedding's (quantized as `q` says, if it names
-    lm_head) where the checkpoint left them out; a stored float head must equal the embedding."""
+    """A checkpoint's tensors with its tied LM head's (tie_word_embeddings): the embedding's (quantized
+    as `q` says, if it names lm_head) where the checkpoint left them out; a stored float head must
+    equal the embedding (as HF reads such a checkpoint)."""
     sd, embed = dict(state_dict), state_dict["transformer.wte.weight"]
     head = sd.get("lm_head.weight")
     if head is None and q is not None and "lm_head" in q["modules"]:
@@ -306,17 +303,22 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     """Any supported checkpoint -> the canonical directory (nothing is left behind on failure).
 
     `also(folder, state_dict, config)` writes more files into the folder before it is moved into
-    place (gptj convert --tp N: each rank's tensor-parallel shard, from gptj.parallel.tp); if it
-    raises, nothing is written.
+    place (gptj convert --tp N: each rank's tensor-parallel shard, from gptj.parallel.tp; GPT-J's
+    only); if it raises, nothing is written.
 
-    `quantize` ("int8" / "int4", `group_size` for int4) writes a quantized checkpoint (config.json
-    gets its "quantization" entry; `dtype` then applies to the float tensors). HF transformers
-    refuses a quantized checkpoint (a ValueError from from_pretrained); gptj's `load_model` loads it.
+    `quantize` ("int8" / "int4", `group_size` for int4; "w8a8" / "fp8") writes a quantized checkpoint
+    (config.json gets its "quantization" entry; `dtype` then applies to the float tensors). HF
+    transformers refuses a quantized checkpoint (a ValueError from from_pretrained); gptj's
+    `load_model` loads it. Another architecture's folder (Llama) is written in its HF layout, in the
+    dtype its config.json records unless `dtype` says, with its tokenizer and generation_config.json.
     """
     checkpoint = Checkpoint.read(src, config=config, fmt=fmt)
-    if checkpoint.arch is not GPTJ:
-        return _convert_folder(checkpoint, out, dtype, overwrite, progress, quantize, group_size, also)
-    cfg = checkpoint.config
+    cfg, gptj = checkpoint.config, checkpoint.arch is GPTJ
+    if not gptj and also is not None:
+        raise GptjError(f"{src}: gptj convert --tp writes GPT-J shards only so far (a {checkpoint.arch.model_type} "
+                        "model is split at load: --tp N on the whole folder)")
+    if not gptj:  # nothing rounded by default
+        dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
     q = resolve_quantization(cfg, quantize, group_size, where=src)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     own_bar = progress and checkpoint.format == "hf"
@@ -324,48 +326,28 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
                             desc="reading", quantize=q, smooth=w8a8_factors(q, cfg, src))
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
-    extras = []
+    kept = [] if gptj else [n for n in KEPT_FILES if (Path(src) / n).is_file()]
     if cfg.calibration is not None:  # a calibrated float checkpoint keeps its factors
         from gptj.quant.calibrate import CALIBRATION_FILE
 
-        extras.append(lambda folder: shutil.copyfile(model_file(src, CALIBRATION_FILE), folder / CALIBRATION_FILE))
-    if also is not None:
-        extras.append(lambda folder: also(folder, sd, cfg))
+        kept.append(CALIBRATION_FILE)
 
     def extra(folder: Path) -> None:
-        for write in extras:
-            write(folder)
+        for name in kept:
+            shutil.copyfile(model_file(src, name), folder / name)
+        if also is not None:
+            also(folder, sd, cfg)
 
-    return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
-
-
-# copied as they are by convert (another architecture's folder): its tokenizer, generation settings and
-# W8A8 smoothing factors (config.json keeps their record)
-KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "generation_config.json", "calibration.safetensors")
-
-
-def _convert_folder(checkpoint: Checkpoint, out: str | os.PathLike, dtype: torch.dtype | None, overwrite: bool,
-                    progress: bool, quantize: str | None, group_size: int | None, also: Callable | None) -> Path:
-    """convert for an HF folder of another architecture (Llama): read in `dtype` (default: the one its
-    config.json records, so nothing is rounded) and written again in gptj's layout, with the
-    folder's tokenizer and generation_config.json (its EOS ids) as they are; float only so far."""
+    if gptj:
+        return _write_checkpoint(sd, cfg, Path(out), overwrite, progress, extra=extra)
     from gptj.weights.hf_model import save_folder
 
-    src = checkpoint.folder
-    if quantize is not None or group_size is not None or also is not None:
-        raise GptjError(f"{src}: gptj convert writes a {checkpoint.arch.model_type} folder in float only so far "
-                        "(no --quantize, no --tp; quantize on load instead)")
-    dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
-    model = load(checkpoint, dtype=dtype, progress=progress)
+    return save_folder(sd, cfg, out, overwrite=overwrite, progress=progress, extra=extra)
 
-    def kept_files(folder: Path) -> None:
-        for name in KEPT_FILES:
-            if (src / name).is_file():
-                shutil.copyfile(model_file(src, name), folder / name)
 
-    return save_folder(model.state_dict(), model.config, out, dtype=dtype, overwrite=overwrite, progress=progress,
-                       extra=kept_files)
+# copied as they are by convert (another architecture's folder): its tokenizer and generation settings
+KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "generation_config.json")
 
 
 def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str, alpha: float | None = None,
