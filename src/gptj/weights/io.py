@@ -179,16 +179,27 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: tor
     adapter is folded into the float weights it adapts. `progress`: a bar on stderr; None draws one
     for a big model (gptj-6b) when stderr is a terminal (`auto_progress`).
     """
+    cfg, sd = read_checkpoint(checkpoint, dtype, device, quantize, group_size, progress)
+    return model_from_state_dict(cfg, sd, device)
+
+
+def read_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                    quantize: str | None = None, group_size: int | None = None, progress: bool | None = False,
+                    desc: str = "loading") -> tuple[Any, dict[str, torch.Tensor]]:
+    """(config, tensors) of `checkpoint`, each tensor read once and checked (checked_state_dict), with
+    its adapter folded in; quantized as read where `quantize` asks (resolve_quantization: W8A8 with
+    the folder's smoothing factors), and the config then records it. What load builds a model from
+    and convert writes. `progress`: as auto_progress takes it."""
     cfg, folder, hf_dir = checkpoint.config, checkpoint.folder, checkpoint.format == "hf"
     q = resolve_quantization(cfg, quantize, group_size, where=folder)
     progress = auto_progress(cfg, progress)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     sd = checked_state_dict(cfg, checkpoint.tensors(progress and not hf_dir, dtype), dtype=dtype, device=device,
-                            progress=progress and hf_dir, quantize=q, smooth=w8a8_factors(q, cfg, folder),
+                            progress=progress and hf_dir, desc=desc, quantize=q, smooth=w8a8_factors(q, cfg, folder),
                             adapter=checkpoint.adapter)
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
-    return model_from_state_dict(cfg, sd, device)
+    return cfg, sd
 
 
 def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLike) -> dict | None:
@@ -313,19 +324,14 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     dtype its config.json records unless `dtype` says, with its tokenizer and generation_config.json.
     """
     checkpoint = Checkpoint.read(src, config=config, fmt=fmt)
-    cfg, gptj = checkpoint.config, checkpoint.arch is GPTJ
+    gptj = checkpoint.arch is GPTJ
     if not gptj and also is not None:
         raise GptjError(f"{src}: gptj convert --tp writes GPT-J shards only so far (a {checkpoint.arch.model_type} "
                         "model is split at load: --tp N on the whole folder)")
     if not gptj:  # nothing rounded by default
         dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
-    q = resolve_quantization(cfg, quantize, group_size, where=src)
-    # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
-    own_bar = progress and checkpoint.format == "hf"
-    sd = checked_state_dict(cfg, checkpoint.tensors(progress and not own_bar, dtype), dtype=dtype, progress=own_bar,
-                            desc="reading", quantize=q, smooth=w8a8_factors(q, cfg, src))
-    if q is not None:
-        cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
+    cfg, sd = read_checkpoint(checkpoint, dtype, quantize=quantize, group_size=group_size, progress=progress,
+                              desc="reading")
     kept = [] if gptj else [n for n in KEPT_FILES if (Path(src) / n).is_file()]
     if cfg.calibration is not None:  # a calibrated float checkpoint keeps its factors
         from gptj.quant.calibrate import CALIBRATION_FILE
