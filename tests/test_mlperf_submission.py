@@ -533,3 +533,28 @@ def test_help_and_docs_agree_on_what_min_query_count_does(capsys):
     assert "`--min-query-count` is LoadGen's min_query_count, a minimum" in docs and "the same in `gptj mlperf` and " \
         "`gptj submission`" in docs and "the run issues what LoadGen asks for" in docs
     assert "stops at `--min-query-count`" not in docs
+
+
+def test_calibration_md_says_how_each_quantization_was_made(tmp_path):
+    """calibration.md: float; int8 / int4 at load from the weights alone (int4: its groups); W8A8 with
+    its calibration's dataset and size (at load from a calibrated float folder, or in a checkpoint)."""
+    from types import SimpleNamespace
+
+    def text(config: dict | None, quantize: str | None = None, group_size: int | None = None) -> str:
+        folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        if config is not None:
+            (folder / "config.json").write_text(json.dumps(config))
+        run = SimpleNamespace(model=folder, spec=SimpleNamespace(quantize=quantize, group_size=group_size))
+        return submission.calibration_text(run)
+
+    record = {"alpha": 0.5, "dataset": rules.CALIBRATION_LIST, "samples": 1000, "tokens": 812345}
+    assert "No quantization" in text({})
+    assert "int8 per output channel when the model loads, from the weights alone" in text({}, "int8")
+    assert "groups of 64 inputs" in text({}, "int4", 64) and "groups of 128 (gptj's default)" in text({}, "int4")
+    w8a8 = text({"calibration": record}, "w8a8")
+    assert "when the model loads" in w8a8 and "alpha 0.5" in w8a8 and "on 1000 samples (812345 tokens) of " \
+        f"{rules.CALIBRATION_LIST}" in w8a8 and "no calibration data" not in w8a8
+    stored = text({"quantization": {"mode": "w8a8", "group_size": None, "calibration": record}})
+    assert "in the checkpoint (gptj convert --quantize)" in stored and "812345 tokens" in stored
+    assert "groups of 32 inputs" in text({"quantization": {"mode": "int4", "group_size": 32}})

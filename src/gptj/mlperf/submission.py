@@ -432,11 +432,27 @@ def _assemble_scenario(sub: SubmissionConfig, runs: list[PlannedRun], scenario: 
 
 
 def calibration_text(cfg: MLPerfConfig) -> str:
-    if cfg.spec.quantize:
-        how = (f"The linear layers' weights are quantized to {cfg.spec.quantize} per output channel when the model "
-               "loads, from the weights alone: no calibration data is used.")
-    else:
+    """calibration.md: how the run's weights (and activations) are quantized, and on what data."""
+    mode, group_size, calibration, stored = _quantization(cfg)
+    when = "in the checkpoint (gptj convert --quantize)" if stored else "when the model loads"
+    if mode is None:
         how = "No quantization: the weights run as given (cast to the run's dtype); no calibration data is used."
+    elif mode == "int4":
+        groups = f"groups of {group_size}" if group_size else "groups of 128 (gptj's default)"
+        how = (f"The linear layers' weights are quantized to int4 (asymmetric, a scale and a zero point per "
+               f"{groups} inputs of each output channel) {when}, from the weights alone: no calibration data "
+               "is used; activations stay in the run's float dtype.")
+    elif mode == "w8a8":
+        c = calibration or {}
+        how = (f"The linear layers' weights are quantized to int8 per output channel {when}, and their inputs to "
+               "int8 per token as each runs, after SmoothQuant's per-channel smoothing factors (alpha "
+               f"{c.get('alpha', '?')}), calibrated by `gptj calibrate` on {c.get('samples', '?')} samples "
+               f"({c.get('tokens', '?')} tokens) of {c.get('dataset', '?')}: each linear's largest input per "
+               "channel over those samples.")
+    else:
+        how = (f"The linear layers' weights are quantized to {mode} per output channel {when}, from the weights "
+               "alone: no calibration data is used; activations stay in the run's float dtype"
+               + (" (or are quantized to fp8 per token where the GPU has fp8 units)." if mode == "fp8" else "."))
     return f"# Calibration\n\n{how}\n"
 
 
@@ -499,17 +515,25 @@ def check_division(sub: SubmissionConfig) -> None:
 
 def _w8a8_calibration(run: MLPerfConfig) -> dict | None:
     """The calibration record of the W8A8 model a run loads (None: not W8A8, or no local folder)."""
-    folder = run.model
-    if folder is None or not (Path(folder) / "config.json").is_file():
-        return None
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # loading reports a bad config.json
-    quantization = config.get("quantization") or {}
-    if quantization.get("mode") == "w8a8":
-        return quantization.get("calibration") or {}
-    return (config.get("calibration") or {}) if run.spec.quantize == "w8a8" else None
+    mode, _, calibration, _ = _quantization(run)
+    return (calibration or {}) if mode == "w8a8" else None
+
+
+def _quantization(run: MLPerfConfig) -> tuple[str | None, int | None, dict | None, bool]:
+    """How the run's model is quantized: (mode, int4 group size, W8A8 calibration record, whether the
+    checkpoint holds it), from the model folder's config.json and the run's --quantize (None: float)."""
+    folder, config = run.model, {}
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        try:
+            config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}  # loading reports a bad config.json
+    stored = config.get("quantization") if isinstance(config, dict) else None
+    if isinstance(stored, dict) and stored.get("mode"):
+        return stored["mode"], stored.get("group_size"), stored.get("calibration"), True
+    mode = run.spec.quantize
+    calibration = config.get("calibration") if mode == "w8a8" and isinstance(config, dict) else None
+    return mode, run.spec.group_size, calibration, False
 
 
 def prepare(sub: SubmissionConfig) -> tuple[dict, list[PlannedRun], list[tuple[str, str]]]:
