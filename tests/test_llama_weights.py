@@ -267,7 +267,7 @@ def test_compare_and_quant_report_take_a_llama_folder(tmp_path):
 def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
     """gptj convert on a Llama folder: the weights rounded once to --dtype (by default the dtype its
     config.json records: nothing rounded), its tokenizer and generation_config.json (the EOS ids) kept
-    as they are; --tp refused in one line, nothing written."""
+    as they are; a --tp plan the model cannot take refused in one line, nothing written."""
     hf_model().save_pretrained(tmp_path / "m")
     gen = {"bos_token_id": 0, "eos_token_id": [1, 7]}
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps(gen))
@@ -280,9 +280,9 @@ def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
     for d in ("bf16", "same"):
         assert json.loads((tmp_path / d / "generation_config.json").read_text()) == gen
         assert json.loads((tmp_path / d / "tokenizer_config.json").read_text()) == {"eos_token": "x"}
-    capsys.readouterr()
-    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", "--tp", "2"]) == 1
-    assert "--tp writes GPT-J shards only so far" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    capsys.readouterr()  # --tp N writes each rank's shard (tests/test_parallel_pp.py); a plan that cannot be is refused
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "no"), "--quiet", "--tp", "3"]) == 1
+    assert "divisible by 3" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("mode, tie", [("int8", False), ("int4", True), ("w8a8", False)])
@@ -323,7 +323,8 @@ def test_a_quantized_llama_checkpoint_round_trips(tmp_path, capsys, mode, tie):
 def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     """A LoRA adapter HF PEFT saved for LlamaForCausalLM (Llama's module names: attention's q/k/v/o and
     the MLP's gate/up/down), folded in as the folder loads: HF PEFT's merged model's logits, within
-    float32 rounding; a GPT-J adapter on it, and a Llama adapter on a built model, refused in one line."""
+    float32 rounding (and each --tp rank's slice of it, from its shard file); a GPT-J adapter on it, and a
+    Llama adapter on a built model, refused in one line."""
     peft = pytest.importorskip("peft")
     from gptj.lora import merge_lora
     from gptj.parallel.context import SINGLE
@@ -359,6 +360,17 @@ def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     with pytest.raises(GptjError) as e:
         SINGLE.load(str(tmp_path / "m"), torch.float32, "cpu", lora=str(tmp_path / "gptj-adapter"))
     assert "adapts gptj's modules" in one_line(e) and "is a llama model" in one_line(e)
+    # under --tp, from `gptj convert --tp 2`'s shard files: each rank's slice of the merged whole model
+    from gptj.parallel.shards import load_rank
+    from gptj.parallel.tp_llama import shard_llama_state_dict
+    from gptj.weights.checkpoint import Checkpoint
+
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "tp"), "--tp", "2", "--quiet"]) == 0
+    for rank in range(2):  # no process group needed to build a rank's model
+        got = load_rank(Checkpoint.read(tmp_path / "tp", rank, 2, lora=str(tmp_path / "adapter")), rank, 2,
+                        torch.float32, "cpu").state_dict()
+        want = shard_llama_state_dict(ours.state_dict(), ours.config, rank, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_gptj_init_llama_tiny_writes_a_stand_in_tokenizer(tmp_path, capsys):

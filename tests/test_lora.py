@@ -312,7 +312,8 @@ def test_an_adapter_folds_into_the_weights_as_they_load(tiny_checkpoint, adapter
     merge_lora's weights on a float32 model, one rounding of the float32 sum in bfloat16, and under
     --tp each rank's slice of the merged whole model (the sliced adapter delta on the shard file)."""
     from gptj.parallel.context import SINGLE
-    from gptj.parallel.tp import load_rank, shard_state_dict
+    from gptj.parallel.shards import load_rank
+    from gptj.parallel.tp import shard_state_dict
     from gptj.weights.checkpoint import Checkpoint
     from gptj.weights.peft import weight_name
 

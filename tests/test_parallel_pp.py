@@ -115,3 +115,11 @@ def test_cli_generate_pp2_equals_pp1(tmp_path, capsys):
     assert all(out == outs[0] for out in outs) and len(outs[0]["token_ids"]) == 6
     assert main(["generate", "--model", str(llama), "--prompt", "x", "--tp", "3"]) == 1
     assert "needs num_attention_heads (4) divisible by 3" in capsys.readouterr().err
+    # `gptj convert --tp 2` writes each rank's shard; the ranks read only theirs (the whole files gone)
+    assert main(["convert", str(llama), "--out", str(tmp_path / "llama-tp2"), "--tp", "2", "--quiet"]) == 0
+    for f in (tmp_path / "llama-tp2").glob("model*.safetensors*"):
+        f.unlink()
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "llama-tp2"), "--prompt", "The storm hit", "--max-new-tokens",
+                 "6", "--json", "--tp", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == outs[0]

@@ -185,7 +185,9 @@ def test_convert_tp2_writes_shards_that_load_and_match(tmp_path, capsys):
     from safetensors import safe_open
 
     from gptj.cli import main
-    from gptj.parallel.tp import load_rank, shard_file, shard_state_dict
+    from gptj.parallel.shards import load_rank
+    from gptj.parallel.tp import shard_state_dict
+    from gptj.weights.checkpoint import shard_file
     from gptj.weights.checkpoint import Checkpoint
     from gptj.weights.io import load_model, save_checkpoint
 

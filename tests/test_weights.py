@@ -511,7 +511,7 @@ def test_a_full_disk_while_writing_a_model_is_one_line_and_leaves_nothing(tmp_pa
 
 def test_tensor_parallel_shards_and_config_linked_out_are_refused(tmp_path, saved_ckpt, capsys):
     """`gptj convert --tp N`'s per-rank files are found for each rank (gptj.weights.io.Checkpoint,
-    what gptj.parallel.tp.load_rank loads from): the same rule, before anything is built."""
+    what gptj.parallel.shards.load_rank loads from): the same rule, before anything is built."""
     from gptj.weights.checkpoint import Checkpoint
 
     d = tmp_path / "tp"

@@ -61,16 +61,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _check_out(args)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     shards = None
-    if args.tp is not None and args.tp > 1:  # each rank's shard beside the checkpoint (gptj.parallel.tp)
-        from gptj.parallel.tp import check_plan, write_shards
+    if args.tp is not None and args.tp > 1:  # each rank's shard beside the checkpoint (gptj.parallel.shards)
+        from gptj.parallel.shards import write_shards
 
         if args.quantize:
             raise GptjError("--tp with --quantize is not supported: tensor-parallel shards are float")
 
         say = progress_line("convert")
 
-        def shards(folder, sd, cfg):  # noqa: ANN001, ANN202 - convert's `also`
-            check_plan(cfg, args.tp)
+        def shards(folder, sd, cfg):  # noqa: ANN001, ANN202 - convert's `also` (the plan checked as it cuts)
             if not args.quiet:  # (no bar of its own: a 6B model's shards take a while)
                 say(f"writing the tensor-parallel shards of {args.tp} ranks")
             write_shards(sd, cfg, folder, args.tp)

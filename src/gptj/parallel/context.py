@@ -133,7 +133,7 @@ class ParallelContext:
             return load(checkpoint, dtype, device, quantize, group_size, progress)
         if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
-        from gptj.parallel.tp import load_rank
+        from gptj.parallel.shards import load_rank
 
         sharded = checkpoint.shard is not None
         if sharded:

@@ -22,11 +22,9 @@ the same seed on every rank. Backends: gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gptj.config import GPTJConfig
@@ -34,7 +32,7 @@ from gptj.errors import GptjError
 from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
-from gptj.weights.checkpoint import Checkpoint, shard_file
+from gptj.weights.checkpoint import Checkpoint
 from gptj.weights.peft import linear_shapes, merged
 
 
@@ -183,26 +181,14 @@ def shard_model(model: GPTJForCausalLM, rank: int, world: int,
     return reduce
 
 
-def write_shards(state_dict: Mapping[str, torch.Tensor], config: GPTJConfig, folder: Path, world: int) -> None:
-    """Per-rank files (FasterTransformer's {N}-gpu/ idea), so each rank reads only its own."""
-    (folder / f"tp{world}").mkdir()
-    for rank in range(world):
-        save_file(shard_state_dict(state_dict, config, rank, world), str(shard_file(folder, rank, world)),
-                  metadata={"format": "pt", "tp_rank": str(rank), "tp_world": str(world)})
-
-
-def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype, device: torch.device | str,
-              group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
-    """Rank's model from its shard file alone, as Checkpoint.read(folder, rank, world) found it, with
-    the config read there (GptjError if there is no shard), built with its rank-sized blocks and head
-    and its checkpoint's adapter folded into its slices of the weights (before they are rounded)."""
+def load_gptj_rank(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], rank: int, world: int, dtype: torch.dtype,
+                   device: torch.device | str, group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
+    """Rank's GPT-J from its shard's tensors `sd` (gptj.parallel.shards.load_rank read them), built with
+    its rank-sized blocks and head, the checkpoint's adapter folded into its slices of the weights
+    (before they are rounded)."""
     config = checkpoint.config
-    if checkpoint.shard is None:
-        raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
-                        f"--tp {world})")
     check_plan(config, world)
     reduce, head = AllReduce(group), vocab_head(config, dtype, world, group)
-    sd = load_file(str(checkpoint.shard), device=str(device))
     if checkpoint.adapter is not None:
         checkpoint.adapter.check_fits(linear_shapes(config), config.n_layer)
         deltas = {name: d for name in sd if (d := checkpoint.adapter.delta(name, device)) is not None}

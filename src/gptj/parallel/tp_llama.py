@@ -23,9 +23,12 @@ import torch.distributed as dist
 
 from gptj.errors import GptjError
 from gptj.models.base import KVCache
-from gptj.models.llama import Block, LlamaConfig, LlamaForCausalLM
+from gptj.models.llama import Block, LlamaConfig, LlamaForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
+from gptj.quant.format import quantized_specs
 from gptj.parallel.tp import AllReduce, VocabParallelHead, column_parallel, part, row_parallel
+from gptj.weights.checkpoint import Checkpoint
+from gptj.weights.peft import merged
 
 
 def check_llama_plan(config: LlamaConfig, world: int) -> None:
@@ -85,14 +88,12 @@ def shard_llama_state_dict(state_dict: Mapping[str, torch.Tensor], config: Llama
     return out
 
 
-def shard_llama(model: LlamaForCausalLM, rank: int, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
-    """Cut `model` (a whole float Llama, plain blocks; a pipeline stage's other layers hold nothing)
-    down to rank's share, in place. Returns the AllReduce every block now calls."""
-    if not 0 <= rank < world:
-        raise GptjError(f"rank {rank} is not in [0, {world})")
-    c, reduce = model.config, AllReduce(group)
-    device, dtype = model.transformer.wte.weight.device, model.lm_head.weight.dtype
-    sd = shard_llama_state_dict(model.state_dict(), c, rank, world)
+def reshape_llama_for_rank(model: LlamaForCausalLM, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
+    """Give `model` rank-sized (meta) blocks and head (LlamaTensorParallelBlock, VocabParallelHead),
+    sharing one AllReduce (returned); the rank's tensors are then assigned. A pipeline stage's other
+    layers (OtherStage) hold nothing to shard."""
+    c, reduce, dtype = model.config, AllReduce(group), model.lm_head.weight.dtype
+    check_llama_plan(c, world)
     blocks = model.transformer.h
     here = [i for i, block in enumerate(blocks) if not isinstance(block, OtherStage)]
     if any(type(blocks[i]) is not Block for i in here):
@@ -101,6 +102,35 @@ def shard_llama(model: LlamaForCausalLM, rank: int, world: int, group: dist.Proc
         for i in here:
             blocks[i] = LlamaTensorParallelBlock(c, world, reduce).to(dtype)
     model.lm_head = VocabParallelHead(c.vocab_size // world, c.hidden_size, False, dtype, world, group)
+    return reduce
+
+
+def shard_llama(model: LlamaForCausalLM, rank: int, world: int, group: dist.ProcessGroup | None = None) -> AllReduce:
+    """Cut `model` (a whole float Llama, plain blocks; a pipeline stage's other layers hold nothing)
+    down to rank's share, in place. Returns the AllReduce every block now calls."""
+    if not 0 <= rank < world:
+        raise GptjError(f"rank {rank} is not in [0, {world})")
+    device = model.transformer.wte.weight.device
+    sd = shard_llama_state_dict(model.state_dict(), model.config, rank, world)
+    reduce = reshape_llama_for_rank(model, world, group)
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_buffers(device)
     return reduce
+
+
+def load_llama_rank(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], rank: int, world: int, dtype: torch.dtype,
+                    device: torch.device | str, group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
+    """Rank's Llama from its shard's tensors `sd` (`gptj convert --tp`: gptj's names), with the
+    checkpoint's adapter folded into its slices of the weights (the adapter names HF's modules)."""
+    config, adapter = checkpoint.config, checkpoint.adapter
+    if adapter is not None:
+        stored = {ours: name for name, ours in checkpoint.renames.items()}
+        adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quantized_specs(config).items()},
+                           config.n_layer)
+        deltas = {name: d for name in sd if (d := adapter.delta(stored.get(name, name), device)) is not None}
+        sd.update({name: merged(sd[name], d) for name, d in shard_llama_state_dict(deltas, config, rank, world).items()})
+    model = build_model(config, device="meta", dtype=dtype)
+    reshape_llama_for_rank(model, world, group)
+    model.load_state_dict({n: t.to(dtype) for n, t in sd.items()}, strict=True, assign=True)
+    model.init_buffers(device)
+    return model.eval()

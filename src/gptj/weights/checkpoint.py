@@ -105,8 +105,8 @@ def shard_file(folder: str | os.PathLike, rank: int, world: int) -> Path:
 class Checkpoint:
     """A model folder as read before any tensor: `format` ('hf' or 'mtj'), `arch` (its architecture),
     `config` (validated: its layer count against the tensors its files list, its quantization
-    record checked); under --tp N, rank's own shard file from `gptj convert --tp N` (`shard`, GPT-J
-    only; None without one); the LoRA adapter folded into its weights as they load (`adapter`)."""
+    record checked); under --tp N, rank's own shard file from `gptj convert --tp N` (`shard`; None
+    without one); the LoRA adapter folded into its weights as they load (`adapter`)."""
 
     folder: Path
     format: str
@@ -134,7 +134,7 @@ class Checkpoint:
             shard = shard_file(path, rank, world) if world > 1 else None
             shard = model_file(path, shard.relative_to(path)) if shard is not None and shard.is_file() else None
             arch, cfg = _read_hf(path, config, listing=shard is None)  # a rank's shard: the folder may hold no other
-            checkpoint = cls(path, found, arch, cfg, shard if arch is GPTJ else None)
+            checkpoint = cls(path, found, arch, cfg, shard)
         return checkpoint if lora is None else checkpoint.with_adapter(read_adapter(lora))
 
     @property

@@ -314,8 +314,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     """Any supported checkpoint -> the canonical directory (nothing is left behind on failure).
 
     `also(folder, state_dict, config)` writes more files into the folder before it is moved into
-    place (gptj convert --tp N: each rank's tensor-parallel shard, from gptj.parallel.tp; GPT-J's
-    only); if it raises, nothing is written.
+    place (gptj convert --tp N: each rank's tensor-parallel shard, gptj.parallel.shards); if it
+    raises, nothing is written.
 
     `quantize` ("int8" / "int4", `group_size` for int4; "w8a8" / "fp8") writes a quantized checkpoint
     (config.json gets its "quantization" entry; `dtype` then applies to the float tensors). HF
@@ -325,9 +325,6 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     """
     checkpoint = Checkpoint.read(src, config=config, fmt=fmt)
     gptj = checkpoint.arch is GPTJ
-    if not gptj and also is not None:
-        raise GptjError(f"{src}: gptj convert --tp writes GPT-J shards only so far (a {checkpoint.arch.model_type} "
-                        "model is split at load: --tp N on the whole folder)")
     if not gptj:  # nothing rounded by default
         dtype = dtype or getattr(torch, hf.checkpoint_dtype(src))
     cfg, sd = read_checkpoint(checkpoint, dtype, quantize=quantize, group_size=group_size, progress=progress,

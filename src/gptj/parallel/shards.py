@@ -1,0 +1,46 @@
+"""`gptj convert --tp N`'s shard files, for every architecture: each rank's tensors in a file of its own
+(FasterTransformer's {N}-gpu/ idea), DIR/tp{N}/rank{r}.safetensors, so that a rank reads only its share.
+
+    write_shards(state_dict, config, folder, world)      the whole model's tensors, cut by the plan of its
+                                                         architecture (gptj.parallel.tp, .tp_llama)
+    load_rank(checkpoint, rank, world, dtype, device)    the rank's model from its file alone
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from gptj.config import GPTJConfig
+from gptj.errors import GptjError
+from gptj.parallel.tp import load_gptj_rank, shard_state_dict
+from gptj.parallel.tp_llama import load_llama_rank, shard_llama_state_dict
+from gptj.weights.checkpoint import Checkpoint, shard_file
+
+
+def write_shards(state_dict: Mapping[str, torch.Tensor], config: Any, folder: Path, world: int) -> None:
+    """Every rank's file of the whole model's tensors (gptj's names), in folder/tp{world}/."""
+    shard = shard_state_dict if isinstance(config, GPTJConfig) else shard_llama_state_dict
+    (folder / f"tp{world}").mkdir()
+    for rank in range(world):
+        save_file(shard(state_dict, config, rank, world), str(shard_file(folder, rank, world)),
+                  metadata={"format": "pt", "tp_rank": str(rank), "tp_world": str(world)})
+
+
+def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype, device: torch.device | str,
+              group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Rank's model from its shard file alone, as Checkpoint.read(folder, rank, world) found it, with
+    the config read there (GptjError if there is no shard), built with its rank-sized blocks and head
+    and its checkpoint's adapter folded into its slices of the weights (before they are rounded)."""
+    if checkpoint.shard is None:
+        raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
+                        f"--tp {world})")
+    sd = load_file(str(checkpoint.shard), device=str(device))
+    load = load_gptj_rank if isinstance(checkpoint.config, GPTJConfig) else load_llama_rank
+    return load(checkpoint, sd, rank, world, dtype, device, group)
