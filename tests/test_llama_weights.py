@@ -323,8 +323,8 @@ def test_a_quantized_llama_checkpoint_round_trips(tmp_path, capsys, mode, tie):
 def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     """A LoRA adapter HF PEFT saved for LlamaForCausalLM (Llama's module names: attention's q/k/v/o and
     the MLP's gate/up/down), folded in as the folder loads: HF PEFT's merged model's logits, within
-    float32 rounding (and each --tp rank's slice of it, from its shard file); a GPT-J adapter on it, and a
-    Llama adapter on a built model, refused in one line."""
+    float32 rounding (and each --tp rank's slice of it, from its shard file), and the same weights merged
+    into a built model; a GPT-J adapter on it refused in one line."""
     peft = pytest.importorskip("peft")
     from gptj.lora import merge_lora
     from gptj.parallel.context import SINGLE
@@ -349,9 +349,9 @@ def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     assert float((got - base).abs().max()) > 100 * bound(ref)  # and the adapter matters
     adapter = read_adapter(tmp_path / "adapter")
     assert adapter.layout.arch == "llama" and len(adapter.weights) == 2 * 7
-    with pytest.raises(GptjError) as e:
-        merge_lora(ours, adapter)
-    assert "on GPT-J only so far" in one_line(e)
+    built = load_model(tmp_path / "m")
+    merge_lora(built, adapter)  # on a built model: the weights folding it in at load gives
+    assert all(torch.equal(t, ours.state_dict()[n]) for n, t in built.state_dict().items())
     from gptj.lora import LoRAConfig, save_adapter
 
     gptj_names = {"base_model.model.transformer.h.0.attn.q_proj.lora_A.weight": torch.zeros(4, 64),
@@ -360,6 +360,9 @@ def test_a_peft_adapter_folds_into_a_llama_as_it_loads(tmp_path):
     with pytest.raises(GptjError) as e:
         SINGLE.load(str(tmp_path / "m"), torch.float32, "cpu", lora=str(tmp_path / "gptj-adapter"))
     assert "adapts gptj's modules" in one_line(e) and "is a llama model" in one_line(e)
+    with pytest.raises(GptjError) as e:
+        merge_lora(built, read_adapter(tmp_path / "gptj-adapter"))
+    assert "a gptj adapter on a llama model" in one_line(e)
     # under --tp, from `gptj convert --tp 2`'s shard files: each rank's slice of the merged whole model
     from gptj.parallel.shards import load_rank
     from gptj.parallel.tp_llama import shard_llama_state_dict

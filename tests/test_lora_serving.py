@@ -177,3 +177,48 @@ def test_generate_lora_merges_the_adapter(tiny_checkpoint, adapters, capsys):
     assert main(["generate", "--model", str(tiny_checkpoint), "--lora", adapters["y"], "--quantize", "w8a8",
                  "--prompt-ids", "5", "--max-new-tokens", "1"]) == 1
     assert "--lora with --quantize w8a8 is not supported" in capsys.readouterr().err
+
+
+def test_llama_adapters_served_unmerged_each_get_their_merged_models_tokens(tmp_path):
+    """Llama adapters (PEFT's names for LlamaForCausalLM) served over one Llama engine, unmerged and
+    batched with the base: each request gets the tokens of the model with its adapter merged (float32)."""
+    from safetensors.torch import save_file
+
+    from gptj.weights.peft import CONFIG_FILE, WEIGHTS_FILE
+
+    assert main(["init", "--preset", "llama-tiny", "--out", str(tmp_path / "m")]) == 0
+    base = load_model(tmp_path / "m")
+    c = base.config
+    shapes = {"q_proj": (c.n_head * c.head_dim, c.n_embd), "k_proj": (c.n_kv_head * c.head_dim, c.n_embd),
+              "o_proj": (c.n_embd, c.n_head * c.head_dim), "up_proj": (c.inner_dim, c.n_embd),
+              "down_proj": (c.n_embd, c.inner_dim)}
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "o_proj": "self_attn", "up_proj": "mlp", "down_proj": "mlp"}
+    folders = {}
+    for k, targets in enumerate([("q_proj", "o_proj"), ("k_proj", "up_proj", "down_proj")]):
+        g, sd = torch.Generator().manual_seed(k), {}
+        for i in range(c.n_layer):
+            for t in targets:
+                out, inp = shapes[t]
+                key = f"base_model.model.model.layers.{i}.{parent[t]}.{t}"
+                sd[f"{key}.lora_A.weight"] = torch.randn(4, inp, generator=g) * 0.3
+                sd[f"{key}.lora_B.weight"] = torch.randn(out, 4, generator=g) * 0.3
+        folder = tmp_path / f"a{k}"
+        folder.mkdir()
+        save_file(sd, str(folder / WEIGHTS_FILE))
+        (folder / CONFIG_FILE).write_text(json.dumps(LoRAConfig(rank=4, alpha=8, target_modules=targets).peft_json()))
+        folders[f"a{k}"] = str(folder)
+    engine = build_engine(load_model(tmp_path / "m"), EngineConfig(max_seqs=8), adapters=list(folders.items()))
+    gen = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    prompts = [[5, 17, 300, 2, 9], [41, 7, 100, 12]]  # (llama-tiny's 512-id vocabulary)
+    jobs = [(p, a) for p in prompts for a in (None, *folders)]
+    reqs = [engine.add_request(p, gen, adapter=a) for p, a in jobs]
+    while engine.has_work:
+        engine.step()
+    outputs = set()
+    for (p, a), req in zip(jobs, reqs):
+        want = load_model(tmp_path / "m")
+        if a is not None:
+            merge_lora(want, read_adapter(folders[a]))
+        assert req.output == generate(want, [p], gen)[0], (a, p)
+        outputs.add((tuple(p), tuple(req.output)))
+    assert len(outputs) == len(jobs)  # each adapter changes the tokens

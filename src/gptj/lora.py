@@ -1,4 +1,5 @@
-"""LoRA adapters on GPT-J's linears, in HF PEFT's format (HF PEFT loads what gptj writes, and gptj what PEFT writes).
+"""LoRA adapters in HF PEFT's format (HF PEFT loads what gptj writes, and gptj what PEFT writes): trained on
+GPT-J's linears; merged and served unmerged on GPT-J's and Llama's (q/k/v/o, gate/up/down).
 
 A LoRA linear computes y = base(x) + (dropout(x) @ A.T @ B.T) * alpha / rank, with the base
 frozen: A (rank x in) starts Kaiming-uniform and B (out x rank) at zero, as PEFT initializes them,
@@ -30,6 +31,7 @@ from torch import nn
 
 from gptj.errors import GptjError
 from gptj.files import atomic_folder
+from gptj.models.registry import architecture_of
 from gptj.weights.peft import (CONFIG_FILE, DEFAULT_TARGETS, KEY, PARENT, PREFIX, TARGETS,  # noqa: F401 (re-exported)
                                WEIGHTS_FILE, Adapter, LoRAConfig, base_mismatch, is_adapter, merged, read_adapter,
                                read_adapter_state, read_config, weight_name)
@@ -241,6 +243,10 @@ def save_adapter(state: nn.Module | dict[str, torch.Tensor], config: LoRAConfig,
     return folder
 
 
+# Where each adaptable linear lives in a block of gptj.models (GPT-J's, and Llama's in gptj's module names)
+_OUR_PARENT = {**PARENT, "o_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
 def _module_at(block: nn.Module, path: str) -> nn.Module:
     m = block
     for part in path.split("."):
@@ -249,18 +255,18 @@ def _module_at(block: nn.Module, path: str) -> nn.Module:
 
 
 def _check_fits(model: nn.Module, adapter: Adapter) -> None:
-    """GptjError unless each of `adapter`'s matrices fits the linear it adapts (plain or fused blocks)."""
-    if adapter.layout.arch != "gptj" or not hasattr(model.transformer.h[0], "w_in"):
-        raise GptjError(f"{adapter.path}: a {adapter.layout.arch} adapter on this model: adapters are applied to "
-                        "built models (merged, served unmerged, trained) on GPT-J only so far; a Llama model takes "
-                        "--lora folded in as it loads")
+    """GptjError unless `adapter` adapts this model's architecture and each of its matrices fits the
+    linear it adapts (plain or fused blocks)."""
+    arch = architecture_of(model.config).model_type
+    if adapter.layout.arch != arch:
+        raise GptjError(f"{adapter.path}: a {adapter.layout.arch} adapter on a {arch} model")
     shapes = {}
     for (i, name) in adapter.weights:
         if i < len(model.transformer.h):
             path, cols, rows = _slots(model.transformer.h[i])[name]
             m = _module_at(model.transformer.h[i], path)
-            shapes[weight_name(i, name)] = (len(range(*rows.indices(m.out_features))),
-                                            len(range(*cols.indices(m.in_features))))
+            shapes[adapter.layout.weight_name(i, name)] = (len(range(*rows.indices(m.out_features))),
+                                                           len(range(*cols.indices(m.in_features))))
     adapter.check_fits(shapes, len(model.transformer.h))
 
 
@@ -281,12 +287,12 @@ def merge_lora(model: nn.Module, adapter: Adapter) -> None:
     rounded to W's dtype once. Quantized weights cannot take it (GptjError)."""
     _check_fits(model, adapter)
     for i, name in adapter.weights:
-        base = getattr(getattr(model.transformer.h[i], PARENT[name]), name)
+        base = getattr(getattr(model.transformer.h[i], _OUR_PARENT[name]), name)
         if not isinstance(base, nn.Linear):
             raise GptjError("a LoRA adapter merges into float weights only (load the base unquantized)")
         with torch.no_grad():
             w = base.weight
-            w.copy_(merged(w, adapter.delta(weight_name(i, name), w.device)).to(w.dtype))
+            w.copy_(merged(w, adapter.delta(adapter.layout.weight_name(i, name), w.device)).to(w.dtype))
 
 
 def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
@@ -295,8 +301,8 @@ def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
     (gptj.kernels.fuse_block) computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
     in `w_out` (or keeps out_proj and fc_out apart)."""
     whole = slice(None)
-    slots = {name: (f"{PARENT[name]}.{name}", whole, whole) for name in TARGETS}
-    if block.w_in is None:
+    slots = {name: (f"{_OUR_PARENT[name]}.{name}", whole, whole) for name in _OUR_PARENT}
+    if getattr(block, "w_in", None) is None:  # a plain block (Llama's are)
         return slots
     E = block.attn.n_head * block.attn.head_dim
     inner = block.w_in.out_features - 3 * E
@@ -314,7 +320,8 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], names: Sequen
     sets before each forward. -> the wrapped modules; `model.lora_names` lists the names."""
     if getattr(model, "lora_names", None):
         raise GptjError("the model serves LoRA adapters already")
-    if model.kv_heads != model.config.n_head or any(not hasattr(b, "attn") for b in model.transformer.h):
+    if model.kv_heads != getattr(model.config, "n_kv_head", model.config.n_head) or \
+            any(not hasattr(b, "attn") for b in model.transformer.h):
         raise GptjError("LoRA adapters with --tp / --pp are not supported")  # (a tensor shard; another stage's layers)
     for ad in adapters:
         _check_fits(model, ad)
