@@ -256,6 +256,33 @@ def test_w8a8_requests_together_equal_each_alone_on_the_engine(calibrated, dtype
         assert got == Engine(model, EngineConfig(max_seqs=4)).generate([prompt], gen)[0]
 
 
+@pytest.fixture(scope="module")
+def calibrated_llama(tmp_path_factory):
+    """gptj init's llama-tiny, calibrated on 3 prompts."""
+    folder = tmp_path_factory.mktemp("w8a8-llama") / "m"
+    assert main(["init", "--preset", "llama-tiny", "--out", str(folder)]) == 0
+    calibrate(folder, [[(7 * i + n) % 500 for i in range(n)] for n in (30, 12, 21)], "test prompts")
+    return folder
+
+
+def test_a_llama_serves_w8a8_on_each_kernel_form(calibrated_llama, w8a8_kernel):
+    """Llama's seven linears and its head on the serving kernels' packed W8A8 layers (each form: as on
+    the CPU kinds the fixture fakes), which give the plain layers' numbers: the model's logits equal
+    the plain W8A8 model's, and requests batched together get each one's tokens alone."""
+    plain = load_model(calibrated_llama, dtype=torch.bfloat16, quantize="w8a8")
+    model = load_model(calibrated_llama, dtype=torch.bfloat16, quantize="w8a8")
+    prepare_for_serving(model)
+    want = quant.W8A8Linear if w8a8_kernel == "plain" else fused.PackedW8A8Linear
+    assert all(isinstance(model.get_submodule(n), want) for n in model.config.quantization["modules"])
+    ids = torch.tensor([[(5 * i) % 500 for i in range(1, 20)]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), plain(ids))
+    gen = GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    prompts = [[(3 * i + n) % 500 for i in range(n)] for n in (5, 17, 9)]
+    together = Engine(model, EngineConfig(max_seqs=8)).generate(prompts, gen)
+    assert together == [Engine(model, EngineConfig(max_seqs=2)).generate([p], gen)[0] for p in prompts]
+
+
 def test_the_fused_block_computes_what_the_plain_w8a8_block_does(calibrated):
     folder, _ = calibrated
     plain = load_model(folder, quantize="w8a8")
