@@ -28,6 +28,7 @@ from gptj.quant.format import (
     quantize_state_dict,
     quantize_weight,
     quantized_specs,
+    resolve_quantization,
     same_request,
 )
 from gptj.quant.linear import (
@@ -87,6 +88,7 @@ __all__ = [
     "fp8_error_bound", "fp8_sums", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
     "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",
+    "resolve_quantization",
     "quantized_specs", "swap_quantized_modules", "prepare_model", "is_quantized", "linear_names",
     "cpu_int4_layout",
 ]

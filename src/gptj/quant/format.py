@@ -213,6 +213,32 @@ def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None)
     return recorded["mode"] == mode and (group_size is None or recorded["group_size"] == group_size)
 
 
+def resolve_quantization(config: Any, quantize: str | None, group_size: int | None = None,
+                         where: object = "checkpoint") -> dict | None:
+    """What to quantize while reading a checkpoint with `config` when asked for `quantize`.
+
+    None when nothing is to be done (no request, or the checkpoint is already quantized that
+    way); GptjError when it is quantized differently (re-quantizing quantized weights would
+    compound the error: convert from the float checkpoint instead), or w8a8 is asked of a
+    checkpoint without its calibration.
+    """
+    if quantize is None:
+        if group_size is not None:
+            raise GptjError("a group size needs a quantization mode (int4)")
+        return None
+    if config.quantization is not None:
+        q = config.quantization
+        if not same_request(q, quantize, group_size):
+            have = q["mode"] + (f" (group size {q['group_size']})" if q["group_size"] else "")
+            want = quantize + (f" (group size {group_size})" if group_size else "")
+            raise GptjError(f"{where}: already quantized as {have}; cannot quantize it as {want} "
+                            f"(quantize the float checkpoint instead)")
+        return None
+    if quantize == "w8a8" and config.calibration is None:
+        raise GptjError(f"{where}: w8a8 needs a calibration: run `gptj calibrate --model {where}` first")
+    return make_quantization(config, quantize, group_size, calibration=config.calibration if quantize == "w8a8" else None)
+
+
 def quantized_specs(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Name -> (shape, dtype) of every tensor of a checkpoint with `config` (dtype None: any float).
 

@@ -131,32 +131,6 @@ def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None) -> dic
     return sd
 
 
-def resolve_quantization(config: GPTJConfig, quantize: str | None, group_size: int | None = None,
-                         where: object = "checkpoint") -> dict | None:
-    """What to quantize while reading a checkpoint with `config` when asked for `quantize`.
-
-    None when nothing is to be done (no request, or the checkpoint is already quantized that
-    way); GptjError when it is quantized differently (re-quantizing quantized weights would
-    compound the error: convert from the float checkpoint instead).
-    """
-    if quantize is None:
-        if group_size is not None:
-            raise GptjError("a group size needs a quantization mode (int4)")
-        return None
-    if config.quantization is not None:
-        q = config.quantization
-        if not quant.same_request(q, quantize, group_size):
-            have = q["mode"] + (f" (group size {q['group_size']})" if q["group_size"] else "")
-            want = quantize + (f" (group size {group_size})" if group_size else "")
-            raise GptjError(f"{where}: already quantized as {have}; cannot quantize it as {want} "
-                            f"(quantize the float checkpoint instead)")
-        return None
-    if quantize == "w8a8" and config.calibration is None:
-        raise GptjError(f"{where}: w8a8 needs a calibration: run `gptj calibrate --model {where}` first")
-    return quant.make_quantization(config, quantize, group_size,
-                                   calibration=config.calibration if quantize == "w8a8" else None)
-
-
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                config: str | os.PathLike | GPTJConfig | None = None, progress: bool | None = None,
                quantize: str | None = None, group_size: int | None = None,
@@ -187,15 +161,16 @@ def read_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype | None = None, de
                     quantize: str | None = None, group_size: int | None = None, progress: bool | None = False,
                     desc: str = "loading") -> tuple[Any, dict[str, torch.Tensor]]:
     """(config, tensors) of `checkpoint`, each tensor read once and checked (checked_state_dict), with
-    its adapter folded in; quantized as read where `quantize` asks (resolve_quantization: W8A8 with
-    the folder's smoothing factors), and the config then records it. What load builds a model from
+    its adapter folded in; quantized as read where `quantize` asks (quant.resolve_quantization: W8A8
+    with the folder's smoothing factors, w8a8_factors), and the config then records it. What load builds a model from
     and convert writes. `progress`: as auto_progress takes it."""
     cfg, folder, hf_dir = checkpoint.config, checkpoint.folder, checkpoint.format == "hf"
-    q = resolve_quantization(cfg, quantize, group_size, where=folder)
     progress = auto_progress(cfg, progress)
+    q = quant.resolve_quantization(cfg, quantize, group_size, where=folder)
+    smooth = w8a8_factors(q, cfg, folder)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
     sd = checked_state_dict(cfg, checkpoint.tensors(progress and not hf_dir, dtype), dtype=dtype, device=device,
-                            progress=progress and hf_dir, desc=desc, quantize=q, smooth=w8a8_factors(q, cfg, folder),
+                            progress=progress and hf_dir, desc=desc, quantize=q, smooth=smooth,
                             adapter=checkpoint.adapter)
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
