@@ -141,6 +141,11 @@ class KernelOps(BlockOps):
     def gelu_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         gelu_into(x, out, self.path == NATIVE)
 
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.gelu_into(x, out)
+        return out
+
 
 def fuse_block(block: Block) -> Block:
     """A GPT-J block's weights fused in place, and its ops chosen for its device and dtype (the
