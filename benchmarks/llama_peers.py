@@ -6,6 +6,9 @@
                                        `export_gguf` (BF16), then quantized by llama.cpp's own quantizer
                                        (`llama_model_quantize` with its default parameters, as `llama-quantize`)
     hf-bf16                            transformers' LlamaForCausalLM.generate, bfloat16
+    gptj-w8a8 (asked for by name)      gptj's engine with `--quantize w8a8` on a calibrated copy of the folder
+                                       (serve_vs_vllm.calibrated_copy: 8 prompts of the bundled llama3.1-8b
+                                       set), against Q8_0: both int8 weights and int8 activations
 
 Equal bits: gptj-bf16 / llama.cpp-bf16, gptj-int8 (per-channel int8) / Q8_0 (int8 blocks of 32, an f16
 scale each), gptj-int4 (groups of 128) / Q4_0 (blocks of 32). llama.cpp's default quantization keeps
@@ -64,7 +67,7 @@ import compare_peers
 
 VARIANTS = ("gptj-bf16", "gptj-int8", "gptj-int4", "llama.cpp-bf16", "llama.cpp-q8_0", "llama.cpp-q4_0", "hf-bf16")
 # llama-quantize --pure: every matrix Q4_0, the LM head too (the default writes it Q6_K); not measured unless asked
-EXTRA_VARIANTS = ("llama.cpp-q4_0-pure",)
+EXTRA_VARIANTS = ("llama.cpp-q4_0-pure", "gptj-w8a8")
 EQUAL_BITS = {"gptj-bf16": "llama.cpp-bf16", "gptj-int8": "llama.cpp-q8_0", "gptj-int4": "llama.cpp-q4_0"}
 GGML_TYPE_F32 = 0  # ggml's type id, for llama.cpp's KV cache in the float32 check
 
@@ -469,6 +472,10 @@ def make_impl(variant: str, folder: Path, work: Path, threads: int, prompt_len: 
     family, kind = variant.split("-", 1)
     if family == "gptj":
         quantize = None if kind == "bf16" else kind
+        if kind == "w8a8":  # its smoothing factors: a calibrated copy, made once under the work dir
+            from serve_vs_vllm import calibrated_copy
+
+            folder = calibrated_copy(folder, work)
 
         def load() -> torch.nn.Module:
             return load_model(folder, dtype=torch.bfloat16, quantize=quantize)
@@ -604,7 +611,8 @@ def report(summary: dict[str, dict], args: argparse.Namespace) -> tuple[str, dic
         lines.append("| " + " | ".join([v, f"{s['weight_bytes'] / 1e6:.0f}", *rounds, _f(s["decode_tok_s"]),
                                         _f(s["t1_s"]), _f(s["tN_s"])]) + " |")
     ratios = {}
-    pairs = [*EQUAL_BITS.items(), ("gptj-int4", "llama.cpp-q4_0-pure"), *((o, "hf-bf16") for o in EQUAL_BITS)]
+    pairs = [*EQUAL_BITS.items(), ("gptj-int4", "llama.cpp-q4_0-pure"), ("gptj-w8a8", "llama.cpp-q8_0"),
+             *((o, "hf-bf16") for o in EQUAL_BITS)]
     for ours, peer in pairs:
         if ours in summary and peer in summary:
             a, b = summary[ours]["decode_tok_s"], summary[peer]["decode_tok_s"]

@@ -309,6 +309,15 @@ def test_w8a8_without_a_calibration_is_one_line(tmp_path, capsys):
         quant.make_quantization(CFG, "int8", calibration=cal.make_record(0.5, "x", 1, 1))
 
 
+def test_calibration_cuts_each_prompt_to_the_models_context(tmp_path):
+    """A prompt longer than the model's positions is calibrated on its first n_positions tokens (the
+    model could not run the rest), not refused with a traceback."""
+    cfg = CFG.replace(n_positions=64)
+    folder = save_checkpoint(random_state_dict(cfg, seed=3), cfg, tmp_path / "m")
+    record = calibrate(folder, prompts_of([100, 20]), "test prompts", dtype=torch.float32)
+    assert record["tokens"] == 64 + 20 and record["samples"] == 2
+
+
 def test_calibrate_refuses_a_quantized_model_and_a_bad_alpha(calibrated, tmp_path, capsys):
     folder, _ = calibrated
     q = convert(folder, tmp_path / "q", quantize="int8")

@@ -331,7 +331,7 @@ KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str, alpha: float | None = None,
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict:
     """W8A8 calibration of the float checkpoint in `folder` (gptj.quant.calibrate) on `prompts`
-    (token ids, from `dataset`): writes its smoothing factors to folder/calibration.safetensors and
+    (token ids, from `dataset`; each cut to the model's context): writes its smoothing factors to folder/calibration.safetensors and
     their record to config.json's `calibration` (each file replaced atomically, the factors first);
     returns the record. Then `--quantize w8a8` can load it."""
     from gptj.quant.calibrate import input_absmax, make_record, save_factors, smoothing
@@ -345,7 +345,7 @@ def calibrate(folder: str | os.PathLike, prompts: list[list[int]], dataset: str,
         raise GptjError(f"{folder}: already quantized ({cfg.quantization['mode']}): calibrate the float checkpoint")
     alpha = quant.SMOOTH_ALPHA if alpha is None else alpha
     model = load_model(folder, dtype=dtype, device=device)
-    absmax, tokens = input_absmax(model, prompts)
+    absmax, tokens = input_absmax(model, [p[:cfg.n_positions] for p in prompts])  # (each within the context)
     smooth = smoothing(model, absmax, alpha)
     record = make_record(alpha, dataset, len(prompts), tokens)
     save_factors(smooth, folder)
