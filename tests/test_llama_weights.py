@@ -187,7 +187,8 @@ def test_a_calibrated_llama_loads_as_w8a8_within_its_rounding(tmp_path):
     """W8A8 for Llama: calibrate records the factors (q, k, v share ln_1's; gate and up share ln_2's)
     and transformers still reads the folder; --quantize w8a8 makes every linear a W8A8Linear, each
     weight within its rounding of the float one, that the engine decodes with as gptj.decode does;
-    convert keeps the factors, and the copy quantizes to the same tensors."""
+    quant-report takes w8a8 among its modes; convert keeps the factors, and the copy quantizes to the
+    same tensors."""
     from gptj.decode import generate
     from gptj.engine import Engine, EngineConfig
     from gptj.generation_config import GenerationConfig
@@ -218,6 +219,10 @@ def test_a_calibrated_llama_loads_as_w8a8_within_its_rounding(tmp_path):
     gen = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     prompts = [IDS[0].tolist(), IDS[0, :5].tolist()]
     assert Engine(q, EngineConfig(max_seqs=2, block_size=8)).generate(prompts, gen) == generate(q, prompts, gen)
+    from gptj.bench.quant_report import quantization_report
+
+    report = quantization_report(folder, prompts=[IDS[0].tolist()], speed=False)  # every mode: w8a8 too, calibrated
+    assert set(report["modes"]) >= {"int8", "int4", "w8a8"} and 0 <= report["modes"]["w8a8"]["top1_agreement"] <= 1
     copy = convert(folder, tmp_path / "copy")
     assert (copy / "calibration.safetensors").read_bytes() == (folder / "calibration.safetensors").read_bytes()
     a, b = q.state_dict(), load_model(copy, quantize="w8a8").state_dict()
