@@ -9,7 +9,8 @@ q, k, v and fc_in all read ln_1's output: the fused serving block, gptj.kernels.
 that input once for the four of them; Llama's q, k, v read ln_1's, its gate and up ln_2's).
 
 A float checkpoint keeps its factors in `calibration.safetensors` beside its weights, and
-config.json's `calibration` entry records how they were made (`make_record`, `check_record`); a
+config.json's `calibration` entry records how they were made (gptj.quant.format's `make_record`,
+`check_record`, re-exported here); a
 W8A8 checkpoint holds them in each layer's `input_smooth` and the same record in its
 `quantization` entry. MLPerf's closed division allows this: quantization calibrated on its
 calibration list (cnn_dailymail_calibration.json, 1,000 training-set articles).
@@ -25,12 +26,11 @@ import torch
 from torch import nn
 
 from gptj.errors import CheckpointError, GptjError
+from gptj.files import model_file
+from gptj.quant.format import CALIBRATION_VERSION, METHOD, check_record, linear_in_features, make_record  # noqa: F401
 from gptj.quant.ops import SMOOTH_ALPHA, smoothing_factors
 
 CALIBRATION_FILE = "calibration.safetensors"
-CALIBRATION_VERSION = 1
-METHOD = "smoothquant"
-_RECORD_KEYS = {"version", "method", "alpha", "dataset", "samples", "tokens"}
 
 # The linears of a block (gptj.models' names) that read one norm's output: GPT-J's attention and MLP run
 # in parallel on ln_1's; Llama's attention reads ln_1's, its MLP's gate and up ln_2's.
@@ -97,28 +97,6 @@ def smoothing(model: nn.Module, absmax: Mapping[str, torch.Tensor],
     return out
 
 
-def make_record(alpha: float, dataset: str, samples: int, tokens: int) -> dict[str, Any]:
-    return {"version": CALIBRATION_VERSION, "method": METHOD, "alpha": float(alpha), "dataset": str(dataset),
-            "samples": int(samples), "tokens": int(tokens)}
-
-
-def check_record(record: object, source: str = "config") -> dict[str, Any]:
-    """A recorded calibration entry, validated; CheckpointError naming what is wrong."""
-    if not isinstance(record, Mapping):
-        raise CheckpointError(f"{source}: 'calibration' must be an object, got {type(record).__name__}")
-    unknown, missing = set(record) - _RECORD_KEYS, _RECORD_KEYS - set(record)
-    if unknown or missing:
-        what = f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}"
-        raise CheckpointError(f"{source}: 'calibration' has {what}")
-    if record["version"] != CALIBRATION_VERSION or record["method"] != METHOD:
-        raise CheckpointError(f"{source}: calibration {record['method']!r} version {record['version']!r} is not "
-                              f"supported (this gptj reads {METHOD!r} version {CALIBRATION_VERSION})")
-    alpha = record["alpha"]
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
-        raise CheckpointError(f"{source}: calibration alpha must be a number in [0, 1], got {alpha!r}")
-    return dict(record)
-
-
 def save_factors(smooth: Mapping[str, torch.Tensor], folder: Path) -> Path:
     """Write the factors as `folder/calibration.safetensors`, atomically (a temp file renamed)."""
     from safetensors.torch import save
@@ -152,3 +130,12 @@ def load_factors(folder: Path, modules: Iterable[str], in_features: Mapping[str,
                 raise CheckpointError(f"{path}: {key} must hold finite positive factors")
             out[name] = t
     return out
+
+
+def w8a8_factors(q: Mapping[str, Any] | None, config: Any, folder: str | Path) -> dict[str, torch.Tensor] | None:
+    """The smoothing factors a w8a8 quantization `q` of the float checkpoint in `folder` needs (else None),
+    from its calibration file (a link out of the folder is refused, gptj.files.model_file)."""
+    if q is None or q["mode"] != "w8a8":
+        return None
+    model_file(folder, CALIBRATION_FILE)
+    return load_factors(Path(folder), q["modules"], linear_in_features(config))

@@ -19,7 +19,8 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
 
 config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8"|"fp8", "group_size": null|g,
 "modules": [every quantized module name]}`, and for w8a8 its `"calibration"` (how the factors were
-made, gptj.quant.calibrate); the format is read from there, never guessed.
+made: `make_record`, checked by `check_record`; a calibrated float checkpoint records the same entry
+beside its factors file, gptj.quant.calibrate); the format is read from there, never guessed.
 
 HF transformers cannot run these checkpoints (it does not know this format); gptj can. Without a
 sign in config.json transformers would load one anyway, its int8 weights taken as floats and its
@@ -162,6 +163,33 @@ def hf_quantization_config(q: Mapping[str, Any]) -> dict[str, Any]:
                     "HF transformers cannot run it, so no quant_method is given and it refuses the folder"}
 
 
+CALIBRATION_VERSION = 1
+METHOD = "smoothquant"
+_RECORD_KEYS = {"version", "method", "alpha", "dataset", "samples", "tokens"}
+
+
+def make_record(alpha: float, dataset: str, samples: int, tokens: int) -> dict[str, Any]:
+    return {"version": CALIBRATION_VERSION, "method": METHOD, "alpha": float(alpha), "dataset": str(dataset),
+            "samples": int(samples), "tokens": int(tokens)}
+
+
+def check_record(record: object, source: str = "config") -> dict[str, Any]:
+    """A recorded calibration entry, validated; CheckpointError naming what is wrong."""
+    if not isinstance(record, Mapping):
+        raise CheckpointError(f"{source}: 'calibration' must be an object, got {type(record).__name__}")
+    unknown, missing = set(record) - _RECORD_KEYS, _RECORD_KEYS - set(record)
+    if unknown or missing:
+        what = f"unknown field {sorted(unknown)[0]!r}" if unknown else f"missing field {sorted(missing)[0]!r}"
+        raise CheckpointError(f"{source}: 'calibration' has {what}")
+    if record["version"] != CALIBRATION_VERSION or record["method"] != METHOD:
+        raise CheckpointError(f"{source}: calibration {record['method']!r} version {record['version']!r} is not "
+                              f"supported (this gptj reads {METHOD!r} version {CALIBRATION_VERSION})")
+    alpha = record["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
+        raise CheckpointError(f"{source}: calibration alpha must be a number in [0, 1], got {alpha!r}")
+    return dict(record)
+
+
 def check_quantization(q: object, config: Any, source: str = "config") -> dict[str, Any]:
     """Validate a recorded `quantization` entry against the model's shape; CheckpointError if bad."""
     if not isinstance(q, Mapping):
@@ -186,8 +214,6 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
         raise CheckpointError(f"{source}: {e}") from None
     calibration = None
     if mode == "w8a8":
-        from gptj.quant.calibrate import check_record
-
         calibration = check_record(q["calibration"], f"{source}: quantization")
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise CheckpointError(f"{source}: quantization 'modules' must be a non-empty list of module names")

@@ -40,6 +40,7 @@ from gptj.config import GPTJConfig
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.registry import architecture_of
+from gptj.quant.calibrate import w8a8_factors
 from gptj.quant.format import hf_quantization_config
 from gptj.device import dtype_name
 from gptj.weights import hf
@@ -162,7 +163,7 @@ def read_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype | None = None, de
                     desc: str = "loading") -> tuple[Any, dict[str, torch.Tensor]]:
     """(config, tensors) of `checkpoint`, each tensor read once and checked (checked_state_dict), with
     its adapter folded in; quantized as read where `quantize` asks (quant.resolve_quantization: W8A8
-    with the folder's smoothing factors, w8a8_factors), and the config then records it. What load builds a model from
+    with the folder's smoothing factors, quant.calibrate.w8a8_factors), and the config then records it. What load builds a model from
     and convert writes. `progress`: as auto_progress takes it."""
     cfg, folder, hf_dir = checkpoint.config, checkpoint.folder, checkpoint.format == "hf"
     progress = auto_progress(cfg, progress)
@@ -175,16 +176,6 @@ def read_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype | None = None, de
     if q is not None:
         cfg = cfg.replace(quantization=q, calibration=None)  # w8a8: the record moved into `quantization`
     return cfg, sd
-
-
-def w8a8_factors(q: Mapping | None, config: GPTJConfig, folder: str | os.PathLike) -> dict | None:
-    """The smoothing factors a w8a8 quantization `q` of the float checkpoint in `folder` needs (else None)."""
-    if q is None or q["mode"] != "w8a8":
-        return None
-    from gptj.quant.calibrate import CALIBRATION_FILE, load_factors
-
-    model_file(folder, CALIBRATION_FILE)
-    return load_factors(Path(folder), q["modules"], quant.linear_in_features(config))
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
