@@ -580,3 +580,29 @@ def test_bfloat16_int8_linear_with_bias_at_decode_rows(kernel_path):
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
         ref = F.linear(x.float(), m.dequantized_weight(torch.float32), m.bias.float())
         assert rel_err(y, ref) < 1.5e-2
+
+
+def test_an_int8_weight_off_a_64_byte_boundary_runs_torchs_kernel_as_an_aligned_one():
+    """A checkpoint's int8 weight is a view of its mapped file and may start anywhere (gptj.weights.hf):
+    torch's weight-only int8 kernel faulted on such a one (64 x 64 at 3,000 bytes into a mapping). The
+    layer copies it once, on its first call of that kernel, and gives the aligned weight's numbers."""
+    import mmap
+
+    from gptj.quant.base import pin_path
+    from gptj.quant.int8 import WEIGHT_ALIGN
+
+    lin = nn.Linear(64, 64)
+    ref = quant.Int8Linear.from_float(lin)
+    layer = quant.Int8Linear.from_float(lin)
+    mapped = mmap.mmap(-1, 16384)
+    view = torch.frombuffer(mapped, dtype=torch.int8, count=64 * 64, offset=3000).view(64, 64)
+    view.copy_(layer.weight)
+    layer.weight = view
+    assert layer.weight.data_ptr() % WEIGHT_ALIGN
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for m in (ref, layer):
+        pin_path(m, policy.WEIGHT_ONLY, torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+    assert torch.equal(got, ref(x)) and layer.weight.data_ptr() % WEIGHT_ALIGN == 0
+    assert not layer.weight.is_inference()  # still usable outside inference mode (LoRA training's backward)

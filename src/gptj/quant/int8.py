@@ -5,7 +5,9 @@ Its kernels, by the policy's table (gptj.policy.LINEAR_TABLE, "int8"):
   NATIVE / AMX  gptj.native's int8 GEMV (8-row tiles, AVX-512 or AVX2; its GEMM from 32 rows on
                 AVX512-BF16) / its AMX GEMM, in bfloat16
   WEIGHT_ONLY   torch._weight_int8pack_mm in bfloat16 (activations of other dtypes are cast for the
-                call: the kernel's float32 path is 10-30x slower)
+                call: the kernel's float32 path is 10-30x slower). It faults on some weights that do
+                not start on a 64-byte boundary (torch 2.13, CPU), as a checkpoint's weight viewed in its
+                mapped file may not (gptj.weights.hf): such a weight is copied once, on its first call
   TRITON        gptj.quant.cuda's GEMV / GEMM plans (CUDA; each weight tile converted in registers)
   DEQUANTIZE    the weight dequantized to the activations' dtype a chunk at a time, F.linear
   UPCAST        the same in float32, rounded to the activations' dtype once
@@ -20,6 +22,9 @@ from gptj.policy import AMX, DEQUANTIZE, NATIVE, TRITON, UPCAST, WEIGHT_ONLY, Ca
 from gptj.quant.base import (KERNEL_DTYPE, Kernel, QuantLinear, per_channel_buffers, per_channel_from_float,
                              scales_as_values, with_bias)
 from gptj.quant.ops import chunked_linear, dequantize_int8, quantize_int8
+
+
+WEIGHT_ALIGN = 64  # bytes: where torch._weight_int8pack_mm's weight must start
 
 
 class Int8Linear(QuantLinear):
@@ -66,6 +71,9 @@ class Int8Linear(QuantLinear):
         return with_bias(self, y).to(x2.dtype)
 
     def _weight_only(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.weight.data_ptr() % WEIGHT_ALIGN:  # (see the module's docstring); a plain tensor, even in inference mode
+            with torch.inference_mode(False):
+                self.weight = self.weight.clone()  # torch's allocator aligns to 64 bytes
         y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.weight_scale)
         return with_bias(self, y.to(x2.dtype)).to(x2.dtype)
 
