@@ -290,7 +290,7 @@ def test_convert_rewrites_a_llama_folder_in_another_dtype(tmp_path, capsys):
     assert "divisible by 3" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
-@pytest.mark.parametrize("mode, tie", [("int8", False), ("int4", True), ("w8a8", False)])
+@pytest.mark.parametrize("mode, tie", [("int8", False), ("int4", True), ("w8a8", False), ("w8a8", True)])
 def test_a_quantized_llama_checkpoint_round_trips(tmp_path, capsys, mode, tie):
     """gptj convert --quantize on a Llama folder writes HF's module names with each linear's scales
     beside its weight (a tied head too: quantized, it is no longer the embedding); it loads to the
@@ -314,6 +314,11 @@ def test_a_quantized_llama_checkpoint_round_trips(tmp_path, capsys, mode, tie):
     assert ("model.layers.0.self_attn.q_proj.input_smooth" in keys) == (mode == "w8a8")
     on_load, saved = load_model(folder, quantize=mode), load_model(tmp_path / "q")
     assert saved.config.quantization == on_load.config.quantization
+    if mode == "w8a8":  # every linear on its calibrated factors: a tied head made from the embedding too
+        from safetensors.torch import load_file
+
+        factors = load_file(str(folder / "calibration.safetensors"))
+        assert torch.equal(on_load.lm_head.input_smooth, factors["lm_head.input_smooth"])
     a, b = on_load.state_dict(), saved.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     gen = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)

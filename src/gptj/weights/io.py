@@ -97,7 +97,7 @@ def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dt
                       progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
                       skip=arch.legacy, optional=("lm_head.weight",) if tied else (),
                       rename=tensor_names(arch, config), what="a GPT-J weight" if arch.hf_names is None else "a weight")
-    return _tied_head(sd, quantize or config.quantization) if tied else sd
+    return _tied_head(sd, quantize or config.quantization, smooth) if tied else sd
 
 
 def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
@@ -116,15 +116,16 @@ def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
     return model.eval()
 
 
-def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None) -> dict[str, torch.Tensor]:
+def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None,
+               smooth: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with its tied LM head's (tie_word_embeddings): the embedding's (quantized
-    as `q` says, if it names lm_head) where the checkpoint left them out; a stored float head must
-    equal the embedding (as HF reads such a checkpoint)."""
+    as `q` says, with lm_head's W8A8 factors in `smooth`, if it names lm_head) where the checkpoint
+    left them out; a stored float head must equal the embedding (as HF reads such a checkpoint)."""
     sd, embed = dict(state_dict), state_dict["transformer.wte.weight"]
     head = sd.get("lm_head.weight")
     if head is None and q is not None and "lm_head" in q["modules"]:
         sd.update({f"lm_head.{leaf}": t for leaf, t in
-                   quant.quantize_weight(embed, q["mode"], q["group_size"]).items()})
+                   quant.quantize_weight(embed, q["mode"], q["group_size"], (smooth or {}).get("lm_head")).items()})
     elif head is None:
         sd["lm_head.weight"] = embed
     elif head.is_floating_point() and not torch.equal(head, embed):
