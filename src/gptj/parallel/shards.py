@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,9 @@ from gptj.config import GPTJConfig
 from gptj.errors import GptjError
 from gptj.parallel.tp import load_gptj_rank, shard_state_dict
 from gptj.parallel.tp_llama import load_llama_rank, shard_llama_state_dict
+from gptj.quant.format import quantized_specs
 from gptj.weights.checkpoint import Checkpoint, shard_file
+from gptj.weights.peft import merged
 
 
 def write_shards(state_dict: Mapping[str, torch.Tensor], config: Any, folder: Path, world: int) -> None:
@@ -41,6 +43,20 @@ def load_rank(checkpoint: Checkpoint, rank: int, world: int, dtype: torch.dtype,
     if checkpoint.shard is None:
         raise GptjError(f"{shard_file(checkpoint.folder, rank, world)}: no such shard (write it with gptj convert "
                         f"--tp {world})")
+    config = checkpoint.config
+    gptj = isinstance(config, GPTJConfig)
     sd = load_file(str(checkpoint.shard), device=str(device))
-    load = load_gptj_rank if isinstance(checkpoint.config, GPTJConfig) else load_llama_rank
-    return load(checkpoint, sd, rank, world, dtype, device, group)
+    if checkpoint.adapter is not None:  # the adapter's whole deltas, cut as the weights were
+        sd = _adapted(checkpoint, sd, shard_state_dict if gptj else shard_llama_state_dict, rank, world, device)
+    return (load_gptj_rank if gptj else load_llama_rank)(config, sd, world, dtype, device, group)
+
+
+def _adapted(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], shard: Callable, rank: int, world: int,
+             device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A rank's tensors with the checkpoint's adapter folded into its slices of the weights (before
+    they are rounded): each delta made whole (it names the file's modules: HF's), then cut by `shard`."""
+    config, adapter = checkpoint.config, checkpoint.adapter
+    stored = {ours: name for name, ours in (checkpoint.renames or {}).items()}  # the model's name -> the file's
+    adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quantized_specs(config).items()}, config.n_layer)
+    deltas = {n: d for n in sd if (d := adapter.delta(stored.get(n, n), device)) is not None}
+    return {**sd, **{n: merged(sd[n], d) for n, d in shard(deltas, config, rank, world).items()}}

@@ -32,8 +32,6 @@ from gptj.errors import GptjError
 from gptj.models.base import KVCache
 from gptj.models.gptj import Block, GPTJForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
-from gptj.weights.checkpoint import Checkpoint
-from gptj.weights.peft import linear_shapes, merged
 
 
 class AllReduce:
@@ -181,18 +179,12 @@ def shard_model(model: GPTJForCausalLM, rank: int, world: int,
     return reduce
 
 
-def load_gptj_rank(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], rank: int, world: int, dtype: torch.dtype,
+def load_gptj_rank(config: GPTJConfig, sd: dict[str, torch.Tensor], world: int, dtype: torch.dtype,
                    device: torch.device | str, group: dist.ProcessGroup | None = None) -> GPTJForCausalLM:
-    """Rank's GPT-J from its shard's tensors `sd` (gptj.parallel.shards.load_rank read them), built with
-    its rank-sized blocks and head, the checkpoint's adapter folded into its slices of the weights
-    (before they are rounded)."""
-    config = checkpoint.config
+    """A rank's GPT-J holding its shard's tensors `sd` (gptj.parallel.shards.load_rank read them and
+    folded any adapter in), built with its rank-sized blocks and head."""
     check_plan(config, world)
     reduce, head = AllReduce(group), vocab_head(config, dtype, world, group)
-    if checkpoint.adapter is not None:
-        checkpoint.adapter.check_fits(linear_shapes(config), config.n_layer)
-        deltas = {name: d for name in sd if (d := checkpoint.adapter.delta(name, device)) is not None}
-        sd.update({name: merged(sd[name], d) for name, d in shard_state_dict(deltas, config, rank, world).items()})
     model = build_model(config, device="meta", dtype=dtype, block=lambda c: TensorParallelBlock(c, world, reduce),
                         head=head)
     model.load_state_dict({n: t.to(dtype) if t.is_floating_point() else t for n, t in sd.items()}, strict=True,

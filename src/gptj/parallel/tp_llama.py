@@ -25,10 +25,7 @@ from gptj.errors import GptjError
 from gptj.models.base import KVCache
 from gptj.models.llama import Block, LlamaConfig, LlamaForCausalLM, build_model
 from gptj.parallel.pp import OtherStage
-from gptj.quant.format import quantized_specs
 from gptj.parallel.tp import AllReduce, VocabParallelHead, column_parallel, part, row_parallel
-from gptj.weights.checkpoint import Checkpoint
-from gptj.weights.peft import merged
 
 
 def check_llama_plan(config: LlamaConfig, world: int) -> None:
@@ -118,17 +115,10 @@ def shard_llama(model: LlamaForCausalLM, rank: int, world: int, group: dist.Proc
     return reduce
 
 
-def load_llama_rank(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], rank: int, world: int, dtype: torch.dtype,
+def load_llama_rank(config: LlamaConfig, sd: dict[str, torch.Tensor], world: int, dtype: torch.dtype,
                     device: torch.device | str, group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
-    """Rank's Llama from its shard's tensors `sd` (`gptj convert --tp`: gptj's names), with the
-    checkpoint's adapter folded into its slices of the weights (the adapter names HF's modules)."""
-    config, adapter = checkpoint.config, checkpoint.adapter
-    if adapter is not None:
-        stored = {ours: name for name, ours in checkpoint.renames.items()}
-        adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quantized_specs(config).items()},
-                           config.n_layer)
-        deltas = {name: d for name in sd if (d := adapter.delta(stored.get(name, name), device)) is not None}
-        sd.update({name: merged(sd[name], d) for name, d in shard_llama_state_dict(deltas, config, rank, world).items()})
+    """A rank's Llama holding its shard's tensors `sd` (gptj's names; gptj.parallel.shards.load_rank
+    read them and folded any adapter in), built with its rank-sized blocks and head."""
     model = build_model(config, device="meta", dtype=dtype)
     reshape_llama_for_rank(model, world, group)
     model.load_state_dict({n: t.to(dtype) for n, t in sd.items()}, strict=True, assign=True)

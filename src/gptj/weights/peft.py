@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from gptj.config import GPTJConfig
 from gptj.weights.finite import check_finite
 from gptj.errors import GptjError
 from gptj.files import model_file
@@ -246,13 +245,6 @@ def read_adapter_state(folder: str | Path, expected: LoRAConfig | None = None) -
 def weight_name(layer: int, module: str) -> str:
     """The checkpoint name of the weight that `module` of block `layer` adapts."""
     return f"transformer.h.{layer}.{PARENT[module]}.{module}.weight"
-
-
-def linear_shapes(config: GPTJConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of every linear weight an adapter may adapt in a model of `config`, by checkpoint name."""
-    E, inner = config.n_embd, config.inner_dim
-    shape = {"fc_in": (inner, E), "fc_out": (E, inner)}
-    return {weight_name(i, m): shape.get(m, (E, E)) for i in range(config.n_layer) for m in TARGETS}
 
 
 def merged(weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
