@@ -251,6 +251,12 @@ def test_bad_llama_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_model(tmp_path / "m")
     assert "and not a valid llama one: config field 'vocab_size' is missing" in one_line(e)
+    hf_model().save_pretrained(tmp_path / "c")  # a calibration record that is not an object
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**config, "calibration": 5}))
+    with pytest.raises(ConfigError) as e:
+        load_model(tmp_path / "c")
+    assert "config field 'calibration' must be an object or absent, got 5" in one_line(e)
 
 
 def test_compare_and_quant_report_take_a_llama_folder(tmp_path):

@@ -75,6 +75,11 @@ def validate(c: GPTJConfig) -> None:
     check_int("eos_token_id", c.eos_token_id, 0, c.vocab_size - 1, inside)
     if c.pad_token_id is not None:
         check_int("pad_token_id", c.pad_token_id, 0, c.vocab_size - 1, inside + " or null")
+    check_records(c)
+
+
+def check_records(c: Any) -> None:
+    """A config's `quantization` and `calibration` entries (any architecture's): objects, or absent."""
     for name in ("quantization", "calibration"):
         value = getattr(c, name)
         if value is not None and not isinstance(value, dict):

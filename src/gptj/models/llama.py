@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, check_int, is_int
+from gptj.config import MAX_EMBD, MAX_INNER, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, check_int, check_records, is_int
 from gptj.errors import CheckpointError, ConfigError
 from gptj.models.base import CausalLM, KVCache, gqa_attention
 
@@ -106,9 +106,7 @@ def validate_llama(c: LlamaConfig) -> None:
                           f"got {c.eos_token_ids!r}")
     for eos in c.eos_token_ids:
         check_int("eos_token_id", eos, 0, c.vocab_size - 1, inside)
-    for name in ("quantization", "calibration"):
-        if getattr(c, name) is not None and not isinstance(getattr(c, name), dict):
-            raise ConfigError(f"config field {name!r} must be an object or absent, got {getattr(c, name)!r}")
+    check_records(c)
 
 
 @dataclass(frozen=True)
