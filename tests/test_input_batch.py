@@ -9,7 +9,9 @@ import pytest
 
 from gptj.decode import GenerationConfig, generate
 from gptj.engine import Engine, EngineConfig
+from gptj.engine import scheduler as scheduler_module
 from test_engine import model, prompts_of  # noqa: F401 - the fixture
+from test_speculate import Oracle
 
 B = 8
 
@@ -17,9 +19,11 @@ B = 8
 def from_requests(sched) -> tuple[list, ...]:
     """The step's decode rows built from its requests' own state, as the runner built them each step
     before the batch: tokens, positions, write blocks and offsets, and per group (shared blocks,
-    shared tokens, each row's own blocks, own tokens)."""
+    shared tokens, each row's own blocks, own tokens); then each verified request's token i (its
+    next token, then its draft) at position L + i, a group of one row each over L + i + 1 tokens."""
     ids, pos, wb, wo, groups = [], [], [], [], []
-    for req in sched.decode:
+    decode = list(sched.decode)
+    for req in decode:
         L = req.seqs[0].length
         if req.n_seqs == 1:
             groups.append((req.seqs[0].blocks, L + 1, [[]], 0))
@@ -31,6 +35,15 @@ def from_requests(sched) -> tuple[list, ...]:
             wo.append(L % B)
         pos += [L] * req.n_seqs
         ids += req.next_tokens
+    for v in sched.verify:
+        (seq,) = v.request.seqs
+        for i, token in enumerate(v.tokens):
+            at = seq.length + i
+            groups.append((seq.blocks[:-(-(at + 1) // B)], at + 1, [[]], 0))
+            wb.append(seq.blocks[at // B])
+            wo.append(at % B)
+            pos.append(at)
+            ids.append(token)
     return ids, pos, wb, wo, groups
 
 
@@ -57,9 +70,10 @@ def checked(engine, monkeypatch) -> dict[str, int]:
     def update_and_check(sched):
         before = dict(batch.rows)
         update(sched)
-        if sched.decode:
+        if sched.decode or sched.verify:
             assert held(batch) == from_requests(sched)
             seen["steps"] += 1
+            seen["verified"] = seen.get("verified", 0) + len(sched.verify)
         seen["moved"] += any(before.get(req, row) != row for req, row in batch.rows.items())
 
     monkeypatch.setattr(batch, "update", update_and_check)
@@ -133,9 +147,34 @@ def test_steps_with_the_same_requests_write_no_row_afresh(model, monkeypatch, ge
     engine = Engine(model, EngineConfig(max_seqs=8, block_size=B))
     batch, written, regrouped = engine.runner.batch, [], []
     write, regroup = batch._write, batch._regroup
-    monkeypatch.setattr(batch, "_write", lambda req, row: written.append(req) or write(req, row))
-    monkeypatch.setattr(batch, "_regroup", lambda decode: regrouped.append(len(decode)) or regroup(decode))
+    monkeypatch.setattr(batch, "_write", lambda req, row, draft=0: written.append(req) or write(req, row, draft))
+    monkeypatch.setattr(batch, "_regroup", lambda reqs, drafts: regrouped.append(len(reqs)) or regroup(reqs, drafts))
     prompts = prompts_of([13, 13, 13], seed=2)
     assert engine.generate(prompts, gen) == [generate(model, [p], gen)[0] for p in prompts]
     assert engine.steps == 1 + gen.max_new_tokens - 1  # a prefill, then a decode step per later token
     assert regrouped == [3] and len(written) == 3  # they joined at the first decode step, together
+
+
+def test_the_rows_hold_the_drafts_beside_decoding_requests(model, monkeypatch):  # noqa: F811
+    """Speculating requests (their drafts a row a token, engine/scheduler.Verify; drafted by an oracle
+    that knows the answers and spoils every other draft) among greedy and beam ones that decode,
+    through a small pool (preemption) and chunked prefill: each step's rows hold what the requests
+    hold, a request's rows written afresh when it verifies and the step after; the tokens are those
+    decoding one at a time gives."""
+    prompts = prompts_of([30, 12, 25, 7, 18, 33, 9, 21], seed=12)
+    spec = GenerationConfig(max_new_tokens=16, eos_token_id=None, prompt_lookup_num_tokens=4)
+    gens = [spec, GenerationConfig(max_new_tokens=10, num_beams=3, eos_token_id=None), spec,
+            GenerationConfig(max_new_tokens=9, eos_token_id=None)] * 2
+    plain = [generate(model, [p], g.replace(prompt_lookup_num_tokens=None))[0] for p, g in zip(prompts, gens)]
+    oracle = Oracle({tuple(p): out for p, out in zip(prompts, plain)}, model.config.vocab_size)
+    monkeypatch.setattr(scheduler_module, "ngram_draft", oracle)
+    need = max(Engine(model, EngineConfig(max_seqs=4, block_size=B)).blocks_needed(len(p), g)
+               for p, g in zip(prompts, gens))
+    engine = Engine(model, EngineConfig(max_seqs=8, block_size=B, kv_blocks=need + 2, prefill_chunk=16))
+    seen = checked(engine, monkeypatch)
+    reqs = [engine.add_request(p, g) for p, g in zip(prompts, gens)]
+    while engine.has_work:
+        engine.step()
+    assert [r.output for r in reqs] == plain
+    stats = engine.stats()
+    assert seen["verified"] > 5 and stats.draft_tokens > stats.accepted_tokens > 0 and stats.preemptions + stats.stalls > 0

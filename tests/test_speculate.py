@@ -6,8 +6,9 @@ from the n-gram drafter itself (random prompts that repeat spans), and from an o
 the answer and spoils one token of some drafts, so that whole drafts, partial drafts and rejected
 drafts all occur; with chunked prefill, prefix sharing, preemption and stalls (a small KV pool), EOS
 and min_new_tokens inside a draft; on the tiny GPT-J and a tiny Llama (grouped-query attention).
-Float32 throughout: a draft's rows run as a chunk of its own and a decode row alone, and in float32
-their tokens agree (the engine's tests hold batch-composition invariance to the same standard).
+A draft's tokens are decode rows (engine/input_batch.py), each at its own position, run by the decode
+kernels as a token decoded alone is: float32 mostly, and bfloat16 on every kernel path, where each
+token's log-probability from a draft's row equals, bit for bit, the one decoding it alone gives.
 """
 
 from __future__ import annotations
@@ -216,6 +217,38 @@ def test_llama_grouped_query_attention(monkeypatch):
     plain, _, oracle = with_oracle(monkeypatch, model, prompts, gen)
     spec, _, engine = run(model, prompts, gen.replace(prompt_lookup_num_tokens=4))
     assert spec == plain and engine.stats().accepted_tokens == oracle.accepted > 0
+
+
+@pytest.mark.parametrize("arch", ["gptj", "llama"])
+def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
+    """In bfloat16, with the serving kernels (build_engine): a draft's rows run the decode kernels at
+    their own positions, so each token's log-probability is the one decoding it alone gives, bit for
+    bit (the kernels sum each row in one fixed order, whatever rows share the call), and the tokens
+    are the same. (Run as a prompt chunk of their own, the prefill kernels' sums differed in the last
+    bits, and some tokens with them.)"""
+    from gptj.runtime.build import build_engine
+
+    if arch == "gptj":
+        cfg = get_preset("tiny").replace(vocab_size=256, bos_token_id=0, eos_token_id=1, n_embd=256, n_head=8)
+        model = model_from_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.3)).to(torch.bfloat16)
+    else:
+        model = tiny_llama(kv=2, dtype=torch.bfloat16)
+    prompts = repeating_prompts(model.config.vocab_size, 3, seed=8)
+    gen = GenerationConfig(pad_token_id=0, max_new_tokens=16, eos_token_id=None)
+
+    def run_with(g):
+        engine = build_engine(model, EngineConfig(**SMALL), free_bytes=1 << 30)
+        reqs = [engine.add_request(p, g, logprobs=1) for p in prompts]
+        while engine.has_work:
+            engine.step()
+        return [(r.output, [lp.logprob for lp in r.token_logprobs]) for r in reqs], engine.stats()
+
+    plain, _ = run_with(gen)
+    oracle = Oracle({tuple(p): out for p, (out, _) in zip(prompts, plain)}, model.config.vocab_size)
+    monkeypatch.setattr(scheduler_module, "ngram_draft", oracle)
+    spec, stats = run_with(gen.replace(prompt_lookup_num_tokens=5))
+    assert spec == plain
+    assert stats.accepted_tokens == oracle.accepted > 0 and stats.draft_tokens > stats.accepted_tokens
 
 
 def test_beams_ignore_it(gptj_tiny):

@@ -77,6 +77,9 @@ class EngineConfig:
             raise GptjError(f"engine memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
+DRAFT_ROWS_PER_SEQ = 16  # KVPlan.draft_rows: room for HF's default prompt_lookup_num_tokens (10) at every sequence
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """An engine's size, decided once by `plan_kv`."""
@@ -87,6 +90,12 @@ class KVPlan:
     max_seqs: int  # sequences running at once
     block_bytes: int  # one block, all layers, keys and values
     ranks: int = 1  # the ranks whose forwards run together (--tp / --pp): more than one, each forward is collective
+
+    @property
+    def draft_rows(self) -> int:
+        """The decode rows a step's drafts may add beyond one a sequence (speculation: a draft of k
+        tokens is k more rows, engine/scheduler.py), DRAFT_ROWS_PER_SEQ a running sequence."""
+        return self.max_seqs * DRAFT_ROWS_PER_SEQ
 
     @property
     def blocks_per_seq(self) -> int:

@@ -8,7 +8,8 @@ A graph replays fixed addresses and shapes, so a decode-only step reads the engi
 input buffers (engine/input_batch.py: token ids, positions, write slots, and the attention
 backend's DecodeTables — own tables (rows, blocks_per_seq), the decode kernels' splits covering
 blocks_per_seq blocks, whatever the step's lengths): the first rows of them, as many as its
-batch-size bucket (BUCKETS up to the engine's max_seqs). The step's rows are padded up to the
+batch-size bucket (BUCKETS up to the engine's max_seqs, and on to the rows drafts may add: a draft's
+tokens are decode rows, engine/input_batch.py). The step's rows are padded up to the
 bucket: each padding row is a group of its own that writes its key and value into the scratch
 block (the KV pool's last block, which no sequence holds) and reads that one token back. A graph
 is captured for each (bucket, rows-per-group tile) at its first use — the kernel's tile of a
@@ -37,9 +38,11 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows a graph is captured for
 
 
-def bucket_for(rows: int, max_rows: int) -> int:
-    """The smallest bucket that holds `rows` (the engine's max_seqs is the last bucket)."""
-    return next((b for b in BUCKETS if b >= rows and b < max_rows), max_rows)
+def bucket_for(rows: int, max_rows: int, max_seqs: int | None = None) -> int:
+    """The smallest bucket that holds `rows`: BUCKETS below max_rows, then max_rows (the batch's rows
+    at most: the engine's max_seqs, and its drafts' rows, InputBatch), with max_seqs a bucket too."""
+    sizes = {b for b in BUCKETS if b < max_rows} | {max_rows} | ({max_seqs} if max_seqs else set())
+    return min((b for b in sizes if b >= rows), default=max_rows)
 
 
 class CaptureFailed(RuntimeError):
@@ -55,7 +58,7 @@ class GraphRunner:
         if not backend.reads_tables or backend.name == "cpu-native":
             raise ValueError(f"CUDA-graph decode needs the cuda attention backend, not {backend.name!r}")
         self.model, self.kv, self.backend, self.batch, self.capture = model, kv, backend, batch, capture
-        self.max_rows = batch.max_rows
+        self.max_rows, self.max_seqs = batch.max_rows, batch.max_seqs
         self.buckets: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}  # rows -> tile -> graph
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured = 0  # graphs captured so far (tests, stats)
@@ -68,13 +71,14 @@ class GraphRunner:
         return getattr(self.backend, "kernel_ok", True)
 
     def takes(self, rows: int) -> bool:
-        """Whether a decode-only step of `rows` sequences runs from a graph here."""
+        """Whether a decode-only step of `rows` rows (a sequence's each, a draft's token's each) runs
+        from a graph here."""
         return self.ready and 0 < rows <= self.max_rows
 
     def forward(self, rows: int, size: int | None = None, group_rows: int = 1) -> torch.Tensor:
         """The logits (rows, V) float32 of the batch's `rows` rows (only while `ready`), padded up to
         `size` (default: their bucket) with groups of group_rows rows (warm's beams: num_beams)."""
-        size = bucket_for(rows, self.max_rows) if size is None else size
+        size = bucket_for(rows, self.max_rows, self.max_seqs) if size is None else size
         tile = self.batch.tile(group_rows)
         if not self.fallbacks.ok((size, tile)):
             raise CaptureFailed(f"no graph for {size} rows")
@@ -104,7 +108,7 @@ class GraphRunner:
         are written afresh at the next step. -> buckets warmed (captured on CUDA; run eagerly from
         the same buffers elsewhere)."""
         tile = row_tile(rows_per_group)
-        sizes = [b for b in BUCKETS if b < self.max_rows] + [self.max_rows]
+        sizes = [b for b in BUCKETS if b < self.max_seqs] + [self.max_seqs]  # (steps with drafts: at first use)
         warmed = 0
         self.batch.clear()
         for size in reversed(sizes):  # largest first, as vLLM: the smaller graphs reuse its memory pool
@@ -129,7 +133,7 @@ class GraphRunner:
         times back to back, with no host work between (a step's time less this is the host's part).
         None where no graph of that bucket was captured. The replays write the last step's slots
         again: measure after a run, never within one."""
-        graphs = self.buckets.get(bucket_for(rows, self.max_rows))
+        graphs = self.buckets.get(bucket_for(rows, self.max_rows, self.max_seqs))
         if not self.capture or not graphs:
             return None
         graph, _ = next(iter(graphs.values()))

@@ -89,9 +89,9 @@ class InputBatch:
     block padding rows write (the pool's extra one)."""
 
     def __init__(self, max_rows: int, blocks_per_seq: int, block_size: int, device: torch.device | str,
-                 scratch: int) -> None:
-        N, M = max_rows, blocks_per_seq
-        self.max_rows, self.M, self.B, self.scratch = N, M, block_size, scratch
+                 scratch: int, draft_rows: int = 0) -> None:
+        N, M = max_rows + draft_rows, blocks_per_seq  # room for a row a sequence, and the drafts' (KVPlan.draft_rows)
+        self.max_rows, self.max_seqs, self.M, self.B, self.scratch = N, max_rows, M, block_size, scratch
         device = torch.device(device)
         self.longs = _Buffer([N] * 4, torch.long, device)  # rows' token ids, positions, write blocks, write offsets
         # groups' row0 (N + 1), soff, slen, olen; the rows' own tables and the beam groups' prompts (N x M each)
@@ -104,7 +104,9 @@ class InputBatch:
         self.cap = np.zeros(N, dtype=np.int64)  # its shared tokens: a beam group's prompt blocks', else ALL_SHARED
         self.lens = np.zeros(N, dtype=np.int64)  # its tokens this step, this one's included
         self.requests: list[Request] = []
-        self.rows: dict[Request, int] = {}
+        self.rows: dict[Request, int] = {}  # each request's first row
+        self.width: dict[Request, int] = {}  # and its rows: one a sequence, or a draft's tokens (below)
+        self.drafts: dict[Request, list[int]] = {}  # this step's verified requests: their next token and draft
         self.n = self.groups = self.widest = 0
         self.copied = None  # CUDA: an event after the last copies (the host arrays are free after it)
         self.prompts_changed = True  # `prompts` written since its last copy to the device
@@ -114,16 +116,25 @@ class InputBatch:
 
     def update(self, sched: SchedulerOutput) -> None:
         """Bring the rows to this step: every row that decoded in the last one a token on, the rows
-        of the requests that decode now (sched.decode, in its order), their new last blocks, this
-        step's tokens and the lengths that follow."""
+        of the requests that decode now (sched.decode, in its order, then sched.verify's), their new
+        last blocks, this step's tokens and the lengths that follow.
+
+        A verified request (a next token and its draft, engine/scheduler.Verify) takes a row for each
+        of its tokens, each a group of its own: the row of its token at position L + i attends over
+        the sequence's first L + i + 1 tokens, as decoding them one at a time would, and writes its
+        key and value where that token goes (the rows before it in the step wrote theirs first:
+        every decode row stores before any attends). Its rows are written afresh at every step that
+        verifies it and at the next (how far it got is the update's)."""
         self._writable()
         self.pos[:self.n] += 1  # each row stored its token in the last step
-        if sched.decode != self.requests:
-            self._regroup(sched.decode)
+        drafts = {v.request: v.tokens for v in sched.verify}
+        requests = sched.decode + list(drafts)
+        if requests != self.requests or drafts or self.drafts:
+            self._regroup(requests, drafts)
         for req, i in sched.new_blocks:
             self._last_block(req, i)
         n, G = self.n, self.groups
-        self.ids[:n] = [token for req in self.requests for token in req.next_tokens]
+        self.ids[:n] = [token for req in self.requests for token in self.drafts.get(req, req.next_tokens)]
         np.remainder(self.pos[:n], self.B, out=self.wo[:n])
         lens = self.lens[:G]
         np.take(self.pos, self.first[:G], out=lens)
@@ -147,42 +158,56 @@ class InputBatch:
         """Forget the rows (graphs' warm-up writes padding over them): the next step writes each row
         afresh from its request."""
         self._writable()
-        self.requests, self.rows = [], {}
+        self.requests, self.rows, self.width, self.drafts = [], {}, {}, {}
         self.n = self.groups = self.widest = 0
 
-    def _regroup(self, decode: list[Request]) -> None:
-        """The rows of `decode`, in its order: a request that decoded in the last step keeps what its
-        rows hold (moved past the rows freed or taken before them); a newcomer's rows are written
-        from its sequences. The groups' first rows, table offsets and caps follow."""
-        rows, fresh, at, source, row = {}, [], [], [], 0
-        for req in decode:
-            old = self.rows.get(req)
+    def _regroup(self, requests: list[Request], drafts: dict[Request, list[int]]) -> None:
+        """The rows of `requests`, in its order: a request that decoded in the last step and decodes
+        now keeps what its rows hold (moved past the rows freed or taken before them); a newcomer's
+        rows, and a verified request's (`drafts`: its tokens) now or in the last step, are written
+        from its sequences. The groups' first rows, table offsets and caps follow: a group a
+        request, a verified request's a group a token."""
+        rows, width, fresh, at, source, row = {}, {}, [], [], [], 0
+        for req in requests:
+            old = None if req in drafts or req in self.drafts else self.rows.get(req)
+            width[req] = len(drafts[req]) if req in drafts else req.n_seqs
             if old is None:
                 fresh.append(req)
             elif old != row:
-                at += range(row, row + req.n_seqs)
-                source += range(old, old + req.n_seqs)
+                at += range(row, row + width[req])
+                source += range(old, old + width[req])
             rows[req] = row
-            row += req.n_seqs
+            row += width[req]
         if at:  # (the right-hand sides are copies: rows may move either way)
             for array in (self.pos, self.wb, self.tables, self.prompts):
                 array[at] = array[source]
-        self.requests, self.rows, self.n = list(decode), rows, row
+        self.requests, self.rows, self.width, self.drafts, self.n = list(requests), rows, width, drafts, row
         for req in fresh:
-            self._write(req, rows[req])
-        G = len(decode)
-        seqs = np.fromiter((req.n_seqs for req in decode), dtype=np.int64, count=G)
+            self._write(req, rows[req], width[req] if req in drafts else 0)
+        groups = [g for req in requests  # (its request, its rows)
+                  for g in ([(req, 1)] * width[req] if req in drafts else [(req, req.n_seqs)])]
+        G = len(groups)
+        seqs = np.fromiter((k for _, k in groups), dtype=np.int64, count=G)
         np.cumsum(seqs, out=self.row0[1:G + 1])
         self.first[:G] = self.row0[:G]
         beams = seqs > 1
-        self.cap[:G] = np.where(beams, [req.shared * self.B for req in decode], ALL_SHARED)
+        self.cap[:G] = np.where(beams, [req.shared * self.B for req, _ in groups], ALL_SHARED)
         self.soff[:G] = self.first[:G] * self.M + beams * self.prompts_at
         self.groups, self.widest = G, int(seqs.max()) if G else 0
         self.prompts_changed = True
 
-    def _write(self, req: Request, row: int) -> None:
+    def _write(self, req: Request, row: int, draft: int = 0) -> None:
         """A request's rows from its sequences: positions, write blocks and block tables (a beam
-        request's prompt blocks once, in `prompts` at its first row; each beam's own in its row)."""
+        request's prompt blocks once, in `prompts` at its first row; each beam's own in its row).
+        draft > 0: a verified request's `draft` rows, its token i at position L + i, each row with the
+        sequence's blocks."""
+        if draft:
+            (seq,) = req.seqs
+            at = seq.length + np.arange(draft)
+            self.pos[row:row + draft] = at
+            self.wb[row:row + draft] = np.asarray(seq.blocks)[at // self.B]
+            self.tables[row:row + draft, :len(seq.blocks)] = seq.blocks
+            return
         shared = req.shared if req.n_seqs > 1 else 0
         for i, seq in enumerate(req.seqs):
             own = seq.blocks[shared:]

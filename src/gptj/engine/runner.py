@@ -28,7 +28,7 @@ from gptj.engine.config import EngineConfig, KVPlan, kv_storage
 from gptj.engine.graphs import CaptureFailed, GraphRunner
 from gptj.engine.input_batch import InputBatch
 from gptj.engine.request import Request
-from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, Verify, context
+from gptj.engine.scheduler import PrefillChunk, SchedulerOutput, context
 from gptj.lora import multi_lora_modules, rows_by_adapter
 from gptj.models.gptj import GPTJForCausalLM
 from gptj.policy import attention_path
@@ -80,7 +80,8 @@ class ModelRunner:
         # plan.n_blocks blocks for the sequences, and one more: the scratch block graphs' padding rows write
         self.kv = PagedKV(model.config, plan.n_blocks + 1, plan.block_size, kv_dtype, w.device, n_head=model.kv_heads,
                           compute=w.dtype)
-        self.batch = InputBatch(plan.max_seqs, plan.blocks_per_seq, plan.block_size, w.device, scratch=plan.n_blocks)
+        self.batch = InputBatch(plan.max_seqs, plan.blocks_per_seq, plan.block_size, w.device, scratch=plan.n_blocks,
+                                draft_rows=plan.draft_rows)
         c = model.config  # query heads: the KV heads times each one's group (Llama's GQA; GPT-J: 1)
         groups = c.n_head // c.n_kv_head
         self.attention = make_backend(attention_path(w.device, kv_dtype, config.kernels, config.compile, w.dtype,
@@ -95,15 +96,15 @@ class ModelRunner:
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        self.batch.update(sched)  # the decode rows: what the scheduler changed
+        self.batch.update(sched)  # the decode rows (the drafts' too, a row a token): what the scheduler changed
         self.attention.copy(self.kv, sched.copies)
-        verify = [_as_chunk(v) for v in sched.verify]  # drafts: chunks of their own tokens, every row kept
-        if (sched.prefill or verify) and self.graphs is not None and self.graphs.takes(self.batch.n):
+        decode = self.batch.requests
+        if sched.prefill and self.graphs is not None and self.graphs.takes(self.batch.n):
             # CUDA graphs: the decode rows from their graph, every chunk in one forward (an eager
             # forward costs the host a launch per kernel: tens of ms for 28 layers, graphs' rows included)
-            parts = [(sched.decode, []), ([], verify + sched.prefill)]
-        else:  # one forward per prompt chunk, the decode rows and the drafts riding with the first (or alone)
-            parts = [(sched.decode, verify + sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
+            parts = [(decode, []), ([], sched.prefill)]
+        else:  # one forward per prompt chunk, the decode rows riding with the first (or alone)
+            parts = [(decode, sched.prefill[:1]), *(([], [chunk]) for chunk in sched.prefill[1:])]
         with torch.inference_mode():
             for decode, prefill in parts:
                 if decode or prefill:
@@ -133,8 +134,8 @@ class ModelRunner:
             _fail(decode + [chunk.request for chunk in prefill], e, out)
 
     def _forward(self, decode: list[Request], prefill: list[PrefillChunk], out: RunnerOutput) -> None:
-        """One forward of the decode rows (`decode`: the batch's requests, or none) and these prompt
-        chunks; logits into `out`."""
+        """One forward of the decode rows (`decode`: the batch's requests, or none; a verified request's
+        rows are its next token's and its draft's) and these prompt chunks; logits into `out`."""
         n = self.batch.n if decode else 0
         if not prefill and self.graphs is not None and self.graphs.takes(n):
             try:
@@ -153,15 +154,15 @@ class ModelRunner:
         for chunk in prefill:
             req, start, end = chunk.request, chunk.start, chunk.end
             segments.append(PrefillSegment(req.seqs[0].blocks, start, end - start))
-            want_all = chunk.tokens is not None or (req.prompt_logprobs is not None and start < len(req.prompt))
+            want_all = req.prompt_logprobs is not None and start < len(req.prompt)
             n_keep = end - start if want_all else 1
             kept.append((len(keep), n_keep))
             at = n + len(tokens) + end - start
             keep += range(at - n_keep, at)
             positions += range(start, end)
-            tokens += context(req)[start:end] if chunk.tokens is None else chunk.tokens
+            tokens += context(req)[start:end]
         # each adapter's rows (the decode rows', then each chunk's), grouped on the host
-        lora = rows_by_adapter([r.adapter for r in decode for _ in range(r.n_seqs)]
+        lora = rows_by_adapter([r.adapter for r in decode for _ in range(self.batch.width[r])]
                                + [c.request.adapter for c in prefill for _ in range(c.end - c.start)]) \
             if self.lora else []
         # The chunks' index tensors and rows, in one pinned, non_blocking copy: the host goes on to
@@ -182,27 +183,18 @@ class ModelRunner:
 
     def _hand_out(self, decode: list[Request], prefill: list[PrefillChunk], kept: list[tuple[int, int]],
                   logits: torch.Tensor, out: RunnerOutput) -> None:
-        """The forward's logits and whose rows they are: the decode rows first (the batch's), then
-        each chunk's kept rows."""
-        rows = {req: range(self.batch.rows[req], self.batch.rows[req] + req.n_seqs) for req in decode}
-        out.decode_rows += self.batch.n if decode else 0
+        """The forward's logits and whose rows they are: the decode rows first (the batch's: a verified
+        request's every row), then each chunk's kept rows."""
+        batch = self.batch
+        rows = {req: range(batch.rows[req], batch.rows[req] + batch.width[req]) for req in decode}
+        out.decode_rows += batch.n if decode else 0
         for chunk, (first, n_keep) in zip(prefill, kept):
             req = chunk.request
-            if chunk.tokens is not None:  # a draft's rows: every one is verified
-                rows[req] = range(first, first + n_keep)
-                continue
             if req.prompt_logprobs is not None and chunk.start < len(req.prompt):
                 out.prompt_logits[req] = logits[first:first + n_keep]
             if chunk.end == len(context(req)):
                 rows[req] = range(first + n_keep - 1, first + n_keep)  # its first (next) token
         out.add(logits, rows)
-
-
-def _as_chunk(verify: Verify) -> PrefillChunk:
-    """A request's next token and its draft as a chunk of its sequence from its stored length on."""
-    start = verify.request.seqs[0].length
-    tokens = verify.tokens
-    return PrefillChunk(verify.request, start, start + len(tokens), tokens)
 
 
 def _fail(reqs: list[Request], error: Exception, out: RunnerOutput) -> None:

@@ -35,7 +35,6 @@ class PrefillChunk:
     request: Request
     start: int  # context tokens stored before this chunk
     end: int  # stored after it
-    tokens: list[int] | None = None  # a draft's (Verify): its tokens, every row's logits kept; None: the context's
 
 
 @dataclass
@@ -99,12 +98,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.prefill_chunk
+        rows = self.plan.draft_rows  # the rows drafts may still add to this step's decode rows
         for req in list(self.running):
             if req in self.running and prefilled(req):
-                verify = self._draft(req, budget)
+                verify = self._draft(req, budget, rows)
                 if verify is not None:
                     out.verify.append(verify)
                     budget = None if budget is None else budget - len(verify.tokens)
+                    rows -= len(verify.draft)
                 else:
                     self._room_for_next_token(req, out)
         for req in self.running:
@@ -152,10 +153,11 @@ class Scheduler:
             out.new_blocks.append((req, i))
         out.decode.append(req)
 
-    def _draft(self, req: Request, budget: int | None) -> Verify | None:
+    def _draft(self, req: Request, budget: int | None, rows: int) -> Verify | None:
         """A speculating request's draft (gptj.engine.draft) with the blocks for it, when there is one
-        and room for it: within the step's token budget and the free blocks, and never more tokens
-        than the request may still produce. None: it decodes its next token as any other."""
+        and room for it: within the step's token budget, the `rows` drafts may still add to the step
+        (KVPlan.draft_rows) and the free blocks, and never more tokens than the request may still
+        produce. None: it decodes its next token as any other."""
         gen = req.gen
         if not gen.speculates or req.n_seqs > 1:
             return None
@@ -163,7 +165,7 @@ class Scheduler:
             req.draft_wait -= 1
             return None
         limit = gen.prompt_lookup_num_tokens if req.draft_len is None else req.draft_len
-        k = min(limit, gen.max_new_tokens - len(req.output) - 1)
+        k = min(limit, gen.max_new_tokens - len(req.output) - 1, rows)
         if budget is not None:
             k = min(k, budget - 1)
         if k <= 0:
