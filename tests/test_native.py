@@ -111,7 +111,7 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: 
 def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: ctypes.CDLL) -> None:
     """Each output of a pass of 3-8 rows of x is one accumulator summed in k order: a row's result
     does not depend on the rows beside it, where no pass of 8 is left with 1 or 2 rows (those take
-    more accumulators on the AVX2 and generic libraries; AVX512-BF16's: the next test). The M below
+    more accumulators, and AVX-512's int8 takes float32 x for a last pass of one). The M below
     leave none. (int8 calls of int8_gemm_min_rows rows or more take the GEMM where the library has
     one: here the knob keeps them on the GEMV; the GEMM's rows are compared in its own test.)"""
     g = torch.Generator().manual_seed(5)
@@ -125,33 +125,6 @@ def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: c
         for M in (3, 8, 12, 13, 16, 24):
             assert torch.equal(native.linear_int8(x[:M], w8, scale), full8[:M]), M
             assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), M
-    finally:
-        native.int8_gemm_min_rows(crossover or None)
-
-
-def test_on_avx512_bf16_a_rows_output_is_the_same_in_any_call(native_isa: str) -> None:
-    """AVX512-BF16's library sums every output with one accumulator in k order at every row count (1
-    and 2 rows of x too, and int8's single rows in bfloat16 dot products like the rest), through K
-    chunks: a row's result is the same in any call (batch invariance: a speculative draft's rows give
-    each token what decoding it alone gives). K 16384 is split into chunks that differ with the rows
-    of a pass."""
-    if native_isa != "avx512-bf16":
-        pytest.skip(f"the {native_isa} library keeps more accumulators at 1-2 rows (from 3 rows on: the test above)")
-    g = torch.Generator().manual_seed(6)
-    crossover = native.int8_gemm_min_rows(1 << 30)  # the GEMV at every row count here (the GEMM: its own test)
-
-    def spread(*shape):  # magnitudes over 2^-8 .. 2^8: float32 sums that round (in another order, to other bits)
-        return (torch.randn(*shape, generator=g) * 2.0 ** torch.randint(-8, 9, shape, generator=g)).bfloat16()
-    try:
-        for K in (1000, 16384):
-            x = spread(18, K)
-            w8 = torch.randint(-128, 128, (64, K), generator=g, dtype=torch.int8)
-            scale = (torch.rand(64, generator=g) * 0.02).bfloat16()
-            wb = spread(64, K)
-            full8, fullb = native.linear_int8(x, w8, scale), native.linear_bf16(x, wb)
-            for M in (1, 2, 3, 9, 10, 17):
-                assert torch.equal(native.linear_int8(x[-M:], w8, scale), full8[-M:]), (K, M)
-                assert torch.equal(native.linear_bf16(x[-M:], wb), fullb[-M:]), (K, M)
     finally:
         native.int8_gemm_min_rows(crossover or None)
 

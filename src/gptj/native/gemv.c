@@ -11,26 +11,23 @@
    sequential stream of weight bytes per thread:
 
    - OpenMP threads (static) each own a contiguous range of rows of w, i.e. one contiguous range
-     of memory. They walk it in groups of 16 rows, R rows side by side (R = 1..4: a load of x
-     serves R rows of w, and R rows' sums are R independent chains).
+     of memory. They walk it in groups of 16 rows: in address order, row after row (or R rows
+     side by side, R = 2..4 for 2..8 rows of x, so that a load of x serves R rows of w).
    - A software prefetch cursor runs g_pf_dist bytes (bfloat16: g_pf_dist_bf16) ahead of the reads, into
      L2, one line per line read, across row boundaries: rows as short as 1 KiB (K = 1024 int8) stream as well as
      long ones, whatever order the tiles read the lines of their group in. The lines between a
      thread's start and the cursor's start are requested all at once when the thread starts.
    - x beyond X_L1_BYTES (many rows of x, long K) is split along K into chunks that stay in L1;
      each chunk serves the group's 16 rows (the cursor then runs a group further ahead).
-   - AVX512-BF16: `vdpbf16ps` (32 multiply-adds per instruction; both products of a pair exact in
-     float32, summed in float32), at every row count. int8 weights become bfloat16 exactly (every
-     integer in [-256, 256] is a bfloat16): sign-extend, convert to float32, pack two vectors into
-     one of 32 bfloat16, shared by all rows of x.
-   - One accumulator per (row of w, row of x), added to in k order whatever the tile: the R rows
-     of w side by side are the independent chains that hide the latency (4 at 1-6 rows of x, 2 at
-     7-8). So each output is the same sum in the same order at any rows of the call, any pass and
-     any K chunk (the chunks carry the one accumulator through memory, exactly): a row's result
-     does not depend on the other rows of the call (batch invariance: a speculative draft's rows
-     give what decoding its tokens one at a time gives, engine/input_batch.py). The 16 lanes'
-     sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to bfloat16
-     (nearest even) and stored 16 outputs at a time.
+   - One row of x and int8 weights: x is converted to float32 once per call; per 16 weights one
+     sign-extension, one int->float conversion and one FMA.
+   - bfloat16 weights, and int8 with 2+ rows of x: AVX512-BF16 `vdpbf16ps` (32 multiply-adds
+     per instruction; both products of a pair exact in float32, summed in float32). int8 weights
+     become bfloat16 exactly (every integer in [-256, 256] is a bfloat16): sign-extend, convert
+     to float32, pack two vectors into one of 32 bfloat16, shared by all rows of x.
+   - Several independent accumulators per (row of w, row of x) hide the FMA latency; the 16
+     partial sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to
+     bfloat16 (nearest even) and stored 16 outputs at a time.
    - K tails use masked loads (zeros beyond K).
    - AVX2 and the generic build (no bfloat16 arithmetic: HAVE_DP 0): every row of x is converted to
      float32 once per call and every tile is a float32 FMA tile (TILE_F), int8 and bfloat16 weights
@@ -89,7 +86,7 @@ int gemv_omp_max_threads(void) { return omp_get_max_threads(); }
 /* ---- weight loaders ---- */
 
 #if HAVE_DP  /* bfloat16 dot products (vdpbf16ps; simd.h's ISA file says) */
-#define F_MAXMT 0  /* no pass uses float32 x: every one takes the dot products, so all sum alike */
+#define F_MAXMT 1  /* int8 against at most this many rows of x (in a pass) uses float32 x */
 #else
 #define F_MAXMT MAXMT  /* every pass uses float32 x */
 #endif
@@ -253,9 +250,6 @@ typedef void (*tile_f_i8_fn)(TILE_ARGS(float, int8_t));
 typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 
 #if HAVE_DP
-#ifndef R_DP1
-#define R_DP1 1
-#endif
 #ifndef R_DP2
 #define R_DP2 2
 #endif
@@ -266,17 +260,16 @@ typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 #define R_DP78 2
 #endif
 #define TILES_DP(PFX, WT, LOAD, LOADT)                                                           \
-    TILE_DP(PFX##_1, WT, LOAD, LOADT, R_DP1, 1, 1)                                                \
-    TILE_DP(PFX##_2, WT, LOAD, LOADT, R_DP2, 2, 1)                                                \
+    TILE_DP(PFX##_1, WT, LOAD, LOADT, 1, 1, 4)                                                    \
+    TILE_DP(PFX##_2, WT, LOAD, LOADT, R_DP2, 2, 2)                                                \
     TILE_DP(PFX##_3, WT, LOAD, LOADT, R_DP36, 3, 1)                                               \
     TILE_DP(PFX##_4, WT, LOAD, LOADT, R_DP36, 4, 1)                                               \
     TILE_DP(PFX##_5, WT, LOAD, LOADT, R_DP36, 5, 1)                                               \
     TILE_DP(PFX##_6, WT, LOAD, LOADT, R_DP36, 6, 1)                                               \
     TILE_DP(PFX##_7, WT, LOAD, LOADT, R_DP78, 7, 1)                                               \
     TILE_DP(PFX##_8, WT, LOAD, LOADT, R_DP78, 8, 1)                                               \
-    TILE_DP(PFX##_r1, WT, LOAD, LOADT, 1, 1, 1)                                                   \
-    TILE_DP(PFX##_r2, WT, LOAD, LOADT, 1, 2, 1)                                                   \
-    TILE_DP(PFX##_r3, WT, LOAD, LOADT, 1, 3, 1)                                                   \
+    TILE_DP(PFX##_r2, WT, LOAD, LOADT, 1, 2, 2)                                                   \
+    TILE_DP(PFX##_r3, WT, LOAD, LOADT, 1, 3, 2)                                                   \
     TILE_DP(PFX##_r4, WT, LOAD, LOADT, 1, 4, 1)                                                   \
     TILE_DP(PFX##_r5, WT, LOAD, LOADT, 1, 5, 1)                                                   \
     TILE_DP(PFX##_r6, WT, LOAD, LOADT, 1, 6, 1)                                                   \
@@ -285,20 +278,21 @@ typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 
 TILES_DP(dpi8, int8_t, load_w_i8, load_w_i8_tail)
 TILES_DP(dpbf, uint16_t, load_w_bf16, load_w_bf16_tail)
+TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
 
 typedef void (*tile_i8_fn)(TILE_ARGS(uint16_t, int8_t));
 typedef void (*tile_bf_fn)(TILE_ARGS(uint16_t, uint16_t));
 
-static const int R_DP[MAXMT + 1] = {0, R_DP1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
-static const int R_F[1] = {0};
+static const int R_DP[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
+static const int R_F[F_MAXMT + 1] = {0, 1};
 static const tile_i8_fn DP_I8[2][MAXMT + 1] = {
     {0, dpi8_1, dpi8_2, dpi8_3, dpi8_4, dpi8_5, dpi8_6, dpi8_7, dpi8_8},
-    {0, dpi8_r1, dpi8_r2, dpi8_r3, dpi8_r4, dpi8_r5, dpi8_r6, dpi8_r7, dpi8_r8}};
+    {0, dpi8_1, dpi8_r2, dpi8_r3, dpi8_r4, dpi8_r5, dpi8_r6, dpi8_r7, dpi8_r8}};
 static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
     {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8},
-    {0, dpbf_r1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_r7, dpbf_r8}};
-static const tile_f_i8_fn F_I8[2][1] = {{0}, {0}};  /* no pass takes float32 x (F_MAXMT) */
-static const tile_f_bf_fn F_BF[2][1] = {{0}, {0}};
+    {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_r7, dpbf_r8}};
+static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
+static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {{0, 0}, {0, 0}};  /* bfloat16 weights take DP tiles */
 #else
 /* Without HAVE_DP (AVX2, generic: 16 registers). One row of x: four accumulators of one row of w (rows read in address order);
    more rows of x: two rows of w share each load of x where the accumulators leave room. */
