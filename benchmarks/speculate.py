@@ -97,7 +97,7 @@ def measure(case: str, model_dir: Path, args: argparse.Namespace) -> dict:
     from gptj.runtime.build import build_engine, load_model
     from gptj.runtime.spec import ModelSpec
 
-    model = load_model(ModelSpec(path=str(model_dir), dtype=args.dtype, device="cpu"))
+    model = load_model(ModelSpec(path=str(model_dir), dtype=args.dtype, device="cpu", quantize=args.quantize))
     engine = build_engine(model, EngineConfig(max_seqs=1, max_len=args.prompt_len + args.new_tokens + 8))
     vocab = model.config.vocab_size
     prompts = prompts_for(case, model_dir, args.prompts, args.prompt_len, vocab)
@@ -121,7 +121,7 @@ def measure(case: str, model_dir: Path, args: argparse.Namespace) -> dict:
     stats = engine.stats()
     if tokens["ngram"] != tokens["plain"]:
         raise SystemExit(f"speculate: {case}: the tokens with drafts differ from those without")
-    result = {"case": case, "model": str(model_dir), "dtype": args.dtype, "prompts": len(prompts),
+    result = {"case": case, "model": str(model_dir), "dtype": args.dtype, "quantize": args.quantize, "prompts": len(prompts),
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats}
     n = args.new_tokens
     for mode in modes:
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2, help="the wide cases' layers")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-speculate"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization at load (default: none)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -172,7 +172,7 @@ def test_int4_layers_dequantize_from_a_few_rows_where_amx_runs_bf16_gemms(monkey
 @pytest.mark.parametrize("gemm", [True, False], ids=["int4-gemm", "no-int4-gemm"])
 def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_without_amx(monkeypatch, gemm):
     """Where the loaded library has the int4 GEMV and GEMM (AVX512-BF16's), bfloat16 int4 calls take them from
-    INT4_NATIVE_MIN_ROWS rows at any count on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
+    INT4_NATIVE_MIN_ROWS rows (one: every row count) on a CPU with AVX512-BF16 and no AMX; below, torch's int4 kernel.
     Not with AMX (oneDNN's AMX GEMM on the unpacked weight), not without bfloat16 arithmetic, not for
     float32 activations, and not where the library has no GEMM (then as before: torch's kernel, then the
     dequantized matmul)."""
@@ -181,11 +181,12 @@ def test_int4_layers_take_the_native_int4_gemm_from_a_few_rows_on_avx512_bf16_wi
     monkeypatch.setattr(native, "int4_gemm_min_rows", lambda rows=None: 32 if gemm else 0)
     monkeypatch.setattr(native, "isa", lambda: native.ISAS[0])  # AVX512-BF16's library (the avx2 one: below)
     lo = policy.INT4_NATIVE_MIN_ROWS
-    assert 1 < lo <= policy.INT4_BF16_KERNEL_MAX_ROWS
+    assert 1 <= lo <= policy.INT4_BF16_KERNEL_MAX_ROWS
     for flags in (FLAGS[cpu.AVX512_BF16], cpu.cap(AMX, "avx512_core_bf16")):
         monkeypatch.setattr(cpu, "flags", lambda f=flags: f)
         assert (lo in policy.native_int4_rows("cpu", torch.bfloat16)) == gemm
-        assert policy.linear_path("cpu", torch.bfloat16, lo - 1, "int4") == policy.WEIGHT_ONLY
+        if lo > 1:
+            assert policy.linear_path("cpu", torch.bfloat16, lo - 1, "int4") == policy.WEIGHT_ONLY
         for rows in (lo, policy.INT4_BF16_KERNEL_MAX_ROWS + 1, 4096):
             want = policy.NATIVE if gemm else (policy.WEIGHT_ONLY if rows <= policy.INT4_BF16_KERNEL_MAX_ROWS
                                                else policy.DEQUANTIZE)

@@ -219,7 +219,7 @@ def test_llama_grouped_query_attention(monkeypatch):
     assert spec == plain and engine.stats().accepted_tokens == oracle.accepted > 0
 
 
-@pytest.mark.parametrize("arch", ["gptj", "llama"])
+@pytest.mark.parametrize("arch", ["gptj", "llama", "gptj-int4"])
 def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
     """In bfloat16, with the serving kernels (build_engine): a draft's rows run the decode kernels at
     their own positions, so each token's log-probability is the one decoding it alone gives, bit for
@@ -228,9 +228,13 @@ def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
     bits, and some tokens with them.)"""
     from gptj.runtime.build import build_engine
 
-    if arch == "gptj":
+    if arch.startswith("gptj"):
         cfg = get_preset("tiny").replace(vocab_size=256, bos_token_id=0, eos_token_id=1, n_embd=256, n_head=8)
         model = model_from_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.3)).to(torch.bfloat16)
+        if arch == "gptj-int4":  # (gptj.native's int4 GEMV: a row's sums do not depend on the call)
+            from gptj.quant import quantize_model
+
+            quantize_model(model, "int4", 128)
     else:
         model = tiny_llama(kv=2, dtype=torch.bfloat16)
     prompts = repeating_prompts(model.config.vocab_size, 3, seed=8)

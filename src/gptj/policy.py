@@ -120,10 +120,11 @@ INT4_AMX_KERNEL_MAX_ROWS = 16
 # and oneDNN's AVX512-BF16 GEMM overtake torch's int4 kernel at about 64 rows.
 # Figures: docs/PERFORMANCE.md#policy-int4-bf16-kernel-max-rows
 INT4_BF16_KERNEL_MAX_ROWS = 64  # (where gptj.native's int4 GEMM cannot take the layer's layout)
-# There gptj.native's int4 kernels beat both from 2 rows: its GEMV below 32 rows, its GEMM from 32
-# (gemv.c's I4G_MIN_ROWS); torch's kernel keeps 1 row, where the two tie on streamed weights.
-# Figures: docs/PERFORMANCE.md#policy-int4-native-min-rows
-INT4_NATIVE_MIN_ROWS = 2
+# There gptj.native's int4 kernels take every row count: its GEMV below 32 rows, its GEMM from 32
+# (gemv.c's I4G_MIN_ROWS). At one row the GEMV ties torch's int4 kernel on Zen 4 and decodes faster
+# on Zen 5, and its rows do not depend on the call: a row sums alike at 1 row and at a speculative
+# draft's several. Figures: docs/PERFORMANCE.md#policy-int4-native-min-rows
+INT4_NATIVE_MIN_ROWS = 1
 # On an AVX2 CPU the vector layer's int4 GEMV (gemv.c's gemv_int4_vf) beats torch's int4 kernel
 # from 1 to 512 rows; past 512 the dequantized matmul in float32 (UPCAST) runs. On AVX-512 without
 # BF16 torch's int4 kernel stays.
