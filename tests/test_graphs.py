@@ -24,6 +24,8 @@ pytestmark = pytest.mark.cuda  # gpu_check.py's tests step (-m cuda)
 def test_a_step_goes_to_the_smallest_bucket_that_holds_it():
     assert [bucket_for(n, 512) for n in (1, 2, 3, 5, 9, 17, 33, 100, 512)] == [1, 2, 4, 8, 16, 24, 48, 128, 512]
     assert bucket_for(17, 20) == 20 and bucket_for(20, 20) == 20  # max_seqs is the last bucket
+    # drafts' rows past max_seqs (the batch holds up to max_rows): max_seqs stays a bucket, then BUCKETS on
+    assert [bucket_for(n, 100, 20) for n in (3, 17, 20, 21, 33, 97)] == [4, 20, 20, 24, 48, 100]
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
@@ -84,6 +86,30 @@ def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one
     mixed = [c for c in step_calls if "graph" in c and any(e != "graph" and e[2] for e in c)]
     assert mixed and all(c == [c[0], "graph", ("eager", 0, c[2][2])] and c[0][2] == 0 for c in mixed)
     assert any(c[2][2] > 1 for c in mixed)  # two chunks shared a forward
+
+
+@needs_triton
+def test_a_drafts_rows_ride_in_the_decode_graphs_bucket(two_heads, monkeypatch):  # noqa: F811 - the fixture
+    """Speculating requests (an oracle's drafts, some wrong): a step of decode rows and drafts' rows
+    alone runs from the graph runner, padded to a bucket past max_seqs where the drafts' rows need
+    one (the rows drafts may add, KVPlan.draft_rows), and every request gets the engine's tokens
+    without drafts."""
+    from gptj.engine import scheduler as scheduler_module
+    from test_speculate import Oracle
+
+    model = two_heads.to(DEVICE)
+    prompts = prompts_of([5, 17, 9])
+    gen = GenerationConfig(max_new_tokens=10, eos_token_id=None)
+    plain = Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=2)).generate(prompts, gen)
+    oracle = Oracle({tuple(p): out for p, out in zip(prompts, plain)}, model.config.vocab_size)
+    monkeypatch.setattr(scheduler_module, "ngram_draft", oracle)
+    engine = graphed(model, capture=False, max_seqs=2)
+    seen = []
+    forward = engine.runner.graphs.forward
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda rows: seen.append(rows) or forward(rows))
+    assert engine.generate(prompts, gen.replace(prompt_lookup_num_tokens=4)) == plain
+    assert engine.stats().accepted_tokens == oracle.accepted > 0
+    assert max(seen) > 2 and bucket_for(max(seen), engine.runner.batch.max_rows, 2) in engine.runner.graphs.buckets
 
 
 def test_graphs_need_the_cuda_backend(model):  # noqa: F811 - the fixture
