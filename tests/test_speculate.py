@@ -255,6 +255,39 @@ def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
     assert stats.accepted_tokens == oracle.accepted > 0 and stats.draft_tokens > stats.accepted_tokens
 
 
+def test_greedy_drafts_rows_come_to_the_host_in_the_steps_one_copy(gptj_tiny, monkeypatch):
+    """A step where greedy requests verify drafts beside greedy requests that decode plainly reads the
+    device once (the sampler's one copy: `choose`'s, the drafts' rows with the rest); the tokens are
+    those without drafts."""
+    prompts = repeating_prompts(gptj_tiny.config.vocab_size, 4, seed=9)
+    gen = GenerationConfig(pad_token_id=0, max_new_tokens=12, eos_token_id=None)
+    plain, _, oracle = with_oracle(monkeypatch, gptj_tiny, prompts, gen)
+    engine = Engine(gptj_tiny, EngineConfig(**SMALL))
+    reqs = [engine.add_request(p, gen.replace(prompt_lookup_num_tokens=4) if i % 2 else gen)
+            for i, p in enumerate(prompts)]
+    reads, mixed = [], []
+    tolist, apply = torch.Tensor.tolist, engine.updater.apply
+
+    def counted(t):
+        reads.append(1)
+        return tolist(t)
+
+    def apply_counting(sched, result):
+        reads.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "tolist", counted)
+            out = apply(sched, result)
+        if sched.verify and sched.decode and not sched.prefill:
+            mixed.append(len(reads))
+        return out
+
+    monkeypatch.setattr(engine.updater, "apply", apply_counting)
+    while engine.has_work:
+        engine.step()
+    assert [r.output for r in reqs] == plain
+    assert mixed and set(mixed) == {1} and engine.stats().accepted_tokens > 0
+
+
 def test_beams_ignore_it(gptj_tiny):
     prompts = repeating_prompts(gptj_tiny.config.vocab_size, 2, seed=6)
     gen = GenerationConfig(pad_token_id=0, max_new_tokens=8, num_beams=2, eos_token_id=None)

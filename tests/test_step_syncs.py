@@ -47,12 +47,9 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero")  # nonzero: its size 
 # (file under src/gptj, enclosing function's qualified name, the call's source text) -> why it stays.
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/sampler.py", "choose", "flat.tolist()"):
-        "THE sync of a step: every request's choice comes to the host in one copy",
+        "THE sync of a step: every request's choice comes to the host in one copy (greedy drafts' rows too)",
     ("engine/draft.py", "ngram_draft", "t[start:start + k].tolist()"):
         "a numpy array of the request's tokens, on the host: no device is involved",
-    ("engine/sampler.py", "verify", "torch.cat([tokens.long(), ok.long()]).tolist()"):
-        "a step with greedy drafts: the verified rows' tokens in one copy (a second beside choose's when the "
-        "step decodes plain rows too; folding the two into one is left to do)",
     ("engine/sampler.py", "verify", "(torch.isfinite(total) & (total > 0)).tolist()"):
         "a step with sampled drafts: whether each row is a distribution, then one draw per row (int(), "
         "a read each) until the first that is not the draft's: the draws must be plain decoding's",

@@ -10,6 +10,8 @@ then one device-to-host copy of the whole step's choices.
     beams     gptj.beam.BeamSearch.step_all: the requests of one GenerationConfig (MLPerf's: all)
               stacked and advanced in one batched pass, each at its own step; device ops only, each
               search's `done` flag a device tensor read with the rest
+    drafts    a greedy speculating request's rows (its next token's and its draft's) each take their
+              argmax in the same copy (`verified`); a sampled one's draws are `verify`'s
 
 The tokens are exactly those of gptj.decode.greedy_or_sample and beam_search (the same ops on the
 same rows). The step's logits come as the runner's one tensor and a map of each request's rows in
@@ -44,6 +46,7 @@ class Choice:
     source: list[int] | None = None
     done: bool = False
     error: str | None = None
+    ok: list[bool] | None = None  # a verified draft's rows (choose's `verified`): each one's numbers finite
 
 
 # Why a request fails when its numbers are not finite (a checkpoint whose weights overflow on some
@@ -57,7 +60,7 @@ NOT_FINITE = {
 
 @torch.inference_mode()  # the runner's logits are inference tensors, and the beams' pass writes over them
 def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
-           times: StepTimes | None = None) -> dict[Request, Choice]:
+           times: StepTimes | None = None, verified: Mapping[Request, range] | None = None) -> dict[Request, Choice]:
     """logits (R, V) float32, the step's; rows: which of them are each request's (its sequences', in
     order; a beam request's first token: one row, its prompt's last, for all its beams) -> each
     request's Choice. A beam request's `beam` (a BeamSearch) is advanced; nothing else of a request
@@ -68,7 +71,11 @@ def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
     the others' tokens are those they would have had without it (rows are never mixed). The checks
     are device ops read with the step's one copy: a greedy row's chosen logit (torch's argmax picks
     NaN and +inf first, so a finite maximum means a usable row), a sampled row's probability sum,
-    a beam search's best candidate score."""
+    a beam search's best candidate score.
+
+    `verified`: greedy speculating requests' rows (engine/scheduler.Verify: the next token's, then the
+    draft's), each row's argmax as `verify` chooses it, in the same copy: their Choice holds a token
+    a row and `ok`, whether each row's numbers are finite."""
     greedy = [req for req in rows if req.beam is None and not req.gen.sampling]
     sampled = [req for req in rows if req.beam is None and req.gen.sampling]
     by_config: dict = {}  # beam requests of one GenerationConfig advance together, in one batched pass
@@ -92,6 +99,9 @@ def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
         finite.append(ok)
         for i, req in enumerate(sampled):  # one draw each, from the request's own generator
             parts.append(torch.multinomial(probs[i:i + 1], num_samples=1, generator=req.generator)[0])
+    if verified:  # (after the one-token kinds: their rows, then the beams', are read from `flat` in order)
+        scores, index = _verify_scores(logits, verified)
+        drafted_tokens, drafted_ok = _argmax_rows(scores)
     dones = []
     for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
         K = group[0].gen.num_beams
@@ -101,9 +111,10 @@ def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
         parts.append(torch.stack([sources.view(-1, K), tokens.view(-1, K)], dim=1).view(-1))
         dones.append(done)
         finite.append(ok)
-    if not parts:
+    drafted = [drafted_tokens, drafted_ok] if verified else []
+    if not parts and not drafted:
         return {}
-    flat = torch.cat([p.long() for p in parts + dones + finite])
+    flat = torch.cat([p.long() for p in parts + drafted + dones + finite])
     t0 = time.perf_counter()
     flat = flat.tolist()  # the step's one device-to-host copy
     if times is not None:
@@ -122,6 +133,10 @@ def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
         K = req.n_seqs
         out[req] = Choice(flat[at + K:at + 2 * K], flat[at:at + K], bool(flat[done_at + i]), errors[req])
         at += 2 * K
+    n = sum(len(r) for r in (verified or {}).values())
+    for req, r in (verified or {}).items():
+        out[req] = Choice(flat[at:at + len(r)], ok=[bool(x) for x in flat[at + n:at + n + len(r)]])
+        at += len(r)
     return out
 
 
@@ -236,37 +251,19 @@ def _argmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def verify(logits: torch.Tensor | None, rows: Mapping[Request, range], drafts: Mapping[Request, list[int]],
-           times: StepTimes | None = None) -> dict[Request, tuple[list[int], list[bool]]]:
-    """Speculating requests (a next token and its draft each, engine/scheduler.Verify): the token at
-    each of a request's rows and whether its numbers are finite, chosen as `choose` chooses a token
-    there (row i as the request's (len(output) + i)-th new token: EOS masked below min_new_tokens).
-
-    greedy    every row's argmax, in one device-to-host copy; the updater keeps them while they equal
-              the draft
-    sampled   the rows' warped probabilities at once, then one draw a row from the request's
-              generator, in order, stopping after the first token that is not the draft's: so the
-              generator gives exactly the draws it gives without speculation (a seeded request's
-              tokens are the same), and a drafted token is taken with its probability, else the
-              token drawn is one of the rest with their renormalized probabilities (the standard
-              rejection rule for a draft that is one token for sure)
-    """
-    if not rows:
-        return {}
-    greedy = {req: r for req, r in rows.items() if not req.gen.sampling}
+def verify(logits: torch.Tensor | None, rows: Mapping[Request, range], drafts: Mapping[Request, list[int]]
+           ) -> dict[Request, tuple[list[int], list[bool]]]:
+    """Sampled speculating requests (a next token and its draft each, engine/scheduler.Verify; a greedy
+    one's rows are chosen in `choose`'s copy, its `verified`): the token at each of a request's rows
+    and whether its numbers are finite, chosen as `choose` chooses a token there (row i as the
+    request's (len(output) + i)-th new token: EOS masked below min_new_tokens): the rows' warped
+    probabilities at once, then one draw a row from the request's generator, in order, stopping
+    after the first token that is not the draft's: so the generator gives exactly the draws it gives
+    without speculation (a seeded request's tokens are the same), and a drafted token is taken with
+    its probability, else the token drawn is one of the rest with their renormalized probabilities
+    (the standard rejection rule for a draft that is one token for sure)."""
     out: dict[Request, tuple[list[int], list[bool]]] = {}
-    if greedy:
-        scores, index = _verify_scores(logits, greedy)
-        tokens, ok = _argmax_rows(scores)
-        t0 = time.perf_counter()
-        flat = torch.cat([tokens.long(), ok.long()]).tolist()
-        if times is not None:
-            times.wait += time.perf_counter() - t0
-        at, n = 0, len(index)
-        for req, r in greedy.items():
-            out[req] = (flat[at:at + len(r)], [bool(x) for x in flat[n + at:n + at + len(r)]])
-            at += len(r)
-    sampled = {req: r for req, r in rows.items() if req.gen.sampling}
+    sampled = {req: r for req, r in rows.items() if req.gen.sampling}  # (greedy ones: choose's)
     if sampled:
         scores, index = _verify_scores(logits, sampled)
         probs = _warp(scores, [req.gen for req, r in sampled.items() for _ in r])

@@ -69,14 +69,18 @@ class Updater:
         rows = {req: r for req, r in result.rows.items() if not req.done and req not in drafts}
         for req in rows:
             self._prepare(req)
-        choices = choose(result.logits, rows, self.times)  # every request's next token(s): batched, one device-to-host copy
+        greedy = {req: result.rows[req] for req in drafts if not req.gen.sampling}  # their rows ride along
+        # every request's next token(s), and each greedy draft row's: batched, one device-to-host copy
+        choices = choose(result.logits, rows, self.times, verified=greedy)
         for req, r in rows.items():
             self._next(req, result.logits, r.start, choices[req])
             if req.done:
                 finished.append(req)
-        verified = {req: result.rows[req] for req in drafts}
-        for req, (tokens, ok) in verify(result.logits, verified, drafts, self.times).items():
-            self._accept(req, drafts[req], tokens, ok, result.logits, verified[req].start)
+        sampled = {req: result.rows[req] for req in drafts if req.gen.sampling}
+        verified = {req: (choices[req].tokens, choices[req].ok) for req in greedy}
+        verified.update(verify(result.logits, sampled, drafts))
+        for req, (tokens, ok) in verified.items():
+            self._accept(req, drafts[req], tokens, ok, result.logits, result.rows[req].start)
             if req.done:
                 finished.append(req)
         return finished
