@@ -12,7 +12,9 @@ where a token is chosen (and over a chunk whose prompt log-probabilities were as
 forward that raises fails only the requests it ran (decode rows and chunk apart); the others go on.
 
 The decode rows come from the persistent InputBatch (engine/input_batch.py), brought up to the step
-from the scheduler's output: their tokens, positions and block tables are not rebuilt each step. The
+from the scheduler's output: their tokens, positions and block tables are not rebuilt each step. A
+speculating request's next token and draft (SchedulerOutput.verify) are decode rows too, a row a
+token at its own position, every one's logits kept. The
 step's logits come back as one tensor (rows, V) and a map of whose rows they are (`RunnerOutput.rows`):
 the decode rows first, in the batch's order, as the forward computed them.
 """
