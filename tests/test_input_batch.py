@@ -16,11 +16,13 @@ from test_speculate import Oracle
 B = 8
 
 
-def from_requests(sched) -> tuple[list, ...]:
+def from_requests(sched, stairs: bool = False) -> tuple[list, ...]:
     """The step's decode rows built from its requests' own state, as the runner built them each step
     before the batch: tokens, positions, write blocks and offsets, and per group (shared blocks,
     shared tokens, each row's own blocks, own tokens); then each verified request's token i (its
-    next token, then its draft) at position L + i, a group of one row each over L + i + 1 tokens."""
+    next token, then its draft) at position L + i, over L + i + 1 tokens: a group of one row each, or
+    with `stairs` (the backend's) one group, the full blocks before L shared and each row's own
+    tokens (a list) one more than the last's."""
     ids, pos, wb, wo, groups = [], [], [], [], []
     decode = list(sched.decode)
     for req in decode:
@@ -37,9 +39,15 @@ def from_requests(sched) -> tuple[list, ...]:
         ids += req.next_tokens
     for v in sched.verify:
         (seq,) = v.request.seqs
+        L, k = seq.length, len(v.tokens)
+        if stairs:  # one group: the full blocks before L shared, each row one more own token than the last
+            s = L // B
+            groups.append((seq.blocks[:s], s * B, [seq.blocks[s:][:-(-(L + 1 + i - s * B) // B)] for i in range(k)],
+                           [L + 1 + i - s * B for i in range(k)]))
         for i, token in enumerate(v.tokens):
-            at = seq.length + i
-            groups.append((seq.blocks[:-(-(at + 1) // B)], at + 1, [[]], 0))
+            at = L + i
+            if not stairs:
+                groups.append((seq.blocks[:-(-(at + 1) // B)], at + 1, [[]], 0))
             wb.append(seq.blocks[at // B])
             wo.append(at % B)
             pos.append(at)
@@ -53,9 +61,16 @@ def held(batch) -> tuple[list, ...]:
     step = batch.step()
     t = step.decode.tables
     row0, soff, slen, olen = (x.tolist() for x in (t.row0, t.soff, t.slen, t.olen))
+    stair = t.stair.tolist() if t.stair is not None else [0] * len(soff)
     stab, otab = t.stab.tolist(), t.otab.tolist()
+
+    def own(g):  # each row's own tokens: one count for all, or (stairs) a list
+        lens = [olen[g] + (r - row0[g]) * stair[g] for r in range(row0[g], row0[g + 1])]
+        return lens if stair[g] else olen[g]
+
     groups = [(stab[soff[g]:soff[g] - (-slen[g] // B)], slen[g],
-               [otab[r][:-(-olen[g] // B)] for r in range(row0[g], row0[g + 1])], olen[g]) for g in range(len(soff))]
+               [otab[r][:-(-(olen[g] + (r - row0[g]) * stair[g]) // B)] for r in range(row0[g], row0[g + 1])], own(g))
+              for g in range(len(soff))]
     assert t.otab.shape[0] == len(row0) - 1 + sum(len(own) - 1 for _, _, own, _ in groups)  # a row per sequence
     return (step.ids.tolist(), step.positions.tolist(), step.decode.write_blocks.tolist(),
             step.decode.write_offsets.tolist(), groups)
@@ -71,7 +86,7 @@ def checked(engine, monkeypatch) -> dict[str, int]:
         before = dict(batch.rows)
         update(sched)
         if sched.decode or sched.verify:
-            assert held(batch) == from_requests(sched)
+            assert held(batch) == from_requests(sched, batch.stairs)
             seen["steps"] += 1
             seen["verified"] = seen.get("verified", 0) + len(sched.verify)
         seen["moved"] += any(before.get(req, row) != row for req, row in batch.rows.items())
@@ -155,12 +170,14 @@ def test_steps_with_the_same_requests_write_no_row_afresh(model, monkeypatch, ge
     assert regrouped == [3] and len(written) == 3  # they joined at the first decode step, together
 
 
-def test_the_rows_hold_the_drafts_beside_decoding_requests(model, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("stairs", [True, False], ids=["staired", "a-group-a-row"])
+def test_the_rows_hold_the_drafts_beside_decoding_requests(model, monkeypatch, stairs):  # noqa: F811
     """Speculating requests (their drafts a row a token, engine/scheduler.Verify; drafted by an oracle
     that knows the answers and spoils every other draft) among greedy and beam ones that decode,
     through a small pool (preemption) and chunked prefill: each step's rows hold what the requests
     hold, a request's rows written afresh when it verifies and the step after; the tokens are those
-    decoding one at a time gives."""
+    decoding one at a time gives. Both layouts: a draft's rows one staired group (the reference and
+    native backends) or a group a row (the CUDA backend's)."""
     prompts = prompts_of([30, 12, 25, 7, 18, 33, 9, 21], seed=12)
     spec = GenerationConfig(max_new_tokens=16, eos_token_id=None, prompt_lookup_num_tokens=4)
     gens = [spec, GenerationConfig(max_new_tokens=10, num_beams=3, eos_token_id=None), spec,
@@ -171,6 +188,7 @@ def test_the_rows_hold_the_drafts_beside_decoding_requests(model, monkeypatch): 
     need = max(Engine(model, EngineConfig(max_seqs=4, block_size=B)).blocks_needed(len(p), g)
                for p, g in zip(prompts, gens))
     engine = Engine(model, EngineConfig(max_seqs=8, block_size=B, kv_blocks=need + 2, prefill_chunk=16))
+    monkeypatch.setattr(engine.runner.attention, "stairs", stairs)  # (the reference backend computes either)
     seen = checked(engine, monkeypatch)
     reqs = [engine.add_request(p, g) for p, g in zip(prompts, gens)]
     while engine.has_work:

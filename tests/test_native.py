@@ -458,6 +458,32 @@ def _attention_reference(q, pk, pv, tk, tv):
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("L, k, kv_heads", [(21, 5, 4), (16, 3, 4), (3, 6, 2), (40, 12, 1)])
+def test_a_staired_groups_rows_are_each_rows_own_decode_bit_for_bit(L, k, kv_heads, native_isa):
+    """A speculative draft's k rows as one group (attention_paged's `stair`: the sequence's full blocks
+    before position L shared, row i owning L % B + 1 + i tokens of the blocks after) give each row what
+    a group of that row alone over its L + 1 + i tokens gives, bit for bit (bfloat16 and int8 KV;
+    grouped-query heads too); a group's stair must not be negative."""
+    B, H, D, n_blocks = 8, 4, 32, 12
+    g = torch.Generator().manual_seed(L * 10 + k)
+    blocks = torch.randperm(n_blocks, generator=g)[:-(-(L + k) // B)].tolist()
+    q = torch.randn(k, H, D, generator=g)
+    kc, vc = (torch.randn(n_blocks, kv_heads, B, D, generator=g).bfloat16() for _ in range(2))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    s = L // B
+    for scales in ((), tuple(torch.rand(n_blocks, kv_heads, B, generator=g) * 0.02 for _ in range(2))):
+        kv = (kc, vc) if not scales else tuple((x.float() * 40).round().clamp(-127, 127).to(torch.int8) for x in (kc, vc))
+        staired = native.attention_paged(q, *kv, i32([0, k]), i32(blocks[:s] or [0]), i32([0]), i32([s * B]),
+                                         i32([blocks[s:] + [0] * (s + len(blocks) - len(blocks))] * k),
+                                         i32([L + 1 - s * B]), *scales, stair=i32([1]))
+        alone = native.attention_paged(q, *kv, i32(list(range(k + 1))), i32(blocks * k), i32([len(blocks) * i for i in range(k)]),
+                                       i32([L + 1 + i for i in range(k)]), i32([[0]] * k), i32([0] * k), *scales)
+        assert torch.equal(staired, alone), bool(scales)
+    with pytest.raises(RuntimeError, match="failed"):
+        native.attention_paged(q, kc, vc, i32([0, k]), i32(blocks[:s] or [0]), i32([0]), i32([s * B]),
+                               i32([blocks[s:]] * k), i32([L + 1 - s * B]), stair=i32([-1]))
+
+
 @pytest.mark.parametrize("N, T", [(1, 0), (4, 1), (4, 9), (11, 3)])
 def test_attention_group_matches_float64_over_strided_views(N, T, native_isa):
     g = torch.Generator().manual_seed(N * 10 + T)

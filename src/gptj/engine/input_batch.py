@@ -100,6 +100,9 @@ class InputBatch:
         self.row0, self.soff, self.slen, self.olen, tables, prompts = self.ints.host
         self.tables, self.prompts = tables.reshape(N, M), prompts.reshape(N, M)
         self.prompts_at = self.ints.starts[5] - self.ints.starts[4]  # `prompts` in the shared tables (stab)
+        self.stair_tensor = torch.zeros(N, dtype=torch.int32)  # per group (DecodeTables.stair; CPU backends only)
+        self.stair = _numpy(self.stair_tensor)
+        self.stairs = False  # a draft's rows as one staired group (the backend's AttentionBackend.stairs)
         self.first = np.zeros(N, dtype=np.int64)  # each group's first row
         self.cap = np.zeros(N, dtype=np.int64)  # its shared tokens: a beam group's prompt blocks', else ALL_SHARED
         self.lens = np.zeros(N, dtype=np.int64)  # its tokens this step, this one's included
@@ -120,11 +123,14 @@ class InputBatch:
         last blocks, this step's tokens and the lengths that follow.
 
         A verified request (a next token and its draft, engine/scheduler.Verify) takes a row for each
-        of its tokens, each a group of its own: the row of its token at position L + i attends over
-        the sequence's first L + i + 1 tokens, as decoding them one at a time would, and writes its
-        key and value where that token goes (the rows before it in the step wrote theirs first:
-        every decode row stores before any attends). Its rows are written afresh at every step that
-        verifies it and at the next (how far it got is the update's)."""
+        of its tokens: the row of its token at position L + i attends over the sequence's first
+        L + i + 1 tokens, as decoding them one at a time would, and writes its key and value where
+        that token goes (the rows before it in the step wrote theirs first: every decode row stores
+        before any attends). Where the backend reads stairs (`stairs`), its rows are one group: the
+        sequence's full blocks before L shared (read once for all of them), the rest its rows' own,
+        each row one token more than the one before (DecodeTables.stair); elsewhere a group a row.
+        Its rows are written afresh at every step that verifies it and at the next (how far it got
+        is the update's)."""
         self._writable()
         self.pos[:self.n] += 1  # each row stored its token in the last step
         drafts = {v.request: v.tokens for v in sched.verify}
@@ -184,29 +190,39 @@ class InputBatch:
         self.requests, self.rows, self.width, self.drafts, self.n = list(requests), rows, width, drafts, row
         for req in fresh:
             self._write(req, rows[req], width[req] if req in drafts else 0)
+        stairs = self.stairs
         groups = [g for req in requests  # (its request, its rows)
-                  for g in ([(req, 1)] * width[req] if req in drafts else [(req, req.n_seqs)])]
+                  for g in ([(req, 1)] * width[req] if req in drafts and not stairs else [(req, width[req])])]
         G = len(groups)
         seqs = np.fromiter((k for _, k in groups), dtype=np.int64, count=G)
         np.cumsum(seqs, out=self.row0[1:G + 1])
         self.first[:G] = self.row0[:G]
-        beams = seqs > 1
-        self.cap[:G] = np.where(beams, [req.shared * self.B for req, _ in groups], ALL_SHARED)
+        beams = seqs > 1  # (a staired draft's rows too: its shared blocks in `prompts`)
+        self.cap[:G] = np.where(beams, [self._shared_tokens(req, req in drafts) for req, _ in groups], ALL_SHARED)
+        if stairs:
+            self.stair[:G] = [int(req in drafts) for req, _ in groups]
         self.soff[:G] = self.first[:G] * self.M + beams * self.prompts_at
         self.groups, self.widest = G, int(seqs.max()) if G else 0
         self.prompts_changed = True
 
+    def _shared_tokens(self, req: Request, draft: bool) -> int:
+        """A group of several rows' shared tokens: a beam request's prompt blocks', a staired draft's
+        full blocks before its first token."""
+        return req.seqs[0].length // self.B * self.B if draft else req.shared * self.B
+
     def _write(self, req: Request, row: int, draft: int = 0) -> None:
         """A request's rows from its sequences: positions, write blocks and block tables (a beam
         request's prompt blocks once, in `prompts` at its first row; each beam's own in its row).
-        draft > 0: a verified request's `draft` rows, its token i at position L + i, each row with the
-        sequence's blocks."""
+        draft > 0: a verified request's `draft` rows, its token i at position L + i; each row with the
+        sequence's blocks, or, staired, the full blocks before L in `prompts` and the rest its own."""
         if draft:
             (seq,) = req.seqs
             at = seq.length + np.arange(draft)
             self.pos[row:row + draft] = at
             self.wb[row:row + draft] = np.asarray(seq.blocks)[at // self.B]
-            self.tables[row:row + draft, :len(seq.blocks)] = seq.blocks
+            shared = seq.length // self.B if self.stairs else 0
+            self.prompts[row, :shared] = seq.blocks[:shared]
+            self.tables[row:row + draft, :len(seq.blocks) - shared] = seq.blocks[shared:]
             return
         shared = req.shared if req.n_seqs > 1 else 0
         for i, seq in enumerate(req.seqs):
@@ -245,7 +261,7 @@ class InputBatch:
         """This step's rows as they are (an eager forward's), on the device."""
         n, G = self.n, self.groups
         self._commit(n)
-        spans = (self.row0[:G + 1], self.soff[:G], self.slen[:G], self.olen[:G])
+        spans = (self.row0[:G + 1], self.soff[:G], self.slen[:G], self.olen[:G]) + ((self.stair[:G],) if self.stairs else ())
         return self._rows(n, G, self.widest, int(self.slen[:G].max()) if G else 0, spans)
 
     def padded(self, size: int, group_rows: int = 1) -> BatchRows:
@@ -293,5 +309,6 @@ class InputBatch:
                 *(t[:rows] for t in self.longs.device), row0[:groups + 1], stab, soff[:groups], slen[:groups],
                 tables.view(self.max_rows, self.M)[:rows], olen[:groups])
         ids, pos, wb, wo, *table_views = views
-        decode = DecodeRows(wb, wo, DecodeTables(*table_views, max_rows, max_shared), self.B, spans)
+        stair = self.stair_tensor[:groups] if self.stairs else None
+        decode = DecodeRows(wb, wo, DecodeTables(*table_views, max_rows, max_shared, stair), self.B, spans)
         return BatchRows(ids, pos, decode, row_tile(max_rows))

@@ -98,6 +98,7 @@ class ModelRunner:
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        self.batch.stairs = self.attention.stairs  # (the backend's, which a test or a fallback may swap)
         self.batch.update(sched)  # the decode rows (the drafts' too, a row a token): what the scheduler changed
         self.attention.copy(self.kv, sched.copies)
         decode = self.batch.requests

@@ -131,7 +131,9 @@ int attend_group_bf16(const float *q, int N, int H, int D,
    request: one sequence, or the beams of a beam search) has query rows row0[g] .. row0[g+1] - 1 of
    q (N, H, D) float32 and reads
        its shared blocks  stab[soff[g] ..]     holding slen[g] tokens (every row of the group)
-       then each row n's  otab[n * omax ..]    holding olen[g] tokens (its own blocks)
+       then each row n's  otab[n * omax ..]    holding olen[g] + i stair[g] tokens (its own blocks; i = n - row0[g];
+                                               stair NULL: 0 — a beam search's rows own as many each, a
+                                               speculative draft's rows one more each, its tokens in turn)
    out (N, H, D) float32 = softmax(scale * q . k) @ v over those tokens. q holds bfloat16 values
    (a bfloat16 model's queries). Scores, 16 keys at a time with one transposed reduction (hsum16):
    - bfloat16 keys: vdpbf16ps dot products (exact products, float32 sums);
@@ -371,10 +373,12 @@ static inline void values_any(const float *p, const void *vr, const float *vs, i
    head compiles to the loops of a kernel without grouping. */
 static inline __attribute__((always_inline)) void paged_group_g(const float *q, const pages_t *kv, int h0, int h1,
                                                                 int r0, int nr, const int *stab, int sl,
-                                                                const int *otab, int omax, int ol, float *out,
-                                                                float scale, float *s, char *qv, float *qs, const int G)
+                                                                const int *otab, int omax, int ol0, int st,
+                                                                float *out, float scale, float *s, char *qv, float *qs,
+                                                                const int G)
 {
-    const int H = kv->H * G, B = kv->B, D = kv->D, L = sl + ol, nh = h1 - h0;
+    /* row n owns ol0 + (n - r0) st tokens; L: the most of any row (the scores' stride) */
+    const int H = kv->H * G, B = kv->B, D = kv->D, L = sl + ol0 + (nr - 1) * st, nh = h1 - h0;
     const int kh0 = h0 / G, kh1 = h1 / G;
     const long head_bytes = (long)B * D * (kv->ks ? 1 : 2), row_bytes = (long)D * (kv->ks ? 1 : 2);
     const int i8 = kv->ks != NULL;
@@ -402,7 +406,7 @@ static inline __attribute__((always_inline)) void paged_group_g(const float *q, 
             }
         }
         for (int i = 0; i < nb; i++) { /* each query's own blocks */
-            const int n = n0 + i;
+            const int n = n0 + i, ol = ol0 + (n - r0) * st;
             for (int j = 0; j * B < ol; j++) {
                 const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
                 for (int kh = kh0; kh < kh1; kh++) {
@@ -416,7 +420,7 @@ static inline __attribute__((always_inline)) void paged_group_g(const float *q, 
                 }
             }
             for (int h = h0; h < h1; h++) {
-                softmax_f32(S(i, h), L);
+                softmax_f32(S(i, h), sl + ol);
                 memset(O(n, h), 0, sizeof(float) * D);
             }
         }
@@ -430,7 +434,7 @@ static inline __attribute__((always_inline)) void paged_group_g(const float *q, 
             }
         }
         for (int i = 0; i < nb; i++) { /* own values */
-            const int n = n0 + i;
+            const int n = n0 + i, ol = ol0 + (n - r0) * st;
             for (int j = 0; j * B < ol; j++) {
                 const int tn = ol - j * B < B ? ol - j * B : B, blk = otab[(long)n * omax + j];
                 for (int kh = kh0; kh < kh1; kh++) {
@@ -451,23 +455,25 @@ static inline __attribute__((always_inline)) void paged_group_g(const float *q, 
 }
 
 static void paged_group(const float *q, const pages_t *kv, int h0, int h1, int r0, int nr, const int *stab, int sl,
-                        const int *otab, int omax, int ol, float *out, float scale, float *s, char *qv, float *qs)
+                        const int *otab, int omax, int ol, int st, float *out, float scale, float *s, char *qv,
+                        float *qs)
 {
-    if (kv->G == 1) paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, out, scale, s, qv, qs, 1);
-    else paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, out, scale, s, qv, qs, kv->G);
+    if (kv->G == 1) paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, st, out, scale, s, qv, qs, 1);
+    else paged_group_g(q, kv, h0, h1, r0, nr, stab, sl, otab, omax, ol, st, out, scale, s, qv, qs, kv->G);
 }
 
 /* kc, vc: bfloat16 blocks (ks = vs = NULL) or int8 blocks with their scales, KH KV heads (H a multiple:
    query head h reads KV head h / (H / KH)) */
 int attend_paged(const float *q, int N, int H, int KH, int D, const void *kc, const void *vc, const float *ks,
                  const float *vs, int B, int G, const int *row0, const int *stab, const int *soff, const int *slen,
-                 const int *otab, int omax, const int *olen, float *out, float scale, int nthreads)
+                 const int *otab, int omax, const int *olen, const int *stair, float *out, float scale, int nthreads)
 {
     if (D % 16 || D > ATT_MAXD || G < 1 || N < 1 || B < 1 || KH < 1 || H < KH || H % KH || (!ks != !vs)) return -1;
     long maxL = 0;
     for (int g = 0; g < G; g++) {
-        if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g]) return -1;
-        if (slen[g] + olen[g] > maxL) maxL = slen[g] + olen[g];
+        const long most = (long)slen[g] + olen[g] + (stair ? (long)(row0[g + 1] - row0[g] - 1) * stair[g] : 0);
+        if (slen[g] + olen[g] < 1 || row0[g + 1] <= row0[g] || (stair && stair[g] < 0)) return -1;
+        if (most > maxL) maxL = most;
     }
     const int QG = H / KH; /* query heads per KV head */
     const pages_t kv = {kc, vc, ks, vs, KH, B, D, QG};
@@ -496,7 +502,7 @@ int attend_paged(const float *q, int N, int H, int KH, int D, const void *kc, co
             const int g = (int)(w / parts), h0 = (int)(w % parts) * hper;
             const int h1 = h0 + hper < H ? h0 + hper : H;
             if (buf) paged_group(q, &kv, h0, h1, row0[g], row0[g + 1] - row0[g], stab + soff[g], slen[g], otab, omax,
-                                 olen[g], out, scale, s, qv, qs);
+                                 olen[g], stair ? stair[g] : 0, out, scale, s, qv, qs);
         }
         free(buf);
     }

@@ -161,7 +161,7 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     _attend_group.argtypes = [P, I, I, I, P, P, L, L, I, P, P, L, L, L, I, P, ctypes.c_float, I]
     _attend_group.restype = I
     _attend_paged = lib.attend_paged
-    _attend_paged.argtypes = [P, I, I, I, I, P, P, P, P, I, I, P, P, P, P, P, I, P, P, ctypes.c_float, I]
+    _attend_paged.argtypes = [P, I, I, I, I, P, P, P, P, I, I, P, P, P, P, P, I, P, P, P, ctypes.c_float, I]
     _attend_paged.restype = I
     _prefill_paged = lib.prefill_paged
     _prefill_paged.argtypes = [P, L, I, I, I, I, P, P, P, P, I, P, I, P, L, ctypes.c_float, I]

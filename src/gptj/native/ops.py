@@ -359,7 +359,8 @@ def _pages(name: str, kc: torch.Tensor, vc: torch.Tensor, k_scale: torch.Tensor 
 
 def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: torch.Tensor, stab: torch.Tensor,
                     soff: torch.Tensor, slen: torch.Tensor, otab: torch.Tensor, olen: torch.Tensor,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    stair: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of a whole batch over paged keys/values, float32 scores and softmax.
 
     q (N, H, D); kc, vc (n_blocks, KH, B, D) contiguous: bfloat16, or int8 whose values are
@@ -367,7 +368,8 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
     head h reads KV head h // (H // KH), a KV head's rows read once for its query heads). int32 CPU tensors, contiguous:
     row0 (G + 1,) the first query row of each group (row0[G] = N); stab the groups' shared block
     tables one after another, group g's from soff[g], holding slen[g] tokens; otab (N, omax) each
-    row's own blocks, holding olen[g] tokens for the rows of group g. Returns (N, H, D) float32.
+    row's own blocks, holding olen[g] tokens for the rows of group g (stair (G,) int32: olen[g] + i * stair[g]
+    for its i-th row, a speculative draft's rows one token apart; None: all alike). Returns (N, H, D) float32.
     Block ids and lengths are the caller's to keep in range: the kernel reads what they point at.
     """
     if loader._attend_paged is None:
@@ -376,17 +378,19 @@ def attention_paged(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row0: t
     _, h, B, d, ks, vs = _pages("attention_paged", kc, vc, k_scale, v_scale)
     if d != D or H % h:
         raise _bad("attention_paged", f"blocks of {h} heads of {d} do not match queries of {H} heads of {D}")
-    ints = (row0, stab, soff, slen, otab, olen)
+    ints = (row0, stab, soff, slen, otab, olen) + (() if stair is None else (stair,))
     if any(t.dtype is not torch.int32 or not t.is_contiguous() for t in ints):
         raise _bad("attention_paged", "tables and lengths must be contiguous int32 tensors")
     G = slen.shape[0]
-    if row0.shape != (G + 1,) or soff.shape != (G,) or olen.shape != (G,) or otab.dim() != 2 or otab.shape[0] != N:
+    if (row0.shape != (G + 1,) or soff.shape != (G,) or olen.shape != (G,) or otab.dim() != 2 or otab.shape[0] != N
+            or (stair is not None and stair.shape != (G,))):
         raise _bad("attention_paged", f"tables do not match {G} groups of {N} rows")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty((N, H, D), dtype=torch.float32)
     rc = loader._attend_paged(qf.data_ptr(), N, H, h, D, kc.data_ptr(), vc.data_ptr(), ks, vs, B, G, row0.data_ptr(),
                               stab.data_ptr(), soff.data_ptr(), slen.data_ptr(), otab.data_ptr(), otab.shape[1],
-                              olen.data_ptr(), out.data_ptr(), 1.0 / float(D) ** 0.5, torch.get_num_threads())
+                              olen.data_ptr(), None if stair is None else stair.data_ptr(), out.data_ptr(),
+                              1.0 / float(D) ** 0.5, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"attention_paged: native kernel failed ({rc})")
     return out

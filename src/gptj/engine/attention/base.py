@@ -78,6 +78,9 @@ class DecodeTables:
     olen: torch.Tensor  # (G,)
     max_rows: int  # the most rows of one group (a host int: kernels size their tiles by it)
     max_shared: int = 0  # the most shared tokens of one group (a host int: the CUDA kernel's splits)
+    # (G,) int32 or None: group g's i-th row owns olen[g] + i * stair[g] tokens, a speculative draft's
+    # rows one more each (engine/input_batch.py, where the backend reads it: AttentionBackend.stairs)
+    stair: torch.Tensor | None = None
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return self.row0, self.stab, self.soff, self.slen, self.otab, self.olen
@@ -101,13 +104,19 @@ class GroupSpan(NamedTuple):
     rows: int
     soff: int
     shared_len: int
-    own_len: int
+    own_len: int  # its first row's; each next row's `stair` more (a speculative draft's rows: 1)
+    stair: int = 0
+
+    @property
+    def most_own(self) -> int:
+        """The own tokens of its last row, the most of any."""
+        return self.own_len + (self.rows - 1) * self.stair
 
 
 @dataclass
 class DecodeRows:
     """A step's decode rows on the device: where each row's new key and value go, and the
-    DecodeTables of its groups. `spans`: the groups' (row0, soff, slen, olen) on the host (lists or
+    DecodeTables of its groups. `spans`: the groups' (row0, soff, slen, olen[, stair]) on the host (lists or
     arrays), for backends that walk the groups one by one (the reference); None where none does (a
     graph's padded step)."""
 
@@ -150,8 +159,9 @@ class StepMetadata:
         """The decode groups, on the host (none where the decode rows carry no spans)."""
         if self.decode is None or self.decode.spans is None:
             return []
-        row0, soff, slen, olen = (list(map(int, values)) for values in self.decode.spans)
-        return [GroupSpan(row0[g], row0[g + 1] - row0[g], soff[g], slen[g], olen[g]) for g in range(len(soff))]
+        row0, soff, slen, olen, *stair = (list(map(int, values)) for values in self.decode.spans)
+        stair = stair[0] if stair else [0] * len(soff)
+        return [GroupSpan(row0[g], row0[g + 1] - row0[g], soff[g], slen[g], olen[g], stair[g]) for g in range(len(soff))]
 
     @cached_property
     def group_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -159,7 +169,7 @@ class StepMetadata:
         (int32), as many as its lengths cover."""
         tables, B = self.decode.tables, self.decode.block_size
         return [(tables.stab[g.soff:g.soff - (-g.shared_len // B)],
-                 tables.otab[g.row0:g.row0 + g.rows, :-(-g.own_len // B)]) for g in self.groups]
+                 tables.otab[g.row0:g.row0 + g.rows, :-(-g.most_own // B)]) for g in self.groups]
 
 
 def row_tile(rows: int) -> int:
@@ -265,6 +275,9 @@ class AttentionBackend:
 
     name = "?"
     reads_tables = False
+    # its decode reads DecodeTables.stair (GroupSpan.stair): a speculative draft's rows come as one
+    # group, the sequence's KV read once for all of them; else a group of one row each
+    stairs = False
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled  # torch.compile'd forms (the reference backend's, on CUDA)

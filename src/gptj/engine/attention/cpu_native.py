@@ -25,6 +25,7 @@ from gptj.engine.attention.kv_cache import PagedKV
 class NativeAttention(AttentionBackend):
     name = "cpu-native"
     reads_tables = True
+    stairs = True
 
     def build(self, kv: PagedKV, *args, **kwargs) -> StepMetadata:
         meta = super().build(kv, *args, **kwargs)
@@ -42,7 +43,8 @@ class NativeAttention(AttentionBackend):
             kv.write(layer, k, v, blocks, offsets)
 
     def decode(self, kv: PagedKV, layer: int, q: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        out = native.attention_paged(q, kv.k[layer], kv.v[layer], *meta.tables.astuple(), *kv.scales(layer))
+        out = native.attention_paged(q, kv.k[layer], kv.v[layer], *meta.tables.astuple(), *kv.scales(layer),
+                                     stair=meta.tables.stair)
         return out.to(kv.compute)
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

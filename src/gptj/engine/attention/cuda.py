@@ -364,6 +364,7 @@ class CudaAttention(ReferenceAttention):
 
     name = "cuda"
     reads_tables = True
+    stairs = False  # (the Triton decode kernel owns as many tokens in every row of a group)
     decode_variant = "auto"  # paged_decode's kernels ("auto", "sum" or "dot": decode_launches; no user flag)
 
     @property

@@ -92,6 +92,7 @@ class ReferenceAttention(AttentionBackend):
     decides). If compiling or running a compiled form fails, it logs one warning and stays eager."""
 
     name = "reference"
+    stairs = True  # a draft's rows as one group (decode: each over its own keys)
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
@@ -135,8 +136,14 @@ class ReferenceAttention(AttentionBackend):
         for g, (shared, own) in zip(meta.groups, meta.group_blocks):
             n = g.rows
             pk, pv = kv.gather(layer, shared, g.shared_len)
-            if not g.own_len:  # one sequence: all of it is "shared"
+            if not g.most_own:  # one sequence: all of it is "shared"
                 out[row] = self.one(q[row], pk, pv)
+            elif g.stair:  # a draft's rows: each over the sequence's keys up to its own token, as decoded alone
+                ok, ov = kv.blocks(layer, own)  # (n, m, H, B, D)
+                for i in range(n):
+                    L = g.own_len + i * g.stair
+                    tk, tv = (x[i].transpose(0, 1).reshape(H, -1, D)[:, :L] for x in (ok, ov))  # (H, L, D)
+                    out[row + i] = self.one(q[row + i], torch.cat([pk, tk], dim=1), torch.cat([pv, tv], dim=1))
             else:
                 ok, ov = kv.blocks(layer, own)  # (n, m, H, B, D)
                 tk = ok.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
@@ -153,6 +160,14 @@ class ReferenceAttention(AttentionBackend):
         for g, (shared, own) in zip(meta.groups, meta.group_blocks):
             n, rows = g.rows, slice(g.row0, g.row0 + g.rows)
             pk, pv = kv.gather(layer, shared, g.shared_len)  # (KV, P, D)
+            if g.stair:  # a draft's rows: each over the sequence's keys up to its own token, as decoded alone
+                ok, ov = kv.blocks(layer, own)  # (n, m, KV, B, D)
+                for i in range(n):
+                    L = g.own_len + i * g.stair
+                    tk, tv = (x[i].transpose(0, 1).reshape(KV, -1, D)[:, :L] for x in (ok, ov))
+                    k, v = torch.cat([pk, tk], dim=1)[None], torch.cat([pv, tv], dim=1)[None]
+                    out[g.row0 + i] = gqa_attention(q[g.row0 + i][None, :, None], k, v, None)[0, :, 0]
+                continue
             k, v = pk.expand(n, -1, -1, -1), pv.expand(n, -1, -1, -1)  # (n, KV, P, D)
             if g.own_len:
                 ok, ov = kv.blocks(layer, own)  # (n, m, KV, B, D)
