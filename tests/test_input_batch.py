@@ -82,9 +82,9 @@ def checked(engine, monkeypatch) -> dict[str, int]:
     batch, seen = engine.runner.batch, {"moved": 0, "steps": 0}
     update = batch.update
 
-    def update_and_check(sched):
+    def update_and_check(sched, **kwargs):
         before = dict(batch.rows)
-        update(sched)
+        update(sched, **kwargs)
         if sched.decode or sched.verify:
             assert held(batch) == from_requests(sched, batch.stairs)
             seen["steps"] += 1

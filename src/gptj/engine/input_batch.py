@@ -102,7 +102,7 @@ class InputBatch:
         self.prompts_at = self.ints.starts[5] - self.ints.starts[4]  # `prompts` in the shared tables (stab)
         self.stair_tensor = torch.zeros(N, dtype=torch.int32)  # per group (DecodeTables.stair; CPU backends only)
         self.stair = _numpy(self.stair_tensor)
-        self.stairs = False  # a draft's rows as one staired group (the backend's AttentionBackend.stairs)
+        self.stairs = False  # this step's drafts' rows in staired groups (update's `stairs`)
         self.first = np.zeros(N, dtype=np.int64)  # each group's first row
         self.cap = np.zeros(N, dtype=np.int64)  # its shared tokens: a beam group's prompt blocks', else ALL_SHARED
         self.lens = np.zeros(N, dtype=np.int64)  # its tokens this step, this one's included
@@ -117,7 +117,7 @@ class InputBatch:
 
     # --- the step's diff ---
 
-    def update(self, sched: SchedulerOutput) -> None:
+    def update(self, sched: SchedulerOutput, stairs: bool = False) -> None:
         """Bring the rows to this step: every row that decoded in the last one a token on, the rows
         of the requests that decode now (sched.decode, in its order, then sched.verify's), their new
         last blocks, this step's tokens and the lengths that follow.
@@ -130,8 +130,9 @@ class InputBatch:
         sequence's full blocks before L shared (read once for all of them), the rest its rows' own,
         each row one token more than the one before (DecodeTables.stair); elsewhere a group a row.
         Its rows are written afresh at every step that verifies it and at the next (how far it got
-        is the update's)."""
+        is the update's). `stairs`: the attention backend's (AttentionBackend.stairs)."""
         self._writable()
+        self.stairs = stairs
         self.pos[:self.n] += 1  # each row stored its token in the last step
         drafts = {v.request: v.tokens for v in sched.verify}
         requests = sched.decode + list(drafts)
@@ -172,7 +173,7 @@ class InputBatch:
         now keeps what its rows hold (moved past the rows freed or taken before them); a newcomer's
         rows, and a verified request's (`drafts`: its tokens) now or in the last step, are written
         from its sequences. The groups' first rows, table offsets and caps follow: a group a
-        request, a verified request's a group a token."""
+        request (a verified request's: one staired group with `stairs`, else a group a token)."""
         rows, width, fresh, at, source, row = {}, {}, [], [], [], 0
         for req in requests:
             old = None if req in drafts or req in self.drafts else self.rows.get(req)

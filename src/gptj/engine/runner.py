@@ -98,8 +98,8 @@ class ModelRunner:
 
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        self.batch.stairs = self.attention.stairs  # (the backend's, which a test or a fallback may swap)
-        self.batch.update(sched)  # the decode rows (the drafts' too, a row a token): what the scheduler changed
+        # the decode rows (the drafts' too, a row a token): what the scheduler changed
+        self.batch.update(sched, stairs=self.attention.stairs)
         self.attention.copy(self.kv, sched.copies)
         decode = self.batch.requests
         if sched.prefill and self.graphs is not None and self.graphs.takes(self.batch.n):

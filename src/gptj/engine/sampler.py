@@ -100,8 +100,7 @@ def choose(logits: torch.Tensor | None, rows: Mapping[Request, range],
         for i, req in enumerate(sampled):  # one draw each, from the request's own generator
             parts.append(torch.multinomial(probs[i:i + 1], num_samples=1, generator=req.generator)[0])
     if verified:  # (after the one-token kinds: their rows, then the beams', are read from `flat` in order)
-        scores, index = _verify_scores(logits, verified)
-        drafted_tokens, drafted_ok = _argmax_rows(scores)
+        drafted_tokens, drafted_ok = _argmax_rows(_verify_scores(logits, verified)[0])
     dones = []
     for group in by_config.values():  # each group's results flat: sources, tokens (K a request each), dones
         K = group[0].gen.num_beams
@@ -263,7 +262,7 @@ def verify(logits: torch.Tensor | None, rows: Mapping[Request, range], drafts: M
     its probability, else the token drawn is one of the rest with their renormalized probabilities
     (the standard rejection rule for a draft that is one token for sure)."""
     out: dict[Request, tuple[list[int], list[bool]]] = {}
-    sampled = {req: r for req, r in rows.items() if req.gen.sampling}  # (greedy ones: choose's)
+    sampled = rows  # (the greedy ones' rows ride in choose's copy: engine/update.py splits them)
     if sampled:
         scores, index = _verify_scores(logits, sampled)
         probs = _warp(scores, [req.gen for req, r in sampled.items() for _ in r])

@@ -138,12 +138,8 @@ class ReferenceAttention(AttentionBackend):
             pk, pv = kv.gather(layer, shared, g.shared_len)
             if not g.most_own:  # one sequence: all of it is "shared"
                 out[row] = self.one(q[row], pk, pv)
-            elif g.stair:  # a draft's rows: each over the sequence's keys up to its own token, as decoded alone
-                ok, ov = kv.blocks(layer, own)  # (n, m, H, B, D)
-                for i in range(n):
-                    L = g.own_len + i * g.stair
-                    tk, tv = (x[i].transpose(0, 1).reshape(H, -1, D)[:, :L] for x in (ok, ov))  # (H, L, D)
-                    out[row + i] = self.one(q[row + i], torch.cat([pk, tk], dim=1), torch.cat([pv, tv], dim=1))
+            elif g.stair:
+                self._staired(kv, layer, q, g, pk, pv, own, out, self.one)
             else:
                 ok, ov = kv.blocks(layer, own)  # (n, m, H, B, D)
                 tk = ok.transpose(1, 2).reshape(n, H, -1, D)[:, :, :g.own_len]  # (n, H, own_len, D)
@@ -160,13 +156,9 @@ class ReferenceAttention(AttentionBackend):
         for g, (shared, own) in zip(meta.groups, meta.group_blocks):
             n, rows = g.rows, slice(g.row0, g.row0 + g.rows)
             pk, pv = kv.gather(layer, shared, g.shared_len)  # (KV, P, D)
-            if g.stair:  # a draft's rows: each over the sequence's keys up to its own token, as decoded alone
-                ok, ov = kv.blocks(layer, own)  # (n, m, KV, B, D)
-                for i in range(n):
-                    L = g.own_len + i * g.stair
-                    tk, tv = (x[i].transpose(0, 1).reshape(KV, -1, D)[:, :L] for x in (ok, ov))
-                    k, v = torch.cat([pk, tk], dim=1)[None], torch.cat([pv, tv], dim=1)[None]
-                    out[g.row0 + i] = gqa_attention(q[g.row0 + i][None, :, None], k, v, None)[0, :, 0]
+            if g.stair:
+                self._staired(kv, layer, q, g, pk, pv, own, out,
+                              lambda q1, k, v: gqa_attention(q1[None, :, None], k[None], v[None], None)[0, :, 0])
                 continue
             k, v = pk.expand(n, -1, -1, -1), pv.expand(n, -1, -1, -1)  # (n, KV, P, D)
             if g.own_len:
@@ -175,6 +167,19 @@ class ReferenceAttention(AttentionBackend):
                 v = torch.cat([v, ov.transpose(1, 2).reshape(n, KV, -1, D)[:, :, :g.own_len]], dim=2)
             out[rows] = gqa_attention(q[rows, :, None], k, v, None)[:, :, 0]
         return out
+
+    @staticmethod
+    def _staired(kv: PagedKV, layer: int, q: torch.Tensor, g, pk: torch.Tensor, pv: torch.Tensor,
+                 own: torch.Tensor, out: torch.Tensor, one) -> None:
+        """A staired group's rows (a speculative draft's, GroupSpan.stair): row i over the shared keys
+        pk, pv (heads, P, D) and the first own_len + i * stair of its own, by `one`(q (H, D), k, v
+        (heads, L, D)) -> (H, D): the keys and the call decoding its token alone would have."""
+        ok, ov = kv.blocks(layer, own)  # (rows, m, heads, B, D)
+        heads, D = pk.shape[0], pk.shape[-1]
+        for i in range(g.rows):
+            L = g.own_len + i * g.stair
+            tk, tv = (x[i].transpose(0, 1).reshape(heads, -1, D)[:, :L] for x in (ok, ov))  # (heads, L, D)
+            out[g.row0 + i] = one(q[g.row0 + i], torch.cat([pk, tk], dim=1), torch.cat([pv, tv], dim=1))
 
     def prefill(self, kv: PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, i: int) -> torch.Tensor:
