@@ -231,6 +231,17 @@ def check_native_gemv(out: dict, err: str) -> None:
     assert all(positive(v) for pair in out["interleave"]["pairs"].values() for v in pair.values())
 
 
+def check_gemv_ab(out: dict, err: str) -> None:
+    from gptj import native
+
+    if not native.has("gemv"):
+        assert "could not be built or run" in out["skipped"] and "gemv_ab: skipped" in err
+        return
+    assert [(c["N"], c["K"], c["kind"], c["M"]) for c in out["cells"]] == [
+        (256, 128, kind, M) for kind in ("bf16", "int8") for M in (1, 2)]
+    assert all(positive(c["before_ms"]) and positive(c["after_ms"]) and positive(c["ratio"]) for c in out["cells"])
+
+
 def check_native_gemv_int8_gemm(out: dict, err: str) -> None:
     from gptj import native
 
@@ -540,6 +551,7 @@ SMOKE: dict[str, Job] = {
     "native_attention.py": Job("native_attention.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"],
                                check_native_attention),
     "native_gemv.py": Job("native_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_native_gemv),
+    "gemv_ab.py": Job("gemv_ab.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_gemv_ab),
     "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
                                                                   "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),
     "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
