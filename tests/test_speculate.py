@@ -44,12 +44,16 @@ def test_draft_is_what_followed_the_longest_suffix_seen_before():
     assert ngram_draft([1, 2, 3, 7, 2, 9, 1, 2], 2, max_ngram=1) == [9, 1]
 
 
-def test_draft_stops_at_the_end_and_is_empty_without_a_match():
-    assert ngram_draft([4, 4], 5, max_ngram=3) == [4]  # what followed the first 4: the last token
+def test_draft_copies_on_over_itself_past_the_end_and_is_empty_without_a_match():
+    # what followed the first 4 is the last token; the copy goes on over what it drafted (period 1)
+    assert ngram_draft([4, 4], 5, max_ngram=3) == [4, 4, 4, 4, 4]
+    # [8, 9] last occurred 3 tokens ago: the text's period is 3, so the draft repeats its last 3 tokens
+    assert ngram_draft([1, 8, 9, 5, 8, 9], 7, max_ngram=2) == [5, 8, 9, 5, 8, 9, 5]
+    assert ngram_draft([1, 8, 9, 5, 8, 9], 2, max_ngram=2) == [5, 8]  # k within what followed: no repeat
     assert ngram_draft([1, 2, 3], 5, max_ngram=3) == []
     assert ngram_draft([7], 5, max_ngram=3) == []
     assert ngram_draft([1, 2, 1, 2], 0, max_ngram=3) == []
-    assert ngram_draft([1, 2, 9, 1, 2], 5, max_ngram=2, min_ngram=2) == [9, 1, 2]
+    assert ngram_draft([1, 2, 9, 1, 2], 5, max_ngram=2, min_ngram=2) == [9, 1, 2, 9, 1]
     assert ngram_draft([3, 2, 9, 1, 2], 5, max_ngram=2, min_ngram=2) == []  # [1, 2] never before; [2] too short
 
 
