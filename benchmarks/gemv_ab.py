@@ -37,10 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("12288x4096", "4096x4096", "16384x4096", "4096x16384", "50400x4096")  # GPT-J's layers and head
 
 
-def library(tree: Path) -> Path | None:
-    """The path of `tree`'s gptj.native library for this CPU, built by that tree's own build code."""
+def library(tree: Path, isa: str | None = None) -> Path | None:
+    """The path of `tree`'s gptj.native library for this CPU (or for `isa`, one of its build.ISAS' names:
+    another ISA this CPU runs), built by that tree's own build code."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    run = subprocess.run([sys.executable, "-c", "from gptj.native import build; print(build.library_path() or '')"],
+    pick = "None" if isa is None else f"next(i for i in build.ISAS if i.name == {isa!r})"
+    run = subprocess.run([sys.executable, "-c", f"from gptj.native import build; print(build.library_path(isa={pick}) or '')"],
                          env=env, capture_output=True, text=True)
     path = run.stdout.strip()
     return Path(path) if run.returncode == 0 and path else None
@@ -90,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--min-mb", type=float, default=400.0, help="MB of distinct weight copies per cell")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", help="the library of this ISA (gptj.native.build.ISAS: avx2, generic, ...) instead of "
+                                  "the best this CPU runs")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the table to stderr)")
     args = parse_args(ap, {"shapes": ["256x128"], "rows": [1, 2], "rounds": 2, "min_mb": 1.0}, argv)
     torch.set_num_threads(args.threads)
-    paths = {"before": library(args.before.resolve()), "after": library(args.after.resolve())}
+    paths = {"before": library(args.before.resolve(), args.isa), "after": library(args.after.resolve(), args.isa)}
     missing = [name for name, p in paths.items() if p is None]
     if missing:
         reason = f"gptj.native's library could not be built or run here ({', '.join(missing)})"

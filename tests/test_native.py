@@ -108,6 +108,33 @@ def test_float32_outputs_are_float32_accurate(M: int, N: int, K: int, gemv_isa: 
     assert ((yb.double() - refb).abs() <= boundb).all()
 
 
+@pytest.mark.parametrize("K", (64, 1000, 4100, 16384))
+def test_bf16_rows_sum_in_one_order_whatever_rows_share_the_call(K: int, gemv_isa: ctypes.CDLL) -> None:
+    """bfloat16 weights: gemv.c's CHAINS accumulators per output at every row count, added only when the
+    outputs are stored, so a row's float32 sums are the same alone and beside 1-19 other rows (passes of
+    8 rows, K chunks whose size depends on the pass's rows, tails of K), and with the bias and bfloat16
+    outputs too. A draft's verifying rows decode exactly as a row alone because of it (test_speculate).
+    Before, 1, 2 and 3+ rows summed with 4, 2 and 1 accumulators, and every ISA's library failed this."""
+    N = 40
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(20, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+
+    def f32(rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], N)
+        assert gemv_isa.gemv_bf16_f32(rows.data_ptr(), w.data_ptr(), None, y.data_ptr(), rows.shape[0], N, K, 2) == 0
+        return y
+
+    alone = torch.cat([f32(x[i:i + 1]) for i in range(20)])
+    alone16 = torch.cat([native.linear_bf16(x[i:i + 1], w, b) for i in range(20)])
+    for M in (2, 3, 4, 5, 6, 7, 8, 9, 13, 20):
+        assert torch.equal(f32(x[:M]), alone[:M]), M
+        assert torch.equal(f32(x[20 - M:]), alone[20 - M:]), M
+        assert torch.equal(native.linear_bf16(x[:M], w, b), alone16[:M]), M
+    assert torch.equal(_at_one_thread(lambda: f32(x)), alone)
+
+
 def test_a_rows_output_is_the_same_in_any_call_of_three_rows_or_more(gemv_isa: ctypes.CDLL) -> None:
     """Each output of a pass of 3-8 rows of x is one accumulator summed in k order: a row's result
     does not depend on the rows beside it, where no pass of 8 is left with 1 or 2 rows (those take

@@ -223,29 +223,27 @@ def test_llama_grouped_query_attention(monkeypatch):
     assert spec == plain and engine.stats().accepted_tokens == oracle.accepted > 0
 
 
-@pytest.mark.parametrize("arch", ["gptj", "llama", "gptj-int4"])
-def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
-    """In bfloat16, with the serving kernels (build_engine): a draft's rows run the decode kernels at
-    their own positions, so each token's log-probability is the one decoding it alone gives, bit for
-    bit (the kernels sum each row in one fixed order, whatever rows share the call), and the tokens
-    are the same. (Run as a prompt chunk of their own, the prefill kernels' sums differed in the last
-    bits, and some tokens with them.)"""
+def wide_bf16_gptj(n_embd: int = 256, int4: bool = False) -> torch.nn.Module:
+    cfg = get_preset("tiny").replace(vocab_size=256, bos_token_id=0, eos_token_id=1, n_embd=n_embd, n_head=8)
+    model = model_from_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.3)).to(torch.bfloat16)
+    if int4:  # (gptj.native's int4 GEMV: a row's sums do not depend on the call)
+        from gptj.quant import quantize_model
+
+        quantize_model(model, "int4", 128)
+    return model
+
+
+def check_drafts_change_no_bit(model, monkeypatch, config: EngineConfig, prompts: int = 3,
+                               new_tokens: int = 16) -> None:
+    """With the serving kernels (build_engine), oracle drafts (some rejected) give each token and its
+    log-probability bit for bit as decoding without drafts does."""
     from gptj.runtime.build import build_engine
 
-    if arch.startswith("gptj"):
-        cfg = get_preset("tiny").replace(vocab_size=256, bos_token_id=0, eos_token_id=1, n_embd=256, n_head=8)
-        model = model_from_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.3)).to(torch.bfloat16)
-        if arch == "gptj-int4":  # (gptj.native's int4 GEMV: a row's sums do not depend on the call)
-            from gptj.quant import quantize_model
-
-            quantize_model(model, "int4", 128)
-    else:
-        model = tiny_llama(kv=2, dtype=torch.bfloat16)
-    prompts = repeating_prompts(model.config.vocab_size, 3, seed=8)
-    gen = GenerationConfig(pad_token_id=0, max_new_tokens=16, eos_token_id=None)
+    prompts = repeating_prompts(model.config.vocab_size, prompts, seed=8)
+    gen = GenerationConfig(pad_token_id=0, max_new_tokens=new_tokens, eos_token_id=None)
 
     def run_with(g):
-        engine = build_engine(model, EngineConfig(**SMALL), free_bytes=1 << 30)
+        engine = build_engine(model, config, free_bytes=1 << 30)
         reqs = [engine.add_request(p, g, logprobs=1) for p in prompts]
         while engine.has_work:
             engine.step()
@@ -257,6 +255,30 @@ def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
     spec, stats = run_with(gen.replace(prompt_lookup_num_tokens=5))
     assert spec == plain
     assert stats.accepted_tokens == oracle.accepted > 0 and stats.draft_tokens > stats.accepted_tokens
+
+
+@pytest.mark.parametrize("arch", ["gptj", "llama", "gptj-int4"])
+def test_bfloat16_draft_rows_are_decode_rows(arch, kernel_path, monkeypatch):
+    """In bfloat16, with the serving kernels (build_engine): a draft's rows run the decode kernels at
+    their own positions, so each token's log-probability is the one decoding it alone gives, bit for
+    bit (the kernels sum each row in one fixed order, whatever rows share the call), and the tokens
+    are the same. (Run as a prompt chunk of their own, the prefill kernels' sums differed in the last
+    bits, and some tokens with them.)"""
+    model = tiny_llama(kv=2, dtype=torch.bfloat16) if arch == "llama" else wide_bf16_gptj(int4=arch == "gptj-int4")
+    check_drafts_change_no_bit(model, monkeypatch, EngineConfig(**SMALL))
+
+
+def test_bfloat16_drafts_at_width_through_the_native_gemv(kernel_path, monkeypatch):
+    """One request at a time (max_seqs 1: the bfloat16 linears take gptj.native's layout,
+    policy.NATIVE_LAYOUT_MAX_ROWS) at a width where the GEMV's sums span its accumulators and K's
+    chunks (n_embd 1024; fc_out's K 4096): a step of 1 row and one of 6 rows (a draft of 5) sum each
+    output in the same order (gemv.c's CHAINS), so the drafts change no bit. Before that change the
+    one-row GEMV summed with 4 accumulators and 3+ rows with one, and this failed on the native path."""
+    if kernel_path == "fallback":
+        pytest.skip("torch's own bfloat16 linear sums 1 and 6 rows in different orders at this width: exact "
+                    "bfloat16 drafts there are gptj.native's (float32 drafts are exact on every path: test_on_every_kernel_path)")
+    check_drafts_change_no_bit(wide_bf16_gptj(1024), monkeypatch, EngineConfig(max_seqs=1, max_len=192), prompts=2,
+                               new_tokens=24)
 
 
 def test_greedy_drafts_rows_come_to_the_host_in_the_steps_one_copy(gptj_tiny, monkeypatch):

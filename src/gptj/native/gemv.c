@@ -27,7 +27,9 @@
      to float32, pack two vectors into one of 32 bfloat16, shared by all rows of x.
    - Several independent accumulators per (row of w, row of x) hide the FMA latency; the 16
      partial sums of 16 rows are reduced together (shuffles), then scaled, biased, rounded to
-     bfloat16 (nearest even) and stored 16 outputs at a time.
+     bfloat16 (nearest even) and stored 16 outputs at a time. bfloat16 weights keep CHAINS
+     accumulators at every row count, so a row's sums do not depend on the rows beside it (below);
+     int8 weights take as many as the registers leave, so theirs do.
    - K tails use masked loads (zeros beyond K).
    - AVX2 and the generic build (no bfloat16 arithmetic: HAVE_DP 0): every row of x is converted to
      float32 once per call and every tile is a float32 FMA tile (TILE_F), int8 and bfloat16 weights
@@ -48,6 +50,15 @@
 #include "simd.h"
 
 #define MAXMT 8  /* rows of x per pass over a group of rows of w */
+#define GROUP 16  /* rows of w per group */
+/* bfloat16 weights: independent accumulators per (row of w, row of x), at every row count: chain c sums
+   the 32-element (AVX-512 bf16 products) or VW-element (FMA) blocks of K whose index is c mod CHAINS,
+   in k order, across K's chunks; the chains are added (0 + 1) only when the outputs are stored. So an
+   output's float32 sum is the same whatever the rows of x beside it (1, 2 or 8 rows, any pass, any K
+   chunk): batch-invariant, which speculation's verifying rows need to decode exactly as a row alone.
+   (4 accumulators at one row, 2 at two and 1 from three, as int8 keeps, made a verifying step of 6 rows
+   round differently from a step of one; 2 at every count runs as fast: docs/PERFORMANCE.md#speculate-decode-rows) */
+#define CHAINS 2
 #define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 
 /* prefetch distances in bytes (0 turns prefetch off): g_pf_dist the int8 GEMV's (and whether the int4 GEMVs
@@ -121,9 +132,12 @@ static inline __m512bh load_w_bf16_tail(const uint16_t *p, __mmask32 mask)
 
 /* ---- tile kernels ----
    nrows (a multiple of R) consecutive rows of w (row stride ldw elements), R at a time, against
-   MT rows of x (row stride ldx), over `len` elements of K. Accumulates into accio[r * MT + m]
-   (16 partial sums each; zeroed first when init). The main loop consumes 256 bytes (4 cache
-   lines) of each row per iteration; NA independent accumulators per (row of w, row of x).
+   MT rows of x (row stride ldx), over `len` elements of K. Accumulates chain c of (row r, row m)
+   into accio[c * GROUP * MT + r * MT + m] (16 partial sums each; zeroed first when init). The main
+   loop consumes 256 bytes (4 cache lines) of each row per iteration; CHAINS accumulators per (row of
+   w, row of x), block h of an iteration into chain h mod CHAINS (an iteration and a K chunk start at a
+   multiple of CHAINS blocks, so that is the block's index in K mod CHAINS); a K tail's blocks into
+   chain 0 (only the last chunk has one: the same blocks at every MT).
 
    Prefetch: *pfp (when pfp != NULL) is the thread's prefetch cursor, a fixed distance ahead of
    its reads in its contiguous range of w; every iteration prefetches (into L2) as many lines
@@ -151,7 +165,7 @@ typedef struct {
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
     _Pragma("GCC unroll 8") for (int a = 0; a < NA; a++)                                       \
     _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                      \
-        acc[r][a][m] = (a == 0 && !init) ? accio[r * MT + m] : vf_zero();
+        acc[r][a][m] = init ? vf_zero() : accio[a * GROUP * MT + r * MT + m];
 
 #define TILE_PREFETCH(R)                                                                       \
     if (pf < pf_end) {                                                                        \
@@ -162,11 +176,9 @@ typedef struct {
 
 #define TILE_END(R, MT, NA)                                                                    \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                    \
-        vf t = acc[r][0][m];                                                                  \
-        _Pragma("GCC unroll 8") for (int a = 1; a < NA; a++) t = vf_add(t, acc[r][a][m]);     \
-        accio[r * MT + m] = t;                                                                \
-    }                                                                                         \
+    _Pragma("GCC unroll 8") for (int a = 0; a < NA; a++)                                       \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                      \
+        accio[a * GROUP * MT + r * MT + m] = acc[r][a][m];                                    \
     }                                                                                         \
     if (pfp) pfp->at = pf;
 
@@ -243,13 +255,37 @@ static void NAME(TILE_ARGS(float, WT))                                          
     TILE_END(R, MT, NA)                                                                       \
 }
 
-/* Tiles per rows of x (MT): R rows of w and NA accumulators, so that R*MT*NA accumulators,
-   R weight vectors and a vector of x fit the registers (AVX-512: 32, AVX2: 16); plus a one-row
-   tile per MT for the rows left over at the end of a thread's range. */
+/* Tiles per rows of x (MT): R rows of w, so that R*MT*CHAINS accumulators, R weight vectors and a
+   vector of x fit the registers (AVX-512: 32, AVX2: 16); plus a one-row tile per MT for the rows
+   left over at the end of a thread's range. */
 typedef void (*tile_f_i8_fn)(TILE_ARGS(float, int8_t));
 typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 
 #if HAVE_DP
+/* bfloat16 weights: CHAINS accumulators at every MT (batch-invariant, above); two rows of w share each
+   load of x up to 6 rows of x (4 rows of w at 3-4 rows, or 3 at 4, ran 3-15 % slower), one from 7 */
+#ifndef R_BF
+#define R_BF 2
+#endif
+TILE_DP(dpbf_1, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 1, CHAINS)
+TILE_DP(dpbf_2, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 2, CHAINS)
+TILE_DP(dpbf_3, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 3, CHAINS)
+TILE_DP(dpbf_4, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 4, CHAINS)
+TILE_DP(dpbf_5, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 5, CHAINS)
+TILE_DP(dpbf_6, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 6, CHAINS)
+TILE_DP(dpbf_7, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 7, CHAINS)
+TILE_DP(dpbf_8, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 8, CHAINS)
+TILE_DP(dpbf_r2, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 2, CHAINS)
+TILE_DP(dpbf_r3, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 3, CHAINS)
+TILE_DP(dpbf_r4, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 4, CHAINS)
+TILE_DP(dpbf_r5, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 5, CHAINS)
+TILE_DP(dpbf_r6, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 6, CHAINS)
+static const int R_BF_MT[MAXMT + 1] = {0, 1, R_BF, R_BF, R_BF, R_BF, R_BF, 1, 1};
+
+/* int8 weights: the accumulators the registers leave (NA_I8), so 1, 2 and 3+ rows of x sum an output in
+   different orders (each int8 weight is converted once per R rows of w: fewer accumulators let more rows
+   share it). One row of x runs the float32 tile (fi8_1). A group's left-over rows of w (the _r tiles)
+   take the accumulators of the tile beside them: store_group adds the chains the pass's tiles used. */
 #ifndef R_DP2
 #define R_DP2 2
 #endif
@@ -259,73 +295,79 @@ typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 #ifndef R_DP78
 #define R_DP78 2
 #endif
-#define TILES_DP(PFX, WT, LOAD, LOADT)                                                           \
-    TILE_DP(PFX##_1, WT, LOAD, LOADT, 1, 1, 4)                                                    \
-    TILE_DP(PFX##_2, WT, LOAD, LOADT, R_DP2, 2, 2)                                                \
-    TILE_DP(PFX##_3, WT, LOAD, LOADT, R_DP36, 3, 1)                                               \
-    TILE_DP(PFX##_4, WT, LOAD, LOADT, R_DP36, 4, 1)                                               \
-    TILE_DP(PFX##_5, WT, LOAD, LOADT, R_DP36, 5, 1)                                               \
-    TILE_DP(PFX##_6, WT, LOAD, LOADT, R_DP36, 6, 1)                                               \
-    TILE_DP(PFX##_7, WT, LOAD, LOADT, R_DP78, 7, 1)                                               \
-    TILE_DP(PFX##_8, WT, LOAD, LOADT, R_DP78, 8, 1)                                               \
-    TILE_DP(PFX##_r2, WT, LOAD, LOADT, 1, 2, 2)                                                   \
-    TILE_DP(PFX##_r3, WT, LOAD, LOADT, 1, 3, 2)                                                   \
-    TILE_DP(PFX##_r4, WT, LOAD, LOADT, 1, 4, 1)                                                   \
-    TILE_DP(PFX##_r5, WT, LOAD, LOADT, 1, 5, 1)                                                   \
-    TILE_DP(PFX##_r6, WT, LOAD, LOADT, 1, 6, 1)                                                   \
-    TILE_DP(PFX##_r7, WT, LOAD, LOADT, 1, 7, 1)                                                   \
-    TILE_DP(PFX##_r8, WT, LOAD, LOADT, 1, 8, 1)
-
-TILES_DP(dpi8, int8_t, load_w_i8, load_w_i8_tail)
-TILES_DP(dpbf, uint16_t, load_w_bf16, load_w_bf16_tail)
+TILE_DP(dpi8_1, int8_t, load_w_i8, load_w_i8_tail, 1, 1, 4)  /* without memory for float32 x */
+TILE_DP(dpi8_2, int8_t, load_w_i8, load_w_i8_tail, R_DP2, 2, 2)
+TILE_DP(dpi8_3, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 3, 1)
+TILE_DP(dpi8_4, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 4, 1)
+TILE_DP(dpi8_5, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 5, 1)
+TILE_DP(dpi8_6, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 6, 1)
+TILE_DP(dpi8_7, int8_t, load_w_i8, load_w_i8_tail, R_DP78, 7, 1)
+TILE_DP(dpi8_8, int8_t, load_w_i8, load_w_i8_tail, R_DP78, 8, 1)
+TILE_DP(dpi8_r2, int8_t, load_w_i8, load_w_i8_tail, 1, 2, 2)
+TILE_DP(dpi8_r3, int8_t, load_w_i8, load_w_i8_tail, 1, 3, 1)
+TILE_DP(dpi8_r4, int8_t, load_w_i8, load_w_i8_tail, 1, 4, 1)
+TILE_DP(dpi8_r5, int8_t, load_w_i8, load_w_i8_tail, 1, 5, 1)
+TILE_DP(dpi8_r6, int8_t, load_w_i8, load_w_i8_tail, 1, 6, 1)
+TILE_DP(dpi8_r7, int8_t, load_w_i8, load_w_i8_tail, 1, 7, 1)
+TILE_DP(dpi8_r8, int8_t, load_w_i8, load_w_i8_tail, 1, 8, 1)
 TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
+static const int R_I8[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
+static const int NA_I8[MAXMT + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
 
 typedef void (*tile_i8_fn)(TILE_ARGS(uint16_t, int8_t));
 typedef void (*tile_bf_fn)(TILE_ARGS(uint16_t, uint16_t));
 
-static const int R_DP[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
 static const int R_F[F_MAXMT + 1] = {0, 1};
 static const tile_i8_fn DP_I8[2][MAXMT + 1] = {
     {0, dpi8_1, dpi8_2, dpi8_3, dpi8_4, dpi8_5, dpi8_6, dpi8_7, dpi8_8},
     {0, dpi8_1, dpi8_r2, dpi8_r3, dpi8_r4, dpi8_r5, dpi8_r6, dpi8_r7, dpi8_r8}};
 static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
     {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8},
-    {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_r7, dpbf_r8}};
+    {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_7, dpbf_8}};
 static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
 static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {{0, 0}, {0, 0}};  /* bfloat16 weights take DP tiles */
 #else
-/* Without HAVE_DP (AVX2, generic: 16 registers). One row of x: four accumulators of one row of w (rows read in address order);
-   more rows of x: two rows of w share each load of x where the accumulators leave room. */
-#define TILES_F(PFX, WT, LOAD, LOADN)                                                            \
-    TILE_F(PFX##_1, WT, LOAD, LOADN, 1, 1, 4)                                                     \
-    TILE_F(PFX##_2, WT, LOAD, LOADN, 2, 2, 2)                                                     \
-    TILE_F(PFX##_3, WT, LOAD, LOADN, 2, 3, 1)                                                     \
-    TILE_F(PFX##_4, WT, LOAD, LOADN, 2, 4, 1)                                                     \
-    TILE_F(PFX##_5, WT, LOAD, LOADN, 2, 5, 1)                                                     \
-    TILE_F(PFX##_6, WT, LOAD, LOADN, 2, 6, 1)                                                     \
-    TILE_F(PFX##_7, WT, LOAD, LOADN, 1, 7, 1)                                                     \
-    TILE_F(PFX##_8, WT, LOAD, LOADN, 1, 8, 1)                                                     \
-    TILE_F(PFX##_r2, WT, LOAD, LOADN, 1, 2, 2)                                                    \
-    TILE_F(PFX##_r3, WT, LOAD, LOADN, 1, 3, 2)                                                    \
-    TILE_F(PFX##_r4, WT, LOAD, LOADN, 1, 4, 1)                                                    \
-    TILE_F(PFX##_r5, WT, LOAD, LOADN, 1, 5, 1)                                                    \
-    TILE_F(PFX##_r6, WT, LOAD, LOADN, 1, 6, 1)
+/* Without HAVE_DP (AVX2, generic: 16 registers; every row of x in float32). bfloat16 weights: CHAINS
+   accumulators at every MT (batch-invariant, above), two rows of w sharing each load of x at 2-3 rows
+   of x, one from 4. int8 weights: as for AVX512-BF16, the accumulators the registers leave (4 at one row
+   of x, 2 at two, then 1), two rows of w sharing each load of x up to 6 rows. */
+TILE_F(fbf_1, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 1, CHAINS)
+TILE_F(fbf_2, uint16_t, vf_load_bf16, vf_load_bf16_n, 2, 2, CHAINS)
+TILE_F(fbf_3, uint16_t, vf_load_bf16, vf_load_bf16_n, 2, 3, CHAINS)
+TILE_F(fbf_4, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 4, CHAINS)
+TILE_F(fbf_5, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 5, CHAINS)
+TILE_F(fbf_6, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 6, CHAINS)
+TILE_F(fbf_7, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 7, CHAINS)
+TILE_F(fbf_8, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 8, CHAINS)
+TILE_F(fbf_r2, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 2, CHAINS)
+TILE_F(fbf_r3, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 3, CHAINS)
+TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
+TILE_F(fi8_2, int8_t, vf_load_i8, vf_load_i8_n, 2, 2, 2)
+TILE_F(fi8_3, int8_t, vf_load_i8, vf_load_i8_n, 2, 3, 1)
+TILE_F(fi8_4, int8_t, vf_load_i8, vf_load_i8_n, 2, 4, 1)
+TILE_F(fi8_5, int8_t, vf_load_i8, vf_load_i8_n, 2, 5, 1)
+TILE_F(fi8_6, int8_t, vf_load_i8, vf_load_i8_n, 2, 6, 1)
+TILE_F(fi8_7, int8_t, vf_load_i8, vf_load_i8_n, 1, 7, 1)
+TILE_F(fi8_8, int8_t, vf_load_i8, vf_load_i8_n, 1, 8, 1)
+TILE_F(fi8_r2, int8_t, vf_load_i8, vf_load_i8_n, 1, 2, 2)
+TILE_F(fi8_r3, int8_t, vf_load_i8, vf_load_i8_n, 1, 3, 1)
+TILE_F(fi8_r4, int8_t, vf_load_i8, vf_load_i8_n, 1, 4, 1)
+TILE_F(fi8_r5, int8_t, vf_load_i8, vf_load_i8_n, 1, 5, 1)
+TILE_F(fi8_r6, int8_t, vf_load_i8, vf_load_i8_n, 1, 6, 1)
 
-TILES_F(fi8, int8_t, vf_load_i8, vf_load_i8_n)
-TILES_F(fbf, uint16_t, vf_load_bf16, vf_load_bf16_n)
-
-static const int R_F[F_MAXMT + 1] = {0, 1, 2, 2, 2, 2, 2, 1, 1};
+static const int R_FBF[F_MAXMT + 1] = {0, 1, 2, 2, 1, 1, 1, 1, 1};
+static const int R_FI8[F_MAXMT + 1] = {0, 1, 2, 2, 2, 2, 2, 1, 1};
+static const int NA_FI8[F_MAXMT + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
 static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {
     {0, fi8_1, fi8_2, fi8_3, fi8_4, fi8_5, fi8_6, fi8_7, fi8_8},
     {0, fi8_1, fi8_r2, fi8_r3, fi8_r4, fi8_r5, fi8_r6, fi8_7, fi8_8}};
 static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {
     {0, fbf_1, fbf_2, fbf_3, fbf_4, fbf_5, fbf_6, fbf_7, fbf_8},
-    {0, fbf_1, fbf_r2, fbf_r3, fbf_r4, fbf_r5, fbf_r6, fbf_7, fbf_8}};
+    {0, fbf_1, fbf_r2, fbf_r3, fbf_4, fbf_5, fbf_6, fbf_7, fbf_8}};
 #endif
 
 /* ---- drivers ---- */
 
-#define GROUP 16          /* rows of w per group */
 #ifndef X_L1_BYTES
 #define X_L1_BYTES 16384  /* x (the rows of a pass) is split along K to stay within this */
 #endif
@@ -373,12 +415,20 @@ static inline void store_out(const job_t *j, long at, vf v, vf s, vf b, int c)
     else vf_store_bf16_n((uint16_t *)j->y + at, v, c);
 }
 
-/* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[r * mt + m] holds the
-   16 partial sums of (row n + r, row m0 + m); entries of rows >= g are ignored */
-static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
+/* outputs of rows [n, n + g) (g <= 16) for rows [m0, m0 + mt) of x; acc[c * GROUP * mt + r * mt + m]
+   holds chain c's 16 partial sums of (row n + r, row m0 + m), c < chains (the tiles' accumulators);
+   entries of rows >= g are ignored */
+static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc, int chains)
 {
-    for (int r = g; r < GROUP; r++)
-        for (int m = 0; m < mt; m++) acc[r * mt + m] = vf_zero();
+    for (int r = 0; r < GROUP; r++)
+        for (int m = 0; m < mt; m++) {
+            vf t = vf_zero();
+            if (r < g) {  /* the chains, added in one order */
+                t = acc[r * mt + m];
+                for (int c = 1; c < chains; c++) t = vf_add(t, acc[c * GROUP * mt + r * mt + m]);
+            }
+            acc[r * mt + m] = t;
+        }
     for (int h = 0; h < g; h += VW) {  /* VW outputs at a time: one pass (AVX-512), two (AVX2) */
         const int c = g - h < VW ? g - h : VW;
         const vf s = scales_of(j, n + h, c), b = bias_of(j, n + h, c);
@@ -387,17 +437,36 @@ static void store_group(const job_t *j, long n, int g, long m0, int mt, vf *acc)
     }
 }
 
+/* The rows of w (R) and the accumulators per output (chains) of the tile that runs rows [m0, m0 + mt)
+   of x (m0 = 0: the first pass) */
+static void tile_shape(const job_t *j, long m0, int mt, int *R, int *chains)
+{
+#if HAVE_DP
+    if (j->xf && m0 >= j->xf_m0) {  /* int8, rows of x in float32: fi8_1 */
+        *R = R_F[mt];
+        *chains = 4;
+    } else if (j->is_i8) {
+        *R = R_I8[mt];
+        *chains = NA_I8[mt];
+    } else {
+        *R = R_BF_MT[mt];
+        *chains = CHAINS;
+    }
+#else
+    (void)m0;
+    *R = j->is_i8 ? R_FI8[mt] : R_FBF[mt];
+    *chains = j->is_i8 ? NA_FI8[mt] : CHAINS;
+#endif
+}
+
 /* rows [n, n + g) of w (g <= GROUP) against rows [m0, m0 + mt) of x, K in chunks of kc */
 static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, cursor_t *pfp,
                       vf *acc)
 {
     const long K = j->K;
     const int use_f = j->xf && m0 >= j->xf_m0;  /* this pass's rows of x in float32 */
-#if HAVE_DP
-    const int R = use_f ? R_F[mt] : R_DP[mt];
-#else
-    const int R = R_F[mt];
-#endif
+    int R, chains;
+    tile_shape(j, m0, mt, &R, &chains);
     const long full = g / R * R;  /* rows done by R-row tiles; the rest one at a time */
     for (long k0 = 0; k0 < K; k0 += kc) {
         long len = K - k0 < kc ? K - k0 : kc;
@@ -419,7 +488,7 @@ static void run_group(const job_t *j, long n, int g, long m0, int mt, long kc, c
 #endif
         }
     }
-    store_group(j, n, g, m0, mt, acc);
+    store_group(j, n, g, m0, mt, acc, chains);
 }
 
 /* K chunk for rows [m0, m0 + mt) of x: all of K when those rows of x fit X_L1_BYTES */
@@ -435,8 +504,8 @@ static long chunk_for(const job_t *j, long m0, int mt)
    AVX-512: MAXMT rows at a time. AVX2 (16 registers): M split evenly into M / 4 passes of 4-7 rows
    (one pass below 8 rows), so that the 4-6-row tiles, two rows of w sharing each load of x, do most of
    the work, faster than 8-row passes of one row of w at 8-128 rows of x
-   (docs/PERFORMANCE.md#avx2-native-kernels). Every pass of 3+ rows sums each output with one accumulator in k order, so a
-   row's result is the same as in the 8-row passes, in any call of 3 rows or more. */
+   (docs/PERFORMANCE.md#avx2-native-kernels). The passes do not change an output's sum: bfloat16 weights'
+   chains are the same at every pass size; int8's, the same from 3 rows on. */
 static long pass_count(long M)
 {
 #if HAVE_DP
@@ -461,17 +530,14 @@ static void run_rows(const job_t *j, long n0, long n1)
 {
     const long K = j->K;
     const long esz = j->is_i8 ? 1 : 2;
-    vf acc[GROUP * MAXMT];
+    vf acc[CHAINS * GROUP * MAXMT];
     /* Where the prefetch cursor starts, from a group's first byte: g_pf_dist further than the
        span read at once: a row (rows read in address order), R rows side by side, or the whole
        group when K is split in chunks (the group is then read chunk by chunk). */
     const long passes = pass_count(j->M);
     int mt0 = (int)pass_start(j->M, passes, 1);
-#if HAVE_DP
-    int R0 = (j->xf && j->xf_m0 == 0) ? R_F[mt0] : R_DP[mt0];
-#else
-    int R0 = R_F[mt0];
-#endif
+    int R0, chains0;
+    tile_shape(j, 0, mt0, &R0, &chains0);
     long span = chunk_for(j, 0, mt0) < K ? GROUP : (R0 > 1 ? R0 : 0);
     const long dist = j->is_i8 ? g_pf_dist : g_pf_dist_bf16;
     long ahead = span * K * esz + dist;
@@ -500,12 +566,12 @@ static int run(job_t *j, int nthreads)
 {
     if (j->M <= 0 || j->N <= 0) return 0;
     if (j->K <= 0) {  /* empty sums: y = bias (or 0) */
-        vf zero[GROUP * MAXMT];
+        vf zero[CHAINS * GROUP * MAXMT];
         for (long n = 0; n < j->N; n += GROUP)
             for (long m0 = 0; m0 < j->M; m0 += MAXMT) {
                 int mt = (int)((j->M - m0) < MAXMT ? (j->M - m0) : MAXMT);
-                for (int i = 0; i < GROUP * mt; i++) zero[i] = vf_zero();
-                store_group(j, n, (int)(j->N - n < GROUP ? j->N - n : GROUP), m0, mt, zero);
+                for (int i = 0; i < CHAINS * GROUP * mt; i++) zero[i] = vf_zero();
+                store_group(j, n, (int)(j->N - n < GROUP ? j->N - n : GROUP), m0, mt, zero, 1);
             }
         return 0;
     }
