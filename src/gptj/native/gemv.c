@@ -255,115 +255,81 @@ static void NAME(TILE_ARGS(float, WT))                                          
     TILE_END(R, MT, NA)                                                                       \
 }
 
-/* Tiles per rows of x (MT): R rows of w, so that R*MT*CHAINS accumulators, R weight vectors and a
-   vector of x fit the registers (AVX-512: 32, AVX2: 16); plus a one-row tile per MT for the rows
-   left over at the end of a thread's range. */
+/* Tiles per rows of x (MT): R rows of w, so that R*MT*NA accumulators, R weight vectors and a vector
+   of x fit the registers (AVX-512: 32, AVX2: 16); plus a one-row-of-w tile (_rMT) per MT for the rows
+   left over at the end of a thread's range, with the same accumulators (store_group adds the chains
+   the pass's tiles used).
+   - TILES_CHAINS, bfloat16 weights: CHAINS accumulators at every MT (batch-invariant, above).
+   - TILES_FEW, int8 weights: the accumulators the registers leave (4 at one row of x, 2 at two, then
+     1), so 1, 2 and 3+ rows of x sum an output in different orders: each int8 weight is converted
+     once per R rows of w, and fewer accumulators let more rows share it (CHAINS at every MT ran
+     6-8 rows 5-17 % slower). */
+#define TILES_CHAINS(TILE, PFX, WT, LOAD, LOADT, R2, R3, R46, R78)                                \
+    TILE(PFX##_1, WT, LOAD, LOADT, 1, 1, CHAINS)                                                  \
+    TILE(PFX##_2, WT, LOAD, LOADT, R2, 2, CHAINS)                                                 \
+    TILE(PFX##_3, WT, LOAD, LOADT, R3, 3, CHAINS)                                                 \
+    TILE(PFX##_4, WT, LOAD, LOADT, R46, 4, CHAINS)                                                \
+    TILE(PFX##_5, WT, LOAD, LOADT, R46, 5, CHAINS)                                                \
+    TILE(PFX##_6, WT, LOAD, LOADT, R46, 6, CHAINS)                                                \
+    TILE(PFX##_7, WT, LOAD, LOADT, R78, 7, CHAINS)                                                \
+    TILE(PFX##_8, WT, LOAD, LOADT, R78, 8, CHAINS)                                                \
+    TILE(PFX##_r2, WT, LOAD, LOADT, 1, 2, CHAINS)                                                 \
+    TILE(PFX##_r3, WT, LOAD, LOADT, 1, 3, CHAINS)                                                 \
+    TILE(PFX##_r4, WT, LOAD, LOADT, 1, 4, CHAINS)                                                 \
+    TILE(PFX##_r5, WT, LOAD, LOADT, 1, 5, CHAINS)                                                 \
+    TILE(PFX##_r6, WT, LOAD, LOADT, 1, 6, CHAINS)                                                 \
+    TILE(PFX##_r7, WT, LOAD, LOADT, 1, 7, CHAINS)                                                 \
+    TILE(PFX##_r8, WT, LOAD, LOADT, 1, 8, CHAINS)                                                 \
+    static const int PFX##_R[MAXMT + 1] = {0, 1, R2, R3, R46, R46, R46, R78, R78};
+#define TILES_FEW(TILE, PFX, WT, LOAD, LOADT, R2, R36, R78)                                       \
+    TILE(PFX##_1, WT, LOAD, LOADT, 1, 1, 4)                                                       \
+    TILE(PFX##_2, WT, LOAD, LOADT, R2, 2, 2)                                                      \
+    TILE(PFX##_3, WT, LOAD, LOADT, R36, 3, 1)                                                     \
+    TILE(PFX##_4, WT, LOAD, LOADT, R36, 4, 1)                                                     \
+    TILE(PFX##_5, WT, LOAD, LOADT, R36, 5, 1)                                                     \
+    TILE(PFX##_6, WT, LOAD, LOADT, R36, 6, 1)                                                     \
+    TILE(PFX##_7, WT, LOAD, LOADT, R78, 7, 1)                                                     \
+    TILE(PFX##_8, WT, LOAD, LOADT, R78, 8, 1)                                                     \
+    TILE(PFX##_r2, WT, LOAD, LOADT, 1, 2, 2)                                                      \
+    TILE(PFX##_r3, WT, LOAD, LOADT, 1, 3, 1)                                                      \
+    TILE(PFX##_r4, WT, LOAD, LOADT, 1, 4, 1)                                                      \
+    TILE(PFX##_r5, WT, LOAD, LOADT, 1, 5, 1)                                                      \
+    TILE(PFX##_r6, WT, LOAD, LOADT, 1, 6, 1)                                                      \
+    TILE(PFX##_r7, WT, LOAD, LOADT, 1, 7, 1)                                                      \
+    TILE(PFX##_r8, WT, LOAD, LOADT, 1, 8, 1)                                                      \
+    static const int PFX##_R[MAXMT + 1] = {0, 1, R2, R36, R36, R36, R36, R78, R78};             \
+    static const int PFX##_NA[MAXMT + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
+#define TILE_TABLE(PFX)                                                                           \
+    {{0, PFX##_1, PFX##_2, PFX##_3, PFX##_4, PFX##_5, PFX##_6, PFX##_7, PFX##_8},                 \
+     {0, PFX##_1, PFX##_r2, PFX##_r3, PFX##_r4, PFX##_r5, PFX##_r6, PFX##_r7, PFX##_r8}}
+
 typedef void (*tile_f_i8_fn)(TILE_ARGS(float, int8_t));
 typedef void (*tile_f_bf_fn)(TILE_ARGS(float, uint16_t));
 
 #if HAVE_DP
-/* bfloat16 weights: CHAINS accumulators at every MT (batch-invariant, above); two rows of w share each
-   load of x up to 6 rows of x (4 rows of w at 3-4 rows, or 3 at 4, ran 3-15 % slower), one from 7 */
-#ifndef R_BF
-#define R_BF 2
-#endif
-TILE_DP(dpbf_1, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 1, CHAINS)
-TILE_DP(dpbf_2, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 2, CHAINS)
-TILE_DP(dpbf_3, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 3, CHAINS)
-TILE_DP(dpbf_4, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 4, CHAINS)
-TILE_DP(dpbf_5, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 5, CHAINS)
-TILE_DP(dpbf_6, uint16_t, load_w_bf16, load_w_bf16_tail, R_BF, 6, CHAINS)
-TILE_DP(dpbf_7, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 7, CHAINS)
-TILE_DP(dpbf_8, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 8, CHAINS)
-TILE_DP(dpbf_r2, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 2, CHAINS)
-TILE_DP(dpbf_r3, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 3, CHAINS)
-TILE_DP(dpbf_r4, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 4, CHAINS)
-TILE_DP(dpbf_r5, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 5, CHAINS)
-TILE_DP(dpbf_r6, uint16_t, load_w_bf16, load_w_bf16_tail, 1, 6, CHAINS)
-static const int R_BF_MT[MAXMT + 1] = {0, 1, R_BF, R_BF, R_BF, R_BF, R_BF, 1, 1};
-
-/* int8 weights: the accumulators the registers leave (NA_I8), so 1, 2 and 3+ rows of x sum an output in
-   different orders (each int8 weight is converted once per R rows of w: fewer accumulators let more rows
-   share it). One row of x runs the float32 tile (fi8_1). A group's left-over rows of w (the _r tiles)
-   take the accumulators of the tile beside them: store_group adds the chains the pass's tiles used. */
-#ifndef R_DP2
-#define R_DP2 2
-#endif
-#ifndef R_DP36
-#define R_DP36 4
-#endif
-#ifndef R_DP78
-#define R_DP78 2
-#endif
-TILE_DP(dpi8_1, int8_t, load_w_i8, load_w_i8_tail, 1, 1, 4)  /* without memory for float32 x */
-TILE_DP(dpi8_2, int8_t, load_w_i8, load_w_i8_tail, R_DP2, 2, 2)
-TILE_DP(dpi8_3, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 3, 1)
-TILE_DP(dpi8_4, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 4, 1)
-TILE_DP(dpi8_5, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 5, 1)
-TILE_DP(dpi8_6, int8_t, load_w_i8, load_w_i8_tail, R_DP36, 6, 1)
-TILE_DP(dpi8_7, int8_t, load_w_i8, load_w_i8_tail, R_DP78, 7, 1)
-TILE_DP(dpi8_8, int8_t, load_w_i8, load_w_i8_tail, R_DP78, 8, 1)
-TILE_DP(dpi8_r2, int8_t, load_w_i8, load_w_i8_tail, 1, 2, 2)
-TILE_DP(dpi8_r3, int8_t, load_w_i8, load_w_i8_tail, 1, 3, 1)
-TILE_DP(dpi8_r4, int8_t, load_w_i8, load_w_i8_tail, 1, 4, 1)
-TILE_DP(dpi8_r5, int8_t, load_w_i8, load_w_i8_tail, 1, 5, 1)
-TILE_DP(dpi8_r6, int8_t, load_w_i8, load_w_i8_tail, 1, 6, 1)
-TILE_DP(dpi8_r7, int8_t, load_w_i8, load_w_i8_tail, 1, 7, 1)
-TILE_DP(dpi8_r8, int8_t, load_w_i8, load_w_i8_tail, 1, 8, 1)
+/* bfloat16: two rows of w share each load of x up to 6 rows of x (4 rows of w at 3-4 rows, or 3 at 4,
+   ran 3-15 % slower), one from 7. int8: one row of x runs the float32 tile (fi8_1); dpi8_1 where there is
+   no memory for float32 x. */
+TILES_CHAINS(TILE_DP, dpbf, uint16_t, load_w_bf16, load_w_bf16_tail, 2, 2, 2, 1)
+TILES_FEW(TILE_DP, dpi8, int8_t, load_w_i8, load_w_i8_tail, 2, 4, 2)
 TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
-static const int R_I8[MAXMT + 1] = {0, 1, R_DP2, R_DP36, R_DP36, R_DP36, R_DP36, R_DP78, R_DP78};
-static const int NA_I8[MAXMT + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
 
 typedef void (*tile_i8_fn)(TILE_ARGS(uint16_t, int8_t));
 typedef void (*tile_bf_fn)(TILE_ARGS(uint16_t, uint16_t));
 
 static const int R_F[F_MAXMT + 1] = {0, 1};
-static const tile_i8_fn DP_I8[2][MAXMT + 1] = {
-    {0, dpi8_1, dpi8_2, dpi8_3, dpi8_4, dpi8_5, dpi8_6, dpi8_7, dpi8_8},
-    {0, dpi8_1, dpi8_r2, dpi8_r3, dpi8_r4, dpi8_r5, dpi8_r6, dpi8_r7, dpi8_r8}};
-static const tile_bf_fn DP_BF[2][MAXMT + 1] = {
-    {0, dpbf_1, dpbf_2, dpbf_3, dpbf_4, dpbf_5, dpbf_6, dpbf_7, dpbf_8},
-    {0, dpbf_1, dpbf_r2, dpbf_r3, dpbf_r4, dpbf_r5, dpbf_r6, dpbf_7, dpbf_8}};
+static const tile_i8_fn DP_I8[2][MAXMT + 1] = TILE_TABLE(dpi8);
+static const tile_bf_fn DP_BF[2][MAXMT + 1] = TILE_TABLE(dpbf);
 static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {{0, fi8_1}, {0, fi8_1}};
 static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {{0, 0}, {0, 0}};  /* bfloat16 weights take DP tiles */
 #else
-/* Without HAVE_DP (AVX2, generic: 16 registers; every row of x in float32). bfloat16 weights: CHAINS
-   accumulators at every MT (batch-invariant, above), two rows of w sharing each load of x at 2-3 rows
-   of x, one from 4. int8 weights: as for AVX512-BF16, the accumulators the registers leave (4 at one row
-   of x, 2 at two, then 1), two rows of w sharing each load of x up to 6 rows. */
-TILE_F(fbf_1, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 1, CHAINS)
-TILE_F(fbf_2, uint16_t, vf_load_bf16, vf_load_bf16_n, 2, 2, CHAINS)
-TILE_F(fbf_3, uint16_t, vf_load_bf16, vf_load_bf16_n, 2, 3, CHAINS)
-TILE_F(fbf_4, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 4, CHAINS)
-TILE_F(fbf_5, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 5, CHAINS)
-TILE_F(fbf_6, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 6, CHAINS)
-TILE_F(fbf_7, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 7, CHAINS)
-TILE_F(fbf_8, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 8, CHAINS)
-TILE_F(fbf_r2, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 2, CHAINS)
-TILE_F(fbf_r3, uint16_t, vf_load_bf16, vf_load_bf16_n, 1, 3, CHAINS)
-TILE_F(fi8_1, int8_t, vf_load_i8, vf_load_i8_n, 1, 1, 4)
-TILE_F(fi8_2, int8_t, vf_load_i8, vf_load_i8_n, 2, 2, 2)
-TILE_F(fi8_3, int8_t, vf_load_i8, vf_load_i8_n, 2, 3, 1)
-TILE_F(fi8_4, int8_t, vf_load_i8, vf_load_i8_n, 2, 4, 1)
-TILE_F(fi8_5, int8_t, vf_load_i8, vf_load_i8_n, 2, 5, 1)
-TILE_F(fi8_6, int8_t, vf_load_i8, vf_load_i8_n, 2, 6, 1)
-TILE_F(fi8_7, int8_t, vf_load_i8, vf_load_i8_n, 1, 7, 1)
-TILE_F(fi8_8, int8_t, vf_load_i8, vf_load_i8_n, 1, 8, 1)
-TILE_F(fi8_r2, int8_t, vf_load_i8, vf_load_i8_n, 1, 2, 2)
-TILE_F(fi8_r3, int8_t, vf_load_i8, vf_load_i8_n, 1, 3, 1)
-TILE_F(fi8_r4, int8_t, vf_load_i8, vf_load_i8_n, 1, 4, 1)
-TILE_F(fi8_r5, int8_t, vf_load_i8, vf_load_i8_n, 1, 5, 1)
-TILE_F(fi8_r6, int8_t, vf_load_i8, vf_load_i8_n, 1, 6, 1)
+/* Without HAVE_DP (AVX2, generic: 16 registers; every row of x in float32): bfloat16, two rows of w
+   sharing each load of x at 2-3 rows of x, one from 4; int8, two up to 6 rows. */
+TILES_CHAINS(TILE_F, fbf, uint16_t, vf_load_bf16, vf_load_bf16_n, 2, 2, 1, 1)
+TILES_FEW(TILE_F, fi8, int8_t, vf_load_i8, vf_load_i8_n, 2, 2, 1)
 
-static const int R_FBF[F_MAXMT + 1] = {0, 1, 2, 2, 1, 1, 1, 1, 1};
-static const int R_FI8[F_MAXMT + 1] = {0, 1, 2, 2, 2, 2, 2, 1, 1};
-static const int NA_FI8[F_MAXMT + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
-static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = {
-    {0, fi8_1, fi8_2, fi8_3, fi8_4, fi8_5, fi8_6, fi8_7, fi8_8},
-    {0, fi8_1, fi8_r2, fi8_r3, fi8_r4, fi8_r5, fi8_r6, fi8_7, fi8_8}};
-static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = {
-    {0, fbf_1, fbf_2, fbf_3, fbf_4, fbf_5, fbf_6, fbf_7, fbf_8},
-    {0, fbf_1, fbf_r2, fbf_r3, fbf_4, fbf_5, fbf_6, fbf_7, fbf_8}};
+static const tile_f_i8_fn F_I8[2][F_MAXMT + 1] = TILE_TABLE(fi8);
+static const tile_f_bf_fn F_BF[2][F_MAXMT + 1] = TILE_TABLE(fbf);
 #endif
 
 /* ---- drivers ---- */
@@ -445,17 +411,14 @@ static void tile_shape(const job_t *j, long m0, int mt, int *R, int *chains)
     if (j->xf && m0 >= j->xf_m0) {  /* int8, rows of x in float32: fi8_1 */
         *R = R_F[mt];
         *chains = 4;
-    } else if (j->is_i8) {
-        *R = R_I8[mt];
-        *chains = NA_I8[mt];
-    } else {
-        *R = R_BF_MT[mt];
-        *chains = CHAINS;
+        return;
     }
+    *R = j->is_i8 ? dpi8_R[mt] : dpbf_R[mt];
+    *chains = j->is_i8 ? dpi8_NA[mt] : CHAINS;
 #else
     (void)m0;
-    *R = j->is_i8 ? R_FI8[mt] : R_FBF[mt];
-    *chains = j->is_i8 ? NA_FI8[mt] : CHAINS;
+    *R = j->is_i8 ? fi8_R[mt] : fbf_R[mt];
+    *chains = j->is_i8 ? fi8_NA[mt] : CHAINS;
 #endif
 }
 
