@@ -48,7 +48,7 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero")  # nonzero: its size 
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/sampler.py", "choose", "flat.tolist()"):
         "THE sync of a step: every request's choice comes to the host in one copy (greedy drafts' rows too)",
-    ("engine/draft.py", "ngram_draft", "t[start:start + k].tolist()"):
+    ("engine/draft.py", "ngram_draft", "np.resize(t[start:], k).tolist()"):
         "a numpy array of the request's tokens, on the host: no device is involved",
     ("engine/sampler.py", "verify", "(torch.isfinite(total) & (total > 0)).tolist()"):
         "a step with sampled drafts: whether each row is a distribution, then one draw per row (int(), "
