@@ -57,7 +57,7 @@ class CountingTokenizer:
         self.vocab_size = vocab_size or tok.vocab_size
         self.eos_token_id = self.pad_token_id = tok.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.count += 1
         if self.fail_at is not None and self.count >= self.fail_at:
             raise RuntimeError("tokenizer failed")
@@ -89,7 +89,7 @@ def test_packing_rows_masks_and_meta(tmp_path, tok):
     assert meta == {
         "format": FORMAT, "kind": "packed", "seq_len": seq_len, "n_sequences": n_rows,
         "n_tokens": len(expected), "vocab_size": 50400, "eos_token_id": EOS, "pad_token_id": EOS,
-        "sources": [str(f) for f in files], "tokenizer": "gpt-j",
+        "sources": [str(f) for f in files], "tokenizer": "gpt-j", "ids_dtype": "uint16",
     }
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
 
@@ -146,13 +146,56 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, message):
     assert not (tmp_path / "out").exists()
 
 
+class ShiftedTokenizer(CountingTokenizer):
+    """GPT-J's ids moved above 65,535 (a vocabulary of 140,000, as Llama 3's 128,256 is): what uint16
+    ids could not hold."""
+
+    SHIFT = 70000
+
+    def __init__(self, tok) -> None:
+        super().__init__(tok, vocab_size=140000)
+        self.eos_token_id = self.pad_token_id = tok.eos_token_id + self.SHIFT
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [i + self.SHIFT for i in super().encode(text, add_special_tokens)]
+
+
+def test_a_vocabulary_past_65536_ids_is_stored_as_uint32(tmp_path, tok):
+    docs = ["The quick brown fox jumps over the lazy dog.", "Short one."]
+    files = [write(tmp_path / f"doc{i}.txt", d) for i, d in enumerate(docs)]
+    shifted = ShiftedTokenizer(tok)
+    meta = prepare_text(files, tmp_path / "out", 5, tokenizer=shifted, progress=False)
+    assert meta["ids_dtype"] == "uint32" and meta["vocab_size"] == 140000
+    expected = [i for d in docs for i in shifted.encode(d) + [shifted.eos_token_id]]
+    n_rows = -(-len(expected) // 5)
+    assert (tmp_path / "out" / "input_ids.bin").stat().st_size == n_rows * 5 * 4  # four bytes an id
+    td = TokenData(tmp_path / "out")
+    ids, input_mask, _ = td.get(range(n_rows))
+    assert ids.reshape(-1)[:len(expected)].tolist() == expected  # uint16 would have wrapped every id
+    assert input_mask.sum() == len(expected)
+    meta_path = tmp_path / "out" / "meta.json"  # a folder that claims uint16 ids for such a vocabulary
+    bad = json.loads(meta_path.read_text()) | {"ids_dtype": "uint16"}
+    meta_path.write_text(json.dumps(bad))
+    with pytest.raises(GptjError, match="ids_dtype must be uint16 .* or uint32"):
+        TokenData(tmp_path / "out")
+
+
+def test_a_folder_written_before_ids_dtype_reads_as_uint16(tmp_path, tok):
+    files = [write(tmp_path / "doc.txt", "Hello world, again and again.")]
+    prepare_text(files, tmp_path / "out", 4, progress=False)
+    meta_path = tmp_path / "out" / "meta.json"
+    old = json.loads(meta_path.read_text())
+    del old["ids_dtype"]
+    meta_path.write_text(json.dumps(old))
+    ids, _, _ = TokenData(tmp_path / "out").get([0])
+    assert ids[0].tolist() == (tok.encode("Hello world, again and again.") + [EOS] * 4)[:4]
+
+
 def test_bad_arguments_are_user_errors(tmp_path, tok):
     src = write(tmp_path / "a.txt", "text")
     for seq_len in (1, 0, -3):
         with pytest.raises(GptjError, match="seq_len must be an integer >= 2"):
             prepare_text([src], tmp_path / "out", seq_len, progress=False)
-    with pytest.raises(GptjError, match="uint16"):
-        prepare_text([src], tmp_path / "out", 8, tokenizer=CountingTokenizer(tok, vocab_size=70000), progress=False)
     with pytest.raises(GptjError, match="is a directory"):
         prepare_text([tmp_path], tmp_path / "out", 8, progress=False)
     bad = tmp_path / "latin1.txt"

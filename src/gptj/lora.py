@@ -1,5 +1,6 @@
-"""LoRA adapters in HF PEFT's format (HF PEFT loads what gptj writes, and gptj what PEFT writes): trained on
-GPT-J's linears; merged and served unmerged on GPT-J's and Llama's (q/k/v/o, gate/up/down).
+"""LoRA adapters in HF PEFT's format (HF PEFT loads what gptj writes, and gptj what PEFT writes): trained,
+merged and served unmerged on GPT-J's linears and Llama's (q/k/v/o, gate/up/down), under PEFT's names
+for each (gptj.weights.peft.LAYOUTS).
 
 A LoRA linear computes y = base(x) + (dropout(x) @ A.T @ B.T) * alpha / rank, with the base
 frozen: A (rank x in) starts Kaiming-uniform and B (out x rank) at zero, as PEFT initializes them,
@@ -32,9 +33,9 @@ from torch import nn
 from gptj.errors import GptjError
 from gptj.files import atomic_folder
 from gptj.models.registry import architecture_of
-from gptj.weights.peft import (CONFIG_FILE, DEFAULT_TARGETS, KEY, PARENT, PREFIX, TARGETS,  # noqa: F401 (re-exported)
-                               WEIGHTS_FILE, Adapter, LoRAConfig, base_mismatch, is_adapter, merged, read_adapter,
-                               read_adapter_state, read_config, weight_name)
+from gptj.weights.peft import (CONFIG_FILE, DEFAULT_TARGETS, KEY, LAYOUTS, PARENT, PREFIX,  # noqa: F401 (re-exported)
+                               TARGETS, WEIGHTS_FILE, Adapter, Layout, LoRAConfig, base_mismatch, is_adapter, merged,
+                               read_adapter, read_adapter_state, read_config, weight_name)
 
 class _FrozenBase(torch.autograd.Function):
     """base(x) by whatever kernel the base runs, with dL/dx = dL/dy @ W (the dequantized weight):
@@ -159,16 +160,22 @@ class MultiLoRALinear(nn.Module):
 def _block_linears(model: nn.Module, targets: Iterable[str]) -> Iterable[tuple[int, nn.Module, str]]:
     for i, block in enumerate(model.transformer.h):
         for name in targets:
-            yield i, getattr(block, PARENT[name]), name
+            yield i, getattr(block, _OUR_PARENT[name]), name
+
+
+def layout_of(model: nn.Module) -> Layout:
+    """How PEFT names the adapters of `model`'s architecture (gptj.weights.peft.LAYOUTS)."""
+    return LAYOUTS[architecture_of(model.config).model_type]
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
     """Wrap `model`'s target linears in LoRALinear (freezing every other parameter); -> the
-    adapters' parameters, the only trainable ones."""
-    other = [t for t in config.target_modules if t not in TARGETS]
+    adapters' parameters, the only trainable ones. Targets that are not the architecture's
+    linears are refused in one line."""
+    layout = layout_of(model)
+    other = [t for t in config.target_modules if t not in layout.targets]
     if other:
-        raise GptjError(f"LoRA target_modules {other} are not GPT-J's linears ({', '.join(TARGETS)}): adapters "
-                        "train on GPT-J models only so far")
+        raise GptjError(f"LoRA target_modules {other} are not {layout.arch}'s linears ({', '.join(layout.targets)})")
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
@@ -188,30 +195,31 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype = torch.
 
 def lora_modules(model: nn.Module) -> dict[tuple[int, str], LoRALinear]:
     found = {}
+    targets = layout_of(model).targets
     for i, block in enumerate(model.transformer.h):
-        for name in TARGETS:
-            m = getattr(getattr(block, PARENT[name]), name)
+        for name in targets:
+            m = getattr(getattr(block, _OUR_PARENT[name]), name)
             if isinstance(m, LoRALinear):
                 found[(i, name)] = m
     return found
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors under PEFT's names (float32, on CPU)."""
-    sd = {}
+    """The adapters' tensors under PEFT's names for the model's architecture (float32, on CPU)."""
+    layout, sd = layout_of(model), {}
     for (i, name), m in lora_modules(model).items():
-        key = f"{PREFIX}transformer.h.{i}.{PARENT[name]}.{name}"
-        sd[f"{key}.lora_A.weight"] = m.lora_A.weight.detach().float().cpu().contiguous()
-        sd[f"{key}.lora_B.weight"] = m.lora_B.weight.detach().float().cpu().contiguous()
+        sd[layout.lora_name(i, name, "A")] = m.lora_A.weight.detach().float().cpu().contiguous()
+        sd[layout.lora_name(i, name, "B")] = m.lora_B.weight.detach().float().cpu().contiguous()
     return sd
 
 
 def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     """Copy PEFT-named tensors into `model`'s LoRALinear modules (each one present, shapes checked)."""
     mods = lora_modules(model)
+    key_re = layout_of(model).key
     seen = set()
     for key, t in sd.items():
-        m = KEY.fullmatch(key)
+        m = key_re.fullmatch(key)
         if m is None or (int(m[1]), m[3]) not in mods:
             raise GptjError(f"adapter tensor {key!r}: no LoRA module of this model takes it")
         target = getattr(mods[(int(m[1]), m[3])], f"lora_{m[4]}").weight
@@ -275,7 +283,7 @@ def attach_adapter(model: nn.Module, adapter: Adapter) -> None:
     _check_fits(model, adapter)
     apply_lora(model, adapter.config)
     for (i, name), (a, b) in adapter.weights.items():
-        m = getattr(getattr(model.transformer.h[i], PARENT[name]), name)
+        m = getattr(getattr(model.transformer.h[i], _OUR_PARENT[name]), name)
         with torch.no_grad():
             m.lora_A.weight.copy_(a)
             m.lora_B.weight.copy_(b)

@@ -101,13 +101,17 @@ class LoRASpec(BaseModel):
     rank: int = Field(ge=1)
     alpha: float = Field(8.0, gt=0)  # the update's scale is alpha / rank (PEFT's default alpha: 8)
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, training only
-    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]] = ["q_proj", "v_proj"]
+    # GPT-J's linears (q/k/v/out_proj, fc_in/out) or Llama's (q/k/v/o_proj, gate/up/down_proj): the model's
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"]] = ["q_proj", "v_proj"]
     base: Literal["float32", "bfloat16", "int8"] = "float32"  # how the frozen base is held in memory
 
     @model_validator(mode="after")
     def some_targets(self) -> LoRASpec:
         if not self.target_modules:
-            raise ValueError("target_modules: at least one of q_proj, k_proj, v_proj, out_proj, fc_in, fc_out")
+            raise ValueError("target_modules: at least one of the model's linears (GPT-J's q_proj, k_proj, v_proj, "
+                             "out_proj, fc_in, fc_out; Llama's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                             "down_proj)")
         return self
 
 

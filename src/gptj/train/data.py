@@ -4,8 +4,10 @@ A prepared folder (format "gptj-tokens/1") holds N rows of T = seq_len tokens ea
 numpy memmaps in C order, like the Cerebras model zoo's input_ids / input_mask features::
 
     meta.json        {"format", "kind", "seq_len", "n_sequences", "n_tokens", "vocab_size",
-                      "eos_token_id", "pad_token_id", "sources", "tokenizer"}
-    input_ids.bin    uint16 (N, T); padding positions hold pad_token_id (= EOS)
+                      "eos_token_id", "pad_token_id", "sources", "tokenizer", "ids_dtype"}
+    input_ids.bin    uint16 (N, T), or uint32 for a vocabulary of more than 65,536 ids (Llama 3's
+                     128,256; meta.json's ids_dtype says which, absent: uint16); padding positions
+                     hold pad_token_id (= EOS)
     input_mask.bin   uint8  (N, T); 1 for real tokens, 0 for padding
     loss_mask.bin    uint8  (N, T); 1 where the token is a training target, i.e. is
                      predicted from the position before it
@@ -16,8 +18,9 @@ Two kinds:
   concatenated in order and cut into rows of T tokens; only the last row is padded. The
   loss mask is the input mask with column 0 cleared (nothing predicts a row's first token).
 - "pairs" (`prepare_summarization`): one row per cnn_eval.json example: the MLPerf prompt
-  (`gptj.mlperf.dataset.build_prompt`), then the response `" " + output.strip()` and EOS,
-  then padding. The loss mask covers exactly the response tokens and that EOS.
+  (gptj-99's, `gptj.mlperf.dataset.build_prompt`, or with `prompt="llama"` llama3.1-8b's,
+  `llama_prompt`), then the response `" " + output.strip()` and EOS, then padding. The loss mask
+  covers exactly the response tokens and that EOS.
 
 - "cerebras-hdf5" (`prepare_cerebras_hdf5`): rows read from data that the Cerebras model zoo
   prepared for its GPT models (its GptHDF5DataProcessor's HDF5 files), converted to the
@@ -55,7 +58,7 @@ from tqdm import tqdm
 
 from gptj.errors import GptjError
 from gptj.files import move_into_place, read_text, temp_sibling
-from gptj.mlperf.dataset import PROMPT_TEMPLATE, Example, build_prompt, load_examples
+from gptj.mlperf.dataset import LLAMA_PROMPT_TEMPLATE, PROMPT_TEMPLATE, Example, build_prompt, load_examples
 from gptj.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "gptj-tokens/1"
@@ -64,13 +67,13 @@ META = "meta.json"
 IDS_FILE = "input_ids.bin"
 INPUT_MASK_FILE = "input_mask.bin"
 LOSS_MASK_FILE = "loss_mask.bin"
-# File name -> dtype on disk. Ids are uint16, so the vocabulary must fit in 65536 ids.
-FILES: dict[str, np.dtype] = {
-    IDS_FILE: np.dtype(np.uint16),
+# The masks' file name -> dtype on disk; the ids' dtype is IDS_DTYPES[meta["ids_dtype"]] (ids_dtype_for).
+MASK_FILES: dict[str, np.dtype] = {
     INPUT_MASK_FILE: np.dtype(np.uint8),
     LOSS_MASK_FILE: np.dtype(np.uint8),
 }
-MAX_VOCAB_SIZE = 1 << 16
+IDS_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+MAX_VOCAB_SIZE = 1 << 32
 MIN_SEQ_LEN = 2  # one input token and one target
 
 # Documents of a .jsonl file are tokenized in batches (in parallel, in Rust) of at most
@@ -78,9 +81,16 @@ MIN_SEQ_LEN = 2  # one input token and one target
 _BATCH_DOCS = 1024
 _BATCH_CHARS = 1 << 22
 
-# The MLPerf template split around the article: header (with the instruction filled in),
+# The MLPerf templates split around the article: header (gptj-99's with the instruction filled in),
 # article, footer. Used only when a prompt must be shortened.
-_HEADER_TEMPLATE, _FOOTER = PROMPT_TEMPLATE.split("{input}")
+_TEMPLATES = {"gptj": PROMPT_TEMPLATE.split("{input}"), "llama": LLAMA_PROMPT_TEMPLATE.split("{input}")}
+PROMPTS = tuple(_TEMPLATES)
+
+
+def ids_dtype_for(vocab_size: int) -> str:
+    """How a prepared folder stores the ids of a vocabulary of `vocab_size` ids: uint16 where they fit
+    (GPT-J's 50,400), uint32 beyond (Llama 3's 128,256)."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 # --- helpers -----------------------------------------------------------------------
@@ -109,10 +119,8 @@ def _resolve_tokenizer(tokenizer: Tokenizer | str | Path | None) -> tuple[Tokeni
         tok = tokenizer
         name = "gpt-j" if tok is load_tokenizer() else "custom"
     if tok.vocab_size > MAX_VOCAB_SIZE:
-        raise GptjError(
-            f"tokenizer vocabulary has {tok.vocab_size} ids; token ids are stored as uint16, "
-            f"so at most {MAX_VOCAB_SIZE} are supported"
-        )
+        raise GptjError(f"tokenizer vocabulary has {tok.vocab_size} ids; token ids are stored as uint32, "
+                        f"so at most {MAX_VOCAB_SIZE} are supported")
     return tok, name
 
 
@@ -263,6 +271,7 @@ def _make_meta(kind: str, seq_len: int, n_sequences: int, n_tokens: int, tok: To
         "pad_token_id": tok.eos_token_id,
         "sources": [str(s) for s in sources],
         "tokenizer": tokenizer_name,
+        "ids_dtype": ids_dtype_for(tok.vocab_size),
     }
 
 
@@ -295,8 +304,7 @@ def prepare_text(
 
     `tokenizer`: None for GPT-J's, a path to load one from, or a `Tokenizer`. `force`
     replaces an existing prepared folder. Raises GptjError for bad input (a missing or
-    unreadable file, a bad JSON line, no text at all, seq_len < 2, a vocabulary too large
-    for uint16 ids, an existing `out`).
+    unreadable file, a bad JSON line, no text at all, seq_len < 2, an existing `out`).
     """
     if isinstance(sources, str | Path):
         sources = [sources]
@@ -309,6 +317,7 @@ def prepare_text(
     tok, tokenizer_name = _resolve_tokenizer(tokenizer)
     out = Path(out)
     eos = tok.eos_token_id
+    dtype = IDS_DTYPES[ids_dtype_for(tok.vocab_size)]
     total_bytes = sum(p.stat().st_size for p in paths)
     with _atomic_folder(out, force) as tmp:
         n_tokens = 0
@@ -318,14 +327,14 @@ def prepare_text(
             for batch in _token_batches(paths, tok, jsonl_key, bar):
                 for ids in batch:
                     ids.append(eos)
-                    np.asarray(ids, dtype=np.uint16).tofile(f)
+                    np.asarray(ids, dtype=dtype).tofile(f)
                     n_tokens += len(ids)
             if n_tokens == 0:
                 raise GptjError(f"no text in {', '.join(map(str, paths))} (every document is empty)")
             n_rows = -(-n_tokens // seq_len)
-            np.full(n_rows * seq_len - n_tokens, eos, dtype=np.uint16).tofile(f)
-        for name in (INPUT_MASK_FILE, LOSS_MASK_FILE):
-            mask = _memmap(tmp / name, FILES[name], (n_rows, seq_len))
+            np.full(n_rows * seq_len - n_tokens, eos, dtype=dtype).tofile(f)
+        for name, mask_dtype in MASK_FILES.items():
+            mask = _memmap(tmp / name, mask_dtype, (n_rows, seq_len))
             mask.reshape(-1)[:n_tokens] = 1
             if name == LOSS_MASK_FILE:
                 mask[:, 0] = 0
@@ -336,22 +345,27 @@ def prepare_text(
     return meta
 
 
-def _pair_ids(example: Example, index: int, tok: Tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
+def _pair_ids(example: Example, index: int, tok: Tokenizer, seq_len: int,
+              prompt_kind: str = "gptj") -> tuple[list[int], list[int]]:
     """(prompt ids, response ids + EOS) for one example, fitted into `seq_len` tokens.
 
-    The prompt is `build_prompt(example)` tokenized as one string. When prompt + response +
-    EOS are longer than `seq_len`, the article alone is shortened: the template text before
-    and after `{input}` (instruction included) and the article are tokenized separately, the
-    article's ids are cut from its end, and the three id lists are concatenated. The ids then
-    differ slightly from tokenizing the shortened prompt string at once (BPE does not merge
-    across the joins); the template text and the response are always kept whole.
+    The prompt (`build_prompt(example)`, or llama3.1-8b's template around the article) is
+    tokenized as one string, with the special tokens the tokenizer adds (a Llama's BOS); the
+    response without. When prompt + response + EOS are longer than `seq_len`, the article alone
+    is shortened: the template text before and after `{input}` (instruction included) and the
+    article are tokenized separately, the article's ids are cut from its end, and the three id
+    lists are concatenated. The ids then differ slightly from tokenizing the shortened prompt
+    string at once (BPE does not merge across the joins); the template text and the response are
+    always kept whole.
     """
-    response = tok.encode(" " + example.output.strip()) + [tok.eos_token_id]
-    prompt = tok.encode(build_prompt(example))
+    head, foot = _TEMPLATES[prompt_kind]
+    response = tok.encode(" " + example.output.strip(), add_special_tokens=False) + [tok.eos_token_id]
+    text = build_prompt(example) if prompt_kind == "gptj" else LLAMA_PROMPT_TEMPLATE.format_map({"input": example.input})
+    prompt = tok.encode(text)
     if len(prompt) + len(response) <= seq_len:
         return prompt, response
-    header = tok.encode(_HEADER_TEMPLATE.format_map({"instruction": example.instruction}))
-    footer = tok.encode(_FOOTER)
+    header = tok.encode(head.format_map({"instruction": example.instruction}) if prompt_kind == "gptj" else head)
+    footer = tok.encode(foot, add_special_tokens=False)
     room = seq_len - len(header) - len(footer) - len(response)
     if room < 0:
         needed = seq_len - room
@@ -359,7 +373,7 @@ def _pair_ids(example: Example, index: int, tok: Tokenizer, seq_len: int) -> tup
             f"example {index}: the prompt template and response need {needed} tokens even with "
             f"an empty article, more than seq_len {seq_len}"
         )
-    return header + tok.encode(example.input)[:room] + footer, response
+    return header + tok.encode(example.input, add_special_tokens=False)[:room] + footer, response
 
 
 def prepare_summarization(
@@ -369,16 +383,20 @@ def prepare_summarization(
     tokenizer: Tokenizer | str | Path | None = None,
     force: bool = False,
     progress: bool = True,
+    prompt: str = "gptj",
 ) -> dict:
     """Turn a cnn_eval.json-format file into prompt/response rows in folder `out`; return its meta.
 
-    One row per example: the MLPerf prompt (`build_prompt`), the response
+    One row per example: the MLPerf prompt (`prompt`: "gptj", gptj-99's `build_prompt`, or
+    "llama", llama3.1-8b's around the article), the response
     `" " + output.strip()` and EOS, then EOS padding to `seq_len`. The loss mask is 1 exactly
     on the response tokens and the EOS after them. Too-long prompts are shortened by cutting
     the article's tail (see `_pair_ids`); an example whose template and response alone do not
     fit is a GptjError naming its index. An example with an empty output is a GptjError too.
     """
     seq_len = _check_seq_len(seq_len)
+    if prompt not in PROMPTS:
+        raise GptjError(f"prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
     source_path = Path(source)
     _check_source(source_path)
     examples = load_examples(source_path)
@@ -390,17 +408,17 @@ def prepare_summarization(
     pad = tok.pad_token_id
     shape = (len(examples), seq_len)
     with _atomic_folder(out, force) as tmp:
-        ids = _memmap(tmp / IDS_FILE, FILES[IDS_FILE], shape)
-        input_mask = _memmap(tmp / INPUT_MASK_FILE, FILES[INPUT_MASK_FILE], shape)
-        loss_mask = _memmap(tmp / LOSS_MASK_FILE, FILES[LOSS_MASK_FILE], shape)
+        ids = _memmap(tmp / IDS_FILE, IDS_DTYPES[ids_dtype_for(tok.vocab_size)], shape)
+        input_mask = _memmap(tmp / INPUT_MASK_FILE, MASK_FILES[INPUT_MASK_FILE], shape)
+        loss_mask = _memmap(tmp / LOSS_MASK_FILE, MASK_FILES[LOSS_MASK_FILE], shape)
         ids[:] = pad
         n_tokens = 0
         for i, example in enumerate(tqdm(examples, desc="tokenizing", unit="example", disable=not progress)):
-            prompt, response = _pair_ids(example, i, tok, seq_len)
-            n = len(prompt) + len(response)
-            ids[i, :n] = prompt + response
+            prompt_ids, response = _pair_ids(example, i, tok, seq_len, prompt)
+            n = len(prompt_ids) + len(response)
+            ids[i, :n] = prompt_ids + response
             input_mask[i, :n] = 1
-            loss_mask[i, len(prompt):n] = 1
+            loss_mask[i, len(prompt_ids):n] = 1
             n_tokens += n
         for mm in (ids, input_mask, loss_mask):
             mm.flush()
@@ -465,9 +483,9 @@ def prepare_cerebras_hdf5(source: str | Path, out: str | Path, seq_len: int | No
         raise GptjError(f"{folder}: no rows")
     out = Path(out)
     with _atomic_folder(out, force) as tmp:
-        ids = _memmap(tmp / IDS_FILE, FILES[IDS_FILE], (n, width))
-        input_mask = _memmap(tmp / INPUT_MASK_FILE, FILES[INPUT_MASK_FILE], (n, width))
-        loss_mask = _memmap(tmp / LOSS_MASK_FILE, FILES[LOSS_MASK_FILE], (n, width))
+        ids = _memmap(tmp / IDS_FILE, IDS_DTYPES[ids_dtype_for(tok.vocab_size)], (n, width))
+        input_mask = _memmap(tmp / INPUT_MASK_FILE, MASK_FILES[INPUT_MASK_FILE], (n, width))
+        loss_mask = _memmap(tmp / LOSS_MASK_FILE, MASK_FILES[LOSS_MASK_FILE], (n, width))
         row, dropped, targets = 0, 0, 0
         for f in tqdm(files, desc="reading", unit="file", disable=not progress):
             with h5py.File(f, "r") as h:
@@ -535,6 +553,10 @@ def _read_meta(folder: Path) -> dict:
     for key in ("eos_token_id", "pad_token_id"):
         if not _is_int(meta.get(key), 0, meta["vocab_size"] - 1):
             raise GptjError(f"{path}: {key} must be a token id below vocab_size, got {meta.get(key)!r}")
+    meta.setdefault("ids_dtype", "uint16")  # written before uint32 ids existed
+    if meta["ids_dtype"] not in IDS_DTYPES or (meta["ids_dtype"] == "uint16" and meta["vocab_size"] > 1 << 16):
+        raise GptjError(f"{path}: ids_dtype must be uint16 (a vocabulary of at most 65536 ids) or uint32, got "
+                        f"{meta['ids_dtype']!r} for {meta['vocab_size']} ids")
     return meta
 
 
@@ -542,7 +564,7 @@ class TokenData:
     """A prepared folder, memory-mapped (read-only).
 
     Attributes: `folder`, `meta` (meta.json), `kind` ("packed" or "pairs"), `seq_len`,
-    and the raw memmaps `input_ids` (uint16), `input_mask` and `loss_mask` (uint8), each of
+    and the raw memmaps `input_ids` (uint16 or uint32), `input_mask` and `loss_mask` (uint8), each of
     shape (len(self), seq_len). `get` returns batches as fresh arrays.
     """
 
@@ -553,7 +575,7 @@ class TokenData:
         self.seq_len: int = self.meta["seq_len"]
         shape = (self.meta["n_sequences"], self.seq_len)
         maps = {}
-        for name, dtype in FILES.items():
+        for name, dtype in {IDS_FILE: IDS_DTYPES[self.meta["ids_dtype"]], **MASK_FILES}.items():
             path = self.folder / name
             expected = shape[0] * shape[1] * dtype.itemsize
             try:

@@ -49,6 +49,9 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
                     "the loss covers only the response and EOS. Too-long articles are cut from their end.")
     s.add_argument("file", metavar="FILE", help="a JSON list of {instruction, input, output} objects")
     _add_common(s)
+    s.add_argument("--prompt", choices=("gptj", "llama"), default="gptj",
+                   help="the MLPerf prompt around each article: gptj-99's (default) or llama3.1-8b's (with "
+                        "the Llama tokenizer's BOS: --tokenizer LLAMA_DIR)")
     p.set_defaults(func=cmd_prepare_data)
 
 
@@ -69,6 +72,6 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     if args.data_kind == "text":
         meta = prepare_text(args.files, args.out, jsonl_key=args.jsonl_key, **common)
     else:
-        meta = prepare_summarization(args.file, args.out, **common)
+        meta = prepare_summarization(args.file, args.out, prompt=args.prompt, **common)
     print(summary(meta, args.out))
     return 0

@@ -5,6 +5,7 @@ for AdamW, checkpointed in the backward pass, and sharded under FSDP.
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,12 @@ from gptj.train.ranks import Ranks
 
 
 def check_model_fits(cfg: TrainConfig) -> None:
-    """What the model's config alone can refuse, before any data is prepared or weights are read."""
+    """What the model's config alone can refuse, before any data is prepared or weights are read: a
+    context shorter than data.seq_len; another architecture than GPT-J trained without `lora:`
+    (every weight of a Llama: not yet)."""
     from gptj.config import get_preset
-    from gptj.weights.checkpoint import resolve_config
+    from gptj.files import model_file
+    from gptj.weights.checkpoint import GPTJ, hf_config
 
     if cfg.model.preset is not None:
         config = get_preset(cfg.model.preset)
@@ -28,10 +32,30 @@ def check_model_fits(cfg: TrainConfig) -> None:
         folder = Path(cfg.model.checkpoint)
         if not (folder / "config.json").is_file():
             return  # the loader says what is wrong with the folder
-        config = resolve_config(folder)
+        arch, config = hf_config(model_file(folder, "config.json"))
+        if arch is not GPTJ and cfg.lora is None:
+            raise GptjError(f"model.checkpoint: {folder} is a {arch.model_type} model: gptj trains its LoRA adapters "
+                            "(a lora: section, e.g. --set lora.rank=8), not every weight (GPT-J's only so far)")
     if cfg.data.seq_len > config.n_positions:
         raise GptjError(f"data.seq_len {cfg.data.seq_len} exceeds the model's context of {config.n_positions} "
                         "positions (n_positions)")
+
+
+def data_tokenizer(cfg: TrainConfig) -> tuple[str | None, str]:
+    """(the tokenizer raw data is prepared with, as gptj.train.data takes it: None, GPT-J's packaged
+    one, for GPT-J models; another architecture's checkpoint folder, its own tokenizer.json; the
+    MLPerf prompt summarization pairs take: "llama" for a Llama, else "gptj"). A folder of another
+    architecture without its tokenizer is refused in one line."""
+    from gptj.tokenizer import tokenizer_for_model
+
+    config = Path(cfg.model.checkpoint or "") / "config.json"
+    if cfg.model.checkpoint is None or not config.is_file():
+        return None, "gptj"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type", "gptj")
+    if model_type == "gptj":
+        return None, "gptj"
+    tokenizer_for_model(cfg.model.checkpoint)  # (the refusal)
+    return str(cfg.model.checkpoint), "llama" if model_type == "llama" else "gptj"
 
 
 def initial_model(cfg: TrainConfig) -> nn.Module:

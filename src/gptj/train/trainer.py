@@ -65,6 +65,7 @@ def _prepared(source: DataSource, split: str, cfg: TrainConfig, out: Path, ranks
     Cerebras' HDF5 data) prepared once into OUT/data/SPLIT by rank 0 (kept while the sources and
     seq_len stay the same)."""
     from gptj.train import data
+    from gptj.train.model import data_tokenizer
 
     if source.prepared is not None:
         td = data.TokenData(source.prepared)
@@ -79,20 +80,22 @@ def _prepared(source: DataSource, split: str, cfg: TrainConfig, out: Path, ranks
     else:
         sources = [str(p) for p in source.files()]
         kind = "packed" if source.text is not None else "pairs"
+    tokenizer, prompt = data_tokenizer(cfg)  # the model's own (a Llama's), else GPT-J's
     if ranks.main:
         current = None
         if data.is_prepared(folder):
             current = json.loads((folder / "meta.json").read_text())
-        if current is None or (current.get("sources"), current.get("seq_len"), current.get("kind")) != (
-                sources, cfg.data.seq_len, kind):
+        if current is None or (current.get("sources"), current.get("seq_len"), current.get("kind"),
+                               current.get("tokenizer")) != (sources, cfg.data.seq_len, kind, tokenizer or "gpt-j"):
             if source.cerebras_hdf5 is not None:
-                data.prepare_cerebras_hdf5(source.cerebras_hdf5, folder, cfg.data.seq_len, force=True,
-                                           progress=progress)
+                data.prepare_cerebras_hdf5(source.cerebras_hdf5, folder, cfg.data.seq_len, tokenizer=tokenizer,
+                                           force=True, progress=progress)
             elif source.text is not None:
-                data.prepare_text(sources, folder, cfg.data.seq_len, jsonl_key=source.jsonl_key, force=True,
-                                  progress=progress)
+                data.prepare_text(sources, folder, cfg.data.seq_len, tokenizer=tokenizer, jsonl_key=source.jsonl_key,
+                                  force=True, progress=progress)
             else:
-                data.prepare_summarization(sources[0], folder, cfg.data.seq_len, force=True, progress=progress)
+                data.prepare_summarization(sources[0], folder, cfg.data.seq_len, tokenizer=tokenizer, force=True,
+                                           progress=progress, prompt=prompt)
     ranks.barrier()
     return data.TokenData(folder)
 

@@ -54,6 +54,10 @@ class Layout:
     def weight_name(self, layer: int, module: str) -> str:
         return f"{self.prefix}{layer}.{self.parent[module]}.{module}.weight"
 
+    def lora_name(self, layer: int, module: str, which: str) -> str:
+        """PEFT's name of the adapter matrix `which` ("A" or "B") of `module` in block `layer`."""
+        return f"{PREFIX}{self.prefix}{layer}.{self.parent[module]}.{module}.lora_{which}.weight"
+
     def weight_of(self, name: str) -> tuple[int, str] | None:
         """(layer, module) of the checkpoint weight `name` this layout's adapters may adapt, or None."""
         m = self.weight_key.fullmatch(name)
@@ -238,7 +242,7 @@ def read_adapter_state(folder: str | Path, expected: LoRAConfig | None = None) -
     adapter = read_adapter(folder)
     if expected is not None and adapter.config != expected:
         raise GptjError(f"{folder}: an adapter of {adapter.config}, the config asks for {expected}")
-    return {f"{PREFIX}transformer.h.{i}.{PARENT[name]}.{name}.lora_{x}.weight": t
+    return {adapter.layout.lora_name(i, name, x): t
             for (i, name), (a, b) in adapter.weights.items() for x, t in (("A", a), ("B", b))}
 
 

@@ -1,0 +1,126 @@
+"""`gptj train` with a `lora:` section on a Llama checkpoint: the data prepared with the model's own
+tokenizer and llama3.1-8b's prompt, only the adapters trained, written under PEFT's names for
+LlamaForCausalLM (HF PEFT computes the same logits from them), and what gptj refuses in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from gptj.cli import main
+from gptj.lora import read_adapter
+from gptj.tokenizer import tokenizer_for_model
+from gptj.train.data import TokenData
+from gptj.weights.io import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def llama_tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama") / "m"
+    assert main(["init", "--preset", "llama-tiny", "--out", str(out)]) == 0
+    return out
+
+
+def config_file(tmp_path: Path, model: Path, **changes) -> Path:
+    """The shipped summarization fine-tune on `model`, a LoRA on every Llama linear, 8 steps."""
+    cfg = yaml.safe_load((ROOT / "examples" / "train" / "finetune_summarization.yaml").read_text())
+    for split in ("train", "eval"):
+        cfg["data"][split]["summarization"] = str(ROOT / "examples" / "data" / Path(
+            cfg["data"][split]["summarization"]).name)
+    cfg.update(model={"checkpoint": str(model)}, max_steps=8, eval_interval=8, log_interval=4, checkpoint_interval=0,
+               out=str(tmp_path / "run"), batch_size=2, grad_accum_steps=1, optimizer={"lr": 1e-2},
+               schedule={"warmup_steps": 2, "min_lr": 1e-3},
+               lora={"rank": 4, "alpha": 16, "target_modules": list(LLAMA)})
+    cfg["data"]["seq_len"] = 256
+    cfg.update(changes)
+    path = tmp_path / "llama_lora.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_llama_lora_fine_tune_trains_peft_named_adapters_that_peft_reads(llama_tiny, tmp_path, capsys):
+    from gptj.train.config import load_config
+    from gptj.train.trainer import evaluate_only
+
+    path = config_file(tmp_path, llama_tiny)
+    untrained = evaluate_only(load_config(path), llama_tiny, progress=False)  # the base (an untrained adapter adds 0)
+    assert main(["train", "--config", str(path), "--quiet"]) == 0
+    run = tmp_path / "run"
+
+    # the data: the model's own tokenizer and llama3.1-8b's prompt, BOS first, the loss on the summary only
+    td = TokenData(run / "data" / "train")
+    tok = tokenizer_for_model(llama_tiny)
+    assert td.meta["tokenizer"] == str(llama_tiny) and td.meta["vocab_size"] == tok.vocab_size
+    ids, input_mask, loss_mask = td.get([0])
+    n = int(input_mask[0].sum())
+    assert ids[0, 0] == tok.bos_token_id and ids[0, n - 1] == tok.eos_token_id
+    prompt = tok.decode(ids[0, :int(loss_mask[0].argmax())].tolist())
+    assert "Summarize the following news article in 128 tokens." in prompt and prompt.rstrip().endswith("Summary:")
+
+    # the adapters: PEFT's names for LlamaForCausalLM, every linear of every layer, the loss lower
+    layers = json.loads((llama_tiny / "config.json").read_text())["num_hidden_layers"]
+    keys = set(load_file(str(run / "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in keys and len(keys) == 2 * 7 * layers
+    config = json.loads((run / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(LLAMA) and config["base_model_name_or_path"] == str(llama_tiny)
+    trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line][-1]
+    assert trained["eval_loss"] < untrained["eval_loss"] - 0.05  # nats per target token
+    # --eval-only reads the adapter back onto the base (PEFT's Llama names in, gptj's modules out): the run's own figure
+    assert evaluate_only(load_config(path), progress=False)["eval_loss"] == trained["eval_loss"]
+
+    # gptj reads it back (merged at load) and HF PEFT computes the same logits from the same folder
+    adapter = read_adapter(run)
+    assert adapter.layout.arch == "llama" and any(float(b.abs().max()) > 0 for _, b in adapter.weights.values())
+    ours_model = load_model(llama_tiny, adapter=adapter)
+    prompt_ids = torch.tensor([ids[0, :32].tolist()])
+    with torch.no_grad():
+        ours = ours_model(prompt_ids)[0].float()
+        base = load_model(llama_tiny)(prompt_ids)[0].float()
+    assert not torch.allclose(ours, base)  # the adapter moves the logits
+    peft = pytest.importorskip("peft", reason="HF PEFT (the test extras install it) loads gptj's adapter")
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(llama_tiny), dtype=torch.float32).eval()
+    theirs = peft.PeftModel.from_pretrained(hf, str(run)).eval()
+    with torch.no_grad():
+        got = theirs(prompt_ids).logits[0].float()
+    # float32 both ways; the merged weight (W + s B A, rounded once) against PEFT's unmerged sum
+    assert float((got - ours).abs().max()) <= 1e-4 * float(ours.abs().max())
+
+
+def test_every_weight_of_a_llama_and_gptjs_linears_on_it_are_refused_in_one_line(llama_tiny, tmp_path, capsys):
+    path = config_file(tmp_path, llama_tiny, lora=None)
+    assert main(["train", "--config", str(path), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "is a llama model: gptj trains its LoRA adapters" in err and len(err.splitlines()) == 1
+    path = config_file(tmp_path, llama_tiny, lora={"rank": 4, "target_modules": ["q_proj", "fc_in"]})
+    assert main(["train", "--config", str(path), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "LoRA target_modules ['fc_in'] are not llama's linears" in err and len(err.splitlines()) == 1
+
+
+def test_prepare_data_wraps_articles_in_llamas_prompt_with_its_tokenizer(llama_tiny, tmp_path, capsys):
+    source = ROOT / "examples" / "data" / "summaries_eval.json"
+    out = tmp_path / "pairs"
+    assert main(["prepare-data", "summarization", str(source), "--out", str(out), "--seq-len", "256",
+                 "--tokenizer", str(llama_tiny), "--prompt", "llama", "--quiet"]) == 0
+    td = TokenData(out)
+    tok = tokenizer_for_model(llama_tiny)
+    ids, input_mask, loss_mask = td.get([0])
+    start = int(loss_mask[0].argmax())
+    text = tok.decode(ids[0, :start].tolist())
+    assert ids[0, 0] == tok.bos_token_id and text.count("Summarize the following news article in 128 tokens.") == 1
+    assert tok.bos_token_id not in ids[0, 1:int(input_mask[0].sum())].tolist()  # one BOS: the response has none
+    gptj = tmp_path / "gptj-pairs"  # the same file with gptj-99's prompt (the default) differs
+    assert main(["prepare-data", "summarization", str(source), "--out", str(gptj), "--seq-len", "256",
+                 "--tokenizer", str(llama_tiny), "--quiet"]) == 0
+    assert "Summarize the following news article in 128 tokens." not in tok.decode(TokenData(gptj).get([0])[0][0].tolist())
