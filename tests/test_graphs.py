@@ -56,6 +56,25 @@ def test_padded_bucketed_decode_steps_give_the_unpadded_tokens(two_heads, monkey
 
 
 @needs_triton
+def test_a_llamas_padded_bucketed_decode_steps_give_the_unpadded_tokens(monkeypatch):
+    """The same for a Llama with grouped-query attention (4 query heads on 1 KV head: the Triton decode
+    kernel's lanes are a group's rows x a KV head's query heads): greedy, sampled and beam requests,
+    padded to buckets, give the tokens of the reference backend's engine without graphs."""
+    from test_engine_llama import tiny as tiny_llama
+
+    model = tiny_llama(kv=1)
+    prompts = [[t % 200 for t in p] for p in prompts_of([5, 17, 1, 30, 8, 12])]  # (its 200-id vocabulary)
+    engine = graphed(model.to(DEVICE), capture=False, max_seqs=16)
+    seen = []
+    forward = engine.runner.graphs.forward
+    monkeypatch.setattr(engine.runner.graphs, "forward", lambda rows: seen.append(rows) or forward(rows))
+    gens = [g.replace(eos_token_id=1, pad_token_id=1) for g in SHORT_MIXED]
+    got = engine.generate(prompts, gens)
+    assert got == Engine(model, EngineConfig(block_size=8, kernels="off", max_seqs=16)).generate(prompts, gens)
+    assert seen and {bucket_for(n, 16) for n in seen} - set(seen)  # decode steps ran padded
+
+
+@needs_triton
 def test_a_step_with_prefill_replays_the_decode_graph_and_runs_its_chunks_in_one_forward(
         two_heads, monkeypatch):  # noqa: F811 - the fixture
     """Requests arriving while others decode, prompts cut into chunks of a shared 8-token budget (two
@@ -135,6 +154,22 @@ def test_captured_graphs_replay_the_eager_steps_tokens(model):  # noqa: F811 - t
     greedy = GenerationConfig(max_new_tokens=8)
     assert Engine(cuda, EngineConfig(max_seqs=4)).generate(prompts[:1], greedy) == \
         eager.generate(prompts[:1], greedy)
+
+
+@needs_gpu
+def test_a_llamas_captured_graphs_replay_the_eager_steps_tokens():
+    """The same for a Llama with grouped-query attention (2 KV heads for 4 query heads)."""
+    from test_engine_llama import tiny as tiny_llama
+
+    cuda = tiny_llama(kv=2).to("cuda")
+    prompts = [[t % 200 for t in p] for p in prompts_of([5, 17, 1, 30, 8, 12])]
+    gens = [g.replace(eos_token_id=1, pad_token_id=1) for g in MIXED]
+    engine = Engine(cuda, EngineConfig(max_seqs=16, block_size=8))
+    assert engine.runner.graphs is not None and engine.attention.name == "cuda"
+    got = engine.generate(prompts, gens)
+    assert engine.runner.graphs.captured > 0
+    eager = Engine(cuda, EngineConfig(max_seqs=16, block_size=8, cuda_graphs="off"))
+    assert got == eager.generate(prompts, gens)
 
 
 def run_with_a_broken_kernel(model, monkeypatch, caplog, kernel: str, message: str) -> Engine:  # noqa: F811
