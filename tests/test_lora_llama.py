@@ -124,3 +124,17 @@ def test_prepare_data_wraps_articles_in_llamas_prompt_with_its_tokenizer(llama_t
     assert main(["prepare-data", "summarization", str(source), "--out", str(gptj), "--seq-len", "256",
                  "--tokenizer", str(llama_tiny), "--quiet"]) == 0
     assert "Summarize the following news article in 128 tokens." not in tok.decode(TokenData(gptj).get([0])[0][0].tolist())
+
+
+def test_the_llama_8b_lora_example_loads_and_states_its_trainable_count(llama_tiny):
+    from gptj.train.config import load_config
+
+    path = ROOT / "examples" / "train" / "llama31_8b_lora.yaml"
+    cfg = load_config(path, [f"model.checkpoint={llama_tiny}"])
+    assert (cfg.lora.rank, cfg.lora.base, cfg.precision, cfg.data.seq_len) == (8, "bfloat16", "bf16", 2048)
+    assert cfg.activation_checkpointing and all(f.is_file() for f in cfg.data.train.files())
+    # its comment's count: rank x (in + out) for q_proj (4,096 -> 4,096) and v_proj (4,096 -> 8 x 128), 32 layers
+    n = 32 * cfg.lora.rank * ((4096 + 4096) + (4096 + 1024))
+    text = path.read_text()
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and f"{n / 1e6:.1f} M trainable" in text
+    assert f"AdamW's\n# state {16 * n / 1e6:.0f} MB" in text  # float32 weight, gradient and two moments
