@@ -77,6 +77,7 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
         if not isinstance(state.get(key), kind):
             raise _Damaged(f"{path}: '{key}' is missing or not a {kind.__name__}")
     want = trained_state(model, lora)
+    rename = {} if lora else (_stored_names(model.config) or {})  # a Llama's files hold HF's names
     sd: dict[str, torch.Tensor] = {}
     if not files:
         raise _Damaged(f"{folder}: no {'adapter_model' if lora else 'model'}.safetensors")
@@ -85,6 +86,7 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
             part = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise _Damaged(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+        part = {rename.get(name, name): t for name, t in part.items()}
         for name, t in part.items():
             if name not in want:
                 raise _Damaged(f"{f}: holds '{name}', which the model has no tensor for")
@@ -93,11 +95,46 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
             if not t.is_floating_point():
                 raise _Damaged(f"{f}: '{name}' is {t.dtype}, not a float tensor")
         sd.update(part)
+    if not lora and getattr(model.config, "tie_word_embeddings", False) and "transformer.wte.weight" in sd:
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # (a tied head is not written: HF's way)
     missing = [n for n in want if n not in sd]
     if missing:
         raise _Damaged(f"{files[0] if len(files) == 1 else folder}: lacks '{missing[0]}'"
                        + (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""))
     return state, sd
+
+
+def _stored_names(config: Any) -> dict[str, str] | None:
+    """Stored (HF) tensor name -> the model's, where an architecture's files name them otherwise (a
+    Llama's: gptj.weights.checkpoint.tensor_names); None for GPT-J's."""
+    from gptj.models.registry import architecture_of
+    from gptj.weights.checkpoint import tensor_names
+
+    return tensor_names(architecture_of(config), config)
+
+
+def _with_model_files(cfg: TrainConfig, config: Any, extra: Any = None) -> Any:
+    """`extra` (folder -> None, or None) that also copies, for a model of another architecture than
+    GPT-J, the files its checkpoint folder holds beside the weights (tokenizer, generation settings:
+    gptj.weights.io.KEPT_FILES), so that a saved model runs as its base does. GPT-J's folders get
+    gptj's own tokenizer (save_checkpoint)."""
+    from gptj.config import GPTJConfig
+
+    if isinstance(config, GPTJConfig) or cfg.model.checkpoint is None:
+        return extra
+    from gptj.files import model_file
+    from gptj.weights.io import KEPT_FILES
+
+    base = Path(cfg.model.checkpoint)
+
+    def copy(folder: Path) -> None:
+        for name in KEPT_FILES:
+            if (base / name).is_file():
+                shutil.copyfile(model_file(base, name), folder / name)
+        if extra is not None:
+            extra(folder)
+
+    return copy
 
 
 def _intact_checkpoint(found: list[Path], model: nn.Module, main: bool,
@@ -197,7 +234,7 @@ def save(out: Path, config: Any, model_sd: dict, optim_sd: dict | None, step: in
         save_adapter(model_sd, lora_config(cfg), target, base_model=_base_name(cfg), extra=extra)
     else:
         save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, target, overwrite=True,
-                        extra=extra)
+                        extra=_with_model_files(cfg, config, extra))
     for old in checkpoint_folders(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -222,7 +259,8 @@ def write_final(out: Path, config: Any, model_sd: dict, cfg: TrainConfig) -> Non
             save_adapter(model_sd, lora_config(cfg), tmp, base_model=_base_name(cfg))
             last = CONFIG_FILE
         else:
-            save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True)
+            save_checkpoint({k: v.detach().float().cpu() for k, v in model_sd.items()}, config, tmp, overwrite=True,
+                            extra=_with_model_files(cfg, config))
             last = FINAL_FILES_LAST
     names = sorted(p.name for p in tmp.iterdir())
     for name in [n for n in names if n != last] + [last]:

@@ -360,7 +360,8 @@ def _pair_ids(example: Example, index: int, tok: Tokenizer, seq_len: int,
     """
     head, foot = _TEMPLATES[prompt_kind]
     response = tok.encode(" " + example.output.strip(), add_special_tokens=False) + [tok.eos_token_id]
-    text = build_prompt(example) if prompt_kind == "gptj" else LLAMA_PROMPT_TEMPLATE.format_map({"input": example.input})
+    text = (build_prompt(example) if prompt_kind == "gptj"
+            else LLAMA_PROMPT_TEMPLATE.format_map({"input": example.input}))
     prompt = tok.encode(text)
     if len(prompt) + len(response) <= seq_len:
         return prompt, response

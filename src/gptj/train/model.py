@@ -20,11 +20,10 @@ from gptj.train.ranks import Ranks
 
 def check_model_fits(cfg: TrainConfig) -> None:
     """What the model's config alone can refuse, before any data is prepared or weights are read: a
-    context shorter than data.seq_len; another architecture than GPT-J trained without `lora:`
-    (every weight of a Llama: not yet)."""
+    context shorter than data.seq_len."""
     from gptj.config import get_preset
     from gptj.files import model_file
-    from gptj.weights.checkpoint import GPTJ, hf_config
+    from gptj.weights.checkpoint import hf_config
 
     if cfg.model.preset is not None:
         config = get_preset(cfg.model.preset)
@@ -32,10 +31,7 @@ def check_model_fits(cfg: TrainConfig) -> None:
         folder = Path(cfg.model.checkpoint)
         if not (folder / "config.json").is_file():
             return  # the loader says what is wrong with the folder
-        arch, config = hf_config(model_file(folder, "config.json"))
-        if arch is not GPTJ and cfg.lora is None:
-            raise GptjError(f"model.checkpoint: {folder} is a {arch.model_type} model: gptj trains its LoRA adapters "
-                            "(a lora: section, e.g. --set lora.rank=8), not every weight (GPT-J's only so far)")
+        _, config = hf_config(model_file(folder, "config.json"))
     if cfg.data.seq_len > config.n_positions:
         raise GptjError(f"data.seq_len {cfg.data.seq_len} exceeds the model's context of {config.n_positions} "
                         "positions (n_positions)")
