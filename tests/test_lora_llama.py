@@ -1,6 +1,7 @@
-"""`gptj train` with a `lora:` section on a Llama checkpoint: the data prepared with the model's own
-tokenizer and llama3.1-8b's prompt, only the adapters trained, written under PEFT's names for
-LlamaForCausalLM (HF PEFT computes the same logits from them), and what gptj refuses in one line."""
+"""`gptj train` on a Llama checkpoint, with a `lora:` section and without: the data prepared with the
+model's own tokenizer and llama3.1-8b's prompt; adapters written under PEFT's names for LlamaForCausalLM
+(HF PEFT computes the same logits from them); every weight trained into an HF Llama folder (HF
+transformers loads it; --resume exact); what gptj refuses in one line."""
 
 from __future__ import annotations
 
