@@ -30,13 +30,13 @@ def llama_tiny(tmp_path_factory) -> Path:
     return out
 
 
-def config_file(tmp_path: Path, model: Path, **changes) -> Path:
+def config_file(tmp_path: Path, model_dir: Path, **changes) -> Path:
     """The shipped summarization fine-tune on `model`, a LoRA on every Llama linear, 8 steps."""
     cfg = yaml.safe_load((ROOT / "examples" / "train" / "finetune_summarization.yaml").read_text())
     for split in ("train", "eval"):
         cfg["data"][split]["summarization"] = str(ROOT / "examples" / "data" / Path(
             cfg["data"][split]["summarization"]).name)
-    cfg.update(model={"checkpoint": str(model)}, max_steps=8, eval_interval=8, log_interval=4, checkpoint_interval=0,
+    cfg.update(model={"checkpoint": str(model_dir)}, max_steps=8, eval_interval=8, log_interval=4, checkpoint_interval=0,
                out=str(tmp_path / "run"), batch_size=2, grad_accum_steps=1, optimizer={"lr": 1e-2},
                schedule={"warmup_steps": 2, "min_lr": 1e-3},
                lora={"rank": 4, "alpha": 16, "target_modules": list(LLAMA)})
@@ -104,6 +104,11 @@ def test_gptjs_linears_on_a_llama_are_refused_in_one_line(llama_tiny, tmp_path, 
     assert main(["train", "--config", str(path), "--quiet"]) != 0
     err = capsys.readouterr().err.strip()
     assert "LoRA target_modules ['fc_in'] are not llama's linears" in err and len(err.splitlines()) == 1
+    path = config_file(tmp_path / "preset", llama_tiny, model={"preset": "llama-tiny"})
+    assert main(["train", "--config", str(path), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "llama-tiny is a Llama preset: write it with gptj init --preset llama-tiny" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_every_weight_of_a_llama_trains_resumes_exactly_and_saves_a_folder_hf_and_gptj_run(llama_tiny, tmp_path):

@@ -258,7 +258,12 @@ def _check_paths(cfg: TrainConfig, source: Path) -> None:
         raise GptjError(f"{source}: model.checkpoint: {cfg.model.checkpoint}: no such model folder")
     if cfg.model.preset is not None:
         from gptj.config import PRESETS
+        from gptj.models import llama
 
+        if cfg.model.preset in llama.PRESETS:  # (no tokenizer of its own: `gptj init` trains a stand-in one)
+            raise GptjError(f"{source}: model.preset: {cfg.model.preset} is a Llama preset: write it with gptj init "
+                            f"--preset {cfg.model.preset} --out DIR (its weights and tokenizer) and train from "
+                            "model.checkpoint: DIR")
         if cfg.model.preset not in PRESETS:
             raise GptjError(f"{source}: model.preset: unknown preset {cfg.model.preset!r} "
                             f"(known: {', '.join(sorted(PRESETS))})")
