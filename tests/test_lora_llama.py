@@ -37,7 +37,8 @@ def config_file(tmp_path: Path, model_dir: Path, **changes) -> Path:
         cfg["data"][split]["summarization"] = str(ROOT / "examples" / "data" / Path(
             cfg["data"][split]["summarization"]).name)
     cfg.update(model={"checkpoint": str(model_dir)}, max_steps=8, eval_interval=8, log_interval=4,
-               checkpoint_interval=0, out=str(tmp_path / "run"), batch_size=2, grad_accum_steps=1, optimizer={"lr": 1e-2},
+               checkpoint_interval=0, out=str(tmp_path / "run"), batch_size=2, grad_accum_steps=1,
+               optimizer={"lr": 1e-2},
                schedule={"warmup_steps": 2, "min_lr": 1e-3},
                lora={"rank": 4, "alpha": 16, "target_modules": list(LLAMA)})
     cfg["data"]["seq_len"] = 256
