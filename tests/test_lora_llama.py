@@ -180,3 +180,38 @@ def test_the_llama_8b_lora_example_loads_and_states_its_trainable_count(llama_ti
     text = path.read_text()
     assert cfg.lora.target_modules == ["q_proj", "v_proj"] and f"{n / 1e6:.1f} M trainable" in text
     assert f"AdamW's\n# state {16 * n / 1e6:.0f} MB" in text  # float32 weight, gradient and two moments
+
+
+def _train_job(rank, world, payload):  # (module level: run_parallel's ranks import it)
+    from gptj.train.config import load_config
+    from gptj.train.trainer import train
+
+    train(load_config(payload), progress=False)
+
+
+@pytest.mark.parametrize("mode, lora", [("fsdp", None),
+                                        ("ddp", {"rank": 4, "alpha": 16, "target_modules": ["q_proj", "down_proj"]})],
+                         ids=["fsdp", "ddp-lora"])
+def test_a_llama_trains_over_two_ranks_as_in_one_process(llama_tiny, tmp_path, mode, lora):
+    """Two ranks of one sequence a step (FSDP: a unit per Llama block; DDP with LoRA adapters) take the
+    losses of one process of two sequences a step, to float32 rounding (LOSS_RTOL, as test_train's
+    GPT-J runs), and write what one process writes (a Llama folder; an adapter)."""
+    from gptj.parallel.launch import run_parallel
+    from test_train import LOSS_RTOL
+
+    common = {"lora": lora, "max_steps": 2, "eval_interval": 0, "checkpoint_interval": 0, "log_interval": 1,
+              "grad_clip": None, "optimizer": {"lr": 3e-3}, "grad_accum_steps": 1}
+    one = config_file(tmp_path / "one", llama_tiny, batch_size=2, **common)
+    assert main(["train", "--config", str(one), "--quiet"]) == 0
+    two = config_file(tmp_path / "two", llama_tiny, batch_size=1, distributed=mode, **common)
+    run_parallel(_train_job, 2, str(two))
+
+    def losses(run: Path) -> list[float]:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+    assert losses(tmp_path / "two" / "run") == pytest.approx(losses(tmp_path / "one" / "run"), rel=LOSS_RTOL)
+    assert len(losses(tmp_path / "two" / "run")) == 2
+    name = "model.safetensors" if lora is None else "adapter_model.safetensors"
+    written = [set(load_file(str(tmp_path / run / "run" / name))) for run in ("one", "two")]
+    assert written[0] == written[1]
