@@ -14,6 +14,11 @@ Cases (--cases, comma-separated):
                  50,400-token vocabulary; --layers layers) with prompts that repeat random spans: the
                  drafter finds matches, the model follows none (nothing to gain; the cost of trying)
     llama-wide   the same on Llama-3.1-8B's width (benchmarks/llama_shapes.py)
+    llama-loop   llama-wide's weights made a model that copies itself (make_copier): its blocks' writes
+                 to the residual scaled by COPY_SCALE and its head tied to its embedding, so it repeats
+                 its last token: random Llama weights never loop (random GPT-J ones do), and this is
+                 the cost of verifying drafts that are taken at Llama's width (GQA), not a summary's
+                 acceptance
 
 Measured per case and mode: decode tok/s = (N - 1) / (median t_N - median t_1) over --repeats runs
 of N = --new-tokens greedy tokens (EOS ignored) and of 1 token, which removes the prefill; the
@@ -39,7 +44,8 @@ from _smoke import parse_args
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_CONFIG = ROOT / "examples" / "train" / "pretrain_tiny.yaml"
 EVAL_TEXT = ROOT / "examples" / "data" / "pretrain_eval.txt"
-CASES = ("trained", "gptj-wide", "llama-wide")
+CASES = ("trained", "gptj-wide", "llama-wide", "llama-loop")
+COPY_SCALE = 0.01  # llama-loop: the blocks' output projections scaled by this
 
 
 def trained_model(work: Path, steps: int) -> Path:
@@ -53,10 +59,10 @@ def trained_model(work: Path, steps: int) -> Path:
 
 
 def wide_model(case: str, work: Path, layers: int) -> Path:
-    out = work / f"{case}-{layers}"
+    out = work / f"{'llama-wide' if case == 'llama-loop' else case}-{layers}"
     if (out / "config.json").is_file():
         return out
-    if case == "llama-wide":
+    if case.startswith("llama"):
         sys.path.insert(0, str(Path(__file__).parent))
         from llama_shapes import write_model
 
@@ -83,6 +89,18 @@ def prompts_for(case: str, model_dir: Path, n: int, length: int, vocab: int) -> 
     return prompts
 
 
+def make_copier(model: torch.nn.Module) -> None:
+    """A Llama that repeats its last token (llama-loop): every block's o_proj and down_proj scaled by
+    COPY_SCALE, so the residual stays near the token's embedding, and the LM head tied to the
+    embedding, so that embedding scores highest (a row's dot product with itself: 4,096 terms of one
+    sign, against sums of random signs)."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.o_proj.weight.mul_(COPY_SCALE)
+            block.mlp.down_proj.weight.mul_(COPY_SCALE)
+        model.lm_head.weight = model.transformer.wte.weight
+
+
 def timed_run(engine, prompt: list[int], gen) -> tuple[float, list[int], int]:  # noqa: ANN001
     """Seconds to generate gen.max_new_tokens for `prompt` alone, its tokens, and the steps taken."""
     steps = engine.steps
@@ -97,7 +115,15 @@ def measure(case: str, model_dir: Path, args: argparse.Namespace) -> dict:
     from gptj.runtime.build import build_engine, load_model
     from gptj.runtime.spec import ModelSpec
 
-    model = load_model(ModelSpec(path=str(model_dir), dtype=args.dtype, device="cpu", quantize=args.quantize))
+    loop = case == "llama-loop"  # (made a copier in the float dtype, then quantized as asked)
+    model = load_model(ModelSpec(path=str(model_dir), dtype=args.dtype, device="cpu",
+                                 quantize=None if loop else args.quantize))
+    if loop:
+        make_copier(model)
+        if args.quantize:
+            from gptj.quant import quantize_model
+
+            quantize_model(model, args.quantize)
     engine = build_engine(model, EngineConfig(max_seqs=1, max_len=args.prompt_len + args.new_tokens + 8))
     vocab = model.config.vocab_size
     prompts = prompts_for(case, model_dir, args.prompts, args.prompt_len, vocab)

@@ -690,3 +690,24 @@ def test_serve_vs_vllm_compares_every_gptj_setting_with_every_vllm_one():
     assert serve_vs_vllm.quantized_w8a8("--quantize=w8a8") and not serve_vs_vllm.quantized_w8a8("--quantize int8")
     names = ["gptj-a", "gptj-b", "vllm-a"]
     assert [serve_vs_vllm.round_order(names, i) for i in range(3)] == [names, names[::-1], names]
+
+
+def test_speculates_llama_loop_model_repeats_its_last_token():
+    """speculate.py's llama-loop case (make_copier on a Llama's random weights: the blocks' output
+    projections scaled down, the head tied to the embedding) gives a model that copies itself: greedy
+    decoding repeats the prompt's last token, which the drafter then follows; the untouched model
+    does not."""
+    from gptj.decode import GenerationConfig, generate
+    from test_engine_llama import tiny as tiny_llama
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import speculate
+    finally:
+        sys.path.remove(str(BENCH))
+    prompt = [5, 17, 120, 33, 9, 41, 77]
+    gen = GenerationConfig(max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    model = tiny_llama(kv=2)
+    assert set(generate(model, [prompt], gen)[0]) != {77}
+    speculate.make_copier(model)
+    assert generate(model, [prompt], gen)[0] == [77] * 12
