@@ -30,7 +30,7 @@ def register(sub: Any) -> None:  # argparse's _SubParsersAction (a private type)
     p = sub.add_parser(
         "prepare-data", help="tokenize training data into fixed-length sequences",
         description="Tokenize training data into fixed-length sequences of token ids (numpy memmaps: "
-                    "input_ids uint16, input_mask, loss_mask, meta.json) for training and fine-tuning.")
+                    "input_ids uint16 or uint32, input_mask, loss_mask, meta.json) for training and fine-tuning.")
     kinds = p.add_subparsers(dest="data_kind", metavar="KIND", required=True)
 
     t = kinds.add_parser(
