@@ -57,7 +57,7 @@
    output's float32 sum is the same whatever the rows of x beside it (1, 2 or 8 rows, any pass, any K
    chunk): batch-invariant, which speculation's verifying rows need to decode exactly as a row alone.
    (4 accumulators at one row, 2 at two and 1 from three, as int8 keeps, made a verifying step of 6 rows
-   round differently from a step of one; 2 at every count runs as fast: docs/PERFORMANCE.md#speculate-decode-rows) */
+   round differently from a step of one; what 2 at every count costs: docs/PERFORMANCE.md#gemv-batch-invariant) */
 #define CHAINS 2
 #define ROW_ALIGN 16  /* thread ranges start at multiples of this many rows (a GROUP) */
 

@@ -122,15 +122,10 @@ def _with_model_files(cfg: TrainConfig, config: Any, extra: Any = None) -> Any:
 
     if isinstance(config, GPTJConfig) or cfg.model.checkpoint is None:
         return extra
-    from gptj.files import model_file
-    from gptj.weights.io import KEPT_FILES
-
-    base = Path(cfg.model.checkpoint)
+    from gptj.weights.io import KEPT_FILES, copy_files
 
     def copy(folder: Path) -> None:
-        for name in KEPT_FILES:
-            if (base / name).is_file():
-                shutil.copyfile(model_file(base, name), folder / name)
+        copy_files(cfg.model.checkpoint, folder, KEPT_FILES, missing_ok=True)
         if extra is not None:
             extra(folder)
 

@@ -58,7 +58,8 @@ from tqdm import tqdm
 
 from gptj.errors import GptjError
 from gptj.files import move_into_place, read_text, temp_sibling
-from gptj.mlperf.dataset import LLAMA_PROMPT_TEMPLATE, PROMPT_TEMPLATE, Example, build_prompt, load_examples
+from gptj.mlperf.dataset import (LLAMA_PROMPT_TEMPLATE, PROMPT_TEMPLATE, Example, build_prompt, llama_prompt,
+                                 load_examples)
 from gptj.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "gptj-tokens/1"
@@ -360,12 +361,10 @@ def _pair_ids(example: Example, index: int, tok: Tokenizer, seq_len: int,
     """
     head, foot = _TEMPLATES[prompt_kind]
     response = tok.encode(" " + example.output.strip(), add_special_tokens=False) + [tok.eos_token_id]
-    text = (build_prompt(example) if prompt_kind == "gptj"
-            else LLAMA_PROMPT_TEMPLATE.format_map({"input": example.input}))
-    prompt = tok.encode(text)
+    prompt = tok.encode(build_prompt(example) if prompt_kind == "gptj" else llama_prompt(example.input))
     if len(prompt) + len(response) <= seq_len:
         return prompt, response
-    header = tok.encode(head.format_map({"instruction": example.instruction}) if prompt_kind == "gptj" else head)
+    header = tok.encode(head.format_map({"instruction": example.instruction}))  # (llama's has no field)
     footer = tok.encode(foot, add_special_tokens=False)
     room = seq_len - len(header) - len(footer) - len(response)
     if room < 0:

@@ -5,7 +5,6 @@ for AdamW, checkpointed in the backward pass, and sharded under FSDP.
 
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 from typing import Any
@@ -42,16 +41,17 @@ def data_tokenizer(cfg: TrainConfig) -> tuple[str | None, str]:
     one, for GPT-J models; another architecture's checkpoint folder, its own tokenizer.json; the
     MLPerf prompt summarization pairs take: "llama" for a Llama, else "gptj"). A folder of another
     architecture without its tokenizer is refused in one line."""
+    from gptj.files import model_file
     from gptj.tokenizer import tokenizer_for_model
+    from gptj.weights.checkpoint import GPTJ, hf_config
 
-    config = Path(cfg.model.checkpoint or "") / "config.json"
-    if cfg.model.checkpoint is None or not config.is_file():
+    if cfg.model.checkpoint is None or not (Path(cfg.model.checkpoint) / "config.json").is_file():
         return None, "gptj"
-    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type", "gptj")
-    if model_type == "gptj":
+    arch, _ = hf_config(model_file(cfg.model.checkpoint, "config.json"))
+    if arch is GPTJ:
         return None, "gptj"
     tokenizer_for_model(cfg.model.checkpoint)  # (the refusal)
-    return str(cfg.model.checkpoint), "llama" if model_type == "llama" else "gptj"
+    return str(cfg.model.checkpoint), "llama" if arch.model_type == "llama" else "gptj"
 
 
 def initial_model(cfg: TrainConfig) -> nn.Module:

@@ -303,8 +303,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
         kept.append(CALIBRATION_FILE)
 
     def extra(folder: Path) -> None:
-        for name in kept:
-            shutil.copyfile(model_file(src, name), folder / name)
+        copy_files(src, folder, kept)
         if also is not None:
             also(folder, sd, cfg)
 
@@ -313,6 +312,14 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", d
     from gptj.weights.hf_model import save_folder
 
     return save_folder(sd, cfg, out, overwrite=overwrite, progress=progress, extra=extra)
+
+
+def copy_files(src: str | os.PathLike, folder: Path, names: Iterable[str], missing_ok: bool = False) -> None:
+    """Copy the files `names` of model folder `src` (read as model_file allows: none from outside it)
+    into `folder`, as they are; with `missing_ok`, names it does not hold are passed over."""
+    for name in names:
+        if not missing_ok or (Path(src) / name).is_file():
+            shutil.copyfile(model_file(src, name), folder / name)
 
 
 # copied as they are by convert (another architecture's folder): its tokenizer and generation settings
