@@ -59,7 +59,7 @@ import torch
 from gptj.bench.latency import random_prompts
 from gptj.engine import EngineConfig
 from gptj.models.llama import HF_NAMES, Llama3RopeScaling, LlamaConfig, rope_frequencies
-from gptj.weights.hf import iter_hf_tensors
+from gptj.weights.hf import iter_hf_tensors, weight_files
 from gptj.weights.io import load_model
 
 import _smoke  # benchmarks/_smoke.py (a script's own folder is on sys.path)
@@ -164,7 +164,7 @@ def read_llama_config(folder: Path) -> LlamaConfig:
 
 
 def _tensors(folder: Path) -> Iterator[tuple[str, tuple[int, ...], object]]:
-    for name, shape, read, _file in iter_hf_tensors(folder):
+    for name, shape, read, _file in iter_hf_tensors(weight_files(folder)):
         if not name.endswith("rotary_emb.inv_freq"):
             yield name, shape, read
 

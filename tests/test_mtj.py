@@ -18,7 +18,7 @@ import transformers
 from mtj_writer import write_mtj_slim
 
 from gptj.errors import CheckpointError
-from gptj.weights.mtj import Rule, is_mtj_slim, iter_mtj_slim, load_mtj_slim, mtj_leaves
+from gptj.weights.mtj import Rule, is_mtj_slim, iter_mtj_slim, load_mtj_slim, mtj_leaves, scan
 
 N_LAYER = 12  # >= 11 so that sorting layer names as strings (1, 10, 11, 2, ...) matters
 N_EMBD = 64
@@ -191,11 +191,11 @@ def test_summed_biases_are_rounded_once_to_the_output_dtype(tmp_path, sd_small):
     cfg = GPTJConfig(vocab_size=SMALL_VOCAB, n_positions=32, n_embd=N_EMBD, n_layer=N_LAYER, n_head=4,
                      rotary_dim=8, n_inner=N_INNER, bos_token_id=0, eos_token_id=0)
 
-    loaded = dict(iter_mtj_slim(tmp_path / "ckpt", N_LAYER, dtype=torch.float32))
+    loaded = dict(iter_mtj_slim(scan(tmp_path / "ckpt"), N_LAYER, dtype=torch.float32))
     out = convert(tmp_path / "ckpt", tmp_path / "f32", fmt="mtj", config=cfg, dtype=torch.float32)
     converted = load_file(out / "model.safetensors")
     model = load_model(tmp_path / "ckpt", dtype=torch.float32, config=cfg).state_dict()
-    bf16 = dict(iter_mtj_slim(tmp_path / "ckpt", N_LAYER))  # the stored dtype: one rounding to bfloat16
+    bf16 = dict(iter_mtj_slim(scan(tmp_path / "ckpt"), N_LAYER))  # the stored dtype: one rounding to bfloat16
     for name, t in exact.items():
         for got in (loaded[name], converted[name], model[name]):
             assert got.dtype == torch.float32 and torch.equal(got.double(), t), name
@@ -206,7 +206,7 @@ def test_summed_biases_are_rounded_once_to_the_output_dtype(tmp_path, sd_small):
 def test_round_trip_other_layouts(tmp_path, sd_small, n_shards, files, step):
     write_mtj_slim(sd_small, tmp_path / "ckpt", n_shards=n_shards, files=files, bf16=False, step=step)
     names = []
-    for name, t in iter_mtj_slim(tmp_path / "ckpt", N_LAYER, n_shards=n_shards):
+    for name, t in iter_mtj_slim(scan(tmp_path / "ckpt", n_shards), N_LAYER):
         names.append(name)
         assert torch.equal(t, sd_small[name]), name
     assert sorted(names) == sorted(sd_small)

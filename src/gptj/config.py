@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gptj.errors import ConfigError
 
@@ -88,6 +88,7 @@ def check_records(c: Any) -> None:
 
 @dataclass(frozen=True)
 class GPTJConfig:
+    model_type: ClassVar[str] = "gptj"  # config.json's, as HF's; gptj.models.registry maps it to the model
     vocab_size: int = 50400
     n_positions: int = 2048
     n_embd: int = 4096
@@ -133,7 +134,7 @@ class GPTJConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "architectures": ["GPTJForCausalLM"],
-            "model_type": "gptj",
+            "model_type": self.model_type,
             "activation_function": "gelu_new",
             "attn_pdrop": 0.0,
             "embd_pdrop": 0.0,

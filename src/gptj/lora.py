@@ -32,7 +32,6 @@ from torch import nn
 
 from gptj.errors import GptjError
 from gptj.files import atomic_folder
-from gptj.models.registry import architecture_of
 from gptj.weights.peft import (CONFIG_FILE, DEFAULT_TARGETS, KEY, LAYOUTS, PARENT, PREFIX,  # noqa: F401 (re-exported)
                                TARGETS, WEIGHTS_FILE, Adapter, Layout, LoRAConfig, base_mismatch, is_adapter, merged,
                                read_adapter, read_adapter_state, read_config, weight_name)
@@ -165,7 +164,7 @@ def _block_linears(model: nn.Module, targets: Iterable[str]) -> Iterable[tuple[i
 
 def layout_of(model: nn.Module) -> Layout:
     """How PEFT names the adapters of `model`'s architecture (gptj.weights.peft.LAYOUTS)."""
-    return LAYOUTS[architecture_of(model.config).model_type]
+    return LAYOUTS[model.config.model_type]
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -265,7 +264,7 @@ def _module_at(block: nn.Module, path: str) -> nn.Module:
 def _check_fits(model: nn.Module, adapter: Adapter) -> None:
     """GptjError unless `adapter` adapts this model's architecture and each of its matrices fits the
     linear it adapts (plain or fused blocks)."""
-    arch = architecture_of(model.config).model_type
+    arch = model.config.model_type
     if adapter.layout.arch != arch:
         raise GptjError(f"{adapter.path}: a {adapter.layout.arch} adapter on a {arch} model")
     shapes = {}

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,7 @@ class LlamaConfig:
     properties, so the code written for GPTJConfig (KV caches, planning) reads a Llama config too.
     """
 
+    model_type: ClassVar[str] = "llama"
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -159,7 +160,7 @@ class LlamaConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json of LlamaForCausalLM (rope_theta / rope_scaling as transformers 4 and 5 read them)."""
-        d: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        d: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": self.model_type, "hidden_act": "silu",
                              "attention_bias": False, "mlp_bias": False}
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)

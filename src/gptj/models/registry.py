@@ -1,6 +1,7 @@
 """The architectures gptj loads, by config.json's `model_type`: the one place that chooses one.
 
-Each entry names its config class (from_hf_dict / to_hf_dict), its build_model, for those whose
+A config names its own (`config.model_type`, as HF's configs do): ARCHITECTURES[config.model_type]
+is its architecture. Each entry names its config class (from_hf_dict / to_hf_dict), its build_model, for those whose
 module names are not HF's the HF state-dict names (`hf_names(config)`: HF name -> ours), and the
 buffers old HF checkpoints of it saved (passed over when read). GPT-J's modules keep HF's names;
 Llama's are mapped (models.llama). gptj.weights.io loads every one the same way.
@@ -41,14 +42,6 @@ def architecture(model_type: Any, source: str = "config") -> Architecture:
         supported = ", ".join(repr(t) for t in ARCHITECTURES)
         raise ConfigError(f"{source}: not a GPT-J config: model_type {model_type!r} is not supported "
                           f"(supported: {supported})") from None
-
-
-def architecture_of(config: Any) -> Architecture:
-    """The architecture a config object belongs to."""
-    for arch in ARCHITECTURES.values():
-        if isinstance(config, arch.config_class):
-            return arch
-    raise ConfigError(f"not a model config: {type(config).__name__}")
 
 
 PRESETS: dict[str, Any] = {**GPTJ_PRESETS, **llama.PRESETS}  # every preset `gptj init` writes

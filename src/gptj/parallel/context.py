@@ -121,20 +121,25 @@ class ParallelContext:
                  group_size: int | None = None, progress: bool | None = None) -> nn.Module:
         """This rank's share of `checkpoint`: the whole model in one process; under --tp its shard
         (from `gptj convert --tp N` files when present, else cut from the whole model), under --pp
-        its stage (both: its stage's shard), then quantized as `quantize` asks.
-
-        Quantizing after sharding: q/k/v and fc_in keep whole rows, so their per-row int8 scales (and
-        int4 groups) are those of the whole model; out_proj and fc_out keep a slice of each row, so
-        each rank's scales cover its slice (finer than the whole model's). The vocabulary-parallel
-        head stays in the float dtype. A pipeline stage quantizes its layers as the whole model would."""
+        its stage (both: its stage's shard), then quantized as `quantize` asks."""
         from gptj.weights.io import load
 
-        if not self.parallel:
-            return load(checkpoint, dtype, device, quantize, group_size, progress)
+        if self.parallel:
+            return self._rank_share(checkpoint, dtype, device, quantize, group_size, progress)
+        return load(checkpoint, dtype, device, quantize, group_size, progress)
+
+    def _rank_share(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, quantize: str | None,
+                    group_size: int | None, progress: bool | None) -> nn.Module:
+        """share_of under --tp / --pp. Quantizing after sharding: q/k/v and fc_in keep whole rows, so
+        their per-row int8 scales (and int4 groups) are those of the whole model; out_proj and fc_out
+        keep a slice of each row, so each rank's scales cover its slice (finer than the whole model's).
+        The vocabulary-parallel head stays in the float dtype. A pipeline stage quantizes its layers as
+        the whole model would."""
+        from gptj.parallel.shards import load_rank
+        from gptj.weights.io import load
+
         if quantize == "w8a8":  # its smoothing factors would have to be sliced as the shards are
             raise GptjError("--quantize w8a8 with --tp / --pp is not supported yet")
-        from gptj.parallel.shards import load_rank
-
         sharded = checkpoint.shard is not None
         if sharded:
             model = load_rank(checkpoint, self.tp_rank, self.tp, dtype, device, group=self.tp_group)

@@ -107,10 +107,10 @@ def _read_checkpoint(folder: Path, model: nn.Module, lora: bool = False) -> tupl
 def _stored_names(config: Any) -> dict[str, str] | None:
     """Stored (HF) tensor name -> the model's, where an architecture's files name them otherwise (a
     Llama's: gptj.weights.checkpoint.tensor_names); None for GPT-J's."""
-    from gptj.models.registry import architecture_of
+    from gptj.models.registry import ARCHITECTURES
     from gptj.weights.checkpoint import tensor_names
 
-    return tensor_names(architecture_of(config), config)
+    return tensor_names(ARCHITECTURES[config.model_type], config)
 
 
 def _with_model_files(cfg: TrainConfig, config: Any, extra: Any = None) -> Any:

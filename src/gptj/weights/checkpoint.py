@@ -106,7 +106,9 @@ class Checkpoint:
     """A model folder as read before any tensor: `format` ('hf' or 'mtj'), `arch` (its architecture),
     `config` (validated: its layer count against the tensors its files list, its quantization
     record checked); under --tp N, rank's own shard file from `gptj convert --tp N` (`shard`; None
-    without one); the LoRA adapter folded into its weights as they load (`adapter`)."""
+    without one); the LoRA adapter folded into its weights as they load (`adapter`). Where its
+    tensors are: an HF folder's weight files (`files`, hf.weight_files: none beside a rank's shard),
+    a slim checkpoint's shard folders and arrays (`layout`, mtj.scan), each checked once, here."""
 
     folder: Path
     format: str
@@ -114,6 +116,8 @@ class Checkpoint:
     config: Any
     shard: Path | None = None
     adapter: Adapter | None = None
+    files: tuple[Path, ...] = ()
+    layout: mtj.Layout | None = None
 
     @classmethod
     def read(cls, folder: str | os.PathLike, rank: int = 0, world: int = 1, lora: str | None = None,
@@ -127,14 +131,14 @@ class Checkpoint:
         if fmt not in ("auto", found):
             raise CheckpointError(f"{path}: expected a {fmt} checkpoint but found a {found} one")
         if found == "mtj":
-            cfg = resolve_config(config)
-            check_layer_count(cfg, mtj.count_layers(path), config_source(config), f"{path.name}/shard_*/*.npz")
-            checkpoint = cls(path, found, GPTJ, cfg)
+            cfg, layout = resolve_config(config), mtj.scan(path)
+            check_layer_count(cfg, mtj.count_layers(layout), config_source(config), f"{path.name}/shard_*/*.npz")
+            checkpoint = cls(path, found, GPTJ, cfg, layout=layout)
         else:
             shard = shard_file(path, rank, world) if world > 1 else None
             shard = model_file(path, shard.relative_to(path)) if shard is not None and shard.is_file() else None
-            arch, cfg = _read_hf(path, config, listing=shard is None)  # a rank's shard: the folder may hold no other
-            checkpoint = cls(path, found, arch, cfg, shard)
+            arch, cfg, files = _read_hf(path, config, listing=shard is None)  # a rank's shard: maybe no other
+            checkpoint = cls(path, found, arch, cfg, shard, files=files)
         return checkpoint if lora is None else checkpoint.with_adapter(read_adapter(lora))
 
     @property
@@ -163,18 +167,19 @@ class Checkpoint:
         wanted in, for a slim checkpoint's combined tensors (sharded biases, wte + the embedding bias)
         to be summed in float32 and rounded once, to it; `progress`: a slim checkpoint's own bar."""
         if self.format == "hf":
-            return hf.iter_hf_tensors(self.folder)
+            return hf.iter_hf_tensors(self.files)
         return ((name, tuple(t.shape), (lambda t=t: t), self.folder)
-                for name, t in mtj.iter_mtj_slim(self.folder, self.config.n_layer, dtype=dtype, progress=progress))
+                for name, t in mtj.iter_mtj_slim(self.layout, self.config.n_layer, dtype=dtype, progress=progress))
 
 
 def _read_hf(path: Path, config: str | os.PathLike | GPTJConfig | None, listing: bool = True
-             ) -> tuple[Architecture, Any]:
-    """An HF folder's architecture and config, checked (`listing`: against its tensor listing) before
-    any weight is read."""
+             ) -> tuple[Architecture, Any, tuple[Path, ...]]:
+    """An HF folder's architecture, config and weight files (hf.weight_files; `listing` False: none
+    are looked for), checked (the config against its tensor listing) before any weight is read."""
     arch, cfg = hf_config(model_file(path, CONFIG))
     if config is not None and resolve_config(config) != cfg:
         raise CheckpointError(f"{path}: its config.json differs from the config given")
+    files = tuple(hf.weight_files(path)) if listing else ()
     listed = hf.listed_tensor_names(path) if listing else None
     if listed is not None and arch is GPTJ:  # a single .bin lists nothing until unpickled: checked as read
         names, listing = listed
@@ -183,7 +188,7 @@ def _read_hf(path: Path, config: str | os.PathLike | GPTJConfig | None, listing:
         cfg = cfg.replace(quantization=quant.check_quantization(cfg.quantization, cfg, str(path / CONFIG)))
     if listed is not None and arch is not GPTJ:
         check_listing(arch, cfg, *listed)
-    return arch, cfg
+    return arch, cfg, files
 
 
 def tensor_names(arch: Architecture, config: Any) -> dict[str, str] | None:

@@ -11,7 +11,7 @@ import json
 import math
 import mmap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,9 +48,9 @@ def weight_files(path: Path) -> list[Path]:
 
 def listed_tensor_names(path: Path) -> tuple[list[str], Path] | None:
     """The tensor names an HF directory lists without reading a weight, and the file that lists them:
-    the index's weight_map, or a single safetensors file's header (the files weight_files picks).
-    None for a single .bin: a pickle lists its tensors only once unpickled (they are checked as read)."""
-    weight_files(path)  # the same choice of files, and the index checked
+    the index's weight_map, or a single safetensors file's header (the files weight_files picks: call
+    it first, it checks the index). None for a single .bin: a pickle lists its tensors only once
+    unpickled (they are checked as read)."""
     for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (BIN, BIN_INDEX)):
         if (path / index).is_file():
             return list(json.loads((path / index).read_text(encoding="utf-8"))["weight_map"]), path / index
@@ -162,9 +162,10 @@ def _iter_bin(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[], t
         yield name, tuple(tensor.shape), (lambda t=tensor: t)
 
 
-def iter_hf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], callable, Path]]:
-    """(name, shape, read(), file) for every tensor of an HF directory, legacy buffers included."""
-    for file in weight_files(path):
+def iter_hf_tensors(files: Iterable[Path]) -> Iterator[tuple[str, tuple[int, ...], callable, Path]]:
+    """(name, shape, read(), file) for every tensor of an HF directory's weight files (weight_files),
+    legacy buffers included."""
+    for file in files:
         reader = _iter_safetensors if file.suffix == ".safetensors" else _iter_bin
         for name, shape, read in reader(file):
             yield name, shape, read, file

@@ -30,7 +30,7 @@ from gptj.device import dtype_name
 from gptj.weights.finite import check_finite
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder
-from gptj.models.registry import architecture_of
+from gptj.models.registry import ARCHITECTURES
 from gptj.quant.format import hf_quantization_config, is_quant_param, quantized_specs
 from gptj.weights import hf
 from gptj.weights.checkpoint import CONFIG, tensor_names
@@ -62,7 +62,7 @@ def save_folder(state_dict: Mapping[str, torch.Tensor], config: Any, out: str | 
     quantization's scales stay bfloat16). With tied embeddings a float lm_head.weight is not written
     (as HF's save_pretrained).
     """
-    arch = architecture_of(config)
+    arch = ARCHITECTURES[config.model_type]
     stored = {ours: name for name, ours in tensor_names(arch, config).items()}  # ours -> HF
     specs = quantized_specs(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -93,7 +93,7 @@ def random_folder(config: Any, out: str | os.PathLike, seed: int = 0, dtype: tor
                   max_shard_bytes: int = MAX_SHARD_BYTES, extra: Callable[[Path], None] | None = None) -> Path:
     """`gptj init`: deterministic random weights (HF's init: normal(0, std) matrices, unit norms),
     made in float32 one tensor at a time, cast to `dtype`, and written one shard at a time."""
-    arch = architecture_of(config)
+    arch = ARCHITECTURES[config.model_type]
     names = arch.hf_names(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     params = dict(arch.build_model(config, device="meta").named_parameters(remove_duplicate=False))

@@ -39,7 +39,7 @@ from gptj import quant
 from gptj.config import GPTJConfig
 from gptj.errors import CheckpointError, GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
-from gptj.models.registry import architecture_of
+from gptj.models.registry import ARCHITECTURES
 from gptj.quant.calibrate import w8a8_factors
 from gptj.quant.format import hf_quantization_config
 from gptj.device import dtype_name
@@ -91,7 +91,7 @@ def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dt
     """
     if quantize is not None and config.quantization is not None:
         raise GptjError("the checkpoint is already quantized")
-    arch = architecture_of(config)
+    arch = ARCHITECTURES[config.model_type]
     tied = bool(getattr(config, "tie_word_embeddings", False))
     sd = read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
                       progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
@@ -105,7 +105,7 @@ def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
     """The model of `config`'s architecture holding `state_dict` (the model's names; quantized as
     config.quantization says), assigned on the meta device, packed for `device`'s kernels, eval mode.
     A tied float LM head (tie_word_embeddings) shares the embedding's weight."""
-    model = architecture_of(config).build_model(config, device="meta")
+    model = ARCHITECTURES[config.model_type].build_model(config, device="meta")
     if config.quantization is not None:
         quant.swap_quantized_modules(model, config.quantization)
     model.load_state_dict(state_dict, strict=True, assign=True)

@@ -86,12 +86,15 @@ from gptj.files import model_file
 from gptj.weights.finite import all_finite
 
 __all__ = [
+    "Layout",
     "MtjLeaf",
     "Rule",
+    "count_layers",
     "is_mtj_slim",
     "iter_mtj_slim",
     "load_mtj_slim",
     "mtj_leaves",
+    "scan",
 ]
 
 _ROOT = "causal_transformer_shard/~/"
@@ -199,17 +202,15 @@ def n_leaves(n_layer: int) -> int:
     return count(_TOP_MODULES) + n_layer * count(_LAYER_MODULES)
 
 
-def count_layers(path: str | Path, n_shards: int | None = None) -> int:
-    """The number of layers a slim checkpoint holds, from its leaf count (the npz directories only: no
-    array is read). CheckpointError if the count fits no GPT-J."""
-    path = Path(path)
-    layout = _scan(path, n_shards)
+def count_layers(layout: Layout) -> int:
+    """The number of layers the slim checkpoint `layout` scanned holds, from its leaf count (the npz
+    directories only: no array is read). CheckpointError if the count fits no GPT-J."""
     per_layer = n_leaves(1) - n_leaves(0)
     for step in (0, 1):  # a trailing step leaf may follow the params
         layers, rest = divmod(layout.n_leaves - step - n_leaves(0), per_layer)
         if layers >= 1 and rest == 0:
             return layers
-    raise CheckpointError(f"{path}: wrong leaf count: {layout.n_leaves} arrays per shard in "
+    raise CheckpointError(f"{layout.path}: wrong leaf count: {layout.n_leaves} arrays per shard in "
                           f"{len(layout.file_names)} files fit no GPT-J ({n_leaves(0)} + {per_layer} per layer, "
                           f"+1 optional step)")
 
@@ -223,8 +224,11 @@ def is_mtj_slim(path: str | Path) -> bool:
 # --------------------------------------------------------------------------- layout
 
 
-@dataclass
-class _Layout:
+@dataclass(frozen=True)
+class Layout:
+    """A slim checkpoint's folders and arrays as `scan` found them (no array read yet)."""
+
+    path: Path  # the checkpoint folder
     shard_dirs: list[Path]  # shard_0 .. shard_{S-1}
     file_names: list[str]  # "0.npz" .. "{N-1}.npz", numeric order, same in every shard
     file_keys: list[list[str]]  # per file: "arr_0" .. "arr_{k-1}", numeric order
@@ -269,8 +273,11 @@ def _npz_keys(path: Path, where: str) -> list[str]:
     return [index[i] for i in range(len(index))]
 
 
-def _scan(path: Path, n_shards: int | None) -> _Layout:
-    """Find the shard folders and files; check every shard has the same file/array counts."""
+def scan(path: str | Path, n_shards: int | None = None) -> Layout:
+    """Find the shard folders and files of the slim checkpoint in `path` (each inside it, as
+    gptj.files.model_file allows); check every shard has the same file/array counts (`n_shards`: the
+    number of shard folders it must have). Only the npz directories are read."""
+    path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not (path / "shard_0").is_dir():
@@ -279,7 +286,7 @@ def _scan(path: Path, n_shards: int | None) -> _Layout:
     if n_shards is not None and len(shard_dirs) != n_shards:
         raise CheckpointError(f"{path}: found {len(shard_dirs)} shard folders, expected {n_shards}")
 
-    layout: _Layout | None = None
+    layout: Layout | None = None
     for shard_dir in shard_dirs:
         npz_files = [p for p in shard_dir.iterdir() if p.suffix == ".npz"]
         for p in npz_files:
@@ -292,7 +299,7 @@ def _scan(path: Path, n_shards: int | None) -> _Layout:
             raise CheckpointError(f"{shard_dir}: no .npz files")
         keys = [_npz_keys(f, f"{shard_dir.name}/{f.name}") for f in files]
         if layout is None:
-            layout = _Layout(shard_dirs, [f.name for f in files], keys)
+            layout = Layout(path, shard_dirs, [f.name for f in files], keys)
             continue
         # Every shard must hold the same leaves in the same files.
         if len(files) != len(layout.file_names):
@@ -309,7 +316,7 @@ def _scan(path: Path, n_shards: int | None) -> _Layout:
     return layout
 
 
-def _check_leaf_count(path: Path, layout: _Layout, n_params: int, n_layer: int) -> None:
+def _check_leaf_count(layout: Layout, n_params: int, n_layer: int) -> None:
     """A slim checkpoint holds exactly the params leaves, plus optionally a trailing step."""
     n = layout.n_leaves
     if n in (n_params, n_params + 1):
@@ -321,7 +328,7 @@ def _check_leaf_count(path: Path, layout: _Layout, n_params: int, n_layer: int) 
     if not hint and n > n_params + 1:
         hint = "; a full checkpoint with optimizer state is not supported, use the slim one"
     raise CheckpointError(
-        f"{path}: wrong leaf count: {n} arrays per shard in {len(layout.file_names)} files, "
+        f"{layout.path}: wrong leaf count: {n} arrays per shard in {len(layout.file_names)} files, "
         f"expected {n_params} params for n_layer={n_layer} (+1 optional step){hint}"
     )
 
@@ -426,24 +433,23 @@ def _check_result(leaf: MtjLeaf, tensor: torch.Tensor, expected_shapes: Mapping[
 
 
 def iter_mtj_slim(
-    path: str | Path,
+    layout: Layout,
     n_layer: int,
     dtype: torch.dtype | None = None,
     progress: bool = False,
     *,
-    n_shards: int | None = None,
     expected_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF GPT-J tensor of an MTJ slim checkpoint.
 
-    path: the checkpoint folder (holding ``shard_0/`` .. ``shard_{S-1}/``).
+    layout: the checkpoint as `scan` found it (its folder holds ``shard_0/`` ..
+        ``shard_{S-1}/``).
     n_layer: number of transformer layers (28 for GPT-J 6B); the other dims
         (n_embd, n_inner, vocab) are read from the arrays and checked to agree
         across leaves and shards.
     dtype: output dtype; None keeps the stored dtype (bfloat16 for the
         released checkpoint). Summed biases and wte + bias are computed in
         float32 and rounded once.
-    n_shards: if given, the number of shard folders must equal it.
     expected_shapes: if given, every produced tensor's name must be in it with
         this exact shape (names not produced here, e.g. buffers, are ignored).
 
@@ -452,12 +458,9 @@ def iter_mtj_slim(
     once besides the tensors already yielded.
 
     Raises CheckpointError (one-line message naming the shard/file and tensor)
-    on a missing shard folder or file, shards that disagree, a wrong leaf count,
-    an array shape that does not fit, or non-finite values.
+    on a wrong leaf count, an array shape that does not fit, or non-finite values.
     """
-    path = Path(path)
-    layout = _scan(path, n_shards)
-    _check_leaf_count(path, layout, n_leaves(n_layer), n_layer)  # before a table of n_layer leaves is built
+    _check_leaf_count(layout, n_leaves(n_layer), n_layer)  # before a table of n_layer leaves is built
     leaves = mtj_leaves(n_layer)
     dims = _Dims(len(layout.shard_dirs))
     wte_bias: torch.Tensor | None = None  # summed embedding bias, float32 [E]
@@ -496,7 +499,7 @@ def iter_mtj_slim(
                         tensor += wte_bias  # broadcast the [E] bias over every vocab row
 
                     tensor = tensor.to(dtype or stored_dtype).contiguous()
-                    _check_result(leaf, tensor, expected_shapes, path)
+                    _check_result(leaf, tensor, expected_shapes, layout.path)
                     bar.update(1)
                     yield leaf.hf_name, tensor
     finally:
@@ -512,7 +515,6 @@ def load_mtj_slim(
     n_shards: int | None = None,
     expected_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load an MTJ slim checkpoint as an HF GPT-J state dict. See iter_mtj_slim."""
-    return dict(
-        iter_mtj_slim(path, n_layer, dtype, progress, n_shards=n_shards, expected_shapes=expected_shapes)
-    )
+    """Load the MTJ slim checkpoint in the folder `path` as an HF GPT-J state dict (`n_shards`: the
+    number of shard folders it must have). See scan and iter_mtj_slim."""
+    return dict(iter_mtj_slim(scan(path, n_shards), n_layer, dtype, progress, expected_shapes=expected_shapes))
