@@ -97,6 +97,25 @@ def test_tied_save_writes_no_lm_head(tmp_path):
     assert load_model(tmp_path / "saved").lm_head.weight is not None
 
 
+def test_a_tied_head_is_the_embedding_and_a_stored_one_must_equal_it(tmp_path):
+    """A tied folder without lm_head loads with the head sharing the embedding's tensor; one that stores
+    a float head equal to the embedding loads too, and one whose stored head differs is refused in one
+    line naming both."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model(tie=True).save_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    file = tmp_path / "m" / "model.safetensors"
+    sd = load_file(str(file))
+    save_file({**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}, str(file), metadata={"format": "pt"})
+    assert torch.equal(load_model(tmp_path / "m").lm_head.weight, sd["model.embed_tokens.weight"])
+    save_file({**sd, "lm_head.weight": sd["model.embed_tokens.weight"] + 1}, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert "lm_head.weight is tied to model.embed_tokens.weight" in one_line(e)
+
+
 def one_line(e: pytest.ExceptionInfo) -> str:
     text = str(e.value)
     assert "\n" not in text

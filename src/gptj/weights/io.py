@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from gptj import quant
 from gptj.config import GPTJConfig
-from gptj.errors import CheckpointError, GptjError
+from gptj.errors import GptjError
 from gptj.files import atomic_folder, atomic_write_json, model_file
 from gptj.models.registry import ARCHITECTURES
 from gptj.quant.calibrate import w8a8_factors
@@ -92,12 +92,11 @@ def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dt
     if quantize is not None and config.quantization is not None:
         raise GptjError("the checkpoint is already quantized")
     arch = ARCHITECTURES[config.model_type]
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    sd = read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
-                      progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
-                      skip=arch.legacy, optional=("lm_head.weight",) if tied else (),
-                      rename=tensor_names(arch, config), what="a GPT-J weight" if arch.hf_names is None else "a weight")
-    return _tied_head(sd, quantize or config.quantization, smooth) if tied else sd
+    tied = {"lm_head.weight": "transformer.wte.weight"} if getattr(config, "tie_word_embeddings", False) else None
+    return read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
+                        progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
+                        skip=arch.legacy, tied=tied, rename=tensor_names(arch, config),
+                        what="a GPT-J weight" if arch.hf_names is None else "a weight")
 
 
 def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
@@ -114,23 +113,6 @@ def model_from_state_dict(config: Any, state_dict: Mapping[str, torch.Tensor],
     model.init_buffers(device)
     quant.prepare_model(model)  # pack quantized weights for the device's kernels
     return model.eval()
-
-
-def _tied_head(state_dict: Mapping[str, torch.Tensor], q: Mapping | None,
-               smooth: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors with its tied LM head's (tie_word_embeddings): the embedding's (quantized
-    as `q` says, with lm_head's W8A8 factors in `smooth`, if it names lm_head) where the checkpoint
-    left them out; a stored float head must equal the embedding (as HF reads such a checkpoint)."""
-    sd, embed = dict(state_dict), state_dict["transformer.wte.weight"]
-    head = sd.get("lm_head.weight")
-    if head is None and q is not None and "lm_head" in q["modules"]:
-        sd.update({f"lm_head.{leaf}": t for leaf, t in
-                   quant.quantize_weight(embed, q["mode"], q["group_size"], (smooth or {}).get("lm_head")).items()})
-    elif head is None:
-        sd["lm_head.weight"] = embed
-    elif head.is_floating_point() and not torch.equal(head, embed):
-        raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
-    return sd
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -171,7 +153,8 @@ def read_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype | None = None, de
     q = quant.resolve_quantization(cfg, quantize, group_size, where=folder)
     smooth = w8a8_factors(q, cfg, folder)
     # A slim checkpoint's reader draws its own bar (per leaf across shards); one bar is enough.
-    sd = checked_state_dict(cfg, checkpoint.tensors(progress and not hf_dir, dtype), dtype=dtype, device=device,
+    items = checkpoint.tensors(progress and not hf_dir, dtype)
+    sd = checked_state_dict(cfg, items, dtype=dtype, device=device,
                             progress=progress and hf_dir, desc=desc, quantize=q, smooth=smooth,
                             adapter=checkpoint.adapter)
     if q is not None:

@@ -8,7 +8,8 @@ integer dtype for a quantized weight, kept exactly as stored). Each tensor is re
 it comes: a name it must hold, not twice, its shape, its dtype, finite values; every error is one line
 naming the file. A LoRA adapter is folded into the float weights it adapts before they are rounded or
 quantized, and `quantize` quantizes the weights it names as soon as they are read, so no float copy of
-the model is held.
+the model is held. A tied weight the checkpoint leaves out (an LM head tied to the embedding) is its
+source's, quantized as `quantize` asks.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ Specs = Mapping[str, tuple[tuple[int, ...], "torch.dtype | None"]]
 def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", progress: bool = False, desc: str = "loading",
                  quantize: Mapping | None = None, smooth: Mapping[str, torch.Tensor] | None = None,
-                 adapter: Adapter | None = None, skip: tuple[str, ...] = (), optional: Iterable[str] = (),
+                 adapter: Adapter | None = None, skip: tuple[str, ...] = (), tied: Mapping[str, str] | None = None,
                  rename: Mapping[str, str] | None = None, what: str = "a weight") -> dict[str, torch.Tensor]:
     """Every tensor of `items`, checked against `specs` and converted: float ones to `dtype` (None: as
     stored) on `device`, a quantization's scales to its scale dtype. `quantize` (a
     quant.make_quantization dict): the weights of its modules quantized as read (`smooth`: W8A8's
     factors by module). `skip`: name suffixes of buffers old checkpoints saved, passed over;
-    `optional`: names that may be absent (a tied LM head); `rename`: stored name -> the model's, where
+    `tied`: name -> the name it is tied to (a tied LM head: the embedding's), which may be absent (then
+    it is the other's, or its quantized copy) and where stored and float must equal it; `rename`: stored name -> the model's, where
     they differ (Llama's HF names: the specs, `quantize`, `smooth` and the result use the model's;
     errors and the adapter the stored ones); `what`: how an unexpected name is called."""
     rename = rename or {}
@@ -72,10 +74,7 @@ def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype
                                   f"expected floating point")
         elif name in qweights:
             check_finite(tensor, stored_name, file)
-            module = name[: -len(".weight")]  # quantized on the target device (fast on a GPU), from the stored dtype
-            for leaf, t in quant.quantize_weight(tensor.to(device), quantize["mode"], quantize["group_size"],
-                                                 (smooth or {}).get(module)).items():
-                out[f"{module}.{leaf}"] = t
+            out.update(_quantized(name, tensor.to(device), quantize, smooth))  # on the device, from the stored dtype
             del tensor
         else:
             target = quant.SCALE_DTYPE if quant.is_quant_param(name) else (dtype or tensor.dtype)
@@ -86,9 +85,24 @@ def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype
             out[name] = tensor
         bar.update()
     bar.close()
-    missing = [n for n in specs if n not in seen and n not in optional]
+    for name, source in (tied or {}).items():
+        if name not in seen and source in out:  # left out: the source's (already checked and converted)
+            out.update(_quantized(name, out[source], quantize, smooth) if name in qweights else {name: out[source]})
+            seen.add(name)
+        elif name in out and out[name].is_floating_point() and not torch.equal(out[name], out[source]):
+            raise CheckpointError(f"{stored.get(name, name)} is tied to {stored.get(source, source)} (tie_word_embeddings) "
+                                  f"but differs from it")
+    missing = [n for n in specs if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {stored.get(missing[0], missing[0])}{more}")
     return out
+
+
+def _quantized(name: str, weight: torch.Tensor, quantize: Mapping, smooth: Mapping[str, torch.Tensor] | None
+               ) -> dict[str, torch.Tensor]:
+    """The tensors of the quantized weight `name` (its module's, quant.quantize_weight's leaves)."""
+    module = name[: -len(".weight")]
+    return {f"{module}.{leaf}": t for leaf, t in
+            quant.quantize_weight(weight, quantize["mode"], quantize["group_size"], (smooth or {}).get(module)).items()}
 
