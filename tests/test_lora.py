@@ -335,3 +335,27 @@ def test_an_adapter_folds_into_the_weights_as_they_load(tiny_checkpoint, adapter
         got = load_rank(checkpoint, rank, 2, torch.float32, "cpu").state_dict()
         want = shard_state_dict(whole.state_dict(), whole.config, rank, 2)
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("change, said", [({"n_layer": 3}, "adapts layer 2; the model has 2"),
+                                          ({"n_embd": 128, "n_inner": 256}, "the model's is")])
+def test_an_adapter_for_another_shape_is_refused_before_any_weight_is_read(tiny_checkpoint, tmp_path, capsys,
+                                                                           change, said):
+    """An adapter trained on a model of other shapes does not fit: Checkpoint.read refuses it in one
+    line, before a tensor of the base is read (once for the one process and every --tp rank)."""
+    from gptj.config import get_preset
+    from gptj.weights.checkpoint import Checkpoint
+    from gptj.weights.io import random_state_dict, save_checkpoint
+
+    cfg = get_preset("tiny").replace(**change)
+    other = save_checkpoint(random_state_dict(cfg, seed=1), cfg, tmp_path / "other")
+    model = load_model(other)
+    config = LoRAConfig(rank=4, alpha=8.0, target_modules=ALL)
+    apply_lora(model, config)
+    folder = save_adapter(model, config, tmp_path / "adapter", base_model=str(other))
+    with pytest.raises(GptjError, match=said):
+        Checkpoint.read(tiny_checkpoint, lora=str(folder))
+    code = main(["generate", "--model", str(tiny_checkpoint), "--lora", str(folder), "--prompt-ids", "1,2,3",
+                 "--max-new-tokens", "2"])
+    last = capsys.readouterr().err.splitlines()[-1]  # after the warning that it was trained on another base
+    assert code == 1 and last.startswith("gptj generate: error: ") and said in last, last

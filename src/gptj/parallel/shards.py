@@ -21,7 +21,6 @@ from gptj.config import GPTJConfig
 from gptj.errors import GptjError
 from gptj.parallel.tp import load_gptj_rank, shard_state_dict
 from gptj.parallel.tp_llama import load_llama_rank, shard_llama_state_dict
-from gptj.quant.format import quantized_specs
 from gptj.weights.checkpoint import Checkpoint, shard_file
 from gptj.weights.peft import merged
 
@@ -55,8 +54,7 @@ def _adapted(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], shard: Callabl
              device: torch.device | str) -> dict[str, torch.Tensor]:
     """A rank's tensors with the checkpoint's adapter folded into its slices of the weights (before
     they are rounded): each delta made whole (it names the file's modules: HF's), then cut by `shard`."""
-    config, adapter = checkpoint.config, checkpoint.adapter
+    config, adapter = checkpoint.config, checkpoint.adapter  # it fits: Checkpoint.with_adapter checked it
     stored = {ours: name for name, ours in (checkpoint.renames or {}).items()}  # the model's name -> the file's
-    adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quantized_specs(config).items()}, config.n_layer)
     deltas = {n: d for n in sd if (d := adapter.delta(stored.get(n, n), device)) is not None}
     return {**sd, **{n: merged(sd[n], d) for n, d in shard(deltas, config, rank, world).items()}}

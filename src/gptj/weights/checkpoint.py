@@ -154,12 +154,17 @@ class Checkpoint:
 
     def with_adapter(self, adapter: Adapter | None) -> Checkpoint:
         """This checkpoint with `adapter` folded into its float weights as they load (one line if it is
-        quantized, or adapts another architecture's modules)."""
-        if adapter is not None and self.mode is not None:
+        quantized, adapts another architecture's modules, or does not fit its weights' shapes)."""
+        if adapter is None:
+            return dataclasses.replace(self, adapter=None)
+        if self.mode is not None:
             raise GptjError(f"--lora: {self.folder} is quantized; a LoRA adapter merges into float weights")
-        if adapter is not None and adapter.layout.arch != self.arch.model_type:
+        if adapter.layout.arch != self.arch.model_type:
             raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {self.folder} is a "
                             f"{self.arch.model_type} model")
+        stored = {ours: name for name, ours in (self.renames or {}).items()}  # the model's name -> the file's
+        adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quant.quantized_specs(self.config).items()},
+                           self.config.n_layer)
         return dataclasses.replace(self, adapter=adapter)
 
     def tensors(self, progress: bool = False, dtype: torch.dtype | None = None) -> Iterator[TensorItem]:

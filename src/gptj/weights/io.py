@@ -93,7 +93,7 @@ def checked_state_dict(config: Any, items: Iterable[TensorItem], dtype: torch.dt
         raise GptjError("the checkpoint is already quantized")
     arch = ARCHITECTURES[config.model_type]
     tied = {"lm_head.weight": "transformer.wte.weight"} if getattr(config, "tie_word_embeddings", False) else None
-    return read_checked(expected_specs(config), items, config.n_layer, dtype=dtype, device=device,
+    return read_checked(expected_specs(config), items, dtype=dtype, device=device,
                         progress=progress, desc=desc, quantize=quantize, smooth=smooth, adapter=adapter,
                         skip=arch.legacy, tied=tied, rename=tensor_names(arch, config),
                         what="a GPT-J weight" if arch.hf_names is None else "a weight")

@@ -6,8 +6,8 @@
 `specs` what the checkpoint must hold (name -> (shape, dtype): dtype None for any floating point one, an
 integer dtype for a quantized weight, kept exactly as stored). Each tensor is read once and checked as
 it comes: a name it must hold, not twice, its shape, its dtype, finite values; every error is one line
-naming the file. A LoRA adapter is folded into the float weights it adapts before they are rounded or
-quantized, and `quantize` quantizes the weights it names as soon as they are read, so no float copy of
+naming the file. A LoRA adapter (one that fits: Checkpoint.with_adapter checked it) is folded into the
+float weights it adapts before they are rounded or quantized, and `quantize` quantizes the weights it names as soon as they are read, so no float copy of
 the model is held. A tied weight the checkpoint leaves out (an LM head tied to the embedding) is its
 source's, quantized as `quantize` asks.
 """
@@ -28,7 +28,7 @@ from gptj.weights.peft import Adapter, merged
 Specs = Mapping[str, tuple[tuple[int, ...], "torch.dtype | None"]]
 
 
-def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype | None = None,
+def read_checked(specs: Specs, items: Iterable, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", progress: bool = False, desc: str = "loading",
                  quantize: Mapping | None = None, smooth: Mapping[str, torch.Tensor] | None = None,
                  adapter: Adapter | None = None, skip: tuple[str, ...] = (), tied: Mapping[str, str] | None = None,
@@ -44,8 +44,6 @@ def read_checked(specs: Specs, items: Iterable, n_layer: int, dtype: torch.dtype
     rename = rename or {}
     stored = {ours: name for name, ours in rename.items()}  # the model's name -> the file's
     qweights = {f"{m}.weight" for m in quantize["modules"]} if quantize is not None else set()
-    if adapter is not None:
-        adapter.check_fits({stored.get(name, name): shape for name, (shape, _) in specs.items()}, n_layer)
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     bar = tqdm(total=len(specs), desc=desc, unit="tensor", disable=not progress)
