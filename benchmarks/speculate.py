@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--trained", type=Path, help="a trained checkpoint for the trained case (default: train one)")
-    ap.add_argument("--train-steps", type=int, default=200)
+    ap.add_argument("--train-steps", type=int, default=200, help="training steps (the config's: 200; fewer stop early)")
     ap.add_argument("--layers", type=int, default=2, help="the wide cases' layers")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gptj-speculate"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
