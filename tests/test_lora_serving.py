@@ -179,9 +179,12 @@ def test_generate_lora_merges_the_adapter(tiny_checkpoint, adapters, capsys):
     assert "--lora with --quantize w8a8 is not supported" in capsys.readouterr().err
 
 
-def test_llama_adapters_served_unmerged_each_get_their_merged_models_tokens(tmp_path):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_llama_adapters_served_unmerged_each_get_their_merged_models_tokens(tmp_path, fuse):
     """Llama adapters (PEFT's names for LlamaForCausalLM) served over one Llama engine, unmerged and
-    batched with the base: each request gets the tokens of the model with its adapter merged (float32)."""
+    batched with the base: each request gets the tokens of the model with its adapter merged (float32).
+    `fuse`: the engine's blocks fused as the serving kernels fuse them below float32 (q|k|v and
+    gate|up one linear each): an adapter adds to its slices of them."""
     from safetensors.torch import save_file
 
     from gptj.weights.peft import CONFIG_FILE, WEIGHTS_FILE
@@ -207,7 +210,14 @@ def test_llama_adapters_served_unmerged_each_get_their_merged_models_tokens(tmp_
         save_file(sd, str(folder / WEIGHTS_FILE))
         (folder / CONFIG_FILE).write_text(json.dumps(LoRAConfig(rank=4, alpha=8, target_modules=targets).peft_json()))
         folders[f"a{k}"] = str(folder)
-    engine = build_engine(load_model(tmp_path / "m"), EngineConfig(max_seqs=8), adapters=list(folders.items()))
+    served = load_model(tmp_path / "m")
+    if fuse:
+        from gptj.kernels.fused import fuse_block
+
+        for block in served.transformer.h:
+            fuse_block(block)
+        assert not hasattr(served.transformer.h[0].attn, "k_proj") and served.transformer.h[0].w_gate_up is not None
+    engine = build_engine(served, EngineConfig(max_seqs=8), adapters=list(folders.items()))
     gen = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     prompts = [[5, 17, 300, 2, 9], [41, 7, 100, 12]]  # (llama-tiny's 512-id vocabulary)
     jobs = [(p, a) for p in prompts for a in (None, *folders)]

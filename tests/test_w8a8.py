@@ -266,14 +266,16 @@ def calibrated_llama(tmp_path_factory):
 
 
 def test_a_llama_serves_w8a8_on_each_kernel_form(calibrated_llama, w8a8_kernel):
-    """Llama's seven linears and its head on the serving kernels' packed W8A8 layers (each form: as on
-    the CPU kinds the fixture fakes), which give the plain layers' numbers: the model's logits equal
-    the plain W8A8 model's, and requests batched together get each one's tokens alone."""
+    """Llama's seven linears (fused: q|k|v and gate|up, on one set of smoothing factors each) and its
+    head on the serving kernels' packed W8A8 layers (each form: as on the CPU kinds the fixture fakes),
+    which give the plain layers' numbers: the model's logits equal the plain W8A8 model's, and requests
+    batched together get each one's tokens alone."""
     plain = load_model(calibrated_llama, dtype=torch.bfloat16, quantize="w8a8")
     model = load_model(calibrated_llama, dtype=torch.bfloat16, quantize="w8a8")
-    prepare_for_serving(model)
+    assert prepare_for_serving(model)["fused_blocks"] == len(model.transformer.h)
     want = quant.W8A8Linear if w8a8_kernel == "plain" else fused.PackedW8A8Linear
-    assert all(isinstance(model.get_submodule(n), want) for n in model.config.quantization["modules"])
+    layers = [m for b in model.transformer.h for m in (b.w_qkv, b.attn.o_proj, b.w_gate_up, b.mlp.down_proj)]
+    assert all(isinstance(m, want) for m in layers + [model.lm_head])
     ids = torch.tensor([[(5 * i) % 500 for i in range(1, 20)]])
     with torch.no_grad():
         assert torch.equal(model(ids), plain(ids))

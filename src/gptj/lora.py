@@ -306,10 +306,17 @@ def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
     """Where each of a block's linears lives: (attribute path of the module computing it, its input
     columns there, its output rows there). A plain block has one module per linear; a fused one
     (gptj.kernels.fuse_block) computes q|k|v|fc_in in `w_in` and [attention | gelu] @ [out_proj | fc_out]
-    in `w_out` (or keeps out_proj and fc_out apart)."""
+    in `w_out` (or keeps out_proj and fc_out apart); a fused Llama block q|k|v in `w_qkv` and gate|up in
+    `w_gate_up`."""
     whole = slice(None)
     slots = {name: (f"{_OUR_PARENT[name]}.{name}", whole, whole) for name in _OUR_PARENT}
-    if getattr(block, "w_in", None) is None:  # a plain block (Llama's are)
+    if getattr(block, "w_qkv", None) is not None:
+        q, k, v = block.qkv_sizes
+        inner = block.w_gate_up.out_features // 2
+        slots.update(q_proj=("w_qkv", whole, slice(0, q)), k_proj=("w_qkv", whole, slice(q, q + k)),
+                     v_proj=("w_qkv", whole, slice(q + k, q + k + v)),
+                     gate_proj=("w_gate_up", whole, slice(0, inner)), up_proj=("w_gate_up", whole, slice(inner, 2 * inner)))
+    if getattr(block, "w_in", None) is None:  # a plain or a Llama block
         return slots
     E = block.attn.n_head * block.attn.head_dim
     inner = block.w_in.out_features - 3 * E

@@ -30,6 +30,7 @@ from gptj.policy import (NATIVE, PACK_MODES, TORCH, TRITON, can_pack, can_pack_i
 from gptj.fallback import Fallbacks
 from gptj.kernels.dense import PackedLinear
 from gptj.models.gptj import PLAIN_OPS, Block, BlockOps
+from gptj.models.llama import Block as LlamaBlock
 from gptj.quant import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear
 from gptj.quant.base import choose_methods
 from gptj.quant.w8a8 import PackedW8A8Linear
@@ -147,15 +148,23 @@ class KernelOps(BlockOps):
         return out
 
 
-def fuse_block(block: Block) -> Block:
-    """A GPT-J block's weights fused in place, and its ops chosen for its device and dtype (the
-    LayerNorm's: the activations'); the same math (models.gptj.Block).
+def fuse_block(block: Block | LlamaBlock) -> Block | LlamaBlock:
+    """A block's weights fused in place; the same math (models.gptj.Block, models.llama.Block).
+    Llama: w_qkv = [q | k | v], w_gate_up = [gate | up]. GPT-J: its ops chosen for its device and
+    dtype (the LayerNorm's: the activations'), and
 
     w_in = [q | k | v | fc_in] (bias: fc_in's). Float weights: w_out = [out_proj | fc_out] over the
     input [attention | gelu]; quantized ones keep out_proj and fc_out apart (their per-row scales
     would not survive concatenation along the input). Each plain linear is freed as it is replaced.
     """
     attn, mlp = block.attn, block.mlp
+    if isinstance(block, LlamaBlock):
+        block.qkv_sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        block.w_qkv = concat_out_features([attn.q_proj, attn.k_proj, attn.v_proj])
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        block.w_gate_up = concat_out_features([mlp.gate_proj, mlp.up_proj])
+        del mlp.gate_proj, mlp.up_proj
+        return block
     block.w_in = concat_out_features([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in])
     del attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in
     if type(attn.out_proj) is nn.Linear and type(mlp.fc_out) is nn.Linear:
@@ -203,15 +212,19 @@ def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
 
 
 def _fusable(block: nn.Module) -> bool:
-    """A float block below float32, or a block with quantized projections (policy.fusable)."""
-    if not isinstance(block, Block) or block.w_in is not None:  # (fused already)
+    """A float block below float32, or a block with quantized projections (policy.fusable); a Llama
+    block as the model file has it (a tensor-parallel one keeps its linears)."""
+    if type(block) is LlamaBlock and block.w_qkv is None:
+        q = block.attn.q_proj
+    elif not isinstance(block, Block) or block.w_in is not None:  # (fused already)
         return False
-    q = block.attn.q_proj
+    else:
+        q = block.attn.q_proj
     return fusable(q.weight.dtype if type(q) is nn.Linear else None)  # None: quantized
 
 
 def fuse_model(model: nn.Module, mode: str = "auto") -> int:
-    """Fuse a GPT-J's blocks (fuse_block) when its weights are quantized or below float32.
+    """Fuse a model's blocks (fuse_block) when its weights are quantized or below float32.
 
     Returns how many. Float32 models (the exact path) and mode "off" are left unchanged.
     """

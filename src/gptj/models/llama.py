@@ -346,7 +346,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """h + attn(ln_1(h)), then + mlp(ln_2(.)): pre-norm, attention and MLP one after the other."""
+    """h + attn(ln_1(h)), then + mlp(ln_2(.)): pre-norm, attention and MLP one after the other.
+
+    Fused at load for serving (gptj.kernels.fuse_block, below float32): `w_qkv` = [q | k | v] and
+    `w_gate_up` = [gate | up] as one linear each (their linears then gone), the same dot products in
+    fewer weight-streaming calls; `qkv_sizes` their output widths."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -354,11 +358,18 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.ln_2 = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.w_qkv: nn.Module | None = None
+        self.w_gate_up: nn.Module | None = None
+        self.qkv_sizes: tuple[int, int, int] = (0, 0, 0)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         h = h + self.self_attention(self.ln_1(h), cos, sin, mask, cache, layer)
-        return h + self.mlp(self.ln_2(h))
+        x = self.ln_2(h)
+        if self.w_gate_up is None:
+            return h + self.mlp(x)
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        return h + self.mlp.down_proj(F.silu(gate) * up)
 
     def self_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                        cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -366,9 +377,13 @@ class Block(nn.Module):
         B, T, _ = x.shape
         a = self.attn
         D = a.head_dim
-        q = a.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
-        k = a.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
-        v = a.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
+        if self.w_qkv is None:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        else:
+            q, k, v = self.w_qkv(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
+        v = v.view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if getattr(cache, "per_sequence", False):  # the engine's: stores k, v and attends, each sequence
             out = cache.attend(layer, q, k, v, mask)  # over its own blocks (H query heads, KV key/value heads)
