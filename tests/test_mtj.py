@@ -353,3 +353,23 @@ def test_config_n_layer_is_checked_against_the_leaf_count(tmp_path, ckpt_small, 
     with pytest.raises(ConfigError, match=re.escape(message)):
         convert(ckpt_small, tmp_path / "out", config=config_json)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_slim_checkpoint_is_scanned_once_and_its_tensors_stream_from_that_scan(ckpt_small, sd_small,
+                                                                                 monkeypatch):
+    """Checkpoint.read scans the shard folders and npz directories once (the layer count, the layout
+    it keeps); loading streams the tensors from that layout without scanning again."""
+    from gptj.config import GPTJConfig
+    from gptj.weights import mtj
+    from gptj.weights.checkpoint import Checkpoint
+
+    scans = []
+    real = mtj.scan
+    monkeypatch.setattr(mtj, "scan", lambda *a, **k: scans.append(a) or real(*a, **k))
+    cfg = GPTJConfig(vocab_size=SMALL_VOCAB, n_positions=32, n_embd=N_EMBD, n_layer=N_LAYER, n_head=4,
+                     rotary_dim=8, n_inner=N_INNER, bos_token_id=0, eos_token_id=0)
+    checkpoint = Checkpoint.read(ckpt_small, config=cfg)
+    assert len(scans) == 1 and checkpoint.layout.path == ckpt_small
+    loaded = {name: read() for name, _, read, _ in checkpoint.tensors(dtype=torch.float32)}
+    assert len(scans) == 1
+    _assert_same(loaded, sd_small)

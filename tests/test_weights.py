@@ -552,3 +552,21 @@ def test_a_calibration_linked_out_is_refused(tmp_path, saved_ckpt):
     with pytest.raises(GptjError, match=rf"^{re.escape(str(link))}: leaves the model folder"):
         convert(d, tmp_path / "out")  # a calibrated float checkpoint's factors are copied along
     assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_folders_weight_files_are_found_once_and_loading_streams_from_them(tiny_checkpoint, monkeypatch):
+    """Checkpoint.read finds and checks an HF folder's weight files once (its index and every file inside
+    the folder) and keeps them; loading reads the tensors from those files without looking again."""
+    from gptj.weights import hf
+    from gptj.weights.checkpoint import Checkpoint
+    from gptj.weights.io import load
+
+    found = []
+    real = hf.weight_files
+    monkeypatch.setattr(hf, "weight_files", lambda path: found.append(path) or real(path))
+    checkpoint = Checkpoint.read(tiny_checkpoint)
+    assert found == [Path(tiny_checkpoint)] and checkpoint.files == tuple(real(Path(tiny_checkpoint)))
+    model = load(checkpoint)
+    assert len(found) == 1
+    want = load_model(tiny_checkpoint).state_dict()
+    assert all(torch.equal(t, want[name]) for name, t in model.state_dict().items())
