@@ -157,3 +157,28 @@ def test_bfloat16_first_step_is_within_the_bound_of_float32():
         allowed = 2 * 3 * (3 * 2 + 1) * U_BF16 * float(logits.abs().max())
         for token, logprob in req.token_logprobs[0].top:
             assert abs(logprob - float(exact[token])) <= allowed
+
+
+def test_int8_llama_blocks_fuse_into_the_same_projections(monkeypatch):
+    """An int8 Llama's serving blocks fuse too (q|k|v and gate|up, each row keeping its scale): each
+    slice of a fused projection is the plain projection's output exactly (the GEMV sums each row of
+    the weight alone), and an engine over the fused blocks decodes the tokens of one over the plain."""
+    import copy
+
+    from gptj.kernels import fused
+    from gptj.quant import quantize_model
+
+    plain = tiny(2, torch.bfloat16, seed=3)
+    quantize_model(plain, "int8")
+    model, unfused = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert prepare_for_serving(model, max_rows=4)["fused_blocks"] == 2
+    x = torch.randn(1, 5, plain.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p, f in zip(plain.transformer.h, model.transformer.h):
+            got = [*f.w_qkv(x).split(f.qkv_sizes, -1), *f.w_gate_up(x).chunk(2, -1)]
+            want = [p.attn.q_proj(x), p.attn.k_proj(x), p.attn.v_proj(x), p.mlp.gate_proj(x), p.mlp.up_proj(x)]
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+    monkeypatch.setattr(fused, "_fusable", lambda block: False)
+    assert prepare_for_serving(unfused, max_rows=4)["fused_blocks"] == 0
+    prompts, config = prompts_of([9, 4, 14], seed=11), EngineConfig(max_seqs=4, block_size=16, kv_blocks=32)
+    assert Engine(model, config).generate(prompts, GREEDY) == Engine(unfused, config).generate(prompts, GREEDY)
