@@ -24,8 +24,8 @@ token-identical to transformers' LlamaForCausalLM; below float32 attention goes 
 The engine (gptj.engine) serves it as it serves GPT-J: with its per-sequence cache (`per_sequence`)
 `step_inputs` builds no mask, the rotary angles come from each row's own positions, and each block
 hands `cache.attend` its H query heads and KV key/value heads (every attention backend computes
-grouped-query attention: gptj.policy.attention_path). gptj.kernels leaves its
-blocks unfused (GPT-J's fused q|k|v|fc_in is not its layout); bfloat16 linears are packed.
+grouped-query attention: gptj.policy.attention_path). Below float32 gptj.kernels fuses its blocks'
+q|k|v and gate|up into one linear each (Block.w_qkv, Block.w_gate_up); bfloat16 linears are packed.
 """
 
 from __future__ import annotations
