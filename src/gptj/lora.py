@@ -314,8 +314,8 @@ def _slots(block: nn.Module) -> dict[str, tuple[str, slice, slice]]:
         q, k, v = block.qkv_sizes
         inner = block.w_gate_up.out_features // 2
         slots.update(q_proj=("w_qkv", whole, slice(0, q)), k_proj=("w_qkv", whole, slice(q, q + k)),
-                     v_proj=("w_qkv", whole, slice(q + k, q + k + v)),
-                     gate_proj=("w_gate_up", whole, slice(0, inner)), up_proj=("w_gate_up", whole, slice(inner, 2 * inner)))
+                     v_proj=("w_qkv", whole, slice(q + k, q + k + v)), gate_proj=("w_gate_up", whole, slice(0, inner)),
+                     up_proj=("w_gate_up", whole, slice(inner, 2 * inner)))
     if getattr(block, "w_in", None) is None:  # a plain or a Llama block
         return slots
     E = block.attn.n_head * block.attn.head_dim

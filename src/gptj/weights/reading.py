@@ -7,9 +7,9 @@
 integer dtype for a quantized weight, kept exactly as stored). Each tensor is read once and checked as
 it comes: a name it must hold, not twice, its shape, its dtype, finite values; every error is one line
 naming the file. A LoRA adapter (one that fits: Checkpoint.with_adapter checked it) is folded into the
-float weights it adapts before they are rounded or quantized, and `quantize` quantizes the weights it names as soon as they are read, so no float copy of
-the model is held. A tied weight the checkpoint leaves out (an LM head tied to the embedding) is its
-source's, quantized as `quantize` asks.
+float weights it adapts before they are rounded or quantized, and `quantize` quantizes the weights it
+names as soon as they are read, so no float copy of the model is held. A tied weight the checkpoint
+leaves out (an LM head tied to the embedding) is its source's, quantized as `quantize` asks.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def read_checked(specs: Specs, items: Iterable, dtype: torch.dtype | None = None
     quant.make_quantization dict): the weights of its modules quantized as read (`smooth`: W8A8's
     factors by module). `skip`: name suffixes of buffers old checkpoints saved, passed over;
     `tied`: name -> the name it is tied to (a tied LM head: the embedding's), which may be absent (then
-    it is the other's, or its quantized copy) and where stored and float must equal it; `rename`: stored name -> the model's, where
-    they differ (Llama's HF names: the specs, `quantize`, `smooth` and the result use the model's;
-    errors and the adapter the stored ones); `what`: how an unexpected name is called."""
+    it is the other's, or its quantized copy) and where stored and float must equal it; `rename`:
+    stored name -> the model's, where they differ (Llama's HF names: the specs, `quantize`, `smooth`
+    and the result use the model's; errors and the adapter the stored ones); `what`: how an
+    unexpected name is called."""
     rename = rename or {}
     stored = {ours: name for name, ours in rename.items()}  # the model's name -> the file's
     qweights = {f"{m}.weight" for m in quantize["modules"]} if quantize is not None else set()
@@ -88,8 +89,8 @@ def read_checked(specs: Specs, items: Iterable, dtype: torch.dtype | None = None
             out.update(_quantized(name, out[source], quantize, smooth) if name in qweights else {name: out[source]})
             seen.add(name)
         elif name in out and out[name].is_floating_point() and not torch.equal(out[name], out[source]):
-            raise CheckpointError(f"{stored.get(name, name)} is tied to {stored.get(source, source)} (tie_word_embeddings) "
-                                  f"but differs from it")
+            raise CheckpointError(f"{stored.get(name, name)} is tied to {stored.get(source, source)} "
+                                  f"(tie_word_embeddings) but differs from it")
     missing = [n for n in specs if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
