@@ -9,6 +9,9 @@
     gptj-w8a8 (asked for by name)      gptj's engine with `--quantize w8a8` on a calibrated copy of the folder
                                        (serve_vs_vllm.calibrated_copy: 8 prompts of the bundled llama3.1-8b
                                        set), against Q8_0: both int8 weights and int8 activations
+    gptj-w4a8 (asked for by name)      gptj's engine with `--quantize w4a8`: int4's weights (groups of 128), x
+                                       rounded to int8 per 32 inputs, against Q4_0 (x rounded to Q8_0's blocks
+                                       of 32): the same kind of arithmetic
 
 Equal bits: gptj-bf16 / llama.cpp-bf16, gptj-int8 (per-channel int8) / Q8_0 (int8 blocks of 32, an f16
 scale each), gptj-int4 (groups of 128) / Q4_0 (blocks of 32). llama.cpp's default quantization keeps
@@ -67,7 +70,7 @@ import compare_peers
 
 VARIANTS = ("gptj-bf16", "gptj-int8", "gptj-int4", "llama.cpp-bf16", "llama.cpp-q8_0", "llama.cpp-q4_0", "hf-bf16")
 # llama-quantize --pure: every matrix Q4_0, the LM head too (the default writes it Q6_K); not measured unless asked
-EXTRA_VARIANTS = ("llama.cpp-q4_0-pure", "gptj-w8a8")
+EXTRA_VARIANTS = ("llama.cpp-q4_0-pure", "gptj-w8a8", "gptj-w4a8")
 EQUAL_BITS = {"gptj-bf16": "llama.cpp-bf16", "gptj-int8": "llama.cpp-q8_0", "gptj-int4": "llama.cpp-q4_0"}
 GGML_TYPE_F32 = 0  # ggml's type id, for llama.cpp's KV cache in the float32 check
 
@@ -612,6 +615,7 @@ def report(summary: dict[str, dict], args: argparse.Namespace) -> tuple[str, dic
                                         _f(s["t1_s"]), _f(s["tN_s"])]) + " |")
     ratios = {}
     pairs = [*EQUAL_BITS.items(), ("gptj-int4", "llama.cpp-q4_0-pure"), ("gptj-w8a8", "llama.cpp-q8_0"),
+             ("gptj-w4a8", "llama.cpp-q4_0"), ("gptj-w4a8", "gptj-int4"),
              *((o, "hf-bf16") for o in EQUAL_BITS)]
     for ours, peer in pairs:
         if ours in summary and peer in summary:

@@ -499,13 +499,16 @@ def check_llama_shapes(out: dict, err: str) -> None:
 
 
 def check_llama_peers(out: dict, err: str) -> None:
-    """gptj's int8 and w8a8 variants on the tiny Llama (w8a8 on a calibrated copy: its smoothing factors
-    add to the int8 weights' bytes): decode timed in each one's worker process (the peers' variants and
-    the export check, which need gguf and llama_cpp, are benchmarks/llama_peers.py's own test's)."""
-    assert list(out["results"]) == ["gptj-int8", "gptj-w8a8"] and "Traceback" not in err
+    """gptj's int8, w8a8 and w4a8 variants on the tiny Llama (w8a8 on a calibrated copy: its smoothing factors
+    add to the int8 weights' bytes; w4a8's int4 weights are fewer): decode timed in each one's worker process
+    (the peers' variants and the export check, which need gguf and llama_cpp, are benchmarks/llama_peers.py's
+    own test's)."""
+    assert list(out["results"]) == ["gptj-int8", "gptj-w8a8", "gptj-w4a8"] and "Traceback" not in err
     for r in out["results"].values():
         assert positive(r["decode_tok_s"]) and r["tN_s"] > r["t1_s"] > 0 and r["weight_bytes"] > 0
     assert out["results"]["gptj-w8a8"]["weight_bytes"] > out["results"]["gptj-int8"]["weight_bytes"]
+    assert out["results"]["gptj-w4a8"]["weight_bytes"] < out["results"]["gptj-int8"]["weight_bytes"]
+    assert "gptj-w4a8 / gptj-int4" not in out["ratios"]  # int4 was not measured
 
 
 def check_speculate(out: list, err: str) -> None:
@@ -540,7 +543,7 @@ SMOKE: dict[str, Job] = {
                             check_profile_steps),
     "kv_int8.py": Job("kv_int8.py", lambda m, tmp: ["--smoke"], check_kv_int8),
     "llama_peers.py": Job("llama_peers.py", lambda m, tmp: ["--smoke", "--json", "--skip-check", "--variants",
-                                                            "gptj-int8,gptj-w8a8", "--threads", "1", "--work-dir",
+                                                            "gptj-int8,gptj-w8a8,gptj-w4a8", "--threads", "1", "--work-dir",
                                                             str(tmp)],
                           check_llama_peers),
     "llama_shapes.py": Job("llama_shapes.py", lambda m, tmp: ["--tokenizer-only", "--out", str(tmp / "tok")],

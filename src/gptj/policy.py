@@ -419,6 +419,10 @@ def gemv(c: Capabilities, d: torch.dtype, f: Features) -> bool:
     return c.native_gemv
 
 
+def w4a8_panels(c: Capabilities, d: torch.dtype, f: Features) -> bool:
+    return c.native_gemv and f[1] % 16 == 0  # W4A8's panels: outputs in 16s
+
+
 def no_fp8_units(c: Capabilities, d: torch.dtype, f: Features) -> bool:
     return not c.fp8
 
@@ -522,6 +526,9 @@ LINEAR_TABLE: tuple[Route, ...] = (
           figures="#policy-kernel-max-rows, #policy-int4-amx-kernel-max-rows, #policy-int4-bf16-kernel-max-rows"),
     Route("int4", "cpu", UPCAST, when=upcasts),
     Route("int4", ANY, DEQUANTIZE),
+    # w4a8: gptj.native's GEMM on the integers (every library), else the same product in float32
+    Route("w4a8", "cpu", NATIVE, when=w4a8_panels, figures="#w4a8"),
+    Route("w4a8", ANY, UPCAST),
 )
 WEIGHT_KINDS = tuple(dict.fromkeys(r.weight for r in LINEAR_TABLE))
 

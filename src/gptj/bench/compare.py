@@ -50,7 +50,8 @@ import torch
 from gptj.errors import GptjError
 
 FORMAT_UNIT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
-               "int8": 2.0**-8, "w8a8": 2.0**-8, "int4": 2.0**-4, "fp8": 2.0**-4}
+               "int8": 2.0**-8, "w8a8": 2.0**-8, "int4": 2.0**-4, "w4a8": 2.0**-4,
+               "fp8": 2.0**-4}
 SAFETY = 16.0
 FLOOR = 1e-4
 
@@ -94,13 +95,13 @@ def gptj_side(path: str | Path, dtype: torch.dtype, device: torch.device, quanti
     """A checkpoint as gptj loads it (any format; `quantize` on load; `config` for a slim checkpoint)."""
     def load() -> Model:
         from gptj.decode import GenerationConfig, generate
-        from gptj.weights.io import load_model
-
+        from gptj.quant.format import GROUPED
         from gptj.weights.checkpoint import detect_format
+        from gptj.weights.io import load_model
 
         slim = detect_format(Path(path)) == "mtj"  # --config names a slim checkpoint's (an HF folder has its own)
         model = load_model(path, dtype=dtype, device=device, config=config if slim else None, quantize=quantize,
-                           group_size=group_size if quantize == "int4" else None).eval()
+                           group_size=group_size if quantize in GROUPED else None).eval()
         c = model.config  # one prompt: no padding, but the id must be a token of this model
         pad = next(t for t in (c.pad_token_id, c.eos_token_id, 0) if t is not None)
 

@@ -21,6 +21,7 @@ from torch import nn
 from gptj import cpu, policy
 from gptj.errors import GptjError
 from gptj.quant import QUANT_MODES, check_mode
+from gptj.quant.format import GROUPED
 from gptj.weights.checkpoint import Checkpoint
 from gptj.weights.io import load_model
 
@@ -122,7 +123,7 @@ def quantization_report(model_dir: Any, modes: Sequence[str] | None = None, prom
     runs = ([None] if baseline and dtype != torch.float32 else []) + list(modes)
     for mode in runs:
         model = load_model(model_dir, dtype=dtype, device=device, quantize=mode,
-                           group_size=group_size if mode == "int4" else None)
+                           group_size=group_size if mode in GROUPED else None)
         agree = 0
         max_err = sum_err = 0.0
         n_logits = 0

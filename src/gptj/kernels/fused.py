@@ -112,7 +112,7 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
         new = W8A8Linear(first.in_features, n_out, True, device="meta")
         new.input_smooth = first.input_smooth
     else:
-        new = Int4Linear(first.in_features, n_out, True, first.group_size, device="meta")
+        new = type(first)(first.in_features, n_out, True, first.group_size, device="meta")  # int4, w4a8
     for k, t in cat.items():
         setattr(new, k, t)
     return new.prepare()

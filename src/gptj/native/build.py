@@ -41,7 +41,7 @@ from pathlib import Path
 from gptj import cpu
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("gemv.c", "attention.c", "elementwise.c"))  # one library
+SOURCES = tuple(HERE / name for name in ("gemv.c", "w4a8.c", "attention.c", "elementwise.c"))  # one library
 HEADERS = tuple(HERE / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h", "simd_generic.h"))  # what
 # the sources include: part of what the build's name hashes
 # -falign-loops=64: every loop starts on a cache line. Without it the GEMV's hot loops ran 10-20 %

@@ -41,10 +41,11 @@ _gemm_int8_amx = _gemm_w8a8_amx = _amx_init = None  # the AVX-512 library's AMX 
 _w8a8_panel = 0  # the loaded library's W8A8 panel width (output channels), 0 before load()
 _int8_gemm_rows = 0  # the loaded library's int8 GEMM crossover; 0: it has none (int8_gemm_min_rows)
 _gemm_int4 = None  # the loaded library's int4 GEMV (and AVX512-BF16's GEMM), None before a library is bound
+_gemm_w4a8 = None  # the loaded library's W4A8 GEMM (w4a8.c), None before a library is bound
 _int4_gemm_rows = 0  # their crossover (int4_gemm_min_rows); 0: no GEMM, the GEMV at every row count
 # what a test clears (with _state) to take the native path away or load another ISA's library
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_int4_gemm_rows",
-         "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows",
+         "_gemm_w4a8", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows",
          "_scale_rows", "_int4_dequant", "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
 
 
@@ -78,6 +79,7 @@ _SIGNATURES = {  # the GEMV's exported functions (every ISA): argument types, re
     "int4_gemm_set_min_rows": ([ctypes.c_int], ctypes.c_int),
     "gemm_int4": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long, ctypes.c_int], ctypes.c_int),
     "gemm_int4_available": ([], ctypes.c_int),
+    "gemm_w4a8": ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_long, ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -134,7 +136,7 @@ def load() -> ctypes.CDLL | None:
 
 def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     global _gemv_int8, _gemv_bf16, _gemm_w8a8, _w8a8_panel, _attend_group, _attend_paged, _prefill_paged, _gelu, _rotary
-    global _int8_gemm_rows, _gemm_int4, _int4_gemm_rows
+    global _int8_gemm_rows, _gemm_int4, _int4_gemm_rows, _gemm_w4a8
     global _store_kv, _quantize_rows, _scale_rows, _int4_dequant, _argmax_rows
     global _gemm_int8_amx, _amx_init, _gemm_w8a8_amx
     _gemv_int8 = lib.gemv_int8
@@ -144,6 +146,7 @@ def _bind(lib: ctypes.CDLL, chosen: Isa) -> None:
     _int8_gemm_rows = lib.int8_gemm_set_min_rows(0)  # (0 sets nothing)
     _gemm_int4 = lib.gemm_int4 if lib.gemm_int4_available() else None
     _int4_gemm_rows = lib.int4_gemm_set_min_rows(0)
+    _gemm_w4a8 = lib.gemm_w4a8
     if hasattr(lib, "gemm_int8_amx"):  # the AVX-512 library's (amx.c)
         _gemm_int8_amx = lib.gemm_int8_amx
         _gemm_int8_amx.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4

@@ -296,6 +296,42 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, K: int, layout: tuple[int
     return out
 
 
+def w4a8_available() -> bool:
+    """Whether linear_w4a8 runs here (every library has the W4A8 GEMM)."""
+    load()
+    return loader._gemm_w4a8 is not None
+
+
+def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group: int, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32, rounded to int8 per block of 32 inputs, times the transpose of the int4 weight in
+    W4A8's layout (gptj.quant.ops.pack_w4a8: packed (N, K / 2) uint8, sz (N / 16, K / group, 2, 16) its
+    scales and zeros): (M, N) float32, on exact int32 sums per block (w4a8.c says the arithmetic); no bias.
+    Into `out` ((M, N) float32, rows may be strided) when given. Returns out."""
+    if not w4a8_available():
+        _lib_or_raise("linear_w4a8")
+    if packed.dtype is not torch.uint8 or packed.dim() != 2 or not packed.is_contiguous() or not packed.is_cpu:
+        raise _bad("linear_w4a8", "the packed weight must be a contiguous uint8 CPU (N, K / 2) tensor")
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    if N % 16 or group <= 0 or group % 32 or K % group:
+        raise _bad("linear_w4a8", f"{N} outputs in groups of {group} of {K} inputs (it takes outputs in 16s, groups "
+                                  "of a multiple of 32 inputs)")
+    G = K // group
+    if sz.dtype is not _bf16 or tuple(sz.shape) != (N // 16, G, 2, 16) or not sz.is_contiguous() or not sz.is_cpu:
+        raise _bad("linear_w4a8", f"the scales must be a contiguous bfloat16 CPU ({N // 16}, {G}, 2, 16) tensor")
+    if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or not x.is_cpu:
+        raise _bad("linear_w4a8", f"x must be a contiguous float32 CPU (M, {K}) tensor")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32)
+    if out.dtype is not torch.float32 or out.shape != (M, N) or out.stride(1) != 1 or not out.is_cpu:
+        raise _bad("linear_w4a8", f"out must be a float32 CPU ({M}, {N}) tensor with contiguous rows")
+    if M and N and loader._gemm_w4a8(x.data_ptr(), packed.data_ptr(), sz.data_ptr(), out.data_ptr(), M, N, K, group,
+                                     out.stride(0), torch.get_num_threads()):
+        raise MemoryError("linear_w4a8: no memory for the kernel's rounded x")
+    return out
+
+
 # --- paged attention ----------------------------------------------------------------------------------
 
 def attention_group(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tk: torch.Tensor | None = None,

@@ -118,6 +118,22 @@ static inline void vf_store_i16(int16_t *p, vf v)
 static inline void vi_store(int32_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  /* vpmaddwd */
 static inline vf vi_to_vf(vi v) { return _mm256_cvtepi32_ps(v); }
+/* W4A8's bytes: vi_load_bytes loads 4 VW bytes, vi_bcast_quad repeats 4 int8 in every lane, vi_nibbles splits
+   bytes into their low and high nibbles (as bytes 0-15), vi_dot_u8x2 adds each lane's 4 + 4 products of
+   unsigned bytes (nibbles) by signed ones: exact (vpmaddubsw's int16 sums stay below 2 * 2 * 15 * 127) */
+static inline vi vi_load_bytes(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_bcast_quad(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline void vi_nibbles(vi v, vi *lo, vi *hi)
+{
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
+static inline vi vi_dot_u8x2(vi acc, vi u1, vi s1, vi u2, vi s2)
+{
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
 static inline vf vf_keep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm256_blendv_ps(v, fill, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_zero_where_neginf(vf v, vf s)

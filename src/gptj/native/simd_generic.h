@@ -193,5 +193,27 @@ static inline vi vi_dot_i16(vi acc, vi a, vi b)
     return (vi)((vu_)acc + (vu_)(alo * blo) + (vu_)(ahi * bhi));
 }
 static inline vf vi_to_vf(vi v) { return __builtin_convertvector(v, vf); }
+/* W4A8's bytes (simd_avx2.h's comment): 4 VW bytes a vector, byte 4 i + j of lane i */
+static inline vi vi_load_bytes(const uint8_t *p) { return vi_load((const int32_t *)(const void *)p); }
+static inline vi vi_bcast_quad(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (vi){v, v, v, v, v, v, v, v};
+}
+static inline void vi_nibbles(vi v, vi *lo, vi *hi)
+{
+    *lo = v & 0x0f0f0f0f;
+    *hi = (vi)((vu_)v >> 4) & 0x0f0f0f0f;
+}
+static inline vi vi_dot_u8x2(vi acc, vi u1, vi s1, vi u2, vi s2)
+{
+    uint8_t a[32], c[32];
+    int8_t b[32], d[32];
+    int32_t r[8];
+    memcpy(a, &u1, 32), memcpy(b, &s1, 32), memcpy(c, &u2, 32), memcpy(d, &s2, 32), memcpy(r, &acc, 32);
+    for (int i = 0; i < 32; i++) r[i / 4] += a[i] * b[i] + c[i] * d[i];
+    return vi_load(r);
+}
 
 #endif

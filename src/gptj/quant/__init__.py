@@ -1,11 +1,13 @@
-"""Quantization as module swaps: weight-only int8 per output channel and int4 per group, W8A8
+"""Quantization as module swaps: weight-only int8 per output channel and int4 per group, W4A8 (int4's
+weights, activations rounded to int8 per block of 32 inputs at each call), W8A8
 (int8 weights and per-token int8 activations, with calibrated SmoothQuant factors), and FP8 (e4m3
 weights per output channel; e4m3 activations per token in big calls; GPUs with FP8 units).
 
   ops        the tensor math: quantize / dequantize int8, int4 and fp8, the int4 layouts, W8A8's rows and factors
   format     the quantized checkpoint: its tensors, config.json's `quantization` entry, QUANT_MODES
   base       what the layers share: QuantLinear, its kernels chosen once per device and dtype (LinearMethod)
-  int8, int4, w8a8, fp8   one file per kind: Int8Linear, Int4Linear, W8A8Linear (+ PackedW8A8Linear), Fp8Linear
+  int8, int4, w4a8, w8a8, fp8   one file per kind: Int8Linear, Int4Linear, W4A8Linear, W8A8Linear
+             (+ PackedW8A8Linear), Fp8Linear
   linear     the model-level swaps (quantize_model, swap_quantized_modules, prepare_model, ...)
   cuda       Triton GEMVs and GEMMs for CUDA: int8 (and e4m3) and int4 weights, dequantized inside
   calibrate  W8A8's calibration: input |max| per channel over prompts, the smoothing factors, their file
@@ -37,6 +39,7 @@ from gptj.quant.linear import (
     Int4Linear,
     Int8Linear,
     QuantLinear,
+    W4A8Linear,
     W8A8Linear,
     is_quantized,
     linear_names,
@@ -84,7 +87,7 @@ def _native():  # noqa: ANN202 - the gptj.native module, or None where its kerne
 
 __all__ = [
     "QUANT_MODES", "QUANT_LEAVES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
-    "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8", "quantize_rows_fp8",
+    "W4A8Linear", "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8", "quantize_rows_fp8",
     "fp8_error_bound", "fp8_sums", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
     "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",

@@ -10,6 +10,7 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
                                   (the input layout of torch._convert_weight_to_int4pack on CUDA)
          M.weight_scale  bfloat16 (out, in / group_size)
          M.weight_zero   bfloat16 (out, in / group_size)
+  w4a8:  int4's tensors (the activations are rounded per block of 32 inputs at each call, gptj.quant.w4a8)
   fp8:   M.weight        float8_e4m3fn (out, in)
          M.weight_scale  bfloat16 (out,)
   w8a8:  M.weight        int8     (out, in)       of W * input_smooth (per input column)
@@ -17,7 +18,7 @@ quantized linear `M` (e.g. `transformer.h.0.attn.q_proj`):
          M.input_smooth  bfloat16 (in,)          SmoothQuant's factors: the layer runs on x / input_smooth
   both:  M.bias          the model's float dtype, as before (fc_in, fc_out, lm_head)
 
-config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w8a8"|"fp8", "group_size": null|g,
+config.json records `"quantization": {"version": 1, "mode": "int8"|"int4"|"w4a8"|"w8a8"|"fp8", "group_size": null|g,
 "modules": [every quantized module name]}`, and for w8a8 its `"calibration"` (how the factors were
 made: `make_record`, checked by `check_record`; a calibrated float checkpoint records the same entry
 beside its factors file, gptj.quant.calibrate); the format is read from there, never guessed.
@@ -55,8 +56,9 @@ from gptj.quant.ops import (
     quantize_int8,
 )
 
-QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
+QUANT_MODES = ("int8", "int4", "w4a8", "w8a8", "fp8")
 PER_CHANNEL = ("int8", "w8a8", "fp8")  # one scale per output channel: no group size
+GROUPED = ("int4", "w4a8")  # int4's weights: a scale and a zero per group of inputs
 QUANT_VERSION = 1
 _QUANT_KEYS = {"version", "mode", "group_size", "modules"}
 _W8A8_KEYS = _QUANT_KEYS | {"calibration"}
@@ -132,7 +134,8 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
                         f"{mode} quantization takes no calibration (w8a8 does)")
     if mode in PER_CHANNEL:
         if group_size is not None:
-            raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
+            raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only "
+                            "(and w4a8)")
     elif group_size is not None:
         group_size = check_group_size(group_size)
     if isinstance(skip, str):
@@ -141,12 +144,12 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
     modules = [n for n in in_features if not any(fnmatch.fnmatchcase(n, p) for p in skip)]
     if not modules:
         raise GptjError("nothing to quantize: every linear layer is skipped")
-    if mode == "int4" and group_size is None:
+    if mode in GROUPED and group_size is None:
         group_size = fitting_group_size({n: in_features[n] for n in modules})
-    if mode == "int4":
+    if mode in GROUPED:
         for n in modules:
             if in_features[n] % group_size:
-                raise GptjError(f"int4 group size {group_size} does not divide the {in_features[n]} inputs of {n} "
+                raise GptjError(f"{mode} group size {group_size} does not divide the {in_features[n]} inputs of {n} "
                                 f"(choose a group size that does, or skip it)")
     out = {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(modules)}
     if mode == "w8a8":
@@ -208,7 +211,7 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
         check_mode(mode)
         if mode in PER_CHANNEL and group_size is not None:
             raise GptjError(f"{mode} quantization has no group size (it is per output channel)")
-        if mode == "int4":
+        if mode in GROUPED:
             check_group_size(group_size)
     except GptjError as e:
         raise CheckpointError(f"{source}: {e}") from None
@@ -221,8 +224,8 @@ def check_quantization(q: object, config: Any, source: str = "config") -> dict[s
     for m in modules:
         if m not in in_features:
             raise CheckpointError(f"{source}: quantization names {m!r}, not a linear layer of this model")
-        if mode == "int4" and in_features[m] % group_size:
-            raise CheckpointError(f"{source}: int4 group size {group_size} does not divide the inputs of {m}")
+        if mode in GROUPED and in_features[m] % group_size:
+            raise CheckpointError(f"{source}: {mode} group size {group_size} does not divide the inputs of {m}")
     out = {"version": QUANT_VERSION, "mode": mode, "group_size": group_size, "modules": sorted(set(modules))}
     if calibration is not None:
         out["calibration"] = calibration
@@ -233,8 +236,9 @@ def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None)
     """Whether asking for (mode, group_size) is satisfied by a checkpoint quantized as `recorded`."""
     check_mode(mode)
     if mode in PER_CHANNEL and group_size is not None:
-        raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only")
-    if mode == "int4" and group_size is not None:
+        raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only "
+                        "(and w4a8)")
+    if mode in GROUPED and group_size is not None:
         check_group_size(group_size)
     return recorded["mode"] == mode and (group_size is None or recorded["group_size"] == group_size)
 
@@ -250,7 +254,7 @@ def resolve_quantization(config: Any, quantize: str | None, group_size: int | No
     """
     if quantize is None:
         if group_size is not None:
-            raise GptjError("a group size needs a quantization mode (int4)")
+            raise GptjError("a group size needs a quantization mode (int4 or w4a8)")
         return None
     if config.quantization is not None:
         q = config.quantization

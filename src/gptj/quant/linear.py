@@ -5,7 +5,8 @@
 The model stays the plain-math GPT-J of `gptj.models.gptj`; its `nn.Linear` layers (q/k/v/out_proj,
 mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) become one of the layers of
 gptj.quant's kind files: `Int8Linear` (int8), `Int4Linear` (int4) — activations keep the model's float
-dtype, only the weights are quantized, gpt-fast style — `W8A8Linear` (w8a8: the activations too, per
+dtype, only the weights are quantized, gpt-fast style — `W4A8Linear` (w4a8: int4's weights, the
+activations rounded to int8 per block of 32 inputs at each call, llama.cpp's Q4_0 style), `W8A8Linear` (w8a8: the activations too, per
 token at each call, SmoothQuant style) or `Fp8Linear` (fp8: e4m3 weights; e4m3 activations per token
 in big calls, on GPUs with FP8 matrix units). Each chooses its kernels once per device and dtype
 (gptj.quant.base; the table is gptj.policy's LINEAR_TABLE). The buffers are the checkpoint's
@@ -21,17 +22,19 @@ from torch import nn
 
 from gptj.errors import GptjError
 from gptj.quant.base import KERNEL_DTYPE, QuantLinear, choose_methods
-from gptj.quant.format import _float_meta_model, make_quantization
+from gptj.quant.format import GROUPED, _float_meta_model, make_quantization
 from gptj.quant.fp8 import Fp8Linear
 from gptj.quant.int4 import Int4Linear
 from gptj.quant.int8 import Int8Linear
+from gptj.quant.w4a8 import W4A8Linear
 from gptj.quant.w8a8 import W8A8Linear, int_mm
 
-__all__ = ["KERNEL_DTYPE", "QuantLinear", "Int8Linear", "Int4Linear", "W8A8Linear", "Fp8Linear", "int_mm",
+__all__ = ["KERNEL_DTYPE", "QuantLinear", "Int8Linear", "Int4Linear", "W4A8Linear", "W8A8Linear", "Fp8Linear", "int_mm",
            "choose_methods", "linear_names", "swap_quantized_modules", "prepare_model", "is_quantized",
            "quantize_model", "LAYERS"]
 
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "fp8": Fp8Linear}  # by mode
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "w8a8": W8A8Linear,
+          "fp8": Fp8Linear}  # by mode
 
 
 def linear_names(model_or_config: Any) -> list[str]:
@@ -53,7 +56,7 @@ def swap_quantized_modules(model: nn.Module, quantization: Mapping[str, Any]) ->
         if not isinstance(lin, nn.Linear):
             raise GptjError(f"{name} is not a float nn.Linear (already quantized?)")
         kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
-        if quantization["mode"] == "int4":
+        if quantization["mode"] in GROUPED:
             kw["group_size"] = quantization["group_size"]
         new = LAYERS[quantization["mode"]](lin.in_features, lin.out_features, lin.bias is not None, **kw)
         _set_module(model, name, new)
@@ -98,7 +101,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, s
             elif mode == "fp8":
                 new = Fp8Linear.from_float(lin)
             else:
-                new = Int4Linear.from_float(lin, q["group_size"])
+                new = LAYERS[mode].from_float(lin, q["group_size"])  # int4, w4a8
             _set_module(model, name, new)
     model.config = model.config.replace(quantization=q)
     return q

@@ -245,6 +245,54 @@ def _dequant_int4_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return w.view(N, K).to(dtype)
 
 
+# --- W4A8: int4's weights, activations rounded to int8 per block of 32 inputs -----------------------------
+#
+#   x       d[m, b] = max_{k in b} |x[m, k]| / 127 (float32)   xq = round(x * (1 / d)) in [-127, 127] (0 where d is)
+#   weight  int4's q, scale, zero (above); in memory in W4A8's panels (pack_w4a8), gptj.native's w4a8.c says why
+
+W4A8_BLOCK = 32  # inputs per rounding of x
+
+
+def quantize_blocks_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, k), k a multiple of 32 -> (q int8 (m, k), d float32 (m, k / 32)), x ~= q d per block of 32 inputs
+    of a row, |error| <= d / 2: the float32 operations of gptj.native's w4a8.c (x times the reciprocal of d,
+    rounded to nearest even), so both round every x alike."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // W4A8_BLOCK, W4A8_BLOCK)
+    d = divide(xb.abs().amax(dim=-1), 127)
+    inv = torch.where(d > 0, torch.full_like(d, 1.0) / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def round_blocks_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as W4A8 multiplies it: rounded to int8 per block of 32 inputs and back, float64 (each value exact)."""
+    q, d = quantize_blocks_int8(x)
+    m, k = x.shape
+    return (q.double().view(m, -1, W4A8_BLOCK) * d.double()[..., None]).view(m, k)
+
+
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4's values q (out, in) uint8 in 0..15 and scale, zero (out, groups) -> W4A8's layout: (packed uint8
+    (out, in / 2): panels of 16 outputs, each its inputs in units of 8, byte 4 c + j of unit u holding
+    q[c, 8 u + j] | q[c, 8 u + 4 + j] << 4; sz bfloat16 (out / 16, groups, 2, 16): a panel's scales then zeros
+    per group). out must be a multiple of 16, in of 8."""
+    N, K = q.shape
+    q5 = q.to(torch.uint8).reshape(N // 16, 16, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # (panel, unit, c, half, j)
+    packed = (q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)).reshape(N, K // 2)
+    G = scale.shape[1]
+    sz = torch.stack((scale.reshape(N // 16, 16, G), zero.reshape(N // 16, 16, G)), dim=1)  # (panel, 2, c, g)
+    return packed.contiguous(), sz.permute(0, 3, 1, 2).to(SCALE_DTYPE).contiguous()
+
+
+def unpack_w4a8(packed: torch.Tensor) -> torch.Tensor:
+    """W4A8's packed weight (out, in / 2) -> int4's values (out, in) uint8, pack_w4a8's inverse."""
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    p = packed.reshape(N // 16, K // 8, 16, 4)
+    q5 = torch.stack((p & 15, p >> 4), dim=3)  # (panel, unit, c, half, j)
+    return q5.permute(0, 2, 1, 3, 4).reshape(N, K)
+
+
 
 # --- FP8 (e4m3): weights per output channel, activations per token --------------------------------
 #

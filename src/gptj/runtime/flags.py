@@ -112,7 +112,7 @@ GRAPH_MODES = _Lazy("gptj.engine.config", "GRAPH_MODES")
 # do not stall the running requests (docs/PERFORMANCE.md, "Chunked prefill"); elsewhere whole prompts.
 SERVE_PREFILL_CHUNK = 2048
 
-GROUP_SIZE_HELP = ("int4 group size: 32, 64, 128 or 256 (default: 128, or the largest that divides every "
+GROUP_SIZE_HELP = ("int4 / w4a8 group size: 32, 64, 128 or 256 (default: 128, or the largest that divides every "
                    "quantized layer's inputs)")
 
 
@@ -136,9 +136,9 @@ def add_device_flag(p: Any, help: str = "cpu, cuda, cuda:N or auto") -> None:  #
     p.add_argument("--device", default="cpu", help=help)
 
 
-def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load (int8 / int4: weight-only; w8a8: "  # noqa: A002
-                                           "int8 activations too, after `gptj calibrate`; fp8: e4m3, GPUs with "
-                                           "FP8 units)") -> None:
+def add_quantize_flags(p: Any, help: str = "quantize the model's linears on load (int8 / int4: weight-only; w4a8: "  # noqa: A002
+                                           "int4 weights, inputs rounded to int8 per 32; w8a8: int8 activations "
+                                           "too, after `gptj calibrate`; fp8: e4m3, GPUs with FP8 units)") -> None:
     p.add_argument("--quantize", choices=QUANT_MODES, metavar="MODE", help=f"{help}: %(choices)s")
     p.add_argument("--group-size", type=positive, help=GROUP_SIZE_HELP)
 
