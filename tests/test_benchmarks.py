@@ -511,6 +511,20 @@ def check_llama_peers(out: dict, err: str) -> None:
     assert "gptj-w4a8 / gptj-int4" not in out["ratios"]  # int4 was not measured
 
 
+def check_w4a8_gemv(out: dict, err: str) -> None:
+    """Both layers timed at each row count, on the int4 bytes they read; int4's path named."""
+    from gptj import native
+
+    if not native.w4a8_available():
+        assert "not available" in out["skipped"] and "w4a8_gemv: skipped" in err
+        return
+    assert [r["M"] for r in out["rows"]] == [1, 3] and "Traceback" not in err
+    for r in out["rows"]:
+        assert positive(r["int4"]["ms"]) and positive(r["w4a8"]["gb_s"]) and r["streamed"]
+        assert r["int4_path"] in ("native", "weight-only", "dequantize", "upcast")
+        assert abs(r["speedup"] - r["int4"]["ms"] / r["w4a8"]["ms"]) < 1e-9
+
+
 def check_speculate(out: list, err: str) -> None:
     """Both modes gave the same tokens (the script exits otherwise) and timed figures; the drafted and
     accepted counts hold together."""
@@ -558,6 +572,7 @@ SMOKE: dict[str, Job] = {
     "offline_vs_vllm.py": Job("offline_vs_vllm.py", lambda m, tmp: ["--smoke", "--gptj-quantize", "w8a8", "--kv-dtype",
                                                                   "int8", "--work-dir", str(tmp)], check_offline_vs_vllm),
     "paged_kv.py": Job("paged_kv.py", lambda m, tmp: ["--smoke", "--json"], check_paged_kv),
+    "w4a8_gemv.py": Job("w4a8_gemv.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_w4a8_gemv),
     "w8a8_gemm.py": Job("w8a8_gemm.py", lambda m, tmp: ["--smoke", "--json", "--threads", "1"], check_w8a8_gemm),
     "quant_trained.py": Job("quant_trained.py", lambda m, tmp: ["--smoke", "--json", "--out", str(tmp / "qt")],
                             check_quant_trained),

@@ -41,7 +41,11 @@
      vi_zero() vi_load(p) vi_store(p, v) vi_load_i16(p) vi_load_i8_i16(p) vi_bcast_pair(p) vi_to_vf(v)
        int32 lanes; VI16 int16 (from int16, or from int8 widened); one pair of int16 in every lane;
        int32 -> float32 (nearest)
-     vi_dot_i16(acc, a, b)           acc + each lane's two int16 products (exact: |a b| <= 2^30) */
+     vi_dot_i16(acc, a, b)           acc + each lane's two int16 products (exact: |a b| <= 2^30)
+     vi_load_bytes(p) vi_bcast_quad(p) vi_nibbles(v, &lo, &hi)   4 VW bytes; 4 int8 in every lane; bytes'
+       low and high nibbles, as bytes (W4A8, w4a8.c)
+     vi_dot_u8x2(acc, u1, s1, u2, s2)   acc + each lane's 4 + 4 products of unsigned bytes (at most 15) by
+       signed ones (at most 127 in magnitude): exact */
 
 #ifndef GPTJ_NATIVE_SIMD_H
 #define GPTJ_NATIVE_SIMD_H
