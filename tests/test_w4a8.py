@@ -24,13 +24,12 @@ from gptj.engine import Engine, EngineConfig
 from gptj.decode import GenerationConfig
 from gptj.kernels import fused, prepare_for_serving
 from gptj.models.gptj import build_model
-from gptj.models.llama import LlamaConfig
-from gptj.models.llama import build_model as build_llama
 from gptj.quant import Int4Linear, W4A8Linear, quantize_model
 from gptj.quant.base import pin_path
 from gptj.quant.ops import (_dequant_int4_values, pack_w4a8, quantize_blocks_int8, quantize_int4, round_blocks_int8,
                             unpack_int4, unpack_w4a8)
 from gptj.weights.io import convert, load_model, random_state_dict, save_checkpoint
+from test_engine_llama import prompts_of, tiny
 
 U = 2.0 ** -24  # float32's unit roundoff
 
@@ -229,19 +228,6 @@ CFG = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_inner=256)
 IDS = torch.tensor([[15496, 995, 11, 428, 318, 257, 1332, 286, 262, 3288, 13, 632]])
 
 
-def tiny_llama(seed: int = 0) -> nn.Module:
-    config = LlamaConfig(vocab_size=208, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                         rope_theta=500000.0, max_position_embeddings=256, bos_token_id=0, eos_token_ids=(1,))
-    model = build_llama(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "ln" in name else 0.3 * noise)
-    return model
-
-
 def test_a_w4a8_model_is_as_close_to_float_as_int4s_test_asks():
     """W4A8 against the float model, held to tests/test_quant.py's int4 thresholds for the same model,
     group and ids (largest logit error under 0.3 of the largest logit; top-1 agreement 0.6, within the
@@ -268,7 +254,7 @@ def test_fused_serving_blocks_give_the_plain_blocks_outputs_exactly(monkeypatch)
     may sum a wider weight in another order)."""
     if not native.w4a8_available():
         pytest.skip(f"gptj.native is not loaded here: {native.unavailable_reason()}")
-    plain = tiny_llama(3).to(torch.bfloat16)
+    plain = tiny(2, torch.bfloat16, seed=3)
     quantize_model(plain, "w4a8")
     model, unfused = copy.deepcopy(plain), copy.deepcopy(plain)
     assert prepare_for_serving(model, max_rows=4)["fused_blocks"] == 2
@@ -281,8 +267,7 @@ def test_fused_serving_blocks_give_the_plain_blocks_outputs_exactly(monkeypatch)
             assert all(torch.equal(g, w) for g, w in zip(got, want))
     monkeypatch.setattr(fused, "_fusable", lambda block: False)
     assert prepare_for_serving(unfused, max_rows=4)["fused_blocks"] == 0
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(2, 200, (n,), generator=g).tolist() for n in (9, 4, 14)]
+    prompts = prompts_of([9, 4, 14], seed=11)
     config, greedy = EngineConfig(max_seqs=4, block_size=16, kv_blocks=32), GenerationConfig(
         max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert Engine(model, config).generate(prompts, greedy) == Engine(unfused, config).generate(prompts, greedy)
