@@ -43,7 +43,7 @@ class Int4Linear(QuantLinear):
         super().__init__()
         check_group_size(group_size)
         if in_features % group_size or in_features % 2:
-            raise GptjError(f"int4 group size {group_size} does not divide in_features {in_features}")
+            raise GptjError(f"{self.mode} group size {group_size} does not divide in_features {in_features}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         G = in_features // group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
