@@ -20,6 +20,7 @@ from torch import nn
 from gptj import native, policy
 from gptj.cli import main
 from gptj.config import GPTJConfig
+from gptj.errors import GptjError
 from gptj.engine import Engine, EngineConfig
 from gptj.decode import GenerationConfig
 from gptj.kernels import fused, prepare_for_serving
@@ -308,3 +309,19 @@ def test_the_upcast_path_is_the_fallback_everywhere(monkeypatch):
     xr = round_blocks_int8(x)
     tol = bound(xr, q, s, z, 64) + upcast_bound(xr, q, s, z) + 4 * U * native_y.abs().double()
     assert bool(((m(x).double() - native_y.double()).abs() <= tol).all())
+
+
+def test_the_commands_refuse_w4a8_off_a_cpu(tmp_path, capsys, monkeypatch):
+    """Only gptj.native's GEMM runs W4A8 at speed, on CPUs: elsewhere the commands refuse it in one line, before
+    the load (here the device a GPU would resolve to is faked: this machine may have none)."""
+    from gptj import device
+
+    device.check_w4a8_device("cpu")
+    with pytest.raises(GptjError, match=r"w4a8 runs on CPUs .*this runs on cuda \(use --quantize int4"):
+        device.check_w4a8_device("cuda")
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path / "tiny"), "--seed", "1"]) == 0
+    monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cuda"))
+    assert main(["generate", "--model", str(tmp_path / "tiny"), "--quantize", "w4a8", "--prompt-ids", "1,2",
+                 "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "w4a8 runs on CPUs" in err, err

@@ -96,6 +96,17 @@ def fp8_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
+def check_w4a8_device(device: torch.device | str) -> None:
+    """GptjError, in one line, unless W4A8 runs on `device`: a CPU (gptj.native's integer GEMM; elsewhere
+    only its float32 emulation, for checks)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise GptjError(f"w4a8 runs on CPUs (gptj.native's integer GEMM); this runs on {device.type} "
+                        "(use --quantize int4: the same weights)")
+
+
 def check_fp8_device(device: torch.device | str) -> None:
     """GptjError, in one line, unless FP8 weights run on `device` (what every command that
     generates checks before loading them)."""

@@ -106,15 +106,18 @@ class ParallelContext:
         (under a job on CUDA, this rank's own GPU), with the LoRA adapter in the folder `lora` folded
         into its float weights as they are read, then quantized as `quantize` asks. Before any tensor
         is read (gptj.weights.checkpoint.Checkpoint): the adapter (a bad one is refused in one line) and the
-        checkpoint's config, once; then the device, where fp8 weights (asked for, or recorded in the
-        checkpoint) are refused unless they can run (gptj.device.check_fp8_device)."""
-        from gptj.device import check_fp8_device, rank_device, resolve_device
+        checkpoint's config, once; then the device, where fp8 or w4a8 weights (asked for, or recorded in the
+        checkpoint) are refused unless they can run (gptj.device.check_fp8_device, check_w4a8_device)."""
+        from gptj.device import check_fp8_device, check_w4a8_device, rank_device, resolve_device
         from gptj.weights.checkpoint import Checkpoint
 
         checkpoint = Checkpoint.read(folder, self.tp_rank, self.tp if self.parallel else 1, lora=lora)
         device = resolve_device(rank_device(device, self.local_rank) if self.parallel else device)
-        if (quantize or checkpoint.mode) == "fp8":
+        mode = quantize or checkpoint.mode
+        if mode == "fp8":
             check_fp8_device(device)
+        elif mode == "w4a8":
+            check_w4a8_device(device)
         return self.share_of(checkpoint, dtype, device, quantize, group_size, progress)
 
     def share_of(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
