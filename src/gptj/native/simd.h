@@ -44,8 +44,9 @@
      vi_dot_i16(acc, a, b)           acc + each lane's two int16 products (exact: |a b| <= 2^30)
      vi_load_bytes(p) vi_bcast_quad(p) vi_nibbles(v, &lo, &hi)   4 VW bytes; 4 int8 in every lane; bytes'
        low and high nibbles, as bytes (W4A8, w4a8.c)
-     vi_dot_u8x2(acc, u1, s1, u2, s2)   acc + each lane's 4 + 4 products of unsigned bytes (at most 15) by
-       signed ones (at most 127 in magnitude): exact */
+     vi_dot_u8x2(acc, u1, s1, u2, s2)   a block's sums (from vi_zero) + each lane's 4 + 4 products of unsigned
+       bytes (at most 15) by signed ones (at most 127 in magnitude), at most 4 calls a block; in the ISA's form
+       (AVX2: two int16 a lane), vi_block_sums(acc) the lanes' int32 sums: exact */
 
 #ifndef GPTJ_NATIVE_SIMD_H
 #define GPTJ_NATIVE_SIMD_H

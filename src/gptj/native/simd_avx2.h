@@ -120,7 +120,9 @@ static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _
 static inline vf vi_to_vf(vi v) { return _mm256_cvtepi32_ps(v); }
 /* W4A8's bytes: vi_load_bytes loads 4 VW bytes, vi_bcast_quad repeats 4 int8 in every lane, vi_nibbles splits
    bytes into their low and high nibbles (as bytes 0-15), vi_dot_u8x2 adds each lane's 4 + 4 products of
-   unsigned bytes (nibbles) by signed ones: exact (vpmaddubsw's int16 sums stay below 2 * 2 * 15 * 127) */
+   unsigned bytes (nibbles, <= 15) by signed ones (|s| <= 127) to a block's sums, here as the lane's two int16
+   (vpmaddubsw's pairs, added: 7,620 at most a call, so 4 calls stay below 2^15, exactly), vi_block_sums
+   makes them the lanes' int32 sums (vpmaddwd by 1s): one vpmaddwd a block instead of one a call */
 static inline vi vi_load_bytes(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi vi_bcast_quad(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline void vi_nibbles(vi v, vi *lo, vi *hi)
@@ -131,9 +133,9 @@ static inline void vi_nibbles(vi v, vi *lo, vi *hi)
 }
 static inline vi vi_dot_u8x2(vi acc, vi u1, vi s1, vi u2, vi s2)
 {
-    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2)));
 }
+static inline vi vi_block_sums(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 static inline vf vf_keep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_fill_below(vf v, int n, vf fill) { return _mm256_blendv_ps(v, fill, _mm256_castsi256_ps(lanes_n(n))); }
 static inline vf vf_zero_where_neginf(vf v, vf s)

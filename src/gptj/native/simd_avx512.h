@@ -101,7 +101,8 @@ static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc
 static inline vi vi_dot_i16(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
 static inline vf vi_to_vf(vi v) { return _mm512_cvtepi32_ps(v); }
-/* W4A8's bytes (simd_avx2.h's comment): with VNNI two vpdpbusd, else vpmaddubsw's int16 sums, then vpmaddwd */
+/* W4A8's bytes (simd_avx2.h's comment): with VNNI two vpdpbusd into int32 lanes, else vpmaddubsw's int16 sums
+   (at most 4 calls a block), then vpmaddwd */
 static inline vi vi_load_bytes(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi vi_bcast_quad(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline void vi_nibbles(vi v, vi *lo, vi *hi)
@@ -115,12 +116,13 @@ static inline vi vi_dot_u8x2(vi acc, vi u1, vi s1, vi u2, vi s2)
 {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u1, s1), u2, s2);
 }
+static inline vi vi_block_sums(vi acc) { return acc; }
 #else
 static inline vi vi_dot_u8x2(vi acc, vi u1, vi s1, vi u2, vi s2)
 {
-    const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(u1, s1), _mm512_maddubs_epi16(u2, s2));
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+    return _mm512_add_epi16(acc, _mm512_add_epi16(_mm512_maddubs_epi16(u1, s1), _mm512_maddubs_epi16(u2, s2)));
 }
+static inline vi vi_block_sums(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
 /* VW integral float32 values in int16's range -> int16 at p */
 static inline void vf_store_i16(int16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v))); }

@@ -17,7 +17,8 @@
    in units of 8 (64 bytes, one cache line): byte 4 c + j of unit u is q[c, 8 u + j] | q[c, 8 u + 4 + j] << 4
    (c < 16 the panel's output, j < 4). A vector of 4 VW bytes of a unit is VW outputs' 4 + 4 inputs:
    vi_nibbles splits it, vi_dot_u8x2 multiplies the nibbles by 4 + 4 bytes of xq repeated in every lane
-   (vpmaddubsw + vpmaddwd on AVX2, two vpdpbusd with AVX512-VNNI): per 32 weights 4 to 5 vector operations,
+   (two vpdpbusd with AVX512-VNNI; on AVX2 two vpmaddubsw and two int16 adds, a block's 4 units summed in int16,
+   then one vpmaddwd a block: vi_block_sums): per 32 weights 4 to 5 vector operations,
    where int4's GEMV on float32 x needs 15 (docs/PERFORMANCE.md#w4a8). The scales come beside it, sz:
    (N / 16, G, 2, 16) bfloat16, a panel's s then z of group g in one cache line.
    The threads split the panels (static), each streaming its range of the weight; a tile is a panel and
@@ -31,6 +32,7 @@
 #define W4_NV (W4_PANEL / VW)       /* vectors a unit (AVX-512: 1, AVX2: 2) */
 #define W4_MR (W4_NV == 1 ? 4 : 2)  /* rows of x a tile: 3 W4_NV accumulators a row in the registers */
 #define W4_PF_DIST 16384            /* software prefetch, bytes ahead in the weight */
+_Static_assert(W4_BLOCK / 8 <= 4, "a block's sums take at most 4 vi_dot_u8x2 calls (simd.h)");
 
 /* rows [0, M) of x (float32, rows K apart) rounded per block: xq (M, K), d (M, K / 32), X (M, G) */
 static void w4_round_x(const float *x, long M, long K, long group, int8_t *xq, float *d, float *X)
@@ -91,7 +93,7 @@ static inline __attribute__((always_inline)) void w4_tile(const uint8_t *w, cons
             }
             for (int m = 0; m < mr; m++) {
                 const vf db = vf_set1(d[m * B + b]);
-                for (int v = 0; v < W4_NV; v++) a[m][v] = vf_fmadd(vi_to_vf(acc[m][v]), db, a[m][v]);
+                for (int v = 0; v < W4_NV; v++) a[m][v] = vf_fmadd(vi_to_vf(vi_block_sums(acc[m][v])), db, a[m][v]);
             }
         }
         const uint16_t *sg = sz + g * 2 * W4_PANEL;
