@@ -30,7 +30,7 @@
 #define W4_UNIT 64                  /* bytes a unit: a panel's 8 inputs */
 #define W4_BLOCK 32                 /* inputs per rounding of x */
 #define W4_NV (W4_PANEL / VW)       /* vectors a unit (AVX-512: 1, AVX2: 2) */
-#define W4_MR (W4_NV == 1 ? 4 : 2)  /* rows of x a tile: 3 W4_NV accumulators a row in the registers */
+#define W4_MR (W4_NV == 1 ? 8 : 2)  /* rows of x a tile: 3 W4_NV accumulators a row in the registers */
 #define W4_PF_DIST 16384            /* software prefetch, bytes ahead in the weight */
 _Static_assert(W4_BLOCK / 8 <= 4, "a block's sums take at most 4 vi_dot_u8x2 calls (simd.h)");
 
@@ -113,9 +113,13 @@ static void w4_tile_rows(const uint8_t *w, const uint16_t *sz, long K, long grou
 {
     switch (mr) {  /* a constant row count for each tile's registers */
     case 1: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 1); break;
-#if W4_MR >= 4
+#if W4_MR >= 8
     case 2: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 2); break;
     case 3: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 3); break;
+    case 4: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 4); break;
+    case 5: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 5); break;
+    case 6: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 6); break;
+    case 7: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, 7); break;
 #endif
     default: w4_tile(w, sz, K, group, xq, d, X, y, ldy, pf, W4_MR); break;
     }
