@@ -420,7 +420,7 @@ def gemv(c: Capabilities, d: torch.dtype, f: Features) -> bool:
 
 
 def w4a8_panels(c: Capabilities, d: torch.dtype, f: Features) -> bool:
-    return c.native_gemv and f[1] % 16 == 0  # W4A8's panels: outputs in 16s
+    return c.native_gemv and f[1] % native.W4A8_PANEL == 0  # W4A8's panels: its outputs in 16s
 
 
 def no_fp8_units(c: Capabilities, d: torch.dtype, f: Features) -> bool:

@@ -296,6 +296,10 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, K: int, layout: tuple[int
     return out
 
 
+W4A8_PANEL = 16  # the outputs of one of W4A8's panels (w4a8.c): a layer's outputs must come in these
+W4A8_BLOCK = 32  # the inputs x is rounded over at once, and what the group must be a multiple of
+
+
 def w4a8_available() -> bool:
     """Whether linear_w4a8 runs here (every library has the W4A8 GEMM)."""
     load()
@@ -313,12 +317,13 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group: 
     if packed.dtype is not torch.uint8 or packed.dim() != 2 or not packed.is_contiguous() or not packed.is_cpu:
         raise _bad("linear_w4a8", "the packed weight must be a contiguous uint8 CPU (N, K / 2) tensor")
     N, K = packed.shape[0], 2 * packed.shape[1]
-    if N % 16 or group <= 0 or group % 32 or K % group:
-        raise _bad("linear_w4a8", f"{N} outputs in groups of {group} of {K} inputs (it takes outputs in 16s, groups "
-                                  "of a multiple of 32 inputs)")
+    P = W4A8_PANEL
+    if N % P or group <= 0 or group % W4A8_BLOCK or K % group:
+        raise _bad("linear_w4a8", f"{N} outputs in groups of {group} of {K} inputs (it takes outputs in {P}s, groups "
+                                  f"of a multiple of {W4A8_BLOCK} inputs)")
     G = K // group
-    if sz.dtype is not _bf16 or tuple(sz.shape) != (N // 16, G, 2, 16) or not sz.is_contiguous() or not sz.is_cpu:
-        raise _bad("linear_w4a8", f"the scales must be a contiguous bfloat16 CPU ({N // 16}, {G}, 2, 16) tensor")
+    if sz.dtype is not _bf16 or tuple(sz.shape) != (N // P, G, 2, P) or not sz.is_contiguous() or not sz.is_cpu:
+        raise _bad("linear_w4a8", f"the scales must be a contiguous bfloat16 CPU ({N // P}, {G}, 2, {P}) tensor")
     if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or not x.is_cpu:
         raise _bad("linear_w4a8", f"x must be a contiguous float32 CPU (M, {K}) tensor")
     M = x.shape[0]

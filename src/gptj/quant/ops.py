@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from gptj.errors import GptjError
+from gptj.native.ops import W4A8_BLOCK, W4A8_PANEL  # W4A8's kernel's: inputs per rounding of x, outputs a panel
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels (CPU and CUDA) accept
 DEFAULT_GROUP_SIZE = 128
@@ -250,7 +251,6 @@ def _dequant_int4_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 #   x       d[m, b] = max_{k in b} |x[m, k]| / 127 (float32)   xq = round(x * (1 / d)) in [-127, 127] (0 where d is)
 #   weight  int4's q, scale, zero (above); in memory in W4A8's panels (pack_w4a8), gptj.native's w4a8.c says why
 
-W4A8_BLOCK = 32  # inputs per rounding of x
 
 
 def quantize_blocks_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,18 +277,18 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     (out, in / 2): panels of 16 outputs, each its inputs in units of 8, byte 4 c + j of unit u holding
     q[c, 8 u + j] | q[c, 8 u + 4 + j] << 4; sz bfloat16 (out / 16, groups, 2, 16): a panel's scales then zeros
     per group). out must be a multiple of 16, in of 8."""
-    N, K = q.shape
-    q5 = q.to(torch.uint8).reshape(N // 16, 16, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # (panel, unit, c, half, j)
+    N, K, P = q.shape[0], q.shape[1], W4A8_PANEL
+    q5 = q.to(torch.uint8).reshape(N // P, P, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # (panel, unit, c, half, j)
     packed = (q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)).reshape(N, K // 2)
     G = scale.shape[1]
-    sz = torch.stack((scale.reshape(N // 16, 16, G), zero.reshape(N // 16, 16, G)), dim=1)  # (panel, 2, c, g)
+    sz = torch.stack((scale.reshape(N // P, P, G), zero.reshape(N // P, P, G)), dim=1)  # (panel, 2, c, g)
     return packed.contiguous(), sz.permute(0, 3, 1, 2).to(SCALE_DTYPE).contiguous()
 
 
 def unpack_w4a8(packed: torch.Tensor) -> torch.Tensor:
     """W4A8's packed weight (out, in / 2) -> int4's values (out, in) uint8, pack_w4a8's inverse."""
-    N, K = packed.shape[0], 2 * packed.shape[1]
-    p = packed.reshape(N // 16, K // 8, 16, 4)
+    N, K, P = packed.shape[0], 2 * packed.shape[1], W4A8_PANEL
+    p = packed.reshape(N // P, K // 8, P, 4)
     q5 = torch.stack((p & 15, p >> 4), dim=3)  # (panel, unit, c, half, j)
     return q5.permute(0, 2, 1, 3, 4).reshape(N, K)
 

@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from gptj import native
+from gptj.errors import GptjError
 from gptj.policy import NATIVE, UPCAST, Capabilities
 from gptj.quant.base import Kernel, scales_as_values, with_bias
 from gptj.quant.int4 import Int4Linear
-from gptj.quant.ops import W4A8_BLOCK, _row_chunks, pack_w4a8, quantize_blocks_int8, unpack_w4a8
+from gptj.quant.ops import W4A8_BLOCK, W4A8_PANEL, _row_chunks, pack_w4a8, quantize_blocks_int8, unpack_w4a8
 
 
 class W4A8Linear(Int4Linear):
@@ -41,11 +42,11 @@ class W4A8Linear(Int4Linear):
         if self._prepared or self.weight.device.type == "meta":
             return self
         if self.group_size % W4A8_BLOCK:
-            raise ValueError(f"w4a8 needs groups of a multiple of {W4A8_BLOCK} inputs, not {self.group_size}")
+            raise GptjError(f"w4a8 needs groups of a multiple of {W4A8_BLOCK} inputs, not {self.group_size}")
         scales_as_values(self, "weight_scale", "weight_zero")
         self._to_portable()
         self._sz = None
-        if self.weight.device.type == "cpu" and self.out_features % 16 == 0:
+        if self.weight.device.type == "cpu" and self.out_features % W4A8_PANEL == 0:
             self.weight, self._sz = pack_w4a8(self.nibbles(), self.weight_scale, self.weight_zero)
             self.layout = "w4a8"
         self._prepared = True
@@ -54,7 +55,7 @@ class W4A8Linear(Int4Linear):
     def nibbles(self) -> torch.Tensor:
         return unpack_w4a8(self.weight) if self.layout == "w4a8" else super().nibbles()
 
-    def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:  # a, b: multiples of 16 (panels) or the end
+    def _nibbles_rows(self, a: int, b: int) -> torch.Tensor:  # a, b: whole panels (_row_chunks: 256 rows)
         return unpack_w4a8(self.weight[a:b]) if self.layout == "w4a8" else super()._nibbles_rows(a, b)
 
     def kernels(self, caps: Capabilities, dtype: torch.dtype) -> dict[str, Kernel]:
