@@ -9,6 +9,7 @@ held-out corpus (examples/data/pretrain_eval.txt, windows of --window tokens):
 
     bfloat16            the baseline the issue names
     int8, int4          weight-only (gptj.quant)
+    w4a8                int4's weights, each linear's input rounded to int8 per block of 32 (gptj.quant.w4a8)
     fp8                 e4m3 weights, weight-only math (decode's TRITON path on a GPU; DEQUANTIZE on CPU)
     fp8-scaled          e4m3 weights and e4m3 activations per token (the SCALED_MM path of a GPU's
                         bigger calls; torch._scaled_mm's CPU form here)
@@ -64,7 +65,8 @@ def compare(model_dir: Path, prompts: list[list[int]], margin: float, device: st
     out = {"positions": int(ref.shape[0]), "confident_positions": int(confident.sum()), "margin_nats": margin,
            "median_top1_margin": float((top2[:, 0] - top2[:, 1]).median()), "modes": {}}
     weight_only = policy.TRITON if policy.fp8_supported(device) else policy.DEQUANTIZE  # the same math
-    runs = {"bfloat16": (None, None), "int8": ("int8", None), "int4": ("int4", None), "fp8": ("fp8", weight_only),
+    runs = {"bfloat16": (None, None), "int8": ("int8", None), "int4": ("int4", None), "w4a8": ("w4a8", None),
+            "fp8": ("fp8", weight_only),
             "fp8-scaled": ("fp8", policy.SCALED_MM)}
     for name, (mode, path) in runs.items():
         if mode is None:

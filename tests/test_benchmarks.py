@@ -365,7 +365,7 @@ def check_gpu_check(out: dict, err: str) -> None:
 def check_quant_trained(out: dict, err: str) -> None:
     """A few training steps, then every mode compared on the held-out windows."""
     assert out["positions"] >= 64 and 0 <= out["confident_positions"] <= out["positions"]
-    assert set(out["modes"]) == {"bfloat16", "int8", "int4", "fp8", "fp8-scaled"}
+    assert set(out["modes"]) == {"bfloat16", "int8", "int4", "w4a8", "fp8", "fp8-scaled"}
     assert out["modes"]["bfloat16"]["top1_vs_bfloat16"] == 1.0
     for r in out["modes"].values():
         assert 0 <= r["top1_vs_float32"] <= 1 and r["max_abs_logit_error"] >= 0
