@@ -18,7 +18,8 @@
    (c < 16 the panel's output, j < 4). A vector of 4 VW bytes of a unit is VW outputs' 4 + 4 inputs:
    vi_nibbles splits it, vi_dot_u8x2 multiplies the nibbles by 4 + 4 bytes of xq repeated in every lane
    (two vpdpbusd with AVX512-VNNI; on AVX2 two vpmaddubsw and two int16 adds, a block's 4 units summed in int16,
-   then one vpmaddwd a block: vi_block_sums): per 32 weights 4 to 5 vector operations,
+   then one vpmaddwd a block: vi_block_sums): at one row of x, per 32 weights about 4 vector operations on
+   AVX2 and 1.5 with VNNI (a load, the nibbles' and, shift and and, the products; x's broadcasts beside),
    where int4's GEMV on float32 x needs 15 (docs/PERFORMANCE.md#w4a8). The scales come beside it, sz:
    (N / 16, G, 2, 16) bfloat16, a panel's s then z of group g in one cache line.
    The threads split the panels (static), each streaming its range of the weight; a tile is a panel and

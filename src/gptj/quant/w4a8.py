@@ -7,9 +7,10 @@ arithmetic, on int4's groups and zero points.
 
 The checkpoint holds int4's tensors (gptj.quant.format); only the call differs: int4 multiplies x as
 it is, W4A8 rounds it first. So a layer's sums are exact integers per block (VNNI's vpdpbusd, AVX2's
-vpmaddubsw): per 32 weights 4 to 5 vector operations where int4's float32 GEMV needs 15, which is what
-a CPU without bfloat16 arithmetic is bound by at one row (docs/PERFORMANCE.md#w4a8). x' differs from x
-by at most d / 2 per input: the rounding W8A8 also makes per token, here per 32 inputs (no calibration).
+vpmaddubsw): per 32 weights about 4 vector operations on AVX2 (1.5 with VNNI) where int4's float32
+GEMV needs 15, which is what a CPU without bfloat16 arithmetic is bound by at one row
+(docs/PERFORMANCE.md#w4a8). x' differs from x by at most d / 2 per input: the rounding W8A8 also makes
+per token, here per 32 inputs (no calibration).
 
 Its kernels, by the policy's table (gptj.policy.LINEAR_TABLE, "w4a8"):
   NATIVE  gptj.native's W4A8 GEMM (w4a8.c, every ISA's library) on the weight in W4A8's panels (pack_w4a8)
