@@ -74,6 +74,20 @@ def test_w8a8_takes_an_exact_form_on_every_kind(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", cpu.KINDS)
+def test_w4a8_takes_the_native_gemm_wherever_a_library_loads(kind, monkeypatch):
+    """Every library has W4A8's GEMM (w4a8.c, on the vector layer): on each kind whose library loads, W4A8
+    layers of outputs in 16s take it at every row count; without gptj.native (the OTHER kind), or outputs
+    not in 16s, the same product in float32."""
+    fake_cpu(monkeypatch, kind)
+    native_here = policy.native_gemv_available()
+    assert kind != cpu.OTHER or not native_here  # no library for a CPU without AVX2
+    for rows in (1, 8, 4096):
+        assert policy.linear_path("cpu", torch.bfloat16, rows, "w4a8", (4096, 4096)) == (
+            policy.NATIVE if native_here else policy.UPCAST)
+        assert policy.linear_path("cpu", torch.bfloat16, rows, "w4a8", (4096, 200)) == policy.UPCAST
+
+
+@pytest.mark.parametrize("kind", cpu.KINDS)
 def test_the_native_kernels_and_bf16_packing_follow_the_kind(kind, monkeypatch):
     if kind == cpu.AVX512_BF16:  # this CPU's own kernels: faking its flags cannot build them
         if native.unavailable_reason() is not None:

@@ -214,12 +214,11 @@ def gelu_into(x: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
 def _fusable(block: nn.Module) -> bool:
     """A float block below float32, or a block with quantized projections (policy.fusable); a Llama
     block as the model file has it (a tensor-parallel one keeps its linears)."""
-    if type(block) is LlamaBlock and block.w_qkv is None:
-        q = block.attn.q_proj
-    elif not isinstance(block, Block) or block.w_in is not None:  # (fused already)
+    plain_llama = type(block) is LlamaBlock and block.w_qkv is None
+    plain_gptj = isinstance(block, Block) and block.w_in is None  # (not fused already)
+    if not (plain_llama or plain_gptj):
         return False
-    else:
-        q = block.attn.q_proj
+    q = block.attn.q_proj
     return fusable(q.weight.dtype if type(q) is nn.Linear else None)  # None: quantized
 
 

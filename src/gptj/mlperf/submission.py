@@ -439,13 +439,12 @@ def calibration_text(cfg: MLPerfConfig) -> str:
         how = "No quantization: the weights run as given (cast to the run's dtype); no calibration data is used."
     elif mode in ("int4", "w4a8"):
         groups = f"groups of {group_size}" if group_size else "groups of 128 (gptj's default)"
+        inputs = ("each linear's inputs are rounded to int8 as it runs, per block of 32 inputs (a scale each: the "
+                  "largest magnitude / 127), with no calibration data either." if mode == "w4a8" else
+                  "activations stay in the run's float dtype.")
         how = (f"The linear layers' weights are quantized to int4 (asymmetric, a scale and a zero point per "
                f"{groups} inputs of each output channel) {when}, from the weights alone: no calibration data "
-               "is used; activations stay in the run's float dtype.")
-        if mode == "w4a8":
-            how = how.replace("activations stay in the run's float dtype.", "each linear's inputs are rounded to "
-                              "int8 as it runs, per block of 32 inputs (a scale each: the largest magnitude / 127), "
-                              "with no calibration data either.")
+               f"is used; {inputs}")
     elif mode == "w8a8":
         c = calibration or {}
         how = (f"The linear layers' weights are quantized to int8 per output channel {when}, and their inputs to "

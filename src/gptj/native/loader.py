@@ -45,8 +45,8 @@ _gemm_w4a8 = None  # the loaded library's W4A8 GEMM (w4a8.c), None before a libr
 _int4_gemm_rows = 0  # their crossover (int4_gemm_min_rows); 0: no GEMM, the GEMV at every row count
 # what a test clears (with _state) to take the native path away or load another ISA's library
 BOUND = ("_gemv_int8", "_gemv_bf16", "_gemm_w8a8", "_w8a8_panel", "_int8_gemm_rows", "_gemm_int4", "_int4_gemm_rows",
-         "_gemm_w4a8", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv", "_quantize_rows",
-         "_scale_rows", "_int4_dequant", "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
+         "_gemm_w4a8", "_attend_group", "_attend_paged", "_prefill_paged", "_gelu", "_rotary", "_store_kv",
+         "_quantize_rows", "_scale_rows", "_int4_dequant", "_argmax_rows", "_gemm_int8_amx", "_gemm_w8a8_amx", "_amx_init")
 
 
 def requested_isa(env: dict[str, str] | os._Environ | None = None) -> tuple[Isa | None, str | None]:

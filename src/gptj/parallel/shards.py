@@ -55,6 +55,6 @@ def _adapted(checkpoint: Checkpoint, sd: dict[str, torch.Tensor], shard: Callabl
     """A rank's tensors with the checkpoint's adapter folded into its slices of the weights (before
     they are rounded): each delta made whole (it names the file's modules: HF's), then cut by `shard`."""
     config, adapter = checkpoint.config, checkpoint.adapter  # it fits: Checkpoint.with_adapter checked it
-    stored = {ours: name for name, ours in (checkpoint.renames or {}).items()}  # the model's name -> the file's
+    stored = checkpoint.stored_names  # the model's name -> the file's
     deltas = {n: d for n in sd if (d := adapter.delta(stored.get(n, n), device)) is not None}
     return {**sd, **{n: merged(sd[n], d) for n, d in shard(deltas, config, rank, world).items()}}

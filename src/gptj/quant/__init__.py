@@ -86,8 +86,9 @@ def _native():  # noqa: ANN202 - the gptj.native module, or None where its kerne
 
 
 __all__ = [
-    "QUANT_MODES", "QUANT_LEAVES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear", "Int4Linear",
-    "W4A8Linear", "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8", "quantize_rows_fp8",
+    "QUANT_MODES", "QUANT_LEAVES", "INT4_GROUP_SIZES", "DEFAULT_GROUP_SIZE", "KERNEL_MAX_ROWS", "Int8Linear",
+    "Int4Linear", "W4A8Linear", "W8A8Linear", "Fp8Linear", "FP8_DTYPE", "FP8_MAX", "quantize_fp8", "dequantize_fp8",
+    "quantize_rows_fp8",
     "fp8_error_bound", "fp8_sums", "SMOOTH_ALPHA", "quantize_rows_int8", "smoothing_factors",
     "quantize_int8", "quantize_int4", "dequantize_int8", "dequantize_int4", "pack_int4", "unpack_int4",
     "quantize_weight", "quantize_model", "quantize_state_dict", "make_quantization", "check_quantization",

@@ -6,8 +6,8 @@ The model stays the plain-math GPT-J of `gptj.models.gptj`; its `nn.Linear` laye
 mlp.fc_in/fc_out and lm_head; the embedding `wte` stays float) become one of the layers of
 gptj.quant's kind files: `Int8Linear` (int8), `Int4Linear` (int4) — activations keep the model's float
 dtype, only the weights are quantized, gpt-fast style — `W4A8Linear` (w4a8: int4's weights, the
-activations rounded to int8 per block of 32 inputs at each call, llama.cpp's Q4_0 style), `W8A8Linear` (w8a8: the activations too, per
-token at each call, SmoothQuant style) or `Fp8Linear` (fp8: e4m3 weights; e4m3 activations per token
+activations rounded to int8 per block of 32 inputs at each call, llama.cpp's Q4_0 style), `W8A8Linear`
+(w8a8: the activations too, per token at each call, SmoothQuant style) or `Fp8Linear` (fp8: e4m3 weights; e4m3 activations per token
 in big calls, on GPUs with FP8 matrix units). Each chooses its kernels once per device and dtype
 (gptj.quant.base; the table is gptj.policy's LINEAR_TABLE). The buffers are the checkpoint's
 tensors (gptj.quant.format)."""

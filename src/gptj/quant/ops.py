@@ -265,11 +265,12 @@ def quantize_blocks_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d
 
 
-def round_blocks_int8(x: torch.Tensor) -> torch.Tensor:
-    """x as W4A8 multiplies it: rounded to int8 per block of 32 inputs and back, float64 (each value exact)."""
+def round_blocks_int8(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """x as W4A8 multiplies it: rounded to int8 per block of 32 inputs and back, in `dtype` (float64: each
+    value exact; float32: each rounded once)."""
     q, d = quantize_blocks_int8(x)
     m, k = x.shape
-    return (q.double().view(m, -1, W4A8_BLOCK) * d.double()[..., None]).view(m, k)
+    return (q.to(dtype).view(m, -1, W4A8_BLOCK) * d.to(dtype)[..., None]).view(m, k)
 
 
 def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

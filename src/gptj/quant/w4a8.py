@@ -20,14 +20,13 @@ Its kernels, by the policy's table (gptj.policy.LINEAR_TABLE, "w4a8"):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gptj import native
 from gptj.errors import GptjError
 from gptj.policy import NATIVE, UPCAST, Capabilities
 from gptj.quant.base import Kernel, scales_as_values, with_bias
 from gptj.quant.int4 import Int4Linear
-from gptj.quant.ops import W4A8_BLOCK, W4A8_PANEL, _row_chunks, pack_w4a8, quantize_blocks_int8, unpack_w4a8
+from gptj.quant.ops import W4A8_BLOCK, W4A8_PANEL, pack_w4a8, round_blocks_int8, unpack_w4a8
 
 
 class W4A8Linear(Int4Linear):
@@ -68,10 +67,6 @@ class W4A8Linear(Int4Linear):
         return with_bias(self, y).to(x2.dtype)
 
     def _upcast(self, x2: torch.Tensor) -> torch.Tensor:
-        """x rounded per block, times the dequantized weight in float32, a chunk of rows at a time."""
-        q, d = quantize_blocks_int8(x2)
-        xr = (q.float().view(x2.shape[0], -1, W4A8_BLOCK) * d[..., None]).view(x2.shape)
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x2.device)
-        for a, b in _row_chunks(self.out_features, self.in_features):
-            y[:, a:b] = F.linear(xr, self._dequant_rows(a, b, torch.float32))
-        return with_bias(self, y).to(x2.dtype)
+        """x rounded per block, times the dequantized weight in float32 (int4's matmul, a chunk of rows at a
+        time)."""
+        return with_bias(self, self._dequant_linear(round_blocks_int8(x2, torch.float32))).to(x2.dtype)

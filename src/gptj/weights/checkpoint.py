@@ -152,6 +152,11 @@ class Checkpoint:
         """Stored tensor name -> the model's (tensor_names)."""
         return tensor_names(self.arch, self.config)
 
+    @property
+    def stored_names(self) -> dict[str, str]:
+        """The model's tensor name -> the stored one, where they differ (renames, inverted)."""
+        return {ours: name for name, ours in (self.renames or {}).items()}
+
     def with_adapter(self, adapter: Adapter | None) -> Checkpoint:
         """This checkpoint with `adapter` folded into its float weights as they load (one line if it is
         quantized, adapts another architecture's modules, or does not fit its weights' shapes)."""
@@ -162,7 +167,7 @@ class Checkpoint:
         if adapter.layout.arch != self.arch.model_type:
             raise GptjError(f"--lora: {adapter.path} adapts {adapter.layout.arch}'s modules; {self.folder} is a "
                             f"{self.arch.model_type} model")
-        stored = {ours: name for name, ours in (self.renames or {}).items()}  # the model's name -> the file's
+        stored = self.stored_names
         adapter.check_fits({stored.get(n, n): shape for n, (shape, _) in quant.quantized_specs(self.config).items()},
                            self.config.n_layer)
         return dataclasses.replace(self, adapter=adapter)
