@@ -238,7 +238,7 @@ def check_gemv_ab(out: dict, err: str) -> None:
         assert "could not be built or run" in out["skipped"] and "gemv_ab: skipped" in err
         return
     assert [(c["N"], c["K"], c["kind"], c["M"]) for c in out["cells"]] == [
-        (256, 128, kind, M) for kind in ("bf16", "int8") for M in (1, 2)]
+        (256, 128, kind, M) for kind in ("bf16", "int8", "w4a8") for M in (1, 2)]
     assert all(positive(c["before_ms"]) and positive(c["after_ms"]) and positive(c["ratio"]) for c in out["cells"])
 
 

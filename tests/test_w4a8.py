@@ -95,7 +95,10 @@ def test_the_packed_layout_holds_int4s_values_as_w4a8c_reads_them():
 # --- gptj.native's GEMM -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("N, K, M, group", [(64, 256, 1, 128), (48, 512, 3, 64), (32, 1024, 5, 32), (16, 96, 9, 32)])
+# the last: w4a8.c takes rows in blocks of 256 KB of rounded x (32 rows of 8,192 inputs), so 45 rows are
+# two blocks, the second ending in a tile of 5 rows
+@pytest.mark.parametrize("N, K, M, group", [(64, 256, 1, 128), (48, 512, 3, 64), (32, 1024, 5, 32), (16, 96, 9, 32),
+                                            (32, 8192, 45, 128)])
 def test_the_gemm_is_within_float32s_bound_of_the_exact_product(native_isa, N, K, M, group):
     q, s, z = int4_parts(N, K, group, seed=N + M)
     packed, sz = pack_w4a8(q, s, z)
@@ -135,23 +138,25 @@ def test_every_fma_library_gives_the_same_bits():
     libs = {k: v for k, v in libs.items() if v is not None}
     if len(libs) < 2:
         pytest.skip(f"this CPU runs {len(libs)} of the FMA libraries ({', '.join(libs) or 'none'}): nothing to compare")
-    q, s, z = int4_parts(1024, 512, 128)
-    packed, sz = pack_w4a8(q, s, z)
-    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
-    for M in (1, 2, 6):
-        ys = [_call(lib, x[:M].contiguous(), packed, sz, 128) for lib in libs.values()]
-        assert all(torch.equal(ys[0], y) for y in ys[1:]), f"{M} rows: {list(libs)} differ"
+    for N, K, rows in ((1024, 512, (1, 2, 6)), (64, 8192, (45,))):  # 45 rows of 8,192: two blocks of rows
+        q, s, z = int4_parts(N, K, 128)
+        packed, sz = pack_w4a8(q, s, z)
+        x = torch.randn(max(rows), K, generator=torch.Generator().manual_seed(2))
+        for M in rows:
+            ys = [_call(lib, x[:M].contiguous(), packed, sz, 128) for lib in libs.values()]
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), f"{M} rows: {list(libs)} differ"
 
 
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(native_isa):
     """x is rounded row by row and each output summed alone: batch-invariant (a verifying step's rows
     decode as each row alone)."""
-    q, s, z = int4_parts(64, 256, 64)
-    packed, sz = pack_w4a8(q, s, z)
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(4))
-    whole = native.linear_w4a8(x, packed, sz, 64)
-    for m in range(7):
-        assert torch.equal(native.linear_w4a8(x[m:m + 1].contiguous(), packed, sz, 64), whole[m:m + 1])
+    for K, M in ((256, 7), (8192, 41)):  # 41 rows of 8,192: two blocks of rows (above)
+        q, s, z = int4_parts(64, K, 64)
+        packed, sz = pack_w4a8(q, s, z)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(4))
+        whole = native.linear_w4a8(x, packed, sz, 64)
+        for m in range(M):
+            assert torch.equal(native.linear_w4a8(x[m:m + 1].contiguous(), packed, sz, 64), whole[m:m + 1]), (K, m)
 
 
 def test_bad_arguments_are_refused_in_one_line():

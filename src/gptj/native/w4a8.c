@@ -22,8 +22,12 @@
    AVX2 and 1.5 with VNNI (a load, the nibbles' and, shift and and, the products; x's broadcasts beside),
    where int4's GEMV on float32 x needs 15 (docs/PERFORMANCE.md#w4a8). The scales come beside it, sz:
    (N / 16, G, 2, 16) bfloat16, a panel's s then z of group g in one cache line.
-   The threads split the panels (static), each streaming its range of the weight; a tile is a panel and
-   up to W4_MR rows of x, the panel read once per tile. */
+   The threads round x's rows (vectors, a row per thread), then split the panels (static), each streaming
+   its range of the weight; a tile is a panel and up to W4_MR rows of x. Past a GEMV's rows the rows come
+   in blocks of W4_XQ_BYTES of rounded x, which a core's L2 holds while every panel passes them: each
+   panel read from memory once a block, its block's later tiles finding it in L1 (at 512 rows of Llama's
+   shapes 1.2-1.6x the unblocked loop's speed with the rounding scalar and on one thread before;
+   docs/PERFORMANCE.md#w4a8-prefill). */
 
 #include "simd.h"
 
@@ -33,33 +37,33 @@
 #define W4_NV (W4_PANEL / VW)       /* vectors a unit (AVX-512: 1, AVX2: 2) */
 #define W4_MR (W4_NV == 1 ? 8 : 2)  /* rows of x a tile: 3 W4_NV accumulators a row in the registers */
 #define W4_PF_DIST 16384            /* software prefetch, bytes ahead in the weight */
+#define W4_XQ_BYTES (256 * 1024)    /* rounded x a block of rows (below) */
 _Static_assert(W4_BLOCK / 8 <= 4, "a block's sums take at most 4 vi_dot_u8x2 calls (simd.h)");
 
-/* rows [0, M) of x (float32, rows K apart) rounded per block: xq (M, K), d (M, K / 32), X (M, G) */
-static void w4_round_x(const float *x, long M, long K, long group, int8_t *xq, float *d, float *X)
+/* row m of x (float32) rounded per block: xq (K), d (K / 32), X (G); vectors of VW lanes, the same float32
+   operations as the definition (max |x| is exact in any order, the rounded values' sums are integers) */
+static void w4_round_row(const float *x, long K, long group, int8_t *xq, float *d, float *X)
 {
     const long B = K / W4_BLOCK, G = K / group, per = group / W4_BLOCK;
-    for (long m = 0; m < M; m++) {
-        for (long b = 0; b < B; b++) {
-            const float *xb = x + m * K + b * W4_BLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < W4_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
-            for (int i = 0; i < W4_BLOCK; i++) {
-                const float r = nearbyintf(xb[i] * id);
-                xq[m * K + b * W4_BLOCK + i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    const vf lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
+    for (long g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (long b = g * per; b < (g + 1) * per; b++) {
+            const float *xb = x + b * W4_BLOCK;
+            vf mx = vf_zero();
+            for (int i = 0; i < W4_BLOCK; i += VW) mx = vf_max(mx, vf_abs(vf_loadu(xb + i)));
+            const float db = vf_reduce_max(mx) / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+            const vf vid = vf_set1(id);
+            vf sum = vf_zero();
+            for (int i = 0; i < W4_BLOCK; i += VW) {
+                const vf r = vf_min(vf_max(vf_round(vf_mul(vf_loadu(xb + i), vid)), lo), hi);
+                vf_store_bytes_n((uint8_t *)xq + b * W4_BLOCK + i, r, 0, VW);
+                sum = vf_add(sum, r);
             }
-            d[m * B + b] = db;
+            d[b] = db;
+            s = fmaf(vf_reduce_add(sum), db, s);
         }
-        for (long g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (long b = g * per; b < (g + 1) * per; b++) {
-                int sum = 0;
-                for (int i = 0; i < W4_BLOCK; i++) sum += xq[m * K + b * W4_BLOCK + i];
-                s = fmaf((float)sum, d[m * B + b], s);
-            }
-            X[m * G + g] = s;
-        }
+        X[g] = s;
     }
 }
 
@@ -143,19 +147,30 @@ int gemm_w4a8(const float *x, const uint8_t *packed, const uint16_t *sz, float *
         return -1;
     }
     float *X = d + (long)M * B;
-    w4_round_x(x, M, K, group, xq, d, X);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > panels) nthreads = (int)panels;
-    if ((long)N * K / 2 < 65536) nthreads = 1;  /* gemv.c's g_min_parallel */
+    if ((long)N * K / 2 < 65536 && M < 4) nthreads = 1;  /* gemv.c's g_min_parallel */
     const long panel_bytes = (long)K * W4_PANEL / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long p = 0; p < panels; p++) {
-        const uint8_t *w = packed + p * panel_bytes;
-        const uint16_t *s = sz + p * G * 2 * W4_PANEL;
-        for (long m0 = 0; m0 < M; m0 += W4_MR) {
-            const int mr = M - m0 < W4_MR ? (int)(M - m0) : W4_MR;
-            w4_tile_rows(w, s, K, group, xq + m0 * K, d + m0 * B, X + m0 * G, y + m0 * ldy + p * W4_PANEL, ldy,
-                         m0 == 0 ? W4_PF_DIST : 0, mr);
+    /* rows of x a block: their rounded bytes (MB K) stay in a core's L2 while every panel passes them, each
+       panel read once a block (from memory for the block's first tile, then from L1) */
+    long mb = W4_XQ_BYTES / K / W4_MR * W4_MR;
+    if (mb < W4_MR) mb = W4_MR;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) w4_round_row(x + m * K, K, group, xq + m * K, d + m * B, X + m * G);
+        for (long m1 = 0; m1 < M; m1 += mb) {
+            const long m2 = m1 + mb < M ? m1 + mb : M;
+#pragma omp for schedule(static) nowait
+            for (long p = 0; p < panels; p++) {
+                const uint8_t *w = packed + p * panel_bytes;
+                const uint16_t *s = sz + p * G * 2 * W4_PANEL;
+                for (long m0 = m1; m0 < m2; m0 += W4_MR) {
+                    const int mr = m2 - m0 < W4_MR ? (int)(m2 - m0) : W4_MR;
+                    w4_tile_rows(w, s, K, group, xq + m0 * K, d + m0 * B, X + m0 * G, y + m0 * ldy + p * W4_PANEL,
+                                 ldy, m0 == m1 ? W4_PF_DIST : 0, mr);
+                }
+            }
         }
     }
     free(xq);
