@@ -412,7 +412,7 @@ def test_config_json_records_the_quantization(q8_ckpt):
     ({"quantize": "int3"}, "unknown quantization mode 'int3'"),
     ({"quantize": "int4", "group_size": 100}, "bad int4 group size 100"),
     ({"quantize": "int4", "group_size": 128}, "group size 128 does not divide the 64 inputs"),
-    ({"quantize": "int8", "group_size": 32}, "group size applies to int4 only"),
+    ({"quantize": "int8", "group_size": 32}, "group size applies to int4 and w4a8 only"),
     ({"group_size": 32}, "needs a quantization mode"),
 ])
 def test_bad_mode_or_group_size(tmp_path, float_ckpt, float_sd, kwargs, message):

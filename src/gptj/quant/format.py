@@ -118,6 +118,10 @@ def fitting_group_size(in_features: Mapping[str, int]) -> int:
     return max(fits)
 
 
+def _no_group_size(mode: str) -> GptjError:
+    return GptjError(f"{mode} quantization is per output channel: a group size applies to {' and '.join(GROUPED)} only")
+
+
 def make_quantization(config: Any, mode: str, group_size: int | None = None,
                       skip: Sequence[str] = (), calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `quantization` entry of config.json for quantizing a float GPT-J with `config`.
@@ -134,8 +138,7 @@ def make_quantization(config: Any, mode: str, group_size: int | None = None,
                         f"{mode} quantization takes no calibration (w8a8 does)")
     if mode in PER_CHANNEL:
         if group_size is not None:
-            raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only "
-                            "(and w4a8)")
+            raise _no_group_size(mode)
     elif group_size is not None:
         group_size = check_group_size(group_size)
     if isinstance(skip, str):
@@ -236,8 +239,7 @@ def same_request(recorded: Mapping[str, Any], mode: str, group_size: int | None)
     """Whether asking for (mode, group_size) is satisfied by a checkpoint quantized as `recorded`."""
     check_mode(mode)
     if mode in PER_CHANNEL and group_size is not None:
-        raise GptjError(f"{mode} quantization is per output channel: a group size applies to int4 only "
-                        "(and w4a8)")
+        raise _no_group_size(mode)
     if mode in GROUPED and group_size is not None:
         check_group_size(group_size)
     return recorded["mode"] == mode and (group_size is None or recorded["group_size"] == group_size)
