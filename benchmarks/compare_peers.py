@@ -1,7 +1,7 @@
 """gptj against its peers on the same weights, in one process: HF transformers and CTranslate2.
 
     gptj   the engine (what `gptj generate` and the MLPerf SUT run): float32, bfloat16, and
-           int8 / int4 weights when gptj.quant is present
+           int8 / int4 / W4A8 / W8A8 weights when gptj.quant is present
     hf     transformers' GPTJForCausalLM.generate, float32 and bfloat16: the MLPerf reference's
            backend, loaded from the same folder with from_pretrained (public API only)
     ct2    CTranslate2's Generator, int8 and float32 (CPU has no bfloat16 in CTranslate2); the
@@ -75,8 +75,9 @@ MODELS = {
     "wide": GPTJConfig(n_embd=4096, n_layer=2, n_head=16, rotary_dim=64),
     "tiny": get_preset("tiny"),  # a smoke test of this script, not a benchmark
 }
-ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w8a8", "hf-fp32", "hf-bf16", "ct2-int8",
-                "ct2-fp32")
+ALL_VARIANTS = ("gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w4a8", "gptj-w8a8", "hf-fp32", "hf-bf16",
+                "ct2-int8", "ct2-fp32")
+QUANTIZED = ("int8", "int4", "w4a8", "w8a8")  # gptj's kinds loaded with --quantize (in bfloat16)
 CALIBRATION_SAMPLES = 8  # gptj-w8a8: the model folder is calibrated once, on the bundled set's first prompts
 MLPERF = GenerationConfig.mlperf()  # beam 4, 30..128 new tokens, early stopping, EOS 50256
 # gptj's engine as its commands run it without --threads: compute threads chosen from its step times
@@ -347,8 +348,8 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
     gptj_models: dict[str, torch.nn.Module] = {}  # hf-X checks its logits against gptj-X
 
     def load_gptj(kind: str) -> torch.nn.Module:
-        dtype = torch.bfloat16 if kind in ("bf16", "int8", "int4", "w8a8") else torch.float32
-        kwargs = {"quantize": kind} if kind in ("int8", "int4", "w8a8") else {}
+        dtype = torch.bfloat16 if kind == "bf16" or kind in QUANTIZED else torch.float32
+        kwargs = {"quantize": kind} if kind in QUANTIZED else {}
         if kind == "w8a8" and not json.loads((model_dir / "config.json").read_text()).get("calibration"):
             calibrate_folder(model_dir)
         return load_model(model_dir, dtype=dtype, **kwargs)
@@ -365,7 +366,7 @@ def build_impls(variants: Sequence[str], model_dir: Path, work: Path, threads: i
             continue
         try:
             if family == "gptj":
-                if kind in ("int8", "int4", "w8a8") and not has_quant:
+                if kind in QUANTIZED and not has_quant:
                     note(f"skipping {v}: load_model takes no quantize argument (gptj.quant not present)")
                     continue
                 impl = gptj_impl(v, gptj_model(kind), functools.partial(load_gptj, kind))

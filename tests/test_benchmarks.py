@@ -84,7 +84,7 @@ def check_ab_commits(out: dict, err: str) -> None:
 def check_compare_peers(out: dict, err: str) -> None:
     res = out["results"]["tiny"]
     assert positive(out["bandwidth_gb_s"])
-    expected = ["gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w8a8"]
+    expected = ["gptj-fp32", "gptj-bf16", "gptj-int8", "gptj-int4", "gptj-w4a8", "gptj-w8a8"]
     for family, module in (("hf", "transformers"), ("ct2", "ctranslate2")):
         if installed(module):
             expected += [f"{family}-fp32", f"{family}-bf16" if family == "hf" else f"{family}-int8"]
@@ -100,6 +100,7 @@ def check_compare_peers(out: dict, err: str) -> None:
         assert positive(res["offline"][name]["samples_s"]) and res["offline"][name]["new_tokens"] == 8
     w = res["weight_bytes"]
     assert w["gptj-fp32"] > w["gptj-bf16"] > w["gptj-int8"] > w["gptj-int4"] > 0
+    assert w["gptj-w4a8"] == w["gptj-int4"]  # int4's weights, scales and zeros, packed in W4A8's panels
     # the same int8 weights, plus a bfloat16 smoothing factor per input of every linear
     from gptj.config import get_preset
     from gptj.quant import linear_in_features
