@@ -79,9 +79,6 @@ def time_cell(libs: dict[str, ctypes.CDLL], kind: str, N: int, K: int, M: int, r
     x, y = torch.randn(M, K, generator=g).bfloat16(), torch.empty(M, N, dtype=torch.bfloat16)
     if kind == "w4a8":  # float32 in and out (gptj.native.linear_w4a8)
         x, y = x.float(), y.float()
-    missing = [name for name, lib in libs.items() if kind == "w4a8" and not hasattr(lib, "gemm_w4a8")]
-    if missing:
-        raise SystemExit(f"gemv_ab: the {' and '.join(missing)} tree has no W4A8 GEMM (it came with c7f9b5c)")
 
     def call(lib: ctypes.CDLL, w) -> None:  # noqa: ANN001
         rc = (lib.gemv_bf16(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), M, N, K, threads) if kind == "bf16"
@@ -127,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"skipped": reason}))
         return 0
     libs = {name: bind(p) for name, p in paths.items()}
+    missing = [name for name, lib in libs.items() if "w4a8" in args.kinds and not hasattr(lib, "gemm_w4a8")]
+    if missing:
+        print(f"gemv_ab: the {' and '.join(missing)} tree has no W4A8 GEMM (it came with c7f9b5c)", file=sys.stderr)
+        return 2
     cells = []
     for shape in args.shapes:
         N, K = (int(v) for v in shape.lower().split("x"))
