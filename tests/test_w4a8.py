@@ -159,6 +159,24 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(native_isa):
             assert torch.equal(native.linear_w4a8(x[m:m + 1].contiguous(), packed, sz, 64), whole[m:m + 1]), (K, m)
 
 
+def test_a_nan_or_an_infinity_in_x_makes_its_rows_outputs_non_finite(native_isa):
+    """A NaN or an infinity in a block of x gives the block's d NaN, so the row's outputs are NaN, as the
+    definition's (round_blocks_int8) are: a vector max drops NaNs, and before this the kernel rounded a NaN
+    to -127 and returned finite numbers. The other rows are what they are without them."""
+    q, s, z = int4_parts(64, 256, 128)
+    packed, sz = pack_w4a8(q, s, z)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
+    clean = native.linear_w4a8(x, packed, sz, 128)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        xb = x.clone()
+        xb[1, 5] = xb[3, 200] = bad  # the first block of row 1, the last group of row 3
+        y = native.linear_w4a8(xb, packed, sz, 128)
+        assert not torch.isfinite(y[[1, 3]]).any(), bad
+        assert torch.equal(y[[0, 2, 4]], clean[[0, 2, 4]]), bad
+        ref = round_blocks_int8(xb) @ _dequant_int4_values(q, s, z, torch.float64).T
+        assert not torch.isfinite(ref[[1, 3]]).any(), bad  # the definition's too
+
+
 def test_bad_arguments_are_refused_in_one_line():
     if not native.w4a8_available():
         pytest.skip(f"gptj.native is not loaded here: {native.unavailable_reason()}")
