@@ -1144,6 +1144,25 @@ def test_store_kv_rounds_int8_blocks_as_quantize_heads_does(native_isa):
 # --- the greedy step's argmax -----------------------------------------------------------------------
 
 
+def test_a_row_holding_a_nan_or_an_infinity_gets_a_non_finite_scale(native_isa):
+    """W8A8's activations and int8 KV round a row to int8 with s = max |x| / 127. A NaN in the row makes
+    the definition's s NaN (gptj.quant.ops.quantize_rows_int8; an infinity makes it infinite), so the row
+    comes back non-finite. The vector max drops NaNs: before this, s ignored the NaN, which was rounded
+    to a finite byte, and the row came back finite. The other rows are as without them."""
+    from gptj.quant.ops import quantize_rows_int8
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    q0, s0 = native.quantize_rows_u8(x)
+    for bad in (math.nan, math.inf, -math.inf):
+        xb = x.clone()
+        xb[1, 7] = xb[3, 299] = bad  # a first vector and a tail
+        q, s = native.quantize_rows_u8(xb)
+        _, ref = quantize_rows_int8(xb)
+        for row in (1, 3):
+            assert math.isnan(s[row, 0]) == math.isnan(ref[row, 0]) and not math.isfinite(s[row, 0]), (bad, row)
+        assert torch.equal(q[[0, 2, 4]], q0[[0, 2, 4]]) and torch.equal(s[[0, 2, 4]], s0[[0, 2, 4]]), bad
+
+
 @pytest.mark.parametrize("N", [1, 7, 16, 50400])
 def test_argmax_rows_is_torch_max_indices_with_ties_infinities_and_nans(N, native_isa):
     """gptj.native.argmax_rows gives torch.max(dim=-1)'s indices: the first of tied maxima (rows of few

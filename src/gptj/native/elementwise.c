@@ -53,18 +53,21 @@ void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16
 
 /* A row x of K bfloat16 values times inv_smooth[k] (float32; NULL: 1) is x'; rounded as
    gptj.quant.ops.quantize_rows_int8 rounds a row: s = max_k |x'| / 127 (at least 2^-120),
-   q = round(x' / s) to nearest even, clamped to [-127, 127]. row_scale gives s; row_round stores
-   q + zp as bytes (zp 0: int8; 128: oneDNN's uint8 with zero point 128). */
+   q = round(x' / s) to nearest even, clamped to [-127, 127]. row_scale gives s (NaN where x' holds a
+   NaN, infinite where it holds an infinity, as the definition's); row_round stores q + zp as bytes
+   (zp 0: int8; 128: oneDNN's uint8 with zero point 128). */
 static inline float row_scale(const uint16_t *x, const float *inv_smooth, long K)
 {
-    vf mx = vf_zero();
+    vf mx = vf_zero(), bad = vf_zero();  /* bad: x' * 0, NaN where x' is NaN or infinite, else 0 */
     for (long k = 0; k < K; k += VW) {
         vf v = vf_load_bf16_upto(x + k, K - k);
         if (inv_smooth) v = vf_mul(v, vf_loadu_upto(inv_smooth + k, K - k));
         mx = vf_max(mx, vf_abs(v));
+        bad = vf_add(bad, vf_mul(v, vf_zero()));
     }
-    const float s = vf_reduce_max(mx) / 127.0f;
-    return s >= 0x1p-120f ? s : 0x1p-120f;
+    float s = vf_reduce_max(mx) / 127.0f;
+    if (vf_reduce_add(bad) != 0.0f && s != INFINITY) s = NAN;  /* a NaN, which the vector max drops */
+    return s >= 0x1p-120f || s != s ? s : 0x1p-120f;
 }
 
 static inline void row_round(const uint16_t *x, const float *inv_smooth, long K, float s, int zp, uint8_t *q)
