@@ -1163,6 +1163,29 @@ def test_a_row_holding_a_nan_or_an_infinity_gets_a_non_finite_scale(native_isa):
         assert torch.equal(q[[0, 2, 4]], q0[[0, 2, 4]]) and torch.equal(s[[0, 2, 4]], s0[[0, 2, 4]]), bad
 
 
+@pytest.mark.parametrize("int8_kv", [False, True])
+def test_a_query_holding_a_nan_gives_nan_attention(int8_kv, native_isa):
+    """A NaN in a query makes its head's output NaN, as the float reference's, with bfloat16 or int8 keys.
+    Before, the softmax's max and exp dropped NaN scores (every key the same weight: the values' mean, a
+    finite output), and with int8 keys the query's int16 scale ignored the NaN. Other heads and queries
+    are as without it."""
+    B, H, D, n_blocks, L = 8, 2, 64, 3, 20
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, H, D, generator=g)
+    kc, vc = (torch.randn(n_blocks, H, B, D, generator=g).bfloat16() for _ in range(2))
+    scales = ()
+    if int8_kv:
+        scales = tuple(torch.full((n_blocks, H, B), 0.02) for _ in range(2))
+        kc, vc = ((x.float() * 50).round().clamp(-127, 127).to(torch.int8) for x in (kc, vc))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    args = (i32([0, 1, 2]), i32([0, 1, 2] * 2), i32([0, 3]), i32([L, L]), i32([[0]] * 2), i32([0, 0]))
+    clean = native.attention_paged(q, kc, vc, *args, *scales)
+    q[1, 0, 5] = math.nan
+    out = native.attention_paged(q, kc, vc, *args, *scales)
+    assert torch.isnan(out[1, 0]).all(), int8_kv
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[1, 1], clean[1, 1]), int8_kv
+
+
 @pytest.mark.parametrize("N", [1, 7, 16, 50400])
 def test_argmax_rows_is_torch_max_indices_with_ties_infinities_and_nans(N, native_isa):
     """gptj.native.argmax_rows gives torch.max(dim=-1)'s indices: the first of tied maxima (rows of few

@@ -24,15 +24,16 @@ static inline void softmax_f32(float *s, int L)
     for (; t + VW <= L; t += VW) mx = vf_max(mx, vf_loadu(s + t));
     if (t < L) mx = vf_max(mx, vf_fill_below(vf_set1(-INFINITY), L - t, vf_loadu_n(s + t, L - t)));
     const vf top = vf_set1(vf_reduce_max(mx));
-    vf sum = vf_zero();
+    vf sum = vf_zero(), bad = vf_zero();  /* bad: NaN where a score is NaN or +inf (the max and exp drop NaNs) */
     for (t = 0; t < L; t += VW) {
         const int n = L - t >= VW ? VW : L - t;
-        const vf e = vf_keep_n(vf_exp(vf_sub(vf_loadu_upto(s + t, n), top)), n);
+        const vf v = vf_loadu_upto(s + t, n), e = vf_keep_n(vf_exp(vf_sub(v, top)), n);
         sum = vf_add(sum, e);
+        bad = vf_add(bad, vf_zero_where_neginf(vf_sub(v, v), v));
         if (n == VW) vf_storeu(s + t, e);
         else vf_store_f32_n(s + t, e, n);
     }
-    const vf inv = vf_set1(1.0f / vf_reduce_add(sum));
+    const vf inv = vf_set1(1.0f / (vf_reduce_add(sum) + vf_reduce_add(bad)));  /* NaN: every probability NaN */
     for (t = 0; t < L; t += VW) {
         const int n = L - t >= VW ? VW : L - t;
         if (n == VW) vf_storeu(s + t, vf_mul(vf_loadu(s + t), inv));
@@ -192,9 +193,14 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
         *qs = 1.0f;
         return;
     }
-    __m512 mx = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
-    const float top = _mm512_reduce_max_ps(mx), s = top > 0 ? top / 32767.0f : 1.0f;
+    __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();  /* bad: NaN where q is NaN or infinite */
+    for (int d = 0; d < D; d += 16) {
+        const __m512 v = _mm512_loadu_ps(q + d);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    const float s = _mm512_reduce_add_ps(bad) != 0.0f ? NAN : top > 0 ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
     const __m512 inv = _mm512_set1_ps(1.0f / s);
     for (int d = 0; d < D; d += 32) {
         const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)));
@@ -265,9 +271,14 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
         *qs = 1.0f;
         return;
     }
-    vf mx = vf_zero();
-    for (int d = 0; d < D; d += VW) mx = vf_max(mx, vf_abs(vf_loadu(q + d)));
-    const float top = vf_reduce_max(mx), s = top > 0 ? top / 32767.0f : 1.0f;
+    vf mx = vf_zero(), bad = vf_zero();  /* bad: NaN where q is NaN or infinite */
+    for (int d = 0; d < D; d += VW) {
+        const vf v = vf_loadu(q + d);
+        mx = vf_max(mx, vf_abs(v));
+        bad = vf_add(bad, vf_mul(v, vf_zero()));
+    }
+    const float top = vf_reduce_max(mx);
+    const float s = vf_reduce_add(bad) != 0.0f ? NAN : top > 0 ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
     const vf inv = vf_set1(1.0f / s), lo = vf_set1(-32768.0f), hi = vf_set1(32767.0f);
     for (int d = 0; d < D; d += VW) /* rounded, then saturated (as AVX-512's vpmovsdw) */
         vf_store_i16((int16_t *)prepared + d, vf_min(vf_max(vf_round(vf_mul(vf_loadu(q + d), inv)), lo), hi));
