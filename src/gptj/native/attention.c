@@ -193,14 +193,9 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
         *qs = 1.0f;
         return;
     }
-    __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();  /* bad: NaN where q is NaN or infinite */
-    for (int d = 0; d < D; d += 16) {
-        const __m512 v = _mm512_loadu_ps(q + d);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));
-    }
-    const float top = _mm512_reduce_max_ps(mx);
-    const float s = _mm512_reduce_add_ps(bad) != 0.0f ? NAN : top > 0 ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
+    vf mx = vf_zero(), nf = vf_zero();
+    for (int d = 0; d < D; d += 16) absmax_add(&mx, &nf, vf_loadu(q + d));
+    const float top = absmax_of(mx, nf), s = top > 0 || top != top ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
     const __m512 inv = _mm512_set1_ps(1.0f / s);
     for (int d = 0; d < D; d += 32) {
         const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)));
@@ -271,14 +266,9 @@ static inline void q_prepare(const float *q, int D, int int16, void *prepared, f
         *qs = 1.0f;
         return;
     }
-    vf mx = vf_zero(), bad = vf_zero();  /* bad: NaN where q is NaN or infinite */
-    for (int d = 0; d < D; d += VW) {
-        const vf v = vf_loadu(q + d);
-        mx = vf_max(mx, vf_abs(v));
-        bad = vf_add(bad, vf_mul(v, vf_zero()));
-    }
-    const float top = vf_reduce_max(mx);
-    const float s = vf_reduce_add(bad) != 0.0f ? NAN : top > 0 ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
+    vf mx = vf_zero(), nf = vf_zero();
+    for (int d = 0; d < D; d += VW) absmax_add(&mx, &nf, vf_loadu(q + d));
+    const float top = absmax_of(mx, nf), s = top > 0 || top != top ? top / 32767.0f : 1.0f;  /* NaN: the scores too */
     const vf inv = vf_set1(1.0f / s), lo = vf_set1(-32768.0f), hi = vf_set1(32767.0f);
     for (int d = 0; d < D; d += VW) /* rounded, then saturated (as AVX-512's vpmovsdw) */
         vf_store_i16((int16_t *)prepared + d, vf_min(vf_max(vf_round(vf_mul(vf_loadu(q + d), inv)), lo), hi));

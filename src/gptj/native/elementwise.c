@@ -58,16 +58,14 @@ void rotary_bf16(uint16_t *x, long sx, int T, int nh, int D, int R, const uint16
    (zp 0: int8; 128: oneDNN's uint8 with zero point 128). */
 static inline float row_scale(const uint16_t *x, const float *inv_smooth, long K)
 {
-    vf mx = vf_zero(), bad = vf_zero();  /* bad: x' * 0, NaN where x' is NaN or infinite, else 0 */
+    vf mx = vf_zero(), nf = vf_zero();
     for (long k = 0; k < K; k += VW) {
         vf v = vf_load_bf16_upto(x + k, K - k);
         if (inv_smooth) v = vf_mul(v, vf_loadu_upto(inv_smooth + k, K - k));
-        mx = vf_max(mx, vf_abs(v));
-        bad = vf_add(bad, vf_mul(v, vf_zero()));
+        absmax_add(&mx, &nf, v);
     }
-    float s = vf_reduce_max(mx) / 127.0f;
-    if (vf_reduce_add(bad) != 0.0f && s != INFINITY) s = NAN;  /* a NaN, which the vector max drops */
-    return s >= 0x1p-120f || s != s ? s : 0x1p-120f;
+    const float s = absmax_of(mx, nf) / 127.0f;
+    return s >= 0x1p-120f || s != s ? s : 0x1p-120f;  /* a NaN kept */
 }
 
 static inline void row_round(const uint16_t *x, const float *inv_smooth, long K, float s, int zp, uint8_t *q)

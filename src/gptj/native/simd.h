@@ -107,6 +107,21 @@ static inline void vf_store_bf16_upto(uint16_t *p, vf v, long n)
     else vf_store_bf16_n(p, v, (int)n);
 }
 
+/* max |x| over vectors v, as the rounding of a row to integers wants it: vf_max drops NaNs (x86's max
+   returns its second operand), so beside the running max m an accumulation n of v * 0 (0 where v is
+   finite, NaN where it is NaN or infinite) carries them; absmax_of(m, n) is the largest |x|, NaN where
+   x holds a NaN, infinite where it holds an infinity and no NaN (the definitions' torch.amax gives) */
+static inline void absmax_add(vf *m, vf *n, vf v)
+{
+    *m = vf_max(*m, vf_abs(v));
+    *n = vf_add(*n, vf_mul(v, vf_zero()));
+}
+static inline float absmax_of(vf m, vf n)
+{
+    const float top = vf_reduce_max(m);
+    return vf_reduce_add(n) == 0.0f || top == INFINITY ? top : NAN;
+}
+
 /* e^x, VW lanes: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7 (relative error < 5e-9,
    below float32's 6e-8 rounding), times 2^n. x is clamped to [-87.3, 88.8]: below, 2^-126-ish
    instead of 0 (negligible beside softmax's maximum, e^0 = 1); above, infinity, as e^x overflows

@@ -42,7 +42,8 @@ _Static_assert(W4_BLOCK / 8 <= 4, "a block's sums take at most 4 vi_dot_u8x2 cal
 
 /* row m of x (float32) rounded per block: xq (K), d (K / 32), X (G); vectors of VW lanes, the same float32
    operations as the definition (max |x| is exact in any order, the rounded values' sums are integers).
-   A block holding a NaN or an infinity gets d NaN, so its row's outputs are NaN, as the definition's are. */
+   A block holding a NaN or an infinity gets d NaN or infinite, so its row's outputs are not finite, as the
+   definition's are not. */
 static void w4_round_row(const float *x, long K, long group, int8_t *xq, float *d, float *X)
 {
     const long B = K / W4_BLOCK, G = K / group, per = group / W4_BLOCK;
@@ -51,13 +52,9 @@ static void w4_round_row(const float *x, long K, long group, int8_t *xq, float *
         float s = 0.0f;
         for (long b = g * per; b < (g + 1) * per; b++) {
             const float *xb = x + b * W4_BLOCK;
-            vf mx = vf_zero(), bad = vf_zero();  /* bad: x * 0, NaN where x is NaN or infinite, else 0 */
-            for (int i = 0; i < W4_BLOCK; i += VW) {
-                const vf v = vf_loadu(xb + i);
-                mx = vf_max(mx, vf_abs(v));  /* (the vector max drops NaNs: bad carries them into d) */
-                bad = vf_add(bad, vf_mul(v, vf_zero()));
-            }
-            const float db = vf_reduce_max(mx) / 127.0f + vf_reduce_add(bad), id = db > 0.0f ? 1.0f / db : 0.0f;
+            vf mx = vf_zero(), nf = vf_zero();
+            for (int i = 0; i < W4_BLOCK; i += VW) absmax_add(&mx, &nf, vf_loadu(xb + i));
+            const float db = absmax_of(mx, nf) / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
             const vf vid = vf_set1(id);
             vf sum = vf_zero();
             for (int i = 0; i < W4_BLOCK; i += VW) {
