@@ -528,13 +528,21 @@ def check_w4a8_gemv(out: dict, err: str) -> None:
 
 def check_speculate(out: list, err: str) -> None:
     """Both modes gave the same tokens (the script exits otherwise) and timed figures; the drafted and
-    accepted counts hold together."""
-    (r,) = out
-    assert r["case"] == "trained" and "Traceback" not in err
-    for mode in ("plain", "ngram"):
-        assert positive(r[mode]["tokens_per_step"])
-    g = r["ngram"]
-    assert 0 <= g["accepted"] <= g["drafted"] and g["tokens_per_step"] >= r["plain"]["tokens_per_step"]
+    accepted counts hold together; the summarizer's prompts are the MLPerf template's, of their own
+    lengths, and its summaries end at EOS or the token limit; the repeater's are a window and its
+    first 4 tokens."""
+    assert [r["case"] for r in out] == ["trained", "summarizer", "repeater"] and "Traceback" not in err
+    for r in out:
+        for mode in ("plain", "ngram"):
+            assert positive(r[mode]["tokens_per_step"])
+        g = r["ngram"]
+        assert 0 <= g["accepted"] <= g["drafted"] and g["tokens_per_step"] >= r["plain"]["tokens_per_step"]
+    trained, summarizer, repeater = out
+    assert trained["generated"] == trained["new_tokens"] * trained["prompts"]  # EOS ignored
+    assert trained["prompt_len"] == [32] and repeater["prompt_len"] == [68]
+    assert repeater["model"].endswith("repeater-1")  # trained its --smoke steps
+    assert all(n > 100 for n in summarizer["prompt_len"])  # template + 3 paragraphs
+    assert 1 <= summarizer["generated"] <= summarizer["new_tokens"] * summarizer["prompts"]
 
 
 # one job per script in benchmarks/: its tiny size
@@ -590,7 +598,9 @@ SMOKE: dict[str, Job] = {
                             check_serve_profile),
     "soak.py": Job("soak.py", lambda m, tmp: ["--model", f"tiny={m}", "--serve-args", "--threads 1", "--smoke",
                                               "--json"], check_soak),
-    "speculate.py": Job("speculate.py", lambda m, tmp: ["--smoke", "--trained", m, "--json", "--threads", "1"],
+    "speculate.py": Job("speculate.py", lambda m, tmp: ["--smoke", "--cases", "trained,summarizer,repeater",
+                                                        "--trained", m, "--summarizer", m, "--work-dir", str(tmp),
+                                                        "--json", "--threads", "1"],  # (the repeater trained)
                         check_speculate),
     "standin_dataset.py": Job("standin_dataset.py", lambda m, tmp: ["--samples", "45", "--out", str(tmp / "s.json"),
                                                                     "--json"], check_standin_dataset),
@@ -709,6 +719,26 @@ def test_serve_vs_vllm_compares_every_gptj_setting_with_every_vllm_one():
     assert serve_vs_vllm.quantized_w8a8("--quantize=w8a8") and not serve_vs_vllm.quantized_w8a8("--quantize int8")
     names = ["gptj-a", "gptj-b", "vllm-a"]
     assert [serve_vs_vllm.round_order(names, i) for i in range(3)] == [names, names[::-1], names]
+
+
+def test_speculates_summarizer_pairs_are_lead_3_summaries_of_the_shipped_corpus():
+    """speculate.py's summarizer learns from articles of 3 training paragraphs (drawn at random) whose
+    summary is the article's first 3 sentences (lead-3); it is measured on the held-out text's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import speculate
+    finally:
+        sys.path.remove(str(BENCH))
+    train, held = speculate.summary_pairs()
+    train_pars, held_pars = speculate.paragraphs(speculate.TRAIN_TEXT), speculate.paragraphs(speculate.EVAL_TEXT)
+    assert len(train) == speculate.SUMMARY_PAIRS and len(held) == len(held_pars) // 3
+    for pair, pool in ((train[0], train_pars), (train[-1], train_pars), (held[1], held_pars)):
+        pars = pair["input"].split("\n")
+        assert len(pars) == 3 and all(p in pool for p in pars)
+        assert pair["input"].replace("\n", " ").startswith(pair["output"])
+        assert pair["output"].count(".") == speculate.LEAD and pair["output"].endswith(".")
+    assert held[0]["input"].split("\n") == held_pars[:3]
+    assert speculate.summary_pairs() == (train, held)  # the same pairs every run
 
 
 def test_speculates_llama_loop_model_repeats_its_last_token():

@@ -127,6 +127,46 @@ def test_greedy_tokens_are_those_without_speculation(gptj_tiny, name):
     same_tokens(gptj_tiny, name, *((6, 24) if name == "small-pool" else ()))  # (enough to fill the small pool)
 
 
+@pytest.fixture(scope="module")
+def trained_copier():
+    """The tiny preset trained here (a few seconds) on what a summary asks of a model: continuing a
+    span of its prompt. Each sequence is a random span of COPIER_PERIOD tokens, repeated; the loss is on
+    the repeats. Trained, its choices come from what it learned, and its drafts are taken: the verifying
+    rows run whole drafts and long accepted runs, as a summarizer's copying would."""
+    torch.manual_seed(0)
+    cfg = get_preset("tiny").replace(vocab_size=64, bos_token_id=0, eos_token_id=1)
+    model = model_from_state_dict(cfg, random_state_dict(cfg, seed=5, std=0.02))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(COPIER_STEPS):
+        n = COPIER_PERIOD
+        x = torch.randint(2, cfg.vocab_size, (16, n), generator=rng).repeat(1, 3)
+        logits = model(x[:, :-1])[:, n - 1:]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, n:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model.requires_grad_(False)
+
+
+COPIER_STEPS, COPIER_PERIOD = 200, 12  # (its loss falls below 0.1 by step 150)
+
+
+@pytest.mark.parametrize("name", ["chunked", "small-pool"])
+def test_a_trained_copier_takes_its_drafts_and_the_same_tokens(trained_copier, name):
+    same_tokens(trained_copier, name, *((6, 24) if name == "small-pool" else (4, 24)))
+    rng = random.Random(7)
+    spans = [[rng.randrange(2, 64) for _ in range(COPIER_PERIOD)] for _ in range(3)]
+    prompts = [[rng.randrange(2, 64) for _ in range(5)] + span * 2 + span[:3] for span in spans]
+    gen = GenerationConfig(pad_token_id=0, max_new_tokens=24, eos_token_id=None)
+    out, _, engine = run(trained_copier, prompts, gen.replace(prompt_lookup_num_tokens=4), CONFIGS[name])
+    assert out == [(span * 9)[3:27] for span in spans]  # it continues the span
+    stats = engine.stats()
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens > 0  # a copier's drafts are right
+
+
 def test_on_every_kernel_path(gptj_tiny, kernel_path):
     same_tokens(gptj_tiny, "chunked", 2, 12)
 
