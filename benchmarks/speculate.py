@@ -1,10 +1,11 @@
 """Prompt-lookup speculation (issue 60) against plain decoding, batch 1, on the engine: the same model,
 prompts and tokens, each mode in turn within every round.
 
-    python benchmarks/speculate.py                        # trains the tiny preset first (about a minute)
+    python benchmarks/speculate.py                        # every case (trains its 3 models first: ~20 minutes)
+    python benchmarks/speculate.py --cases trained        # trains the tiny preset first (about a minute)
     python benchmarks/speculate.py --cases trained --trained DIR
     python benchmarks/speculate.py --cases summarizer     # fine-tunes a summarizer first (about 15 minutes)
-    python benchmarks/speculate.py --cases repeater       # trains a model that copies first (about 4 minutes)
+    python benchmarks/speculate.py --cases repeater       # trains a model that copies first (about 3 minutes)
     python benchmarks/speculate.py --smoke                # a check that it runs (CI), not a measurement
 
 Cases (--cases, comma-separated):
@@ -16,8 +17,8 @@ Cases (--cases, comma-separated):
                  on pairs made from that corpus: an article of 3 of its paragraphs drawn at random,
                  the summary its first 3 sentences (lead-3, CNN-DailyMail's classic extractive
                  baseline: summaries there copy their articles' spans, here wholly). Prompts: the
-                 MLPerf gptj-99 template around 3 held-out paragraphs; EOS ends the summary. A model
-                 that learned to copy its prompt: what the issue's 1.8x is about
+                 MLPerf gptj-99 template around 3 held-out paragraphs; EOS ends the summary. Meant
+                 to copy its prompt, it does not learn to in SUMMARY_STEPS steps (PERFORMANCE.md, SP8)
     repeater     gptj's tiny preset trained here on the shipped corpus (examples/data/pretrain.txt) to
                  copy: each row a random window of REPEAT_WINDOW tokens followed by itself, the loss on
                  the copy (REPEAT_STEPS steps of 16 rows, AdamW). Prompts: a window of the held-out text
