@@ -22,8 +22,9 @@ Cases (--cases, comma-separated):
     repeater     gptj's tiny preset trained here on the shipped corpus (examples/data/pretrain.txt) to
                  copy: each row a random window of REPEAT_WINDOW tokens followed by itself, the loss on
                  the copy (REPEAT_STEPS steps of 16 rows, AdamW). Prompts: a window of the held-out text
-                 and its first 4 tokens. It copies held-out text (98 % of tokens): copying at its
-                 purest, with trained weights (their margins, their attention), not a random loop
+                 and its first 4 tokens. It copies held-out text (98 % of tokens), by position (what
+                 came REPEAT_WINDOW tokens before): copying at its purest, with trained weights (their
+                 margins, their attention), not a random loop
     gptj-wide    random weights of GPT-J 6B's width (n_embd 4096, 16 heads of 256, rotary 64, the
                  50,400-token vocabulary; --layers layers) with prompts that repeat random spans: the
                  drafter finds matches, the model follows none (nothing to gain; the cost of trying)
