@@ -131,8 +131,9 @@ def test_greedy_tokens_are_those_without_speculation(gptj_tiny, name):
 def trained_copier():
     """The tiny preset trained here (a few seconds) on what a summary asks of a model: continuing a
     span of its prompt. Each sequence is a random span of COPIER_PERIOD tokens, repeated; the loss is on
-    the repeats. Trained, its choices come from what it learned, and its drafts are taken: the verifying
-    rows run whole drafts and long accepted runs, as a summarizer's copying would."""
+    the repeats (it learns to repeat what came COPIER_PERIOD tokens before). Trained, its choices come
+    from what it learned, and its drafts are taken: the verifying rows run whole drafts and long
+    accepted runs, as a summarizer's copying would."""
     torch.manual_seed(0)
     cfg = get_preset("tiny").replace(vocab_size=64, bos_token_id=0, eos_token_id=1)
     model = model_from_state_dict(cfg, random_state_dict(cfg, seed=5, std=0.02))
