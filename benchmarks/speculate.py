@@ -102,7 +102,7 @@ def summary_pairs() -> tuple[list[dict], list[dict]]:
 
 
 def summarizer_model(work: Path, steps: int) -> Path:
-    out = work / "summarizer"
+    out = work / f"summarizer-{steps}"
     if (out / "config.json").is_file():
         return out
     train, held = summary_pairs()
@@ -162,23 +162,21 @@ def wide_model(case: str, work: Path, layers: int) -> Path:
 
 
 def prompts_for(case: str, model_dir: Path, n: int, length: int, vocab: int) -> list[list[int]]:
-    if case == "summarizer":
-        from gptj.mlperf.dataset import Example, build_prompt
+    if case in ("summarizer", "repeater", "trained"):  # text, in the model's tokenizer
         from gptj.tokenizer import tokenizer_for_model
 
         tok = tokenizer_for_model(str(model_dir))
+    if case == "summarizer":
+        from gptj.mlperf.dataset import Example, build_prompt
+
         return [tok.encode(build_prompt(Example(p["instruction"], p["input"], p["output"])))
                 for p in summary_pairs()[1][:n]]
     if case == "repeater":
-        from gptj.tokenizer import tokenizer_for_model
-
-        ids = tokenizer_for_model(str(model_dir)).encode(EVAL_TEXT.read_text(encoding="utf-8"))
+        ids = tok.encode(EVAL_TEXT.read_text(encoding="utf-8"))
         step = max(1, (len(ids) - REPEAT_WINDOW) // max(1, n))
         return [ids[i * step:i * step + REPEAT_WINDOW] + ids[i * step:i * step + 4] for i in range(n)]
     if case == "trained":
-        from gptj.tokenizer import tokenizer_for_model
-
-        ids = tokenizer_for_model(str(model_dir)).encode(EVAL_TEXT.read_text(encoding="utf-8"))
+        ids = tok.encode(EVAL_TEXT.read_text(encoding="utf-8"))
         step = max(1, (len(ids) - length) // max(1, n))
         return [ids[i * step:i * step + length] for i in range(n)]
     rng = random.Random(0)
@@ -287,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, {"cases": "trained", "train_steps": 3, "summarizer_steps": 3, "repeater_steps": 1,
-                           "prompts": 1, "prompt_len": 32, "new_tokens": 8, "repeats": 1, "work_dir": Path("/tmp/gptj-speculate-smoke")}, argv)
+                           "prompts": 1, "prompt_len": 32, "new_tokens": 8, "repeats": 1,
+                           "work_dir": Path("/tmp/gptj-speculate-smoke")}, argv)
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     results = []

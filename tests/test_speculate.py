@@ -140,8 +140,8 @@ def trained_copier():
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = torch.Generator().manual_seed(0)
+    n = COPIER_PERIOD
     for _ in range(COPIER_STEPS):
-        n = COPIER_PERIOD
         x = torch.randint(2, cfg.vocab_size, (16, n), generator=rng).repeat(1, 3)
         logits = model(x[:, :-1])[:, n - 1:]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, n:].flatten())
